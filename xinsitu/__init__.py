@@ -1,0 +1,16 @@
+"""Train ML models in place on chunked n-dimensional archives, straight from xarray.
+
+``import xinsitu`` registers the ``Dataset.insitu`` accessor.
+"""
+
+from xinsitu import accessor as _accessor  # noqa: F401  (registers ds.insitu)
+from xinsitu.geometry import Geometry, VarGeometry
+from xinsitu.loader import BatchGenerator
+from xinsitu.reader import ChunkReadError
+from xinsitu.source import SourceError
+from xinsitu.split import SplitManifest
+from xinsitu.store import open_zarr
+
+__version__ = "0.1.0"
+__all__ = ["BatchGenerator", "ChunkReadError", "Geometry", "SourceError", "SplitManifest", "VarGeometry",
+           "open_zarr", "__version__"]

@@ -1,0 +1,86 @@
+"""The one I/O event loop: lazy, fork-aware, errors re-raised on the caller's thread.
+
+Every asynchronous read in xinsitu runs on a single asyncio loop that lives in a
+daemon thread. The loop is created on first use, its decode thread pool is its
+default executor, and both are forgotten in a forked child (threads do not survive
+``fork``), so the child builds its own on first use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import os
+import threading
+from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+_thread: threading.Thread | None = None
+_pool: ThreadPoolExecutor | None = None
+_forked = False
+
+
+def decode_threads() -> int:
+    """Threads that decode chunks: one per core, at least two (decode releases the GIL)."""
+    env = os.environ.get("XINSITU_DECODE_THREADS")
+    if env:
+        return max(1, int(env))
+    return max(2, os.cpu_count() or 2)
+
+
+def get_loop() -> asyncio.AbstractEventLoop:
+    """The running I/O loop, started on first use."""
+    global _loop, _thread, _pool
+    if _loop is not None:
+        return _loop
+    with _lock:
+        if _loop is None:
+            loop = asyncio.new_event_loop()
+            _pool = ThreadPoolExecutor(decode_threads(), thread_name_prefix="xinsitu-decode")
+            loop.set_default_executor(_pool)
+            th = threading.Thread(target=loop.run_forever, name="xinsitu-io", daemon=True)
+            th.start()
+            _loop, _thread = loop, th
+    return _loop
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on the I/O loop and return its result here (exceptions re-raised)."""
+    loop = get_loop()
+    if threading.current_thread() is _thread:
+        raise RuntimeError("xinsitu: blocking call made from inside the I/O loop")
+    return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+
+def submit(coro: Coroutine[Any, Any, T]) -> asyncio.Future[T] | Any:
+    """Schedule ``coro`` on the I/O loop; returns a ``concurrent.futures.Future``."""
+    return asyncio.run_coroutine_threadsafe(coro, get_loop())
+
+
+def in_forked_child() -> bool:
+    """True in a process made by ``fork`` after xinsitu was imported (obstore unusable there)."""
+    return _forked
+
+
+def _after_fork_in_child() -> None:
+    global _loop, _thread, _pool, _lock, _forked
+    _loop = _thread = _pool = None
+    _lock = threading.Lock()
+    _forked = True
+
+
+def _shutdown() -> None:
+    loop, pool = _loop, _pool
+    if loop is not None and not loop.is_closed():
+        loop.call_soon_threadsafe(loop.stop)
+    if pool is not None:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_shutdown)

@@ -1,0 +1,60 @@
+"""``ds.insitu``: a thin front door. It keeps only the Dataset; every method validates
+its arguments and calls a plain function or class that knows nothing of accessors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import xarray as xr
+
+from xinsitu.geometry import Geometry, geometry_of
+from xinsitu.source import resolve
+from xinsitu.split import SplitManifest, make_split
+
+
+@xr.register_dataset_accessor("insitu")
+class InsituAccessor:
+    """Train in place from this Dataset: ``geometry``, ``chunks``, ``split``, ``batches``."""
+
+    def __init__(self, ds: xr.Dataset):
+        self._ds = ds
+
+    @property
+    def geometry(self) -> Geometry:
+        """Chunk geometry of the data variables, from metadata alone."""
+        return geometry_of(resolve(self._ds))
+
+    @property
+    def chunks(self) -> dict[str, int | tuple[int, ...]]:
+        """``{dim: chunk size}`` over the data variables (a tuple where sizes differ)."""
+        return dict(self.geometry.dims)
+
+    def split(self, dim: str | list[str], *, fractions: dict[str, float] | None = None,
+              ranges: dict[str, slice] | None = None, gap: int = 0, contiguous: bool | None = None,
+              seed: int | None = 0) -> SplitManifest:
+        """Split along ``dim`` (or several dims) on the chunk grid.
+
+        Parameters
+        ----------
+        dim : the dim(s) to split; every chunk (block) goes to exactly one split.
+        fractions : ``{name: fraction}`` summing to 1, applied to whole chunks.
+        ranges : ``{name: slice(start_label, stop_label)}`` (``.sel`` semantics), rounded inward
+            to chunk edges.
+        gap : chunks left out between splits (embargo).
+        contiguous : one run per split (default for one dim) or chunks drawn at random.
+        seed : seed of the random assignment.
+        """
+        return make_split(self._ds, self.geometry, dim, fractions=fractions, ranges=ranges, gap=gap,
+                          contiguous=contiguous, seed=seed)
+
+    def batches(self, manifest: SplitManifest, split: str, **kwargs: Any) -> Any:
+        """A ``BatchGenerator`` over ``split`` of ``manifest``.
+
+        Keyword arguments: ``batch_size=32, shuffle=True, seed=0, window=None, patch=None,
+        stride=None, over=None, variables=None, output="xarray", stack=False,
+        normalize=None, device=None, block_chunks=16, max_inflight=None, drop_last=False,
+        rank=None, world_size=None, progress=False`` (see ``xinsitu.BatchGenerator``).
+        """
+        from xinsitu.loader import BatchGenerator
+
+        return BatchGenerator(self._ds, manifest, split, **kwargs)

@@ -1,0 +1,100 @@
+"""Decode stored chunks with zarr's own codecs. The only module that touches ``zarr.core``.
+
+``zarr.core`` is private API: every use of it lives here and is feature-detected, so
+a zarr release that moves things breaks one module, loudly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+
+def _prototype() -> Any:
+    from zarr.core.buffer import default_buffer_prototype
+
+    return default_buffer_prototype()
+
+
+class ChunkDecoder:
+    """Turn the bytes of one stored object of a zarr array into a numpy array.
+
+    Where every codec of the chain can decode synchronously (zarr's ``_decode_sync``,
+    e.g. bytes + zstd/blosc/gzip/crc32c), a chunk is decoded in one hop to the decode
+    thread pool; otherwise (v2 filters, numcodecs wrappers, sharding) through zarr's
+    asynchronous codec pipeline, which also decodes in threads.
+    """
+
+    def __init__(self, array: Any):
+        aa = array.async_array if hasattr(array, "async_array") else array
+        self.metadata = aa.metadata
+        self.pipeline = aa.codec_pipeline
+        self.spec = self.metadata.get_chunk_spec((0,) * len(aa.shape), aa.config, prototype=_prototype())
+        self.shape = tuple(self.spec.shape)  # stored object shape (a shard, for sharded arrays)
+        self.dtype = np.dtype(self.spec.dtype.to_native_dtype())
+        self.fill_value = np.asarray(self.spec.fill_value, dtype=self.dtype) if self.spec.fill_value is not None \
+            else np.zeros((), self.dtype)
+        self._sync = self._sync_chain()
+
+    def _sync_chain(self) -> list[tuple[Any, Any]] | None:
+        """[(codec, spec)] in decode order when every codec decodes synchronously, else None."""
+        p = self.pipeline
+        needed = ("array_array_codecs", "array_bytes_codec", "bytes_bytes_codecs")
+        if not all(hasattr(p, n) for n in needed):
+            return None
+        codecs = [*p.array_array_codecs, p.array_bytes_codec, *p.bytes_bytes_codecs]
+        if not all(callable(getattr(c, "_decode_sync", None)) for c in codecs):
+            return None
+        specs, spec = [], self.spec
+        for c in codecs:  # encode order: each codec sees the spec its predecessor resolved
+            specs.append(spec)
+            spec = c.resolve_metadata(spec)
+        return list(reversed(list(zip(codecs, specs, strict=True))))
+
+    def key(self, coords: tuple[int, ...]) -> str:
+        return self.metadata.encode_chunk_key(coords)
+
+    def fill(self) -> np.ndarray:
+        """A chunk that was never written: zarr's fill value everywhere."""
+        return np.full(self.shape, self.fill_value, dtype=self.dtype)
+
+    def decode_sync(self, raw: Any) -> np.ndarray:
+        """Decode in the calling thread (needs a synchronous codec chain)."""
+        assert self._sync is not None
+        buf: Any = _prototype().buffer.from_bytes(raw)
+        for codec, spec in self._sync:
+            buf = codec._decode_sync(buf, spec)
+        return np.asarray(buf.as_ndarray_like()).reshape(self.shape)
+
+    async def decode(self, raw: Any) -> np.ndarray:
+        """Decode off the event loop (in the loop's decode thread pool)."""
+        if self._sync is not None:
+            return await asyncio.get_running_loop().run_in_executor(None, self.decode_sync, raw)
+        buf = _prototype().buffer.from_bytes(raw)
+        (out,) = await self.pipeline.decode_batch([(buf, self.spec)])
+        if out is None:
+            return self.fill()
+        return np.asarray(out.as_ndarray_like()).reshape(self.shape)
+
+
+def is_sharded(array: Any) -> bool:
+    return bool(getattr(array, "shards", None))
+
+
+def store_root(zstore: Any) -> tuple[str, Any]:
+    """('obstore', obstore store) | ('local', root path) | ('zarr', store) for a zarr store object."""
+    obs = getattr(zstore, "store", None)
+    if type(zstore).__name__ == "ObjectStore" and obs is not None:
+        return "obstore", obs
+    root = getattr(zstore, "root", None)
+    if type(zstore).__name__ == "LocalStore" and root is not None:
+        return "local", str(root)
+    return "zarr", zstore
+
+
+async def zarr_store_get(zstore: Any, key: str) -> bytes | None:
+    """Read one object through a zarr store's own async ``get`` (None where it does not exist)."""
+    buf = await zstore.get(key, prototype=_prototype())
+    return None if buf is None else buf.to_bytes()

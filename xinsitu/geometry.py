@@ -1,0 +1,143 @@
+"""Chunk geometry of a Dataset, read from metadata alone (never from data)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from xinsitu import repr as _repr
+from xinsitu.source import VarSource
+
+
+@dataclass(frozen=True)
+class VarGeometry:
+    """Chunk layout of one variable, in the Dataset's dims (after any selection)."""
+
+    name: str
+    dims: tuple[str, ...]
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]  # inner chunk (the smallest unit read), per dim
+    shards: tuple[int, ...] | None  # stored object, where the array is sharded
+    dtype: str
+    codecs: tuple[str, ...]
+    chunk_nbytes: int  # decoded size of one chunk
+    nchunks: int  # chunks the selection touches
+    stored: bool
+
+    @property
+    def shard_nbytes(self) -> int | None:
+        return None if self.shards is None else int(np.prod(self.shards)) * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Per-variable chunk layout and, per dim, the chunk size the variables share.
+
+    ``dims[d]`` is an int where every variable with dim ``d`` has the same chunk size,
+    else the sorted tuple of the differing sizes. ``edges[d]`` are the positions where
+    every such variable starts a new chunk: the grid splits are aligned to.
+    """
+
+    variables: dict[str, VarGeometry]
+    dims: dict[str, int | tuple[int, ...]]
+    sizes: dict[str, int]
+    edges: dict[str, np.ndarray]
+
+    def nblocks(self, dim: str) -> int:
+        return len(self.edges[dim]) - 1
+
+    def _sections(self) -> list[_repr.Section]:
+        rows = [
+            (
+                g.name,
+                "(" + ", ".join(g.dims) + ")",
+                _fmt_shape(g.shape),
+                _fmt_shape(g.chunks),
+                _fmt_shape(g.shards) if g.shards else "-",
+                g.dtype,
+                ", ".join(g.codecs) or "-",
+                f"{g.chunk_nbytes / 1e6:.2f}",
+                str(g.nchunks),
+            )
+            for g in self.variables.values()
+        ]
+        header = ("variable", "dims", "shape", "chunks", "shards", "dtype", "codecs", "chunk MB", "nchunks")
+        dim_rows = [
+            (d, str(self.sizes[d]), str(c), str(self.nblocks(d))) for d, c in self.dims.items()
+        ]
+        return [
+            _repr.Section("Dimensions", ("dim", "length", "chunk", "chunk blocks"), dim_rows),
+            _repr.Section("Variables", header, rows),
+        ]
+
+    def __repr__(self) -> str:
+        return _repr.text("xinsitu.Geometry", self._sections())
+
+    def _repr_html_(self) -> str:
+        return _repr.html("xinsitu.Geometry", self._sections(), repr(self))
+
+
+def _fmt_shape(shape: tuple[int, ...] | None) -> str:
+    return "(" + ", ".join(map(str, shape or ())) + ")"
+
+
+def _codec_names(array: object) -> tuple[str, ...]:
+    names = []
+    for attr in ("filters", "serializer", "compressors"):
+        val = getattr(array, attr, None)
+        if val is None:
+            continue
+        for c in val if isinstance(val, tuple) else (val,):
+            cfg = c.to_dict() if hasattr(c, "to_dict") else c.get_config()
+            names.append(str(cfg.get("name", cfg.get("id", type(c).__name__))))
+    return tuple(names)
+
+
+def var_geometry(src: VarSource) -> VarGeometry:
+    """Geometry of one variable from its source (metadata only)."""
+    itemsize = src.raw_dtype.itemsize
+    if src.stored:
+        kept = [ax for ax, ix in enumerate(src.index) if not isinstance(ix, int)]
+        chunks = tuple(src.chunk_shape[ax] for ax in kept)
+        shards = getattr(src.array, "shards", None)
+        shards = tuple(shards[ax] for ax in kept) if shards else None
+        nchunks = 1
+        for ax, ix in enumerate(src.index):
+            nchunks *= len(np.unique(np.atleast_1d(ix) // src.chunk_shape[ax]))
+        return VarGeometry(
+            src.name, src.dims, src.shape, chunks, shards, str(src.raw_dtype), _codec_names(src.array),
+            int(np.prod(src.chunk_shape)) * itemsize, int(nchunks), True,
+        )
+    chunks = tuple(max(c) if c else 0 for c in src.mem_chunks)
+    nchunks = int(np.prod([len(c) for c in src.mem_chunks])) if src.mem_chunks else 1
+    return VarGeometry(src.name, src.dims, src.shape, chunks, None, str(src.raw_dtype), (),
+                       int(np.prod(chunks)) * itemsize, nchunks, False)
+
+
+def common_edges(sources: dict[str, VarSource], dim: str) -> np.ndarray:
+    """Positions where every variable with ``dim`` starts a chunk (plus 0 and the length)."""
+    ids = [s.chunk_ids(dim) for s in sources.values() if dim in s.dims]
+    if not ids:
+        raise ValueError(f"no data variable has dim {dim!r}")
+    n = len(ids[0])
+    brk = np.ones(max(n - 1, 0), dtype=bool)
+    for a in ids:
+        brk &= a[1:] != a[:-1]
+    return np.concatenate([[0], np.flatnonzero(brk) + 1, [n]]).astype(np.int64)
+
+
+def geometry_of(sources: dict[str, VarSource]) -> Geometry:
+    """The Geometry of a set of variable sources."""
+    variables = {name: var_geometry(s) for name, s in sources.items()}
+    dims: dict[str, int | tuple[int, ...]] = {}
+    sizes: dict[str, int] = {}
+    edges: dict[str, np.ndarray] = {}
+    for g in variables.values():
+        for d, n in zip(g.dims, g.shape, strict=True):
+            sizes.setdefault(d, n)
+    for d in sizes:
+        cs = sorted({g.chunks[g.dims.index(d)] for g in variables.values() if d in g.dims})
+        dims[d] = cs[0] if len(cs) == 1 else tuple(cs)
+        edges[d] = common_edges(sources, d)
+    return Geometry(variables, dims, sizes, edges)

@@ -1,0 +1,182 @@
+"""Turn gathered raw values into what the user asked for: CF-decoded numpy, a labeled
+``xr.Dataset``/``xr.DataArray``, torch tensors; variables stacked as channels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xarray as xr
+
+from xinsitu.buffer import VarLayout
+from xinsitu.plan import SampleSpace
+
+OUTPUTS = ("xarray", "dataarray", "numpy", "torch", "cupy")
+
+
+def cf_decoder(name: str, layout: VarLayout) -> Any:
+    """A function raw -> values exactly as xarray decodes them (scale/offset/fill -> NaN)."""
+    src = layout.src
+    attrs = {k: v for k, v in src.cf.items() if k != "dtype"}
+    if not src.stored or not attrs:
+        return lambda raw: raw
+
+    def decode(raw: np.ndarray) -> np.ndarray:
+        var = xr.Variable(tuple(f"_{i}" for i in range(raw.ndim)), raw, attrs=dict(attrs))
+        return np.asarray(xr.conventions.decode_cf_variable(name, var).values)
+
+    probe = decode(np.zeros((1,), dtype=src.raw_dtype))
+    if probe.dtype != src.dtype:
+        raise ValueError(f"variable {name!r}: re-applying its CF encoding gives {probe.dtype}, but the Dataset "
+                         f"has {src.dtype}; was it opened with unusual decoding options?")
+    return decode
+
+
+@dataclass
+class Channel:
+    """One channel of a stacked batch: a variable, or one label of its extra dim."""
+
+    name: str
+    var: str
+    index: tuple[int, ...]  # position along the variable's extra dims (empty: the whole variable)
+
+
+def plan_channels(ds: xr.Dataset, layouts: dict[str, VarLayout]) -> tuple[list[Channel], tuple[str, ...]]:
+    """Channels in order (variables in order; an extra dim expands into ``{var}_{label}``) and the
+    dims every channel shares (after the sample axis)."""
+    outs = {n: lay.out_dims for n, lay in layouts.items()}
+    base = min(outs.values(), key=len)
+    channels: list[Channel] = []
+    for n, dims in outs.items():
+        if any(d not in dims for d in base):
+            raise ValueError(f"cannot stack {n!r} {dims} with variables of dims {base}: stacked variables "
+                             "must share their dims (an extra dim becomes channels)")
+        extra = [d for d in dims if d not in base]
+        if not extra:
+            channels.append(Channel(n, n, ()))
+            continue
+        sizes = [layouts[n].src.shape[layouts[n].src.dims.index(d)] for d in extra]
+        labels = [_labels(ds, d, s) for d, s in zip(extra, sizes, strict=True)]
+        for idx in np.ndindex(*sizes):
+            lab = "_".join(str(labels[k][i]) for k, i in enumerate(idx))
+            channels.append(Channel(f"{n}_{lab}", n, tuple(int(i) for i in idx)))
+    return channels, tuple(base)
+
+
+def _labels(ds: xr.Dataset, dim: str, size: int) -> list[Any]:
+    if dim in ds.indexes:
+        vals = ds.indexes[dim]
+        return [v.item() if hasattr(v, "item") else v for v in vals]
+    return list(range(size))
+
+
+class OutputBuilder:
+    """Assembles one batch in the requested form (runs in the prefetch thread)."""
+
+    def __init__(self, ds: xr.Dataset, space: SampleSpace, layouts: dict[str, VarLayout], output: str,
+                 stack: bool, device: Any = None):
+        if output not in OUTPUTS:
+            raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
+        if not isinstance(stack, bool):
+            raise TypeError(f"stack must be True or False, got {stack!r}")
+        self.output, self.device = output, device
+        self.stack = stack or output == "dataarray"
+        self.space, self.layouts = space, layouts
+        self.decoders = {n: cf_decoder(n, lay) for n, lay in layouts.items()}
+        self.attrs = {n: dict(ds[n].attrs) for n in layouts}
+        self.ds_attrs = dict(ds.attrs)
+        self.channels, self.base_dims = plan_channels(ds, layouts) if self.stack else ([], ())
+        self.dtype = np.result_type(*[lay.src.dtype for lay in layouts.values()])
+        self._coords: xr.Dataset | None = None
+        self._ds_coords = ds.coords
+        if output in ("torch",):
+            import torch  # noqa: F401  - fail now, not in the prefetch thread
+        if output == "cupy" or (device is not None and output != "torch"):
+            raise ValueError(f"device={device!r} / output='cupy' need the GPU path (output='torch', device='cuda')"
+                             if output != "cupy" else "output='cupy' needs CuPy and a CUDA device")
+        if device is not None:
+            self._check_device(device)
+
+    def _check_device(self, device: Any) -> None:
+        import torch
+
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device={device!r}: CUDA is not available to torch on this machine")
+
+    @property
+    def coords(self) -> xr.Dataset:
+        if self._coords is None:  # small: index and auxiliary coords, loaded once
+            self._coords = xr.Dataset(coords=self._ds_coords).load()
+        return self._coords
+
+    def decode(self, raw: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {n: self.decoders[n](a) for n, a in raw.items()}
+
+    def stacked(self, values: dict[str, np.ndarray]) -> np.ndarray:
+        """(sample, channel, *base) array of the common result dtype."""
+        n = next(iter(values.values())).shape[0]
+        base_shape = None
+        parts = []
+        for name, arr in values.items():
+            lay = self.layouts[name]
+            dims = lay.out_dims
+            extra = [d for d in dims if d not in self.base_dims]
+            order = [dims.index(d) + 1 for d in extra] + [dims.index(d) + 1 for d in self.base_dims]
+            a = arr.transpose(0, *order) if order != list(range(1, arr.ndim)) else arr
+            base_shape = a.shape[1 + len(extra):]
+            parts.append(a.reshape(n, -1, *base_shape))
+        if len(parts) == 1:
+            return parts[0].astype(self.dtype, copy=False)
+        out = np.empty((n, sum(p.shape[1] for p in parts), *base_shape), dtype=self.dtype)
+        c = 0
+        for p in parts:
+            out[:, c:c + p.shape[1]] = p
+            c += p.shape[1]
+        return out
+
+    def sample_coords(self, starts: np.ndarray) -> xr.Dataset:
+        """The coordinates of ``starts`` (one row per sample) along a ``sample`` dim."""
+        ind = {}
+        for k, d in enumerate(self.space.dims):
+            if d.keep:
+                pos = starts[:, k, None] + np.arange(d.width)
+                ind[d.name] = xr.DataArray(pos, dims=("sample", d.name))
+            else:
+                ind[d.name] = xr.DataArray(starts[:, k], dims="sample")
+        return self.coords.isel(ind)
+
+    def build(self, raw: dict[str, np.ndarray], starts: np.ndarray) -> Any:
+        values = self.decode(raw)
+        if self.output == "xarray" and not self.stack:
+            c = self.sample_coords(starts)
+            data = {n: xr.Variable(self._dims(n), a, attrs=self.attrs[n]) for n, a in values.items()}
+            return xr.Dataset(data, coords=c.coords, attrs=self.ds_attrs)
+        if self.output == "dataarray":
+            c = self.sample_coords(starts)
+            arr = self.stacked(values)
+            return xr.DataArray(arr, dims=("sample", "variable", *self.base_dims),
+                                coords={**c.coords, "variable": [ch.name for ch in self.channels]})
+        if self.stack:
+            arr = self.stacked(values)
+            return self._to_torch(arr) if self.output == "torch" else arr
+        if self.output == "torch":
+            return {n: self._to_torch(a) for n, a in values.items()}
+        return values
+
+    def _dims(self, name: str) -> tuple[str, ...]:
+        lay = self.layouts[name]
+        return ("sample", *lay.out_dims) if lay.has_sample_axis else lay.src.dims
+
+    def _to_torch(self, arr: np.ndarray) -> Any:
+        import torch
+
+        t = torch.from_numpy(np.ascontiguousarray(arr) if arr.flags.writeable else arr.copy())
+        if self.device is not None:
+            dev = torch.device(self.device)
+            if dev.type == "cuda":
+                t = t.pin_memory().to(dev, non_blocking=True)
+            else:
+                t = t.to(dev)
+        return t

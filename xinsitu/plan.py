@@ -1,0 +1,280 @@
+"""Pure index math: which samples a split holds, and who yields which of them in an epoch.
+
+A *unit* is one chunk block of the split (the shuffle unit). Samples are numbered by
+a global id: units in split order, and inside a unit in C order over the sampled dims
+(split dims, then window/patch dims, then ``over`` dims). Everything here works on
+int64 numpy arrays, never on per-sample Python objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from xinsitu import shuffle as _shuffle
+
+
+@dataclass(frozen=True)
+class SampleDim:
+    """One dim along which samples are taken."""
+
+    name: str
+    size: int  # length in the Dataset
+    width: int = 1  # window/patch length (1: a single position)
+    stride: int = 1  # tiles start at multiples of the stride
+    keep: bool = False  # kept in the output (window/patch); else reduced to one position
+    split: bool = False  # a split dim (its chunk blocks are the units)
+
+    def starts(self) -> np.ndarray:
+        return np.arange(0, self.size - self.width + 1, self.stride, dtype=np.int64)
+
+
+class SampleSpace:
+    """The samples of one split: per unit (chunk block) how many, and which.
+
+    Parameters
+    ----------
+    dims : sampled dims, split dims first (in the manifest's order)
+    edges : per split dim, the chunk-block edges (len = blocks + 1)
+    blocks : flat block ids of the split (C order over the split dims), in split order
+    """
+
+    def __init__(self, dims: list[SampleDim], edges: dict[str, np.ndarray], blocks: np.ndarray):
+        self.dims = list(dims)
+        self.split_dims = [d for d in self.dims if d.split]
+        self.free_dims = [d for d in self.dims if not d.split]
+        if self.dims[: len(self.split_dims)] != self.split_dims:
+            raise ValueError("split dims must come first")
+        self.edges = [np.asarray(edges[d.name], dtype=np.int64) for d in self.split_dims]
+        self.grid = tuple(len(e) - 1 for e in self.edges)
+        self.blocks = np.asarray(blocks, dtype=np.int64)
+        mask = np.zeros(int(np.prod(self.grid)), dtype=bool)
+        mask[self.blocks] = True
+        self._in_split = mask.reshape(self.grid)
+        # n-d prefix sums of the membership grid: box queries in O(2^k)
+        cs = self._in_split.astype(np.int64)
+        for ax in range(cs.ndim):
+            cs = np.cumsum(cs, axis=ax)
+        self._cs = np.pad(cs, [(1, 0)] * cs.ndim)
+        self._free_starts = [d.starts() for d in self.free_dims]
+        self._free_n = int(np.prod([len(s) for s in self._free_starts])) if self.free_dims else 1
+
+    # ------------------------------------------------------------------ per unit
+    def _candidates(self, k: int, c: int) -> tuple[np.ndarray, np.ndarray]:
+        """Starts along split dim ``k`` inside block ``c``, and the last block each touches."""
+        d, e = self.split_dims[k], self.edges[k]
+        lo, hi = e[c], e[c + 1]
+        first = -(-lo // d.stride) * d.stride
+        s = np.arange(first, min(hi, d.size - d.width + 1), d.stride, dtype=np.int64)
+        last = np.searchsorted(e, s + d.width - 1, side="right") - 1
+        return s, last
+
+    def _box_full(self, lo: list[np.ndarray], hi: list[np.ndarray]) -> np.ndarray:
+        """Whether every block in the box [lo, hi] (inclusive, per dim) belongs to the split."""
+        k = len(lo)
+        total = np.zeros(np.broadcast_shapes(*[a.shape for a in lo + hi]), dtype=np.int64)
+        for corner in range(1 << k):
+            idx, sign = [], 1
+            for ax in range(k):
+                if corner >> ax & 1:
+                    idx.append(lo[ax])
+                    sign = -sign
+                else:
+                    idx.append(hi[ax] + 1)
+            total = total + sign * self._cs[tuple(idx)]
+        size = np.ones_like(total)
+        for ax in range(k):
+            size = size * (hi[ax] - lo[ax] + 1)
+        return total == size
+
+    def split_starts(self, unit: int) -> np.ndarray:
+        """Valid start positions along the split dims in unit ``unit`` (rows in C order)."""
+        coords = np.unravel_index(int(self.blocks[unit]), self.grid)
+        cand = [self._candidates(k, int(c)) for k, c in enumerate(coords)]
+        mesh = np.meshgrid(*[s for s, _ in cand], indexing="ij")
+        last = list(np.meshgrid(*[e for _, e in cand], indexing="ij"))
+        lo = [np.full(m.shape, c, dtype=np.int64) for m, c in zip(mesh, coords, strict=True)]
+        ok = self._box_full(lo, last)
+        return np.stack([m[ok] for m in mesh], axis=1) if mesh else np.zeros((1, 0), np.int64)
+
+    def unit_starts(self, unit: int) -> np.ndarray:
+        """Start of every sample of ``unit`` along every sampled dim, shape (n, len(dims))."""
+        sp = self.split_starts(unit)
+        if not self.free_dims:
+            return sp
+        free = np.stack([m.ravel() for m in np.meshgrid(*self._free_starts, indexing="ij")], axis=1)
+        return np.concatenate([np.repeat(sp, len(free), axis=0), np.tile(free, (len(sp), 1))], axis=1)
+
+    # ------------------------------------------------------------------ counts
+    @cached_property
+    def counts(self) -> np.ndarray:
+        """Samples per unit (int64, in split order)."""
+        if len(self.split_dims) == 1 and self.split_dims[0].width == 1 and self.split_dims[0].stride == 1:
+            sizes = np.diff(self.edges[0])[self.blocks]  # every position of a block is a sample
+        elif len(self.split_dims) == 1:
+            d, e = self.split_dims[0], self.edges[0]
+            s = d.starts()
+            first = np.searchsorted(e, s, side="right") - 1
+            last = np.searchsorted(e, s + d.width - 1, side="right") - 1
+            ok = self._box_full([first], [last])
+            per_block = np.bincount(first[ok], minlength=self.grid[0])
+            sizes = per_block[self.blocks]
+        else:
+            sizes = np.array([len(self.split_starts(u)) for u in range(len(self.blocks))], dtype=np.int64)
+        return sizes.astype(np.int64) * self._free_n
+
+    @cached_property
+    def offsets(self) -> np.ndarray:
+        """Global id of each unit's first sample (len = units + 1)."""
+        return np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
+
+    @property
+    def n_samples(self) -> int:
+        return int(self.offsets[-1])
+
+    def locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(unit, local index) of global sample ids."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.n_samples):
+            raise IndexError(f"sample index out of range for a split of {self.n_samples} samples")
+        unit = np.searchsorted(self.offsets, ids, side="right") - 1
+        return unit, ids - self.offsets[unit]
+
+
+# ---------------------------------------------------------------------- epoch plan
+@dataclass(frozen=True)
+class EpochPlan:
+    """What one rank yields in one epoch: pieces of units, grouped in shuffle blocks.
+
+    ``units[i]``/``lo[i]``/``hi[i]``: piece i is samples ``lo..hi`` (local ids) of unit
+    ``units[i]``. Blocks are ``block_chunks`` consecutive pieces. The rank yields the
+    first ``n_samples`` samples of its sequence (blocks in order, each block's samples
+    permuted when shuffling), cut into ``n_batches`` batches.
+    """
+
+    units: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    block_chunks: int
+    n_samples: int
+    batch_size: int
+    drop_last: bool
+    shuffle: bool
+    seed: int
+    epoch: int
+    rank: int
+    world_size: int
+
+    @cached_property
+    def block_offsets(self) -> np.ndarray:
+        """Position in this rank's sequence where each block starts (len = blocks + 1)."""
+        sizes = self.hi - self.lo
+        per_block = np.add.reduceat(sizes, np.arange(0, len(sizes), self.block_chunks)) if len(sizes) else sizes
+        return np.concatenate([[0], np.cumsum(per_block)]).astype(np.int64)
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.block_offsets) - 1
+
+    @property
+    def n_batches(self) -> int:
+        full, rest = divmod(self.n_samples, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def block_pieces(self, j: int) -> slice:
+        return slice(j * self.block_chunks, min((j + 1) * self.block_chunks, len(self.units)))
+
+    def block_perm(self, j: int, n: int) -> np.ndarray:
+        """Order in which the ``n`` samples of block ``j`` (in piece order) are yielded."""
+        if not self.shuffle:
+            return np.arange(n, dtype=np.int64)
+        return _shuffle.block_permutation(n, self.seed, self.epoch, self.world_size, self.rank, j)
+
+    def block_order(self, j: int, offsets: np.ndarray) -> np.ndarray:
+        """Global sample ids of block ``j`` in the order they are yielded."""
+        sl = self.block_pieces(j)
+        base = offsets[self.units[sl]] + self.lo[sl]
+        sizes = self.hi[sl] - self.lo[sl]
+        ids = np.repeat(base - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes) + np.arange(sizes.sum())
+        return ids[self.block_perm(j, len(ids))]
+
+    def batch_span(self, i: int) -> tuple[int, int]:
+        """Positions ``[a, b)`` of batch ``i`` in this rank's sequence."""
+        a = i * self.batch_size
+        return a, min(a + self.batch_size, self.n_samples)
+
+    def blocks_of(self, a: int, b: int) -> range:
+        """Blocks holding sequence positions ``[a, b)``."""
+        first = int(np.searchsorted(self.block_offsets, a, side="right")) - 1
+        last = int(np.searchsorted(self.block_offsets, b - 1, side="right")) - 1
+        return range(first, last + 1)
+
+    def all_ids(self, offsets: np.ndarray) -> np.ndarray:
+        """Every yielded sample id in order (for tests and inspection; O(samples))."""
+        if not self.n_blocks:
+            return np.zeros(0, np.int64)
+        return np.concatenate([self.block_order(j, offsets) for j in range(self.n_blocks)])[: self.n_samples]
+
+
+def rank_share(counts: np.ndarray, world_size: int, rank: int, batch_size: int,
+               drop_last: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Cut a sequence of units (sample ``counts``, in epoch order) among ranks.
+
+    Returns this rank's pieces (unit positions into ``counts``, lo, hi) and how many
+    samples it yields. Every rank yields the same number of batches; fewer than
+    ``world_size * batch_size`` samples are left out. Cuts fall on unit edges (no
+    chunk read by two ranks) where that keeps within the bound, else inside units.
+    """
+    counts = np.asarray(counts, dtype=np.int64)
+    n_units = len(counts)
+    cum = np.concatenate([[0], np.cumsum(counts)])
+    total = int(cum[-1])
+    idx = np.arange(n_units, dtype=np.int64)
+    if world_size == 1:
+        n = total if not drop_last else total - total % batch_size
+        return idx, np.zeros(n_units, np.int64), counts.copy(), n
+    # whole units: cut at the unit edge nearest to each ideal cut
+    ideal = np.arange(world_size + 1) * total / world_size
+    pos = np.searchsorted(cum, ideal)
+    pos = np.clip(pos, 0, n_units)
+    prev = np.clip(pos - 1, 0, n_units)
+    pos = np.where(np.abs(cum[prev] - ideal) <= np.abs(cum[pos] - ideal), prev, pos)
+    pos[0], pos[-1] = 0, n_units
+    pos = np.maximum.accumulate(pos)
+    per_rank = cum[pos[1:]] - cum[pos[:-1]]
+    n_each = _equalise(per_rank, batch_size, drop_last)
+    if int((per_rank - n_each).sum()) < world_size * batch_size or total == 0:
+        a, b = pos[rank], pos[rank + 1]
+        return idx[a:b], np.zeros(b - a, np.int64), counts[a:b].copy(), int(n_each[rank])
+    # cut inside units: rank r takes samples [r*q, (r+1)*q) of the sequence
+    q = total // world_size
+    lo_s, hi_s = rank * q, (rank + 1) * q
+    a = int(np.searchsorted(cum, lo_s, side="right")) - 1
+    b = int(np.searchsorted(cum, hi_s, side="left"))
+    units = idx[a:b]
+    lo = np.maximum(lo_s - cum[a:b], 0)
+    hi = np.minimum(hi_s - cum[a:b], counts[a:b])
+    keep = hi > lo
+    n = q if not drop_last else q - q % batch_size
+    return units[keep], lo[keep], hi[keep], n
+
+
+def _equalise(per_rank: np.ndarray, batch_size: int, drop_last: bool) -> np.ndarray:
+    """Samples each rank yields so that all ranks yield the same number of batches."""
+    if drop_last:
+        nb = int((per_rank // batch_size).min())
+        return np.full_like(per_rank, nb * batch_size)
+    nb = int((-(-per_rank // batch_size)).min())
+    return np.minimum(per_rank, nb * batch_size)
+
+
+def epoch_plan(space: SampleSpace, *, seed: int, epoch: int, shuffle: bool, batch_size: int,
+               block_chunks: int, drop_last: bool, rank: int, world_size: int) -> EpochPlan:
+    """The plan of one rank for one epoch (pure: depends on its arguments only)."""
+    order = _shuffle.unit_order(len(space.counts), seed, epoch, shuffle)
+    pos, lo, hi, n = rank_share(space.counts[order], world_size, rank, batch_size, drop_last)
+    return EpochPlan(units=order[pos], lo=lo, hi=hi, block_chunks=block_chunks, n_samples=n,
+                     batch_size=batch_size, drop_last=drop_last, shuffle=shuffle, seed=seed, epoch=epoch,
+                     rank=rank, world_size=world_size)

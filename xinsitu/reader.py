@@ -1,0 +1,232 @@
+"""Asynchronous chunk reads: objects fetched through obstore (or a zarr store's own
+``get``), a bounded number in flight, decoded in threads, copied into place.
+
+A region is a range of positions along some dims of a variable (its other dims whole);
+reading it fetches each chunk it touches exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from xinsitu import _loop
+from xinsitu.decode import ChunkDecoder, is_sharded, store_root, zarr_store_get
+from xinsitu.source import VarSource
+
+FORK_HELP = (
+    "obstore cannot run in a process forked from one that already used it (the read would hang). "
+    "Use DataLoader(..., num_workers=0) (xinsitu reads in parallel already) or start workers with "
+    "multiprocessing_context='spawn' or 'forkserver'"
+)
+
+
+class ChunkReadError(OSError):
+    """A chunk could not be read or decoded; names the variable, the chunk and the store key."""
+
+    def __init__(self, var: str, chunk: tuple[int, ...], key: str, cause: BaseException):
+        self.var, self.chunk, self.key = var, chunk, key
+        super().__init__(f"cannot read chunk {chunk} of variable {var!r} (key {key!r}): "
+                         f"{type(cause).__name__}: {cause}")
+
+
+@dataclass
+class IOCounters:
+    """What the reads of one epoch cost."""
+
+    chunks: int = 0
+    requests: int = 0
+    bytes_read: int = 0
+    bytes_decoded: int = 0
+    decode_s: float = 0.0
+
+    def add(self, other: IOCounters) -> None:
+        for k in self.__dataclass_fields__:
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+
+
+# ----------------------------------------------------------------------------- backends
+class _ObstoreBackend:
+    def __init__(self, store: Any):
+        self.store = store
+
+    async def get(self, key: str) -> Any:
+        import obstore
+
+        try:
+            resp = await obstore.get_async(self.store, key)
+            return await resp.bytes_async()
+        except FileNotFoundError:
+            return None
+
+
+class _ZarrBackend:
+    def __init__(self, zstore: Any):
+        self.zstore = zstore
+
+    async def get(self, key: str) -> Any:
+        return await zarr_store_get(self.zstore, key)
+
+
+def _backend(zstore: Any) -> Any:
+    """The fastest fork-safe way to read objects of ``zstore`` in this process."""
+    kind, obj = store_root(zstore)
+    if kind == "obstore":
+        if _loop.in_forked_child():
+            raise RuntimeError(FORK_HELP)
+        return _ObstoreBackend(obj)
+    if kind == "local":
+        if _loop.in_forked_child():  # zarr's LocalStore is plain file I/O: safe after fork
+            return _ZarrBackend(zstore)
+        import obstore.store
+
+        return _ObstoreBackend(obstore.store.LocalStore(prefix=obj))
+    return _ZarrBackend(zstore)
+
+
+# ----------------------------------------------------------------------------- selection
+def _axis_plan(pos: np.ndarray, chunk: int) -> list[tuple[int, Any, Any]]:
+    """For one axis: [(chunk id, out selection, in-chunk selection)], slices where contiguous."""
+    cid = pos // chunk
+    out = []
+    brk = np.flatnonzero(np.diff(cid)) + 1
+    for a, b in zip(np.concatenate([[0], brk]), np.concatenate([brk, [len(pos)]]), strict=True):
+        c = int(cid[a])
+        local = pos[a:b] - c * chunk
+        if np.all(np.diff(local) == 1):
+            out.append((c, slice(int(a), int(b)), slice(int(local[0]), int(local[-1]) + 1)))
+        else:
+            out.append((c, np.arange(a, b), local))
+    # a chunk met twice (unsorted positions) is read once per run; merge runs of the same chunk
+    merged: dict[int, tuple[list, list]] = {}
+    for c, o, i in out:
+        merged.setdefault(c, ([], []))
+        merged[c][0].append(np.arange(o.start, o.stop) if isinstance(o, slice) else o)
+        merged[c][1].append(np.arange(i.start, i.stop) if isinstance(i, slice) else i)
+    if len(merged) == len(out):
+        return out
+    return [(c, np.concatenate(o), np.concatenate(i)) for c, (o, i) in merged.items()]
+
+
+def _assign(out: np.ndarray, out_sel: list[Any], chunk: np.ndarray, in_sel: list[Any], drop: list[Any]) -> None:
+    """out[out_sel] = chunk[drop][in_sel], orthogonally (arrays on several axes don't broadcast)."""
+    if drop:
+        chunk = chunk[tuple(drop)]
+    if all(isinstance(s, slice) for s in out_sel + in_sel):
+        out[tuple(out_sel)] = chunk[tuple(in_sel)]
+        return
+    o = np.ix_(*[np.arange(s.start, s.stop) if isinstance(s, slice) else s for s in out_sel])
+    i = np.ix_(*[np.arange(s.start, s.stop) if isinstance(s, slice) else s for s in in_sel])
+    out[o] = chunk[i]
+
+
+class Reader:
+    """Reads regions of the variables of one Dataset; one per process (built lazily)."""
+
+    def __init__(self, max_inflight: int):
+        self.max_inflight = max_inflight
+        self._sem: asyncio.Semaphore | None = None
+        self._decoders: dict[int, ChunkDecoder] = {}
+        self._backends: dict[int, Any] = {}
+        self.counters = IOCounters()
+
+    def _semaphore(self) -> asyncio.Semaphore:
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.max_inflight)
+        return self._sem
+
+    def _decoder(self, src: VarSource) -> ChunkDecoder:
+        key = id(src.array)
+        if key not in self._decoders:
+            self._decoders[key] = ChunkDecoder(src.array)
+        return self._decoders[key]
+
+    def _store(self, src: VarSource) -> Any:
+        zstore = src.array.store
+        key = id(zstore)
+        if key not in self._backends:
+            self._backends[key] = _backend(zstore)
+        return self._backends[key]
+
+    async def read(self, src: VarSource, region: dict[str, tuple[int, int]]) -> np.ndarray:
+        """Raw (not CF-decoded) values of ``src`` over ``region`` (other dims whole), var dim order."""
+        if not src.stored:
+            sel = tuple(slice(*region[d]) if d in region else slice(None) for d in src.dims)
+            return np.asarray(src.values[sel])
+        pos = [ix if isinstance(ix, int) else (ix[slice(*region[d])] if d in region else ix)
+               for d, ix in zip(src.src_dims, src.index, strict=True)]
+        if is_sharded(src.array):
+            return await self._read_with_zarr(src, pos)
+        out = np.empty([len(p) for p in pos if not isinstance(p, int)], dtype=src.raw_dtype)
+        if out.size == 0:
+            return out
+        plans = []
+        for ax, p in enumerate(pos):
+            cs = src.chunk_shape[ax]
+            plans.append([(p // cs, None, p % cs)] if isinstance(p, int) else _axis_plan(p, cs))
+        dec, store = self._decoder(src), self._store(src)
+        jobs = [self._fetch_into(src, dec, store, out, combo) for combo in itertools.product(*plans)]
+        await asyncio.gather(*jobs)
+        return out
+
+    async def _fetch_into(self, src: VarSource, dec: ChunkDecoder, store: Any, out: np.ndarray,
+                          combo: tuple[tuple[int, Any, Any], ...]) -> None:
+        coords = tuple(c for c, _, _ in combo)
+        key = dec.key(coords)
+        path = f"{src.array.path}/{key}" if src.array.path else key
+        out_sel = [o for _, o, _ in combo if o is not None]
+        in_sel = [i for _, o, i in combo if o is not None]
+        drop = [i if o is None else slice(None) for _, o, i in combo]
+        drop = drop if any(o is None for _, o, _ in combo) else []
+        loop = asyncio.get_running_loop()
+        async with self._semaphore():
+            try:
+                raw = await store.get(path)
+                self.counters.requests += 1
+                if raw is None:
+                    chunk = dec.fill()
+                    await loop.run_in_executor(None, _assign, out, out_sel, chunk, in_sel, drop)
+                else:
+                    self.counters.bytes_read += len(raw)
+                    t0 = time.perf_counter()
+                    if dec._sync is not None:
+                        await loop.run_in_executor(None, _decode_assign, dec, raw, out, out_sel, in_sel, drop)
+                    else:
+                        chunk = await dec.decode(raw)
+                        _assign(out, out_sel, chunk, in_sel, drop)
+                    self.counters.decode_s += time.perf_counter() - t0
+            except RuntimeError as e:
+                if str(e) == FORK_HELP:
+                    raise
+                raise ChunkReadError(src.name, coords, path, e) from e
+            except Exception as e:  # noqa: BLE001 - every failure names its chunk
+                raise ChunkReadError(src.name, coords, path, e) from e
+        self.counters.chunks += 1
+        self.counters.bytes_decoded += int(np.prod(dec.shape)) * dec.dtype.itemsize
+
+    async def _read_with_zarr(self, src: VarSource, pos: list[Any]) -> np.ndarray:
+        """Sharded arrays: zarr reads the inner chunks it needs (range requests into shards)."""
+        store_root(src.array.store)[0] == "obstore" and _loop.in_forked_child() and _raise_fork()
+        async with self._semaphore():
+            try:
+                res = await src.array.async_array.get_orthogonal_selection(tuple(pos))
+            except Exception as e:  # noqa: BLE001
+                raise ChunkReadError(src.name, (), f"{src.array.path} (sharded selection)", e) from e
+        arr = np.asarray(res.as_ndarray_like() if hasattr(res, "as_ndarray_like") else res)
+        self.counters.requests += 1
+        self.counters.chunks += 1
+        self.counters.bytes_decoded += arr.nbytes
+        return arr
+
+
+def _raise_fork() -> None:
+    raise RuntimeError(FORK_HELP)
+
+
+def _decode_assign(dec: ChunkDecoder, raw: Any, out: np.ndarray, out_sel: list, in_sel: list, drop: list) -> None:
+    _assign(out, out_sel, dec.decode_sync(raw), in_sel, drop)

@@ -1,0 +1,404 @@
+"""Chunk-aligned splits: pure index math on the chunk-block grid, and the ``SplitManifest``.
+
+A *block* is one chunk along each split dim (the grid every variable shares, see
+``geometry.common_edges``). Splits are sets of flat block ids (C order over the split
+dims), so no read ever serves two splits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html as _html
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from xinsitu import repr as _repr
+from xinsitu.geometry import Geometry
+
+FORMAT_VERSION = 1
+
+
+# ----------------------------------------------------------------------------- pure math
+def largest_remainder(fractions: dict[str, float], total: int) -> dict[str, int]:
+    """Whole counts summing to ``total``, proportional to ``fractions`` (largest remainder)."""
+    raw = {k: f * total for k, f in fractions.items()}
+    counts = {k: int(math.floor(v)) for k, v in raw.items()}
+    left = total - sum(counts.values())
+    # ties go to the split named first, so the result is deterministic
+    order = sorted(raw, key=lambda k: (-(raw[k] - counts[k]), list(raw).index(k)))
+    for k in order[:left]:
+        counts[k] += 1
+    return counts
+
+
+def check_fractions(fractions: dict[str, float]) -> None:
+    if not isinstance(fractions, dict) or not fractions:
+        raise ValueError("fractions must be a non-empty dict of split name -> fraction")
+    for k, f in fractions.items():
+        if not isinstance(k, str) or not k:
+            raise ValueError(f"split names must be non-empty strings, got {k!r}")
+        if not isinstance(f, (int, float)) or isinstance(f, bool) or not math.isfinite(f):
+            raise ValueError(f"fraction for split {k!r} must be a number, got {f!r}")
+        if f < 0:
+            raise ValueError(f"fraction for split {k!r} is negative ({f})")
+    total = sum(fractions.values())
+    if not math.isclose(total, 1.0, rel_tol=0, abs_tol=1e-6):
+        raise ValueError(f"fractions must sum to 1, they sum to {total:g}: {fractions}")
+
+
+def contiguous_split(nblocks: int, fractions: dict[str, float], gap: int) -> dict[str, np.ndarray]:
+    """Consecutive runs of blocks in split order, ``gap`` blocks left out between runs."""
+    avail = nblocks - gap * (len(fractions) - 1)
+    if avail < len(fractions):
+        raise ValueError(
+            f"{nblocks} chunks cannot hold {len(fractions)} splits with gap={gap} "
+            f"({avail} chunks left after gaps)"
+        )
+    counts = largest_remainder(fractions, avail)
+    _check_nonempty(counts)
+    out, start = {}, 0
+    for k, c in counts.items():
+        out[k] = np.arange(start, start + c, dtype=np.int64)
+        start += c + gap
+    return out
+
+
+def random_split(grid: tuple[int, ...], fractions: dict[str, float], gap: int, seed: int) -> dict[str, np.ndarray]:
+    """Blocks assigned at random by fraction; then, in split order, a later split loses the blocks
+    within ``gap`` blocks (Chebyshev distance on the block grid) of a block of an earlier split."""
+    n = int(np.prod(grid))
+    counts = largest_remainder(fractions, n)
+    _check_nonempty(counts)
+    perm = np.random.default_rng(seed).permutation(n)
+    label = np.empty(n, dtype=np.int64)
+    start = 0
+    for i, c in enumerate(counts.values()):
+        label[perm[start:start + c]] = i
+        start += c
+    label = label.reshape(grid)
+    if gap > 0:
+        taken = np.zeros(grid, dtype=bool)
+        for i in range(len(counts)):
+            mine = label == i
+            near = _dilate(taken, gap)
+            label[mine & near] = -1
+            taken |= label == i
+    flat = label.ravel()
+    out = {k: np.flatnonzero(flat == i).astype(np.int64) for i, k in enumerate(counts)}
+    _check_nonempty({k: len(v) for k, v in out.items()}, after_gap=True)
+    return out
+
+
+def _dilate(mask: np.ndarray, k: int) -> np.ndarray:
+    """Cells within Chebyshev distance k of a True cell."""
+    out = mask.copy()
+    for ax in range(mask.ndim):
+        cur = out.copy()
+        for s in range(1, k + 1):
+            lo = [slice(None)] * mask.ndim
+            hi = [slice(None)] * mask.ndim
+            lo[ax], hi[ax] = slice(s, None), slice(None, -s)
+            out[tuple(lo)] |= cur[tuple(hi)]
+            out[tuple(hi)] |= cur[tuple(lo)]
+    return out
+
+
+def _check_nonempty(counts: dict[str, int], after_gap: bool = False) -> None:
+    empty = [k for k, c in counts.items() if c == 0]
+    if empty:
+        why = " after removing chunks within the gap" if after_gap else ""
+        raise ValueError(f"split(s) {empty} would get no chunk{why}; use fewer splits, a smaller gap "
+                         "or larger fractions")
+
+
+def range_split(edges: np.ndarray, index: pd.Index, ranges: dict[str, slice], gap: int, dim: str) -> dict[str, np.ndarray]:
+    """Blocks fully inside each label range (``.sel`` semantics, rounded inward to chunk edges)."""
+    out: dict[str, np.ndarray] = {}
+    spans: list[tuple[str, int, int]] = []
+    for name, rng in ranges.items():
+        if not isinstance(rng, slice) or rng.step is not None:
+            raise ValueError(f"range for split {name!r} must be a slice(start, stop), got {rng!r}")
+        try:
+            sl = index.slice_indexer(rng.start, rng.stop)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"range for split {name!r} ({rng.start!r}, {rng.stop!r}) does not fit the "
+                             f"{dim!r} coordinate: {e}") from None
+        a, b = int(sl.start or 0), int(sl.stop if sl.stop is not None else len(index))
+        if b <= a:
+            raise ValueError(
+                f"range for split {name!r} ({rng.start!r}..{rng.stop!r}) falls outside the {dim!r} coordinate "
+                f"({_label(index[0])}..{_label(index[-1])})"
+            )
+        first = int(np.searchsorted(edges, a, side="left"))  # first block starting at or after a
+        last = int(np.searchsorted(edges, b, side="right")) - 1  # blocks ending at or before b
+        if last <= first:
+            raise ValueError(f"range for split {name!r} covers no whole chunk of {dim!r} "
+                             f"(chunks are {int(edges[1] - edges[0])} long)")
+        spans.append((name, first, last))
+        out[name] = np.arange(first, last, dtype=np.int64)
+    ordered = sorted(spans, key=lambda s: s[1])
+    for (n1, _, e1), (n2, s2, _) in zip(ordered, ordered[1:], strict=False):
+        if s2 < e1:
+            raise ValueError(f"ranges of splits {n1!r} and {n2!r} overlap")
+        if s2 - e1 < gap:
+            raise ValueError(f"splits {n1!r} and {n2!r} are {s2 - e1} chunk(s) apart, closer than gap={gap}")
+    return out
+
+
+# ----------------------------------------------------------------------------- labels
+def _label(v: Any) -> Any:
+    """A JSON-able coordinate label: ISO strings for times, plain numbers, else str."""
+    if isinstance(v, (np.integer, int)) and not isinstance(v, bool):
+        return int(v)
+    if isinstance(v, (np.floating, float)):
+        return float(v)
+    if isinstance(v, np.datetime64):
+        return pd.Timestamp(v).isoformat()
+    if hasattr(v, "isoformat"):  # pandas/datetime/cftime
+        return v.isoformat()
+    return str(v)
+
+
+# ----------------------------------------------------------------------------- manifest
+@dataclass
+class SplitManifest:
+    """Split name -> chunk blocks of the split dim(s), plus what is needed to check and show it.
+
+    Plain JSON-able record: ``to_json``/``from_json`` use ``json`` only (no pickle).
+    """
+
+    dims: list[str]
+    sizes: dict[str, int]
+    edges: dict[str, list[int]]
+    splits: dict[str, list[int]]
+    labels: dict[str, dict[str, list[Any]]]
+    seed: int | None = None
+    gap: int = 0
+    contiguous: bool = True
+    method: str = "fractions"
+    fingerprint: str = ""
+    snapshot: str | None = None
+    stats: dict[str, Any] | None = None
+    version: int = FORMAT_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    # -- derived
+    @property
+    def grid(self) -> tuple[int, ...]:
+        """Number of chunk blocks along each split dim."""
+        return tuple(len(self.edges[d]) - 1 for d in self.dims)
+
+    def blocks(self, split: str) -> np.ndarray:
+        """Flat block ids of ``split`` (C order over ``dims``), as an int64 array."""
+        if split not in self.splits:
+            raise ValueError(f"unknown split {split!r}; this manifest has {list(self.splits)}")
+        return np.asarray(self.splits[split], dtype=np.int64)
+
+    def positions(self, split: str) -> int:
+        """Number of positions (grid points along the split dims) the split covers."""
+        ends = [np.diff(np.asarray(self.edges[d])) for d in self.dims]
+        idx = np.unravel_index(self.blocks(split), self.grid)
+        return int(np.prod([ends[k][idx[k]] for k in range(len(self.dims))], axis=0).sum())
+
+    # -- checks
+    def check(self, geometry: Geometry, *, snapshot: str | None = None) -> None:
+        """Raise ``ValueError`` naming what differs when ``geometry`` is not the one split."""
+        import warnings
+
+        for d in self.dims:
+            if d not in geometry.sizes:
+                raise ValueError(f"manifest splits dim {d!r}, which this dataset does not have")
+            if geometry.sizes[d] != self.sizes[d]:
+                raise ValueError(f"manifest was made on {d!r} of length {self.sizes[d]}, "
+                                 f"this dataset has {geometry.sizes[d]}")
+            if not np.array_equal(geometry.edges[d], self.edges[d]):
+                raise ValueError(f"chunk grid along {d!r} differs from the manifest's "
+                                 f"(chunk size {geometry.dims[d]} here)")
+        if snapshot is not None and self.snapshot is not None and snapshot != self.snapshot:
+            warnings.warn(f"manifest was made on snapshot {self.snapshot}, this dataset is snapshot "
+                          f"{snapshot}: the data may have changed", UserWarning, stacklevel=3)
+
+    def check_labels(self, first_last: dict[str, list[Any]]) -> None:
+        for d, fl in first_last.items():
+            mine = self.extra.get("coords", {}).get(d)
+            if mine is not None and list(mine) != list(fl):
+                raise ValueError(f"coordinate {d!r} spans {fl[0]}..{fl[1]} here, but the manifest was made "
+                                 f"on {mine[0]}..{mine[1]}")
+
+    # -- JSON
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": "xinsitu.SplitManifest", "version": self.version, "dims": self.dims,
+            "sizes": self.sizes, "edges": self.edges, "splits": self.splits, "labels": self.labels,
+            "seed": self.seed, "gap": self.gap, "contiguous": self.contiguous, "method": self.method,
+            "fingerprint": self.fingerprint, "snapshot": self.snapshot, "stats": self.stats,
+            "extra": self.extra,
+        }
+
+    def to_json(self, path: str | os.PathLike | None = None) -> str:
+        """Write the manifest as JSON to ``path`` (if given) and return the JSON text."""
+        text = json.dumps(self.to_dict(), indent=1, allow_nan=True)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SplitManifest:
+        if not isinstance(d, dict) or d.get("format") != "xinsitu.SplitManifest":
+            raise ValueError("not an xinsitu SplitManifest (missing 'format': 'xinsitu.SplitManifest')")
+        if d.get("version", 0) > FORMAT_VERSION:
+            raise ValueError(f"manifest format version {d['version']} is newer than this xinsitu "
+                             f"understands ({FORMAT_VERSION})")
+        keys = ("dims", "sizes", "edges", "splits", "labels", "seed", "gap", "contiguous", "method",
+                "fingerprint", "snapshot", "stats", "extra")
+        m = cls(**{k: d[k] for k in keys if k in d})
+        if m.fingerprint and m.fingerprint != fingerprint_of(m.dims, m.sizes, m.edges, m.extra.get("coords", {})):
+            raise ValueError("manifest fingerprint does not match its contents (the file was edited or damaged)")
+        return m
+
+    @classmethod
+    def from_json(cls, path_or_text: str | os.PathLike) -> SplitManifest:
+        """Load a manifest written by ``to_json`` (a path, or the JSON text itself)."""
+        s = str(path_or_text)
+        text = s if s.lstrip().startswith("{") else open(s).read()
+        return cls.from_dict(json.loads(text))
+
+    # -- display
+    def summary(self) -> str:
+        lines = [f"split on {', '.join(self.dims)} ({' x '.join(map(str, self.grid))} chunk blocks, "
+                 f"method={self.method}, gap={self.gap}, seed={self.seed})"]
+        for k, v in self._rows():
+            lines.append(f"  {k}: " + "  ".join(v))
+        return "\n".join(lines)
+
+    def _rows(self) -> list[tuple[str, tuple[str, ...]]]:
+        rows = []
+        for name, blocks in self.splits.items():
+            rng = "; ".join(f"{d} {lab[0]} .. {lab[1]}" for d, lab in self.labels.get(name, {}).items())
+            rows.append((name, (f"{len(blocks)} chunks", f"{self.positions(name)} positions", rng)))
+        return rows
+
+    def _sections(self) -> list[_repr.Section]:
+        rows = [(k, *v) for k, v in self._rows()]
+        info = [("dims", ", ".join(self.dims)), ("chunk blocks", " x ".join(map(str, self.grid))),
+                ("gap", str(self.gap)), ("seed", str(self.seed)), ("fingerprint", self.fingerprint[:12])]
+        if self.snapshot:
+            info.append(("snapshot", self.snapshot))
+        if self.stats:
+            info.append(("stats", f"{len(self.stats.get('channels', self.stats))} channels "
+                                  f"from split {self.stats.get('split', '?')!r}"))
+        return [_repr.Section("Splits", ("split", "chunks", "positions", "labels"), rows,
+                              extra_html=self._timeline_html()),
+                _repr.Section("Manifest", (), info)]
+
+    def _timeline_html(self) -> str:
+        if len(self.dims) != 1:
+            return ""
+        n = self.grid[0]
+        owner = np.full(n, -1)
+        for i, b in enumerate(self.splits.values()):
+            owner[np.asarray(b, dtype=np.int64)] = i
+        colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860"]
+        names = list(self.splits)
+        parts, start = [], 0
+        for i in range(1, n + 1):
+            if i == n or owner[i] != owner[start]:
+                o = owner[start]
+                width = 100 * (i - start) / n
+                color = "#bbbbbb" if o < 0 else colors[o % len(colors)]
+                label = "gap" if o < 0 else names[o]
+                parts.append(f"<div style='width:{width:.3f}%;background:{color}' "
+                             f"title='{_html.escape(label)}: chunks {start}..{i - 1}'>{_html.escape(label)}</div>")
+                start = i
+        return "<div class='xi-timeline'>" + "".join(parts) + "</div>"
+
+    def __repr__(self) -> str:
+        return _repr.text("xinsitu.SplitManifest", self._sections())
+
+    def _repr_html_(self) -> str:
+        return _repr.html("xinsitu.SplitManifest", self._sections(), repr(self))
+
+
+def fingerprint_of(dims: list[str], sizes: dict[str, int], edges: dict[str, list[int]],
+                   coords: dict[str, list[Any]]) -> str:
+    """Hash of the split dims' geometry (lengths, chunk grid, first/last labels)."""
+    blob = json.dumps({"dims": list(dims), "sizes": {d: sizes[d] for d in dims},
+                       "edges": {d: list(edges[d]) for d in dims},
+                       "coords": {d: coords.get(d) for d in dims}}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def coord_span(ds: Any, dim: str) -> list[Any] | None:
+    """First and last label of ``dim``'s index coordinate, JSON-able (None without one)."""
+    if dim not in ds.indexes or ds.sizes[dim] == 0:
+        return None
+    idx = ds.indexes[dim]
+    return [_label(idx[0]), _label(idx[-1])]
+
+
+def make_split(ds: Any, geometry: Geometry, dim: str | list[str], *, fractions: dict[str, float] | None = None,
+               ranges: dict[str, slice] | None = None, gap: int = 0, contiguous: bool | None = None,
+               seed: int | None = 0) -> SplitManifest:
+    """Split ``ds`` (with ``geometry``) along ``dim`` into a ``SplitManifest``; see ``Dataset.insitu.split``."""
+    dims = [dim] if isinstance(dim, str) else list(dim)
+    if not dims or not all(isinstance(d, str) for d in dims):
+        raise ValueError(f"dim must be a dim name or a list of names, got {dim!r}")
+    if len(set(dims)) != len(dims):
+        raise ValueError(f"dim lists a dimension twice: {dims}")
+    for d in dims:
+        if d not in geometry.sizes:
+            have = sorted(geometry.sizes)
+            raise ValueError(f"unknown dim {d!r}: the data variables have dims {have}")
+        if geometry.nblocks(d) < 2:
+            raise ValueError(f"dim {d!r} is not chunked (one chunk of {geometry.sizes[d]}): a split needs "
+                             f"at least one chunk per split; re-chunk the archive along {d!r}")
+    if not isinstance(gap, (int, np.integer)) or isinstance(gap, bool) or gap < 0:
+        raise ValueError(f"gap must be a non-negative whole number of chunks, got {gap!r}")
+    if (fractions is None) == (ranges is None):
+        raise ValueError("give exactly one of fractions= or ranges=")
+    if contiguous is None:
+        contiguous = len(dims) == 1
+    grid = tuple(geometry.nblocks(d) for d in dims)
+    if fractions is not None:
+        check_fractions(fractions)
+        if contiguous:
+            if len(dims) != 1:
+                raise ValueError("contiguous=True needs a single split dim; use contiguous=False for several")
+            splits = contiguous_split(grid[0], fractions, int(gap))
+        else:
+            if seed is None:
+                raise ValueError("contiguous=False draws chunks at random and needs an integer seed")
+            splits = random_split(grid, fractions, int(gap), int(seed))
+        method = "fractions"
+    else:
+        if not isinstance(ranges, dict) or not ranges:
+            raise ValueError("ranges must be a non-empty dict of split name -> slice of labels")
+        if len(dims) != 1:
+            raise ValueError("ranges= works on a single split dim")
+        if dims[0] not in ds.indexes:
+            raise ValueError(f"ranges= needs an index coordinate for {dims[0]!r}")
+        splits = range_split(geometry.edges[dims[0]], ds.indexes[dims[0]], ranges, int(gap), dims[0])
+        method = "ranges"
+    edges = {d: [int(x) for x in geometry.edges[d]] for d in dims}
+    sizes = {d: int(geometry.sizes[d]) for d in dims}
+    labels: dict[str, dict[str, list[Any]]] = {}
+    for name, blocks in splits.items():
+        idx = np.unravel_index(blocks, grid)
+        labels[name] = {}
+        for k, d in enumerate(dims):
+            if d in ds.indexes:
+                first = edges[d][int(idx[k].min())]
+                last = edges[d][int(idx[k].max()) + 1] - 1
+                labels[name][d] = [_label(ds.indexes[d][first]), _label(ds.indexes[d][last])]
+    coords = {d: coord_span(ds, d) for d in dims}
+    fp = fingerprint_of(dims, sizes, edges, coords)
+    return SplitManifest(dims=dims, sizes=sizes, edges=edges, splits={k: [int(b) for b in v] for k, v in splits.items()},
+                         labels=labels, seed=None if seed is None else int(seed), gap=int(gap),
+                         contiguous=bool(contiguous), method=method, fingerprint=fp, extra={"coords": coords})

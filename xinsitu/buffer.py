@@ -72,6 +72,8 @@ class BlockLoader:
         self.reader = reader
         self.n_split = len(space.split_dims)
         self._static: dict[str, np.ndarray] | None = None
+        self._pool: dict[tuple[tuple[int, ...], np.dtype], list[np.ndarray]] = {}
+        self.pool_size = 4
 
     # ------------------------------------------------------------------ reading
     async def load_static(self) -> dict[str, np.ndarray]:
@@ -116,7 +118,7 @@ class BlockLoader:
             if lay.static:
                 continue
             shape = [len(units)] + [self._axis_len(lay, ax, extent) for ax in lay.order]
-            buf = np.empty(shape, dtype=lay.src.raw_dtype)
+            buf = self._empty(shape, lay.src.raw_dtype)
             arrays[name] = buf
             for s in range(len(units)):
                 region = {d.name: (int(origin[s, k]), int(end[s, k])) for k, d in enumerate(sp.split_dims)
@@ -134,9 +136,25 @@ class BlockLoader:
         return lay.src.shape[ax]
 
     async def _read_into(self, lay: VarLayout, region: dict[str, tuple[int, int]], buf: np.ndarray, s: int) -> None:
-        arr = await self.reader.read(lay.src, region)
         view = np.transpose(buf[s], np.argsort(lay.order))  # the slot, seen in the variable's dim order
-        view[tuple(slice(0, n) for n in arr.shape)] = arr
+        sub = tuple(slice(0, b - a) if d in region else slice(None) for d, (a, b) in
+                    ((d, region.get(d, (0, 0))) for d in lay.src.dims))
+        await self.reader.read(lay.src, region, out=view[sub])
+
+    # ------------------------------------------------------------------ buffers
+    def _empty(self, shape: list[int], dtype: np.dtype) -> np.ndarray:
+        """A block array, recycled from a released block where one of that shape is free
+        (fresh pages cost a page fault each on first touch)."""
+        free = self._pool.get((tuple(shape), np.dtype(dtype)))
+        return free.pop() if free else np.empty(shape, dtype=dtype)
+
+    def recycle(self, block: Block) -> None:
+        """Give a block's arrays back once no batch will be gathered from it again."""
+        for name, arr in block.arrays.items():
+            if not self.layouts[name].static:
+                free = self._pool.setdefault((arr.shape, arr.dtype), [])
+                if len(free) < self.pool_size:
+                    free.append(arr)
 
     # ------------------------------------------------------------------ gathering
     def gather(self, block: Block, rows: np.ndarray) -> dict[str, np.ndarray]:

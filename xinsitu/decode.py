@@ -53,6 +53,11 @@ class ChunkDecoder:
             spec = c.resolve_metadata(spec)
         return list(reversed(list(zip(codecs, specs, strict=True))))
 
+    @property
+    def sync(self) -> bool:
+        """Whether chunks decode in one synchronous call (see ``decode_sync``)."""
+        return self._sync is not None
+
     def key(self, coords: tuple[int, ...]) -> str:
         return self.metadata.encode_chunk_key(coords)
 

@@ -367,7 +367,7 @@ class _EpochRun:
                             raise RuntimeError(f"xinsitu: block {j} was never read (internal error)")
                         loaded[item.j] = item
                 for old in [k for k in loaded if k < js[0]]:
-                    del loaded[old]
+                    self.loader.recycle(loaded.pop(old))
                     self._release()
                 raw_parts, start_parts = [], []
                 for j in js:

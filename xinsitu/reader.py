@@ -153,16 +153,28 @@ class Reader:
             self._backends[key] = _backend(zstore)
         return self._backends[key]
 
-    async def read(self, src: VarSource, region: dict[str, tuple[int, int]]) -> np.ndarray:
-        """Raw (not CF-decoded) values of ``src`` over ``region`` (other dims whole), var dim order."""
+    async def read(self, src: VarSource, region: dict[str, tuple[int, int]],
+                   out: np.ndarray | None = None) -> np.ndarray:
+        """Raw (not CF-decoded) values of ``src`` over ``region`` (other dims whole), var dim order.
+
+        With ``out`` (any view of the right shape), chunks are decoded straight into it.
+        """
         if not src.stored:
             sel = tuple(slice(*region[d]) if d in region else slice(None) for d in src.dims)
-            return np.asarray(src.values[sel])
+            if out is None:
+                return np.asarray(src.values[sel])
+            out[...] = src.values[sel]
+            return out
         pos = [ix if isinstance(ix, int) else (ix[slice(*region[d])] if d in region else ix)
                for d, ix in zip(src.src_dims, src.index, strict=True)]
+        shape = tuple(len(p) for p in pos if not isinstance(p, int))
+        if out is None:
+            out = np.empty(shape, dtype=src.raw_dtype)
+        elif out.shape != shape:
+            raise ValueError(f"read of {src.name!r}: destination shape {out.shape} != region shape {shape}")
         if is_sharded(src.array):
-            return await self._read_with_zarr(src, pos)
-        out = np.empty([len(p) for p in pos if not isinstance(p, int)], dtype=src.raw_dtype)
+            out[...] = await self._read_with_zarr(src, pos)
+            return out
         if out.size == 0:
             return out
         plans = []
@@ -194,7 +206,7 @@ class Reader:
                 else:
                     self.counters.bytes_read += len(raw)
                     t0 = time.perf_counter()
-                    if dec._sync is not None:
+                    if dec.sync:
                         await loop.run_in_executor(None, _decode_assign, dec, raw, out, out_sel, in_sel, drop)
                     else:
                         chunk = await dec.decode(raw)

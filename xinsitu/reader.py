@@ -16,14 +16,9 @@ from typing import Any
 import numpy as np
 
 from xinsitu import _loop
-from xinsitu.decode import ChunkDecoder, is_sharded, store_root, zarr_store_get
+from xinsitu.backend import FORK_HELP, backend_for
+from xinsitu.decode import ChunkDecoder, is_sharded, store_root
 from xinsitu.source import VarSource
-
-FORK_HELP = (
-    "obstore cannot run in a process forked from one that already used it (the read would hang). "
-    "Use DataLoader(..., num_workers=0) (xinsitu reads in parallel already) or start workers with "
-    "multiprocessing_context='spawn' or 'forkserver'"
-)
 
 
 class ChunkReadError(OSError):
@@ -48,45 +43,6 @@ class IOCounters:
     def add(self, other: IOCounters) -> None:
         for k in self.__dataclass_fields__:
             setattr(self, k, getattr(self, k) + getattr(other, k))
-
-
-# ----------------------------------------------------------------------------- backends
-class _ObstoreBackend:
-    def __init__(self, store: Any):
-        self.store = store
-
-    async def get(self, key: str) -> Any:
-        import obstore
-
-        try:
-            resp = await obstore.get_async(self.store, key)
-            return await resp.bytes_async()
-        except FileNotFoundError:
-            return None
-
-
-class _ZarrBackend:
-    def __init__(self, zstore: Any):
-        self.zstore = zstore
-
-    async def get(self, key: str) -> Any:
-        return await zarr_store_get(self.zstore, key)
-
-
-def _backend(zstore: Any) -> Any:
-    """The fastest fork-safe way to read objects of ``zstore`` in this process."""
-    kind, obj = store_root(zstore)
-    if kind == "obstore":
-        if _loop.in_forked_child():
-            raise RuntimeError(FORK_HELP)
-        return _ObstoreBackend(obj)
-    if kind == "local":
-        if _loop.in_forked_child():  # zarr's LocalStore is plain file I/O: safe after fork
-            return _ZarrBackend(zstore)
-        import obstore.store
-
-        return _ObstoreBackend(obstore.store.LocalStore(prefix=obj))
-    return _ZarrBackend(zstore)
 
 
 # ----------------------------------------------------------------------------- selection
@@ -150,7 +106,7 @@ class Reader:
         zstore = src.array.store
         key = id(zstore)
         if key not in self._backends:
-            self._backends[key] = _backend(zstore)
+            self._backends[key] = backend_for(zstore)
         return self._backends[key]
 
     async def read(self, src: VarSource, region: dict[str, tuple[int, int]],

@@ -14,7 +14,7 @@ import torch.utils.data
 
 from xinsitu import _loop
 from xinsitu.decode import store_root
-from xinsitu.reader import FORK_HELP
+from xinsitu.backend import FORK_HELP
 
 
 class InsituIterableDataset(torch.utils.data.IterableDataset):

@@ -1,0 +1,63 @@
+"""Geometry comes from metadata alone and describes every layout."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import xarray as xr
+
+import xinsitu
+from tests.conftest import CT, NT, NX, NY
+
+
+def test_geometry_fields(era5_path):
+    g = xinsitu.open_zarr(era5_path).insitu.geometry
+    t = g.variables["t2m"]
+    assert t.dims == ("time", "lat", "lon") and t.shape == (NT, NY, NX)
+    assert t.chunks == (CT, NY, NX) and t.shards is None
+    assert t.dtype == "float32" and "zstd" in t.codecs
+    assert t.chunk_nbytes == CT * NY * NX * 4
+    assert t.nchunks == -(-NT // CT)
+    assert g.variables["tp"].dtype == "int16"
+    assert g.variables["lsm"].dims == ("lat", "lon")
+    assert g.dims == {"time": CT, "lat": NY, "lon": NX}
+    assert "t2m" in repr(g) and "<table" in g._repr_html_()
+
+
+def test_chunks_property_ignores_coords(era5_path):
+    ds = xinsitu.open_zarr(era5_path)
+    assert ds.insitu.chunks == {"time": CT, "lat": NY, "lon": NX}
+    assert ds.isel(time=slice(3, 50)).insitu.geometry.variables["t2m"].nchunks == 7  # 3..49 touches chunks 0..6
+
+
+def test_geometry_reads_no_data(era5_path, tmp_path):
+    """Delete every chunk object: geometry (and a split) still work, since they read metadata only."""
+    bare = tmp_path / "bare.zarr"
+    shutil.copytree(era5_path, bare)
+    for var in ["t2m", "u10", "v10", "z500", "tp", "lsm"]:
+        shutil.rmtree(bare / var / "c")
+    assert not any((bare / "t2m").glob("c/**/*"))
+    ds = xinsitu.open_zarr(str(bare))
+    assert ds.insitu.geometry.variables["t2m"].nchunks == -(-NT // CT)
+    ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    assert os.path.exists(bare / "t2m" / "zarr.json")
+
+
+def test_sharded_geometry(tmp_path):
+    from xinsitu.synthetic import write_era5_like
+
+    path = tmp_path / "sharded.zarr"
+    write_era5_like(path, nt=48, ny=4, nx=6, chunk_time=2, shard_time=12)
+    g = xinsitu.open_zarr(str(path)).insitu.geometry
+    assert g.variables["t2m"].chunks == (2, 4, 6)  # inner chunk: the smallest unit read
+    assert g.variables["t2m"].shards == (12, 4, 6)
+    assert g.dims["time"] == 2
+
+
+def test_unmappable_dataset_errors(era5_path):
+    ds = xr.open_zarr(era5_path)
+    computed = ds.assign(t2m=ds.t2m * 2)
+    with pytest.raises(ValueError, match="computed lazily by dask"):
+        computed.insitu.geometry

@@ -1,0 +1,165 @@
+"""Splits: pure chunk-index math (hypothesis) and the manifest's checks and JSON."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import xarray as xr
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import xinsitu
+from xinsitu.split import SplitManifest, contiguous_split, largest_remainder, random_split
+
+names = st.lists(st.sampled_from(["train", "val", "test", "a", "b"]), min_size=1, max_size=4, unique=True)
+
+
+@st.composite
+def fractions(draw):
+    ks = draw(names)
+    w = draw(st.lists(st.integers(1, 20), min_size=len(ks), max_size=len(ks)))
+    return {k: x / sum(w) for k, x in zip(ks, w, strict=True)}
+
+
+@given(fractions(), st.integers(0, 500))
+def test_largest_remainder_sums(fr, total):
+    c = largest_remainder(fr, total)
+    assert sum(c.values()) == total
+    for k in fr:
+        assert abs(c[k] - fr[k] * total) < 1
+
+
+@given(fractions(), st.integers(1, 300), st.integers(0, 3))
+def test_contiguous_split_partitions(fr, n, gap):
+    try:
+        out = contiguous_split(n, fr, gap)
+    except ValueError:
+        return  # too few chunks for these splits: raised, never silently empty
+    allb = np.concatenate(list(out.values()))
+    assert len(np.unique(allb)) == len(allb)  # disjoint
+    assert allb.min() >= 0 and allb.max() < n
+    runs = list(out.values())
+    for r in runs:
+        assert len(r) > 0 and np.all(np.diff(r) == 1)  # one contiguous run each
+    for a, b in zip(runs, runs[1:], strict=False):
+        assert b[0] - a[-1] - 1 == gap  # exactly `gap` chunks between consecutive splits
+    assert len(allb) == n - gap * (len(runs) - 1)  # every chunk not in a gap is used
+
+
+@settings(max_examples=60)
+@given(fractions(), st.lists(st.integers(1, 12), min_size=1, max_size=3), st.integers(0, 2), st.integers(0, 99))
+def test_random_split_disjoint_and_gapped(fr, grid, gap, seed):
+    grid = tuple(grid)
+    try:
+        out = random_split(grid, fr, gap, seed)
+    except ValueError:
+        return
+    again = random_split(grid, fr, gap, seed)
+    assert all(np.array_equal(out[k], again[k]) for k in out)  # reproducible from the seed
+    allb = np.concatenate(list(out.values()))
+    assert len(np.unique(allb)) == len(allb)
+    coords = {k: np.array(np.unravel_index(v, grid)).T for k, v in out.items()}
+    ks = list(out)
+    for i, a in enumerate(ks):
+        for b in ks[i + 1:]:
+            if len(coords[a]) and len(coords[b]):
+                d = np.abs(coords[a][:, None, :] - coords[b][None, :, :]).max(axis=-1)
+                assert d.min() > gap  # no two blocks of different splits within the gap
+    if gap == 0:
+        assert len(allb) == int(np.prod(grid))
+
+
+def test_manifest_json_roundtrip(era5_path, tmp_path):
+    ds = xinsitu.open_zarr(era5_path)
+    m = ds.insitu.split("time", fractions={"train": 0.8, "val": 0.1, "test": 0.1}, gap=1)
+    p = tmp_path / "m.json"
+    m.to_json(p)
+    m2 = SplitManifest.from_json(p)
+    assert m2 == m
+    assert json.loads(p.read_text())["format"] == "xinsitu.SplitManifest"
+    # a loaded manifest drives batches on a freshly opened dataset
+    gen = xinsitu.open_zarr(era5_path).insitu.batches(m2, "val", batch_size=4, output="numpy")
+    assert sum(len(b["t2m"]) for b in gen) == m.positions("val")
+
+
+def test_manifest_tampering_detected(era5_path, tmp_path):
+    ds = xinsitu.open_zarr(era5_path)
+    m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    d = m.to_dict()
+    d["sizes"]["time"] += 1
+    with pytest.raises(ValueError, match="fingerprint"):
+        SplitManifest.from_dict(d)
+    with pytest.raises(ValueError, match="not an xinsitu SplitManifest"):
+        SplitManifest.from_dict({"dims": ["time"]})
+
+
+def test_manifest_on_other_geometry_raises(era5_path, tmp_path):
+    ds = xinsitu.open_zarr(era5_path)
+    m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    with pytest.raises(ValueError, match="length"):
+        ds.isel(time=slice(0, 80)).insitu.batches(m, "train")
+    rechunked = tmp_path / "r.zarr"
+    xr.open_zarr(era5_path).load().to_zarr(rechunked, encoding={v: {"chunks": (12, 6, 10)} for v in
+                                                                ["t2m", "u10", "v10", "z500", "tp"]}
+                                            | {"lsm": {"chunks": (6, 10)}})
+    with pytest.raises(ValueError, match="chunk grid along 'time'"):
+        xinsitu.open_zarr(str(rechunked)).insitu.batches(m, "train")
+    shifted = ds.assign_coords(time=ds.time + np.timedelta64(1, "D"))
+    with pytest.raises(ValueError, match="coordinate 'time'"):
+        shifted.insitu.batches(m, "train")
+
+
+def test_ranges_split(era5_path):
+    ds = xinsitu.open_zarr(era5_path)
+    m = ds.insitu.split("time", ranges={"train": slice("1979-01-01", "1979-01-20"),
+                                        "val": slice("1979-01-23", None)})
+    e = np.asarray(m.edges["time"])
+    times = ds.time.values
+    for k, b in m.splits.items():
+        first, last = e[b[0]], e[b[-1] + 1] - 1
+        # rounded inward: whole chunks inside the label range
+        assert np.datetime64(m.labels[k]["time"][0]) == times[first]
+        assert np.datetime64(m.labels[k]["time"][1]) == times[last]
+    assert times[e[m.splits["train"][-1] + 1] - 1] <= np.datetime64("1979-01-20T23:59")
+    assert times[e[m.splits["val"][0]]] >= np.datetime64("1979-01-23")
+    with pytest.raises(ValueError, match="closer than gap"):
+        ds.insitu.split("time", ranges={"train": slice("1979-01-01", "1979-01-20"),
+                                        "val": slice("1979-01-23", None)}, gap=3)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"fractions": {"train": 0.8, "val": 0.1}}, "sum to 1"),
+        ({"fractions": {"train": 1.2, "val": -0.2}}, "negative"),
+        ({"fractions": {"train": 0.5, "val": 0.5}, "ranges": {"a": slice(None)}}, "exactly one"),
+        ({"fractions": {"train": 0.999, "val": 0.001}}, "no chunk"),
+        ({"fractions": {"train": 0.5, "val": 0.5}, "gap": -1}, "gap"),
+        ({"fractions": {"train": 0.5, "val": 0.5}, "gap": 100}, "cannot hold"),
+        ({"ranges": {"a": slice("1979-01-01", "1979-01-10"), "b": slice("1979-01-05", "1979-01-28")}}, "overlap"),
+        ({"ranges": {"a": slice("2050-01-01", "2051-01-01")}}, "outside"),
+        ({"ranges": {"a": slice("1979-01-01T00", "1979-01-01T06")}}, "no whole chunk"),
+    ],
+)
+def test_bad_split_arguments(era5_path, kwargs, match):
+    ds = xinsitu.open_zarr(era5_path)
+    with pytest.raises(ValueError, match=match):
+        ds.insitu.split("time", **kwargs)
+
+
+def test_bad_dims(era5_path):
+    ds = xinsitu.open_zarr(era5_path)
+    with pytest.raises(ValueError, match="unknown dim 'level'"):
+        ds.insitu.split("level", fractions={"a": 1.0})
+    with pytest.raises(ValueError, match="not chunked"):
+        ds.insitu.split("lat", fractions={"a": 0.5, "b": 0.5})
+
+
+def test_summary_and_reprs(era5_path):
+    ds = xinsitu.open_zarr(era5_path)
+    m = ds.insitu.split("time", fractions={"train": 0.8, "val": 0.2}, gap=1)
+    for text in (m.summary(), repr(m)):
+        assert "train" in text and "val" in text and "1979-01-01T00:00:00" in text
+    assert "xi-timeline" in m._repr_html_()

@@ -58,3 +58,10 @@ class InsituAccessor:
         from xinsitu.loader import BatchGenerator
 
         return BatchGenerator(self._ds, manifest, split, **kwargs)
+
+    def sample(self, manifest: SplitManifest, split: str, i: int, **kwargs: Any) -> xr.Dataset:
+        """Sample ``i`` of ``split`` (unshuffled order) as a labeled Dataset; ``kwargs`` as for
+        ``batches`` (``window=``, ``patch=``, ``variables=``...)."""
+        from xinsitu.loader import BatchGenerator
+
+        return BatchGenerator(self._ds, manifest, split, **kwargs).sample(i)

@@ -120,10 +120,12 @@ class BlockLoader:
             shape = [len(units)] + [self._axis_len(lay, ax, extent) for ax in lay.order]
             buf = self._empty(shape, lay.src.raw_dtype)
             arrays[name] = buf
+            reads = []
             for s in range(len(units)):
                 region = {d.name: (int(origin[s, k]), int(end[s, k])) for k, d in enumerate(sp.split_dims)
                           if d.name in lay.src.dims}
-                jobs.append(self._read_into(lay, region, buf, s))
+                reads.append((region, self._slot_view(lay, buf, s, region)))
+            jobs.append(self.reader.read_many(lay.src, reads))
         await asyncio.gather(*jobs)
         arrays.update(await self.load_static())
         return Block(j, base_ids[perm], base_slot[perm], base_starts[perm], origin, arrays)
@@ -135,11 +137,12 @@ class BlockLoader:
                 return int(extent[k])
         return lay.src.shape[ax]
 
-    async def _read_into(self, lay: VarLayout, region: dict[str, tuple[int, int]], buf: np.ndarray, s: int) -> None:
-        view = np.transpose(buf[s], np.argsort(lay.order))  # the slot, seen in the variable's dim order
-        sub = tuple(slice(0, b - a) if d in region else slice(None) for d, (a, b) in
-                    ((d, region.get(d, (0, 0))) for d in lay.src.dims))
-        await self.reader.read(lay.src, region, out=view[sub])
+    @staticmethod
+    def _slot_view(lay: VarLayout, buf: np.ndarray, s: int, region: dict[str, tuple[int, int]]) -> np.ndarray:
+        """Slot ``s`` of ``buf`` seen in the variable's dim order, cut to ``region``'s extent."""
+        view = np.transpose(buf[s], np.argsort(lay.order))
+        return view[tuple(slice(0, region[d][1] - region[d][0]) if d in region else slice(None)
+                          for d in lay.src.dims)]
 
     # ------------------------------------------------------------------ buffers
     def _empty(self, shape: list[int], dtype: np.dtype) -> np.ndarray:

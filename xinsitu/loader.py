@@ -312,6 +312,7 @@ class _EpochRun:
         self.wait_s = 0.0
         self.samples = 0
         self.n_batches = 0
+        self.borrowed = 0
         self.t0 = time.perf_counter()
         self.t_end: float | None = None
         self.loop = _loop.get_loop()
@@ -360,6 +361,11 @@ class _EpochRun:
                 js = plan.blocks_of(a, b)
                 for j in js:
                     while j not in loaded:
+                        if len(loaded) >= PREFETCH_BLOCKS - 1:
+                            # this batch spans more blocks than the read-ahead allows: lend the
+                            # producer one more block, paid back when a block is recycled
+                            self.borrowed += 1
+                            self._release()
                         item = self.blocks.get()
                         if isinstance(item, BaseException):
                             raise item
@@ -368,7 +374,10 @@ class _EpochRun:
                         loaded[item.j] = item
                 for old in [k for k in loaded if k < js[0]]:
                     self.loader.recycle(loaded.pop(old))
-                    self._release()
+                    if self.borrowed:
+                        self.borrowed -= 1
+                    else:
+                        self._release()
                 raw_parts, start_parts = [], []
                 for j in js:
                     off = plan.block_offsets[j]

@@ -8,7 +8,7 @@ int64 numpy arrays, never on per-sample Python objects.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
@@ -278,3 +278,34 @@ def epoch_plan(space: SampleSpace, *, seed: int, epoch: int, shuffle: bool, batc
     return EpochPlan(units=order[pos], lo=lo, hi=hi, block_chunks=block_chunks, n_samples=n,
                      batch_size=batch_size, drop_last=drop_last, shuffle=shuffle, seed=seed, epoch=epoch,
                      rank=rank, world_size=world_size)
+
+
+# ---------------------------------------------------------------------- DataLoader workers
+def worker_batches(n_batches: int, num_workers: int, worker: int) -> tuple[int, int]:
+    """Batches ``[start, stop)`` of a rank's epoch that DataLoader worker ``worker`` yields.
+
+    Each worker takes one contiguous run of batches (run lengths differ by at most one),
+    so it reads its own run of shuffle blocks: only a block that a run boundary falls
+    inside is read by two workers (at most ``num_workers - 1`` per epoch), instead of
+    every block by every worker as a round-robin of batches would need. The batches are
+    the rank's own, so ``len`` and the rank's batch count do not depend on the workers;
+    only the order in which a DataLoader interleaves them does.
+    """
+    if num_workers < 1 or not 0 <= worker < num_workers:
+        raise ValueError(f"worker must be in [0, {num_workers}), got {worker}")
+    return n_batches * worker // num_workers, n_batches * (worker + 1) // num_workers
+
+
+def plan_head(plan: EpochPlan, n_batches: int) -> EpochPlan:
+    """The first ``n_batches`` batches of ``plan``, holding only the blocks they draw from.
+
+    The blocks kept are whole and keep their indices, so their sample order (and every
+    batch) is the same as in ``plan``; blocks after the last batch are never read.
+    """
+    stop = max(0, min(int(n_batches), plan.n_batches))
+    n = min(stop * plan.batch_size, plan.n_samples)
+    keep = 0
+    if n:
+        last = int(np.searchsorted(plan.block_offsets, n - 1, side="right")) - 1
+        keep = min((last + 1) * plan.block_chunks, len(plan.units))
+    return replace(plan, units=plan.units[:keep], lo=plan.lo[:keep], hi=plan.hi[:keep], n_samples=n)

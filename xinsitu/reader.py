@@ -115,58 +115,72 @@ class Reader:
 
         With ``out`` (any view of the right shape), chunks are decoded straight into it.
         """
-        if not src.stored:
-            sel = tuple(slice(*region[d]) if d in region else slice(None) for d in src.dims)
-            if out is None:
-                return np.asarray(src.values[sel])
-            out[...] = src.values[sel]
-            return out
-        pos = [ix if isinstance(ix, int) else (ix[slice(*region[d])] if d in region else ix)
-               for d, ix in zip(src.src_dims, src.index, strict=True)]
-        shape = tuple(len(p) for p in pos if not isinstance(p, int))
-        if out is None:
-            out = np.empty(shape, dtype=src.raw_dtype)
-        elif out.shape != shape:
-            raise ValueError(f"read of {src.name!r}: destination shape {out.shape} != region shape {shape}")
-        if is_sharded(src.array):
-            out[...] = await self._read_with_zarr(src, pos)
-            return out
-        if out.size == 0:
-            return out
-        plans = []
-        for ax, p in enumerate(pos):
-            cs = src.chunk_shape[ax]
-            plans.append([(p // cs, None, p % cs)] if isinstance(p, int) else _axis_plan(p, cs))
-        dec, store = self._decoder(src), self._store(src)
-        jobs = [self._fetch_into(src, dec, store, out, combo) for combo in itertools.product(*plans)]
-        await asyncio.gather(*jobs)
-        return out
+        (res,) = await self.read_many(src, [(region, out)])
+        return res
 
-    async def _fetch_into(self, src: VarSource, dec: ChunkDecoder, store: Any, out: np.ndarray,
-                          combo: tuple[tuple[int, Any, Any], ...]) -> None:
-        coords = tuple(c for c, _, _ in combo)
+    async def read_many(self, src: VarSource,
+                        jobs: list[tuple[dict[str, tuple[int, int]], np.ndarray | None]]) -> list[np.ndarray]:
+        """Read several regions of ``src``; a chunk that several regions touch is fetched and
+        decoded once, then copied into each of them."""
+        outs: list[np.ndarray] = []
+        targets: dict[tuple[int, ...], list[tuple[np.ndarray, list, list, list]]] = {}
+        sharded = src.stored and is_sharded(src.array)
+        for region, out in jobs:
+            if not src.stored:
+                sel = tuple(slice(*region[d]) if d in region else slice(None) for d in src.dims)
+                if out is None:
+                    out = np.array(src.values[sel])
+                else:
+                    out[...] = src.values[sel]
+                outs.append(out)
+                continue
+            pos = [ix if isinstance(ix, int) else (ix[slice(*region[d])] if d in region else ix)
+                   for d, ix in zip(src.src_dims, src.index, strict=True)]
+            shape = tuple(len(p) for p in pos if not isinstance(p, int))
+            if out is None:
+                out = np.empty(shape, dtype=src.raw_dtype)
+            elif out.shape != shape:
+                raise ValueError(f"read of {src.name!r}: destination shape {out.shape} != region shape {shape}")
+            outs.append(out)
+            if sharded:
+                out[...] = await self._read_with_zarr(src, pos)
+                continue
+            if out.size == 0:
+                continue
+            plans = []
+            for ax, p in enumerate(pos):
+                cs = src.chunk_shape[ax]
+                plans.append([(p // cs, None, p % cs)] if isinstance(p, int) else _axis_plan(p, cs))
+            for combo in itertools.product(*plans):
+                coords = tuple(int(c) for c, _, _ in combo)
+                out_sel = [o for _, o, _ in combo if o is not None]
+                in_sel = [i for _, o, i in combo if o is not None]
+                drop = [i if o is None else slice(None) for _, o, i in combo]
+                drop = drop if any(o is None for _, o, _ in combo) else []
+                targets.setdefault(coords, []).append((out, out_sel, in_sel, drop))
+        if targets:
+            dec, store = self._decoder(src), self._store(src)
+            await asyncio.gather(*(self._fetch_into(src, dec, store, c, t) for c, t in targets.items()))
+        return outs
+
+    async def _fetch_into(self, src: VarSource, dec: ChunkDecoder, store: Any, coords: tuple[int, ...],
+                          targets: list[tuple[np.ndarray, list, list, list]]) -> None:
         key = dec.key(coords)
         path = f"{src.array.path}/{key}" if src.array.path else key
-        out_sel = [o for _, o, _ in combo if o is not None]
-        in_sel = [i for _, o, i in combo if o is not None]
-        drop = [i if o is None else slice(None) for _, o, i in combo]
-        drop = drop if any(o is None for _, o, _ in combo) else []
         loop = asyncio.get_running_loop()
         async with self._semaphore():
             try:
                 raw = await store.get(path)
                 self.counters.requests += 1
                 if raw is None:
-                    chunk = dec.fill()
-                    await loop.run_in_executor(None, _assign, out, out_sel, chunk, in_sel, drop)
+                    await loop.run_in_executor(None, _assign_all, dec.fill(), targets)
                 else:
                     self.counters.bytes_read += len(raw)
                     t0 = time.perf_counter()
                     if dec.sync:
-                        await loop.run_in_executor(None, _decode_assign, dec, raw, out, out_sel, in_sel, drop)
+                        await loop.run_in_executor(None, _decode_assign, dec, raw, targets)
                     else:
-                        chunk = await dec.decode(raw)
-                        _assign(out, out_sel, chunk, in_sel, drop)
+                        _assign_all(await dec.decode(raw), targets)
                     self.counters.decode_s += time.perf_counter() - t0
             except RuntimeError as e:
                 if str(e) == FORK_HELP:
@@ -196,5 +210,10 @@ def _raise_fork() -> None:
     raise RuntimeError(FORK_HELP)
 
 
-def _decode_assign(dec: ChunkDecoder, raw: Any, out: np.ndarray, out_sel: list, in_sel: list, drop: list) -> None:
-    _assign(out, out_sel, dec.decode_sync(raw), in_sel, drop)
+def _assign_all(chunk: np.ndarray, targets: list[tuple[np.ndarray, list, list, list]]) -> None:
+    for out, out_sel, in_sel, drop in targets:
+        _assign(out, out_sel, chunk, in_sel, drop)
+
+
+def _decode_assign(dec: ChunkDecoder, raw: Any, targets: list[tuple[np.ndarray, list, list, list]]) -> None:
+    _assign_all(dec.decode_sync(raw), targets)

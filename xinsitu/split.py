@@ -357,8 +357,13 @@ def make_split(ds: Any, geometry: Geometry, dim: str | list[str], *, fractions: 
             have = sorted(geometry.sizes)
             raise ValueError(f"unknown dim {d!r}: the data variables have dims {have}")
         if geometry.nblocks(d) < 2:
-            raise ValueError(f"dim {d!r} is not chunked (one chunk of {geometry.sizes[d]}): a split needs "
-                             f"at least one chunk per split; re-chunk the archive along {d!r}")
+            whole = [v for v, g in geometry.variables.items() if d in g.dims
+                     and g.chunks[g.dims.index(d)] >= g.shape[g.dims.index(d)]]
+            raise ValueError(f"dim {d!r} is not chunked (one chunk of {geometry.sizes[d]}"
+                             + (f"; variables {whole} hold it in a single chunk" if whole else
+                                f"; the variables' chunks of {geometry.dims[d]} share no edge inside it")
+                             + f"): a split needs at least one chunk per split; re-chunk the archive along "
+                             f"{d!r} or select variables chunked along it")
     if not isinstance(gap, (int, np.integer)) or isinstance(gap, bool) or gap < 0:
         raise ValueError(f"gap must be a non-negative whole number of chunks, got {gap!r}")
     if (fractions is None) == (ranges is None):

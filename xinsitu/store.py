@@ -1,42 +1,102 @@
 """URLs and paths -> obstore stores; ``open_zarr`` on top of them.
 
 Options go to obstore unchanged (``config`` keys such as credentials and endpoint as
-keyword arguments, ``client_options``, ``retry_config``, ``credential_provider``).
+keyword arguments, ``client_options``, ``retry_config``, ``credential_provider``), over
+defaults tuned for training: long transfers are allowed, stalls are caught by a read
+timeout, and transient faults are retried with backoff (see ``DEFAULT_CLIENT_OPTIONS`` and
+``DEFAULT_RETRY_CONFIG``). Credentials are never put in messages: ``redact`` scrubs them.
 """
 
 from __future__ import annotations
 
 import os
+import re
+from datetime import timedelta
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 import xarray as xr
 
 _SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss", "adl", "http", "https", "file", "memory")
+_REMOTE = ("s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss", "adl", "http", "https")
+_SIGNED = ("s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss", "adl")
+
+#: HTTP client defaults for remote stores; ``client_options=`` keys override them one by one.
+#: obstore's own 30 s limit on a whole request would kill (and retry forever) large chunks
+#: fetched many at a time on a slow link, so the whole-request limit is long and a stalled
+#: transfer is caught by the read timeout instead (no byte for 30 s).
+DEFAULT_CLIENT_OPTIONS: dict[str, Any] = {
+    "connect_timeout": "10s",
+    "read_timeout": "30s",
+    "timeout": "300s",
+}
+
+#: Retry defaults for remote stores; ``retry_config=`` keys override them one by one
+#: (``{"max_retries": 0}`` turns retries off). 5xx answers, dropped connections, cut
+#: bodies and timeouts are retried with exponential backoff and jitter.
+DEFAULT_RETRY_CONFIG: dict[str, Any] = {
+    "max_retries": 10,
+    "retry_timeout": timedelta(minutes=4),  # obstore advises < 5 min (signed requests expire)
+    "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=10), "base": 2},
+}
+
+# option names (any store kind) whose values are credentials
+_SECRET_KEY = re.compile(r"secret|token|key|password|sas|credential|signature|authorization|client_id|bearer",
+                         re.IGNORECASE)
+_URL = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^/\s@\"'<>]*@)?(?P<rest>[^\s?#\"'<>]*)"
+                  r"(?P<query>\?[^\s#\"'<>]*)?")
 
 
 def make_store(url: str | os.PathLike, **options: Any) -> Any:
     """An obstore store for a URL (``s3://``, ``gs://``, ``az://``, ``http(s)://``, ``file://``,
-    ``memory://``) or a local path."""
+    ``memory://``) or a local path.
+
+    ``anonymous=True`` reads a public bucket without credentials (obstore's
+    ``skip_signature``). For remote URLs, ``client_options`` and ``retry_config`` are laid
+    over ``DEFAULT_CLIENT_OPTIONS`` and ``DEFAULT_RETRY_CONFIG``; ``http://`` allows plain
+    HTTP without an option.
+    """
     import obstore.store
 
     s = os.fspath(url)
     scheme = urlsplit(s).scheme.lower()
+    anonymous = options.pop("anonymous", None)
     if scheme not in _SCHEMES or (len(scheme) == 1 and os.name == "nt"):
         if "://" in s:
-            raise ValueError(f"unsupported URL scheme {scheme!r} in {_redact(s)}; use one of {_SCHEMES} or a path")
+            raise ValueError(f"unsupported URL scheme {scheme!r} in {redact_url(s)}; use one of {_SCHEMES} or a path")
+        if options or anonymous is not None:
+            raise TypeError(f"store options {sorted(options)} apply to URLs, not to a local path")
         path = os.path.abspath(os.path.expanduser(s))
         if not os.path.isdir(path):
             raise FileNotFoundError(f"no zarr store at {path!r}")
         return obstore.store.LocalStore(prefix=path)
-    if scheme == "http":
-        client = dict(options.pop("client_options", None) or {})
-        client.setdefault("allow_http", True)
+    if anonymous is not None:
+        if scheme not in _SIGNED and scheme not in ("http", "https"):
+            raise TypeError(f"anonymous= applies to object storage URLs, not to {scheme}://")
+        if scheme in _SIGNED:
+            options.setdefault("skip_signature", bool(anonymous))
+    if scheme in _REMOTE:
+        client = DEFAULT_CLIENT_OPTIONS | dict(options.pop("client_options", None) or {})
+        if scheme == "http":
+            client.setdefault("allow_http", True)
         options["client_options"] = client
-    return obstore.store.from_url(s, **options)
+        options["retry_config"] = _merge_retry(options.pop("retry_config", None))
+    try:
+        return obstore.store.from_url(s, **options)
+    except Exception as e:  # noqa: BLE001 - re-raised without the credentials it may quote
+        raise scrubbed(e, secrets_in_options(s, options)) from None
 
 
-def _redact(url: str) -> str:
+def _merge_retry(user: dict[str, Any] | None) -> dict[str, Any]:
+    out = dict(DEFAULT_RETRY_CONFIG)
+    user = dict(user or {})
+    if "backoff" in user:
+        out["backoff"] = dict(DEFAULT_RETRY_CONFIG["backoff"]) | dict(user.pop("backoff") or {})
+    return out | user
+
+
+# ----------------------------------------------------------------------------- redaction
+def redact_url(url: str) -> str:
     """A URL without user info or query string (signed URLs carry credentials there)."""
     p = urlsplit(url)
     host = p.hostname or ""
@@ -45,6 +105,88 @@ def _redact(url: str) -> str:
     return f"{p.scheme}://{host}{p.path}" + ("?…" if p.query else "")
 
 
+_redact = redact_url  # older name
+
+
+def secrets_in_options(url: str, options: dict[str, Any]) -> list[str]:
+    """Credential values among store options (and a URL's user info and query values)."""
+    found: list[str] = []
+
+    def walk(key: str, v: Any) -> None:
+        if isinstance(v, dict):
+            for k, x in v.items():
+                walk(str(k), x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(key, x)
+        elif isinstance(v, (str, bytes)) and _SECRET_KEY.search(key):
+            s = v.decode(errors="replace") if isinstance(v, bytes) else v
+            found.append(s)
+            found.extend(s.split())  # "Bearer <token>": the token alone too
+
+    walk("", options)
+    p = urlsplit(url)
+    if p.password:
+        found.append(p.password)
+    found.extend(v for _, v in parse_qsl(p.query))
+    return sorted({s for s in found if len(s) >= 4}, key=len, reverse=True)
+
+
+def secrets_of(store: Any) -> list[str]:
+    """Credential values an obstore store was built with (empty for local and memory stores)."""
+    opts: dict[str, Any] = {}
+    for attr in ("config", "client_options"):
+        try:
+            opts[attr] = dict(getattr(store, attr, None) or {})
+        except Exception:  # noqa: BLE001 - a store kind without that property
+            pass
+    url = getattr(store, "url", "") or ""
+    return secrets_in_options(url if isinstance(url, str) else "", opts)
+
+
+def redact(text: str, secrets: list[str] | tuple[str, ...] = ()) -> str:
+    """``text`` with URL query strings and user info, and every value in ``secrets``, replaced."""
+    for s in secrets:
+        text = text.replace(s, "***")
+    return _URL.sub(lambda m: m["scheme"] + ("***@" if m["user"] else "") + m["rest"]
+                    + ("?***" if m["query"] else ""), text)
+
+
+def scrubbed(e: BaseException, secrets: list[str] | tuple[str, ...] = ()) -> BaseException:
+    """An exception like ``e`` whose message names no credential; obstore's debug dump is cut.
+
+    The caller raises it ``from None``: the original (which may quote a signed URL) stays out
+    of tracebacks and logs.
+    """
+    msg = str(e).split("\n\nDebug source:", 1)[0].strip()
+    msg = redact(msg, secrets)
+    base: type[BaseException]
+    if isinstance(e, FileNotFoundError):
+        base = FileNotFoundError
+    elif isinstance(e, PermissionError) or type(e).__name__ in ("PermissionDeniedError", "UnauthenticatedError"):
+        base = PermissionError
+    elif type(e).__name__ in ("UnknownConfigurationKeyError", "InvalidPathError"):
+        base = ValueError
+    elif isinstance(e, (TimeoutError, ConnectionError, ValueError, TypeError, KeyError, OSError)):
+        base = next(t for t in (TimeoutError, ConnectionError, ValueError, TypeError, KeyError, OSError)
+                    if isinstance(e, t))
+    else:
+        base = OSError
+    name = type(e).__name__
+    return base(msg if name == base.__name__ else f"{name}: {msg}")
+
+
+def _chain_text(e: BaseException) -> str:
+    """Messages of ``e`` and of every exception it was raised from or during."""
+    out, seen, cur = [], set(), e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        out.append(str(cur))
+        cur = cur.__cause__ or cur.__context__
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- open
 def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None = None,
               decode_times: bool = True, **store_options: Any) -> xr.Dataset:
     """Open a Zarr v2/v3 archive lazily (no dask), reading through obstore.
@@ -58,27 +200,51 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
     consolidated : use consolidated metadata (None: if present). Needed over plain HTTP.
     group : path of the group inside the store.
     decode_times : passed to xarray.
-    **store_options : obstore options (credentials, ``endpoint``, ``region``,
-        ``client_options``, ``retry_config``...), for URLs and paths only.
+    **store_options : obstore options, for URLs only: credentials and other per-store
+        config (``access_key_id``, ``secret_access_key``, ``session_token``, ``endpoint``,
+        ``region``, ``skip_signature``...; ``anonymous=True`` is ``skip_signature=True``),
+        ``client_options`` (timeouts, ``allow_http``...) and ``retry_config``, each laid
+        over ``DEFAULT_CLIENT_OPTIONS`` / ``DEFAULT_RETRY_CONFIG`` key by key.
 
     Returns
     -------
     xr.Dataset
         Lazily indexed (numpy-backed on access, no dask); ``ds.insitu`` reads it in place.
+
+    Examples
+    --------
+    >>> ds = xinsitu.open_zarr("s3://bucket/era5.zarr", region="us-east-1")  # doctest: +SKIP
+    >>> ds = xinsitu.open_zarr("s3://bucket/era5.zarr", endpoint="http://127.0.0.1:9000",
+    ...                        access_key_id="...", secret_access_key="...",
+    ...                        client_options={"allow_http": True},
+    ...                        retry_config={"max_retries": 3})  # doctest: +SKIP
+    >>> ds = xinsitu.open_zarr("s3://public-bucket/era5.zarr", anonymous=True)  # doctest: +SKIP
     """
     import zarr.storage
 
+    secrets: list[str] = []
     if isinstance(store, (str, os.PathLike)):
-        zstore = zarr.storage.ObjectStore(make_store(store, **store_options), read_only=True)
+        url = os.fspath(store)
+        secrets = secrets_in_options(url, store_options)
+        obs = make_store(store, **store_options)
+        zstore = zarr.storage.ObjectStore(obs, read_only=True)
+        where = redact_url(url) if "://" in url else url
     else:
         if store_options:
             raise TypeError(f"store options {sorted(store_options)} apply to URLs and paths only, "
                             "not to a store object")
         mod = type(store).__module__
         zstore = zarr.storage.ObjectStore(store, read_only=True) if mod.startswith("obstore") else store
+        secrets = secrets_of(store) if mod.startswith("obstore") else []
+        where = type(store).__name__
     try:
         return xr.open_zarr(zstore, chunks=None, consolidated=consolidated, group=group,
                             decode_times=decode_times)
     except FileNotFoundError as e:
-        where = _redact(os.fspath(store)) if isinstance(store, (str, os.PathLike)) else type(store).__name__
-        raise FileNotFoundError(f"no zarr group found at {where}: {e}") from None
+        raise FileNotFoundError(f"no zarr group found at {where}: {scrubbed(e, secrets)}") from None
+    except Exception as e:
+        text = _chain_text(e)
+        # obstore's errors become the builtin ones (PermissionError...); none may quote a credential
+        if type(e).__module__.startswith("obstore") or redact(text, secrets) != text:
+            raise scrubbed(e, secrets) from None
+        raise

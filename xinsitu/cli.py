@@ -1,0 +1,426 @@
+"""``python -m xinsitu``: look at an archive and measure how fast it can feed training.
+
+``inspect URL``
+    The chunk geometry and a suggested split (80/10/10 on the first chunked dim, with a
+    gap of one chunk block), with the line of Python that makes it.
+``bench URL``
+    Reads chunk blocks of one split twice: a *raw* pass fetches every stored object once
+    through the same backend the loader uses (no decoding), then the loader itself
+    (``ds.insitu.batches``) reads and decodes every chunk once and gathers batches;
+    ``gen.io_stats`` reports what that cost. From the two it tells whether the store,
+    the decoding, or the model is likely to limit training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import itertools
+import json
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from xinsitu import __version__
+from xinsitu import repr as _repr
+
+DEFAULT_FRACTIONS = {"train": 0.8, "val": 0.1, "test": 0.1}
+
+
+# ----------------------------------------------------------------------------- arguments
+def _option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` -> (key, value), with ``true``/``false``/numbers converted."""
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"store option {text!r} must look like KEY=VALUE")
+    key, value = text.split("=", 1)
+    low = value.lower()
+    if low in ("true", "false"):
+        return key, low == "true"
+    try:
+        return key, int(value)
+    except ValueError:
+        return key, value
+
+
+def _fractions(text: str) -> dict[str, float]:
+    """``train=0.8,val=0.1,test=0.1`` -> dict."""
+    out = {}
+    for part in text.split(","):
+        name, _, val = part.partition("=")
+        try:
+            out[name.strip()] = float(val)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"fractions must look like train=0.8,val=0.2, got {text!r}") from None
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``xinsitu`` command-line parser (``inspect`` and ``bench``).
+
+    Returns
+    -------
+    argparse.ArgumentParser
+    """
+    ap = argparse.ArgumentParser(prog="xinsitu", description="Train ML models in place on chunked archives.")
+    ap.add_argument("--version", action="version", version=f"xinsitu {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{inspect,bench}")
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("url", help="archive URL (s3://, gs://, az://, http(s)://, file://) or local path")
+    common.add_argument("-o", "--option", dest="options", action="append", type=_option, default=[],
+                        metavar="KEY=VALUE", help="store option for obstore, e.g. region=us-east-1 or "
+                        "skip_signature=true (repeatable)")
+    common.add_argument("--group", default=None, help="group inside the store")
+    common.add_argument("--dim", default=None, help="dim to split (default: the first chunked dim)")
+    common.add_argument("--fractions", type=_fractions, default=None, metavar="NAME=F,...",
+                        help="split fractions (default: train=0.8,val=0.1,test=0.1)")
+    common.add_argument("--gap", type=int, default=None, help="chunk blocks left out between splits (default 1)")
+    common.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+    ins = sub.add_parser("inspect", parents=[common], help="print the chunk geometry and a suggested split",
+                         description="Print the chunk geometry and a suggested chunk-aligned split.")
+    ins.set_defaults(func=cmd_inspect)
+
+    b = sub.add_parser("bench", parents=[common], help="measure read+decode throughput of the store",
+                       description="Measure how fast the store can feed training: a raw pass (fetch only) and "
+                       "the loader (fetch, decode, gather) over the same chunks, each read once.")
+    b.add_argument("--manifest", default=None, help="split manifest JSON (default: the suggested split)")
+    b.add_argument("--split", default="train", help="split to read (default: train)")
+    b.add_argument("--variables", default=None, help="comma-separated variables (default: all on the split dim)")
+    b.add_argument("--batch-size", type=int, default=32)
+    b.add_argument("--block-chunks", type=int, default=16, help="shuffle buffer, in chunk blocks (default 16)")
+    b.add_argument("--max-inflight", type=int, default=None, help="requests in flight (default: the loader's)")
+    b.add_argument("--max-blocks", type=int, default=64,
+                   help="read at most this many chunk blocks of the split (default 64; 0: the whole split)")
+    b.add_argument("--step-ms", type=float, default=None,
+                   help="your model's time per training step (ms) for one batch, to name the bottleneck")
+    b.set_defaults(func=cmd_bench)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line.
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        Arguments (default: ``sys.argv[1:]``).
+
+    Returns
+    -------
+    int
+        Exit status: 0 on success, 1 when the archive cannot be used as asked.
+    """
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"xinsitu {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+def _open(args: argparse.Namespace) -> Any:
+    import xinsitu
+
+    return xinsitu.open_zarr(args.url, group=args.group, **dict(args.options))
+
+
+# ----------------------------------------------------------------------------- split
+def split_dim(geometry: Any) -> str | None:
+    """The dim a split goes on by default: the first dim, in the order of the largest
+    variable's dims, that is chunked into at least two chunk blocks (None if none is).
+
+    Parameters
+    ----------
+    geometry : Geometry
+
+    Returns
+    -------
+    str or None
+    """
+    order: list[str] = []
+    for g in sorted(geometry.variables.values(), key=lambda g: -int(np.prod(g.shape, dtype=np.float64))):
+        order += [d for d in g.dims if d not in order]
+    return next((d for d in order if geometry.nblocks(d) >= 2), None)
+
+
+def suggest_split(ds: Any, dim: str | None = None, fractions: dict[str, float] | None = None,
+                  gap: int | None = None) -> tuple[Any, str]:
+    """A chunk-aligned split to start from, and a note on how it was chosen.
+
+    80/10/10 train/val/test on ``dim`` (default: :func:`split_dim`) with a gap of one
+    chunk block; on a dim with too few chunk blocks, without the gap, then train/val only.
+
+    Parameters
+    ----------
+    ds : xr.Dataset
+    dim : str, optional
+    fractions : dict, optional
+        ``{split: fraction}``; given fractions and gap are used as they are.
+    gap : int, optional
+
+    Returns
+    -------
+    (SplitManifest, str)
+        The manifest and the Python line that makes it.
+
+    Raises
+    ------
+    ValueError
+        If no dim is chunked into two or more chunk blocks, or the split is impossible.
+    """
+    g = ds.insitu.geometry
+    if dim is None:
+        dim = split_dim(g)
+        if dim is None:
+            raise ValueError("no dim is chunked into two or more chunks, so there is nothing to split on: "
+                             "re-chunk the archive along the dim to split (e.g. time)")
+    tries = [(fractions or DEFAULT_FRACTIONS, 1 if gap is None else gap)]
+    if fractions is None and gap is None:
+        tries += [(DEFAULT_FRACTIONS, 0), ({"train": 0.8, "val": 0.2}, 0)]
+    err: ValueError | None = None
+    for fr, gp in tries:
+        try:
+            m = ds.insitu.split(dim, fractions=fr, gap=gp)
+        except ValueError as e:
+            err = e
+            continue
+        code = f"m = ds.insitu.split({dim!r}, fractions={fr!r}, gap={gp})"
+        return m, code
+    assert err is not None
+    raise err
+
+
+# ----------------------------------------------------------------------------- inspect
+def _geometry_dict(g: Any) -> dict[str, Any]:
+    return {
+        "dims": {d: {"length": g.sizes[d], "chunk": c if isinstance(c, int) else list(c), "blocks": g.nblocks(d)}
+                 for d, c in g.dims.items()},
+        "variables": {n: {"dims": list(v.dims), "shape": list(v.shape), "chunks": list(v.chunks),
+                          "shards": list(v.shards) if v.shards else None, "dtype": v.dtype, "codecs": list(v.codecs),
+                          "chunk_nbytes": v.chunk_nbytes, "nchunks": v.nchunks}
+                      for n, v in g.variables.items()},
+    }
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """``xinsitu inspect URL``: geometry and a suggested split."""
+    ds = _open(args)
+    g = ds.insitu.geometry
+    try:
+        m, code = suggest_split(ds, args.dim, args.fractions, args.gap)
+        problem = None
+    except ValueError as e:
+        m, code, problem = None, None, str(e)
+    if args.json:
+        print(json.dumps({"geometry": _geometry_dict(g), "split": m.to_dict() if m else None, "code": code,
+                          "problem": problem}, indent=1))
+        return 0
+    print(repr(g))
+    print()
+    if m is None:
+        print(f"No split suggested: {problem}")
+        return 0
+    print("Suggested split:")
+    print(m.summary())
+    print()
+    print("In Python:")
+    print("    import xinsitu")
+    print(f"    ds = xinsitu.open_zarr({args.url!r})")
+    print(f"    {code}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- bench
+def _chunk_coords(src: Any, manifest: Any, split: str) -> set[tuple[int, ...]]:
+    """Coordinates (in the stored array's grid of objects) of every object the split's chunk
+    blocks touch in variable ``src``: each one once."""
+    grid_shape = tuple(src.array.shards) if getattr(src.array, "shards", None) else tuple(src.chunk_shape)
+    per_dim: list[np.ndarray | None] = []  # chunk id of each selected position, per source dim
+    for ax, ix in enumerate(src.index):
+        per_dim.append(None if isinstance(ix, (int, np.integer)) else np.asarray(ix, np.int64) // grid_shape[ax])
+    whole = [np.array([int(ix) // grid_shape[ax]]) if per_dim[ax] is None else np.unique(per_dim[ax])
+             for ax, ix in enumerate(src.index)]
+    split_axes = {d: src.src_dims.index(d) for d in manifest.dims if d in src.dims}
+    if not split_axes:  # a variable without the split dims is read whole, once
+        return set(itertools.product(*[w.tolist() for w in whole]))
+    edges = {d: np.asarray(manifest.edges[d], np.int64) for d in manifest.dims}
+    out: set[tuple[int, ...]] = set()
+    blocks = np.unravel_index(manifest.blocks(split), manifest.grid)
+    for b in range(len(blocks[0]) if blocks else 0):
+        axes = [w.tolist() for w in whole]
+        for k, d in enumerate(manifest.dims):
+            if d in split_axes:
+                ax, c = split_axes[d], int(blocks[k][b])
+                ids = per_dim[ax]
+                assert ids is not None
+                axes[ax] = np.unique(ids[edges[d][c]:edges[d][c + 1]]).tolist()
+        out.update(itertools.product(*axes))
+    return out
+
+
+def raw_keys(gen: Any) -> list[tuple[Any, str]]:
+    """``[(zarr store, key)]`` of every stored object the generator's split needs, each once.
+
+    Parameters
+    ----------
+    gen : BatchGenerator
+
+    Returns
+    -------
+    list of (store, str)
+    """
+    keys = []
+    for src in gen.sources.values():
+        if not src.stored:
+            continue
+        meta = src.array.metadata
+        for coords in sorted(_chunk_coords(src, gen.manifest, gen.split)):
+            key = meta.encode_chunk_key(coords)
+            keys.append((src.array.store, f"{src.array.path}/{key}" if src.array.path else key))
+    return keys
+
+
+def raw_pass(keys: list[tuple[Any, str]], max_inflight: int) -> dict[str, Any]:
+    """Fetch every object once through the loader's backend (no decoding); time it.
+
+    Parameters
+    ----------
+    keys : list of (store, str)
+        From :func:`raw_keys`.
+    max_inflight : int
+        Requests in flight at once.
+
+    Returns
+    -------
+    dict
+        ``objects``, ``missing``, ``bytes``, ``seconds``, ``mb_per_s``, ``requests_per_s``.
+    """
+    from xinsitu import _loop
+    from xinsitu.backend import backend_for
+
+    backends: dict[int, Any] = {}
+
+    async def go() -> tuple[int, int]:
+        sem = asyncio.Semaphore(max_inflight)
+        nbytes = missing = 0
+
+        async def one(store: Any, key: str) -> None:
+            nonlocal nbytes, missing
+            be = backends.setdefault(id(store), backend_for(store))
+            async with sem:
+                raw = await be.get(key)
+            if raw is None:
+                missing += 1
+            else:
+                nbytes += len(raw)
+
+        await asyncio.gather(*(one(s, k) for s, k in keys))
+        return nbytes, missing
+
+    t0 = time.perf_counter()
+    nbytes, missing = _loop.run(go())
+    dt = time.perf_counter() - t0
+    return {"objects": len(keys), "missing": missing, "bytes": nbytes, "seconds": dt,
+            "mb_per_s": nbytes / dt / 1e6 if dt > 0 else 0.0, "requests_per_s": len(keys) / dt if dt > 0 else 0.0}
+
+
+def verdict(raw: dict[str, Any] | None, io: dict[str, Any], batch_size: int, step_ms: float | None) -> list[str]:
+    """Plain sentences naming the likely bottleneck.
+
+    Parameters
+    ----------
+    raw : dict or None
+        :func:`raw_pass` result (None for an in-memory dataset).
+    io : dict
+        ``gen.io_stats`` of the loader pass.
+    batch_size : int
+    step_ms : float, optional
+        The model's time per training step, in ms.
+
+    Returns
+    -------
+    list of str
+    """
+    out = []
+    per_batch = 1000 * io["seconds"] / max(io["batches"], 1)
+    if raw is not None and io["seconds"] > 0:
+        share = raw["seconds"] / io["seconds"]
+        if share >= 0.6:
+            out.append(f"Fetching alone takes {100 * share:.0f}% of the loader's time: the store (network or "
+                       "disk) limits the loader; more requests in flight (--max-inflight) or a store closer to "
+                       "the compute would help.")
+        else:
+            out.append(f"Fetching alone takes {100 * share:.0f}% of the loader's time: decoding and gathering "
+                       "(CPU) limit the loader; more cores or a lighter compressor would help.")
+    if step_ms is None:
+        out.append(f"The loader feeds a batch of {batch_size} every {per_batch:.1f} ms. A model step slower "
+                   f"than that makes the model the bottleneck (the data is always ready); a faster one waits "
+                   "on the store. Pass --step-ms to compare with your model.")
+    elif step_ms >= per_batch:
+        out.append(f"Model-bound: a step takes {step_ms:g} ms and the loader needs {per_batch:.1f} ms per batch, "
+                   "so the data is ready before the model asks for it.")
+    else:
+        out.append(f"Store-bound: a step takes {step_ms:g} ms but the loader needs {per_batch:.1f} ms per batch; "
+                   f"the model would wait about {per_batch - step_ms:.1f} ms per step for data.")
+    return out
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``xinsitu bench URL``: raw fetch pass, then the loader over the same chunk blocks."""
+    from xinsitu.loader import DEFAULT_MAX_INFLIGHT
+    from xinsitu.split import SplitManifest
+
+    ds = _open(args)
+    if args.manifest:
+        m = SplitManifest.from_json(args.manifest)
+        code = f"m = SplitManifest.from_json({args.manifest!r})"
+    else:
+        m, code = suggest_split(ds, args.dim, args.fractions, args.gap)
+    blocks = m.blocks(args.split)
+    if args.max_blocks and len(blocks) > args.max_blocks:
+        m = dataclasses.replace(m, splits={**m.splits, args.split: [int(b) for b in blocks[:args.max_blocks]]})
+    used = len(m.splits[args.split])
+    variables = args.variables.split(",") if args.variables else None
+    max_inflight = args.max_inflight or DEFAULT_MAX_INFLIGHT
+    gen = ds.insitu.batches(m, args.split, batch_size=args.batch_size, shuffle=True, seed=0, output="numpy",
+                            variables=variables, block_chunks=args.block_chunks, max_inflight=max_inflight)
+    stored = any(s.stored for s in gen.sources.values())
+    if not args.json:
+        print(f"split {args.split!r}: {used} of {len(blocks)} chunk blocks ({code})")
+        print(f"variables: {', '.join(gen.sources)}")
+    raw = None
+    if stored:
+        keys = raw_keys(gen)
+        raw = raw_pass(keys, max_inflight)
+        if not args.json:
+            print(f"raw pass   : {raw['objects']} objects, {_repr.fmt_bytes(raw['bytes'])} fetched in "
+                  f"{raw['seconds']:.2f} s = {raw['mb_per_s']:.1f} MB/s, {raw['requests_per_s']:.0f} requests/s"
+                  + (f" ({raw['missing']} missing: fill value)" if raw["missing"] else ""))
+    n = 0
+    t0 = time.perf_counter()
+    for batch in gen:
+        n += 1
+        del batch
+    wall = time.perf_counter() - t0
+    io = gen.io_stats
+    batches_per_s = io["batches"] / io["seconds"] if io["seconds"] > 0 else 0.0
+    lines = verdict(raw, io, args.batch_size, args.step_ms)
+    if args.json:
+        print(json.dumps({"split": args.split, "blocks": used, "blocks_in_split": len(blocks),
+                          "variables": list(gen.sources), "batch_size": args.batch_size, "raw": raw,
+                          "loader": {**io, "batches_per_s": batches_per_s, "wall_s": wall}, "verdict": lines},
+                         indent=1, default=float))
+        return 0
+    print(f"loader     : {io['chunks']} chunks read once each, {_repr.fmt_bytes(io['bytes_read'])} stored -> "
+          f"{_repr.fmt_bytes(io['bytes_decoded'])} decoded in {io['seconds']:.2f} s = {io['mb_per_s']:.1f} MB/s "
+          f"decoded")
+    print(f"             {io['samples_per_s']:.0f} samples/s = {batches_per_s:.1f} batches/s of {args.batch_size}; "
+          f"the caller waited {io['wait_s']:.2f} s for data")
+    print()
+    for line in lines:
+        print(line)
+    return 0

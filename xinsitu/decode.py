@@ -27,12 +27,13 @@ class ChunkDecoder:
     asynchronous codec pipeline, which also decodes in threads.
     """
 
-    def __init__(self, array: Any):
+    def __init__(self, array: Any, pipeline: Any = None, spec: Any = None):
         aa = array.async_array if hasattr(array, "async_array") else array
         self.metadata = aa.metadata
-        self.pipeline = aa.codec_pipeline
-        self.spec = self.metadata.get_chunk_spec((0,) * len(aa.shape), aa.config, prototype=_prototype())
-        self.shape = tuple(self.spec.shape)  # stored object shape (a shard, for sharded arrays)
+        self.pipeline = pipeline if pipeline is not None else aa.codec_pipeline
+        self.spec = spec if spec is not None else \
+            self.metadata.get_chunk_spec((0,) * len(aa.shape), aa.config, prototype=_prototype())
+        self.shape = tuple(self.spec.shape)  # stored object shape (a whole shard, for sharded arrays)
         self.dtype = np.dtype(self.spec.dtype.to_native_dtype())
         self.fill_value = np.asarray(self.spec.fill_value, dtype=self.dtype) if self.spec.fill_value is not None \
             else np.zeros((), self.dtype)
@@ -86,6 +87,35 @@ class ChunkDecoder:
 
 def is_sharded(array: Any) -> bool:
     return bool(getattr(array, "shards", None))
+
+
+class ShardLayout:
+    """How to find and decode the inner chunks of a sharded (v3 ``sharding_indexed``) array."""
+
+    def __init__(self, array: Any):
+        aa = array.async_array if hasattr(array, "async_array") else array
+        codecs = getattr(aa.metadata, "codecs", ())
+        codec = codecs[0] if len(codecs) == 1 else None
+        needed = ("_shard_index_size", "_decode_shard_index", "_get_chunk_spec", "codec_pipeline", "chunk_shape")
+        if codec is None or not all(hasattr(codec, n) for n in needed):
+            raise NotImplementedError("sharded array layout not understood by this zarr version")
+        self.codec = codec
+        shard_spec = aa.metadata.get_chunk_spec((0,) * len(aa.shape), aa.config, prototype=_prototype())
+        self.shard_shape = tuple(shard_spec.shape)
+        self.inner_shape = tuple(codec.chunk_shape)
+        self.per_shard = tuple(s // c for s, c in zip(self.shard_shape, self.inner_shape, strict=True))
+        self.index_size = int(codec._shard_index_size(self.per_shard))
+        self.index_at_end = str(getattr(codec.index_location, "value", codec.index_location)) == "end"
+        self.inner = ChunkDecoder(array, pipeline=codec.codec_pipeline, spec=codec._get_chunk_spec(shard_spec))
+        self.metadata = aa.metadata
+
+    def shard_key(self, shard: tuple[int, ...]) -> str:
+        return self.metadata.encode_chunk_key(shard)
+
+    async def index(self, raw: Any) -> np.ndarray:
+        """(offset, length) of every inner chunk, shape ``per_shard + (2,)``; 2**64-1 where empty."""
+        idx = await self.codec._decode_shard_index(_prototype().buffer.from_bytes(raw), self.per_shard)
+        return np.asarray(idx.offsets_and_lengths)
 
 
 def store_root(zstore: Any) -> tuple[str, Any]:

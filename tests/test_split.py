@@ -162,4 +162,4 @@ def test_summary_and_reprs(era5_path):
     m = ds.insitu.split("time", fractions={"train": 0.8, "val": 0.2}, gap=1)
     for text in (m.summary(), repr(m)):
         assert "train" in text and "val" in text and "1979-01-01T00:00:00" in text
-    assert "xi-timeline" in m._repr_html_()
+    assert "class='xi-timeline'" in m._repr_html_() or 'class="xi-timeline"' in m._repr_html_()

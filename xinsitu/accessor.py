@@ -36,24 +36,47 @@ class InsituAccessor:
 
         Parameters
         ----------
-        dim : the dim(s) to split; every chunk (block) goes to exactly one split.
-        fractions : ``{name: fraction}`` summing to 1, applied to whole chunks.
-        ranges : ``{name: slice(start_label, stop_label)}`` (``.sel`` semantics), rounded inward
-            to chunk edges.
-        gap : chunks left out between splits (embargo).
-        contiguous : one run per split (default for one dim) or chunks drawn at random.
-        seed : seed of the random assignment.
+        dim : str or list of str
+            The dim(s) to split; every chunk (chunk block, for several dims) goes to exactly
+            one split.
+        fractions : dict of str to float, optional
+            ``{name: fraction}`` summing to 1, applied to the whole chunks left after gaps.
+        ranges : dict of str to slice, optional
+            ``{name: slice(start_label, stop_label)}`` (``.sel`` semantics), rounded inward to
+            chunk edges. Give exactly one of ``fractions`` and ``ranges``.
+        gap : int, default 0
+            Chunks left out between splits (embargo).
+        contiguous : bool, optional
+            One run per split in split order (default for one dim), or chunks assigned at
+            random by fraction (default for several dims).
+        seed : int, default 0
+            Seed of the random assignment.
+
+        Returns
+        -------
+        SplitManifest
         """
         return make_split(self._ds, self.geometry, dim, fractions=fractions, ranges=ranges, gap=gap,
                           contiguous=contiguous, seed=seed)
 
     def batches(self, manifest: SplitManifest, split: str, **kwargs: Any) -> Any:
-        """A ``BatchGenerator`` over ``split`` of ``manifest``.
+        """Batches of one split, read in place.
 
-        Keyword arguments: ``batch_size=32, shuffle=True, seed=0, window=None, patch=None,
-        stride=None, over=None, variables=None, output="xarray", stack=False,
-        normalize=None, device=None, block_chunks=16, max_inflight=None, drop_last=False,
-        rank=None, world_size=None, progress=False`` (see ``xinsitu.BatchGenerator``).
+        Parameters
+        ----------
+        manifest : SplitManifest
+            From :meth:`split` (or ``SplitManifest.from_json``).
+        split : str
+            Name of the split to draw from.
+        **kwargs
+            ``batch_size=32, shuffle=True, seed=0, window=None, patch=None, stride=None,
+            over=None, variables=None, output="xarray", stack=False, normalize=None,
+            device=None, block_chunks=16, max_inflight=None, drop_last=False, rank=None,
+            world_size=None, progress=False``; see :class:`xinsitu.BatchGenerator`.
+
+        Returns
+        -------
+        BatchGenerator
         """
         from xinsitu.loader import BatchGenerator
 

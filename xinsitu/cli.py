@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (ValueError, FileNotFoundError, OSError) as e:
+    except (ValueError, TypeError, OSError) as e:  # bad input or an unreadable store: a message, no traceback
         print(f"xinsitu {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
 
@@ -387,7 +387,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     variables = args.variables.split(",") if args.variables else None
     max_inflight = args.max_inflight or DEFAULT_MAX_INFLIGHT
     gen = ds.insitu.batches(m, args.split, batch_size=args.batch_size, shuffle=True, seed=0, output="numpy",
-                            variables=variables, block_chunks=args.block_chunks, max_inflight=max_inflight)
+                            variables=variables, block_chunks=args.block_chunks, max_inflight=max_inflight,
+                            rank=0, world_size=1)  # one process measures the store (and torch isn't imported)
     stored = any(s.stored for s in gen.sources.values())
     if not args.json:
         print(f"split {args.split!r}: {used} of {len(blocks)} chunk blocks ({code})")

@@ -249,9 +249,20 @@ class BatchGenerator:
         return [c.name for c in plan_channels(self._ds, self.layouts)[0]]
 
     def shuffle_quality(self, max_batches: int = 200) -> float:
-        """How well batches mix chunks, 0..1 (1.0 ~ a global shuffle); computed from the plan."""
-        batches = self.batch_ids()[:max_batches]
-        units = [self.space.locate(b)[0] for b in batches]
+        """How well batches mix chunks, 0..1 (1.0 ~ a global shuffle); computed from the plan.
+
+        Scores the first ``max_batches`` batches of this rank's epoch (no I/O; only the
+        shuffle blocks those batches come from are ordered).
+        """
+        p = self.plan()
+        need = min(p.n_samples, max_batches * self.batch_size)
+        parts, n, j = [], 0, 0
+        while n < need and j < p.n_blocks:
+            parts.append(p.block_order(j, self.space.offsets))
+            n += len(parts[-1])
+            j += 1
+        ids = np.concatenate(parts)[:need] if parts else np.zeros(0, np.int64)
+        units = [self.space.locate(ids[k:k + self.batch_size])[0] for k in range(0, len(ids), self.batch_size)]
         return _shuffle.quality(units, self.space.counts)
 
     def sample(self, i: int) -> xr.Dataset:
@@ -275,28 +286,88 @@ class BatchGenerator:
 
         return InsituIterableDataset(self)
 
+    def _headline(self) -> str:
+        return f"{self.split!r}: {len(self)} batches of {self.batch_size}, output={self.output!r}"
+
+    def _epoch_bytes(self, p: EpochPlan) -> int:
+        """Decoded bytes of the chunk blocks this rank reads in an epoch (halos and partial chunks aside)."""
+        sp = self.space
+        coords = np.unravel_index(sp.blocks[p.units], sp.grid)
+        extent = {d.name: np.diff(sp.edges[k])[coords[k]] for k, d in enumerate(sp.split_dims)}
+        total = 0
+        for lay in self.layouts.values():
+            src = lay.src
+            per = np.ones(len(p.units), dtype=np.int64)
+            rest = src.raw_dtype.itemsize
+            for d, n in zip(src.dims, src.shape, strict=True):
+                if d in extent:
+                    per = per * extent[d]
+                else:
+                    rest *= n
+            total += rest if lay.static else int(per.sum()) * rest  # a static variable is read once
+        return total
+
     def _sections(self) -> list[_repr.Section]:
         p = self.plan()
-        reads = sum(1 for _ in range(p.n_blocks))
-        info = [("split", self.split), ("batches", str(p.n_batches)), ("batch size", str(self.batch_size)),
-                ("samples", f"{p.n_samples} of {self.space.n_samples} in the split"),
-                ("chunk blocks read / epoch", f"{len(p.units)} in {reads} shuffle blocks of {self.block_chunks}"),
-                ("shuffle", f"{self.shuffle} (seed {self.seed}, epoch {self.epoch})"),
-                ("output", self.output), ("rank", f"{self.rank} of {self.world_size}")]
+        nvar = sum(1 for lay in self.layouts.values() if not lay.static)
+        batches = f"{p.n_batches} x {self.batch_size} samples"
+        if p.n_samples % self.batch_size:
+            batches += " (short last batch dropped)" if self.drop_last else " (last one short)"
+        samples = f"{p.n_samples} of {self.space.n_samples} in split {self.split!r}"
+        if self.world_size > 1:
+            samples += f" (rank {self.rank} of {self.world_size})"
         if self.shuffle:
-            info.append(("shuffle quality", f"{self.shuffle_quality(50):.2f}"))
-        dims = [(d.name, str(d.size), str(d.width), str(d.stride), "split" if d.split else
-                 ("kept" if d.keep else "over")) for d in self.space.dims]
-        return [_repr.Section("Batches", (), info),
-                _repr.Section("Sample dims", ("dim", "length", "width", "stride", "role"), dims),
-                _repr.Section("Variables", (), [(n, "(" + ", ".join(lay.out_dims) + ")")
-                                               for n, lay in self.layouts.items()])]
+            shuffle = (f"seed {self.seed}, epoch {self.epoch}, buffers of {self.block_chunks} chunk blocks; "
+                       f"quality {self.shuffle_quality(50):.2f} (1.0 ~ global)")
+        else:
+            shuffle = f"off: chunk blocks in split order (epoch {self.epoch})"
+        once = "" if any(d.width > 1 for d in self.space.split_dims) else ", each chunk read once"
+        info = [("batches", batches), ("samples", samples),
+                ("reads / epoch", f"{len(p.units)} chunk blocks x {nvar} variable{'s' if nvar != 1 else ''}, "
+                                  f"~{_repr.fmt_bytes(self._epoch_bytes(p))} decoded{once}"),
+                ("shuffle", shuffle), ("output", self.output + (f" on {self.builder.device}"
+                                                                if getattr(self.builder, "device", None) else ""))]
+        roles = []
+        sampled = {d.name for d in self.space.dims}
+        for d in self.space.dims:
+            if d.width == 1:
+                what = "1 position"
+            elif d.stride == 1:
+                what = f"window of {d.width}"
+            else:
+                what = f"tile of {d.width}, stride {d.stride}"
+            role = "split dim" if d.split else ("over: one sample per position" if not d.keep else "window / patch")
+            roles.append((d.name, str(d.size), what, role))
+        for d, n in self.geometry.sizes.items():
+            if d not in sampled:
+                roles.append((d, str(n), f"whole ({n})", "kept"))
+        width = {d.name: d.width for d in self.space.dims if d.keep}
+        var_rows = []
+        for name, lay in self.layouts.items():
+            shape = ", ".join(f"{d}: {width.get(d, self.geometry.sizes.get(d, 0))}" for d in lay.out_dims)
+            var_rows.append((name, f"({shape})", str(lay.src.dtype), "static: same in every batch" if lay.static
+                             else ""))
+        sections = [_repr.Section("Epoch", (), info),
+                    _repr.Section("Sample", ("dim", "length", "takes", "role"), roles),
+                    _repr.Section("Variables", ("variable", "per sample", "dtype", ""), var_rows,
+                                  summary=f"({len(var_rows)})")]
+        io = {k: self._io.get(k, 0) for k in ("chunks", "requests", "bytes_read", "bytes_decoded", "samples_per_s",
+                                               "mb_per_s", "seconds", "wait_s", "epoch", "batches")}
+        if self._io:  # a repr never raises: missing counters read as 0
+            sections.append(_repr.Section("Last epoch I/O", (), [
+                ("read", f"{io['chunks']} chunks in {io['requests']} requests, {_repr.fmt_bytes(io['bytes_read'])} "
+                         f"stored -> {_repr.fmt_bytes(io['bytes_decoded'])} decoded"),
+                ("rate", f"{io['samples_per_s']:.0f} samples/s, {io['mb_per_s']:.1f} MB/s decoded "
+                         f"over {io['seconds']:.2f} s"),
+                ("waited for data", f"{io['wait_s']:.2f} s")],
+                summary=f"(epoch {io['epoch']}, {io['batches']} batches)", collapsed=True))
+        return sections
 
     def __repr__(self) -> str:
-        return _repr.text("xinsitu.BatchGenerator", self._sections())
+        return _repr.text("xinsitu.BatchGenerator", self._sections(), self._headline())
 
     def _repr_html_(self) -> str:
-        return _repr.html("xinsitu.BatchGenerator", self._sections(), repr(self))
+        return _repr.html("xinsitu.BatchGenerator", self._sections(), repr(self), self._headline())
 
 
 class _EpochRun:

@@ -8,7 +8,6 @@ dims), so no read ever serves two splits.
 from __future__ import annotations
 
 import hashlib
-import html as _html
 import json
 import math
 import os
@@ -285,45 +284,77 @@ class SplitManifest:
             rows.append((name, (f"{len(blocks)} chunks", f"{self.positions(name)} positions", rng)))
         return rows
 
+    def _owner(self) -> np.ndarray:
+        """Per chunk block (shaped as ``grid``): index of its split in ``splits``, ``-1`` where left out."""
+        owner = np.full(int(np.prod(self.grid)), -1, dtype=np.int64)
+        for i, blocks in enumerate(self.splits.values()):
+            owner[np.asarray(blocks, dtype=np.int64)] = i
+        return owner.reshape(self.grid)
+
+    def _headline(self) -> str:
+        how = ("ranges" if self.method == "ranges" else
+               "contiguous fractions" if self.contiguous else f"random fractions (seed {self.seed})")
+        return (f"on {' x '.join(self.dims)}: {' x '.join(map(str, self.grid))} chunk blocks, {how}, "
+                f"gap {self.gap}")
+
     def _sections(self) -> list[_repr.Section]:
-        rows = [(k, *v) for k, v in self._rows()]
-        info = [("dims", ", ".join(self.dims)), ("chunk blocks", " x ".join(map(str, self.grid))),
-                ("gap", str(self.gap)), ("seed", str(self.seed)), ("fingerprint", self.fingerprint[:12])]
+        one = len(self.dims) == 1
+        owner = self._owner()
+        total = sum(self.sizes[d] for d in self.dims) if one else int(np.prod([self.sizes[d] for d in self.dims]))
+        rows = []
+        for name, blocks in self.splits.items():
+            n = self.positions(name)
+            labs = self.labels.get(name, {})
+            if one:
+                lab = labs.get(self.dims[0])
+                where = (str(lab[0]), str(lab[1])) if lab else ("", "")
+            else:
+                where = ("; ".join(f"{d} {v[0]} .. {v[1]}" for d, v in labs.items()),)
+            rows.append((name, str(len(blocks)), str(n), f"{100 * n / max(total, 1):.1f}%", *where))
+        left = int((owner < 0).sum())
+        if left:
+            n = total - sum(self.positions(k) for k in self.splits)
+            rows.append(("(left out)", str(left), str(n), f"{100 * n / max(total, 1):.1f}%",
+                         *([""] * (2 if one else 1))))
+        header = ("split", "chunk blocks", "positions", "share", *(("first", "last") if one else ("labels",)))
+        coords = self.extra.get("coords", {})
+        spans = {d: (str(v[0]), str(v[1])) for d, v in coords.items() if v}
+        if one:
+            d = self.dims[0]
+            drawing = _repr.timeline(owner, self.edges[d], list(self.splits), dim=d, span=spans.get(d),
+                                     labels={k: (str(v[d][0]), str(v[d][1])) for k, v in self.labels.items()
+                                             if d in v})
+        elif len(self.dims) == 2:
+            drawing = _repr.grid(owner, self.edges[self.dims[0]], self.edges[self.dims[1]], list(self.splits),
+                                 dims=(self.dims[0], self.dims[1]), spans=spans)
+        else:
+            drawing = ""
+        info = [("dims", ", ".join(f"{d} ({self.sizes[d]}, {len(self.edges[d]) - 1} chunk blocks)"
+                                   for d in self.dims)),
+                ("method", self.method + ("" if self.method == "ranges" else
+                                          ", contiguous" if self.contiguous else ", random")),
+                ("gap", f"{self.gap} chunk block{'s' if self.gap != 1 else ''}"), ("seed", str(self.seed)),
+                ("fingerprint", self.fingerprint[:12])]
         if self.snapshot:
             info.append(("snapshot", self.snapshot))
         if self.stats:
             info.append(("stats", f"{len(self.stats.get('channels', self.stats))} channels "
                                   f"from split {self.stats.get('split', '?')!r}"))
-        return [_repr.Section("Splits", ("split", "chunks", "positions", "labels"), rows,
-                              extra_html=self._timeline_html()),
-                _repr.Section("Manifest", (), info)]
+        return [_repr.Section("Splits", header, rows, extra_html=drawing, summary=f"({len(self.splits)})"),
+                _repr.Section("Manifest", (), info, collapsed=True)]
 
-    def _timeline_html(self) -> str:
-        if len(self.dims) != 1:
-            return ""
-        n = self.grid[0]
-        owner = np.full(n, -1)
-        for i, b in enumerate(self.splits.values()):
-            owner[np.asarray(b, dtype=np.int64)] = i
-        colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860"]
-        names = list(self.splits)
-        parts, start = [], 0
-        for i in range(1, n + 1):
-            if i == n or owner[i] != owner[start]:
-                o = owner[start]
-                width = 100 * (i - start) / n
-                color = "#bbbbbb" if o < 0 else colors[o % len(colors)]
-                label = "gap" if o < 0 else names[o]
-                parts.append(f"<div style='width:{width:.3f}%;background:{color}' "
-                             f"title='{_html.escape(label)}: chunks {start}..{i - 1}'>{_html.escape(label)}</div>")
-                start = i
-        return "<div class='xi-timeline'>" + "".join(parts) + "</div>"
+    def plot(self, ax: Any = None) -> Any:
+        """Draw the splits with matplotlib (a timeline for one dim, a grid for two); see
+        ``xinsitu.plot.plot_manifest``. Returns the Axes."""
+        from xinsitu.plot import plot_manifest
+
+        return plot_manifest(self, ax=ax)
 
     def __repr__(self) -> str:
-        return _repr.text("xinsitu.SplitManifest", self._sections())
+        return _repr.text("xinsitu.SplitManifest", self._sections(), self._headline())
 
     def _repr_html_(self) -> str:
-        return _repr.html("xinsitu.SplitManifest", self._sections(), repr(self))
+        return _repr.html("xinsitu.SplitManifest", self._sections(), repr(self), self._headline())
 
 
 def fingerprint_of(dims: list[str], sizes: dict[str, int], edges: dict[str, list[int]],

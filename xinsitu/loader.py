@@ -77,7 +77,50 @@ def _dist_defaults(rank: int | None, world_size: int | None) -> tuple[int, int]:
 
 
 class BatchGenerator:
-    """Batches of one split of a Dataset; see ``Dataset.insitu.batches`` for the arguments."""
+    """Batches of one split of a Dataset, read in place (``ds.insitu.batches(...)`` makes one).
+
+    Parameters
+    ----------
+    ds : xr.Dataset
+        Opened by ``xinsitu.open_zarr``, ``xr.open_zarr`` (with or without dask), a subset of
+        one, or in memory.
+    manifest : SplitManifest
+        The chunk-aligned split (``ds.insitu.split``).
+    split : str
+        The split to draw from.
+    batch_size : int, default 32
+    shuffle : bool, default True
+        Permute the chunk blocks per ``(seed, epoch)`` and draw at random from a buffer of
+        ``block_chunks`` blocks; False walks in split order.
+    seed : int, default 0
+    window : dict of str to int, optional
+        ``{dim: k}``: each sample carries ``k`` consecutive positions (e.g. history + lead).
+    patch : dict of str to int, optional
+        ``{dim: size}``: tiles (xbatcher's ``input_dims``).
+    stride : dict of str to int, optional
+        Tile stride per patch dim (default: the patch size; xbatcher's
+        ``input_overlap = patch - stride``).
+    over : str or list of str, optional
+        More dims whose positions are samples.
+    variables : list of str, optional
+        Default: the data variables on the split dim(s).
+    output : {"xarray", "dataarray", "numpy", "torch", "cupy"}, default "xarray"
+    stack : bool, default False
+        One ``(sample, channel, ...)`` array per batch (see ``channels``).
+    normalize : dict, optional
+        Statistics from ``ds.insitu.stats`` (``m.stats``): ``(x - mean) / std`` per channel.
+    device : str or torch.device, optional
+        Where torch tensors go (e.g. ``"cuda:0"``).
+    block_chunks : int, default 16
+        Chunk blocks per shuffle block (memory ~ a few blocks).
+    max_inflight : int, optional
+        Chunk requests in flight at most (default 64).
+    drop_last : bool, default False
+    rank, world_size : int, optional
+        Default: torch.distributed's when it is initialised, else 0 and 1.
+    progress : bool, default False
+        Show a tqdm progress bar.
+    """
 
     def __init__(self, ds: xr.Dataset, manifest: SplitManifest, split: str, *, batch_size: int = 32,
                  shuffle: bool = True, seed: int = 0, window: dict[str, int] | None = None,

@@ -190,3 +190,12 @@ def test_break_stops_cleanly(era5_path):
             break
     # the generator is reusable afterwards and still yields a full epoch
     assert sum(len(b["t2m"]) for b in gen) == m.positions("train")
+
+
+def test_after_xarray_cached_values(era5_path):
+    """Once xarray has loaded (and cached) a variable, it is read from memory: same batches."""
+    ds = xinsitu.open_zarr(era5_path)
+    float(ds.t2m.mean())  # loads and caches t2m in xarray's MemoryCachedArray
+    m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    gen = ds.insitu.batches(m, "train", batch_size=8, output="numpy")
+    assert check_epoch(ds, gen, "numpy") == m.positions("train")

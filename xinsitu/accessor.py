@@ -82,6 +82,31 @@ class InsituAccessor:
 
         return BatchGenerator(self._ds, manifest, split, **kwargs)
 
+    def stats(self, manifest: SplitManifest, split: str = "train", *, variables: list[str] | None = None,
+              block_chunks: int = 16, max_inflight: int | None = None) -> dict[str, Any]:
+        """Normalisation statistics of ``split``, from one streaming pass over its chunks.
+
+        Per channel (as ``gen.channels`` names them for the same variables): mean, std (ddof=0),
+        min, max, nan_count (and count) of the CF-decoded values, in float64; a list in label order
+        for a variable with an extra dim. Only ``split``'s chunks are read, each once. The result is
+        plain JSON-able data, also stored as ``manifest.stats`` (saved by ``manifest.to_json``);
+        pass it as ``normalize=`` to ``batches`` for ``(x - mean) / std`` per channel.
+
+        Parameters
+        ----------
+        manifest : a ``SplitManifest`` from ``ds.insitu.split``.
+        split : the split to reduce (default ``"train"``).
+        variables : variables to reduce (default: the data variables on the split dims, as for batches).
+        block_chunks : chunk blocks read per step.
+        max_inflight : chunk reads in flight at once.
+        """
+        from xinsitu.stats import compute_stats
+
+        st = compute_stats(self._ds, manifest, split, variables, block_chunks=block_chunks,
+                           max_inflight=max_inflight)
+        manifest.stats = st
+        return st
+
     def sample(self, manifest: SplitManifest, split: str, i: int, **kwargs: Any) -> xr.Dataset:
         """Sample ``i`` of ``split`` (unshuffled order) as a labeled Dataset; ``kwargs`` as for
         ``batches`` (``window=``, ``patch=``, ``variables=``...)."""

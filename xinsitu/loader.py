@@ -141,8 +141,6 @@ class BatchGenerator:
         self.seed, self.shuffle, self.drop_last = int(seed), bool(shuffle), bool(drop_last)
         self.rank, self.world_size = _dist_defaults(rank, world_size)
         self.manifest, self.split, self.progress = manifest, split, bool(progress)
-        if normalize is not None:
-            raise NotImplementedError("normalize= is not available yet")
         if variables is None:
             variables = [v for v in ds.data_vars if any(d in ds[v].dims for d in manifest.dims)]
         elif isinstance(variables, str):
@@ -152,7 +150,7 @@ class BatchGenerator:
         self._check_manifest(ds)
         self.space = self._sample_space(window, patch, stride, over)
         self.layouts = {n: VarLayout.build(s, self.space) for n, s in self.sources.items()}
-        self.builder = OutputBuilder(ds, self.space, self.layouts, output, stack, device)
+        self.builder = OutputBuilder(ds, self.space, self.layouts, output, stack, device, normalize=normalize)
         self.output = output
         self._ds = ds
         self.epoch = 0
@@ -289,7 +287,8 @@ class BatchGenerator:
         """Channel names of a stacked batch, in order."""
         from xinsitu.output import plan_channels
 
-        return [c.name for c in plan_channels(self._ds, self.layouts)[0]]
+        kept = tuple(d.name for d in self.space.dims if d.keep)
+        return [c.name for c in plan_channels(self._ds, self.layouts, kept)[0]]
 
     def shuffle_quality(self, max_batches: int = 200) -> float:
         """How well batches mix chunks, 0..1 (1.0 ~ a global shuffle); computed from the plan.

@@ -11,6 +11,7 @@ import xarray as xr
 
 from xinsitu.buffer import VarLayout
 from xinsitu.plan import SampleSpace
+from xinsitu.stats import normalizer
 
 OUTPUTS = ("xarray", "dataarray", "numpy", "torch", "cupy")
 
@@ -42,10 +43,12 @@ class Channel:
     index: tuple[int, ...]  # position along the variable's extra dims (empty: the whole variable)
 
 
-def plan_channels(ds: xr.Dataset, layouts: dict[str, VarLayout]) -> tuple[list[Channel], tuple[str, ...]]:
+def plan_channels(ds: xr.Dataset, layouts: dict[str, VarLayout],
+                  kept: tuple[str, ...] = ()) -> tuple[list[Channel], tuple[str, ...]]:
     """Channels in order (variables in order; an extra dim expands into ``{var}_{label}``) and the
-    dims every channel shares (after the sample axis)."""
-    outs = {n: lay.out_dims for n, lay in layouts.items()}
+    dims every channel shares (after the sample axis). Window/patch dims (``kept``) are sample axes,
+    never channels: a variable lacking them (a static one) is broadcast along them."""
+    outs = {n: tuple(d for d in lay.out_dims if d not in kept) for n, lay in layouts.items()}
     base = min(outs.values(), key=len)
     channels: list[Channel] = []
     for n, dims in outs.items():
@@ -61,7 +64,10 @@ def plan_channels(ds: xr.Dataset, layouts: dict[str, VarLayout]) -> tuple[list[C
         for idx in np.ndindex(*sizes):
             lab = "_".join(str(labels[k][i]) for k, i in enumerate(idx))
             channels.append(Channel(f"{n}_{lab}", n, tuple(int(i) for i in idx)))
-    return channels, tuple(base)
+    # the shared dims in the order a sampled variable has them (kept dims included)
+    order = max((lay.out_dims for lay in layouts.values() if lay.has_sample_axis), key=len, default=base)
+    shared = tuple(d for d in order if d in kept or d in base)
+    return channels, shared + tuple(d for d in base if d not in shared)
 
 
 def _labels(ds: xr.Dataset, dim: str, size: int) -> list[Any]:
@@ -75,7 +81,7 @@ class OutputBuilder:
     """Assembles one batch in the requested form (runs in the prefetch thread)."""
 
     def __init__(self, ds: xr.Dataset, space: SampleSpace, layouts: dict[str, VarLayout], output: str,
-                 stack: bool, device: Any = None):
+                 stack: bool, device: Any = None, normalize: dict[str, Any] | None = None):
         if output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
         if not isinstance(stack, bool):
@@ -86,8 +92,14 @@ class OutputBuilder:
         self.decoders = {n: cf_decoder(n, lay) for n, lay in layouts.items()}
         self.attrs = {n: dict(ds[n].attrs) for n in layouts}
         self.ds_attrs = dict(ds.attrs)
-        self.channels, self.base_dims = plan_channels(ds, layouts) if self.stack else ([], ())
-        self.dtype = np.result_type(*[lay.src.dtype for lay in layouts.values()])
+        kept = tuple(d.name for d in space.dims if d.keep)  # window/patch dims: sample axes, never channels
+        self.channels, self.base_dims = plan_channels(ds, layouts, kept) if self.stack else ([], ())
+        # (x - mean) / std per channel after CF decoding; m.stats from ds.insitu.stats, or a dict like it
+        self.normalizer = normalizer(normalize, layouts, kept) if normalize is not None else None
+        dtypes = [lay.src.dtype for lay in layouts.values()]
+        if self.normalizer is not None:
+            dtypes = [self.normalizer.dtype(d) for d in dtypes]
+        self.dtype = np.result_type(*dtypes)
         self._coords: xr.Dataset | None = None
         self._ds_coords = ds.coords
         if output in ("torch",):
@@ -112,20 +124,36 @@ class OutputBuilder:
         return self._coords
 
     def decode(self, raw: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return {n: self.decoders[n](a) for n, a in raw.items()}
+        values = {n: self.decoders[n](a) for n, a in raw.items()}
+        return values if self.normalizer is None else self.normalizer(values)
 
     def stacked(self, values: dict[str, np.ndarray]) -> np.ndarray:
-        """(sample, channel, *base) array of the common result dtype."""
-        n = next(iter(values.values())).shape[0]
-        base_shape = None
+        """(sample, channel, *base) array of the common result dtype; a variable lacking the sample axis
+        or a window/patch dim is broadcast along it, as ``to_dataarray`` broadcasts."""
+        sizes: dict[str, int] = {}
+        n = 0
+        for name, arr in values.items():
+            lay = self.layouts[name]
+            if lay.has_sample_axis:
+                n = arr.shape[0]
+                sizes.update(zip(lay.out_dims, arr.shape[1:], strict=True))
+            else:
+                sizes.update(zip(lay.src.dims, arr.shape, strict=True))
+        base_shape = tuple(sizes[d] for d in self.base_dims)
         parts = []
         for name, arr in values.items():
             lay = self.layouts[name]
-            dims = lay.out_dims
+            dims = list(lay.out_dims) if lay.has_sample_axis else list(lay.src.dims)
+            if not lay.has_sample_axis:
+                arr = arr[None]
+            missing = [d for d in self.base_dims if d not in dims]
+            if missing:
+                arr = arr.reshape(arr.shape + (1,) * len(missing))
+                dims += missing
             extra = [d for d in dims if d not in self.base_dims]
-            order = [dims.index(d) + 1 for d in extra] + [dims.index(d) + 1 for d in self.base_dims]
+            order = [dims.index(d) + 1 for d in extra + list(self.base_dims)]
             a = arr.transpose(0, *order) if order != list(range(1, arr.ndim)) else arr
-            base_shape = a.shape[1 + len(extra):]
+            a = np.broadcast_to(a, (n, *a.shape[1:1 + len(extra)], *base_shape))
             parts.append(a.reshape(n, -1, *base_shape))
         if len(parts) == 1:
             return parts[0].astype(self.dtype, copy=False)
@@ -156,8 +184,9 @@ class OutputBuilder:
         if self.output == "dataarray":
             c = self.sample_coords(starts)
             arr = self.stacked(values)
-            return xr.DataArray(arr, dims=("sample", "variable", *self.base_dims),
-                                coords={**c.coords, "variable": [ch.name for ch in self.channels]})
+            dims = ("sample", "variable", *self.base_dims)
+            coords = {k: v for k, v in c.coords.items() if set(v.dims) <= set(dims)}  # e.g. not `level`
+            return xr.DataArray(arr, dims=dims, coords={**coords, "variable": [ch.name for ch in self.channels]})
         if self.stack:
             arr = self.stacked(values)
             return self._to_torch(arr) if self.output == "torch" else arr

@@ -84,8 +84,8 @@ def _resolve_var(ds: xr.Dataset, name: str) -> VarSource:
         return VarSource(raw_dtype=np.dtype(var.dtype), values=data, mem_chunks=chunks, **base)
     zarray, keys = _unwrap_lazy(data)
     if zarray is None:
-        if hasattr(data, "__array__") and not _is_lazy(data):
-            values = np.asarray(data)
+        if _in_memory(data):  # e.g. a stored variable that xarray has already loaded and cached
+            values = np.asarray(var.values)
             return VarSource(raw_dtype=values.dtype, values=values, mem_chunks=_memory_chunks(var), **base)
         raise SourceError(
             f"variable {name!r} is backed by {type(data).__name__}, which xinsitu cannot map back to a "
@@ -119,10 +119,20 @@ def _is_dask(data: Any) -> bool:
     return type(data).__module__.startswith("dask") and hasattr(data, "__dask_graph__")
 
 
-def _is_lazy(data: Any) -> bool:
+def _in_memory(data: Any) -> bool:
+    """Whether xarray's wrappers around ``data`` end in values already in memory."""
     from xarray.core import indexing
 
-    return isinstance(data, indexing.ExplicitlyIndexed) and not isinstance(data, indexing.PandasIndexingAdapter)
+    node = data
+    for _ in range(64):
+        if isinstance(node, np.ndarray | indexing.NumpyIndexingAdapter | indexing.PandasIndexingAdapter):
+            return True
+        if isinstance(node, indexing.LazilyIndexedArray | indexing.LazilyVectorizedIndexedArray):
+            return False
+        node = getattr(node, "array", None)
+        if node is None:
+            return False
+    return False
 
 
 def _memory_chunks(var: xr.Variable) -> tuple[tuple[int, ...], ...]:

@@ -24,7 +24,6 @@ import xarray as xr
 
 from xinsitu import _loop
 from xinsitu.buffer import Block, BlockLoader, VarLayout
-from xinsitu.output import cf_decoder, plan_channels
 from xinsitu.plan import EpochPlan, epoch_plan
 from xinsitu.reader import Reader
 from xinsitu.split import SplitManifest
@@ -35,6 +34,8 @@ RESERVED = ("split", "channels", "variables")
 STAT_KEYS = ("mean", "std", "min", "max", "nan_count")
 #: blocks read ahead while one is reduced (memory: PREFETCH_BLOCKS + 1 blocks)
 PREFETCH_BLOCKS = 2
+#: pieces (unit x variable) one job of the decode threads reduces
+PIECES_PER_JOB = 4
 
 
 # ----------------------------------------------------------------------------- moments
@@ -132,7 +133,9 @@ class StatsPass:
 
     def __init__(self, ds: xr.Dataset, manifest: SplitManifest, split: str, variables: list[str] | None = None,
                  *, block_chunks: int = 16, max_inflight: int | None = None, reader: Reader | None = None):
+        # imported here: output.py imports this module for ``normalizer``
         from xinsitu.loader import DEFAULT_MAX_INFLIGHT, BatchGenerator
+        from xinsitu.output import cf_decoder
 
         # a generator with no window/patch/over: its samples are exactly the split's positions, and it
         # validates the manifest, the variables and the arguments the way ds.insitu.batches does
@@ -151,7 +154,8 @@ class StatsPass:
                                  "(select numeric variables with variables=[...])")
         self.reader = reader if reader is not None else Reader(max_inflight or DEFAULT_MAX_INFLIGHT)
         self.loader = BlockLoader(self.space, self.layouts, self.reader)
-        self.decoders = {n: cf_decoder(n, lay) for n, lay in self.layouts.items()}
+        self.decoders = {n: None if _decodes_to_itself(lay) else cf_decoder(n, lay)
+                         for n, lay in self.layouts.items()}
         self.channels, self.extra = channel_plan(ds, self.layouts)
         self.moments = {n: Moments(len(chs)) for n, chs in self.channels.items()}
         # per variable, the buffer axes of its extra dims (channel axes) after the slot axis
@@ -206,11 +210,16 @@ class StatsPass:
         try:
             block = await self.loader.load(plan, j)
             pieces = self._pieces(plan, block)
+            # a job reduces a few pieces of one variable: fewer hops to the threads, still many jobs
+            jobs: list[tuple[str, list[np.ndarray]]] = []
+            for n in self.layouts:
+                raws = [raw for m, raw in pieces if m == n]
+                jobs += [(n, raws[i:i + PIECES_PER_JOB]) for i in range(0, len(raws), PIECES_PER_JOB)]
             loop = asyncio.get_running_loop()
-            moments = await asyncio.gather(*(loop.run_in_executor(None, self._moments_of, n, raw)
-                                             for n, raw in pieces))
+            done = await asyncio.gather(*(loop.run_in_executor(None, self._moments_of, n, raws)
+                                          for n, raws in jobs))
             self.loader.recycle(block)
-            return [(n, m) for (n, _), m in zip(pieces, moments, strict=True)]
+            return [(n, m) for (n, _), ms in zip(jobs, done, strict=True) for m in ms]
         except BaseException as e:
             failed.append(e)  # stop starting reads; gather raises it
             raise
@@ -246,11 +255,15 @@ class StatsPass:
                 out.append((n, block.arrays[n][s][tuple(slice(0, sizes[k]) for k in lay.sampled)]))
         return out
 
-    def _moments_of(self, name: str, raw: np.ndarray) -> Moments:
-        values = self.decoders[name](raw)
-        axes = self._channel_axes[name]
-        x = np.moveaxis(values, axes, list(range(len(axes)))) if axes else values
-        return Moments.of(x.reshape(len(self.channels[name]), -1))
+    def _moments_of(self, name: str, raws: list[np.ndarray]) -> list[Moments]:
+        """The moments of each piece (runs in a decode thread; numpy releases the GIL)."""
+        decode, axes, nch = self.decoders[name], self._channel_axes[name], len(self.channels[name])
+        out = []
+        for raw in raws:
+            values = decode(raw) if decode is not None else raw
+            x = np.moveaxis(values, axes, list(range(len(axes)))) if axes else values
+            out.append(Moments.of(x.reshape(nch, -1)))
+        return out
 
     # -- result
     def record(self) -> dict[str, Any]:
@@ -268,11 +281,24 @@ class StatsPass:
         return out
 
 
+def _decodes_to_itself(lay: VarLayout) -> bool:
+    """Whether CF decoding leaves raw values as they are: floats whose only CF attribute is a NaN fill
+    value (what xarray writes for float variables). Saves a pass per block; anything else is decoded."""
+    src = lay.src
+    attrs = {k: v for k, v in src.cf.items() if k != "dtype"}
+    if not src.stored or not attrs:
+        return True
+    return (src.raw_dtype == src.dtype and src.dtype.kind == "f" and set(attrs) <= {"_FillValue", "missing_value"}
+            and all(np.isnan(np.asarray(v, dtype=np.float64)).all() for v in attrs.values()))
+
+
 def channel_plan(ds: xr.Dataset, layouts: dict[str, VarLayout]) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
     """Per variable, its channel names and its extra (channel) dims, as ``plan_channels`` has them.
 
     Variables that cannot be stacked together (no shared dims) are one channel each.
     """
+    from xinsitu.output import plan_channels
+
     try:
         chans, base = plan_channels(ds, layouts)
     except ValueError:
@@ -347,16 +373,17 @@ class Normalizer:
         return {n: self.apply(n, a) if n in self.params else a for n, a in values.items()}
 
 
-def normalizer(stats: dict[str, Any], layouts: dict[str, VarLayout]) -> Normalizer:
+def normalizer(stats: dict[str, Any], layouts: dict[str, VarLayout], kept: tuple[str, ...] = ()) -> Normalizer:
     """A :class:`Normalizer` applying ``stats`` (from :func:`compute_stats`) to these variables.
 
     Parameters
     ----------
     stats : ``{var: {"mean": ..., "std": ...}, ...}`` (a ``compute_stats`` record, e.g. ``m.stats``,
         or a hand-written dict of the same shape). A variable with an extra dim needs a list per
-        key, in channel order; its entry's ``"dims"`` names the extra dims (default: the dims the
-        other variables lack, as in ``plan_channels``).
+        key, in channel order (C order over the entry's ``"dims"``, the extra dims; default: the
+        dims the other variables lack, as in ``plan_channels``).
     layouts : the generator's variable layouts (``gen.layouts``).
+    kept : the window/patch dims of the generator's samples (never channel dims).
 
     Raises
     ------
@@ -366,7 +393,7 @@ def normalizer(stats: dict[str, Any], layouts: dict[str, VarLayout]) -> Normaliz
     if not isinstance(stats, dict):
         raise TypeError(f"normalize= takes a stats dict (e.g. m.stats from ds.insitu.stats), got "
                         f"{type(stats).__name__}")
-    inferred = _extra_dims(layouts)
+    inferred = _extra_dims(layouts, kept)
     params = {}
     for n, lay in layouts.items():
         entry = stats.get(n)
@@ -385,7 +412,7 @@ def normalizer(stats: dict[str, Any], layouts: dict[str, VarLayout]) -> Normaliz
         shape = [1] * len(out_dims)
         for d, size in zip(extra, sizes, strict=True):
             shape[out_dims.index(d)] = size
-        # extra dims keep the variable's order in out_dims, so the C-order channel list reshapes in place
+        # the channel list is C order over ``extra``; lay its axes out in the batch's dim order
         order = sorted(range(len(extra)), key=lambda i: out_dims.index(extra[i]))
         mean = mean.reshape(sizes).transpose(order).reshape(shape)
         std = std.reshape(sizes).transpose(order).reshape(shape)
@@ -406,9 +433,10 @@ def _channel_values(name: str, v: Any, key: str, sizes: list[int]) -> np.ndarray
     return arr
 
 
-def _extra_dims(layouts: dict[str, VarLayout]) -> dict[str, list[str]]:
-    """The dims each variable has beyond the shortest variable's (the channel dims of plan_channels)."""
-    outs = {n: lay.out_dims for n, lay in layouts.items()}
+def _extra_dims(layouts: dict[str, VarLayout], kept: tuple[str, ...] = ()) -> dict[str, list[str]]:
+    """The dims each variable has beyond the shortest variable's (the channel dims of plan_channels),
+    window/patch dims left aside."""
+    outs = {n: tuple(d for d in lay.out_dims if d not in kept) for n, lay in layouts.items()}
     base = min(outs.values(), key=len)
     return {n: [d for d in dims if d not in base] if all(d in dims for d in base) else []
             for n, dims in outs.items()}

@@ -25,7 +25,7 @@ from xinsitu import shuffle as _shuffle
 from xinsitu.buffer import BlockLoader, VarLayout
 from xinsitu.geometry import geometry_of
 from xinsitu.output import OutputBuilder
-from xinsitu.plan import EpochPlan, SampleDim, SampleSpace, epoch_plan
+from xinsitu.plan import EpochPlan, SampleDim, SampleSpace, epoch_plan, plan_head
 from xinsitu.reader import Reader
 from xinsitu.source import resolve
 from xinsitu.split import SplitManifest, coord_span
@@ -219,7 +219,7 @@ class BatchGenerator:
         if not isinstance(epoch, (int, np.integer)) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
         if int(epoch) != self.epoch:
-            self._resume_batch = 0
+            self._resume_batch = self._yielded = 0  # a state saved now is the new epoch's start
         self.epoch = int(epoch)
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
@@ -243,9 +243,13 @@ class BatchGenerator:
         return [ids[i * self.batch_size:(i + 1) * self.batch_size] for i in range(p.n_batches)]
 
     def __iter__(self) -> Any:
+        start, self._resume_batch = self._resume_batch, 0
+        return self._iter_range(start, None)
+
+    def _iter_range(self, start: int, stop: int | None) -> Any:
+        """Batches ``start..stop-1`` of this rank's epoch, reading only the blocks they draw from."""
         plan = self.plan()
-        start = self._resume_batch
-        self._resume_batch = 0
+        plan = plan_head(plan, plan.n_batches if stop is None else stop)  # blocks past the last batch: unread
         self._yielded = start
         run = _EpochRun(self, plan, start)
         bar = None
@@ -264,6 +268,13 @@ class BatchGenerator:
             self._io = run.report()
             if bar is not None:
                 bar.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a pickled generator (e.g. sent to a spawned DataLoader worker) leaves this process's
+        # reader and recycled block buffers behind: the new process builds its own
+        state = self.__dict__.copy()
+        state.update(_reader=None, _loader=None, _pid=-1, _io={})
+        return state
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

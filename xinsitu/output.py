@@ -16,17 +16,29 @@ from xinsitu.stats import normalizer
 OUTPUTS = ("xarray", "dataarray", "numpy", "torch", "cupy")
 
 
+def _identity(raw: np.ndarray) -> np.ndarray:
+    return raw
+
+
+class _CFDecode:
+    """raw -> values exactly as xarray decodes them; a class, not a closure, so that a
+    generator pickles into spawned DataLoader workers."""
+
+    def __init__(self, name: str, attrs: dict[str, Any]):
+        self.name, self.attrs = name, attrs
+
+    def __call__(self, raw: np.ndarray) -> np.ndarray:
+        var = xr.Variable(tuple(f"_{i}" for i in range(raw.ndim)), raw, attrs=dict(self.attrs))
+        return np.asarray(xr.conventions.decode_cf_variable(self.name, var).values)
+
+
 def cf_decoder(name: str, layout: VarLayout) -> Any:
     """A function raw -> values exactly as xarray decodes them (scale/offset/fill -> NaN)."""
     src = layout.src
     attrs = {k: v for k, v in src.cf.items() if k != "dtype"}
     if not src.stored or not attrs:
-        return lambda raw: raw
-
-    def decode(raw: np.ndarray) -> np.ndarray:
-        var = xr.Variable(tuple(f"_{i}" for i in range(raw.ndim)), raw, attrs=dict(attrs))
-        return np.asarray(xr.conventions.decode_cf_variable(name, var).values)
-
+        return _identity
+    decode = _CFDecode(name, attrs)
     probe = decode(np.zeros((1,), dtype=src.raw_dtype))
     if probe.dtype != src.dtype:
         raise ValueError(f"variable {name!r}: re-applying its CF encoding gives {probe.dtype}, but the Dataset "

@@ -40,11 +40,15 @@ def check_state(gen: Any, state: dict[str, Any]) -> None:
     """Raise ``ValueError`` naming every field where ``state`` was made differently."""
     if not isinstance(state, dict) or "epoch" not in state or "batch" not in state:
         raise ValueError("not an xinsitu BatchGenerator state (needs 'epoch' and 'batch')")
-    if state.get("version", 0) > STATE_VERSION:
-        raise ValueError(f"state version {state['version']} is newer than this xinsitu understands")
+    if not isinstance(state.get("version", 0), int) or state.get("version", 0) > STATE_VERSION:
+        raise ValueError(f"state version {state['version']!r} is newer than this xinsitu understands")
+    for k in ("epoch", "batch"):
+        if not isinstance(state[k], int) or isinstance(state[k], bool) or state[k] < 0:
+            raise ValueError(f"state {k} must be a non-negative integer, got {state[k]!r}")
     mine = make_state(gen, state["epoch"], state["batch"])
     diff = [f"{k} (saved {state.get(k)!r}, here {mine[k]!r})" for k in _DEFINING if state.get(k) != mine[k]]
     if diff:
         raise ValueError("state was saved with a different " + ", ".join(diff))
-    if not isinstance(state["batch"], int) or state["batch"] < 0:
-        raise ValueError(f"state batch must be a non-negative integer, got {state['batch']!r}")
+    n = gen.plan(state["epoch"]).n_batches
+    if state["batch"] > n:
+        raise ValueError(f"state batch {state['batch']} is past the end of epoch {state['epoch']} ({n} batches)")

@@ -92,7 +92,8 @@ class InsituIterableDataset(torch.utils.data.IterableDataset):
                              f"loaded into {where}: resume with the same num_workers (StatefulDataLoader "
                              "does this), or save the state with num_workers=0")
         if info is None:
-            self.gen.load_state_dict({k: v for k, v in state.items() if k != "worker"})
+            self.gen.load_state_dict({k: v for k, v in state.items() if k != "worker"} if isinstance(state, dict)
+                                     else state)
             self._shared_epoch.fill_(self.gen.epoch)
             return
         check_state(self.gen, state)
@@ -103,8 +104,9 @@ class InsituIterableDataset(torch.utils.data.IterableDataset):
     def __iter__(self) -> Any:
         info = torch.utils.data.get_worker_info()
         if info is None:
-            yield from self.gen
-            return
+            return iter(self.gen)
+        # set up now, not at the first batch: StatefulDataLoader saves a worker's state as soon
+        # as it creates the iterator (a persistent worker, at the start of every epoch)
         _check_fork(self.gen)
         gen = self.gen
         gen.progress = False  # one bar per worker would mislead; the DataLoader's caller can wrap it
@@ -117,8 +119,11 @@ class InsituIterableDataset(torch.utils.data.IterableDataset):
             start = min(max(start, self._resume), stop)
             self._resume = None
         self._pos = start
-        for batch in gen._iter_range(start, stop):
-            self._pos += 1
+        return self._batches(start, stop)
+
+    def _batches(self, start: int, stop: int) -> Any:
+        for batch in self.gen._iter_range(start, stop):
+            self._pos = (self._pos or 0) + 1
             yield batch
 
 

@@ -1,0 +1,138 @@
+"""Run epochs of ``gen.to_torch()`` through a torch DataLoader in a fresh process, and
+write what came out (each batch's sample timestamps and a digest of its values) as JSON.
+
+Run by tests/test_torch.py under a timeout (a hang fails the test, never freezes CI)::
+
+    python -m tests.torch_job ARCHIVE OUT.json --workers 2 --method spawn [--open xr] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import traceback
+import warnings
+from typing import Any
+
+import numpy as np
+
+warnings.filterwarnings("ignore", message=".*[Cc]onsolidated metadata.*")
+
+
+def passthrough(batch: Any) -> Any:
+    """DataLoader collate that keeps the xarray batch as it is (module level: picklable)."""
+    return batch
+
+
+def record(batch: Any) -> dict[str, Any]:
+    """Sample timestamps and a digest of every value of one xarray batch."""
+    h = hashlib.sha256()
+    for v in sorted(batch.data_vars):
+        h.update(np.ascontiguousarray(batch[v].values).tobytes())
+    return {"times": batch.time.values.astype("int64").tolist(), "sha": h.hexdigest()}
+
+
+def open_archive(path: str, how: str) -> Any:
+    import xarray as xr
+
+    import xinsitu
+
+    if how == "xinsitu":
+        return xinsitu.open_zarr(path)  # obstore: not usable in a forked child
+    if how == "xr":
+        return xr.open_zarr(path, chunks=None)  # zarr LocalStore: plain file reads after fork
+    if how == "keylog":
+        from tests.keylog import KeyLogStore
+
+        return xr.open_zarr(KeyLogStore(path, read_only=True), chunks=None)
+    raise SystemExit(f"unknown --open {how}")
+
+
+def make_dataset(args: argparse.Namespace) -> Any:
+    ds = open_archive(args.archive, args.open)
+    m = ds.insitu.split("time", fractions={"train": 0.8, "val": 0.2})
+    gen = ds.insitu.batches(m, "train", batch_size=args.batch_size, block_chunks=args.block_chunks,
+                            output="xarray", seed=args.seed, variables=args.variables)
+    return gen, gen.to_torch()
+
+
+def loader(dset: Any, args: argparse.Namespace, stateful: bool = False) -> Any:
+    from torch.utils.data import DataLoader
+
+    kw: dict[str, Any] = dict(batch_size=None, num_workers=args.workers, collate_fn=passthrough)
+    if args.workers:
+        kw.update(multiprocessing_context=args.method, persistent_workers=args.persistent)
+    if stateful:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        return StatefulDataLoader(dset, **kw)
+    return DataLoader(dset, **kw)
+
+
+def run_epochs(args: argparse.Namespace) -> dict[str, Any]:
+    gen, dset = make_dataset(args)
+    if args.touch:  # use the store in this process first (obstore runtime and I/O loop running)
+        next(iter(gen))
+    dl = loader(dset, args)
+    out: dict[str, Any] = {"len": len(dset), "epochs": []}
+    for e in range(args.epochs):
+        dset.set_epoch(e)
+        out["epochs"].append([record(b) for b in dl])
+        log = os.environ.get("XINSITU_TEST_KEYLOG")
+        if log and os.path.exists(log):
+            os.replace(log, f"{log}.{e}")  # the next epoch's reads go to a new file
+    return out
+
+
+def run_stateful(args: argparse.Namespace) -> dict[str, Any]:
+    """Save a StatefulDataLoader's state after ``--stop`` batches (through JSON, like a
+    checkpoint), resume a new loader from it, and run the next epoch on both."""
+    _, dset = make_dataset(args)
+    dl = loader(dset, args, stateful=True)
+    ref, state = [], None
+    for i, b in enumerate(dl):
+        ref.append(record(b))
+        if i + 1 == args.stop:
+            state = json.loads(json.dumps(dl.state_dict()))
+    dset.set_epoch(1)
+    ref_next = [record(b) for b in dl]
+    _, dset2 = make_dataset(args)
+    dl2 = loader(dset2, args, stateful=True)
+    dl2.load_state_dict(state)
+    resumed = [record(b) for b in dl2]
+    dset2.set_epoch(1)
+    resumed_next = [record(b) for b in dl2]
+    return {"len": len(dset), "ref": ref, "ref_next": ref_next, "resumed": resumed, "resumed_next": resumed_next}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("archive")
+    p.add_argument("out")
+    p.add_argument("--open", default="xr", choices=["xinsitu", "xr", "keylog"])
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--method", default="spawn", choices=["spawn", "forkserver", "fork"])
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--persistent", action="store_true")
+    p.add_argument("--touch", action="store_true")
+    p.add_argument("--stateful", action="store_true")
+    p.add_argument("--stop", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=5)
+    p.add_argument("--block-chunks", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--variables", nargs="*", default=["t2m", "tp"])
+    args = p.parse_args()
+    try:
+        result = run_stateful(args) if args.stateful else run_epochs(args)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

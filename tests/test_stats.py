@@ -452,3 +452,20 @@ def test_stacked_normalize_per_channel(levels_path):
     np.testing.assert_allclose(flat.std(axis=1), 1, atol=1e-5)
     means = [st["t2m"]["mean"], *st["z"]["mean"]]
     assert np.ptp(means) > 1000  # the channels really had different scales
+
+
+def test_state_records_normalisation(tmp_path):
+    from xinsitu.synthetic import write_era5_like
+
+    path = tmp_path / "n.zarr"
+    write_era5_like(path, nt=48, ny=4, nx=6, chunk_time=8)
+    ds = xinsitu.open_zarr(str(path))
+    m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    st = ds.insitu.stats(m, "train")
+    gen = ds.insitu.batches(m, "train", normalize=st, batch_size=4, output="numpy")
+    state = gen.state_dict()
+    assert state["normalize"] is not None
+    plain = ds.insitu.batches(m, "train", batch_size=4, output="numpy")
+    assert plain.state_dict()["normalize"] is None
+    with pytest.raises(ValueError, match="normalize"):
+        plain.load_state_dict(state)

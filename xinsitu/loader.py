@@ -151,6 +151,7 @@ class BatchGenerator:
         self.space = self._sample_space(window, patch, stride, over)
         self.layouts = {n: VarLayout.build(s, self.space) for n, s in self.sources.items()}
         self.builder = OutputBuilder(ds, self.space, self.layouts, output, stack, device, normalize=normalize)
+        self.normalize = normalize
         self.output = output
         self._ds = ds
         self.epoch = 0

@@ -15,12 +15,20 @@ STATE_VERSION = 1
 
 # what must match for the saved position to mean the same batches
 _DEFINING = ("split", "manifest", "seed", "batch_size", "shuffle", "block_chunks", "drop_last",
-             "world_size", "rank", "sampling")
+             "world_size", "rank", "sampling", "normalize")
 
 
 def _sampling(gen: Any) -> str:
     dims = [[d.name, d.width, d.stride, d.keep, d.split] for d in gen.space.dims]
     return hashlib.sha256(json.dumps(dims).encode()).hexdigest()[:16]
+
+
+def _normalize_id(gen: Any) -> str | None:
+    """Which normalisation statistics the batches use (a hash; None without normalisation)."""
+    stats = getattr(gen, "normalize", None)
+    if stats is None:
+        return None
+    return hashlib.sha256(json.dumps(stats, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _manifest_id(gen: Any) -> str:
@@ -33,7 +41,8 @@ def make_state(gen: Any, epoch: int, batch: int) -> dict[str, Any]:
     return {"version": STATE_VERSION, "epoch": int(epoch), "batch": int(batch), "split": gen.split,
             "manifest": _manifest_id(gen), "seed": gen.seed, "batch_size": gen.batch_size,
             "shuffle": gen.shuffle, "block_chunks": gen.block_chunks, "drop_last": gen.drop_last,
-            "world_size": gen.world_size, "rank": gen.rank, "sampling": _sampling(gen)}
+            "world_size": gen.world_size, "rank": gen.rank, "sampling": _sampling(gen),
+            "normalize": _normalize_id(gen)}
 
 
 def check_state(gen: Any, state: dict[str, Any]) -> None:

@@ -42,24 +42,31 @@ FORK_HELP = (
 #: Fetches of one object at most, when its body comes back short or fails to decode.
 FETCH_ATTEMPTS = 3
 
+#: Byte ranges of one object less than this apart are fetched in one request (as obstore does).
+COALESCE = 1024 * 1024
+
 
 class DamagedObjectError(OSError):
     """The bytes of a stored object came back short, or failed to decode, every time."""
 
 
 class _ObstoreBackend:
+    """Whole objects (``get``) and byte ranges (``get_range``, ``get_suffix``, ``get_ranges``:
+    what the reader needs to fetch inner chunks of shards) through obstore's async API."""
+
     def __init__(self, store: Any):
         self.store = store
         self._secrets = secrets_of(store)
 
-    async def get(self, key: str) -> Any:
+    async def _fetch(self, key: str, options: dict[str, Any] | None = None) -> Any:
+        """The bytes of ``key`` (or of a range of it), None where it does not exist."""
         import obstore
 
         got = want = 0
         for _ in range(FETCH_ATTEMPTS):
             err: BaseException | None = None
             try:
-                resp = await obstore.get_async(self.store, key)
+                resp = await obstore.get_async(self.store, key, options=options)  # type: ignore[arg-type]
                 data = await resp.bytes_async()
             except FileNotFoundError:
                 return None
@@ -67,6 +74,8 @@ class _ObstoreBackend:
                 raise
             except Exception as e:  # noqa: BLE001 - obstore already retried what was transient
                 err = scrubbed(e, self._secrets)
+                if type(e).__name__ == "NotSupportedError":
+                    err = NotImplementedError(str(err))
             if err is not None:  # raised outside the handler: the original stays off the traceback
                 raise err
             lo, hi = resp.range
@@ -74,6 +83,55 @@ class _ObstoreBackend:
             if got == want:
                 return data
         raise DamagedObjectError(f"object {key!r}: received {got} of {want} bytes, {FETCH_ATTEMPTS} times")
+
+    async def get(self, key: str) -> Any:
+        return await self._fetch(key)
+
+    async def get_range(self, key: str, start: int, end: int) -> Any:
+        """Bytes ``start:end`` of ``key`` (fewer where the object is shorter); None where it is missing."""
+        return await self._fetch(key, {"range": (int(start), int(end))})
+
+    async def get_suffix(self, key: str, n: int) -> Any:
+        """The last ``n`` bytes of ``key``; None where it is missing."""
+        try:
+            return await self._fetch(key, {"range": {"suffix": int(n)}})
+        except NotImplementedError:  # Azure has no suffix ranges: ask the size first
+            import obstore
+
+            try:
+                size = int((await obstore.head_async(self.store, key))["size"])
+            except FileNotFoundError:
+                return None
+            return await self._fetch(key, {"range": (max(0, size - int(n)), size)})
+
+    async def get_ranges(self, key: str, starts: list[int], ends: list[int]) -> list[Any]:
+        """Several ranges of one object; ranges less than ``COALESCE`` bytes apart share a request.
+
+        Not ``obstore.get_ranges_async``: given a body shorter than the range it asked for, it
+        panics (obstore 0.12) instead of raising something a retry could heal. Each span here is
+        checked against its ``Content-Range`` and fetched again when short (``_fetch``).
+        """
+        starts, ends = [int(x) for x in starts], [int(x) for x in ends]
+        spans: list[list[int]] = []  # [start, end, first range, last range + 1] over ranges sorted by start
+        order = sorted(range(len(starts)), key=starts.__getitem__)
+        for i in order:
+            if spans and starts[i] - spans[-1][1] <= COALESCE:
+                spans[-1][1] = max(spans[-1][1], ends[i])
+                spans[-1][3] += 1
+            else:
+                spans.append([starts[i], ends[i], len(spans) and spans[-1][3], 0])
+                spans[-1][3] = spans[-1][2] + 1
+        bodies = await asyncio.gather(*(self._fetch(key, {"range": (lo, hi)}) for lo, hi, _, _ in spans))
+        out: list[Any] = [None] * len(starts)
+        for (lo, hi, first, stop), body in zip(spans, bodies, strict=True):
+            if body is None:
+                raise FileNotFoundError(f"object {key!r} does not exist")
+            if len(body) != hi - lo:  # the object ends before the range does
+                raise DamagedObjectError(f"object {key!r}: bytes {lo}-{hi} asked for, {len(body)} exist")
+            view = memoryview(body)
+            for i in order[first:stop]:
+                out[i] = view[starts[i] - lo: ends[i] - lo]
+        return out
 
 
 class _ZarrBackend:

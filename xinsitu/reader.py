@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from xinsitu import _loop
-from xinsitu.backend import FORK_HELP, backend_for
+from xinsitu.backend import FORK_HELP, backend_for, fetch_decoded
 from xinsitu.decode import ChunkDecoder, ShardLayout, is_sharded, store_root
 from xinsitu.source import VarSource
 
@@ -259,21 +259,23 @@ class Reader:
         key = dec.key(coords)
         path = f"{src.array.path}/{key}" if src.array.path else key
         loop = asyncio.get_running_loop()
+
+        async def use(raw: Any) -> None:
+            self.counters.requests += 1
+            if raw is None:
+                await loop.run_in_executor(None, _assign_all, dec.fill(), targets)
+            else:
+                self.counters.bytes_read += len(raw)
+                if dec.sync:  # timed inside the thread: waiting for a free thread is not decoding
+                    self.counters.decode_s += await loop.run_in_executor(None, _decode_assign, dec, raw, targets)
+                else:
+                    t0 = time.perf_counter()
+                    _assign_all(await dec.decode(raw), targets)
+                    self.counters.decode_s += time.perf_counter() - t0
+
         async with self._semaphore():
             try:
-                raw = await store.get(path)
-                self.counters.requests += 1
-                if raw is None:
-                    await loop.run_in_executor(None, _assign_all, dec.fill(), targets)
-                else:
-                    self.counters.bytes_read += len(raw)
-                    if dec.sync:  # timed inside the thread: waiting for a free thread is not decoding
-                        self.counters.decode_s += await loop.run_in_executor(None, _decode_assign, dec, raw,
-                                                                             targets)
-                    else:
-                        t0 = time.perf_counter()
-                        _assign_all(await dec.decode(raw), targets)
-                        self.counters.decode_s += time.perf_counter() - t0
+                await fetch_decoded(store, path, use)  # fetched again when the bytes fail to decode
             except RuntimeError as e:
                 if str(e) == FORK_HELP:
                     raise

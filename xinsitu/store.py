@@ -73,7 +73,7 @@ def make_store(url: str | os.PathLike, **options: Any) -> Any:
     if anonymous is not None:
         if scheme not in _SIGNED and scheme not in ("http", "https"):
             raise TypeError(f"anonymous= applies to object storage URLs, not to {scheme}://")
-        if scheme in _SIGNED:
+        if scheme in _SIGNED or _signed_https(s):
             options.setdefault("skip_signature", bool(anonymous))
     if scheme in _REMOTE:
         client = DEFAULT_CLIENT_OPTIONS | dict(options.pop("client_options", None) or {})
@@ -85,6 +85,13 @@ def make_store(url: str | os.PathLike, **options: Any) -> Any:
         return obstore.store.from_url(s, **options)
     except Exception as e:  # noqa: BLE001 - re-raised without the credentials it may quote
         raise scrubbed(e, secrets_in_options(s, options)) from None
+
+
+def _signed_https(url: str) -> bool:
+    """Whether obstore reads this https URL as S3 or Azure (which sign requests), not plain HTTP."""
+    host = (urlsplit(url).hostname or "").lower()
+    return host.endswith(("amazonaws.com", "r2.cloudflarestorage.com", "blob.core.windows.net",
+                          "dfs.core.windows.net", "blob.fabric.microsoft.com", "dfs.fabric.microsoft.com"))
 
 
 def _merge_retry(user: dict[str, Any] | None) -> dict[str, Any]:
@@ -105,9 +112,6 @@ def redact_url(url: str) -> str:
     return f"{p.scheme}://{host}{p.path}" + ("?…" if p.query else "")
 
 
-_redact = redact_url  # older name
-
-
 def secrets_in_options(url: str, options: dict[str, Any]) -> list[str]:
     """Credential values among store options (and a URL's user info and query values)."""
     found: list[str] = []
@@ -122,7 +126,7 @@ def secrets_in_options(url: str, options: dict[str, Any]) -> list[str]:
         elif isinstance(v, (str, bytes)) and _SECRET_KEY.search(key):
             s = v.decode(errors="replace") if isinstance(v, bytes) else v
             found.append(s)
-            found.extend(s.split())  # "Bearer <token>": the token alone too
+            found.extend(w for w in s.split() if len(w) >= 8)  # "Bearer <token>": the token alone too
 
     walk("", options)
     p = urlsplit(url)

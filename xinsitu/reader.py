@@ -12,7 +12,7 @@ import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -245,12 +245,8 @@ class Reader:
                         for raw, t in zip(raws, want, strict=True):
                             _assign_all(await dec.decode(raw), t)
                         self.counters.decode_s += time.perf_counter() - t0
-            except RuntimeError as e:
-                if str(e) == FORK_HELP:
-                    raise
-                raise ChunkReadError(src.name, shard, path, e) from e
             except Exception as e:  # noqa: BLE001 - every failure names its shard
-                raise ChunkReadError(src.name, shard, path, e) from e
+                _reraise(src, shard, path, e)
         self.counters.chunks += len(inner)
         self.counters.bytes_decoded += len(inner) * int(np.prod(dec.shape)) * dec.dtype.itemsize
 
@@ -276,12 +272,8 @@ class Reader:
         async with self._semaphore():
             try:
                 await fetch_decoded(store, path, use)  # fetched again when the bytes fail to decode
-            except RuntimeError as e:
-                if str(e) == FORK_HELP:
-                    raise
-                raise ChunkReadError(src.name, coords, path, e) from e
             except Exception as e:  # noqa: BLE001 - every failure names its chunk
-                raise ChunkReadError(src.name, coords, path, e) from e
+                _reraise(src, coords, path, e)
         self.counters.chunks += 1
         self.counters.bytes_decoded += int(np.prod(dec.shape)) * dec.dtype.itemsize
 
@@ -298,6 +290,13 @@ class Reader:
         self.counters.chunks += 1
         self.counters.bytes_decoded += arr.nbytes
         return arr
+
+
+def _reraise(src: VarSource, coords: tuple[int, ...], path: str, e: Exception) -> NoReturn:
+    """Raise for a failed read: the fork hint as it is, anything else as an error naming the chunk."""
+    if isinstance(e, RuntimeError) and str(e) == FORK_HELP:
+        raise e
+    raise ChunkReadError(src.name, coords, path, e) from e
 
 
 def _raise_fork() -> None:

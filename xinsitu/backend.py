@@ -175,6 +175,13 @@ async def fetch_decoded(backend: Any, key: str, use: Callable[[Any], Awaitable[T
 
 def backend_for(zstore: Any) -> Any:
     """The fastest fork-safe way to read objects of ``zstore`` in this process."""
+    if type(zstore).__name__ == "IcechunkStore" and _loop.in_forked_child():
+        raise RuntimeError(FORK_HELP)  # Icechunk's Rust runtime, like obstore's, hangs in a forked child
+    if type(zstore).__name__ == "ManifestStore":  # VirtualiZarr: byte ranges of NetCDF/HDF5 files
+        from xinsitu.virtual import ManifestBackend, is_manifest_store
+
+        if is_manifest_store(zstore):
+            return ManifestBackend(zstore)
     kind, obj = store_root(zstore)
     if kind == "obstore":
         if _loop.in_forked_child():

@@ -14,6 +14,7 @@ import os
 import queue
 import threading
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ from xinsitu.geometry import geometry_of
 from xinsitu.output import OutputBuilder
 from xinsitu.plan import EpochPlan, SampleDim, SampleSpace, epoch_plan, plan_head
 from xinsitu.reader import Reader
+from xinsitu.snapshot import snapshot_of_sources
 from xinsitu.source import resolve
 from xinsitu.split import SplitManifest, coord_span
 from xinsitu.state import check_state, make_state
@@ -174,6 +176,10 @@ class BatchGenerator:
                 raise ValueError(f"the chunk grid along {d!r} (chunks of {g.dims[d]}) does not match the "
                                  "manifest's: it was made on a dataset chunked differently")
         m.check_labels({d: coord_span(ds, d) for d in m.dims if coord_span(ds, d) is not None})
+        snap = snapshot_of_sources(self.sources)
+        if m.snapshot is not None and snap is not None and snap != m.snapshot:
+            warnings.warn(f"manifest was made on snapshot {m.snapshot}, this dataset is snapshot {snap}: "
+                          "the data may have changed", UserWarning, stacklevel=4)
 
     def _sample_space(self, window: Any, patch: Any, stride: Any, over: Any) -> SampleSpace:
         sizes = self.geometry.sizes

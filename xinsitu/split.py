@@ -206,23 +206,6 @@ class SplitManifest:
         return int(np.prod([ends[k][idx[k]] for k in range(len(self.dims))], axis=0).sum())
 
     # -- checks
-    def check(self, geometry: Geometry, *, snapshot: str | None = None) -> None:
-        """Raise ``ValueError`` naming what differs when ``geometry`` is not the one split."""
-        import warnings
-
-        for d in self.dims:
-            if d not in geometry.sizes:
-                raise ValueError(f"manifest splits dim {d!r}, which this dataset does not have")
-            if geometry.sizes[d] != self.sizes[d]:
-                raise ValueError(f"manifest was made on {d!r} of length {self.sizes[d]}, "
-                                 f"this dataset has {geometry.sizes[d]}")
-            if not np.array_equal(geometry.edges[d], self.edges[d]):
-                raise ValueError(f"chunk grid along {d!r} differs from the manifest's "
-                                 f"(chunk size {geometry.dims[d]} here)")
-        if snapshot is not None and self.snapshot is not None and snapshot != self.snapshot:
-            warnings.warn(f"manifest was made on snapshot {self.snapshot}, this dataset is snapshot "
-                          f"{snapshot}: the data may have changed", UserWarning, stacklevel=3)
-
     def check_labels(self, first_last: dict[str, list[Any]]) -> None:
         for d, fl in first_last.items():
             mine = self.extra.get("coords", {}).get(d)
@@ -435,6 +418,8 @@ def make_split(ds: Any, geometry: Geometry, dim: str | list[str], *, fractions: 
                 labels[name][d] = [_label(ds.indexes[d][first]), _label(ds.indexes[d][last])]
     coords = {d: coord_span(ds, d) for d in dims}
     fp = fingerprint_of(dims, sizes, edges, coords)
+    from xinsitu.snapshot import snapshot_of
     return SplitManifest(dims=dims, sizes=sizes, edges=edges, splits={k: [int(b) for b in v] for k, v in splits.items()},
                          labels=labels, seed=None if seed is None else int(seed), gap=int(gap),
-                         contiguous=bool(contiguous), method=method, fingerprint=fp, extra={"coords": coords})
+                         contiguous=bool(contiguous), method=method, fingerprint=fp,
+                         snapshot=snapshot_of(ds), extra={"coords": coords})

@@ -1,0 +1,680 @@
+"""NetCDF4/HDF5 files read in place, through virtual references (VirtualiZarr manifests).
+
+VirtualiZarr's HDF parser turns one file into a ``ManifestStore``: zarr metadata plus,
+for every chunk, where its bytes lie in the original file (path, offset, length).
+:func:`netcdf_store` joins the stores of many files along one dimension into one store,
+after checking that they can be joined (same chunks, codecs and CF packing; a message
+names the file and the variable where they cannot), so that ``xinsitu.open_zarr(store)``
+and ``xr.open_zarr(store)`` see a year of daily files as one Dataset.
+
+Coordinates along the joined dimension (``time``, which xarray-written files each encode
+with their own units) are read once, decoded, joined, encoded again and kept inline (in
+memory, a few bytes per step); the data variables stay in the files.
+
+:class:`ManifestBackend` is how xinsitu fetches the chunks of such a store: byte ranges of
+the original files straight through obstore; on object storage the ranges of one file asked
+for in the same turn of the event loop go out as one ``get_ranges`` request (obstore merges
+ranges that lie close together), local files are read one range at a time so that reads
+and decodes overlap, and in a forked process (where obstore would hang) with plain file
+I/O. A referenced file that has gone, or that is shorter than the references say, raises
+an error that names it: a virtual chunk is never read as the fill value.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import os
+import uuid
+import warnings
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+from urllib.parse import urlparse
+
+import numpy as np
+import xarray as xr
+
+from xinsitu import _loop
+from xinsitu.backend import FORK_HELP
+from xinsitu.store import redact_url, scrubbed, secrets_of
+
+#: Attributes that change how xarray decodes a variable: they must agree across files.
+CF_ATTRS = ("scale_factor", "add_offset", "_FillValue", "missing_value", "_Unsigned", "units", "calendar",
+            "valid_min", "valid_max", "valid_range", "dtype")
+
+#: ``encoding`` keys of a decoded variable that describe its CF encoding (the rest is zarr's).
+_CF_ENCODING = ("units", "calendar", "dtype", "_FillValue", "missing_value", "scale_factor", "add_offset")
+
+INLINE_SCHEME = "xinsitu-inline"
+
+#: Bytes of one file fetched in one request at most, where ranges are coalesced (remote stores).
+COALESCE_BYTES = 8 * 2**20
+
+#: Files parsed at once when building a store.
+PARSE_THREADS = 8
+
+#: zarr warns each time it reads metadata naming a numcodecs codec (shuffle, zlib: what NetCDF4 files use).
+_NUMCODECS_WARNING = "Numcodecs codecs are not in the Zarr version 3 specification"
+
+_REWRITE_HINT = ("rewrite the files with chunks that tile each file along {dim!r} (e.g. `nccopy -c {dim}/N` "
+                 "or xarray's to_netcdf(encoding={{var: {{'chunksizes': ...}}}})), or convert them to Zarr")
+
+
+class VirtualReferenceError(ValueError):
+    """Files that cannot be read in place as one virtual Zarr store; names the file and the variable."""
+
+
+def _where(url: str) -> str:
+    """How a file is named in messages: a local path as a path, a URL without credentials."""
+    return url[len("file://"):] if url.startswith("file://") else redact_url(url)
+
+
+# ----------------------------------------------------------------------------- inline data
+class _InlineStore:
+    """A tiny read-only obspec store over bytes held in memory (joined coordinates); picklable."""
+
+    def __init__(self, objects: dict[str, bytes]):
+        self.objects = dict(objects)
+
+    def _slice(self, path: str, start: int, end: int | None) -> bytes:
+        data = self.objects.get(path)
+        if data is None:
+            raise FileNotFoundError(f"{INLINE_SCHEME} object {path!r} does not exist")
+        return data[start:end]
+
+    def get_range(self, path: str, *, start: int, end: int | None = None, length: int | None = None) -> bytes:
+        return self._slice(path, start, end if end is not None else (start + length if length else None))
+
+    async def get_range_async(self, path: str, *, start: int, end: int | None = None,
+                              length: int | None = None) -> bytes:
+        return self.get_range(path, start=start, end=end, length=length)
+
+    async def get_ranges_async(self, path: str, *, starts: Sequence[int], ends: Sequence[int] | None = None,
+                               lengths: Sequence[int] | None = None) -> list[bytes]:
+        ends = list(ends) if ends is not None else [s + n for s, n in zip(starts, lengths or (), strict=True)]
+        return [self._slice(path, s, e) for s, e in zip(starts, ends, strict=True)]
+
+    def __repr__(self) -> str:
+        return f"_InlineStore({sorted(self.objects)})"
+
+
+# ----------------------------------------------------------------------------- the backend
+def is_manifest_store(zstore: Any) -> bool:
+    """Whether ``zstore`` is a VirtualiZarr ``ManifestStore`` (chunks are byte ranges of other files)."""
+    return type(zstore).__name__ == "ManifestStore" and hasattr(zstore, "_group") and hasattr(zstore, "_registry")
+
+
+def _chunk_coords(ckey: str, encoding: Any, ndim: int) -> tuple[int, ...]:
+    """Chunk grid coordinates from a chunk key ("c/0/1/2", "c.0.1.2" or v2's "0.1.2")."""
+    sep = getattr(encoding, "separator", "/")
+    if getattr(encoding, "name", "default") == "default":
+        if not ckey.startswith("c"):
+            raise KeyError(f"chunk key {ckey!r} does not start with 'c'")
+        ckey = ckey[1:].lstrip(sep)
+    parts = [p for p in ckey.split(sep) if p != ""]
+    if len(parts) != ndim:
+        raise KeyError(f"chunk key {ckey!r} does not have {ndim} coordinates")
+    return tuple(int(p) for p in parts)
+
+
+def _path_in_store(url: str, store: Any) -> str:
+    """The path of ``url`` inside ``store``, exactly as VirtualiZarr's ``ManifestStore.get`` computes it."""
+    path = urlparse(url).path
+    prefix = getattr(store, "prefix", None)
+    if prefix:
+        pre = str(prefix).lstrip("/")
+    elif isinstance(getattr(store, "url", None), str):
+        pre = urlparse(store.url).path.lstrip("/")
+    else:
+        pre = ""
+    return path.lstrip("/").removeprefix(pre).lstrip("/")
+
+
+def _is_obstore(store: Any) -> bool:
+    return type(store).__module__.startswith("obstore")
+
+
+class ManifestBackend:
+    """Fetch chunks of a ``ManifestStore`` as byte ranges of the original files.
+
+    ``get(key)`` takes the zarr key of a chunk (``"t2m/c/0/0/0"``) and returns its bytes,
+    None where the manifest has no entry (zarr's fill value). On object storage, ranges of one
+    file requested in the same turn of the event loop go out as one ``get_ranges`` call (see
+    ``_groups``). The reader's semaphore bounds the ranges in flight (``max_inflight``).
+    """
+
+    def __init__(self, mstore: Any):
+        if not is_manifest_store(mstore):
+            raise TypeError(f"expected a VirtualiZarr ManifestStore, got {type(mstore).__name__}")
+        self.mstore = mstore
+        self._group = mstore._group
+        self._registry = mstore._registry
+        self._arrays: dict[str, tuple[Any, Any]] = {}
+        self._stores: dict[str, tuple[Any, str, list[str]]] = {}
+        self._pending: dict[tuple[int, str], tuple[Any, str, list[tuple[int, int, asyncio.Future]]]] = {}
+        self._flushing = False
+        self._tasks: set[asyncio.Future] = set()
+        self.requests = 0  # get/get_ranges calls made to the file stores
+
+    # -- key -> (url, start, end)
+    def _array(self, apath: str) -> tuple[Any, Any]:
+        got = self._arrays.get(apath)
+        if got is None:
+            node = self._group
+            for part in apath.split("/"):
+                node = node[part]
+            if not hasattr(node, "manifest"):
+                raise KeyError(f"{apath!r} is a group, not an array")
+            got = self._arrays[apath] = (node.manifest, node.metadata.chunk_key_encoding)
+        return got
+
+    def locate(self, key: str) -> tuple[str, int, int] | None:
+        """(file URL, start, end) of the chunk stored under ``key``; None where it has no entry."""
+        apath, ckey = self._split_key(key)
+        manifest, encoding = self._array(apath)
+        coords = _chunk_coords(ckey, encoding, manifest.ndim_chunk_grid)
+        entry = manifest.get_entry(coords)
+        if entry is None:
+            return None
+        start = int(entry["offset"])
+        return str(entry["path"]), start, start + int(entry["length"])
+
+    def _split_key(self, key: str) -> tuple[str, str]:
+        """'grp/t2m/c/0/0' -> ('grp/t2m', 'c/0/0'): the longest prefix that names an array."""
+        parts = key.split("/")
+        node = self._group
+        for i, part in enumerate(parts):
+            arrays = getattr(node, "arrays", {})
+            if part in arrays:
+                return "/".join(parts[: i + 1]), "/".join(parts[i + 1:])
+            groups = getattr(node, "groups", {})
+            if part not in groups:
+                break
+            node = groups[part]
+        raise KeyError(f"no array of the virtual store holds key {key!r}")
+
+    def _store_of(self, url: str) -> tuple[Any, str, list[str]]:
+        got = self._stores.get(url)
+        if got is None:
+            store, _ = self._registry.resolve(url)
+            if store is None:
+                raise VirtualReferenceError(f"no store registered for {_where(url)}")
+            got = self._stores[url] = (store, _path_in_store(url, store), secrets_of(store))
+        return got
+
+    # -- fetching
+    async def get(self, key: str) -> Any:
+        where = self.locate(key)
+        if where is None:
+            return None
+        url, start, end = where
+        store, path, _ = self._store_of(url)
+        loop = asyncio.get_running_loop()
+        if _is_obstore(store) and _loop.in_forked_child():
+            if not url.startswith("file://"):
+                raise RuntimeError(FORK_HELP)
+            # obstore would hang here; a local file is read with plain file I/O instead (fork-safe)
+            data = await loop.run_in_executor(None, _read_local, url, start, end)
+            self.requests += 1
+            return _checked(data, url, start, end, key)
+        fut: asyncio.Future = loop.create_future()
+        self._pending.setdefault((id(store), path), (store, url, []))[2].append((start, end, fut))
+        if not self._flushing:
+            self._flushing = True
+            loop.call_soon(self._flush)
+        return _checked(await fut, url, start, end, key)
+
+    def _flush(self) -> None:
+        self._flushing = False
+        pending, self._pending = self._pending, {}
+        for store, url, items in pending.values():
+            for group in _groups(store, items):
+                task = asyncio.ensure_future(self._fetch_file(store, url, group))
+                self._tasks.add(task)  # the loop keeps only weak references to tasks
+                task.add_done_callback(self._tasks.discard)
+
+    async def _fetch_file(self, store: Any, url: str, items: list[tuple[int, int, asyncio.Future]]) -> None:
+        _, path, secrets = self._store_of(url)
+        try:
+            self.requests += 1
+            if len(items) == 1:
+                s, e, _ = items[0]
+                got = [await store.get_range_async(path, start=s, end=e)]
+            else:
+                got = list(await store.get_ranges_async(path, starts=[s for s, _, _ in items],
+                                                        ends=[e for _, e, _ in items]))
+        except asyncio.CancelledError:
+            for _, _, f in items:
+                f.cancel()
+            raise
+        except Exception as e:  # noqa: BLE001 - every waiting chunk gets the error, naming the file
+            err = _file_error(e, url, secrets)
+            for _, _, f in items:
+                if not f.done():
+                    f.set_exception(err)
+            return
+        for (_, _, f), data in zip(items, got, strict=True):
+            if not f.done():
+                f.set_result(data)
+
+
+def _checked(data: Any, url: str, start: int, end: int, key: str) -> Any:
+    if len(data) != end - start:
+        raise OSError(f"{_where(url)}: bytes {start}..{end} of chunk {key!r} came back as {len(data)} "
+                      "bytes; the file is shorter than its references say (changed since they were made?)")
+    return data
+
+
+def _read_local(url: str, start: int, end: int) -> bytes:
+    """Bytes ``start:end`` of a local file (``file://`` URL), by plain file I/O."""
+    from urllib.parse import unquote
+
+    path = unquote(urlparse(url).path)
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            return f.read(end - start)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}, referenced by the virtual store, does not exist "
+                                "(moved or deleted since the references were made?)") from None
+
+
+def _groups(store: Any, items: list[tuple[int, int, asyncio.Future]]) -> list[list[tuple[int, int, asyncio.Future]]]:
+    """The requests that ``items`` (ranges of one file) go out as.
+
+    Remote: ranges together, in file order, up to ``COALESCE_BYTES`` a request (obstore then
+    merges those that lie close): fewer round trips. Local files: one read per range, so that
+    reads and decodes overlap (a local ``get_ranges`` reads its ranges one after the other).
+    """
+    if _is_obstore(store) and type(store).__name__ == "LocalStore":
+        return [[it] for it in items]
+    out: list[list[tuple[int, int, asyncio.Future]]] = []
+    size = COALESCE_BYTES
+    for it in sorted(items, key=lambda x: x[0]):
+        n = it[1] - it[0]
+        if size + n > COALESCE_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(it)
+        size += n
+    return out
+
+
+def _file_error(e: BaseException, url: str, secrets: list[str]) -> BaseException:
+    where = _where(url)
+    if isinstance(e, FileNotFoundError) or type(e).__name__ == "NotFoundError":
+        return FileNotFoundError(f"{where}, referenced by the virtual store, does not exist "
+                                 "(moved or deleted since the references were made?)")
+    err = scrubbed(e, secrets)
+    return type(err)(f"{where}: {err}")
+
+
+# ----------------------------------------------------------------------------- building a store
+def _as_urls(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[str]:
+    if isinstance(paths, (str, os.PathLike)):
+        s = os.fspath(paths)
+        if "://" not in s and any(c in s for c in "*?["):
+            found = sorted(glob.glob(os.path.expanduser(s)))
+            if not found:
+                raise FileNotFoundError(f"no file matches {s!r}")
+            items: list[str] = found
+        else:
+            items = [s]
+    else:
+        items = [os.fspath(p) for p in paths]
+    if not items:
+        raise ValueError("no files given")
+    urls = []
+    for s in items:
+        if "://" in s:
+            urls.append(s)
+        else:
+            p = os.path.abspath(os.path.expanduser(s))
+            if not os.path.isfile(p):
+                raise FileNotFoundError(f"no file at {p!r}")
+            urls.append("file://" + p)
+    return urls
+
+
+def _registry_for(urls: list[str], registry: Any, store_options: dict[str, Any]) -> Any:
+    from obspec_utils.registry import ObjectStoreRegistry
+
+    if registry is not None:
+        if store_options:
+            raise TypeError(f"store options {sorted(store_options)} apply when no registry= is given")
+        return registry
+    import obstore.store
+
+    from xinsitu.store import make_store
+
+    reg = ObjectStoreRegistry()
+    done: set[str] = set()
+    for u in urls:
+        p = urlparse(u)
+        base = f"{p.scheme}://{p.netloc}"
+        if base in done:
+            continue
+        done.add(base)
+        if p.scheme == "file":
+            if store_options:
+                raise TypeError(f"store options {sorted(store_options)} apply to URLs, not to local files")
+            reg.register("file://", obstore.store.LocalStore())
+        else:
+            reg.register(base, make_store(base, **store_options))
+    return reg
+
+
+def _parse(url: str, registry: Any, group: str | None, drop: list[str]) -> Any:
+    """One file -> its ManifestStore; failures name the file and, where one is to blame, the variable."""
+    from virtualizarr.parsers import HDFParser
+
+    try:
+        return HDFParser(group=group, drop_variables=drop)(url, registry)
+    except Exception as e:  # noqa: BLE001 - diagnosed and re-raised with the file (and variable) named
+        raise _diagnose(url, registry, group, drop, e) from None
+
+
+def _diagnose(url: str, registry: Any, group: str | None, drop: list[str], cause: BaseException) -> Exception:
+    where = _where(url)
+    text = f"{type(cause).__name__}: {cause}"
+    try:
+        import h5py
+        from obspec_utils.readers import BlockStoreReader
+
+        store, path = registry.resolve(url)
+        f = h5py.File(BlockStoreReader(store, path), mode="r")
+    except Exception as e:  # noqa: BLE001
+        if "signature" in str(e) or "not an HDF5" in str(e) or "Unable to" in str(e):
+            return VirtualReferenceError(
+                f"{where} is not an HDF5/NetCDF4 file (NetCDF3 'classic' files and other formats cannot be "
+                f"referenced by this parser; convert them with `nccopy -k nc4`): {text}")
+        return VirtualReferenceError(f"{where} cannot be read: {text}")
+    try:
+        from virtualizarr.parsers.hdf.hdf import _construct_manifest_array
+
+        g = f[group or "/"]
+        for name, obj in g.items():
+            if name in drop or not isinstance(obj, h5py.Dataset):
+                continue
+            try:
+                _construct_manifest_array(url, obj, str(g.name))
+            except Exception as e:  # noqa: BLE001
+                filters = dict(getattr(obj, "_filters", {}) or {})
+                return VirtualReferenceError(
+                    f"{where}: variable {name!r} cannot be read in place: its HDF5 filters {filters} include one "
+                    f"that has no zarr/numcodecs decoder ({type(e).__name__}: {e}). Rewrite the file without it "
+                    f"(e.g. `nccopy -d 1 -s in.nc out.nc` for deflate + shuffle) or drop the variable "
+                    f"(drop_variables=[{name!r}])")
+    except Exception:  # noqa: BLE001 - diagnosis is best effort
+        pass
+    finally:
+        f.close()
+    return VirtualReferenceError(f"{where} cannot be referenced in place: {text}")
+
+
+def _signature(arr: Any) -> dict[str, Any]:
+    md = arr.metadata
+    attrs = dict(md.attributes or {})
+    return {
+        "dims": tuple(md.dimension_names or ()),
+        "dtype": str(np.dtype(arr.dtype)),
+        "chunks": tuple(arr.chunks),
+        "codecs": [c.to_dict() for c in md.codecs],
+        "fill_value": repr(md.fill_value),
+        **{f"attribute {k}": repr(attrs.get(k)) for k in CF_ATTRS if k in attrs},
+    }
+
+
+def _check_same(name: str, first: tuple[str, Any], other: tuple[str, Any], concat_dim: str) -> None:
+    (u0, a0), (u1, a1) = first, other
+    s0, s1 = _signature(a0), _signature(a1)
+    keys = sorted(set(s0) | set(s1), key=lambda k: list(s0).index(k) if k in s0 else 99)
+    for k in keys:
+        if s0.get(k) != s1.get(k):
+            hint = ""
+            if k == "chunks":
+                hint = "; chunks must be the same in every file: " + _REWRITE_HINT.format(dim=concat_dim)
+            elif k.startswith("attribute") or k in ("dtype", "fill_value"):
+                hint = ("; xarray would decode this variable differently in the two files, so they cannot share "
+                        "one virtual array")
+            elif k == "codecs":
+                hint = "; one zarr array has one codec chain: rewrite the files with the same compression"
+            raise VirtualReferenceError(
+                f"variable {name!r} in {_where(u1)} differs from {_where(u0)} in its {k}: "
+                f"{s1.get(k, '(absent)')} here, {s0.get(k, '(absent)')} there{hint}")
+    ax = s0["dims"].index(concat_dim) if concat_dim in s0["dims"] else None
+    sh0, sh1 = list(a0.shape), list(a1.shape)
+    if ax is not None:
+        sh0.pop(ax)
+        sh1.pop(ax)
+    if sh0 != sh1:
+        raise VirtualReferenceError(f"variable {name!r} has shape {tuple(a1.shape)} in {_where(u1)} but "
+                                    f"{tuple(a0.shape)} in {_where(u0)} (other than along {concat_dim!r})")
+
+
+def _concat(name: str, parts: list[tuple[str, Any]], axis: int, concat_dim: str) -> Any:
+    """Join the ManifestArrays of one variable along ``axis`` (only the last may end in a partial chunk)."""
+    from virtualizarr.manifests import ChunkManifest, ManifestArray
+
+    chunk = parts[0][1].chunks[axis]
+    for url, arr in parts[:-1]:
+        if arr.shape[axis] % chunk:
+            raise VirtualReferenceError(
+                f"variable {name!r} in {_where(url)} holds {arr.shape[axis]} steps of {concat_dim!r}, not a "
+                f"multiple of its chunk length {chunk}: a chunk would straddle two files, which one virtual "
+                "array cannot reference (only the last file may end with a partial chunk); "
+                + _REWRITE_HINT.format(dim=concat_dim))
+    ms = [arr.manifest for _, arr in parts]
+    manifest = ChunkManifest.from_arrays(
+        paths=np.concatenate([m._paths for m in ms], axis=axis),
+        offsets=np.concatenate([m._offsets for m in ms], axis=axis),
+        lengths=np.concatenate([m._lengths for m in ms], axis=axis),
+        validate_paths=False,
+    )
+    shape = list(parts[0][1].shape)
+    shape[axis] = sum(arr.shape[axis] for _, arr in parts)
+    return ManifestArray(metadata=parts[0][1].metadata.update_shape(tuple(shape)), chunkmanifest=manifest)
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    return v
+
+
+def _encode_inline(name: str, var: xr.Variable) -> xr.Variable:
+    """``var`` (decoded) encoded with its first file's CF encoding, or xarray's choice where that is not exact."""
+    enc0 = {k: var.encoding[k] for k in _CF_ENCODING if k in var.encoding}
+    for enc in (enc0, {}):
+        v = xr.Variable(var.dims, var.values, dict(var.attrs), dict(enc))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # "cannot be serialized faithfully": try the next encoding
+                out = xr.conventions.encode_cf_variable(v, name=name)
+                back = xr.conventions.decode_cf_variable(name, out)
+        except Exception:  # noqa: BLE001
+            continue
+        if back.dtype == var.dtype and np.array_equal(np.asarray(back.values), np.asarray(var.values),
+                                                      equal_nan=var.dtype.kind in "fcmM"):
+            return out
+    raise VirtualReferenceError(f"coordinate {name!r} cannot be encoded exactly once joined across files")
+
+
+def _inline_array(name: str, var: xr.Variable, url: str) -> tuple[Any, bytes]:
+    from virtualizarr.manifests import ChunkManifest, ManifestArray
+    from virtualizarr.manifests.utils import create_v3_array_metadata
+
+    enc = _encode_inline(name, var)
+    values = np.ascontiguousarray(enc.values)
+    if values.dtype.kind not in "biuf":
+        raise VirtualReferenceError(f"coordinate {name!r} of dtype {values.dtype} cannot be kept inline")
+    values = values.astype(values.dtype.newbyteorder("<"), copy=False)
+    attrs = {k: _jsonable(v) for k, v in enc.attrs.items()}
+    md = create_v3_array_metadata(shape=values.shape, data_type=values.dtype, chunk_shape=values.shape or (1,),
+                                  attributes=attrs, dimension_names=enc.dims)
+    grid = (1,) * values.ndim
+    manifest = ChunkManifest.from_arrays(
+        paths=np.full(grid, url, dtype=np.dtypes.StringDType()),
+        offsets=np.zeros(grid, dtype=np.uint64),
+        lengths=np.full(grid, values.nbytes, dtype=np.uint64),
+        validate_paths=False,
+    )
+    return ManifestArray(metadata=md, chunkmanifest=manifest), values.tobytes()
+
+
+def netcdf_store(paths: str | os.PathLike | Iterable[str | os.PathLike], *, concat_dim: str = "time",
+                 group: str | None = None, drop_variables: Iterable[str] | None = None, registry: Any = None,
+                 **store_options: Any) -> Any:
+    """One virtual Zarr store over NetCDF4/HDF5 files joined along ``concat_dim``; nothing is copied.
+
+    Parameters
+    ----------
+    paths : a glob (``"/data/era5/*.nc"``), a path or URL, or a list of them. Files are put in the
+        order of their ``concat_dim`` coordinate (as ``xr.open_mfdataset(combine="by_coords")``).
+    concat_dim : the dimension the files follow each other along.
+    group : HDF5 group to read (default: the root).
+    drop_variables : variables to leave out (e.g. one compressed with a filter zarr cannot decode).
+    registry : an ``obspec_utils.registry.ObjectStoreRegistry`` resolving the URLs; by default one
+        is built (``file://`` for local paths, ``xinsitu.store.make_store`` with ``store_options``
+        for ``s3://``, ``gs://``, ``https://``...).
+
+    Returns
+    -------
+    virtualizarr.manifests.ManifestStore
+        Data variables along ``concat_dim`` refer to byte ranges of the files; variables without it
+        come from the first file; coordinates along it are held inline. Pass it to
+        ``xinsitu.open_zarr`` or ``xr.open_zarr``.
+
+    Raises
+    ------
+    VirtualReferenceError
+        Where the files cannot be one virtual store, naming the file and the variable: chunks,
+        codecs or CF packing that differ between files, a file whose length along ``concat_dim`` is
+        not a whole number of chunks (other than the last), a filter without a decoder, a file that
+        is not HDF5.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NUMCODECS_WARNING)
+        return _netcdf_store(paths, concat_dim, group, drop_variables, registry, store_options)
+
+
+def _netcdf_store(paths: Any, concat_dim: str, group: str | None, drop_variables: Iterable[str] | None,
+                  registry: Any, store_options: dict[str, Any]) -> Any:
+    from virtualizarr.manifests import ManifestGroup, ManifestStore
+
+    urls = _as_urls(paths)
+    reg = _registry_for(urls, registry, store_options)
+    drop = list(drop_variables or ())
+    def one(u: str) -> tuple[Any, dict[str, xr.Variable]]:
+        s = _parse(u, reg, group, drop)
+        return s, _file_coords(u, s)
+
+    # files parsed a few at a time: on object storage each costs several round trips
+    with ThreadPoolExecutor(min(PARSE_THREADS, len(urls))) as pool:
+        parsed = list(pool.map(one, urls))
+    stores, coords = [p[0] for p in parsed], [p[1] for p in parsed]
+    order = _order(urls, coords, concat_dim)
+    urls, stores, coords = [urls[i] for i in order], [stores[i] for i in order], [coords[i] for i in order]
+
+    first = stores[0]._group
+    inline_names = [n for n, v in coords[0].items() if concat_dim in v.dims]
+    token = uuid.uuid4().hex
+    inline = _InlineStore({})
+    arrays: dict[str, Any] = {}
+    for name, arr in first.arrays.items():
+        dims = tuple(arr.metadata.dimension_names or ())
+        if name in inline_names:
+            var = xr.Variable.concat([c[name].to_base_variable() for c in coords], dim=concat_dim)
+            var.encoding = dict(coords[0][name].encoding)
+            url = f"{INLINE_SCHEME}://{token}/{name}"
+            arrays[name], inline.objects[name] = _inline_array(name, var, url)
+            continue
+        if concat_dim not in dims:
+            for u, c in zip(urls[1:], coords[1:], strict=True):  # a shared coordinate must be the same
+                if name in c and not c[name].equals(coords[0][name]):
+                    raise VirtualReferenceError(f"coordinate {name!r} in {_where(u)} differs from the one in "
+                                                f"{_where(urls[0])}: the files do not share one grid")
+            arrays[name] = arr
+            continue
+        parts = []
+        for u, s in zip(urls, stores, strict=True):
+            other = s._group.arrays.get(name)
+            if other is None:
+                raise VirtualReferenceError(f"variable {name!r} is in {_where(urls[0])} but not in "
+                                            f"{_where(u)}; drop it with drop_variables=[{name!r}]")
+            _check_same(name, (urls[0], arr), (u, other), concat_dim)
+            parts.append((u, other))
+        arrays[name] = _concat(name, parts, dims.index(concat_dim), concat_dim)
+    for u, s in zip(urls[1:], stores[1:], strict=True):
+        extra = sorted(set(s._group.arrays) - set(first.arrays))
+        if extra:
+            raise VirtualReferenceError(f"variable(s) {extra} are in {_where(u)} but not in "
+                                        f"{_where(urls[0])}; drop them with drop_variables={extra}")
+    if inline.objects:
+        reg.register(f"{INLINE_SCHEME}://{token}", inline)
+    out = ManifestStore(ManifestGroup(arrays=arrays, attributes=dict(first.metadata.attributes or {})),
+                        registry=reg)
+    _check_decodable(out, urls[0])
+    return out
+
+
+def _file_coords(url: str, store: Any) -> dict[str, xr.Variable]:
+    """The decoded coordinate variables of one file (small reads)."""
+    arrays = store._group.arrays
+    dims = {d for a in arrays.values() for d in (a.metadata.dimension_names or ())}
+    keep = {n for n in arrays if n in dims}
+    for a in arrays.values():  # CF: variables named by a "coordinates" attribute, and their bounds
+        keep |= set(str((a.metadata.attributes or {}).get("coordinates", "")).split())
+    keep |= {str(arrays[n].metadata.attributes.get("bounds")) for n in list(keep)
+             if n in arrays and (arrays[n].metadata.attributes or {}).get("bounds")}
+    try:
+        ds = xr.open_zarr(store, chunks=None, consolidated=False, drop_variables=sorted(set(arrays) - keep))
+        return {n: ds[n].variable.load() for n in ds.variables if n in keep and n in ds.coords}
+    except Exception as e:  # noqa: BLE001
+        raise VirtualReferenceError(f"cannot read the coordinates of {_where(url)}: "
+                                    f"{type(e).__name__}: {e}") from None
+
+
+def _order(urls: list[str], coords: list[dict[str, xr.Variable]], concat_dim: str) -> list[int]:
+    """Files in the order of their ``concat_dim`` labels; overlapping files raise."""
+    if not all(concat_dim in c and c[concat_dim].ndim == 1 and c[concat_dim].size for c in coords):
+        return list(range(len(urls)))
+    order = sorted(range(len(urls)), key=lambda i: coords[i][concat_dim].values[0])
+    for a, b in zip(order, order[1:], strict=False):
+        if not coords[a][concat_dim].values[-1] < coords[b][concat_dim].values[0]:
+            raise VirtualReferenceError(f"{_where(urls[a])} and {_where(urls[b])} overlap along "
+                                        f"{concat_dim!r}: files must follow each other")
+    return order
+
+
+def _check_decodable(store: Any, first_url: str) -> None:
+    """Every array's codecs resolve in zarr (else reading would fail later, less clearly)."""
+    import zarr
+
+    for name in store._group.arrays:
+        try:
+            zarr.open_array(store, path=name, mode="r")
+        except Exception as e:  # noqa: BLE001
+            raise VirtualReferenceError(f"variable {name!r} (from {_where(first_url)}) cannot be read in "
+                                        f"place: zarr cannot build its codecs ({type(e).__name__}: {e})") from None
+
+
+def open_netcdf(paths: str | os.PathLike | Iterable[str | os.PathLike], *, concat_dim: str = "time",
+                group: str | None = None, drop_variables: Iterable[str] | None = None, registry: Any = None,
+                decode_times: bool = True, **store_options: Any) -> xr.Dataset:
+    """``xinsitu.open_zarr(netcdf_store(paths, ...))``: NetCDF4 files as one lazy Dataset, read in place.
+
+    Equals ``xr.open_mfdataset(paths, data_vars="minimal", coords="minimal", compat="override")``
+    (values, CF decoding, coordinates and attributes of the first file), without dask and without
+    copying the data. See :func:`netcdf_store` for the arguments.
+    """
+    from xinsitu.store import open_zarr
+
+    store = netcdf_store(paths, concat_dim=concat_dim, group=group, drop_variables=drop_variables,
+                         registry=registry, **store_options)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NUMCODECS_WARNING)
+        return open_zarr(store, consolidated=False, decode_times=decode_times)

@@ -199,3 +199,25 @@ def test_after_xarray_cached_values(era5_path):
     m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
     gen = ds.insitu.batches(m, "train", batch_size=8, output="numpy")
     assert check_epoch(ds, gen, "numpy") == m.positions("train")
+
+
+def test_gpu_outputs_fail_clearly_without_cuda(era5_path):
+    """No silent CPU fallback: without CUDA, device/cupy options raise and say why."""
+    import torch
+
+    ds = xinsitu.open_zarr(era5_path)
+    m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA is not available"):
+            ds.insitu.batches(m, "train", output="torch", device="cuda")
+    try:
+        import cupy  # noqa: F401
+
+        has_cupy = cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001
+        has_cupy = False
+    if not has_cupy:
+        with pytest.raises(RuntimeError, match="cupy|CuPy|CUDA"):
+            ds.insitu.batches(m, "train", output="cupy")
+    with pytest.raises(ValueError, match="applies to output='torch'"):
+        ds.insitu.batches(m, "train", output="numpy", device="cuda")

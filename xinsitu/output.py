@@ -116,9 +116,11 @@ class OutputBuilder:
         self._ds_coords = ds.coords
         if output in ("torch",):
             import torch  # noqa: F401  - fail now, not in the prefetch thread
-        if output == "cupy" or (device is not None and output != "torch"):
-            raise ValueError(f"device={device!r} / output='cupy' need the GPU path (output='torch', device='cuda')"
-                             if output != "cupy" else "output='cupy' needs CuPy and a CUDA device")
+        if device is not None and output != "torch":
+            raise ValueError(f"device={device!r} applies to output='torch' (output='cupy' uses the current "
+                             "CuPy device)")
+        if output == "cupy":
+            _check_cupy()
         if device is not None:
             self._check_device(device)
 
@@ -201,9 +203,11 @@ class OutputBuilder:
             return xr.DataArray(arr, dims=dims, coords={**coords, "variable": [ch.name for ch in self.channels]})
         if self.stack:
             arr = self.stacked(values)
-            return self._to_torch(arr) if self.output == "torch" else arr
+            return self._to_torch(arr) if self.output == "torch" else _to_cupy(arr) if self.output == "cupy" else arr
         if self.output == "torch":
             return {n: self._to_torch(a) for n, a in values.items()}
+        if self.output == "cupy":
+            return {n: _to_cupy(a) for n, a in values.items()}
         return values
 
     def _dims(self, name: str) -> tuple[str, ...]:
@@ -221,3 +225,24 @@ class OutputBuilder:
             else:
                 t = t.to(dev)
         return t
+
+
+def _check_cupy() -> None:
+    """output='cupy' needs CuPy and a CUDA device: say so now, never fall back to the CPU."""
+    try:
+        import cupy
+    except ImportError:
+        raise RuntimeError("output='cupy' needs CuPy: pip install 'xinsitu[gpu]' on a machine with CUDA") from None
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001 - no driver, no device
+        raise RuntimeError(f"output='cupy': no CUDA device is available ({e})") from None
+    if n < 1:
+        raise RuntimeError("output='cupy': no CUDA device is available")
+
+
+def _to_cupy(arr: np.ndarray) -> Any:
+    """A CuPy array on the current device (copied from host memory)."""
+    import cupy
+
+    return cupy.asarray(arr)

@@ -40,6 +40,7 @@ class ChunkDecoder:
             else np.zeros((), self.dtype)
         self._sync = self._sync_chain()
         self._into = self._into_chain()
+        self._direct = self._direct_codec()
 
     def _sync_chain(self) -> list[tuple[Any, Any]] | None:
         """[(codec, spec)] in decode order when every codec decodes synchronously, else None."""
@@ -68,6 +69,32 @@ class ChunkDecoder:
         if self.dtype.itemsize > 1 and endian != sys.byteorder:
             return None
         return self._sync[:-2], last.numcodec
+
+    def _direct_codec(self) -> Any:
+        """The numcodecs codec that can decode a stored chunk straight into a caller's array: the
+        chain is one compressor then plain ``bytes`` in native order (e.g. bytes + zstd/blosc)."""
+        if self._sync is None or len(self._sync) != 2:
+            return None
+        (comp, _), (arr_bytes, _) = self._sync
+        if type(arr_bytes).__name__ != "BytesCodec":
+            return None
+        endian = getattr(getattr(arr_bytes, "endian", None), "value", getattr(arr_bytes, "endian", None))
+        if self.dtype.itemsize > 1 and endian != sys.byteorder:
+            return None
+        for attr in ("_zstd_codec", "_blosc_codec", "numcodec"):
+            codec = getattr(comp, attr, None)
+            if codec is not None and callable(getattr(codec, "decode", None)):
+                return codec
+        return None
+
+    def decode_into(self, raw: Any, out: np.ndarray) -> bool:
+        """Decode straight into ``out`` (C-contiguous, chunk shape and dtype); False where this
+        chain cannot, and the caller decodes and copies instead."""
+        if self._direct is None or out.dtype != self.dtype or not out.flags.c_contiguous \
+                or out.shape != self.shape:
+            return False
+        self._direct.decode(raw, out=out)
+        return True
 
     @property
     def sync(self) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import queue
+import sys
 import threading
 import time
 import warnings
@@ -63,14 +64,12 @@ def _dim_map(name: str, v: Any, sizes: dict[str, int]) -> dict[str, int]:
 
 def _dist_defaults(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if rank is None or world_size is None:
-        try:
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized():
-                rank = dist.get_rank() if rank is None else rank
-                world_size = dist.get_world_size() if world_size is None else world_size
-        except ImportError:
-            pass
+        # only a process that imported torch.distributed can have initialised it: don't import
+        # torch (~200 MB, ~1 s) just to learn that it hasn't
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank() if rank is None else rank
+            world_size = dist.get_world_size() if world_size is None else world_size
     world_size = 1 if world_size is None else _positive_int("world_size", world_size)
     rank = 0 if rank is None else int(rank)
     if not 0 <= rank < world_size:

@@ -315,8 +315,22 @@ def _decode_assign_many(dec: ChunkDecoder, raws: list[Any], targets: list[list])
     return time.perf_counter() - t0
 
 
+def _whole(dec: ChunkDecoder, targets: list[tuple[np.ndarray, list, list, list]]) -> np.ndarray | None:
+    """The destination view when the chunk lands whole, in one place (no copy needed), else None."""
+    if len(targets) != 1:
+        return None
+    out, out_sel, in_sel, drop = targets[0]
+    if drop or len(in_sel) != len(dec.shape) or not all(isinstance(s, slice) for s in out_sel + in_sel):
+        return None
+    if any((s.start or 0) != 0 or s.stop != n for s, n in zip(in_sel, dec.shape, strict=True)):
+        return None
+    return out[tuple(out_sel)]
+
+
 def _decode_assign(dec: ChunkDecoder, raw: Any, targets: list[tuple[np.ndarray, list, list, list]]) -> float:
     """Decode and put in place; returns the seconds spent (measured in the decode thread)."""
     t0 = time.perf_counter()
-    _assign_all(dec.decode_sync(raw), targets)
+    view = _whole(dec, targets)
+    if view is None or not dec.decode_into(raw, view):
+        _assign_all(dec.decode_sync(raw), targets)
     return time.perf_counter() - t0

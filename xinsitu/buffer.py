@@ -160,8 +160,10 @@ class BlockLoader:
                     free.append(arr)
 
     # ------------------------------------------------------------------ gathering
-    def gather(self, block: Block, rows: np.ndarray) -> dict[str, np.ndarray]:
-        """Raw values of samples ``rows`` (positions in the block's yield order), per variable."""
+    def gather(self, block: Block, rows: np.ndarray,
+               into: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """Raw values of samples ``rows`` (positions in the block's yield order), per variable;
+        written into ``into[var]`` (e.g. a channel of a stacked batch) where given."""
         slot = block.slot[rows]
         st = block.starts[rows]
         out = {}
@@ -170,11 +172,11 @@ class BlockLoader:
             if not lay.has_sample_axis:
                 out[name] = buf[0].transpose(np.argsort(lay.order))
                 continue
-            out[name] = self._gather_var(lay, buf, slot, st, block.origin)
+            out[name] = self._gather_var(lay, buf, slot, st, block.origin, None if into is None else into[name])
         return out
 
     def _gather_var(self, lay: VarLayout, buf: np.ndarray, slot: np.ndarray, st: np.ndarray,
-                    origin: np.ndarray) -> np.ndarray:
+                    origin: np.ndarray, into: np.ndarray | None = None) -> np.ndarray:
         sp = self.space
         n = len(slot)
         kept = [k for k in lay.sampled if sp.dims[k].keep]
@@ -187,7 +189,8 @@ class BlockLoader:
         # fast path: one position-only sampled dim first in a contiguous buffer -> a single np.take
         if len(lay.sampled) == 1 and nk == 0 and buf.flags.c_contiguous:
             flat = buf.reshape(buf.shape[0] * buf.shape[1], *buf.shape[2:])
-            return np.take(flat, slot_idx * buf.shape[1] + local[0], axis=0)
+            # indices are in range by construction: mode="clip" lets numpy write into `into` unbuffered
+            return np.take(flat, slot_idx * buf.shape[1] + local[0], axis=0, out=into, mode="clip")
         idx: list[Any] = [slot_idx.reshape((n,) + (1,) * nk)]
         for k, pos in zip(lay.sampled, local, strict=True):
             shape = [n] + [1] * nk
@@ -202,6 +205,9 @@ class BlockLoader:
         res = buf[tuple(idx)]
         if lay.out_perm is not None:
             res = np.ascontiguousarray(res.transpose(lay.out_perm))
+        if into is not None:
+            into[...] = res
+            return into
         return res
 
 

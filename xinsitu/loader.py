@@ -508,18 +508,23 @@ class _EpochRun:
                         self.borrowed -= 1
                     else:
                         self._release()
-                raw_parts, start_parts = [], []
+                direct = gen.builder.direct_stack(b - a)  # gather straight into the stacked batch
+                raw_parts, start_parts, done = [], [], 0
                 for j in js:
                     off = plan.block_offsets[j]
                     lo, hi = max(a, off) - off, min(b, plan.block_offsets[j + 1]) - off
                     rows = np.arange(lo, hi)
-                    raw_parts.append(self.loader.gather(loaded[j], rows))
+                    into = None if direct is None else {n: v[done:done + len(rows)] for n, v in direct[1].items()}
+                    raw_parts.append(self.loader.gather(loaded[j], rows, into))
                     start_parts.append(loaded[j].starts[rows])
-                raw = raw_parts[0] if len(raw_parts) == 1 else {
-                    n: (np.concatenate([p[n] for p in raw_parts]) if gen.layouts[n].has_sample_axis
-                        else raw_parts[0][n]) for n in raw_parts[0]}
-                starts = np.concatenate(start_parts)
-                batch = gen.builder.build(raw, starts)
+                    done += len(rows)
+                if direct is not None:
+                    batch = gen.builder.finish_stacked(direct[0])
+                else:
+                    raw = raw_parts[0] if len(raw_parts) == 1 else {
+                        n: (np.concatenate([p[n] for p in raw_parts]) if gen.layouts[n].has_sample_axis
+                            else raw_parts[0][n]) for n in raw_parts[0]}
+                    batch = gen.builder.build(raw, np.concatenate(start_parts))
                 if not self._put((i, batch, b - a)):
                     return
             self._put(_END)

@@ -32,11 +32,20 @@ class _CFDecode:
         return np.asarray(xr.conventions.decode_cf_variable(self.name, var).values)
 
 
+def _nan_fill_only(attrs: dict[str, Any], src: Any) -> bool:
+    """A float variable whose only CF encoding is a NaN fill value: xarray masks nothing."""
+    if src.raw_dtype.kind != "f" or src.dtype != src.raw_dtype:
+        return False
+    if set(attrs) - {"_FillValue", "missing_value"}:
+        return False
+    return all(bool(np.all(np.isnan(np.asarray(v, dtype="f8")))) for v in attrs.values())
+
+
 def cf_decoder(name: str, layout: VarLayout) -> Any:
     """A function raw -> values exactly as xarray decodes them (scale/offset/fill -> NaN)."""
     src = layout.src
     attrs = {k: v for k, v in src.cf.items() if k != "dtype"}
-    if not src.stored or not attrs:
+    if not src.stored or not attrs or _nan_fill_only(attrs, src):
         return _identity
     decode = _CFDecode(name, attrs)
     probe = decode(np.zeros((1,), dtype=src.raw_dtype))
@@ -113,6 +122,7 @@ class OutputBuilder:
             dtypes = [self.normalizer.dtype(d) for d in dtypes]
         self.dtype = np.result_type(*dtypes)
         self._coords: xr.Dataset | None = None
+        self._direct: tuple[int, ...] | bool | None = None
         self._ds_coords = ds.coords
         if output in ("torch",):
             import torch  # noqa: F401  - fail now, not in the prefetch thread
@@ -136,6 +146,35 @@ class OutputBuilder:
         if self._coords is None:  # small: index and auxiliary coords, loaded once
             self._coords = xr.Dataset(coords=self._ds_coords).load()
         return self._coords
+
+    def direct_stack(self, n: int) -> tuple[np.ndarray, dict[str, np.ndarray]] | None:
+        """A stacked batch to gather straight into -- ``(array, {var: its channel view})`` -- where
+        nothing happens between gather and stacking (one channel per variable, no CF decoding,
+        no normalisation, one dtype), else None."""
+        if self._direct is None:
+            lays = self.layouts
+            ok = (self.stack and self.output in ("numpy", "torch", "cupy") and self.normalizer is None
+                  and all(d is _identity for d in self.decoders.values())
+                  and len(self.channels) == len(lays)
+                  and all(lay.has_sample_axis and lay.out_perm is None and lay.out_dims == self.base_dims
+                          and lay.src.raw_dtype == self.dtype for lay in lays.values()))
+            self._direct = self._sample_shape() if ok else False
+        if self._direct is False:
+            return None
+        arr = np.empty((n, len(self.layouts), *self._direct), dtype=self.dtype)
+        return arr, {name: arr[:, c] for c, name in enumerate(self.layouts)}
+
+    def _sample_shape(self) -> tuple[int, ...]:
+        """Shape of one sample of one channel (window/patch widths, then whole dims)."""
+        widths = {d.name: d.width for d in self.space.dims if d.keep}
+        lay = next(iter(self.layouts.values()))
+        return tuple(widths.get(d, lay.src.shape[lay.src.dims.index(d)]) for d in self.base_dims)
+
+    def finish_stacked(self, arr: np.ndarray) -> Any:
+        """The stacked batch gathered by ``direct_stack``, in the output's kind."""
+        if self.output == "torch":
+            return self._to_torch(arr)
+        return _to_cupy(arr) if self.output == "cupy" else arr
 
     def decode(self, raw: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         values = {n: self.decoders[n](a) for n, a in raw.items()}

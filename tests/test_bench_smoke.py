@@ -1,0 +1,40 @@
+"""Smoke test of bench/run.py: a tiny archive, local + latency server; results and plots written."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+for mod in ("matplotlib", "aiohttp", "psutil", "torch"):
+    pytest.importorskip(mod)
+
+
+@pytest.mark.slow
+def test_bench_run_smoke(tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "bench" / "run.py"), "--sections", "peers,wait,memory",
+           "--stores", "local,http:5", "--peers", "ceiling,xinsitu,isel0", "--repeats", "1", "--no-long",
+           "--epochs", "2", "--max-seconds", "1", "--shape", "240x16x32",
+           "--data-dir", str(tmp_path / "data"), "--out", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line.strip()]
+    peers = [r for r in rows if r.get("section") == "peers"]
+    assert {(r["store"], r["peer"]) for r in peers} == {
+        (s, p) for s in ("local", "http:5") for p in ("ceiling", "xinsitu", "isel0")}
+    for r in peers:
+        assert "error" not in r, r["error"]
+        assert r["samples_per_s"] > 0 and r["peak_rss_mb"] > 0
+    for r in (r for r in peers if r["peer"] == "xinsitu"):
+        assert r["batch_shape"][1:] == [4, 16, 32]
+        assert r["io"]["chunks"] == 8 * 4  # 8 train chunks x 4 variables, each read once per epoch
+    assert all(r["objects"] == 8 * 4 for r in peers if r["peer"] == "ceiling")
+    waits = [r for r in rows if r.get("section") == "wait"]
+    assert len(waits) == 2 and all("error" not in r and len(r["runs"]) == 2 for r in waits)
+    mem = [r for r in rows if r.get("section") == "memory"]
+    assert mem and all("error" not in r and r["peak_mb"] >= r["baseline_mb"] for r in mem)
+    for name in ("summary.md", "bench_throughput.png", "bench_wait.png", "bench_memory.png"):
+        assert (out / name).stat().st_size > 0

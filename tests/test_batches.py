@@ -25,7 +25,7 @@ def check_epoch(ds: xr.Dataset, gen, output: str, variables=None) -> int:
     ids = gen.batch_ids()
     assert len(batches) == len(ids) == len(gen)
     for b, i in zip(batches, ids, strict=True):
-        starts = np.concatenate([gen.space.unit_starts(int(u))[[int(l)]] for u, l in zip(*gen.space.locate(i),
+        starts = np.concatenate([gen.space.unit_starts(int(u))[[int(k)]] for u, k in zip(*gen.space.locate(i),
                                                                                        strict=True)])
         ref = oracle(sel[list(gen.layouts)], dims, starts[:, : len(dims)])
         assert_batch_equal(b, ref, output)

@@ -60,4 +60,4 @@ def test_unmappable_dataset_errors(era5_path):
     ds = xr.open_zarr(era5_path)
     computed = ds.assign(t2m=ds.t2m * 2)
     with pytest.raises(ValueError, match="computed lazily by dask"):
-        computed.insitu.geometry
+        _ = computed.insitu.geometry

@@ -37,7 +37,7 @@ def run_epoch(ds: xr.Dataset, gen, output: str = "numpy") -> np.ndarray:
     assert len(batches) == len(ids) == len(gen)
     for b, i in zip(batches, ids, strict=True):
         unit, local = gen.space.locate(i)
-        starts = np.stack([gen.space.unit_starts(int(u))[int(l)] for u, l in zip(unit, local, strict=True)])
+        starts = np.stack([gen.space.unit_starts(int(u))[int(k)] for u, k in zip(unit, local, strict=True)])
         ref = general_oracle(ds, gen, starts)
         if output == "xarray":
             xr.testing.assert_identical(b, ref)
@@ -191,7 +191,8 @@ def _layout_cases():
                            extra={"a": {"shards": (8, 12, 10)}, "b": {"shards": (8, 12, 10)}}),
         "v2_blosc_shuffle": dict(zarr_format=2, chunks={"a": {"time": 5}, "b": {"time": 5}},
                                  extra={"a": {"compressors": (numcodecs.Blosc("lz4", 5, numcodecs.Blosc.SHUFFLE),)},
-                                        "b": {"compressors": (numcodecs.Zstd(3),), "filters": (numcodecs.Delta("f8"),)}}),
+                                        "b": {"compressors": (numcodecs.Zstd(3),),
+                                              "filters": (numcodecs.Delta("f8"),)}}),
         "v2_bigendian": dict(zarr_format=2, chunks={"a": {"time": 4}, "b": {"time": 4}},
                              extra={"a": {"dtype": ">f4"}, "b": {"dtype": ">f8"}}),
         "v3_bigendian": dict(zarr_format=3, chunks={"a": {"time": 4}, "b": {"time": 4}},

@@ -21,7 +21,6 @@ from xinsitu.backend import FORK_HELP, backend_for, fetch_decoded
 from xinsitu.decode import ChunkDecoder, ShardLayout, is_sharded, store_root
 from xinsitu.source import VarSource
 
-
 INDEX_CACHE = 4096  # shard indexes kept (each a few bytes per inner chunk)
 _EMPTY = 2**64 - 1  # shard index entry of an inner chunk never written
 

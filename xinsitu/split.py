@@ -116,7 +116,8 @@ def _check_nonempty(counts: dict[str, int], after_gap: bool = False) -> None:
                          "or larger fractions")
 
 
-def range_split(edges: np.ndarray, index: pd.Index, ranges: dict[str, slice], gap: int, dim: str) -> dict[str, np.ndarray]:
+def range_split(edges: np.ndarray, index: pd.Index, ranges: dict[str, slice], gap: int,
+                dim: str) -> dict[str, np.ndarray]:
     """Blocks fully inside each label range (``.sel`` semantics, rounded inward to chunk edges)."""
     out: dict[str, np.ndarray] = {}
     spans: list[tuple[str, int, int]] = []
@@ -419,7 +420,8 @@ def make_split(ds: Any, geometry: Geometry, dim: str | list[str], *, fractions: 
     coords = {d: coord_span(ds, d) for d in dims}
     fp = fingerprint_of(dims, sizes, edges, coords)
     from xinsitu.snapshot import snapshot_of
-    return SplitManifest(dims=dims, sizes=sizes, edges=edges, splits={k: [int(b) for b in v] for k, v in splits.items()},
+    return SplitManifest(dims=dims, sizes=sizes, edges=edges,
+                         splits={k: [int(b) for b in v] for k, v in splits.items()},
                          labels=labels, seed=None if seed is None else int(seed), gap=int(gap),
                          contiguous=bool(contiguous), method=method, fingerprint=fp,
                          snapshot=snapshot_of(ds), extra={"coords": coords})

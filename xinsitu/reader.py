@@ -95,6 +95,7 @@ class Reader:
         self._backends: dict[int, Any] = {}
         self.counters = IOCounters()
         self._index_cache: OrderedDict[str, np.ndarray | None] = OrderedDict()
+        self._whole_plans: dict[tuple[int, int], list[tuple[int, Any, Any]]] = {}
 
     def _semaphore(self) -> asyncio.Semaphore:
         if self._sem is None:
@@ -153,9 +154,17 @@ class Reader:
             if out.size == 0:
                 continue
             plans = []
-            for ax, p in enumerate(pos):
+            for ax, (d, p) in enumerate(zip(src.src_dims, pos, strict=True)):
                 cs = src.chunk_shape[ax]
-                plans.append([(p // cs, None, p % cs)] if isinstance(p, int) else _axis_plan(p, cs))
+                if isinstance(p, int):
+                    plans.append([(p // cs, None, p % cs)])
+                elif d in region:
+                    plans.append(_axis_plan(p, cs))
+                else:  # a dim read whole: the same plan for every region, computed once
+                    key = (id(src), ax)
+                    if key not in self._whole_plans:
+                        self._whole_plans[key] = _axis_plan(p, cs)
+                    plans.append(self._whole_plans[key])
             for combo in itertools.product(*plans):
                 coords = tuple(int(c) for c, _, _ in combo)
                 out_sel = [o for _, o, _ in combo if o is not None]

@@ -287,12 +287,14 @@ class Reader:
 
     async def _read_with_zarr(self, src: VarSource, pos: list[Any]) -> np.ndarray:
         """Sharded arrays: zarr reads the inner chunks it needs (range requests into shards)."""
-        store_root(src.array.store)[0] == "obstore" and _loop.in_forked_child() and _raise_fork()
+        path = f"{src.array.path} (sharded selection)"
         async with self._semaphore():
             try:
+                if store_root(src.array.store)[0] == "obstore" and _loop.in_forked_child():
+                    raise RuntimeError(FORK_HELP)  # zarr would call obstore here and hang
                 res = await src.array.async_array.get_orthogonal_selection(tuple(pos))
-            except Exception as e:  # noqa: BLE001
-                raise ChunkReadError(src.name, (), f"{src.array.path} (sharded selection)", e) from e
+            except Exception as e:  # noqa: BLE001 - every failure names its array
+                _reraise(src, (), path, e)
         arr = np.asarray(res.as_ndarray_like() if hasattr(res, "as_ndarray_like") else res)
         self.counters.requests += 1
         self.counters.chunks += 1
@@ -305,10 +307,6 @@ def _reraise(src: VarSource, coords: tuple[int, ...], path: str, e: Exception) -
     if isinstance(e, RuntimeError) and str(e) == FORK_HELP:
         raise e
     raise ChunkReadError(src.name, coords, path, e) from e
-
-
-def _raise_fork() -> None:
-    raise RuntimeError(FORK_HELP)
 
 
 def _assign_all(chunk: np.ndarray, targets: list[tuple[np.ndarray, list, list, list]]) -> None:

@@ -60,7 +60,7 @@ SAMPLE_BYTES = len(VARS) * NY * NX * 4
 FAST_PEERS = ["ceiling", "xinsitu", "xinsitu_ordered"]
 SLOW_PEERS = ["xbatcher0", "isel0", "isel2"]
 ALL_SECTIONS = ["peers", "wait", "memory", "scaling", "profile"]
-DEFAULT_INFLIGHT = 64  # xinsitu's default max_inflight; the ceiling uses the same
+DEFAULT_INFLIGHT = 256  # the ceiling's requests in flight: the top of xinsitu's automatic max_inflight
 
 
 def log(msg: str) -> None:

@@ -451,7 +451,7 @@ def run_memory(cfg: dict[str, Any]) -> dict[str, Any]:
         "samples_per_s": n / dt,
         "train_chunks": len(gen.manifest.splits["train"]),
         "block_chunks": gen.block_chunks,
-        "max_inflight": gen.max_inflight,
+        "max_inflight": gen.max_inflight if gen.max_inflight is not None else gen._reader.inflight.limit,
         "geometry": repr(lay)[:2000],
     }
 

@@ -198,3 +198,15 @@ def test_worker_shares(space, cfg, world_size, num_workers, data):
 def test_worker_batches_rejects_bad_worker():
     with pytest.raises(ValueError, match="worker"):
         worker_batches(10, 2, 2)
+
+
+# ----------------------------------------------------------------------------- reader chunk plans
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 500), st.integers(1, 200), st.integers(1, 64))
+def test_range_plan_equals_axis_plan(start, n, chunk):
+    """The integer-arithmetic plan of a run of positions is the general plan of the same positions."""
+    from xinsitu.reader import _axis_plan, _range_plan
+
+    got = _range_plan(start, start + n, chunk)
+    ref = _axis_plan(np.arange(start, start + n, dtype=np.int64), chunk)
+    assert [(c, o, i) for c, o, i in got] == [(c, o, i) for c, o, i in ref]

@@ -155,6 +155,47 @@ def test_max_inflight_bounds_requests(archive, manifest):
         assert 2 <= srv.peak <= 3, srv.peak
 
 
+def test_automatic_max_inflight_grows_with_latency(archive, manifest, monkeypatch):
+    """max_inflight=None over a network: many requests in flight at once, never more than the cap."""
+    from xinsitu import reader
+
+    monkeypatch.setattr(reader, "AUTO_INFLIGHT", (3, 12))
+    with FileServer(Path(archive).parent, Faults(latency=0.05)) as srv:
+        ds = xinsitu.open_zarr(f"{srv.url}/era5.zarr")
+        srv.reset_counts()
+        gen = ds.insitu.batches(manifest, "train", batch_size=16, block_chunks=4, output="numpy")
+        n = sum(len(next(iter(b.values()))) for b in gen)
+        assert n == manifest.positions("train")
+        limit = gen._reader.inflight
+        assert limit.limit == 12 and limit.latency_s > 0.04, (limit.limit, limit.latency_s)
+        assert 3 < srv.peak <= 12, srv.peak
+
+
+def test_inflight_limit_follows_littles_law():
+    """Enough requests to keep the decode threads busy while each waits, twice over, within the bounds."""
+    from xinsitu.reader import AUTO_INFLIGHT, InflightLimit
+
+    fast = InflightLimit(None, threads=2)
+    for _ in range(20):
+        fast.observe(latency_s=0.0005, decode_s=0.00025)  # local disk: 2 x 2 x 2 = 8 wanted
+    assert fast.limit == AUTO_INFLIGHT[0]
+    far = InflightLimit(None, threads=2)
+    far.observe(latency_s=0.02, decode_s=0.0005)  # 20 ms away: 2 x 2 x 40 = 160
+    assert far.limit == 160
+    for _ in range(30):
+        far.observe(latency_s=0.1, decode_s=0.0005)  # 100 ms away: 800 wanted, never past the cap
+    assert far.limit == AUTO_INFLIGHT[1]
+    near = InflightLimit(None, threads=2)
+    near.expect_remote()  # a store across a network starts at the top ...
+    assert near.limit == AUTO_INFLIGHT[1]
+    for _ in range(40):
+        near.observe(latency_s=0.001, decode_s=0.0005)  # ... and comes down when it answers in 1 ms
+    assert near.limit == AUTO_INFLIGHT[0]
+    fixed = InflightLimit(5, threads=2)
+    fixed.observe(latency_s=1.0, decode_s=0.001)
+    assert fixed.limit == 5
+
+
 def test_missing_chunk_reads_as_fill_value(archive, tmp_path, manifest):
     """A chunk object that does not exist reads as zarr's fill value, locally and over HTTP."""
     path = tmp_path / "holes.zarr"

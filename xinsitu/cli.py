@@ -371,7 +371,7 @@ def verdict(raw: dict[str, Any] | None, io: dict[str, Any], batch_size: int, ste
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """``xinsitu bench URL``: raw fetch pass, then the loader over the same chunk blocks."""
-    from xinsitu.loader import DEFAULT_MAX_INFLIGHT
+    from xinsitu.reader import AUTO_INFLIGHT
     from xinsitu.split import SplitManifest
 
     ds = _open(args)
@@ -385,9 +385,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         m = dataclasses.replace(m, splits={**m.splits, args.split: [int(b) for b in blocks[:args.max_blocks]]})
     used = len(m.splits[args.split])
     variables = args.variables.split(",") if args.variables else None
-    max_inflight = args.max_inflight or DEFAULT_MAX_INFLIGHT
     gen = ds.insitu.batches(m, args.split, batch_size=args.batch_size, shuffle=True, seed=0, output="numpy",
-                            variables=variables, block_chunks=args.block_chunks, max_inflight=max_inflight,
+                            variables=variables, block_chunks=args.block_chunks, max_inflight=args.max_inflight,
                             rank=0, world_size=1)  # one process measures the store (and torch isn't imported)
     stored = any(s.stored for s in gen.sources.values())
     if not args.json:
@@ -396,7 +395,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     raw = None
     if stored:
         keys = raw_keys(gen)
-        raw = raw_pass(keys, max_inflight)
+        raw = raw_pass(keys, args.max_inflight or AUTO_INFLIGHT[1])
         if not args.json:
             print(f"raw pass   : {raw['objects']} objects, {_repr.fmt_bytes(raw['bytes'])} fetched in "
                   f"{raw['seconds']:.2f} s = {raw['mb_per_s']:.1f} MB/s, {raw['requests_per_s']:.0f} requests/s"

@@ -218,6 +218,19 @@ def store_root(zstore: Any) -> tuple[str, Any]:
     return "zarr", zstore
 
 
+def is_remote(zstore: Any) -> bool:
+    """Whether reads of ``zstore`` cross a network (anything but local files and memory)."""
+    kind, obj = store_root(zstore)
+    if kind == "local":
+        return False
+    inner = obj if kind == "obstore" else zstore
+    if type(inner).__name__ in ("LocalStore", "MemoryStore", "ManagedMemoryStore"):
+        return False
+    if type(inner).__name__ == "FsspecStore":
+        return "file" not in (getattr(getattr(inner, "fs", None), "protocol", ()) or ())
+    return True
+
+
 async def zarr_store_get(zstore: Any, key: str) -> bytes | None:
     """Read one object through a zarr store's own async ``get`` (None where it does not exist)."""
     buf = await zstore.get(key, prototype=_prototype())

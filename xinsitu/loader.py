@@ -35,7 +35,6 @@ from xinsitu.split import SplitManifest, coord_span
 from xinsitu.state import check_state, make_state
 
 _END = object()
-DEFAULT_MAX_INFLIGHT = 64
 PREFETCH_BLOCKS = 3  # blocks read ahead or held: one being gathered from, one spanning, one loading
 PREFETCH_BATCHES = 2
 
@@ -115,7 +114,8 @@ class BatchGenerator:
     block_chunks : int, default 16
         Chunk blocks per shuffle block (memory ~ a few blocks).
     max_inflight : int, optional
-        Chunk requests in flight at most (default 64).
+        Chunk requests in flight at most. Default: sized from the store's latency, from 64
+        (local disk) up to 256 (object stores; see ``xinsitu.reader.InflightLimit``).
     drop_last : bool, default False
     rank, world_size : int, optional
         Default: torch.distributed's when it is initialised, else 0 and 1.
@@ -136,7 +136,7 @@ class BatchGenerator:
             raise ValueError(f"unknown split {split!r}; the manifest has {list(manifest.splits)}")
         self.batch_size = _positive_int("batch_size", batch_size)
         self.block_chunks = _positive_int("block_chunks", block_chunks)
-        self.max_inflight = _positive_int("max_inflight", max_inflight or DEFAULT_MAX_INFLIGHT)
+        self.max_inflight = None if max_inflight is None else _positive_int("max_inflight", max_inflight)
         if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
             raise TypeError(f"seed must be an integer, got {seed!r}")
         self.seed, self.shuffle, self.drop_last = int(seed), bool(shuffle), bool(drop_last)

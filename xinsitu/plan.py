@@ -8,6 +8,7 @@ int64 numpy arrays, never on per-sample Python objects.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -207,9 +208,12 @@ class EpochPlan:
 
     def blocks_of(self, a: int, b: int) -> range:
         """Blocks holding sequence positions ``[a, b)``."""
-        first = int(np.searchsorted(self.block_offsets, a, side="right")) - 1
-        last = int(np.searchsorted(self.block_offsets, b - 1, side="right")) - 1
-        return range(first, last + 1)
+        off = self._offsets_list
+        return range(bisect.bisect_right(off, a) - 1, bisect.bisect_right(off, b - 1))
+
+    @cached_property
+    def _offsets_list(self) -> list[int]:
+        return self.block_offsets.tolist()
 
     def all_ids(self, offsets: np.ndarray) -> np.ndarray:
         """Every yielded sample id in order (for tests and inspection; O(samples))."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -18,10 +19,14 @@ import numpy as np
 
 from xinsitu import _loop
 from xinsitu.backend import FORK_HELP, backend_for, fetch_decoded
-from xinsitu.decode import ChunkDecoder, ShardLayout, is_sharded, store_root
+from xinsitu.decode import ChunkDecoder, ShardLayout, is_remote, is_sharded, store_root
 from xinsitu.source import VarSource
 
 INDEX_CACHE = 4096  # shard indexes kept (each a few bytes per inner chunk)
+#: ``max_inflight=None``: requests in flight start at the first and grow up to the second
+AUTO_INFLIGHT = (64, 256)
+#: ... to this many times what keeps the decode threads busy while each request waits
+AUTO_HEADROOM = 2.0
 _EMPTY = 2**64 - 1  # shard index entry of an inner chunk never written
 
 
@@ -50,6 +55,15 @@ class IOCounters:
 
 
 # ----------------------------------------------------------------------------- selection
+def _range_plan(start: int, stop: int, chunk: int) -> list[tuple[int, Any, Any]]:
+    """``_axis_plan`` of the positions ``start, start + 1, ..., stop - 1``, in integer arithmetic."""
+    out = []
+    for c in range(start // chunk, (stop - 1) // chunk + 1):
+        a, b = max(start, c * chunk), min(stop, (c + 1) * chunk)
+        out.append((c, slice(a - start, b - start), slice(a - c * chunk, b - c * chunk)))
+    return out
+
+
 def _axis_plan(pos: np.ndarray, chunk: int) -> list[tuple[int, Any, Any]]:
     """For one axis: [(chunk id, out selection, in-chunk selection)], slices where contiguous."""
     cid = pos // chunk
@@ -85,22 +99,82 @@ def _assign(out: np.ndarray, out_sel: list[Any], chunk: np.ndarray, in_sel: list
     out[o] = chunk[i]
 
 
+class InflightLimit:
+    """How many chunk requests may be in flight at once (``async with limit:`` around each).
+
+    A number fixes it. ``None`` sizes it from the store by Little's law: to keep ``threads``
+    decode threads busy while every request waits ``latency``, about
+    ``threads x latency / decode time per chunk`` requests must be in flight. Both times are
+    measured as requests complete (moving averages) and the limit follows ``AUTO_HEADROOM``
+    times that estimate, between the bounds of ``AUTO_INFLIGHT``: local disks sit at the
+    bottom (more requests only slow the first batch), stores 20-100 ms away at the top. A
+    store across a network starts at the top, before its first reply says how far it is.
+    """
+
+    def __init__(self, fixed: int | None, threads: int):
+        self.fixed = fixed
+        self.limit = fixed if fixed is not None else AUTO_INFLIGHT[0]
+        self.threads = threads
+        self.latency_s: float | None = None
+        self.decode_s: float | None = None
+        self._sem: asyncio.Semaphore | None = None
+        self._owed = 0  # permits to keep back as requests end (the limit shrank)
+
+    def semaphore(self) -> asyncio.Semaphore:
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.limit)
+        return self._sem
+
+    async def __aenter__(self) -> None:
+        await self.semaphore().acquire()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self._owed:
+            self._owed -= 1
+        else:
+            self.semaphore().release()
+
+    def expect_remote(self) -> None:
+        """The store is across a network: start at the top until replies say otherwise."""
+        if self.fixed is None and self.latency_s is None:
+            self._resize(AUTO_INFLIGHT[1])
+
+    def observe(self, latency_s: float, decode_s: float) -> None:
+        """One request's wait for its bytes and its decode time (on the I/O loop)."""
+        if self.fixed is not None:
+            return
+        self.latency_s = latency_s if self.latency_s is None else 0.9 * self.latency_s + 0.1 * latency_s
+        self.decode_s = decode_s if self.decode_s is None else 0.9 * self.decode_s + 0.1 * decode_s
+        want = AUTO_HEADROOM * self.threads * self.latency_s / max(self.decode_s, 1e-6)
+        target = max(AUTO_INFLIGHT[0], min(AUTO_INFLIGHT[1], math.ceil(want)))
+        if target > self.limit or target < 0.75 * self.limit:  # shrink only on a clear change
+            self._resize(target)
+
+    def _resize(self, n: int) -> None:
+        grow, self.limit = n - self.limit, n
+        if self._sem is None:
+            return
+        if grow < 0:
+            self._owed -= grow  # taken back as requests end
+            return
+        paid = min(grow, self._owed)
+        self._owed -= paid
+        for _ in range(grow - paid):
+            self._sem.release()
+
+
 class Reader:
     """Reads regions of the variables of one Dataset; one per process (built lazily)."""
 
-    def __init__(self, max_inflight: int):
+    def __init__(self, max_inflight: int | None = None):
         self.max_inflight = max_inflight
-        self._sem: asyncio.Semaphore | None = None
+        self.inflight = InflightLimit(max_inflight, _loop.decode_threads())
         self._decoders: dict[int, ChunkDecoder] = {}
         self._backends: dict[int, Any] = {}
         self.counters = IOCounters()
         self._index_cache: OrderedDict[str, np.ndarray | None] = OrderedDict()
         self._whole_plans: dict[tuple[int, int], list[tuple[int, Any, Any]]] = {}
-
-    def _semaphore(self) -> asyncio.Semaphore:
-        if self._sem is None:
-            self._sem = asyncio.Semaphore(self.max_inflight)
-        return self._sem
+        self._ranges: dict[tuple[int, int], bool] = {}
 
     def _decoder(self, src: VarSource) -> ChunkDecoder:
         key = id(src.array)
@@ -113,6 +187,8 @@ class Reader:
         key = id(zstore)
         if key not in self._backends:
             self._backends[key] = backend_for(zstore)
+            if is_remote(zstore):
+                self.inflight.expect_remote()
         return self._backends[key]
 
     async def read(self, src: VarSource, region: dict[str, tuple[int, int]],
@@ -159,7 +235,10 @@ class Reader:
                 if isinstance(p, int):
                     plans.append([(p // cs, None, p % cs)])
                 elif d in region:
-                    plans.append(_axis_plan(p, cs))
+                    if len(p) and self._is_range(src, ax):  # a slice of a step-1 index: integer math
+                        plans.append(_range_plan(int(p[0]), int(p[-1]) + 1, cs))
+                    else:
+                        plans.append(_axis_plan(p, cs))
                 else:  # a dim read whole: the same plan for every region, computed once
                     key = (id(src), ax)
                     if key not in self._whole_plans:
@@ -178,6 +257,15 @@ class Reader:
             dec, store = self._decoder(src), self._store(src)
             await asyncio.gather(*(self._fetch_into(src, dec, store, c, t) for c, t in targets.items()))
         return outs
+
+    def _is_range(self, src: VarSource, ax: int) -> bool:
+        """Whether the positions ``src`` selects along axis ``ax`` step by one (checked once)."""
+        key = (id(src), ax)
+        got = self._ranges.get(key)
+        if got is None:
+            ix = src.index[ax]
+            got = self._ranges[key] = bool(len(ix) > 0 and np.all(np.diff(ix) == 1))
+        return got
 
     # ------------------------------------------------------------------ sharded arrays
     def _native_shards(self, src: VarSource) -> bool:
@@ -228,7 +316,7 @@ class Reader:
         path = f"{src.array.path}/{key}" if src.array.path else key
         dec = lay.inner
         loop = asyncio.get_running_loop()
-        async with self._semaphore():
+        async with self.inflight:
             try:
                 index = await self._shard_index(lay, store, path)
                 want, starts, ends = [], [], []
@@ -242,17 +330,20 @@ class Reader:
                     starts.append(off)
                     ends.append(off + nb)
                 if want:
+                    t_start = time.perf_counter()
                     raws = await store.get_ranges(path, starts, ends)  # ranges of one object coalesced
+                    waited = time.perf_counter() - t_start
                     self.counters.requests += 1
                     self.counters.bytes_read += sum(len(r) for r in raws)
                     if dec.sync:
-                        self.counters.decode_s += await loop.run_in_executor(None, _decode_assign_many, dec,
-                                                                             raws, want)
+                        took = await loop.run_in_executor(None, _decode_assign_many, dec, raws, want)
                     else:
                         t0 = time.perf_counter()
                         for raw, t in zip(raws, want, strict=True):
                             _assign_all(await dec.decode(raw), t)
-                        self.counters.decode_s += time.perf_counter() - t0
+                        took = time.perf_counter() - t0
+                    self.counters.decode_s += took
+                    self.inflight.observe(waited, took)
             except Exception as e:  # noqa: BLE001 - every failure names its shard
                 _reraise(src, shard, path, e)
         self.counters.chunks += len(inner)
@@ -269,15 +360,19 @@ class Reader:
             if raw is None:
                 await loop.run_in_executor(None, _assign_all, dec.fill(), targets)
             else:
+                waited = time.perf_counter() - t_start
                 self.counters.bytes_read += len(raw)
                 if dec.sync:  # timed inside the thread: waiting for a free thread is not decoding
-                    self.counters.decode_s += await loop.run_in_executor(None, _decode_assign, dec, raw, targets)
+                    took = await loop.run_in_executor(None, _decode_assign, dec, raw, targets)
                 else:
                     t0 = time.perf_counter()
                     _assign_all(await dec.decode(raw), targets)
-                    self.counters.decode_s += time.perf_counter() - t0
+                    took = time.perf_counter() - t0
+                self.counters.decode_s += took
+                self.inflight.observe(waited, took)
 
-        async with self._semaphore():
+        async with self.inflight:
+            t_start = time.perf_counter()
             try:
                 await fetch_decoded(store, path, use)  # fetched again when the bytes fail to decode
             except Exception as e:  # noqa: BLE001 - every failure names its chunk
@@ -288,7 +383,7 @@ class Reader:
     async def _read_with_zarr(self, src: VarSource, pos: list[Any]) -> np.ndarray:
         """Sharded arrays: zarr reads the inner chunks it needs (range requests into shards)."""
         path = f"{src.array.path} (sharded selection)"
-        async with self._semaphore():
+        async with self.inflight:
             try:
                 if store_root(src.array.store)[0] == "obstore" and _loop.in_forked_child():
                     raise RuntimeError(FORK_HELP)  # zarr would call obstore here and hang

@@ -134,7 +134,7 @@ class StatsPass:
     def __init__(self, ds: xr.Dataset, manifest: SplitManifest, split: str, variables: list[str] | None = None,
                  *, block_chunks: int = 16, max_inflight: int | None = None, reader: Reader | None = None):
         # imported here: output.py imports this module for ``normalizer``
-        from xinsitu.loader import DEFAULT_MAX_INFLIGHT, BatchGenerator
+        from xinsitu.loader import BatchGenerator
         from xinsitu.output import cf_decoder
 
         # a generator with no window/patch/over: its samples are exactly the split's positions, and it
@@ -152,7 +152,7 @@ class StatsPass:
             if lay.src.dtype.kind not in "biuf":
                 raise ValueError(f"variable {n!r} has dtype {lay.src.dtype}; statistics need real numbers "
                                  "(select numeric variables with variables=[...])")
-        self.reader = reader if reader is not None else Reader(max_inflight or DEFAULT_MAX_INFLIGHT)
+        self.reader = reader if reader is not None else Reader(max_inflight)
         self.loader = BlockLoader(self.space, self.layouts, self.reader)
         self.decoders = {n: None if _decodes_to_itself(lay) else cf_decoder(n, lay)
                          for n, lay in self.layouts.items()}

@@ -10,6 +10,7 @@ caller; closing the iterator (or breaking out of the loop) stops both helpers.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import queue
 import sys
@@ -36,6 +37,8 @@ from xinsitu.state import check_state, make_state
 
 _END = object()
 PREFETCH_BLOCKS = 3  # blocks read ahead or held: one being gathered from, one spanning, one loading
+#: ... and at most this many where the store is far (enough blocks loading to fill ``max_inflight``)
+MAX_PREFETCH_BLOCKS = 6
 PREFETCH_BATCHES = 2
 
 
@@ -447,6 +450,8 @@ class _EpochRun:
         self.t_end: float | None = None
         self.loop = _loop.get_loop()
         self.credits: asyncio.Semaphore | None = None
+        self.depth = PREFETCH_BLOCKS  # blocks read ahead or held (grows with requests in flight)
+        self.n_loaded = 0
         if start >= plan.n_batches:
             self.first_block = plan.n_blocks
         else:
@@ -457,7 +462,7 @@ class _EpochRun:
 
     # -- I/O loop side
     async def _produce(self) -> None:
-        self.credits = asyncio.Semaphore(PREFETCH_BLOCKS)
+        self.credits = asyncio.Semaphore(self.depth)
         prev: asyncio.Task | None = None
         try:
             for j in range(self.first_block, self.plan.n_blocks):
@@ -473,9 +478,22 @@ class _EpochRun:
 
     async def _load(self, j: int, prev: asyncio.Task | None) -> None:
         block = await self.loader.load(self.plan, j)
+        self.n_loaded += 1
+        self._deepen()
         if prev is not None:
             await prev  # deliver in order
         self.blocks.put(block)
+
+    def _deepen(self) -> None:
+        """Read further ahead where the reader keeps more requests in flight than the blocks being
+        loaded hold (a far store, see ``InflightLimit``): one block gathered from, and enough
+        loading to fill the limit, at most ``MAX_PREFETCH_BLOCKS``."""
+        reader = self.loader.reader
+        per_block = (reader.counters.requests - self.counters_before["requests"]) / self.n_loaded
+        want = min(MAX_PREFETCH_BLOCKS, 1 + math.ceil(reader.inflight.limit / max(per_block, 1.0)))
+        while self.depth < want and self.credits is not None:
+            self.depth += 1
+            self.credits.release()
 
     def _release(self) -> None:
         if self.credits is not None:
@@ -491,7 +509,7 @@ class _EpochRun:
                 js = plan.blocks_of(a, b)
                 for j in js:
                     while j not in loaded:
-                        if len(loaded) >= PREFETCH_BLOCKS - 1:
+                        if len(loaded) >= self.depth - 1:
                             # this batch spans more blocks than the read-ahead allows: lend the
                             # producer one more block, paid back when a block is recycled
                             self.borrowed += 1
@@ -558,7 +576,7 @@ class _EpochRun:
 
     def close(self) -> None:
         self.stop.set()
-        for _ in range(PREFETCH_BLOCKS + 1):
+        for _ in range(MAX_PREFETCH_BLOCKS + 1):
             self._release()
         self.io_future.cancel()
         self.thread.join(timeout=5)

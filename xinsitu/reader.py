@@ -23,7 +23,7 @@ from xinsitu.decode import ChunkDecoder, ShardLayout, is_remote, is_sharded, sto
 from xinsitu.source import VarSource
 
 INDEX_CACHE = 4096  # shard indexes kept (each a few bytes per inner chunk)
-#: ``max_inflight=None``: requests in flight start at the first and grow up to the second
+#: ``max_inflight=None``: bounds of the requests in flight (see ``InflightLimit``)
 AUTO_INFLIGHT = (64, 256)
 #: ... to this many times what keeps the decode threads busy while each request waits
 AUTO_HEADROOM = 2.0
@@ -167,7 +167,6 @@ class Reader:
     """Reads regions of the variables of one Dataset; one per process (built lazily)."""
 
     def __init__(self, max_inflight: int | None = None):
-        self.max_inflight = max_inflight
         self.inflight = InflightLimit(max_inflight, _loop.decode_threads())
         self._decoders: dict[int, ChunkDecoder] = {}
         self._backends: dict[int, Any] = {}

@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--variables", default=None, help="comma-separated variables (default: all on the split dim)")
     b.add_argument("--batch-size", type=int, default=32)
     b.add_argument("--block-chunks", type=int, default=16, help="shuffle buffer, in chunk blocks (default 16)")
-    b.add_argument("--max-inflight", type=int, default=None, help="requests in flight (default: the loader's)")
+    b.add_argument("--max-inflight", type=int, default=None,
+                   help="requests in flight (default: the loader sizes them from latency; the raw pass keeps 256)")
     b.add_argument("--max-blocks", type=int, default=64,
                    help="read at most this many chunk blocks of the split (default 64; 0: the whole split)")
     b.add_argument("--step-ms", type=float, default=None,

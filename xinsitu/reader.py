@@ -2,7 +2,9 @@
 ``get``), a bounded number in flight, decoded in threads, copied into place.
 
 A region is a range of positions along some dims of a variable (its other dims whole);
-reading it fetches each chunk it touches exactly once.
+reading it fetches each chunk it touches exactly once. A read may also hand each chunk's
+piece of the region to a callback in the decode thread, while the piece is still in
+cache, with or without putting it in place (``read_many``).
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -28,6 +32,11 @@ AUTO_INFLIGHT = (64, 256)
 #: ... to this many times what keeps the decode threads busy while each request waits
 AUTO_HEADROOM = 2.0
 _EMPTY = 2**64 - 1  # shard index entry of an inner chunk never written
+
+#: called with (values, out_sel): a chunk's values within a region and where they lie in it
+PieceHook = Callable[[np.ndarray, list], None]
+#: where one chunk goes: (destination or None, out selection, in-chunk selection, scalar-dim drops, hook or None)
+Target = tuple[np.ndarray | None, list, list, list, PieceHook | None]
 
 
 class ChunkReadError(OSError):
@@ -199,34 +208,42 @@ class Reader:
         (res,) = await self.read_many(src, [(region, out)])
         return res
 
-    async def read_many(self, src: VarSource,
-                        jobs: list[tuple[dict[str, tuple[int, int]], np.ndarray | None]]) -> list[np.ndarray]:
+    async def read_many(self, src: VarSource, jobs: list[tuple[Any, ...]]) -> list[np.ndarray | None]:
         """Read several regions of ``src``; a chunk that several regions touch is fetched and
-        decoded once, then copied into each of them."""
-        outs: list[np.ndarray] = []
-        targets: dict[tuple[int, ...], list[tuple[np.ndarray, list, list, list]]] = {}
+        decoded once, then copied into each of them.
+
+        A job is ``(region, out)`` or ``(region, out, hook)``. ``out`` is the destination (None: a
+        new array). With a ``hook``, each chunk's piece of the region is also passed to
+        ``hook(values, out_sel)`` (``out_sel``: where the piece lies in the region), in the decode
+        thread right after decoding; with a hook and ``out=None`` the values are put nowhere
+        (the job's result is None) and the chunk is decoded into a reused buffer. ``values`` is
+        only valid during the call. A hook must not raise (a failure would read as a damaged chunk).
+        """
+        outs: list[np.ndarray | None] = []
+        targets: dict[tuple[int, ...], list[Target]] = {}
         sharded = src.stored and is_sharded(src.array) and not self._native_shards(src)
-        for region, out in jobs:
-            if not src.stored:
-                sel = tuple(slice(*region[d]) if d in region else slice(None) for d in src.dims)
-                if out is None:
-                    out = np.array(src.values[sel])
-                else:
-                    out[...] = src.values[sel]
+        for job in jobs:
+            region, out = job[0], job[1]
+            hook = job[2] if len(job) > 2 else None
+            if not src.stored or sharded:
+                if out is None and hook is None:
+                    out = np.empty(self._shape(src, region), dtype=src.raw_dtype)
+                values = self._values(src, region) if not src.stored else \
+                    await self._read_with_zarr(src, self._positions(src, region))
+                if out is not None:
+                    out[...] = values
+                if hook is not None:
+                    hook(np.asarray(values), [slice(None)] * np.ndim(values))
                 outs.append(out)
                 continue
-            pos = [ix if isinstance(ix, int) else (ix[slice(*region[d])] if d in region else ix)
-                   for d, ix in zip(src.src_dims, src.index, strict=True)]
+            pos = self._positions(src, region)
             shape = tuple(len(p) for p in pos if not isinstance(p, int))
-            if out is None:
+            if out is None and hook is None:
                 out = np.empty(shape, dtype=src.raw_dtype)
-            elif out.shape != shape:
+            elif out is not None and out.shape != shape:
                 raise ValueError(f"read of {src.name!r}: destination shape {out.shape} != region shape {shape}")
             outs.append(out)
-            if sharded:
-                out[...] = await self._read_with_zarr(src, pos)
-                continue
-            if out.size == 0:
+            if math.prod(shape) == 0:
                 continue
             plans = []
             for ax, (d, p) in enumerate(zip(src.src_dims, pos, strict=True)):
@@ -249,13 +266,31 @@ class Reader:
                 in_sel = [i for _, o, i in combo if o is not None]
                 drop = [i if o is None else slice(None) for _, o, i in combo]
                 drop = drop if any(o is None for _, o, _ in combo) else []
-                targets.setdefault(coords, []).append((out, out_sel, in_sel, drop))
-        if targets and src.stored and is_sharded(src.array):
+                targets.setdefault(coords, []).append((out, out_sel, in_sel, drop, hook))
+        if targets and is_sharded(src.array):
             await self._read_shards(src, targets)
         elif targets:
             dec, store = self._decoder(src), self._store(src)
             await asyncio.gather(*(self._fetch_into(src, dec, store, c, t) for c, t in targets.items()))
         return outs
+
+    @staticmethod
+    def _positions(src: VarSource, region: dict[str, tuple[int, int]]) -> list[Any]:
+        """Per stored dim, the stored positions the region covers (an int for a dim selected away)."""
+        return [ix if isinstance(ix, int) else (ix[slice(*region[d])] if d in region else ix)
+                for d, ix in zip(src.src_dims, src.index, strict=True)]
+
+    def _shape(self, src: VarSource, region: dict[str, tuple[int, int]]) -> tuple[int, ...]:
+        if not src.stored:
+            return tuple(len(range(*region[d])) if d in region else n for d, n in zip(src.dims, src.shape,
+                                                                                      strict=True))
+        return tuple(len(p) for p in self._positions(src, region) if not isinstance(p, int))
+
+    @staticmethod
+    def _values(src: VarSource, region: dict[str, tuple[int, int]]) -> np.ndarray:
+        """A region of a variable held in memory (or by dask)."""
+        sel = tuple(slice(*region[d]) if d in region else slice(None) for d in src.dims)
+        return np.asarray(src.values[sel])
 
     def _is_range(self, src: VarSource, ax: int) -> bool:
         """Whether the positions ``src`` selects along axis ``ax`` step by one (checked once)."""
@@ -284,7 +319,7 @@ class Reader:
             self._decoders[key] = ShardLayout(src.array)  # type: ignore[assignment]
         return self._decoders[key]  # type: ignore[return-value]
 
-    async def _read_shards(self, src: VarSource, targets: dict[tuple[int, ...], list]) -> None:
+    async def _read_shards(self, src: VarSource, targets: dict[tuple[int, ...], list[Target]]) -> None:
         lay = self._layout(src)
         by_shard: dict[tuple[int, ...], dict[tuple[int, ...], list]] = {}
         for coords, t in targets.items():
@@ -349,7 +384,7 @@ class Reader:
         self.counters.bytes_decoded += len(inner) * int(np.prod(dec.shape)) * dec.dtype.itemsize
 
     async def _fetch_into(self, src: VarSource, dec: ChunkDecoder, store: Any, coords: tuple[int, ...],
-                          targets: list[tuple[np.ndarray, list, list, list]]) -> None:
+                          targets: list[Target]) -> None:
         key = dec.key(coords)
         path = f"{src.array.path}/{key}" if src.array.path else key
         loop = asyncio.get_running_loop()
@@ -403,34 +438,76 @@ def _reraise(src: VarSource, coords: tuple[int, ...], path: str, e: Exception) -
     raise ChunkReadError(src.name, coords, path, e) from e
 
 
-def _assign_all(chunk: np.ndarray, targets: list[tuple[np.ndarray, list, list, list]]) -> None:
-    for out, out_sel, in_sel, drop in targets:
-        _assign(out, out_sel, chunk, in_sel, drop)
+def _piece(chunk: np.ndarray, in_sel: list[Any], drop: list[Any]) -> np.ndarray:
+    """chunk[drop][in_sel], orthogonally: the values a target takes from the chunk."""
+    if drop:
+        chunk = chunk[tuple(drop)]
+    if all(isinstance(s, slice) for s in in_sel):
+        return chunk[tuple(in_sel)]
+    return chunk[np.ix_(*[np.arange(s.start, s.stop) if isinstance(s, slice) else s for s in in_sel])]
 
 
-def _decode_assign_many(dec: ChunkDecoder, raws: list[Any], targets: list[list]) -> float:
+def _assign_all(chunk: np.ndarray, targets: list[Target]) -> None:
+    for out, out_sel, in_sel, drop, hook in targets:
+        if out is not None:
+            _assign(out, out_sel, chunk, in_sel, drop)
+        if hook is not None:
+            hook(_piece(chunk, in_sel, drop), out_sel)
+
+
+def _decode_assign_many(dec: ChunkDecoder, raws: list[Any], targets: list[list[Target]]) -> float:
     t0 = time.perf_counter()
     for raw, t in zip(raws, targets, strict=True):
-        _assign_all(dec.decode_sync(raw), t)
+        _decode_put(dec, raw, t)
     return time.perf_counter() - t0
 
 
-def _whole(dec: ChunkDecoder, targets: list[tuple[np.ndarray, list, list, list]]) -> np.ndarray | None:
+def _whole(dec: ChunkDecoder, targets: list[Target]) -> np.ndarray | None:
     """The destination view when the chunk lands whole, in one place (no copy needed), else None."""
     if len(targets) != 1:
         return None
-    out, out_sel, in_sel, drop = targets[0]
-    if drop or len(in_sel) != len(dec.shape) or not all(isinstance(s, slice) for s in out_sel + in_sel):
+    out, out_sel, in_sel, drop, _ = targets[0]
+    if out is None or drop or len(in_sel) != len(dec.shape) \
+            or not all(isinstance(s, slice) for s in out_sel + in_sel):
         return None
     if any((s.start or 0) != 0 or s.stop != n for s, n in zip(in_sel, dec.shape, strict=True)):
         return None
     return out[tuple(out_sel)]
 
 
-def _decode_assign(dec: ChunkDecoder, raw: Any, targets: list[tuple[np.ndarray, list, list, list]]) -> float:
+_scratch = threading.local()
+
+
+def _scratch_chunk(dec: ChunkDecoder) -> np.ndarray:
+    """This thread's reused array of the chunk's shape and dtype (for chunks put nowhere)."""
+    bufs = getattr(_scratch, "chunks", None)
+    if bufs is None:
+        bufs = _scratch.chunks = {}
+    key = (dec.shape, dec.dtype)
+    if key not in bufs:
+        if len(bufs) >= 8:
+            bufs.clear()
+        bufs[key] = np.empty(dec.shape, dec.dtype)
+    return bufs[key]
+
+
+def _decode_put(dec: ChunkDecoder, raw: Any, targets: list[Target]) -> None:
+    view = _whole(dec, targets)
+    if view is not None and dec.decode_into(raw, view):
+        hook = targets[0][4]
+        if hook is not None:
+            hook(view, targets[0][1])
+        return
+    if all(t[0] is None for t in targets):  # only hooks: decode into this thread's buffer, no allocation
+        buf = _scratch_chunk(dec)
+        if dec.decode_into(raw, buf):
+            _assign_all(buf, targets)
+            return
+    _assign_all(dec.decode_sync(raw), targets)
+
+
+def _decode_assign(dec: ChunkDecoder, raw: Any, targets: list[Target]) -> float:
     """Decode and put in place; returns the seconds spent (measured in the decode thread)."""
     t0 = time.perf_counter()
-    view = _whole(dec, targets)
-    if view is None or not dec.decode_into(raw, view):
-        _assign_all(dec.decode_sync(raw), targets)
+    _decode_put(dec, raw, targets)
     return time.perf_counter() - t0

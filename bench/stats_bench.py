@@ -8,9 +8,12 @@ cache warmed first, the median of ``--repeat`` runs reported:
 - ``stats``: ``StatsPass(...).run()``, what ``ds.insitu.stats`` runs;
 - ``read``: the same pass with the reduction left out: the same reader, the same reads in
   flight, each chunk fetched and decoded into the decode thread's buffer, nothing else;
-- ``ceiling``: the yardstick's read+decode limit: every chunk object of the split fetched
-  once with obstore (``--inflight`` requests in flight) and decoded by numcodecs in a pool
-  of as many threads as xinsitu decodes with (``bench/workloads.py``'s ``Ceiling``).
+- ``ceiling``: the read+decode limit: every chunk object of the split fetched once with
+  obstore (``--inflight`` requests in flight) and decoded by numcodecs in a pool of as many
+  threads as xinsitu decodes with, into one reused array per thread (``bench/workloads.py``);
+- ``yardstick``: the yardstick's own ceiling (``../shared/bench/peers.py``, the judge's
+  definition of the read+decode limit: the same, each chunk decoded into a new array), run
+  in this process when that file is there (``--yardstick PATH``).
 
 The target is stats / ceiling >= 0.85; stats / read is what the reduction itself costs.
 The same ratios of process CPU seconds are shown beside them.
@@ -62,6 +65,22 @@ class ReadOnly(StatsPass):
         pass
 
 
+def yardstick_ceiling(peers_py: str, path: str, inflight: int) -> Any:
+    """One pass of the yardstick's ``ceiling`` peer over ``path`` (its 80 % train split)."""
+    import importlib.util
+    import types
+
+    spec = importlib.util.spec_from_file_location("yardstick_peers", peers_py)
+    assert spec is not None and spec.loader is not None
+    peers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peers)
+    a = types.SimpleNamespace(data=path, train_frac=0.8, batch_size=32, seed=0, max_batches=0, max_seconds=0,
+                              warmup=0, inflight=inflight, decode_threads=_loop.decode_threads(), block_chunks=16,
+                              mp_context=None, verify=False, ceiling_passes=1)
+    task = peers.Task(a)
+    return lambda: peers.peer_ceiling(task, path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", help="an existing archive (default: write one to a temp dir)")
@@ -71,7 +90,9 @@ def main() -> None:
     ap.add_argument("--chunk-time", type=int, default=24)
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--inflight", type=int, default=128, help="the ceiling's requests in flight (yardstick: 128)")
-    ap.add_argument("--no-ceiling", action="store_true", help="leave the ceiling out (archives not bytes+zstd)")
+    ap.add_argument("--no-ceiling", action="store_true", help="leave the ceilings out (archives not bytes+zstd)")
+    ap.add_argument("--yardstick", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "bench",
+                                                        "peers.py"), help="the yardstick's peers.py (if present)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
 
@@ -92,6 +113,8 @@ def main() -> None:
         ceiling = workloads.Ceiling({"url": path, "train_chunks": chunks, "inflight": args.inflight,
                                      "decode_threads": _loop.decode_threads()})
         passes["ceiling"] = ceiling.run
+        if os.path.exists(args.yardstick):
+            passes["yardstick"] = yardstick_ceiling(args.yardstick, path, args.inflight)
     for run in passes.values():  # warm the page cache, the loops, the threads, the connections
         run()
     wall: dict[str, list[float]] = {k: [] for k in passes}

@@ -217,7 +217,9 @@ class Reader:
         ``hook(values, out_sel)`` (``out_sel``: where the piece lies in the region), in the decode
         thread right after decoding; with a hook and ``out=None`` the values are put nowhere
         (the job's result is None) and the chunk is decoded into a reused buffer. ``values`` is
-        only valid during the call. A hook must not raise (a failure would read as a damaged chunk).
+        only valid during the call; where it is writeable (the chunk's one consumer, in the reader's
+        own memory), the hook may use it as scratch space. A hook must not raise (a failure would
+        read as a damaged chunk).
         """
         outs: list[np.ndarray | None] = []
         targets: dict[tuple[int, ...], list[Target]] = {}
@@ -232,8 +234,8 @@ class Reader:
                     await self._read_with_zarr(src, self._positions(src, region))
                 if out is not None:
                     out[...] = values
-                if hook is not None:
-                    hook(np.asarray(values), [slice(None)] * np.ndim(values))
+                if hook is not None:  # values may be the caller's own array
+                    hook(_readonly(np.asarray(values)), [slice(None)] * np.ndim(values))
                 outs.append(out)
                 continue
             pos = self._positions(src, region)
@@ -269,6 +271,9 @@ class Reader:
                 targets.setdefault(coords, []).append((out, out_sel, in_sel, drop, hook))
         if targets and is_sharded(src.array):
             await self._read_shards(src, targets)
+        elif len(targets) == 1:  # one chunk (a chunk-aligned unit): no task of its own
+            ((c, t),) = targets.items()
+            await self._fetch_into(src, self._decoder(src), self._store(src), c, t)
         elif targets:
             dec, store = self._decoder(src), self._store(src)
             await asyncio.gather(*(self._fetch_into(src, dec, store, c, t) for c, t in targets.items()))
@@ -381,7 +386,7 @@ class Reader:
             except Exception as e:  # noqa: BLE001 - every failure names its shard
                 _reraise(src, shard, path, e)
         self.counters.chunks += len(inner)
-        self.counters.bytes_decoded += len(inner) * int(np.prod(dec.shape)) * dec.dtype.itemsize
+        self.counters.bytes_decoded += len(inner) * math.prod(dec.shape) * dec.dtype.itemsize
 
     async def _fetch_into(self, src: VarSource, dec: ChunkDecoder, store: Any, coords: tuple[int, ...],
                           targets: list[Target]) -> None:
@@ -412,7 +417,7 @@ class Reader:
             except Exception as e:  # noqa: BLE001 - every failure names its chunk
                 _reraise(src, coords, path, e)
         self.counters.chunks += 1
-        self.counters.bytes_decoded += int(np.prod(dec.shape)) * dec.dtype.itemsize
+        self.counters.bytes_decoded += math.prod(dec.shape) * dec.dtype.itemsize
 
     async def _read_with_zarr(self, src: VarSource, pos: list[Any]) -> np.ndarray:
         """Sharded arrays: zarr reads the inner chunks it needs (range requests into shards)."""
@@ -447,12 +452,22 @@ def _piece(chunk: np.ndarray, in_sel: list[Any], drop: list[Any]) -> np.ndarray:
     return chunk[np.ix_(*[np.arange(s.start, s.stop) if isinstance(s, slice) else s for s in in_sel])]
 
 
+def _readonly(a: np.ndarray) -> np.ndarray:
+    """A view of ``a`` that cannot be written through (values a hook must leave alone)."""
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
 def _assign_all(chunk: np.ndarray, targets: list[Target]) -> None:
+    """Put a decoded chunk (the reader's own array) in place and call the hooks; a hook may write to
+    its values only where it is the chunk's one consumer."""
     for out, out_sel, in_sel, drop, hook in targets:
         if out is not None:
             _assign(out, out_sel, chunk, in_sel, drop)
         if hook is not None:
-            hook(_piece(chunk, in_sel, drop), out_sel)
+            piece = _piece(chunk, in_sel, drop)
+            hook(piece if len(targets) == 1 else _readonly(piece), out_sel)
 
 
 def _decode_assign_many(dec: ChunkDecoder, raws: list[Any], targets: list[list[Target]]) -> float:
@@ -496,7 +511,7 @@ def _decode_put(dec: ChunkDecoder, raw: Any, targets: list[Target]) -> None:
     if view is not None and dec.decode_into(raw, view):
         hook = targets[0][4]
         if hook is not None:
-            hook(view, targets[0][1])
+            hook(_readonly(view), targets[0][1])  # the caller's array
         return
     if all(t[0] is None for t in targets):  # only hooks: decode into this thread's buffer, no allocation
         buf = _scratch_chunk(dec)

@@ -146,25 +146,30 @@ _scratch = threading.local()
 _ONES = {np.dtype(t): np.ones(ROW, t) for t in (np.float32, np.float64)}
 _SPANS = {np.dtype(np.float32): F32_SPAN, np.dtype(np.float64): (1e-100, 1e100)}
 _NONE = (0, 0, math.nan, math.nan, math.nan, math.nan)
+_min, _max, _sum, _sub, _vecdot = np.minimum.reduce, np.maximum.reduce, np.add.reduce, np.subtract, np.vecdot
 
 
-def chunk_moments(values: np.ndarray) -> tuple[int, int, float, float, float, float]:
+def chunk_moments(values: np.ndarray, scratch: bool = False) -> tuple[int, int, float, float, float, float]:
     """(count, nan_count, mean, M2, min, max) of ``values`` (any real dtype, shape and strides), NaNs
-    counted and left out; mean, M2, min and max NaN where no value is left. See ``Moments``."""
+    counted and left out; mean, M2, min and max NaN where no value is left. See ``Moments``.
+
+    ``scratch=True`` lets it overwrite ``values`` (a chunk the reader decoded for nothing else):
+    one buffer fewer to stream through cache.
+    """
     if values.size == 0:
         return _NONE
     spans = _SPANS.get(values.dtype)
     if spans is None:
         return _exact_moments(values)
-    lo, hi = values.min(), values.max()  # NaN where any value is NaN
+    lo, hi = _min(values, axis=None), _max(values, axis=None)  # NaN where any value is NaN
     nans = 0
     if lo != lo:
         ok = ~np.isnan(values)
-        values = values[ok]
+        values = values[ok]  # a copy
         nans = ok.size - values.size
         if values.size == 0:
             return (0, nans, *_NONE[2:])
-        lo, hi = values.min(), values.max()
+        lo, hi = _min(values), _max(values)
     lo, hi = float(lo), float(hi)
     span = hi - lo
     if span == 0:
@@ -172,7 +177,7 @@ def chunk_moments(values: np.ndarray) -> tuple[int, int, float, float, float, fl
     if not spans[0] <= span <= spans[1]:  # also infinities
         n, _, mean, m2, lo, hi = _exact_moments(values)
         return n, nans, mean, m2, lo, hi
-    mean, m2 = _centred_moments(values)
+    mean, m2 = _centred_moments(values, scratch or nans > 0)  # values[ok] is a copy
     return values.size, nans, mean, m2, lo, hi
 
 
@@ -193,35 +198,42 @@ def _exact_moments(values: np.ndarray) -> tuple[int, int, float, float, float, f
 
 
 def _deviations(n: int, dtype: np.dtype) -> np.ndarray:
-    """This thread's reused buffer of ``n`` values rounded up to whole rows of ``ROW``, the tail zero;
-    64-byte aligned, so the dot products sum in the same order wherever it lies (the same bits)."""
-    rows = -(-n // ROW)
+    """This thread's reused buffer of ``n`` values, 64-byte aligned (the dot products then sum in the
+    same order wherever the values lie: the same bits)."""
     buf = getattr(_scratch, dtype.name, None)
-    if buf is None or buf.size < rows * ROW:
-        raw = np.empty(rows * ROW * dtype.itemsize + 64, np.uint8)
+    if buf is None or buf.size < n:
+        raw = np.empty(n * dtype.itemsize + 64, np.uint8)
         off = -raw.ctypes.data % 64
-        buf = raw[off:off + rows * ROW * dtype.itemsize].view(dtype)
+        buf = raw[off:off + n * dtype.itemsize].view(dtype)
         setattr(_scratch, dtype.name, buf)
-    out = buf[:rows * ROW]
-    out[n:] = 0
-    return out
+    return buf[:n]
 
 
-def _centred_moments(values: np.ndarray) -> tuple[float, float]:
-    """(mean, M2) of finite float ``values`` (float32 or float64, any shape), see ``Moments``."""
-    n = values.size
+def _centred_moments(values: np.ndarray, scratch: bool) -> tuple[float, float]:
+    """(mean, M2) of finite float ``values`` (float32 or float64, any shape; overwritten where
+    ``scratch``), see ``Moments``."""
+    n, dt = values.size, values.dtype
     # the shift: the mean of a strided sample of about 256 values, in the values' dtype
     if values.flags.c_contiguous:
-        sample = values.reshape(-1)[::max(1, n // 256)]
+        flat = values.reshape(-1)
+        sample = flat[::max(1, n // 256)]
     else:
         k = max(2, round(256 ** (1 / values.ndim)))
         sample = values[tuple(slice(None, None, max(1, s // k)) for s in values.shape)]
-    shift = values.dtype.type(np.add.reduce(sample, axis=None, dtype=np.float64) / sample.size)
-    buf = _deviations(n, values.dtype)
-    np.subtract(values, shift, out=buf[:n].reshape(values.shape))
-    rows = buf.reshape(-1, ROW)
-    s1 = float(np.add.reduce(np.vecdot(rows, _ONES[values.dtype]), dtype=np.float64))
-    s2 = float(np.add.reduce(np.vecdot(rows, rows), dtype=np.float64))
+    shift = dt.type(_sum(sample, axis=None, dtype=np.float64) / sample.size)
+    body = n - n % ROW
+    if scratch and values.flags.writeable and values.flags.c_contiguous:  # deviations in place
+        dev = _sub(flat, shift, out=flat)
+    else:
+        dev = _deviations(n, dt)
+        _sub(values, shift, out=dev.reshape(values.shape))
+    rows = dev[:body].reshape(-1, ROW)
+    s1 = float(_sum(_vecdot(rows, _ONES[dt]), dtype=np.float64))
+    s2 = float(_sum(_vecdot(rows, rows), dtype=np.float64))
+    if body < n:  # the last, partial row
+        tail = dev[body:]
+        s1 += float(_sum(tail, dtype=np.float64))
+        s2 += float(_vecdot(tail, tail))
     d = s1 / n
     return float(shift) + d, max(s2 - s1 * d, 0.0)
 
@@ -307,15 +319,14 @@ class StatsPass:
             static = [n for n, lay in self.layouts.items() if lay.static]
             if static:
                 tasks.append(asyncio.ensure_future(self._unit(None, static)))
-            for u in plan.units:
-                u = int(u)
+            for u, box in zip(plan.units.tolist(), self._boxes(plan.units), strict=True):
                 names = [n for n, lay in self.layouts.items()
                          if not lay.static and (n not in owners or u in owners[n])]
                 await ahead.acquire()
                 if self._errors:  # a unit failed: start no more reads
                     ahead.release()
                     break
-                task = asyncio.ensure_future(self._unit(self._box(u), names))
+                task = asyncio.ensure_future(self._unit(box, names))
                 task.add_done_callback(lambda _: ahead.release())
                 tasks.append(task)
             await asyncio.gather(*tasks)
@@ -325,12 +336,13 @@ class StatsPass:
         if self._errors:
             raise self._errors[0]
 
-    def _box(self, u: int) -> dict[str, tuple[int, int]]:
-        """Unit ``u``'s positions along each split dim."""
+    def _boxes(self, units: np.ndarray) -> list[dict[str, tuple[int, int]]]:
+        """Each unit's positions along each split dim."""
         sp = self.space
-        coords = np.unravel_index(int(sp.blocks[u]), sp.grid)
-        return {d.name: (int(sp.edges[k][c]), int(sp.edges[k][c + 1]))
-                for k, (d, c) in enumerate(zip(sp.split_dims, coords, strict=True))}
+        coords = np.unravel_index(sp.blocks[units], sp.grid)
+        cols = [(d.name, np.asarray(sp.edges[k])[coords[k]].tolist(), np.asarray(sp.edges[k])[coords[k] + 1].tolist())
+                for k, d in enumerate(sp.split_dims)]
+        return [{name: (lo[i], hi[i]) for name, lo, hi in cols} for i in range(len(units))]
 
     async def _unit(self, box: dict[str, tuple[int, int]] | None, names: list[str]) -> None:
         """Read the unit at ``box`` of variables ``names`` (None: variables without a split dim, whole);
@@ -353,8 +365,10 @@ class StatsPass:
             decode = self.decoders[name]
             values = decode(raw) if decode is not None else raw
             axes, sizes = self._channel_axes[name], self._channel_sizes[name]
+            # CF decoding's new array, or a chunk the reader decoded for nothing else: free to overwrite
+            scratch = values is not raw or raw.flags.writeable
             if not axes:
-                self._parts[name].append((0, chunk_moments(values)))
+                self._parts[name].append((0, chunk_moments(values, scratch)))
                 return
             # each label (combination of labels) of the extra dims this piece holds is one channel
             labels = [np.arange(n)[out_sel[ax]] for ax, n in zip(axes, sizes, strict=True)]
@@ -363,7 +377,7 @@ class StatsPass:
                 for ax, i in zip(axes, idx, strict=True):
                     sel[ax] = i
                 c = int(np.ravel_multi_index(tuple(lab[i] for lab, i in zip(labels, idx, strict=True)), sizes))
-                self._parts[name].append((c, chunk_moments(values[tuple(sel)])))
+                self._parts[name].append((c, chunk_moments(values[tuple(sel)], scratch)))
         except BaseException as e:  # noqa: BLE001 - raised by run(): the reader would take it for a damaged chunk
             self._errors.append(e)
 

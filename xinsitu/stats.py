@@ -39,7 +39,7 @@ STAT_KEYS = ("mean", "std", "min", "max", "nan_count")
 #: units in flight: this many times ``block_chunks`` (each holds only its chunks' compressed bytes)
 PREFETCH_BLOCKS = 3
 #: values per partial sum of deviations (float32 sums for float32 values, see ``Moments``)
-ROW = 256
+ROW = 1024
 #: spans (max - min) of float32 values reduced in float32 partial sums: their squares neither
 #: overflow nor fall to where float32 keeps too few digits; other spans are reduced in float64
 F32_SPAN = (1e-10, 5e17)
@@ -143,10 +143,11 @@ class Moments:
 
 
 _scratch = threading.local()
-_ONES = {np.dtype(t): np.ones(ROW, t) for t in (np.float32, np.float64)}
 _SPANS = {np.dtype(np.float32): F32_SPAN, np.dtype(np.float64): (1e-100, 1e100)}
 _NONE = (0, 0, math.nan, math.nan, math.nan, math.nan)
-_min, _max, _sum, _sub, _vecdot = np.minimum.reduce, np.maximum.reduce, np.add.reduce, np.subtract, np.vecdot
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+_min, _max, _sum, _sub, _vecdot, _einsum = (np.minimum.reduce, np.maximum.reduce, np.add.reduce, np.subtract,
+                                             np.vecdot, np.einsum)
 
 
 def chunk_moments(values: np.ndarray, scratch: bool = False) -> tuple[int, int, float, float, float, float]:
@@ -177,7 +178,7 @@ def chunk_moments(values: np.ndarray, scratch: bool = False) -> tuple[int, int, 
     if not spans[0] <= span <= spans[1]:  # also infinities
         n, _, mean, m2, lo, hi = _exact_moments(values)
         return n, nans, mean, m2, lo, hi
-    mean, m2 = _centred_moments(values, scratch or nans > 0)  # values[ok] is a copy
+    mean, m2 = _centred_moments(values, scratch or nans > 0, max(-lo, hi))  # values[ok] is a copy
     return values.size, nans, mean, m2, lo, hi
 
 
@@ -209,33 +210,33 @@ def _deviations(n: int, dtype: np.dtype) -> np.ndarray:
     return buf[:n]
 
 
-def _centred_moments(values: np.ndarray, scratch: bool) -> tuple[float, float]:
-    """(mean, M2) of finite float ``values`` (float32 or float64, any shape; overwritten where
-    ``scratch``), see ``Moments``."""
+def _centred_moments(values: np.ndarray, scratch: bool, top: float) -> tuple[float, float]:
+    """(mean, M2) of finite float ``values`` (float32 or float64, any shape, largest magnitude ``top``;
+    overwritten where ``scratch``), see ``Moments``."""
     n, dt = values.size, values.dtype
-    # the shift: the mean of a strided sample of about 256 values, in the values' dtype
-    if values.flags.c_contiguous:
-        flat = values.reshape(-1)
-        sample = flat[::max(1, n // 256)]
-    else:
-        k = max(2, round(256 ** (1 / values.ndim)))
-        sample = values[tuple(slice(None, None, max(1, s // k)) for s in values.shape)]
-    shift = dt.type(_sum(sample, axis=None, dtype=np.float64) / sample.size)
-    body = n - n % ROW
+    # the mean from a float64 sum, as numpy's (float32 partial sums would leave 1e-10 of the spread in
+    # it: more than 1e-6 of a mean near zero)
+    flat = values.reshape(-1) if values.flags.c_contiguous else values
+    mean = float(_einsum(_LETTERS[:flat.ndim] + "->", flat, dtype=np.float64)) / n
+    # the deviations are taken from the mean rounded to the grid of the largest value: then each one is
+    # exact or rounds on its value's own low bits, and their rounding errors cancel out instead of all
+    # dropping the same low bits of the shift (a bias)
+    grid = float(np.spacing(dt.type(top)))
+    shift = dt.type(round(mean / grid) * grid)
     if scratch and values.flags.writeable and values.flags.c_contiguous:  # deviations in place
         dev = _sub(flat, shift, out=flat)
     else:
         dev = _deviations(n, dt)
         _sub(values, shift, out=dev.reshape(values.shape))
+    # the squares of the deviations from the (coarse) mean, summed in float32 partial sums of ROW
+    body = n - n % ROW
     rows = dev[:body].reshape(-1, ROW)
-    s1 = float(_sum(_vecdot(rows, _ONES[dt]), dtype=np.float64))
     s2 = float(_sum(_vecdot(rows, rows), dtype=np.float64))
     if body < n:  # the last, partial row
         tail = dev[body:]
-        s1 += float(_sum(tail, dtype=np.float64))
         s2 += float(_vecdot(tail, tail))
-    d = s1 / n
-    return float(shift) + d, max(s2 - s1 * d, 0.0)
+    off = mean - float(shift)
+    return mean, max(s2 - n * off * off, 0.0)
 
 
 # ----------------------------------------------------------------------------- the pass

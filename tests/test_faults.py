@@ -181,3 +181,22 @@ def test_corrupt_object_in_store(archive, manifest, reference, tmp_path):
             assert isinstance(err, xinsitu.ChunkReadError), (url, repr(err))
             assert (err.var, err.chunk, err.key) == ("u10", (5, 0, 0), "u10/c/5/0/0")
             _check_partial(batches, reference)
+
+
+def test_stats_through_faults(server, archive, manifest):
+    """Statistics reduce each chunk in the decode thread: through 503s, resets and cut bodies they
+    equal the statistics read from disk bit for bit; a chunk that keeps failing, or is corrupt, raises
+    ``ChunkReadError`` naming it, and no statistics come back."""
+    from xinsitu.stats import compute_stats
+
+    local = compute_stats(xinsitu.open_zarr(archive), manifest, "train", block_chunks=3)
+    server.faults = Faults(error_503=0.2, reset=0.2, truncate=0.2, short=0.2, max_per_key=2, pattern=CHUNKS, seed=4)
+    server.reset_counts()
+    remote = compute_stats(xinsitu.open_zarr(f"{server.url}/era5.zarr", **FAST), manifest, "train", block_chunks=3)
+    assert sum(server.counts[k] for k in ("error_503", "reset", "truncate", "short")) > 5
+    assert remote == local
+
+    server.faults = Faults(truncate=1.0, max_per_key=None, pattern=r"/era5.zarr/t2m/c/4/0/0$")
+    with pytest.raises(xinsitu.ChunkReadError) as info:
+        compute_stats(xinsitu.open_zarr(f"{server.url}/era5.zarr", **FAST), manifest, "train", block_chunks=3)
+    assert (info.value.var, info.value.chunk, info.value.key) == ("t2m", (4, 0, 0), "t2m/c/4/0/0")

@@ -36,7 +36,7 @@ from xinsitu.split import SplitManifest
 RESERVED = ("split", "channels", "variables")
 #: the keys every variable's entry has
 STAT_KEYS = ("mean", "std", "min", "max", "nan_count")
-#: units in flight: this many times ``block_chunks`` (each holds only its chunks' compressed bytes)
+#: units in flight: at least this many times ``block_chunks`` (each holds only its chunks' compressed bytes)
 PREFETCH_BLOCKS = 3
 #: values per partial sum of deviations (float32 sums for float32 values, see ``Moments``)
 ROW = 1024
@@ -312,9 +312,18 @@ class StatsPass:
 
     async def _run(self, plan: EpochPlan) -> None:
         owners = self._first_units(plan)
-        # units read at once: each holds only the compressed bytes of its chunks in flight (the reader
-        # bounds those), and a chunk's decoded values only while a decode thread reduces them
-        ahead = asyncio.Semaphore(PREFETCH_BLOCKS * self.gen.block_chunks)
+        # units read at once: at least PREFETCH_BLOCKS blocks' worth, more where the reader keeps more
+        # chunk requests in flight (a far store). A unit holds only the compressed bytes of its chunks in
+        # flight (the reader bounds those), and a chunk's values only while a decode thread reduces them
+        per_unit = max(1, len(self.layouts))
+        running = 0
+        room = asyncio.Event()
+
+        def done(_: asyncio.Future) -> None:
+            nonlocal running
+            running -= 1
+            room.set()
+
         tasks: list[asyncio.Task] = []
         try:
             static = [n for n, lay in self.layouts.items() if lay.static]
@@ -323,12 +332,15 @@ class StatsPass:
             for u, box in zip(plan.units.tolist(), self._boxes(plan.units), strict=True):
                 names = [n for n, lay in self.layouts.items()
                          if not lay.static and (n not in owners or u in owners[n])]
-                await ahead.acquire()
+                while running >= max(PREFETCH_BLOCKS * self.gen.block_chunks,
+                                     math.ceil(1.5 * self.reader.inflight.limit / per_unit)):
+                    room.clear()
+                    await room.wait()
                 if self._errors:  # a unit failed: start no more reads
-                    ahead.release()
                     break
                 task = asyncio.ensure_future(self._unit(box, names))
-                task.add_done_callback(lambda _: ahead.release())
+                running += 1
+                task.add_done_callback(done)
                 tasks.append(task)
             await asyncio.gather(*tasks)
         finally:

@@ -90,10 +90,11 @@ def test_v2_archive_through_store_object(era5_v2_path):
     run_epoch(ds, ds.insitu.batches(m, "train", batch_size=9, output="xarray"), "xarray")
 
 
-@pytest.mark.parametrize(("kind", "backend"), [("ObjectStore", "_ObstoreBackend"), ("LocalStore", "_ObstoreBackend"),
+@pytest.mark.parametrize(("kind", "backend"), [("ObjectStore", "LocalBackend"), ("LocalStore", "LocalBackend"),
                                                ("FsspecStore", "_ZarrBackend"), ("MemoryStore", "_ZarrBackend")])
 def test_fast_path_where_the_store_allows_it(era5_path, kind, backend):
-    """obstore reads ObjectStore and LocalStore archives; other stores go through their own ``get``."""
+    """Local directories (in an obstore ObjectStore or a zarr LocalStore) are read file by file in the
+    decode threads, with obstore behind; other stores go through their own ``get``."""
     ds = xinsitu.open_zarr(make_store(kind, era5_path))
     zstore = ds.insitu.batches(ds.insitu.split("time", fractions={"a": 0.5, "b": 0.5}), "a").sources["t2m"].array.store
     assert type(backend_for(zstore)).__name__ == backend
@@ -111,3 +112,43 @@ def test_dataset_on_store_object_pickles(era5_path, kind):
     ds2 = pickle.loads(pickle.dumps(ds))
     m = ds2.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
     run_epoch(ds, ds2.insitu.batches(m, "val", batch_size=8, output="numpy"), "numpy")
+
+
+def test_local_reads_leave_the_decode_threads_only_for_slow_disks():
+    """The quickest of the last reads against the quickest of the last decodes: contention that slows
+    some reads keeps them in the decode threads; a disk whose every read waits sends them to obstore."""
+    from xinsitu.backend import LocalBackend
+
+    be = LocalBackend("/nowhere", inner=None)
+    n = LocalBackend.WINDOW
+    for k in range(n):  # page cache: a few reads slowed by the GIL or another thread, most quick
+        be.observe(2e-3 if k % 3 == 0 else 1e-4, 5e-4)
+    assert be.fused
+    for _ in range(n - 1):  # a spinning disk: every read 5 ms, decodes 0.5 ms
+        be.observe(5e-3, 5e-4)
+    assert be.fused  # one quick read is still in the window
+    be.observe(5e-3, 5e-4)
+    assert not be.fused
+
+
+def test_slow_local_disk_reads_through_obstore(era5_path, monkeypatch):
+    """Files that take 3 ms each to read: after a window of them the reader fetches through obstore,
+    many in flight; the epoch is the same, sample for sample, as the one read from memory."""
+    import time as _time
+
+    from tests.servers import assert_same_epoch, epoch_numpy
+    from xinsitu.backend import LocalBackend
+
+    ref_ds = xr.open_zarr(era5_path).load()
+    m = ref_ds.insitu.split("time", fractions={"train": 0.75, "val": 0.25})
+    kw = {"batch_size": 10, "block_chunks": 3, "output": "numpy", "seed": 3}
+    ref = epoch_numpy(ref_ds.insitu.batches(m, "train", **kw))
+
+    fast_read = LocalBackend.read
+    monkeypatch.setattr(LocalBackend, "read", lambda self, key: (_time.sleep(3e-3), fast_read(self, key))[1])
+    gen = xinsitu.open_zarr(era5_path).insitu.batches(m, "train", **kw)
+    got = epoch_numpy(gen)
+    (be,) = [b for b in gen._reader._backends.values() if isinstance(b, LocalBackend)]
+    assert not be.fused, "3 ms reads should have left the decode threads"
+    assert gen._reader.counters.requests == gen._reader.counters.chunks  # one read per chunk
+    assert_same_epoch(got, ref)

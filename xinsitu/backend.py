@@ -1,6 +1,7 @@
 """How chunk objects are fetched in this process: obstore where the store allows it (the
 fast path), the zarr store's own async ``get`` otherwise (and after ``fork``, where
-obstore would hang).
+obstore would hang). Files of a local directory are read in the decode thread that
+decodes them, while reading costs less than decoding (``LocalBackend``).
 
 A backend has one coroutine, ``get(key) -> bytes | None`` (None: the object does not
 exist, which zarr reads as the fill value). ``fetch_decoded`` wraps it for the reader:
@@ -24,6 +25,8 @@ Errors raised here never quote credentials or signed URLs (``xinsitu.store.scrub
 from __future__ import annotations
 
 import asyncio
+import os
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -134,6 +137,54 @@ class _ObstoreBackend:
         return out
 
 
+class LocalBackend:
+    """Chunk files of a local directory.
+
+    The reader reads a file in the decode thread that then decodes it (``read``): one hop to a
+    thread per chunk, no async runtime in between, about 0.4 ms of CPU less per chunk than
+    obstore's async reads of the same file from the page cache. That holds while a file reads
+    faster than it decodes (page cache, SSDs); where reads take longer (a spinning disk, a network
+    file system), a decode thread would wait on each of them, so the reader goes back to ``inner``
+    -- obstore's async reads, many in flight -- for good (``observe``). Byte ranges (shards) and the
+    ``get`` of other callers always go through ``inner``.
+    """
+
+    #: reads timed before the choice is made, and the window it looks at
+    WINDOW = 32
+
+    def __init__(self, root: str, inner: Any):
+        self.root = root
+        self.inner = inner
+        self.fused = True  # read in the decode thread
+        self._times: deque[tuple[float, float]] = deque(maxlen=self.WINDOW)
+
+    def read(self, key: str) -> bytes | None:
+        """The bytes of ``key``, None where the file does not exist (blocking: call it in a thread)."""
+        try:
+            with open(os.path.join(self.root, key), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def observe(self, read_s: float, decode_s: float) -> None:
+        """One file's read and decode time, measured in the decode thread.
+
+        Both include waits for the GIL and for a core, which come and go; the quickest of the
+        last ``WINDOW`` reads and decodes do not. Reads stay in the decode threads while the
+        quickest read is no slower than the quickest decode: page cache and SSDs, not a spinning
+        disk or a network file system, whose every read waits.
+        """
+        self._times.append((read_s, decode_s))
+        if len(self._times) == self.WINDOW:
+            self.fused = min(r for r, _ in self._times) <= min(d for _, d in self._times)
+
+    async def get(self, key: str) -> Any:
+        return await self.inner.get(key)
+
+    def __getattr__(self, name: str) -> Any:  # get_range, get_suffix, get_ranges where ``inner`` has them
+        return getattr(self.inner, name)
+
+
 class _ZarrBackend:
     def __init__(self, zstore: Any):
         self.zstore = zstore
@@ -186,11 +237,13 @@ def backend_for(zstore: Any) -> Any:
     if kind == "obstore":
         if _loop.in_forked_child():
             raise RuntimeError(FORK_HELP)
+        if type(obj).__name__ == "LocalStore" and getattr(obj, "prefix", None) is not None:
+            return LocalBackend(str(obj.prefix), _ObstoreBackend(obj))  # what xinsitu.open_zarr opens a path with
         return _ObstoreBackend(obj)
     if kind == "local":
         if _loop.in_forked_child():  # zarr's LocalStore is plain file I/O: safe after fork
-            return _ZarrBackend(zstore)
+            return LocalBackend(obj, _ZarrBackend(zstore))
         import obstore.store
 
-        return _ObstoreBackend(obstore.store.LocalStore(prefix=obj))
+        return LocalBackend(obj, _ObstoreBackend(obstore.store.LocalStore(prefix=obj)))
     return _ZarrBackend(zstore)

@@ -97,7 +97,7 @@ class InsituAccessor:
         manifest : a ``SplitManifest`` from ``ds.insitu.split``.
         split : the split to reduce (default ``"train"``).
         variables : variables to reduce (default: the data variables on the split dims, as for batches).
-        block_chunks : chunk blocks read per step.
+        block_chunks : units (chunk blocks) read ahead: at least 3 × ``block_chunks``.
         max_inflight : chunk reads in flight at once.
         """
         from xinsitu.stats import compute_stats

@@ -98,14 +98,11 @@ def _axis_plan(pos: np.ndarray, chunk: int) -> list[tuple[int, Any, Any]]:
 
 def _assign(out: np.ndarray, out_sel: list[Any], chunk: np.ndarray, in_sel: list[Any], drop: list[Any]) -> None:
     """out[out_sel] = chunk[drop][in_sel], orthogonally (arrays on several axes don't broadcast)."""
-    if drop:
-        chunk = chunk[tuple(drop)]
-    if all(isinstance(s, slice) for s in out_sel + in_sel):
-        out[tuple(out_sel)] = chunk[tuple(in_sel)]
-        return
-    o = np.ix_(*[np.arange(s.start, s.stop) if isinstance(s, slice) else s for s in out_sel])
-    i = np.ix_(*[np.arange(s.start, s.stop) if isinstance(s, slice) else s for s in in_sel])
-    out[o] = chunk[i]
+    piece = _piece(chunk, in_sel, drop)
+    if all(isinstance(s, slice) for s in out_sel):
+        out[tuple(out_sel)] = piece
+    else:
+        out[np.ix_(*[np.arange(s.start, s.stop) if isinstance(s, slice) else s for s in out_sel])] = piece
 
 
 class InflightLimit:

@@ -49,17 +49,17 @@ F32_SPAN = (1e-10, 5e17)
 class Moments:
     """Per-channel statistics in float64: count, mean, M2, min, max and NaN count.
 
-    :meth:`reduce` sets a channel to the moments of some values (a chunk's). Float values
-    are shifted by the mean of a strided sample of them, so the deviations are centred
-    and nothing cancels; the deviations and their squares are summed in partial sums of
-    ``ROW`` values (float32 partial sums for float32 data: one pass over the values plus
-    two BLAS dot products per ``ROW``) and the partial sums are added in float64.
-    Relative to numpy's float64 results this leaves errors of about 1e-9, 1e-7 at worst
-    on skewed data. Integers, values with infinities, and float32 spans outside
-    ``F32_SPAN`` are reduced exactly, in float64. Accumulators are combined with Chan,
-    Golub & LeVeque's pairwise update (:meth:`merge`), which stays accurate over billions
-    of values where a running sum of squares would cancel. The same values and the same
-    merge order give the same bits every run.
+    :meth:`reduce` sets a channel to the moments of some values (a chunk's, see
+    ``chunk_moments``). The mean is a float64 sum, as numpy's. The deviations from it
+    (rounded to the grid of the largest value, so little cancels and their rounding is
+    unbiased) are squared and summed in partial sums of ``ROW`` values -- float32 sums
+    for float32 data, one BLAS dot product per ``ROW`` -- which are added in float64:
+    the std is within about 1e-9 of numpy's float64 std, 1e-8 at worst on skewed data.
+    Integers, float16, infinities and float32 spans outside ``F32_SPAN`` are reduced in
+    float64 throughout. Accumulators are combined with Chan, Golub & LeVeque's pairwise
+    update (:meth:`merge`, or :meth:`combine` for many at once), which stays accurate
+    over billions of values where a running sum of squares would cancel. The same values
+    and the same merge order give the same bits every run.
     """
 
     def __init__(self, n_channels: int):
@@ -80,11 +80,7 @@ class Moments:
 
     def reduce(self, c: int, values: np.ndarray) -> None:
         """Set channel ``c`` to the moments of ``values`` (any shape and strides; NaNs counted, left out)."""
-        self.set(c, chunk_moments(values))
-
-    def set(self, c: int, part: tuple[int, int, float, float, float, float]) -> None:
-        """Set channel ``c`` from ``chunk_moments``' (count, nan_count, mean, M2, min, max)."""
-        self.count[c], self.nan_count[c], self.mean[c], self.m2[c], self.min[c], self.max[c] = part
+        self.count[c], self.nan_count[c], self.mean[c], self.m2[c], self.min[c], self.max[c] = chunk_moments(values)
 
     @classmethod
     def combine(cls, n_channels: int, parts: list[tuple[int, tuple[int, int, float, float, float, float]]]) -> Moments:
@@ -248,7 +244,7 @@ class StatsPass:
     ds : the Dataset (stored, dask-backed or in memory), as for ``ds.insitu.batches``.
     manifest, split : the split whose positions are reduced.
     variables : variables to reduce (default: the data variables on the split dims, as for batches).
-    block_chunks : units (chunk blocks) read ahead: ``PREFETCH_BLOCKS * block_chunks`` in flight.
+    block_chunks : units (chunk blocks) read ahead: at least ``PREFETCH_BLOCKS * block_chunks``.
     max_inflight : chunk reads in flight at once (default: sized from the store's latency).
     reader : the ``Reader`` to read through (default: a new one); its ``counters`` show the cost.
     """
@@ -464,7 +460,7 @@ def compute_stats(ds: xr.Dataset, manifest: SplitManifest, split: str, variables
     manifest : a ``SplitManifest`` from ``ds.insitu.split``.
     split : the split to reduce (e.g. ``"train"``); no other split's chunk is read.
     variables : variables to reduce (default: the data variables on the split dims).
-    block_chunks : chunk blocks read per step.
+    block_chunks : units (chunk blocks) read ahead: at least 3 × ``block_chunks``.
     max_inflight : chunk reads in flight at once.
 
     Returns

@@ -65,7 +65,7 @@ class ReadOnly(StatsPass):
         pass
 
 
-def yardstick_ceiling(peers_py: str, path: str, inflight: int, threads: int | None = None) -> Any:
+def yardstick_ceiling(peers_py: str, path: str, inflight: int) -> Any:
     """One pass of the yardstick's ``ceiling`` peer over ``path`` (its 80 % train split)."""
     import importlib.util
     import types
@@ -75,8 +75,7 @@ def yardstick_ceiling(peers_py: str, path: str, inflight: int, threads: int | No
     peers = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(peers)
     a = types.SimpleNamespace(data=path, train_frac=0.8, batch_size=32, seed=0, max_batches=0, max_seconds=0,
-                              warmup=0, inflight=inflight, decode_threads=threads or _loop.decode_threads(),
-                              block_chunks=16,
+                              warmup=0, inflight=inflight, decode_threads=_loop.decode_threads(), block_chunks=16,
                               mp_context=None, verify=False, ceiling_passes=1)
     task = peers.Task(a)
     return lambda: peers.peer_ceiling(task, path)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import xinsitu
 from tests.conftest import open_three_ways
 from xinsitu.accessor import InsituAccessor
-from xinsitu.stats import STAT_KEYS, Moments, StatsPass, compute_stats, normalizer
+from xinsitu.stats import STAT_KEYS, Moments, StatsPass, chunk_moments, compute_stats, normalizer
 from xinsitu.synthetic import era5_like, packing, write_era5_like
 
 RTOL = 1e-6
@@ -326,18 +326,17 @@ def test_bad_input(era5_path):
 @given(st.lists(st.integers(0, 400), min_size=1, max_size=6), st.integers(0, 2**31 - 1),
        st.floats(-1e6, 1e6), st.floats(1e-3, 1e4), st.floats(0, 0.3), st.sampled_from(["float32", "float64"]))
 def test_merged_moments_equal_numpy(cuts, seed, loc, scale, nan_frac, dtype):
-    """Means within 1e-9, stds within 2e-7 (the suite's bar is 1e-6): float32 deviations are rounded to
-    float32 and their squares summed in float32 partial sums; merging rounds each piece's mean to a
-    float64 ulp, which is 1e-7 of a spread 1e9 times smaller than the mean."""
+    """Pieces reduced one by one and combined as the stats pass combines chunks: means within 1e-9,
+    stds within 2e-7 (the suite's bar is 1e-6): float32 deviations are rounded to float32 and their
+    squares summed in float32 partial sums; each piece's mean is rounded to a float64 ulp, which is
+    1e-7 of a spread 1e9 times smaller than the mean."""
     rng = np.random.default_rng(seed)
     x = (loc + scale * rng.standard_normal((3, sum(cuts)))).astype(dtype)
     x[rng.random(x.shape) < nan_frac] = np.nan
     rel = 2e-7
-    acc = Moments(3)
     edges = np.cumsum([0, *cuts])
-    for a, b in zip(edges[:-1], edges[1:], strict=True):
-        acc.merge(Moments.of(x[:, a:b]))
-    res = acc.result()
+    parts = [(c, chunk_moments(x[c, a:b])) for a, b in zip(edges[:-1], edges[1:], strict=True) for c in range(3)]
+    res = Moments.combine(3, parts).result()
     for c in range(3):
         v = x[c].astype(np.float64)
         v = v[~np.isnan(v)]

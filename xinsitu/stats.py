@@ -4,10 +4,11 @@
 through the async reader that batches use, each chunk once and many in flight. Each
 chunk is reduced in the decode thread right after decoding, while it is still in
 cache, and is copied nowhere: its values are CF-decoded and reduced per channel into
-moments (count, mean, M2, min, max, NaN count), merged in split order in float64 with
-Chan et al.'s parallel algorithm. Statistics are taken over the split's *positions*:
-every position along the split dims inside the split's chunk blocks, counted once,
-whatever window, patch or ``over`` a generator later uses; other dims are taken whole.
+moments (count, mean, M2, min, max, NaN count), combined at the end with Chan et al.'s
+parallel formula, its sums exactly rounded (the result does not depend on timing).
+Statistics are taken over the split's *positions*: every position along the split dims
+inside the split's chunk blocks, counted once, whatever window, patch or ``over`` a
+generator later uses; other dims are taken whole.
 
 Channels are named as ``output.plan_channels`` names them for the same variables: each
 variable, or ``{var}_{label}`` per label of a dim the other selected variables lack.
@@ -56,10 +57,10 @@ class Moments:
     for float32 data, one BLAS dot product per ``ROW`` -- which are added in float64:
     the std is within about 1e-9 of numpy's float64 std, 1e-8 at worst on skewed data.
     Integers, float16, infinities and float32 spans outside ``F32_SPAN`` are reduced in
-    float64 throughout. Accumulators are combined with Chan, Golub & LeVeque's pairwise
-    update (:meth:`merge`, or :meth:`combine` for many at once), which stays accurate
-    over billions of values where a running sum of squares would cancel. The same values
-    and the same merge order give the same bits every run.
+    float64 throughout. The moments of many chunks are combined by :meth:`combine` with
+    the closed form of Chan, Golub & LeVeque's pairwise update, which stays accurate over
+    billions of values where a running sum of squares would cancel; its sums are exactly
+    rounded, so the same values give the same bits every run, in any order.
     """
 
     def __init__(self, n_channels: int):
@@ -105,23 +106,6 @@ class Moments:
             m.count[c], m.mean[c], m.m2[c] = n, mean, m2
             m.min[c], m.max[c] = min(p[4] for p in seen), max(p[5] for p in seen)
         return m
-
-    def merge(self, other: Moments) -> None:
-        """Fold ``other`` (the same channels, other values) into this accumulator."""
-        na, nb = self.count, other.count
-        tot = na + nb
-        with np.errstate(invalid="ignore", divide="ignore"):
-            w = np.where(tot > 0, nb / np.maximum(tot, 1), 0.0)
-            delta = other.mean - self.mean
-            mean = np.where(na == 0, other.mean, self.mean + delta * w)
-            m2 = np.where(na == 0, other.m2, self.m2 + other.m2 + delta * delta * na * w)
-        take = nb > 0
-        self.mean = np.where(take, mean, self.mean)
-        self.m2 = np.where(take, m2, self.m2)
-        self.count = tot
-        self.min = np.fmin(self.min, other.min)
-        self.max = np.fmax(self.max, other.max)
-        self.nan_count = self.nan_count + other.nan_count
 
     def result(self) -> dict[str, list[Any]]:
         """Per channel: mean, std (ddof=0), min, max, nan_count, count; None where no value was seen."""

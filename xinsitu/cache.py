@@ -27,6 +27,7 @@ deleted.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -68,11 +69,13 @@ _VERSION = 1
 # magic, version, checksum kind, length of the JSON metadata, payload length, checksum of metadata + payload
 _HEADER = struct.Struct("<4sBBIQQ")
 _CRC32, _CRC32C = 0, 1
+_ALIGN = 64  # the payload's offset in an entry file (a chunk read back is a view of the file's bytes)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
+@functools.cache
 def _checksummer() -> tuple[int, Callable[[Any, int], int]]:
     """The fastest checksum at hand: hardware CRC-32C (google-crc32c, which zarr installs), else zlib's CRC-32."""
     try:
@@ -596,57 +599,62 @@ class ChunkCache:
     def _disk_get(self, key: str) -> np.ndarray | None:
         path = self._path(key)
         try:
-            with open(path, "rb") as f:
-                arr = self._read_entry(f, key)
-        except FileNotFoundError:
+            with open(path, "rb", buffering=0) as f:  # unbuffered: the payload is read straight into the array
+                got = self._read_entry(f, key)
+        except OSError:  # FileNotFoundError above all: not cached, or evicted meanwhile
             return None
-        except OSError:
-            return None
-        if arr is None:  # a bad entry: never served, and deleted so that it is written again
+        if got is None:  # a bad entry: never served, and deleted so that it is written again
             with self._lock:
                 self._stats.corrupt += 1
             _unlink(path)
             return None
-        try:  # its use time: what eviction orders by (atime is unreliable under relatime/noatime)
-            os.utime(path)
-        except OSError:
-            pass
+        arr, used_ns = got
+        if used_ns < self._since_ns:  # mark it used during this run (once: eviction orders by it)
+            try:
+                os.utime(path)
+            except OSError:
+                pass
         arr.flags.writeable = False
         return arr
 
-    def _read_entry(self, f: Any, key: str) -> np.ndarray | None:
-        """The chunk of an open entry file, or None where anything in it is wrong."""
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(_HEADER.size)
-        if len(head) != _HEADER.size:
+    def _read_entry(self, f: Any, key: str) -> tuple[np.ndarray, int] | None:
+        """(the chunk, its last use time) of an open entry file, or None where anything in it is wrong.
+
+        The whole file is read in one call into one buffer and the chunk is a view of it (the
+        payload starts at a multiple of ``_ALIGN``): no copy, one request to the device.
+        """
+        st = os.fstat(f.fileno())
+        if st.st_size < _HEADER.size:
             return None
-        magic, version, kind, meta_len, payload_len, checksum = _HEADER.unpack(head)
-        if magic != _MAGIC or version != _VERSION or size != _HEADER.size + meta_len + payload_len:
+        buf = np.empty(st.st_size, np.uint8)
+        pos = 0
+        while pos < st.st_size:
+            n = f.readinto(buf[pos:].data)
+            if not n:
+                return None  # shorter than it was a moment ago: replaced or cut meanwhile
+            pos += n
+        magic, version, kind, meta_len, payload_len, checksum = _HEADER.unpack_from(buf.data)
+        meta_end = _HEADER.size + meta_len
+        if magic != _MAGIC or version != _VERSION or st.st_size != meta_end + payload_len:
             return None
         fn = _checksum_of(kind)
-        if fn is None:
+        if fn is None or fn(buf[_HEADER.size:], 0) != checksum:
             return None
-        meta_raw = f.read(meta_len)
         try:
-            meta = json.loads(meta_raw)
+            meta = json.loads(buf[_HEADER.size:meta_end].tobytes())
             dtype = np.lib.format.descr_to_dtype(meta["dtype"])
             shape = tuple(int(n) for n in meta["shape"])
         except (ValueError, KeyError, TypeError):
             return None
         if meta.get("key") != key or dtype.hasobject or int(np.prod(shape)) * dtype.itemsize != payload_len:
             return None
-        arr = np.empty(shape, dtype)
-        flat = arr.reshape(-1).view(np.uint8)  # an array, not a memoryview: google-crc32c takes only these
-        if f.readinto(flat.data) != payload_len:
-            return None
-        if fn(flat, fn(meta_raw, 0)) != checksum:
-            return None
-        return arr
+        return buf[meta_end:].view(dtype).reshape(shape), st.st_mtime_ns
 
     def _disk_put(self, key: str, arr: np.ndarray) -> None:
         data = np.ascontiguousarray(arr)
         meta = json.dumps({"key": key, "dtype": np.lib.format.dtype_to_descr(data.dtype),
                            "shape": list(data.shape)}).encode()
+        meta += b" " * (-(_HEADER.size + len(meta)) % _ALIGN)  # the payload starts aligned (read as a view)
         if not self._disk_room(_HEADER.size + len(meta) + data.nbytes):
             return
         payload = data.reshape(-1).view(np.uint8)

@@ -697,6 +697,8 @@ class ChunkCache:
         with self._lock:
             fits = self._stats.disk_bytes + n <= limit
             recheck = time.monotonic() - self._full_since >= FULL_RESCAN_S
+            if not fits and not recheck:
+                self._stats.not_admitted += 1
         if fits or not recheck:
             return fits
         if self._evicting.acquire(blocking=False):
@@ -705,8 +707,9 @@ class ChunkCache:
             finally:
                 self._evicting.release()
         with self._lock:
-            self._full_since = time.monotonic()
             fits = self._stats.disk_bytes + n <= limit
+            # only a tier found full of entries used during this run waits before the next scan
+            self._full_since = -float("inf") if fits else time.monotonic()
             if not fits:
                 self._stats.not_admitted += 1
             return fits

@@ -13,7 +13,9 @@ one thread (what one decode thread pays per chunk), and the bytes on disk:
   on a local archive, for scale).
 
 Each is measured with the files in the page cache (``warm``) and after
-``posix_fadvise(DONTNEED)`` has dropped them from it (``cold``: the read goes to the device).
+``posix_fadvise(DONTNEED)`` has dropped them from it (``cold``: the read goes to the device),
+in wall time and in CPU time of the thread (what the decode threads, the scarce resource of
+a cached epoch, spend per chunk).
 
     python bench/cache_bench.py                                   # ../bench-data/era5_v3.zarr
     python bench/cache_bench.py --data ../bench-data/era5_v3.zarr --chunks 64 --repeat 5 --dir /nvme/tmp
@@ -58,14 +60,18 @@ def _drop(path: str) -> None:
         os.close(fd)
 
 
-def _time(fn: Any, items: list[Any], files: list[str], cold: bool) -> list[float]:
-    out = []
-    for item, path in zip(items, files, strict=True):
-        if cold:
-            _drop(path)
-        t0 = time.perf_counter()
-        fn(item)
-        out.append(time.perf_counter() - t0)
+def _time(ways: dict[str, tuple[Any, list[Any], list[str]]], cold: bool) -> dict[str, list[tuple[float, float]]]:
+    """(seconds, CPU seconds of this thread) per chunk for each way, the ways taking turns chunk by
+    chunk (a load that comes and goes on a shared machine slows every way alike)."""
+    out: dict[str, list[tuple[float, float]]] = {name: [] for name in ways}
+    n = len(next(iter(ways.values()))[1])
+    for i in range(n):
+        for name, (fn, items, files) in ways.items():
+            if cold:
+                _drop(files[i])
+            t0, c0 = time.perf_counter(), time.thread_time()
+            fn(items[i])
+            out[name].append((time.perf_counter() - t0, time.thread_time() - c0))
     return out
 
 
@@ -147,26 +153,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "compressed": (get_compressed, comp_files, comp_files),
             "store": (get_store, store_files, store_files),
         }
-        times: dict[tuple[str, str], list[float]] = {}
-        for _ in range(args.repeat):  # interleaved: a machine busy for a while slows every way alike
+        times: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        for _ in range(args.repeat):
             for mode in ("warm", "cold"):
-                for name, (fn, items, files) in ways.items():
-                    if mode == "warm":
-                        _time(fn, items, files, cold=False)  # into the page cache first
-                    times.setdefault((name, mode), []).extend(_time(fn, items, files, cold=mode == "cold"))
+                if mode == "warm":
+                    _time(ways, cold=False)  # into the page cache first
+                for name, took in _time(ways, cold=mode == "cold").items():
+                    times.setdefault((name, mode), []).extend(took)
         sizes = {name: sum(os.path.getsize(f) for f in files) for name, (_, _, files) in ways.items()}
         chunk_bytes = int(np.prod(shape)) * dtype.itemsize
         result: dict[str, Any] = {"chunk": f"{shape} {dtype}", "chunk_bytes": chunk_bytes, "chunks": len(coords),
                                   "ratio": chunk_bytes * len(coords) / sizes["store"], "ways": {}}
         print(f"{len(coords)} chunks of {args.var} {shape} {dtype} ({chunk_bytes / 1e6:.2f} MB decoded), "
               f"zstd ratio {result['ratio']:.2f}, {args.repeat} rounds, one thread, median per chunk")
-        print(f"{'way':<12}{'warm ms':>10}{'cold ms':>10}{'warm GB/s':>11}{'disk MB':>10}")
+        print(f"{'way':<12}{'warm ms':>9}{'cpu ms':>8}{'cold ms':>9}{'cpu ms':>8}{'warm GB/s':>11}{'disk MB':>9}")
         for name in ways:
-            w = statistics.median(times[(name, "warm")])
-            c = statistics.median(times[(name, "cold")])
-            result["ways"][name] = {"warm_ms": w * 1e3, "cold_ms": c * 1e3, "disk_bytes": sizes[name]}
-            print(f"{name:<12}{w * 1e3:>10.3f}{c * 1e3:>10.3f}{chunk_bytes / w / 1e9:>11.2f}"
-                  f"{sizes[name] / 1e6:>10.1f}")
+            row = {}
+            for mode in ("warm", "cold"):
+                row[f"{mode}_ms"] = statistics.median(t for t, _ in times[(name, mode)]) * 1e3
+                row[f"{mode}_cpu_ms"] = statistics.median(c for _, c in times[(name, mode)]) * 1e3
+            result["ways"][name] = {**row, "disk_bytes": sizes[name]}
+            print(f"{name:<12}{row['warm_ms']:>9.3f}{row['warm_cpu_ms']:>8.3f}{row['cold_ms']:>9.3f}"
+                  f"{row['cold_cpu_ms']:>8.3f}{chunk_bytes / row['warm_ms'] / 1e6:>11.2f}{sizes[name] / 1e6:>9.1f}")
         print(json.dumps(result))
         return result
     finally:

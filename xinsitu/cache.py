@@ -69,7 +69,8 @@ _VERSION = 1
 # magic, version, checksum kind, length of the JSON metadata, payload length, checksum of metadata + payload
 _HEADER = struct.Struct("<4sBBIQQ")
 _CRC32, _CRC32C = 0, 1
-_ALIGN = 64  # the payload's offset in an entry file (a chunk read back is a view of the file's bytes)
+_ALIGN = 64  # the payload's offset in an entry file (aligned, should a reader ever map the file)
+_PEEK = 4096  # the first read of an entry: header and metadata (well under this) and the payload's start
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
@@ -620,41 +621,52 @@ class ChunkCache:
     def _read_entry(self, f: Any, key: str) -> tuple[np.ndarray, int] | None:
         """(the chunk, its last use time) of an open entry file, or None where anything in it is wrong.
 
-        The whole file is read in one call into one buffer and the chunk is a view of it (the
-        payload starts at a multiple of ``_ALIGN``): no copy, one request to the device.
+        A small first read (header, metadata, the payload's start), then the rest straight into
+        the chunk's array: from a device, the small read starts the kernel's readahead and the
+        whole is about 1.7x quicker than one large read (``bench/cache_bench.py``).
         """
         st = os.fstat(f.fileno())
-        if st.st_size < _HEADER.size:
+        first = f.read(_PEEK)
+        if len(first) < _HEADER.size:
             return None
-        buf = np.empty(st.st_size, np.uint8)
-        pos = 0
-        while pos < st.st_size:
-            n = f.readinto(buf[pos:].data)
-            if not n:
-                return None  # shorter than it was a moment ago: replaced or cut meanwhile
-            pos += n
-        magic, version, kind, meta_len, payload_len, checksum = _HEADER.unpack_from(buf.data)
+        magic, version, kind, meta_len, payload_len, checksum = _HEADER.unpack_from(first)
         meta_end = _HEADER.size + meta_len
         if magic != _MAGIC or version != _VERSION or st.st_size != meta_end + payload_len:
             return None
         fn = _checksum_of(kind)
-        if fn is None or fn(buf[_HEADER.size:], 0) != checksum:
+        if fn is None:
             return None
+        if meta_end > len(first):  # a long dtype description: the rest of the metadata
+            first += f.read(meta_end - len(first))
+            if meta_end > len(first):
+                return None
+        meta_raw = first[_HEADER.size:meta_end]
         try:
-            meta = json.loads(buf[_HEADER.size:meta_end].tobytes())
+            meta = json.loads(meta_raw)
             dtype = np.lib.format.descr_to_dtype(meta["dtype"])
             shape = tuple(int(n) for n in meta["shape"])
         except (ValueError, KeyError, TypeError):
             return None
         if meta.get("key") != key or dtype.hasobject or int(np.prod(shape)) * dtype.itemsize != payload_len:
             return None
-        return buf[meta_end:].view(dtype).reshape(shape), st.st_mtime_ns
+        arr = np.empty(shape, dtype)
+        flat = arr.reshape(-1).view(np.uint8)  # an array, not a memoryview: google-crc32c takes only these
+        pos = min(len(first) - meta_end, payload_len)
+        flat[:pos] = np.frombuffer(first, np.uint8, pos, meta_end)
+        while pos < payload_len:
+            n = f.readinto(flat[pos:].data)
+            if not n:
+                return None  # shorter than it was a moment ago: cut meanwhile
+            pos += n
+        if fn(flat, fn(meta_raw, 0)) != checksum:
+            return None
+        return arr, st.st_mtime_ns
 
     def _disk_put(self, key: str, arr: np.ndarray) -> None:
         data = np.ascontiguousarray(arr)
         meta = json.dumps({"key": key, "dtype": np.lib.format.dtype_to_descr(data.dtype),
                            "shape": list(data.shape)}).encode()
-        meta += b" " * (-(_HEADER.size + len(meta)) % _ALIGN)  # the payload starts aligned (read as a view)
+        meta += b" " * (-(_HEADER.size + len(meta)) % _ALIGN)
         if not self._disk_room(_HEADER.size + len(meta) + data.nbytes):
             return
         payload = data.reshape(-1).view(np.uint8)

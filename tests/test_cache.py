@@ -95,6 +95,20 @@ def test_get_returns_the_kept_array_read_only_without_copy() -> None:
     assert c.get(key_of(3)) is None
 
 
+def test_peek_looks_in_memory_only(tmp_path: os.PathLike[str]) -> None:
+    c = ChunkCache(memory="10MB", disk=tmp_path)
+    ChunkCache(memory=0, disk=tmp_path).put(key_of(1), value_of(1))  # on disk only
+    c.put(key_of(2), value_of(2))
+    assert c.peek(key_of(1)) is None and c.peek(key_of(3)) is None
+    assert c.peek(key_of(2)) is c.get(key_of(2))
+    s = c.stats
+    assert (s.hits, s.disk_hits, s.misses) == (2, 0, 0)  # a peek that finds nothing is no miss
+    assert c.get(key_of(1)) is not None and c.peek(key_of(1)) is not None
+    with pytest.raises(ValueError, match="hex"):
+        c.put("../../etc/passwd", value_of(1))
+    assert c.stats.memory_entries == 2
+
+
 def test_keep_what_fits_gives_half_the_hits_for_a_split_twice_the_budget() -> None:
     n, size = 200, 10_000  # 200 chunks of 80 kB: 16 MB, twice the budget
     c = ChunkCache(memory=n * size * 8 // 2)
@@ -233,6 +247,40 @@ def test_keys_of_arrays(tmp_path: os.PathLike[str]) -> None:
     # no lasting identity, no key (such an array is not cached)
     mem = zarr.create_array(zarr.storage.MemoryStore(), shape=(4,), chunks=(2,), dtype="int8")
     assert ChunkKey.for_array(mem) is None
+
+
+def test_the_reader_s_use(tmp_path: os.PathLike[str]) -> None:
+    """What the reader does per chunk: key, look up, else fetch + decode and put; a rewritten chunk
+    file is a miss that reads the new values, never the cached old ones."""
+    import zarr
+
+    from xinsitu.decode import ChunkDecoder
+
+    path = os.path.join(tmp_path, "a.zarr")
+    _zarr_array(path)
+    arr = zarr.open_array(path, mode="r")
+    keys, dec = ChunkKey.for_array(arr), ChunkDecoder(arr)
+    assert keys is not None
+    c = ChunkCache(memory="1MB", disk=os.path.join(tmp_path, "cache"))
+
+    def chunk(i: int) -> np.ndarray:
+        obj = dec.key((i, 0))
+        key = keys.key((i, 0), keys.file_of(obj))
+        got = c.get(key)
+        if got is None:
+            with open(os.path.join(path, obj), "rb") as f:
+                got = dec.decode_sync(f.read())
+            c.put(key, got, copy=False)  # decoded into an array of its own: handed over
+        return got
+
+    for _ in range(2):
+        for i in range(2):
+            np.testing.assert_array_equal(chunk(i), arr[i * 24:(i + 1) * 24])
+    assert (c.stats.misses, c.stats.hits) == (2, 2)
+    time.sleep(0.02)
+    zarr.open_array(path, mode="r+")[24:] = 7.0
+    np.testing.assert_array_equal(chunk(1), np.full((24, 4), 7.0, "float32"))
+    assert c.stats.misses == 3
 
 
 def test_store_identity_never_holds_credentials() -> None:

@@ -73,6 +73,7 @@ _ALIGN = 64  # the payload's offset in an entry file (aligned, should a reader e
 _PEEK = 4096  # the first read of an entry: header and metadata (well under this) and the payload's start
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_HEX = re.compile(r"[0-9a-f]{8,128}")
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
@@ -502,6 +503,18 @@ class ChunkCache:
             self._stats.misses += 1
         return None
 
+    def peek(self, key: str) -> np.ndarray | None:
+        """The chunk under ``key`` if the memory tier holds it (a hit), else None -- without looking on
+        disk and without counting a miss: never blocks, so an event loop may call it, and a miss then
+        goes to ``get`` in a thread.
+        """
+        self._after_fork()
+        with self._lock:
+            arr = self._mem.get(key)
+            if arr is not None:
+                self._stats.hits += 1
+            return arr
+
     def put(self, key: str, array: np.ndarray, *, copy: bool = True) -> None:
         """Keep a decoded chunk under ``key``: in memory while the budget has room, and on disk.
 
@@ -516,6 +529,8 @@ class ChunkCache:
             a chunk the caller decoded into an array of its own and no longer writes to).
         """
         self._after_fork()
+        if self.disk is not None:
+            self._path(key)  # a key that cannot name a file is refused before either tier keeps it
         arr = np.asarray(array)
         with self._lock:
             self._stats.puts += 1
@@ -595,6 +610,8 @@ class ChunkCache:
     # ------------------------------------------------------------------ disk tier
     def _path(self, key: str) -> str:
         assert self.disk is not None
+        if not _HEX.fullmatch(key):  # it becomes a file name: nothing else may reach the file system
+            raise ValueError(f"a disk cache key is a hex digest (ChunkKey.key), not {key!r}")
         return os.path.join(self.disk, _SUBDIR, key[:2], key + _SUFFIX)
 
     def _disk_get(self, key: str) -> np.ndarray | None:

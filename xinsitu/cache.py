@@ -865,12 +865,12 @@ def resolve_cache(cache: bool | str | os.PathLike[str] | ChunkCache | None) -> C
         return ChunkCache()
     if isinstance(cache, ChunkCache):
         return cache
+    if isinstance(cache, str) and cache == "memory":  # a Path("memory") is a directory of that name
+        return ChunkCache()
     if isinstance(cache, (str, os.PathLike)):
         path = os.fspath(cache)
         if isinstance(path, bytes):
             raise TypeError("cache= as a path must be a str or os.PathLike of str, not bytes")
-        if path == "memory":
-            return ChunkCache()
         if not path.strip():
             raise ValueError("cache='' is not a directory; pass cache=True for a memory cache, or a directory")
         if os.path.exists(path) and not os.path.isdir(path):

@@ -1,0 +1,883 @@
+"""A chunk cache across epochs: decoded chunks kept in memory within a byte budget, and
+optionally in a local directory that persists across runs and is shared by the processes
+of one machine.
+
+The reader asks the cache between "which chunk of which array" and "fetch + decode": a hit
+is the decoded chunk (the store's dtype and chunk shape, before CF decoding), so fetching
+and decoding are skipped. Keys (``ChunkKey``) name the store, the array, the chunk, a hash
+of the array's metadata, the Icechunk snapshot where there is one and, for chunk files of
+a local directory, the file's size, modification time and inode: an archive that changed
+never serves stale chunks.
+
+Why the tiers keep what they admitted instead of evicting the least recently used: a
+shuffled epoch touches every chunk once, in a new order. Under LRU, a split larger than the
+budget evicts each chunk before its next use and nothing ever hits. Keeping the first
+chunks that fit (the memory tier never evicts) gives a hit rate of ``budget / split`` from
+the second epoch on -- about 50% for a split twice the budget.
+
+The disk tier stores decoded bytes, not the compressed object: read back from the page
+cache or an SSD, a decoded chunk costs a read and a checksum, while the compressed one
+costs about as much to read and a decompression on top (``bench/cache_bench.py`` measures
+both; see ``docs/how-to/cache.md``). Each entry is one file, written to a temporary name in
+the same directory and renamed into place, so a reader never sees a partial entry, even
+after ``kill -9`` mid-write; a header (length, dtype, shape, checksum) catches the rest
+(a torn write after a power loss, a truncated copy), and a bad entry is a miss and is
+deleted.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import json
+import os
+import re
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import numpy as np
+
+#: ``memory="auto"``: this share of the memory available when the cache is made ...
+AUTO_MEMORY_SHARE = 0.25
+#: ... capped at this many bytes
+AUTO_MEMORY_CAP = 32 * 2**30
+#: ``disk_size=None``: the disk tier grows while the file system keeps this share free ...
+DISK_FREE_SHARE = 0.10
+#: ... and at least this many bytes
+DISK_FREE_MIN = 2**30
+#: when over its size, the disk tier evicts down to this share of it (so it does not evict at every put)
+DISK_LOW_WATER = 0.9
+#: the disk tier rescans its directory after this process wrote this share of its size (other processes write too)
+DISK_RESCAN_SHARE = 0.1
+#: a full disk tier (every entry used during this run) is scanned again for room at most this often
+FULL_RESCAN_S = 5.0
+#: temporary files older than this are left over by a killed writer and are deleted by a scan
+STALE_TMP_S = 600.0
+
+_SUBDIR = "xinsitu-chunks-v1"  # the format version: another format never reads these files
+_SUFFIX = ".chunk"
+_TMP = ".tmp"
+_MAGIC = b"XICC"
+_VERSION = 1
+# magic, version, checksum kind, length of the JSON metadata, payload length, checksum of metadata + payload
+_HEADER = struct.Struct("<4sBBIQQ")
+_CRC32, _CRC32C = 0, 1
+_ALIGN = 64  # the payload's offset in an entry file (aligned, should a reader ever map the file)
+_PEEK = 4096  # the first read of an entry: header and metadata (well under this) and the payload's start
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_HEX = re.compile(r"[0-9a-f]{8,128}")
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+@functools.cache
+def _checksummer() -> tuple[int, Callable[[Any, int], int]]:
+    """The fastest checksum at hand: hardware CRC-32C (google-crc32c, which zarr installs), else zlib's CRC-32."""
+    try:
+        import google_crc32c
+
+        return _CRC32C, lambda data, crc: int(google_crc32c.extend(crc, data))
+    except ImportError:
+        return _CRC32, lambda data, crc: zlib.crc32(data, crc)
+
+
+def _checksum_of(kind: int) -> Callable[[Any, int], int] | None:
+    """The function for checksum ``kind`` (None where this process cannot compute it: the entry is a miss)."""
+    own, fn = _checksummer()
+    if kind == own:
+        return fn
+    if kind == _CRC32:
+        return lambda data, crc: zlib.crc32(data, crc)
+    return None
+
+
+def parse_size(value: int | float | str, name: str = "size") -> int:
+    """Bytes from an int or a string such as ``"4GB"``, ``"500MiB"``, ``"1.5 GiB"`` (decimal kB/MB/GB,
+    binary KiB/MiB/GiB).
+
+    Parameters
+    ----------
+    value
+        A number of bytes, or a number followed by a unit.
+    name
+        The argument's name, for the error message.
+
+    Returns
+    -------
+    int
+        The number of bytes (at least 0).
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a number of bytes or a string like '4GB', not {value!r}")
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        if value < 0:
+            raise ValueError(f"{name} must be at least 0 bytes, got {value!r}")
+        return int(value)
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a number of bytes or a string like '4GB', not {type(value).__name__}")
+    m = _SIZE.match(value)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"{name}={value!r} is not a size; write e.g. 4GB, 500MiB or 1000000")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _fmt(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def available_memory() -> int:
+    """Bytes of memory this process could still use: the kernel's ``MemAvailable``, or less where a
+    cgroup (a container, a batch job) sets a lower limit."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, ValueError, OSError):
+            avail = 4 * 2**30  # no way to ask (macOS, Windows): a budget of 1 GB then
+    try:  # cgroup v2: a job's limit, usually far below what the host has free
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            current = int(f.read().strip())
+        if limit != "max":
+            avail = min(avail, max(0, int(limit) - current))
+    except (OSError, ValueError):
+        pass
+    return int(avail)
+
+
+def auto_memory_budget() -> int:
+    """The memory tier's default budget: ``AUTO_MEMORY_SHARE`` of the memory available now, at most
+    ``AUTO_MEMORY_CAP``. Per process: DataLoader workers and DDP ranks each hold their own."""
+    return int(min(AUTO_MEMORY_SHARE * available_memory(), AUTO_MEMORY_CAP))
+
+
+# ---------------------------------------------------------------------------------------------- keys
+def _metadata_bytes(metadata: bytes | str | dict[str, Any]) -> bytes:
+    if isinstance(metadata, bytes):
+        return metadata
+    if isinstance(metadata, str):
+        return metadata.encode()
+    if isinstance(metadata, dict):  # canonical: the same dict gives the same bytes in every process
+        return json.dumps(metadata, sort_keys=True, default=str, separators=(",", ":")).encode()
+    raise TypeError(f"metadata must be bytes, str or dict, not {type(metadata).__name__}")
+
+
+class ChunkKey:
+    """Cache keys for the chunks of one array: computed once per array, then one short hash per chunk.
+
+    A key is a 32-character hex digest (BLAKE2b) of the store's identity, the array's path,
+    a hash of its metadata, the Icechunk snapshot (where there is one), the chunk's grid
+    coordinates and, for a chunk file of a local directory, its size, modification time and
+    inode. It is the same in every process (no Python ``hash``) and never contains
+    credentials (only a digest of the identity is kept).
+
+    Parameters
+    ----------
+    store_id
+        What names the store: a URL or a directory, without credentials or query strings.
+    array_path
+        The array's path inside the store.
+    metadata
+        The array's metadata (dtype, shape, chunks, codecs, fill value), as a dict (e.g.
+        ``zarr_array.metadata.to_dict()`` without ``attributes``), a string or bytes.
+    snapshot
+        The Icechunk snapshot id, or None.
+    local_root
+        For a store that is a local directory: its path, so that ``key`` can stat chunk files.
+    """
+
+    __slots__ = ("store_id", "array_path", "metadata_hash", "snapshot", "local_root", "_prefix")
+
+    def __init__(self, store_id: str, array_path: str, metadata: bytes | str | dict[str, Any],
+                 snapshot: str | None = None, local_root: str | os.PathLike[str] | None = None):
+        self.store_id = str(store_id)
+        self.array_path = str(array_path)
+        self.metadata_hash = hashlib.blake2b(_metadata_bytes(metadata), digest_size=16).hexdigest()
+        self.snapshot = snapshot
+        self.local_root = None if local_root is None else os.fspath(local_root)
+        parts = ("xinsitu-chunk-v1", self.store_id, self.array_path, self.metadata_hash, snapshot or "")
+        self._prefix = hashlib.blake2b("\0".join(parts).encode(), digest_size=16)
+
+    def key(self, chunk: tuple[int, ...], local_file: str | os.PathLike[str] | None = None) -> str:
+        """The key of chunk ``chunk`` (grid coordinates; for sharded arrays, the inner chunk's).
+
+        Parameters
+        ----------
+        chunk
+            The chunk's coordinates in the array's chunk grid.
+        local_file
+            The chunk's file, for a store that is a local directory: its size, modification time
+            and inode become part of the key (a missing file too), so a rewritten file is a miss.
+
+        Returns
+        -------
+        str
+            32 hex characters.
+        """
+        h = self._prefix.copy()
+        h.update(("\0" + ",".join(str(int(c)) for c in chunk)).encode())
+        if local_file is not None:
+            try:
+                st = os.stat(local_file)
+                h.update(f"\0{st.st_size},{st.st_mtime_ns},{st.st_ino}".encode())
+            except FileNotFoundError:
+                h.update(b"\0missing")
+        return h.hexdigest()
+
+    def file_of(self, object_key: str) -> str | None:
+        """The local file of store object ``object_key`` (e.g. ``"t2m/c/3/0/0"``), None for a remote store."""
+        return None if self.local_root is None else os.path.join(self.local_root, object_key)
+
+    @classmethod
+    def for_array(cls, array: Any, snapshot: str | None = None) -> ChunkKey | None:
+        """Keys for the chunks of a zarr array, or None where its store has no stable identity
+        (a ``MemoryStore``, an Icechunk session with uncommitted changes, a store kind not
+        known here): such an array is not cached.
+
+        Parameters
+        ----------
+        array
+            A ``zarr.Array`` (or ``AsyncArray``).
+        snapshot
+            The Icechunk snapshot id, where the caller knows it already (else read from the store).
+        """
+        aa = getattr(array, "async_array", array)
+        store = aa.store_path.store if hasattr(aa, "store_path") else array.store
+        ident = store_identity(store)
+        if ident is None:
+            return None
+        store_id, root = ident
+        if type(store).__name__ == "IcechunkStore":
+            snapshot = snapshot or _icechunk_snapshot(store)
+            if snapshot is None:
+                return None
+        meta = aa.metadata.to_dict()
+        meta.pop("attributes", None)  # attributes do not change the stored bytes (CF decoding comes later)
+        path = getattr(array, "path", "") or ""
+        return cls(store_id, path, meta, snapshot=snapshot, local_root=root)
+
+    def __repr__(self) -> str:
+        return f"ChunkKey(array_path={self.array_path!r}, metadata={self.metadata_hash[:8]}, snapshot={self.snapshot})"
+
+
+def chunk_key(store_id: str, array_path: str, chunk: tuple[int, ...], metadata: bytes | str | dict[str, Any],
+              snapshot: str | None = None, local_file: str | os.PathLike[str] | None = None) -> str:
+    """The cache key of one chunk (``ChunkKey(store_id, array_path, metadata, snapshot).key(chunk, local_file)``).
+
+    Parameters
+    ----------
+    store_id, array_path, metadata, snapshot
+        As for ``ChunkKey``.
+    chunk
+        The chunk's grid coordinates.
+    local_file
+        The chunk's file, for a store that is a local directory.
+
+    Returns
+    -------
+    str
+        32 hex characters, the same in every process.
+    """
+    return ChunkKey(store_id, array_path, metadata, snapshot).key(chunk, local_file)
+
+
+def _strip_url(url: str) -> str:
+    """A URL without user info, query string or fragment (signatures and tokens live there)."""
+    p = urlsplit(url)
+    netloc = p.netloc.rsplit("@", 1)[-1]
+    return urlunsplit((p.scheme, netloc, p.path, "", ""))
+
+
+def store_identity(store: Any) -> tuple[str, str | None] | None:
+    """``(identity, local root or None)`` of a zarr store, or None where it has none that lasts.
+
+    Only what locates the data goes in (scheme, bucket, endpoint, prefix, URL path), never
+    credentials: obstore's ``config`` is read through an allow-list.
+    """
+    name = type(store).__name__
+    if name == "IcechunkStore":
+        return "icechunk:", None  # the snapshot id (random, unique) names the data
+    if name == "LocalStore" and getattr(store, "root", None) is not None:
+        root = os.path.abspath(os.fspath(store.root))
+        return "file://" + root, root
+    if name == "ObjectStore" and getattr(store, "store", None) is not None:
+        obs = store.store
+        oname = type(obs).__name__
+        prefix = getattr(obs, "prefix", None)
+        if oname == "LocalStore":
+            root = os.path.abspath(os.fspath(prefix)) if prefix is not None else os.sep
+            return "file://" + root, root
+        if oname == "MemoryStore":
+            return None
+        config = getattr(obs, "config", None) or {}
+        allowed = ("bucket", "container_name", "account_name", "endpoint", "url")
+        located = {k: str(v) for k, v in config.items() if k in allowed}
+        url = getattr(obs, "url", None)
+        if url is not None:
+            located["url"] = _strip_url(str(url))
+        if "endpoint" in located:
+            located["endpoint"] = _strip_url(located["endpoint"])
+        if not located:
+            return None
+        located["prefix"] = "" if prefix is None else str(prefix)
+        return f"{oname}:" + json.dumps(located, sort_keys=True), None
+    if name == "FsspecStore" and getattr(store, "fs", None) is not None:
+        protocol = store.fs.protocol
+        protocol = protocol[0] if isinstance(protocol, (tuple, list)) else protocol
+        path = str(getattr(store, "path", ""))
+        if protocol in ("file", "local"):
+            root = os.path.abspath(path)
+            return "file://" + root, root
+        return f"{protocol}://{_strip_url(path)}", None
+    return None
+
+
+def _icechunk_snapshot(store: Any) -> str | None:
+    """The snapshot id of an Icechunk store's session; None for uncommitted changes (no snapshot yet)."""
+    session = getattr(store, "session", None)
+    try:
+        if session is None or (not session.read_only and session.has_uncommitted_changes):
+            return None
+        return str(session.snapshot_id)
+    except Exception:  # noqa: BLE001 - a closed or foreign session: nothing to key on
+        return None
+
+
+# --------------------------------------------------------------------------------------------- cache
+@dataclass
+class CacheStats:
+    """What a ``ChunkCache`` did in this process (``cache.stats``; subtract two for an interval)."""
+
+    hits: int = 0  # from memory
+    disk_hits: int = 0  # from the disk tier (then promoted to memory where it fits)
+    misses: int = 0
+    puts: int = 0
+    memory_bytes: int = 0
+    memory_entries: int = 0
+    disk_writes: int = 0
+    disk_bytes: int = 0  # the directory's size at the last scan plus this process's writes since
+    disk_evictions: int = 0
+    corrupt: int = 0  # bad entries found (a miss, and deleted)
+    disk_errors: int = 0  # writes that failed (disk full, permissions): the chunk is simply not kept
+    not_admitted: int = 0  # puts the full disk tier turned away (everything in it was used during this run)
+
+    def __sub__(self, other: CacheStats) -> CacheStats:
+        gauges = ("memory_bytes", "memory_entries", "disk_bytes")
+        return CacheStats(**{f.name: getattr(self, f.name) - (0 if f.name in gauges else getattr(other, f.name))
+                             for f in fields(self)})
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits (memory and disk) per lookup; 0.0 before any."""
+        n = self.hits + self.disk_hits + self.misses
+        return (self.hits + self.disk_hits) / n if n else 0.0
+
+
+class ChunkCache:
+    """Decoded chunks kept across epochs: a memory tier within a byte budget and an optional
+    disk tier (a local directory) that persists across runs.
+
+    Parameters
+    ----------
+    memory
+        The memory tier's budget: bytes (an int, or a string such as ``"4GB"``/``"500MiB"``),
+        ``"auto"``/``True`` (``AUTO_MEMORY_SHARE`` of the available memory, at most
+        ``AUTO_MEMORY_CAP``), or ``False``/``None``/``0`` (no memory tier). The tier admits
+        chunks until the budget is full and then keeps them: in shuffled epochs, LRU would
+        evict each chunk before its next use.
+    disk
+        A directory for the disk tier (an NVMe drive, ideally), or None. Entries go under
+        ``<disk>/xinsitu-chunks-v1/``; nothing else in the directory is touched.
+    disk_size
+        The disk tier's size bound (bytes or a string). None: it grows while the file system
+        keeps ``DISK_FREE_SHARE`` of its size free (at least ``DISK_FREE_MIN``). When over,
+        the least recently used entries not used since this cache was made (the run began;
+        a pickle carries that time to workers) are deleted; where every entry has been
+        used since, new chunks are not admitted (the same reason as the memory tier's).
+    fsync
+        Flush each disk entry to the device before it is renamed into place. Not needed for a
+        killed process (the page cache keeps what was written); it guards against a power
+        loss, which the checksum also catches.
+
+    Notes
+    -----
+    Thread-safe; processes of one machine may share the disk directory (DDP ranks,
+    DataLoader workers). A pickle carries the configuration, not the contents: a new process
+    starts with an empty memory tier and the same disk directory.
+    """
+
+    def __init__(self, memory: int | str | bool | None = "auto", disk: str | os.PathLike[str] | None = None,
+                 disk_size: int | str | None = None, *, fsync: bool = False):
+        if memory is True or memory == "auto":
+            self.memory_budget = auto_memory_budget()
+        elif memory is None or memory is False:
+            self.memory_budget = 0
+        else:
+            self.memory_budget = parse_size(memory, "memory")
+        self.disk = None if disk is None else os.path.abspath(os.fspath(disk))
+        self.disk_size = None if disk_size is None else parse_size(disk_size, "disk_size")
+        if disk_size is not None and disk is None:
+            raise ValueError("disk_size= needs disk= (a directory for the disk tier)")
+        self.fsync = bool(fsync)
+        self._since_ns = time.time_ns()  # the run began: entries used since are not evicted
+        self._setup()
+
+    def _setup(self) -> None:
+        self._lock = threading.Lock()
+        self._evicting = threading.Lock()
+        self._pid = os.getpid()
+        self._mem: dict[str, np.ndarray] = {}
+        self._stats = CacheStats()
+        self._tmp_ids = itertools.count()
+        self._shards: set[str] = set()
+        self._scanned = False
+        self._written_since_scan = 0
+        self._full_since = -float("inf")  # when a put last found the disk tier full (time.monotonic)
+        self._checksum_kind, self._checksum = _checksummer()
+        if self.disk is not None:
+            try:
+                os.makedirs(os.path.join(self.disk, _SUBDIR), exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"cannot use {self.disk!r} as the cache's disk tier: {e}") from e
+
+    # ------------------------------------------------------------------ pickling (configuration only)
+    def __getstate__(self) -> dict[str, Any]:
+        return {"memory": self.memory_budget, "disk": self.disk, "disk_size": self.disk_size,
+                "fsync": self.fsync, "since_ns": self._since_ns}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.memory_budget = state["memory"]
+        self.disk, self.disk_size, self.fsync = state["disk"], state["disk_size"], state["fsync"]
+        self._since_ns = state["since_ns"]
+        self._setup()
+
+    def _after_fork(self) -> None:
+        """In a forked child: fresh locks (a parent's thread may have held one at the fork); the memory
+        tier's contents stay (copy-on-write pages, still right)."""
+        if os.getpid() != self._pid:
+            self._lock = threading.Lock()
+            self._evicting = threading.Lock()
+            self._pid = os.getpid()
+
+    # ------------------------------------------------------------------ public
+    def get(self, key: str) -> np.ndarray | None:
+        """The chunk stored under ``key`` (read-only, not a copy), or None.
+
+        Looks in memory, then on disk; a disk hit is kept in memory where it fits.
+        """
+        self._after_fork()
+        with self._lock:
+            arr = self._mem.get(key)
+            if arr is not None:
+                self._stats.hits += 1
+                return arr
+        if self.disk is not None:
+            arr = self._disk_get(key)
+            if arr is not None:
+                with self._lock:
+                    self._stats.disk_hits += 1
+                    self._admit(key, arr)
+                return arr
+        with self._lock:
+            self._stats.misses += 1
+        return None
+
+    def peek(self, key: str) -> np.ndarray | None:
+        """The chunk under ``key`` if the memory tier holds it (a hit), else None -- without looking on
+        disk and without counting a miss: never blocks, so an event loop may call it, and a miss then
+        goes to ``get`` in a thread.
+        """
+        self._after_fork()
+        with self._lock:
+            arr = self._mem.get(key)
+            if arr is not None:
+                self._stats.hits += 1
+            return arr
+
+    def put(self, key: str, array: np.ndarray, *, copy: bool = True) -> None:
+        """Keep a decoded chunk under ``key``: in memory while the budget has room, and on disk.
+
+        Parameters
+        ----------
+        key
+            From ``ChunkKey.key``.
+        array
+            The decoded chunk.
+        copy
+            False hands ``array`` over: the cache keeps it as it is and makes it read-only (for
+            a chunk the caller decoded into an array of its own and no longer writes to).
+        """
+        self._after_fork()
+        if self.disk is not None:
+            self._path(key)  # a key that cannot name a file is refused before either tier keeps it
+        arr = np.asarray(array)
+        with self._lock:
+            self._stats.puts += 1
+            known = key in self._mem
+            room = not known and self._stats.memory_bytes + arr.nbytes <= self.memory_budget
+        if room:
+            kept = np.array(arr, order="C", copy=True) if copy or not arr.flags.c_contiguous \
+                else arr
+            kept.flags.writeable = False
+            with self._lock:
+                self._admit(key, kept)
+        if self.disk is not None and not known:
+            self._disk_put(key, arr)
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            if key in self._mem:
+                return True
+        return self.disk is not None and os.path.exists(self._path(key))
+
+    def clear(self) -> None:
+        """Empty both tiers: the memory tier of this process and every entry of the disk directory
+        (other processes' memory tiers keep theirs)."""
+        self._after_fork()
+        with self._lock:
+            self._mem.clear()
+            self._stats.memory_bytes = self._stats.memory_entries = 0
+        if self.disk is None:
+            return
+        with self._evicting:
+            for entry in self._entries(include_tmp=True):
+                _unlink(entry[2])
+            with self._lock:
+                self._stats.disk_bytes = 0
+                self._written_since_scan = 0
+                self._scanned = True
+
+    @property
+    def stats(self) -> CacheStats:
+        """A snapshot of the counters (hits, misses, bytes held ...) of this process."""
+        with self._lock:
+            return CacheStats(**asdict(self._stats))
+
+    @property
+    def disk_limit(self) -> int | None:
+        """The disk tier's bound now: ``disk_size``, or what the free space allows (None without a disk tier)."""
+        if self.disk is None:
+            return None
+        if self.disk_size is not None:
+            return self.disk_size
+        st = os.statvfs(self.disk)
+        total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+        keep = max(DISK_FREE_SHARE * total, DISK_FREE_MIN)
+        with self._lock:
+            used = self._stats.disk_bytes
+        return int(max(0, used + free - keep))
+
+    def __repr__(self) -> str:
+        s = self.stats
+        mem = f"memory={_fmt(s.memory_bytes)} of {_fmt(self.memory_budget)} ({s.memory_entries} chunks)" \
+            if self.memory_budget else "memory=off"
+        if self.disk is None:
+            return f"ChunkCache({mem}, disk=off)"
+        bound = _fmt(self.disk_size) if self.disk_size is not None else "free space"
+        used = _fmt(s.disk_bytes) if self._scanned else "not scanned"
+        return f"ChunkCache({mem}, disk={self.disk!r} {used} of {bound})"
+
+    # ------------------------------------------------------------------ memory tier
+    def _admit(self, key: str, arr: np.ndarray) -> None:
+        """Keep ``arr`` in memory if it fits (the lock is held); nothing is evicted."""
+        if key in self._mem or self._stats.memory_bytes + arr.nbytes > self.memory_budget:
+            return
+        self._mem[key] = arr
+        self._stats.memory_bytes += arr.nbytes
+        self._stats.memory_entries += 1
+
+    # ------------------------------------------------------------------ disk tier
+    def _path(self, key: str) -> str:
+        assert self.disk is not None
+        if not _HEX.fullmatch(key):  # it becomes a file name: nothing else may reach the file system
+            raise ValueError(f"a disk cache key is a hex digest (ChunkKey.key), not {key!r}")
+        return os.path.join(self.disk, _SUBDIR, key[:2], key + _SUFFIX)
+
+    def _disk_get(self, key: str) -> np.ndarray | None:
+        path = self._path(key)
+        try:
+            with open(path, "rb", buffering=0) as f:  # unbuffered: the payload is read straight into the array
+                got = self._read_entry(f, key)
+        except OSError:  # FileNotFoundError above all: not cached, or evicted meanwhile
+            return None
+        if got is None:  # a bad entry: never served, and deleted so that it is written again
+            with self._lock:
+                self._stats.corrupt += 1
+            _unlink(path)
+            return None
+        arr, used_ns = got
+        if used_ns < self._since_ns:  # mark it used during this run (once: eviction orders by it)
+            try:
+                os.utime(path)
+            except OSError:
+                pass
+        arr.flags.writeable = False
+        return arr
+
+    @staticmethod
+    def _read_entry(f: Any, key: str) -> tuple[np.ndarray, int] | None:
+        """(the chunk, its last use time) of an open entry file, or None where anything in it is wrong.
+
+        A small first read (header, metadata, the payload's start), then the rest straight into
+        the chunk's array: from a device, the small read starts the kernel's readahead and the
+        whole took 0.6 ms for a 786 kB entry, one large read 1.1 ms (a 2-core VM, virtio disk).
+        """
+        st = os.fstat(f.fileno())
+        first = f.read(_PEEK)
+        if len(first) < _HEADER.size:
+            return None
+        magic, version, kind, meta_len, payload_len, checksum = _HEADER.unpack_from(first)
+        meta_end = _HEADER.size + meta_len
+        if magic != _MAGIC or version != _VERSION or st.st_size != meta_end + payload_len:
+            return None
+        fn = _checksum_of(kind)
+        if fn is None:
+            return None
+        if meta_end > len(first):  # a long dtype description: the rest of the metadata
+            first += f.read(meta_end - len(first))
+            if meta_end > len(first):
+                return None
+        meta_raw = first[_HEADER.size:meta_end]
+        layout, _, own = meta_raw.rstrip(b" ").rpartition(b"\n")
+        got = _layout(layout)
+        if got is None or own != key.encode() or got[2] != payload_len:
+            return None
+        dtype, shape, _ = got
+        arr = np.empty(shape, dtype)
+        flat = arr.reshape(-1).view(np.uint8)  # an array, not a memoryview: google-crc32c takes only these
+        pos = min(len(first) - meta_end, payload_len)
+        flat[:pos] = np.frombuffer(first, np.uint8, pos, meta_end)
+        while pos < payload_len:
+            n = f.readinto(flat[pos:].data)
+            if not n:
+                return None  # shorter than it was a moment ago: cut meanwhile
+            pos += n
+        if fn(flat, fn(meta_raw, 0)) != checksum:
+            return None
+        return arr, st.st_mtime_ns
+
+    def _disk_put(self, key: str, arr: np.ndarray) -> None:
+        data = np.ascontiguousarray(arr)
+        # the layout (the same for every chunk of an array: parsed once per process), then the key
+        meta = json.dumps({"dtype": np.lib.format.dtype_to_descr(data.dtype), "shape": list(data.shape)},
+                          separators=(",", ":")).encode() + b"\n" + key.encode()
+        meta += b" " * (-(_HEADER.size + len(meta)) % _ALIGN)
+        if not self._disk_room(_HEADER.size + len(meta) + data.nbytes):
+            return
+        payload = data.reshape(-1).view(np.uint8)
+        checksum = self._checksum(payload, self._checksum(meta, 0))
+        head = _HEADER.pack(_MAGIC, _VERSION, self._checksum_kind, len(meta), payload.nbytes, checksum)
+        path = self._path(key)
+        shard = os.path.dirname(path)
+        tmp = os.path.join(shard, f".{key}.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_ids)}{_TMP}")
+        try:
+            if shard not in self._shards:
+                os.makedirs(shard, exist_ok=True)
+                self._shards.add(shard)
+            with open(tmp, "xb") as f:
+                f.write(head)
+                f.write(meta)
+                f.write(payload.data)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)  # atomic: readers see the old entry, the new one, or none
+        except OSError:
+            _unlink(tmp)
+            with self._lock:
+                self._stats.disk_errors += 1
+            return
+        n = len(head) + len(meta) + payload.nbytes
+        with self._lock:
+            self._stats.disk_writes += 1
+            self._stats.disk_bytes += n
+            self._written_since_scan += n
+        self._maybe_evict()
+
+    def _disk_room(self, n: int) -> bool:
+        """Whether an entry of ``n`` bytes may be written: the tier has room, or gets it by evicting
+        entries not used during this run. A full tier is scanned again at most every ``FULL_RESCAN_S``."""
+        if not self._scanned:
+            self._maybe_evict()  # the first put of this process: learn what the directory holds
+        limit = self.disk_limit
+        assert limit is not None
+        with self._lock:
+            fits = self._stats.disk_bytes + n <= limit
+            recheck = time.monotonic() - self._full_since >= FULL_RESCAN_S
+            if not fits and not recheck:
+                self._stats.not_admitted += 1
+        if fits or not recheck:
+            return fits
+        if self._evicting.acquire(blocking=False):
+            try:
+                self._evict(room=n)
+            finally:
+                self._evicting.release()
+        with self._lock:
+            fits = self._stats.disk_bytes + n <= limit
+            # only a tier found full of entries used during this run waits before the next scan
+            self._full_since = -float("inf") if fits else time.monotonic()
+            if not fits:
+                self._stats.not_admitted += 1
+            return fits
+
+    def _maybe_evict(self) -> None:
+        """Rescan and evict when this process's count says the tier is over its bound, or when it has
+        written enough since the last scan that other processes' writes may have filled it."""
+        limit = self.disk_limit
+        assert limit is not None
+        with self._lock:
+            due = (not self._scanned or self._stats.disk_bytes > limit
+                   or self._written_since_scan > DISK_RESCAN_SHARE * max(limit, 1))
+        if not due or not self._evicting.acquire(blocking=False):  # one thread of a process scans at a time
+            return
+        try:
+            self._evict()
+        finally:
+            self._evicting.release()
+
+    def _evict(self, room: int = 0) -> None:
+        entries = self._entries(include_tmp=False)
+        used = sum(size for _, size, _ in entries)
+        with self._lock:
+            self._stats.disk_bytes = used
+            self._written_since_scan = 0
+            self._scanned = True
+        limit = self.disk_limit
+        assert limit is not None
+        if used + room <= limit:
+            return
+        target = DISK_LOW_WATER * limit - room
+        evicted = 0
+        for mtime_ns, size, path in sorted(entries):
+            if used <= target or mtime_ns >= self._since_ns:
+                break  # what is left was used during this run: kept (pinned)
+            if _unlink(path):
+                evicted += 1
+            used -= size  # gone either way: another process may have evicted it first
+        with self._lock:
+            self._stats.disk_bytes = used
+            self._stats.disk_evictions += evicted
+
+    def _entries(self, include_tmp: bool) -> list[tuple[int, int, str]]:
+        """(use time, size, path) of every entry; temporary files left by killed writers are deleted
+        (or listed, with ``include_tmp``) and count towards the size while they are young."""
+        assert self.disk is not None
+        out: list[tuple[int, int, str]] = []
+        top = os.path.join(self.disk, _SUBDIR)
+        stale = time.time_ns() - int(STALE_TMP_S * 1e9)
+        try:
+            shards = [d.path for d in os.scandir(top) if d.is_dir(follow_symlinks=False)]
+        except FileNotFoundError:
+            return out
+        for shard in shards:
+            try:
+                it = list(os.scandir(shard))
+            except FileNotFoundError:
+                continue
+            for e in it:
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except FileNotFoundError:  # evicted or renamed meanwhile by another process
+                    continue
+                if e.name.endswith(_TMP):
+                    if include_tmp:
+                        out.append((st.st_mtime_ns, st.st_size, e.path))
+                    elif st.st_mtime_ns < stale:
+                        _unlink(e.path)
+                    else:
+                        out.append((self._since_ns, st.st_size, e.path))  # a write under way: never evicted
+                    continue
+                if e.name.endswith(_SUFFIX):
+                    out.append((st.st_mtime_ns, st.st_size, e.path))
+        return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout(raw: bytes) -> tuple[np.dtype, tuple[int, ...], int] | None:
+    """(dtype, shape, bytes) from an entry's layout JSON; None where it is not one."""
+    try:
+        meta = json.loads(raw)
+        dtype = np.lib.format.descr_to_dtype(meta["dtype"])
+        shape = tuple(int(n) for n in meta["shape"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    if dtype.hasobject or any(n < 0 for n in shape):
+        return None
+    return dtype, shape, int(np.prod(shape)) * dtype.itemsize
+
+
+def _unlink(path: str) -> bool:
+    """Delete ``path``; False where it is gone already (another process evicted it)."""
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return False
+
+
+def resolve_cache(cache: bool | str | os.PathLike[str] | ChunkCache | None) -> ChunkCache | None:
+    """The ``ChunkCache`` a ``cache=`` argument asks for.
+
+    Parameters
+    ----------
+    cache
+        None or False: no cache. True or ``"memory"``: a memory tier with the default budget.
+        A directory (str or path): a memory tier and a disk tier there. A ``ChunkCache``: itself.
+
+    Returns
+    -------
+    ChunkCache or None
+
+    Raises
+    ------
+    TypeError
+        For any other kind of value.
+    ValueError
+        For an empty string or a path that is a file.
+    """
+    if cache is None or cache is False:
+        return None
+    if cache is True:
+        return ChunkCache()
+    if isinstance(cache, ChunkCache):
+        return cache
+    if isinstance(cache, str) and cache == "memory":  # a Path("memory") is a directory of that name
+        return ChunkCache()
+    if isinstance(cache, (str, os.PathLike)):
+        path = os.fspath(cache)
+        if isinstance(path, bytes):
+            raise TypeError("cache= as a path must be a str or os.PathLike of str, not bytes")
+        if not path.strip():
+            raise ValueError("cache='' is not a directory; pass cache=True for a memory cache, or a directory")
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"cache={path!r} is a file, not a directory for the disk cache")
+        try:
+            return ChunkCache(disk=path)
+        except ValueError as e:
+            raise ValueError(f"cache={path!r}: {e}") from e
+    raise TypeError(f"cache= must be None, a bool, 'memory', a directory or an xinsitu.ChunkCache, "
+                    f"not {type(cache).__name__}")

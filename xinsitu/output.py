@@ -138,6 +138,8 @@ class OutputBuilder:
         import torch
 
         dev = torch.device(device)
+        if dev.type == "meta":  # meta tensors have a shape but no values: every batch would be empty
+            raise ValueError(f"device={device!r} holds no data; use 'cpu' or a GPU such as 'cuda:0'")
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"device={device!r}: CUDA is not available to torch on this machine")
 
@@ -226,7 +228,10 @@ class OutputBuilder:
                 ind[d.name] = xr.DataArray(pos, dims=("sample", d.name))
             else:
                 ind[d.name] = xr.DataArray(starts[:, k], dims="sample")
-        return self.coords.isel(ind)
+        # a dim without any coordinate has no labels to pick (its labels are its positions): as
+        # ds.isel(...) gives, the batch then has no coordinate along it
+        have = self.coords.dims
+        return self.coords.isel({d: v for d, v in ind.items() if d in have})
 
     def build(self, raw: dict[str, np.ndarray], starts: np.ndarray) -> Any:
         values = self.decode(raw)

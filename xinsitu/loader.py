@@ -197,6 +197,7 @@ class BatchGenerator:
         self._loader: BlockLoader | None = None
         self._pid = -1
         self._io: dict[str, Any] = {}
+        self._channels: list[str] | None = None
         self._check_not_empty()
 
     def _check_not_empty(self) -> None:
@@ -353,11 +354,12 @@ class BatchGenerator:
 
     @property
     def channels(self) -> list[str]:
-        """Channel names of a stacked batch, in order."""
-        from xinsitu.output import plan_channels
+        """Channel names of a stacked batch, in order (the variables' names where they cannot be stacked)."""
+        if self._channels is None:
+            from xinsitu.stats import channel_names
 
-        kept = tuple(d.name for d in self.space.dims if d.keep)
-        return [c.name for c in plan_channels(self._ds, self.layouts, kept)[0]]
+            self._channels = channel_names(self._ds, self.layouts, tuple(d.name for d in self.space.dims if d.keep))
+        return list(self._channels)
 
     def shuffle_quality(self, max_batches: int = 200) -> float:
         """How well batches mix chunks, 0..1 (1.0 ~ a global shuffle); computed from the plan.

@@ -11,7 +11,7 @@ import xarray as xr
 
 from xinsitu.buffer import VarLayout
 from xinsitu.plan import SampleSpace
-from xinsitu.stats import normalizer
+from xinsitu.stats import channel_names, check_channel_order, normalizer
 
 OUTPUTS = ("xarray", "dataarray", "numpy", "torch", "cupy")
 
@@ -117,6 +117,8 @@ class OutputBuilder:
         self.channels, self.base_dims = plan_channels(ds, layouts, kept) if self.stack else ([], ())
         # (x - mean) / std per channel after CF decoding; m.stats from ds.insitu.stats, or a dict like it
         self.normalizer = normalizer(normalize, layouts, kept) if normalize is not None else None
+        if normalize is not None:
+            check_channel_order(normalize, channel_names(ds, layouts, kept))
         dtypes = [lay.src.dtype for lay in layouts.values()]
         if self.normalizer is not None:
             dtypes = [self.normalizer.dtype(d) for d in dtypes]

@@ -42,7 +42,7 @@ def make_state(gen: Any, epoch: int, batch: int) -> dict[str, Any]:
             "manifest": _manifest_id(gen), "seed": gen.seed, "batch_size": gen.batch_size,
             "shuffle": gen.shuffle, "block_chunks": gen.block_chunks, "drop_last": gen.drop_last,
             "world_size": gen.world_size, "rank": gen.rank, "sampling": _sampling(gen),
-            "normalize": _normalize_id(gen)}
+            "normalize": _normalize_id(gen), "channels": list(gen.channels)}
 
 
 def check_state(gen: Any, state: dict[str, Any]) -> None:
@@ -56,6 +56,8 @@ def check_state(gen: Any, state: dict[str, Any]) -> None:
             raise ValueError(f"state {k} must be a non-negative integer, got {state[k]!r}")
     mine = make_state(gen, state["epoch"], state["batch"])
     diff = [f"{k} (saved {state.get(k)!r}, here {mine[k]!r})" for k in _DEFINING if state.get(k) != mine[k]]
+    if "channels" in state and state["channels"] != mine["channels"]:  # a state from before has none
+        diff.append(f"channel order (saved {state['channels']}, here {mine['channels']})")
     if diff:
         raise ValueError("state was saved with a different " + ", ".join(diff))
     n = gen.plan(state["epoch"]).n_batches

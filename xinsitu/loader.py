@@ -28,7 +28,7 @@ from xinsitu import shuffle as _shuffle
 from xinsitu.buffer import BlockLoader, VarLayout
 from xinsitu.geometry import geometry_of
 from xinsitu.output import OutputBuilder
-from xinsitu.plan import EpochPlan, SampleDim, SampleSpace, epoch_plan, plan_head
+from xinsitu.plan import EpochPlan, SampleDim, SampleSpace, epoch_plan, plan_head, segment_plan
 from xinsitu.reader import Reader
 from xinsitu.snapshot import snapshot_of_sources
 from xinsitu.source import resolve
@@ -198,6 +198,10 @@ class BatchGenerator:
         self._pid = -1
         self._io: dict[str, Any] = {}
         self._channels: list[str] | None = None
+        # elastic resume: the (world_size, batches) hops of epoch ``_elastic_epoch`` so far (see state.py)
+        self._elastic: list[tuple[int, int]] = []
+        self._elastic_epoch = -1
+        self._elastic_plan: EpochPlan | None = None
         self._check_not_empty()
 
     def _check_not_empty(self) -> None:
@@ -282,9 +286,18 @@ class BatchGenerator:
         self.epoch = int(epoch)
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
-        """This rank's plan of ``epoch`` (default: the current one)."""
-        return epoch_plan(self.space, seed=self.seed, epoch=self.epoch if epoch is None else epoch,
-                          shuffle=self.shuffle, batch_size=self.batch_size, block_chunks=self.block_chunks,
+        """This rank's plan of ``epoch`` (default: the current one); after an elastic resume, the rest
+        of that epoch dealt across this run's ranks."""
+        epoch = self.epoch if epoch is None else epoch
+        if self._elastic and epoch == self._elastic_epoch:
+            if self._elastic_plan is None:
+                self._elastic_plan = segment_plan(
+                    self.space, self._elastic, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                    batch_size=self.batch_size, block_chunks=self.block_chunks, drop_last=self.drop_last,
+                    rank=self.rank, world_size=self.world_size)
+            return self._elastic_plan
+        return epoch_plan(self.space, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                          batch_size=self.batch_size, block_chunks=self.block_chunks,
                           drop_last=self.drop_last, rank=self.rank, world_size=self.world_size)
 
     def __len__(self) -> int:
@@ -341,10 +354,22 @@ class BatchGenerator:
         return make_state(self, self.epoch, self._yielded)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state``: the next iteration yields the batch after the last one saved."""
-        check_state(self, state)
-        self.epoch = int(state["epoch"])
-        self._resume_batch = self._yielded = int(state["batch"])
+        """Continue from ``state``: the next iteration yields the batch after the last one saved.
+
+        A state saved by any rank of a run of another world size (ranks in lockstep, as DDP runs) is
+        elastic: the rest of that epoch -- every sample no rank had yielded -- is dealt across this
+        run's ranks, exactly once and in equal batch counts; later epochs follow this run's plan.
+        """
+        check_state(self, state, elastic=True)
+        epoch, batch = int(state["epoch"]), int(state["batch"])
+        hops = [(int(w), int(b)) for w, b in state.get("elastic", [])]
+        saved_world = int(state.get("world_size", self.world_size))
+        if saved_world != self.world_size:
+            hops.append((saved_world, batch))  # the saved run's ranks each yielded ``batch`` batches
+            batch = 0
+        self.epoch = epoch
+        self._elastic, self._elastic_epoch, self._elastic_plan = hops, epoch, None
+        self._resume_batch = self._yielded = batch
 
     # ------------------------------------------------------------------ inspection
     @property

@@ -122,3 +122,42 @@ def test_stats_and_reprs_without_coords(stored):
     for obj in (m, gen, ds.insitu.geometry):
         assert repr(obj) and obj._repr_html_()
     assert "val" in m.summary()
+
+
+@pytest.mark.parametrize("output", ["xarray", "dataarray"])
+def test_netcdf_without_coordinate_variables(tmp_path, output):
+    """A NetCDF4 file with no coordinate variable, read in place through xinsitu.virtual.open_netcdf."""
+    pytest.importorskip("h5py")
+    from xinsitu.virtual import open_netcdf
+
+    path = str(tmp_path / "bare.nc")
+    _bare().to_netcdf(path, encoding={v: {"chunksizes": (4, 6, 5)} for v in ("a", "b")})
+    ds = open_netcdf(path)
+    ref = xr.open_dataset(path).load()
+    m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    gen = ds.insitu.batches(m, "train", batch_size=5, window={"time": 2}, output=output, variables=["a", "b"])
+    if output == "xarray":
+        run_epoch(ref, gen, "xarray")
+    else:
+        b, ids = next(iter(gen)), gen.batch_ids()[0]
+        unit, local = gen.space.locate(ids)
+        starts = np.stack([gen.space.unit_starts(int(u))[int(k)] for u, k in zip(unit, local, strict=True)])
+        exp = general_oracle(ref, gen, starts).to_dataarray("variable").transpose("sample", "variable", ...)
+        assert np.array_equal(b.values, exp.values) and b.dims == exp.dims
+    one = general_oracle(ref, gen, gen.space.unit_starts(0)[3][None]).isel(sample=0)
+    xr.testing.assert_identical(gen.sample(3), one)
+
+
+@pytest.mark.parametrize(("output", "stack"), [("numpy", False), ("numpy", True), ("torch", False),
+                                               ("torch", True), ("dataarray", False), ("xarray", False)])
+def test_every_output_without_coords(stored, output, stack):
+    if output == "torch":
+        pytest.importorskip("torch")
+    m = stored.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    gen = stored.insitu.batches(m, "train", batch_size=4, output=output, stack=stack, window={"time": 2},
+                                patch={"lon": 5}, variables=["a", "b"])
+    n = 0
+    for b in gen:
+        arr = b if not isinstance(b, dict) else b["a"]
+        n += (arr.sizes["sample"] if isinstance(arr, xr.Dataset) else arr.shape[0])
+    assert n == gen.n_samples

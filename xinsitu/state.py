@@ -2,7 +2,11 @@
 
 Like grain's elastic iterator, the state is where the next batch starts (epoch, batches
 already yielded) plus what defines the order, so a mismatch is caught on load. The
-shuffle buffer's contents are never saved: resuming re-reads the block it was in.
+shuffle buffer's contents are never saved: resuming re-reads the block it was in. The channel
+names are recorded, so a generator with another channel order refuses the state. A state
+loads elastically into a run of another world size: ``elastic`` then lists the earlier runs
+of the epoch as ``[world_size, batches]``, from which ``plan.segment_plan`` recomputes what is
+left (no sample list is saved).
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 from typing import Any
+
+from xinsitu.plan import segment_plan
 
 STATE_VERSION = 1
 
@@ -87,8 +93,6 @@ def check_state(gen: Any, state: dict[str, Any], elastic: bool = False) -> None:
     if diff:
         raise ValueError("state was saved with a different " + ", ".join(diff))
     # the saved run's plan (every rank of it yields as many batches)
-    from xinsitu.plan import segment_plan
-
     n = segment_plan(gen.space, [tuple(h) for h in hops], seed=gen.seed, epoch=state["epoch"], shuffle=gen.shuffle,
                      batch_size=gen.batch_size, block_chunks=gen.block_chunks, drop_last=gen.drop_last, rank=0,
                      world_size=saved_world if elastic else gen.world_size).n_batches

@@ -156,3 +156,13 @@ def test_accessor_signatures_are_spelled_out():
             if name not in ("self", "rank", "world_size", "window", "patch", "stride", "over", "variables",
                             "normalize"):
                 assert name in doc, (meth.__name__, name)
+
+
+@pytest.mark.parametrize(("kwargs", "error", "name"), [({"variables": 1.5}, TypeError, "variables"),
+                                                      ({"variables": ["zz"]}, ValueError, "variables"),
+                                                      ({"block_chunks": 0}, ValueError, "block_chunks"),
+                                                      ({"max_inflight": 2.5}, TypeError, "max_inflight")])
+def test_bad_stats_argument(ds, m, kwargs, error, name):
+    with pytest.raises(error, match=name):
+        ds.insitu.stats(m, "train", **kwargs)
+    assert ds.insitu.stats(m, "train", variables="a")["channels"] == ["a"]

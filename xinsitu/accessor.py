@@ -137,7 +137,7 @@ class InsituAccessor:
                               block_chunks=block_chunks, max_inflight=max_inflight, drop_last=drop_last,
                               rank=rank, world_size=world_size, progress=progress)
 
-    def stats(self, manifest: SplitManifest, split: str = "train", *, variables: list[str] | None = None,
+    def stats(self, manifest: SplitManifest, split: str = "train", *, variables: str | list[str] | None = None,
               block_chunks: int = 16, max_inflight: int | None = None) -> dict[str, Any]:
         """Normalisation statistics of ``split``, from one streaming pass over its chunks.
 

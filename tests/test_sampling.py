@@ -77,6 +77,10 @@ def test_windows(era5_path, k, output):
     ds = xinsitu.open_zarr(era5_path)
     m = ds.insitu.split("time", fractions={"train": 0.6, "val": 0.2, "test": 0.2}, gap=1)
     for split in m.splits:
+        if m.positions(split) < k:  # no window fits: refused rather than an empty generator
+            with pytest.raises(ValueError, match="window"):
+                ds.insitu.batches(m, split, batch_size=6, window={"time": k}, output=output, block_chunks=2)
+            continue
         gen = ds.insitu.batches(m, split, batch_size=6, window={"time": k}, output=output, block_chunks=2)
         ids = run_epoch(ds, gen, output)
         assert np.array_equal(np.sort(ids), np.arange(gen.n_samples))  # exactly once

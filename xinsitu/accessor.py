@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import xarray as xr
 
 from xinsitu.geometry import Geometry, geometry_of
+from xinsitu.loader import BatchGenerator
 from xinsitu.source import resolve
 from xinsitu.split import SplitManifest, make_split
 
@@ -56,10 +58,32 @@ class InsituAccessor:
         -------
         SplitManifest
         """
+        if not (isinstance(dim, str) or (isinstance(dim, (list, tuple)) and dim
+                                         and all(isinstance(d, str) for d in dim))):
+            raise TypeError(f"dim must be a dim name or a list of names, got {type(dim).__name__} {dim!r}")
+        if fractions is not None and not isinstance(fractions, dict):
+            raise TypeError(f"fractions must be a dict of split name -> fraction, got {type(fractions).__name__}")
+        if ranges is not None and not isinstance(ranges, dict):
+            raise TypeError(f"ranges must be a dict of split name -> slice, got {type(ranges).__name__}")
+        if not isinstance(gap, (int, np.integer)) or isinstance(gap, (bool, np.bool_)):
+            raise TypeError(f"gap must be a whole number of chunks, got {type(gap).__name__} {gap!r}")
+        if contiguous is not None and not isinstance(contiguous, (bool, np.bool_)):
+            raise TypeError(f"contiguous must be True, False or None, got {type(contiguous).__name__} {contiguous!r}")
+        if seed is not None:
+            if not isinstance(seed, (int, np.integer)) or isinstance(seed, (bool, np.bool_)):
+                raise TypeError(f"seed must be an integer or None, got {type(seed).__name__} {seed!r}")
+            if seed < 0:
+                raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         return make_split(self._ds, self.geometry, dim, fractions=fractions, ranges=ranges, gap=gap,
                           contiguous=contiguous, seed=seed)
 
-    def batches(self, manifest: SplitManifest, split: str, **kwargs: Any) -> Any:
+    def batches(self, manifest: SplitManifest, split: str, *, batch_size: int = 32, shuffle: bool = True,
+                seed: int = 0, window: dict[str, int] | None = None, patch: dict[str, int] | None = None,
+                stride: dict[str, int] | None = None, over: str | list[str] | None = None,
+                variables: str | list[str] | None = None, output: str = "xarray", stack: bool = False,
+                normalize: dict[str, Any] | None = None, device: Any = None, block_chunks: int = 16,
+                max_inflight: int | None = None, drop_last: bool = False, rank: int | None = None,
+                world_size: int | None = None, progress: bool = False) -> BatchGenerator:
         """Batches of one split, read in place.
 
         Parameters
@@ -68,21 +92,52 @@ class InsituAccessor:
             From :meth:`split` (or ``SplitManifest.from_json``).
         split : str
             Name of the split to draw from.
-        **kwargs
-            ``batch_size=32, shuffle=True, seed=0, window=None, patch=None, stride=None,
-            over=None, variables=None, output="xarray", stack=False, normalize=None,
-            device=None, block_chunks=16, max_inflight=None, drop_last=False, rank=None,
-            world_size=None, progress=False``; see :class:`xinsitu.BatchGenerator`.
+        batch_size : int, default 32
+            Samples per batch.
+        shuffle : bool, default True
+            Permute the chunk blocks per ``(seed, epoch)`` and draw from a buffer of ``block_chunks``
+            blocks at random; False walks in split order.
+        seed : int, default 0
+            Seed of the shuffle (a non-negative integer).
+        window : dict of str to int, optional
+            ``{dim: k}``: each sample carries ``k`` consecutive positions.
+        patch : dict of str to int, optional
+            ``{dim: size}``: tiles (xbatcher's ``input_dims``).
+        stride : dict of str to int, optional
+            Tile stride per patch dim (default: the patch size).
+        over : str or list of str, optional
+            More dims whose positions are samples.
+        variables : str or list of str, optional
+            Default: the data variables on the split dim(s); their order is the channel order.
+        output : {"xarray", "dataarray", "numpy", "torch", "cupy"}, default "xarray"
+        stack : bool, default False
+            One array per batch with the variables as channels (see ``BatchGenerator.channels``).
+        normalize : dict, optional
+            Statistics from :meth:`stats` (``manifest.stats``): ``(x - mean) / std`` per channel.
+        device : str or torch.device, optional
+            Where torch tensors go (e.g. ``"cuda:0"``).
+        block_chunks : int, default 16
+            Chunk blocks per shuffle buffer.
+        max_inflight : int, optional
+            Chunk requests in flight at most (default: sized from the store's latency).
+        drop_last : bool, default False
+            Drop the last, short batch.
+        rank, world_size : int, optional
+            This process's share (default: torch.distributed's when it is initialised, else 0 of 1).
+        progress : bool, default False
+            Show a tqdm progress bar.
 
         Returns
         -------
         BatchGenerator
         """
-        from xinsitu.loader import BatchGenerator
+        return BatchGenerator(self._ds, manifest, split, batch_size=batch_size, shuffle=shuffle, seed=seed,
+                              window=window, patch=patch, stride=stride, over=over, variables=variables,
+                              output=output, stack=stack, normalize=normalize, device=device,
+                              block_chunks=block_chunks, max_inflight=max_inflight, drop_last=drop_last,
+                              rank=rank, world_size=world_size, progress=progress)
 
-        return BatchGenerator(self._ds, manifest, split, **kwargs)
-
-    def stats(self, manifest: SplitManifest, split: str = "train", *, variables: list[str] | None = None,
+    def stats(self, manifest: SplitManifest, split: str = "train", *, variables: str | list[str] | None = None,
               block_chunks: int = 16, max_inflight: int | None = None) -> dict[str, Any]:
         """Normalisation statistics of ``split``, from one streaming pass over its chunks.
 
@@ -99,6 +154,12 @@ class InsituAccessor:
         variables : variables to reduce (default: the data variables on the split dims, as for batches).
         block_chunks : units (chunk blocks) read ahead: at least 3 × ``block_chunks``.
         max_inflight : chunk reads in flight at once.
+
+        Returns
+        -------
+        dict
+            ``{"split": ..., "channels": [...], "variables": [...], var: {"mean", "std", "min", "max",
+            "nan_count", "count", ...}}``; see ``xinsitu.stats.compute_stats``.
         """
         from xinsitu.stats import compute_stats
 
@@ -107,9 +168,28 @@ class InsituAccessor:
         manifest.stats = st
         return st
 
-    def sample(self, manifest: SplitManifest, split: str, i: int, **kwargs: Any) -> xr.Dataset:
-        """Sample ``i`` of ``split`` (unshuffled order) as a labeled Dataset; ``kwargs`` as for
-        ``batches`` (``window=``, ``patch=``, ``variables=``...)."""
-        from xinsitu.loader import BatchGenerator
+    def sample(self, manifest: SplitManifest, split: str, i: int, *, window: dict[str, int] | None = None,
+               patch: dict[str, int] | None = None, stride: dict[str, int] | None = None,
+               over: str | list[str] | None = None, variables: str | list[str] | None = None,
+               normalize: dict[str, Any] | None = None) -> xr.Dataset:
+        """Sample ``i`` of ``split`` (unshuffled order) as a labeled Dataset.
 
-        return BatchGenerator(self._ds, manifest, split, **kwargs).sample(i)
+        Parameters
+        ----------
+        manifest : SplitManifest
+            From :meth:`split`.
+        split : str
+            Name of the split.
+        i : int
+            Index of the sample in the whole split, ``0 <= i < n_samples``.
+        window, patch, stride, over, variables, normalize
+            As for :meth:`batches`.
+
+        Returns
+        -------
+        xr.Dataset
+        """
+        gen = BatchGenerator(self._ds, manifest, split, shuffle=False, batch_size=1, window=window, patch=patch,
+                             stride=stride, over=over, variables=variables, normalize=normalize,
+                             rank=0, world_size=1)
+        return gen.sample(i)

@@ -28,7 +28,7 @@ from xinsitu import shuffle as _shuffle
 from xinsitu.buffer import BlockLoader, VarLayout
 from xinsitu.geometry import geometry_of
 from xinsitu.output import OutputBuilder
-from xinsitu.plan import EpochPlan, SampleDim, SampleSpace, epoch_plan, plan_head
+from xinsitu.plan import EpochPlan, SampleDim, SampleSpace, epoch_plan, plan_head, segment_plan
 from xinsitu.reader import Reader
 from xinsitu.snapshot import snapshot_of_sources
 from xinsitu.source import resolve
@@ -42,10 +42,42 @@ MAX_PREFETCH_BLOCKS = 6
 PREFETCH_BATCHES = 2
 
 
-def _positive_int(name: str, v: Any) -> int:
-    if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"{name} must be a positive integer, got {v!r}")
+def _int_arg(name: str, v: Any, minimum: int | None = None) -> int:
+    """``v`` as an int; a bool, a float or a string is refused (never truncated or parsed)."""
+    if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an integer, got {type(v).__name__} {v!r}")
+    if minimum is not None and v < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{name} must be {what}, got {v!r}")
     return int(v)
+
+
+def _positive_int(name: str, v: Any) -> int:
+    return _int_arg(name, v, 1)
+
+
+def _flag(name: str, v: Any) -> bool:
+    """``v`` as a bool; ``"no"`` or ``"False"`` would be truthy, so only real booleans pass."""
+    if not isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {type(v).__name__} {v!r}")
+    return bool(v)
+
+
+def _variable_names(v: Any, ds: xr.Dataset) -> list[str] | None:
+    """``variables=`` as a list of data variable names (None: the default)."""
+    if v is None:
+        return None
+    names = [v] if isinstance(v, str) else v
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"variables must be a variable name or a list of names, got {type(v).__name__} {v!r}")
+    if not names:
+        raise ValueError("variables is empty: name at least one data variable")
+    unknown = [n for n in names if n not in ds.data_vars]
+    if unknown:
+        raise ValueError(f"variables: unknown variable(s) {unknown}; the Dataset has {list(ds.data_vars)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"variables names a variable twice: {list(names)}")
+    return list(names)
 
 
 def _dim_map(name: str, v: Any, sizes: dict[str, int]) -> dict[str, int]:
@@ -73,9 +105,9 @@ def _dist_defaults(rank: int | None, world_size: int | None) -> tuple[int, int]:
             rank = dist.get_rank() if rank is None else rank
             world_size = dist.get_world_size() if world_size is None else world_size
     world_size = 1 if world_size is None else _positive_int("world_size", world_size)
-    rank = 0 if rank is None else int(rank)
+    rank = 0 if rank is None else _int_arg("rank", rank)
     if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        raise ValueError(f"rank must be in [0, {world_size}) for world_size={world_size}, got {rank}")
     return rank, world_size
 
 
@@ -135,20 +167,20 @@ class BatchGenerator:
                  rank: int | None = None, world_size: int | None = None, progress: bool = False):
         if not isinstance(manifest, SplitManifest):
             raise TypeError(f"manifest must be a SplitManifest (from ds.insitu.split), got {type(manifest).__name__}")
+        if not isinstance(split, str):
+            raise TypeError(f"split must be the name of a split (a str), got {type(split).__name__} {split!r}")
         if split not in manifest.splits:
             raise ValueError(f"unknown split {split!r}; the manifest has {list(manifest.splits)}")
         self.batch_size = _positive_int("batch_size", batch_size)
         self.block_chunks = _positive_int("block_chunks", block_chunks)
         self.max_inflight = None if max_inflight is None else _positive_int("max_inflight", max_inflight)
-        if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
-            raise TypeError(f"seed must be an integer, got {seed!r}")
-        self.seed, self.shuffle, self.drop_last = int(seed), bool(shuffle), bool(drop_last)
+        self.seed = _int_arg("seed", seed, 0)  # numpy's generators take no negative seed
+        self.shuffle, self.drop_last = _flag("shuffle", shuffle), _flag("drop_last", drop_last)
         self.rank, self.world_size = _dist_defaults(rank, world_size)
-        self.manifest, self.split, self.progress = manifest, split, bool(progress)
+        self.manifest, self.split, self.progress = manifest, split, _flag("progress", progress)
+        variables = _variable_names(variables, ds)
         if variables is None:
             variables = [v for v in ds.data_vars if any(d in ds[v].dims for d in manifest.dims)]
-        elif isinstance(variables, str):
-            variables = [variables]
         self.sources = resolve(ds, variables)
         self.geometry = geometry_of(self.sources)
         self._check_manifest(ds)
@@ -165,6 +197,28 @@ class BatchGenerator:
         self._loader: BlockLoader | None = None
         self._pid = -1
         self._io: dict[str, Any] = {}
+        self._channels: list[str] | None = None
+        # elastic resume: the (world_size, batches) hops of epoch ``_elastic_epoch`` so far (see state.py)
+        self._elastic: list[tuple[int, int]] = []
+        self._elastic_epoch = -1
+        self._elastic_plan: EpochPlan | None = None
+        self._check_not_empty()
+
+    def _check_not_empty(self) -> None:
+        """Refuse a generator that would yield nothing: an empty epoch looks like a finished one."""
+        if self.space.n_samples == 0:
+            wide = {d.name: d.width for d in self.space.dims if d.width > 1}
+            raise ValueError(f"split {self.split!r} holds no sample of this shape ({wide or 'one position'}): "
+                             "every window/patch is longer than the split's runs of whole chunk blocks "
+                             f"along {[d.name for d in self.space.split_dims]}; use a shorter window or patch")
+        if self.world_size > 1 or self.drop_last:
+            n = self.plan(self.epoch).n_batches
+            if n == 0:
+                raise ValueError(f"rank {self.rank} of world_size={self.world_size} gets no batch: split "
+                                 f"{self.split!r} has {self.space.n_samples} samples, too few for "
+                                 f"{self.world_size} rank(s) x batch_size={self.batch_size}"
+                                 + (" with drop_last=True" if self.drop_last else "")
+                                 + "; use fewer ranks or a smaller batch_size")
 
     # ------------------------------------------------------------------ set-up
     def _check_manifest(self, ds: xr.Dataset) -> None:
@@ -232,9 +286,18 @@ class BatchGenerator:
         self.epoch = int(epoch)
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
-        """This rank's plan of ``epoch`` (default: the current one)."""
-        return epoch_plan(self.space, seed=self.seed, epoch=self.epoch if epoch is None else epoch,
-                          shuffle=self.shuffle, batch_size=self.batch_size, block_chunks=self.block_chunks,
+        """This rank's plan of ``epoch`` (default: the current one); after an elastic resume, the rest
+        of that epoch dealt across this run's ranks."""
+        epoch = self.epoch if epoch is None else epoch
+        if self._elastic and epoch == self._elastic_epoch:
+            if self._elastic_plan is None:
+                self._elastic_plan = segment_plan(
+                    self.space, self._elastic, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                    batch_size=self.batch_size, block_chunks=self.block_chunks, drop_last=self.drop_last,
+                    rank=self.rank, world_size=self.world_size)
+            return self._elastic_plan
+        return epoch_plan(self.space, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                          batch_size=self.batch_size, block_chunks=self.block_chunks,
                           drop_last=self.drop_last, rank=self.rank, world_size=self.world_size)
 
     def __len__(self) -> int:
@@ -291,10 +354,22 @@ class BatchGenerator:
         return make_state(self, self.epoch, self._yielded)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state``: the next iteration yields the batch after the last one saved."""
-        check_state(self, state)
-        self.epoch = int(state["epoch"])
-        self._resume_batch = self._yielded = int(state["batch"])
+        """Continue from ``state``: the next iteration yields the batch after the last one saved.
+
+        A state saved by any rank of a run of another world size (ranks in lockstep, as DDP runs) is
+        elastic: the rest of that epoch -- every sample no rank had yielded -- is dealt across this
+        run's ranks, exactly once and in equal batch counts; later epochs follow this run's plan.
+        """
+        check_state(self, state, elastic=True)
+        epoch, batch = int(state["epoch"]), int(state["batch"])
+        hops = [(int(w), int(b)) for w, b in state.get("elastic", [])]
+        saved_world = int(state.get("world_size", self.world_size))
+        if saved_world != self.world_size:
+            hops.append((saved_world, batch))  # the saved run's ranks each yielded ``batch`` batches
+            batch = 0
+        self.epoch = epoch
+        self._elastic, self._elastic_epoch, self._elastic_plan = hops, epoch, None
+        self._resume_batch = self._yielded = batch
 
     # ------------------------------------------------------------------ inspection
     @property
@@ -304,11 +379,12 @@ class BatchGenerator:
 
     @property
     def channels(self) -> list[str]:
-        """Channel names of a stacked batch, in order."""
-        from xinsitu.output import plan_channels
+        """Channel names of a stacked batch, in order (the variables' names where they cannot be stacked)."""
+        if self._channels is None:
+            from xinsitu.stats import channel_names
 
-        kept = tuple(d.name for d in self.space.dims if d.keep)
-        return [c.name for c in plan_channels(self._ds, self.layouts, kept)[0]]
+            self._channels = channel_names(self._ds, self.layouts, tuple(d.name for d in self.space.dims if d.keep))
+        return list(self._channels)
 
     def shuffle_quality(self, max_batches: int = 200) -> float:
         """How well batches mix chunks, 0..1 (1.0 ~ a global shuffle); computed from the plan.
@@ -329,6 +405,10 @@ class BatchGenerator:
 
     def sample(self, i: int) -> xr.Dataset:
         """Sample ``i`` of the whole split (unshuffled order) as a labeled ``xr.Dataset``."""
+        i = _int_arg("i", i)
+        if not 0 <= i < self.space.n_samples:
+            raise IndexError(f"sample index i={i} is out of range: split {self.split!r} has "
+                             f"{self.space.n_samples} samples")
         unit, local = self.space.locate(np.array([i]))
         plan = EpochPlan(units=unit, lo=local, hi=local + 1, block_chunks=1, n_samples=1, batch_size=1,
                          drop_last=False, shuffle=False, seed=0, epoch=0, rank=0, world_size=1)
@@ -336,7 +416,9 @@ class BatchGenerator:
         block = _loop.run(loader.load(plan, 0))
         raw = loader.gather(block, np.array([0]))
         values = self.builder.decode(raw)
-        coords = self.builder.sample_coords(block.starts[:1]).isel(sample=0)
+        coords = self.builder.sample_coords(block.starts[:1])
+        if "sample" in coords.dims:  # not where no sampled dim has a coordinate
+            coords = coords.isel(sample=0)
         data = {n: xr.Variable(self.builder._dims(n)[1:] if self.layouts[n].has_sample_axis else
                                self.layouts[n].src.dims, a[0] if self.layouts[n].has_sample_axis else a,
                                attrs=self.builder.attrs[n]) for n, a in values.items()}

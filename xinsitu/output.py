@@ -11,7 +11,7 @@ import xarray as xr
 
 from xinsitu.buffer import VarLayout
 from xinsitu.plan import SampleSpace
-from xinsitu.stats import normalizer
+from xinsitu.stats import channel_names, check_channel_order, normalizer
 
 OUTPUTS = ("xarray", "dataarray", "numpy", "torch", "cupy")
 
@@ -117,6 +117,8 @@ class OutputBuilder:
         self.channels, self.base_dims = plan_channels(ds, layouts, kept) if self.stack else ([], ())
         # (x - mean) / std per channel after CF decoding; m.stats from ds.insitu.stats, or a dict like it
         self.normalizer = normalizer(normalize, layouts, kept) if normalize is not None else None
+        if normalize is not None:
+            check_channel_order(normalize, channel_names(ds, layouts, kept))
         dtypes = [lay.src.dtype for lay in layouts.values()]
         if self.normalizer is not None:
             dtypes = [self.normalizer.dtype(d) for d in dtypes]
@@ -138,6 +140,8 @@ class OutputBuilder:
         import torch
 
         dev = torch.device(device)
+        if dev.type == "meta":  # meta tensors have a shape but no values: every batch would be empty
+            raise ValueError(f"device={device!r} holds no data; use 'cpu' or a GPU such as 'cuda:0'")
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"device={device!r}: CUDA is not available to torch on this machine")
 
@@ -226,7 +230,10 @@ class OutputBuilder:
                 ind[d.name] = xr.DataArray(pos, dims=("sample", d.name))
             else:
                 ind[d.name] = xr.DataArray(starts[:, k], dims="sample")
-        return self.coords.isel(ind)
+        # a dim without any coordinate has no labels to pick (its labels are its positions): as
+        # ds.isel(...) gives, the batch then has no coordinate along it
+        have = self.coords.dims
+        return self.coords.isel({d: v for d, v in ind.items() if d in have})
 
     def build(self, raw: dict[str, np.ndarray], starts: np.ndarray) -> Any:
         values = self.decode(raw)

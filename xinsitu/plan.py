@@ -313,3 +313,206 @@ def plan_head(plan: EpochPlan, n_batches: int) -> EpochPlan:
         last = int(np.searchsorted(plan.block_offsets, n - 1, side="right")) - 1
         keep = min((last + 1) * plan.block_chunks, len(plan.units))
     return replace(plan, units=plan.units[:keep], lo=plan.lo[:keep], hi=plan.hi[:keep], n_samples=n)
+
+
+# ---------------------------------------------------------------------- elastic resume
+@dataclass(frozen=True)
+class Pieces:
+    """Samples as pieces of units, in order: piece i is the local ids ``lo[i]..hi[i]-1`` of unit
+    ``units[i]`` -- or, where ``picks[i]`` is not None, only the (sorted) local ids it lists."""
+
+    units: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    picks: tuple[np.ndarray | None, ...]
+
+    @cached_property
+    def counts(self) -> np.ndarray:
+        return np.array([len(p) if p is not None else h - lo for p, lo, h in
+                         zip(self.picks, self.lo.tolist(), self.hi.tolist(), strict=True)], dtype=np.int64)
+
+    def local_ids(self, i: int) -> np.ndarray:
+        p = self.picks[i]
+        return p if p is not None else np.arange(self.lo[i], self.hi[i], dtype=np.int64)
+
+    def ids(self, offsets: np.ndarray) -> np.ndarray:
+        """Global sample ids, in piece order (for tests and inspection; O(samples))."""
+        parts = [offsets[u] + self.local_ids(i) for i, u in enumerate(self.units.tolist())]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    @staticmethod
+    def of(units: list[int], lo: list[int], hi: list[int], picks: list[np.ndarray | None]) -> Pieces:
+        return Pieces(np.asarray(units, np.int64).reshape(-1), np.asarray(lo, np.int64).reshape(-1),
+                      np.asarray(hi, np.int64).reshape(-1), tuple(picks))
+
+
+@dataclass(frozen=True)
+class RemainderPlan(EpochPlan):
+    """An :class:`EpochPlan` whose blocks may hold only some samples of their pieces: ``keep[j]``
+    lists, for block ``j``, the positions (into the block's samples in piece order) it yields;
+    None keeps them all. Made by :func:`segment_plan` for the rest of an epoch after an elastic resume.
+    """
+
+    keep: tuple[np.ndarray | None, ...] = ()
+
+    @cached_property
+    def block_offsets(self) -> np.ndarray:
+        sizes = self.hi - self.lo
+        starts = np.arange(0, len(sizes), self.block_chunks)
+        per_block = np.add.reduceat(sizes, starts) if len(sizes) else sizes
+        for j in range(len(per_block)):
+            k = self.keep[j] if j < len(self.keep) else None
+            if k is not None:
+                per_block[j] = len(k)
+        return np.concatenate([[0], np.cumsum(per_block)]).astype(np.int64)
+
+    def block_perm(self, j: int, n: int) -> np.ndarray:
+        k = self.keep[j] if j < len(self.keep) else None
+        if k is None:
+            return super().block_perm(j, n)
+        if not self.shuffle:
+            return k
+        return k[_shuffle.block_permutation(len(k), self.seed, self.epoch, self.world_size, self.rank, j)]
+
+
+def _deal(seq: Pieces, world_size: int, rank: int, batch_size: int, drop_last: bool) -> tuple[Pieces, int]:
+    """This rank's share of ``seq`` (cut as ``rank_share`` cuts), and how many samples it yields."""
+    pos, lo, hi, n = rank_share(seq.counts, world_size, rank, batch_size, drop_last)
+    units, los, his, picks = [], [], [], []
+    for p, a, b in zip(pos.tolist(), lo.tolist(), hi.tolist(), strict=True):
+        pick = seq.picks[p]
+        if pick is None:
+            base = int(seq.lo[p])
+            units.append(int(seq.units[p]))
+            los.append(base + a)
+            his.append(base + b)
+            picks.append(None)
+        elif b > a:
+            ids = pick[a:b]
+            units.append(int(seq.units[p]))
+            los.append(int(ids[0]))
+            his.append(int(ids[-1]) + 1)
+            picks.append(None if len(ids) == ids[-1] + 1 - ids[0] else ids)
+    return Pieces.of(units, los, his, picks), n
+
+
+def _plan_of(share: Pieces, n: int, *, world_size: int, rank: int, **cfg: object) -> EpochPlan:
+    """The plan that yields ``share`` (in blocks of ``block_chunks`` pieces), its first ``n`` samples."""
+    bc = int(cfg["block_chunks"])  # type: ignore[call-overload]
+    keep: list[np.ndarray | None] = []
+    sizes = (share.hi - share.lo).tolist()
+    for j in range(0, len(share.picks), bc):
+        if all(p is None for p in share.picks[j:j + bc]):
+            keep.append(None)
+            continue
+        parts, base = [], 0
+        for s in range(j, min(j + bc, len(sizes))):
+            p = share.picks[s]
+            parts.append(base + (p - share.lo[s] if p is not None else np.arange(sizes[s], dtype=np.int64)))
+            base += sizes[s]
+        keep.append(np.concatenate(parts).astype(np.int64))
+    return RemainderPlan(units=share.units, lo=share.lo, hi=share.hi, n_samples=n, rank=rank,
+                         world_size=world_size, keep=tuple(keep), **cfg)  # type: ignore[arg-type]
+
+
+def _remaining(plan: EpochPlan, done: int) -> Pieces:
+    """The samples of ``plan``'s pieces that are not among the first ``done`` it yields, in piece order."""
+    off = plan.block_offsets
+    units, los, his, picks = [], [], [], []
+    for j in range(plan.n_blocks):
+        if off[j + 1] <= done:
+            continue  # yielded whole
+        sl = plan.block_pieces(j)
+        u, lo, hi = plan.units[sl], plan.lo[sl], plan.hi[sl]
+        keep = plan.keep[j] if isinstance(plan, RemainderPlan) and j < len(plan.keep) else None
+        if keep is None and off[j] >= done:  # untouched, whole pieces
+            units += u.tolist()
+            los += lo.tolist()
+            his += hi.tolist()
+            picks += [None] * len(u)
+            continue
+        sizes = hi - lo
+        n = int(sizes.sum())
+        left = plan.block_perm(j, n)[max(done - int(off[j]), 0):]  # positions not yielded yet
+        left = np.sort(left)
+        cut = np.concatenate([[0], np.cumsum(sizes)])
+        for s in range(len(u)):
+            a, b = np.searchsorted(left, [cut[s], cut[s + 1]])
+            if b == a:
+                continue
+            ids = left[a:b] - cut[s] + lo[s]
+            units.append(int(u[s]))
+            los.append(int(ids[0]))
+            his.append(int(ids[-1]) + 1)
+            picks.append(None if b - a == sizes[s] else ids)
+    return Pieces.of(units, los, his, picks)
+
+
+def _tail(seq: Pieces, start: int) -> Pieces:
+    """The samples of ``seq`` from position ``start`` on (those ``rank_share`` gave no rank)."""
+    cum = np.concatenate([[0], np.cumsum(seq.counts)])
+    i = int(np.searchsorted(cum, start, side="right")) - 1
+    units, los, his, picks = [], [], [], []
+    for p in range(max(i, 0), len(seq.picks)):
+        skip = max(start - int(cum[p]), 0)
+        if skip >= seq.counts[p]:
+            continue
+        pick = seq.picks[p]
+        units.append(int(seq.units[p]))
+        if pick is None:
+            los.append(int(seq.lo[p]) + skip)
+            his.append(int(seq.hi[p]))
+            picks.append(None)
+        else:
+            ids = pick[skip:]
+            los.append(int(ids[0]))
+            his.append(int(ids[-1]) + 1)
+            picks.append(None if len(ids) == ids[-1] + 1 - ids[0] else ids)
+    return Pieces.of(units, los, his, picks)
+
+
+def _concat(parts: list[Pieces]) -> Pieces:
+    return Pieces(np.concatenate([p.units for p in parts] + [np.zeros(0, np.int64)]),
+                  np.concatenate([p.lo for p in parts] + [np.zeros(0, np.int64)]),
+                  np.concatenate([p.hi for p in parts] + [np.zeros(0, np.int64)]),
+                  tuple(x for p in parts for x in p.picks))
+
+
+def epoch_rest(space: SampleSpace, hops: list[tuple[int, int]], *, seed: int, epoch: int, shuffle: bool,
+               batch_size: int, block_chunks: int, drop_last: bool) -> Pieces:
+    """The samples of ``epoch`` no rank has yielded after the elastic ``hops``, in dealing order.
+
+    ``hops[t] = (W, b)``: the ranks of a run of world size ``W`` (in lockstep) each yielded ``b``
+    batches of their share of what the hops before left (the epoch's own plan for the first).
+    Every sample of the split not yielded in a hop is in the result, exactly once: each old
+    rank's unread rest in its order, then what no old rank was given.
+    """
+    order = _shuffle.unit_order(len(space.counts), seed, epoch, shuffle)
+    n = len(order)
+    seq = Pieces(order, np.zeros(n, np.int64), space.counts[order].copy(), (None,) * n)
+    cfg = dict(block_chunks=block_chunks, batch_size=batch_size, drop_last=drop_last, shuffle=shuffle, seed=seed,
+               epoch=epoch)
+    for world_size, done in hops:
+        rest, given = [], 0
+        for r in range(world_size):
+            share, n_r = _deal(seq, world_size, r, batch_size, drop_last)
+            given += int(share.counts.sum())
+            rest.append(_remaining(_plan_of(share, n_r, world_size=world_size, rank=r, **cfg),
+                                   min(done * batch_size, n_r)))
+        rest.append(_tail(seq, given))
+        seq = _concat(rest)
+    return seq
+
+
+def segment_plan(space: SampleSpace, hops: list[tuple[int, int]], *, seed: int, epoch: int, shuffle: bool,
+                 batch_size: int, block_chunks: int, drop_last: bool, rank: int, world_size: int) -> EpochPlan:
+    """This rank's plan for the rest of ``epoch`` after the elastic ``hops`` (see :func:`epoch_rest`):
+    the rest dealt across ``world_size`` ranks as an epoch is (equal batch counts, fewer than
+    ``world_size * batch_size`` samples left out, none twice). Without hops, ``epoch_plan``'s."""
+    cfg = dict(seed=seed, epoch=epoch, shuffle=shuffle, batch_size=batch_size, block_chunks=block_chunks,
+               drop_last=drop_last)
+    if not hops:
+        return epoch_plan(space, rank=rank, world_size=world_size, **cfg)  # type: ignore[arg-type]
+    seq = epoch_rest(space, hops, **cfg)  # type: ignore[arg-type]
+    share, n = _deal(seq, world_size, rank, batch_size, drop_last)
+    return _plan_of(share, n, world_size=world_size, rank=rank, **cfg)

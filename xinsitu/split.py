@@ -402,9 +402,9 @@ def make_split(ds: Any, geometry: Geometry, dim: str | list[str], *, fractions: 
             raise ValueError("ranges must be a non-empty dict of split name -> slice of labels")
         if len(dims) != 1:
             raise ValueError("ranges= works on a single split dim")
-        if dims[0] not in ds.indexes:
-            raise ValueError(f"ranges= needs an index coordinate for {dims[0]!r}")
-        splits = range_split(geometry.edges[dims[0]], ds.indexes[dims[0]], ranges, int(gap), dims[0])
+        # a dim without a coordinate is labelled by its positions
+        index = ds.indexes[dims[0]] if dims[0] in ds.indexes else pd.RangeIndex(geometry.sizes[dims[0]])
+        splits = range_split(geometry.edges[dims[0]], index, ranges, int(gap), dims[0])
         method = "ranges"
     edges = {d: [int(x) for x in geometry.edges[d]] for d in dims}
     sizes = {d: int(geometry.sizes[d]) for d in dims}
@@ -413,10 +413,11 @@ def make_split(ds: Any, geometry: Geometry, dim: str | list[str], *, fractions: 
         idx = np.unravel_index(blocks, grid)
         labels[name] = {}
         for k, d in enumerate(dims):
-            if d in ds.indexes:
-                first = edges[d][int(idx[k].min())]
-                last = edges[d][int(idx[k].max()) + 1] - 1
-                labels[name][d] = [_label(ds.indexes[d][first]), _label(ds.indexes[d][last])]
+            first = edges[d][int(idx[k].min())]
+            last = edges[d][int(idx[k].max()) + 1] - 1
+            # without a coordinate, the labels are the positions
+            labels[name][d] = ([_label(ds.indexes[d][first]), _label(ds.indexes[d][last])] if d in ds.indexes
+                               else [first, last])
     coords = {d: coord_span(ds, d) for d in dims}
     fp = fingerprint_of(dims, sizes, edges, coords)
     from xinsitu.snapshot import snapshot_of

@@ -2,7 +2,11 @@
 
 Like grain's elastic iterator, the state is where the next batch starts (epoch, batches
 already yielded) plus what defines the order, so a mismatch is caught on load. The
-shuffle buffer's contents are never saved: resuming re-reads the block it was in.
+shuffle buffer's contents are never saved: resuming re-reads the block it was in. The channel
+names are recorded, so a generator with another channel order refuses the state. A state
+loads elastically into a run of another world size: ``elastic`` then lists the earlier runs
+of the epoch as ``[world_size, batches]``, from which ``plan.segment_plan`` recomputes what is
+left (no sample list is saved).
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 from typing import Any
+
+from xinsitu.plan import segment_plan
 
 STATE_VERSION = 1
 
@@ -42,11 +48,24 @@ def make_state(gen: Any, epoch: int, batch: int) -> dict[str, Any]:
             "manifest": _manifest_id(gen), "seed": gen.seed, "batch_size": gen.batch_size,
             "shuffle": gen.shuffle, "block_chunks": gen.block_chunks, "drop_last": gen.drop_last,
             "world_size": gen.world_size, "rank": gen.rank, "sampling": _sampling(gen),
-            "normalize": _normalize_id(gen)}
+            "normalize": _normalize_id(gen), "channels": list(gen.channels), "elastic": _hops(gen, epoch)}
 
 
-def check_state(gen: Any, state: dict[str, Any]) -> None:
-    """Raise ``ValueError`` naming every field where ``state`` was made differently."""
+def _hops(gen: Any, epoch: int) -> list[list[int]]:
+    """The elastic resumes ``epoch`` went through so far: ``[world_size, batches]`` per earlier run
+    (empty without one). With the seed and batch size they define the rest of the epoch; no
+    sample list is ever saved."""
+    if getattr(gen, "_elastic_epoch", -1) != epoch:
+        return []
+    return [[int(w), int(b)] for w, b in getattr(gen, "_elastic", [])]
+
+
+def check_state(gen: Any, state: dict[str, Any], elastic: bool = False) -> None:
+    """Raise ``ValueError`` naming every field where ``state`` was made differently.
+
+    ``elastic=True``: the state may come from any rank of a run of any world size (it is then
+    resumed elastically, see ``BatchGenerator.load_state_dict``); else rank and world size must match.
+    """
     if not isinstance(state, dict) or "epoch" not in state or "batch" not in state:
         raise ValueError("not an xinsitu BatchGenerator state (needs 'epoch' and 'batch')")
     if not isinstance(state.get("version", 0), int) or state.get("version", 0) > STATE_VERSION:
@@ -54,10 +73,28 @@ def check_state(gen: Any, state: dict[str, Any]) -> None:
     for k in ("epoch", "batch"):
         if not isinstance(state[k], int) or isinstance(state[k], bool) or state[k] < 0:
             raise ValueError(f"state {k} must be a non-negative integer, got {state[k]!r}")
+    hops = state.get("elastic", [])
+    if not isinstance(hops, list) or not all(
+            isinstance(h, list) and len(h) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in h)
+            and h[0] >= 1 and h[1] >= 0 for h in hops):
+        raise ValueError(f"state elastic must be a list of [world_size, batches] pairs, got {hops!r}")
+    saved_world = state.get("world_size")
+    if elastic and (not isinstance(saved_world, int) or isinstance(saved_world, bool) or saved_world < 1):
+        raise ValueError(f"state world_size must be a positive integer, got {saved_world!r}")
     mine = make_state(gen, state["epoch"], state["batch"])
-    diff = [f"{k} (saved {state.get(k)!r}, here {mine[k]!r})" for k in _DEFINING if state.get(k) != mine[k]]
+    skip = ("world_size", "rank") if elastic else ()
+    diff = [f"{k} (saved {state.get(k)!r}, here {mine[k]!r})" for k in _DEFINING
+            if k not in skip and state.get(k) != mine[k]]
+    if "channels" in state and state["channels"] != mine["channels"]:  # a state from before has none
+        diff.append(f"channel order (saved {state['channels']}, here {mine['channels']})")
+    if not elastic and hops != mine["elastic"]:
+        diff.append(f"elastic resume (saved {hops}, here {mine['elastic']}); load it with "
+                    "gen.load_state_dict (num_workers=0)")
     if diff:
         raise ValueError("state was saved with a different " + ", ".join(diff))
-    n = gen.plan(state["epoch"]).n_batches
+    # the saved run's plan (every rank of it yields as many batches)
+    n = segment_plan(gen.space, [tuple(h) for h in hops], seed=gen.seed, epoch=state["epoch"], shuffle=gen.shuffle,
+                     batch_size=gen.batch_size, block_chunks=gen.block_chunks, drop_last=gen.drop_last, rank=0,
+                     world_size=saved_world if elastic else gen.world_size).n_batches
     if state["batch"] > n:
         raise ValueError(f"state batch {state['batch']} is past the end of epoch {state['epoch']} ({n} batches)")

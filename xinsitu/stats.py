@@ -434,6 +434,35 @@ def channel_plan(ds: xr.Dataset, layouts: dict[str, VarLayout]) -> tuple[dict[st
     return names, extra
 
 
+def channel_names(ds: xr.Dataset, layouts: dict[str, VarLayout], kept: tuple[str, ...] = ()) -> list[str]:
+    """The channel names of these variables in order, as ``gen.channels`` and the stats record list them
+    (one per variable where the variables cannot be stacked together)."""
+    from xinsitu.output import plan_channels
+
+    try:
+        return [c.name for c in plan_channels(ds, layouts, kept)[0]]
+    except ValueError:
+        return list(layouts)
+
+
+def check_channel_order(stats: dict[str, Any], channels: list[str]) -> None:
+    """Refuse statistics recorded with another channel order than ``channels`` (the generator's).
+
+    The channels both have must come in the same order (statistics of more variables, or a
+    generator of fewer, are fine). Statistics without recorded channels (older ones, or written
+    by hand) are applied by variable name.
+    """
+    saved = stats.get("channels")
+    if not isinstance(saved, list):
+        return
+    shared = set(saved) & set(channels)
+    a, b = [c for c in saved if c in shared], [c for c in channels if c in shared]
+    if a != b:
+        raise ValueError(f"normalize: the statistics were computed with channels in the order {saved}, these "
+                         f"batches have {channels}: a model trained on one would get permuted inputs; pass "
+                         "variables= in the statistics' order (or recompute the statistics)")
+
+
 def compute_stats(ds: xr.Dataset, manifest: SplitManifest, split: str, variables: list[str] | None = None, *,
                   block_chunks: int = 16, max_inflight: int | None = None) -> dict[str, Any]:
     """Normalisation statistics of one split, from one streaming pass over its chunks.

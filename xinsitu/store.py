@@ -242,8 +242,11 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
         secrets = secrets_of(store) if mod.startswith("obstore") else []
         where = type(store).__name__
     try:
-        return xr.open_zarr(zstore, chunks=None, consolidated=consolidated, group=group,
-                            decode_times=decode_times)
+        ds = xr.open_zarr(zstore, chunks=None, consolidated=consolidated, group=group,
+                          decode_times=decode_times)
+        # without consolidated metadata the arrays are listed in no fixed order (an Icechunk
+        # repository's differs from process to process): sort them, so channels never permute
+        return ds if _read_consolidated(ds, zstore, group, consolidated) else _by_name(ds)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"no zarr group found at {where}: {scrubbed(e, secrets)}") from None
     except Exception as e:
@@ -252,3 +255,26 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
         if type(e).__module__.startswith("obstore") or redact(text, secrets) != text:
             raise scrubbed(e, secrets) from None
         raise
+
+
+def _read_consolidated(ds: xr.Dataset, zstore: Any, group: str | None, consolidated: bool | None) -> bool:
+    """Whether ``xr.open_zarr`` listed the arrays from consolidated metadata (a fixed order)."""
+    if consolidated is False:
+        return False
+    backend = getattr(getattr(ds, "_close", None), "__self__", None)  # xarray's ZarrStore
+    zgroup = getattr(backend, "zarr_group", None)
+    if zgroup is None:  # another xarray: ask zarr (one metadata read)
+        import zarr
+
+        zgroup = zarr.open_group(zstore, path=group or "", mode="r", use_consolidated=consolidated)
+    return getattr(zgroup.metadata, "consolidated_metadata", None) is not None
+
+
+def _by_name(ds: xr.Dataset) -> xr.Dataset:
+    """``ds`` with its data variables in name order; coordinates, lazy data, encodings, indexes and
+    attributes kept."""
+    out = ds[sorted(ds.data_vars)]
+    out = out.assign_coords({k: ds.coords[k] for k in ds.coords if k not in out.coords})
+    out.attrs, out.encoding = dict(ds.attrs), dict(ds.encoding)
+    out.set_close(ds._close)
+    return out

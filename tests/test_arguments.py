@@ -1,0 +1,168 @@
+"""Bad arguments are refused, never reinterpreted: each raises ``TypeError``/``ValueError`` naming the
+argument; a generator that would yield nothing says why; the accessor's signatures are spelled out."""
+
+from __future__ import annotations
+
+import inspect
+import typing
+
+import numpy as np
+import pytest
+import xarray as xr
+
+import xinsitu  # noqa: F401  (registers ds.insitu)
+from xinsitu import BatchGenerator
+
+
+@pytest.fixture(scope="module")
+def ds() -> xr.Dataset:
+    rng = np.random.default_rng(0)
+    return xr.Dataset({"a": (("t", "x"), rng.standard_normal((40, 3))),
+                       "b": (("t", "x"), rng.standard_normal((40, 3)))}).chunk({"t": 4})
+
+
+@pytest.fixture(scope="module")
+def m(ds):
+    return ds.insitu.split("t", fractions={"train": 0.5, "val": 0.5})
+
+
+BAD_BATCHES = [
+    ({"shuffle": "no"}, TypeError, "shuffle"),
+    ({"shuffle": 1}, TypeError, "shuffle"),
+    ({"drop_last": "False"}, TypeError, "drop_last"),
+    ({"progress": "yes"}, TypeError, "progress"),
+    ({"rank": 1.9, "world_size": 2}, TypeError, "rank"),
+    ({"rank": True, "world_size": 2}, TypeError, "rank"),
+    ({"rank": 2, "world_size": 2}, ValueError, "rank"),
+    ({"rank": -1, "world_size": 2}, ValueError, "rank"),
+    ({"world_size": 2.0}, TypeError, "world_size"),
+    ({"world_size": 0}, ValueError, "world_size"),
+    ({"batch_size": 0}, ValueError, "batch_size"),
+    ({"batch_size": 3.5}, TypeError, "batch_size"),
+    ({"batch_size": "8"}, TypeError, "batch_size"),
+    ({"block_chunks": -2}, ValueError, "block_chunks"),
+    ({"max_inflight": 0}, ValueError, "max_inflight"),
+    ({"seed": -1}, ValueError, "seed"),
+    ({"seed": 1.5}, TypeError, "seed"),
+    ({"seed": "0"}, TypeError, "seed"),
+    ({"variables": 1.5}, TypeError, "variables"),
+    ({"variables": ["a", 2]}, TypeError, "variables"),
+    ({"variables": []}, ValueError, "variables"),
+    ({"variables": ["nope"]}, ValueError, "variables"),
+    ({"variables": ["a", "a"]}, ValueError, "variables"),
+    ({"window": {"t": 2.5}}, TypeError, "window"),
+    ({"window": {"t": 0}}, ValueError, "window"),
+    ({"window": {"q": 2}}, ValueError, "window"),
+    ({"window": 3}, TypeError, "window"),
+    ({"patch": {"x": 9}}, ValueError, "patch"),
+    ({"stride": {"x": 1}}, ValueError, "stride"),
+    ({"output": "pandas"}, ValueError, "output"),
+    ({"stack": "yes"}, TypeError, "stack"),
+    ({"device": "cpu"}, ValueError, "device"),
+    # a window longer than any run of the split's chunks: no sample at all
+    ({"window": {"t": 21}}, ValueError, "window"),
+    # a world so large that this rank gets no batch
+    ({"world_size": 1000}, ValueError, "world_size"),
+    ({"world_size": 3, "rank": 2, "batch_size": 8, "drop_last": True}, ValueError, "world_size"),
+    ({"batch_size": 64, "drop_last": True}, ValueError, "batch_size"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "name"), BAD_BATCHES, ids=[str(k) for k, _, _ in BAD_BATCHES])
+def test_bad_batches_argument(ds, m, kwargs, error, name):
+    with pytest.raises(error, match=name):
+        ds.insitu.batches(m, "train", **kwargs)
+
+
+def test_bad_positional_arguments(ds, m):
+    with pytest.raises(TypeError, match="manifest"):
+        ds.insitu.batches({"train": [0]}, "train")
+    with pytest.raises(TypeError, match="split"):
+        ds.insitu.batches(m, None)
+    with pytest.raises(ValueError, match="split"):
+        ds.insitu.batches(m, "test")
+
+
+BAD_SPLIT = [
+    ((None,), {"fractions": {"a": 1.0}}, TypeError, "dim"),
+    ((3,), {"fractions": {"a": 1.0}}, TypeError, "dim"),
+    (([],), {"fractions": {"a": 1.0}}, TypeError, "dim"),
+    (("t",), {"fractions": [0.5, 0.5]}, TypeError, "fractions"),
+    (("t",), {"ranges": [slice(0, 3)]}, TypeError, "ranges"),
+    (("t",), {"fractions": {"a": 0.5, "b": 0.5}, "gap": 1.5}, TypeError, "gap"),
+    (("t",), {"fractions": {"a": 0.5, "b": 0.5}, "gap": True}, TypeError, "gap"),
+    (("t",), {"fractions": {"a": 0.5, "b": 0.5}, "contiguous": "no"}, TypeError, "contiguous"),
+    (("t",), {"fractions": {"a": 0.5, "b": 0.5}, "seed": -1}, ValueError, "seed"),
+    (("t",), {"fractions": {"a": 0.5, "b": 0.5}, "seed": 0.5}, TypeError, "seed"),
+]
+
+
+@pytest.mark.parametrize(("args", "kwargs", "error", "name"), BAD_SPLIT,
+                         ids=[f"{a}-{k}" for a, k, _, _ in BAD_SPLIT])
+def test_bad_split_argument(ds, args, kwargs, error, name):
+    with pytest.raises(error, match=name):
+        ds.insitu.split(*args, **kwargs)
+
+
+@pytest.mark.parametrize(("i", "error"), [(1.5, TypeError), ("1", TypeError), (True, TypeError),
+                                          (-1, IndexError), (20, IndexError)])
+def test_bad_sample_index(ds, m, i, error):
+    gen = ds.insitu.batches(m, "train")
+    assert gen.n_samples == 20
+    with pytest.raises(error, match=r"\bi\b"):
+        gen.sample(i)
+    with pytest.raises(error, match=r"\bi\b"):
+        ds.insitu.sample(m, "train", i)
+
+
+def test_good_arguments_still_pass(ds, m):
+    """numpy integers and booleans are integers and booleans."""
+    gen = ds.insitu.batches(m, "train", batch_size=np.int64(4), shuffle=np.bool_(False), seed=np.uint8(3),
+                            rank=np.int32(1), world_size=2, drop_last=np.True_, variables=("b", "a"))
+    assert (gen.batch_size, gen.shuffle, gen.seed, gen.rank, gen.drop_last) == (4, False, 3, 1, True)
+    assert gen.channels == ["b", "a"]
+    assert float(gen.sample(np.int64(3))["a"][0]) == float(ds.a[3, 0])
+
+
+def test_meta_device_is_refused(ds, m):
+    pytest.importorskip("torch")
+    with pytest.raises(ValueError, match="meta"):
+        ds.insitu.batches(m, "train", output="torch", device="meta")
+
+
+def test_accessor_signatures_are_spelled_out():
+    from xinsitu.accessor import InsituAccessor
+
+    gen_params = inspect.signature(BatchGenerator.__init__).parameters
+    batches = inspect.signature(InsituAccessor.batches)
+    assert not any(p.kind is p.VAR_KEYWORD for p in batches.parameters.values())
+    assert [p for p in batches.parameters if p != "self"] == [p for p in gen_params if p not in ("self", "ds")]
+    for name, p in batches.parameters.items():
+        if name != "self":
+            assert p.default == gen_params[name].default, name
+    hints = typing.get_type_hints(InsituAccessor.batches)
+    assert hints["return"] is BatchGenerator
+    assert {"batch_size", "shuffle", "window", "rank"} <= set(hints)
+    sample = inspect.signature(InsituAccessor.sample)
+    assert not any(p.kind is p.VAR_KEYWORD for p in sample.parameters.values())
+    assert {"window", "patch", "stride", "over", "variables", "normalize"} <= set(sample.parameters)
+    assert typing.get_type_hints(InsituAccessor.sample)["return"] is xr.Dataset
+    stats = inspect.signature(InsituAccessor.stats)
+    assert {"variables", "block_chunks", "max_inflight"} <= set(stats.parameters)
+    for meth in (InsituAccessor.batches, InsituAccessor.sample, InsituAccessor.stats):
+        doc = inspect.getdoc(meth)
+        assert "Parameters\n----------" in doc and "Returns\n-------" in doc
+        for name in inspect.signature(meth).parameters:
+            if name not in ("self", "rank", "world_size", "window", "patch", "stride", "over", "variables",
+                            "normalize"):
+                assert name in doc, (meth.__name__, name)
+
+
+@pytest.mark.parametrize(("kwargs", "error", "name"), [({"variables": 1.5}, TypeError, "variables"),
+                                                      ({"variables": ["zz"]}, ValueError, "variables"),
+                                                      ({"block_chunks": 0}, ValueError, "block_chunks"),
+                                                      ({"max_inflight": 2.5}, TypeError, "max_inflight")])
+def test_bad_stats_argument(ds, m, kwargs, error, name):
+    with pytest.raises(error, match=name):
+        ds.insitu.stats(m, "train", **kwargs)
+    assert ds.insitu.stats(m, "train", variables="a")["channels"] == ["a"]

@@ -1,0 +1,162 @@
+"""Variable (channel) order is deterministic: ``xinsitu.open_zarr`` sorts the data variables of a store
+read without consolidated metadata (whose listing order changes from process to process), and a state,
+statistics or ``normalize=`` recorded with another channel order is refused, naming both orders."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import xarray as xr
+
+import xinsitu
+
+NAMES = ["zeta", "alpha", "mid", "beta", "omega", "c2", "c1", "kappa"]
+PROCESSES = 6
+
+CHILD = textwrap.dedent("""
+    import hashlib, json, sys, warnings
+    warnings.simplefilter("ignore")
+    import xinsitu
+    where = sys.argv[1]
+    if where.startswith("icechunk:"):
+        import icechunk
+        repo = icechunk.Repository.open(icechunk.local_filesystem_storage(where[len("icechunk:"):]))
+        ds = xinsitu.open_zarr(repo.readonly_session(branch="main").store)
+    else:
+        ds = xinsitu.open_zarr(where)
+    m = ds.insitu.split("t", fractions={"train": 0.5, "val": 0.5})
+    gen = ds.insitu.batches(m, "train", batch_size=4, output="numpy", stack=True, shuffle=False)
+    batch = next(iter(gen))
+    st = ds.insitu.stats(m, "train")
+    print(json.dumps({"data_vars": list(ds.data_vars), "channels": gen.channels, "stats": st["channels"],
+                      "state": gen.state_dict()["channels"], "batch": hashlib.sha256(batch.tobytes()).hexdigest()}))
+""")
+
+
+def _dataset() -> xr.Dataset:
+    # each variable holds its own constant, so a permuted channel axis changes the batch
+    return xr.Dataset({n: (("t", "x"), np.full((16, 3), i, dtype="f4")) for i, n in enumerate(NAMES)},
+                      coords={"t": np.arange(16)})
+
+
+def _runs(where: str) -> list[dict]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p))
+    out = []
+    for seed in range(PROCESSES):
+        env["PYTHONHASHSEED"] = str(seed)
+        res = subprocess.run([sys.executable, "-c", CHILD, where], env=env, capture_output=True, text=True,
+                             timeout=120, check=False)
+        assert res.returncode == 0, res.stderr[-3000:]
+        out.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    return out
+
+
+def _assert_same_sorted(runs: list[dict]) -> None:
+    first = runs[0]
+    assert first["data_vars"] == sorted(NAMES)
+    assert first["channels"] == first["stats"] == first["state"] == sorted(NAMES)
+    for r in runs[1:]:
+        assert r == first
+
+
+def test_unconsolidated_v3_store_has_one_order(tmp_path):
+    path = str(tmp_path / "u.zarr")
+    _dataset().to_zarr(path, zarr_format=3, consolidated=False, encoding={n: {"chunks": (4, 3)} for n in NAMES})
+    _assert_same_sorted(_runs(path))
+
+
+def test_icechunk_repository_has_one_order(tmp_path):
+    icechunk = pytest.importorskip("icechunk")
+    icechunk.set_logs_filter("error")
+    path = str(tmp_path / "repo")
+    repo = icechunk.Repository.create(icechunk.local_filesystem_storage(path))
+    s = repo.writable_session("main")
+    _dataset().to_zarr(s.store, zarr_format=3, consolidated=False, encoding={n: {"chunks": (4, 3)} for n in NAMES})
+    s.commit("eight variables")
+    _assert_same_sorted(_runs("icechunk:" + path))
+
+
+def test_consolidated_order_is_kept(tmp_path):
+    """With consolidated metadata, the stored order is fixed: open_zarr keeps what xarray lists."""
+    path = str(tmp_path / "c.zarr")
+    _dataset().to_zarr(path, zarr_format=3, consolidated=True, encoding={n: {"chunks": (4, 3)} for n in NAMES})
+    assert list(xinsitu.open_zarr(path).data_vars) == list(xr.open_zarr(path, chunks=None).data_vars)
+
+
+def test_sorted_dataset_keeps_coords_attrs_and_laziness(tmp_path):
+    path = str(tmp_path / "u.zarr")
+    ds = _dataset().assign_coords(lab=("x", np.array([10, 20, 30])), scalar=3)
+    ds.attrs["title"] = "eight"
+    ds.to_zarr(path, zarr_format=3, consolidated=False, encoding={n: {"chunks": (4, 3)} for n in NAMES})
+    got = xinsitu.open_zarr(path)
+    assert list(got.data_vars) == sorted(NAMES)
+    assert set(got.coords) == {"t", "lab", "scalar"} and got.attrs == {"title": "eight"}
+    assert not isinstance(got["alpha"].variable._data, np.ndarray)  # still lazy
+    xr.testing.assert_identical(got.load(), xr.open_zarr(path, chunks=None).load()[sorted(NAMES)])
+
+
+# ------------------------------------------------------------------ recorded channel order
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> xr.Dataset:
+    path = str(tmp_path_factory.mktemp("order") / "s.zarr")
+    rng = np.random.default_rng(0)
+    ds = xr.Dataset({n: (("t", "x"), rng.normal(i, 1 + i, (16, 3)).astype("f4")) for i, n in enumerate("abc")},
+                    coords={"t": np.arange(16)})
+    ds.to_zarr(path, zarr_format=3, encoding={n: {"chunks": (4, 3)} for n in "abc"})
+    return xinsitu.open_zarr(path)
+
+
+def test_state_records_channel_order(small):
+    m = small.insitu.split("t", fractions={"train": 0.5, "val": 0.5})
+    gen = small.insitu.batches(m, "train", batch_size=2, variables=["a", "b"], stack=True, output="numpy")
+    it = iter(gen)
+    next(it)
+    state = json.loads(json.dumps(gen.state_dict()))
+    assert state["channels"] == ["a", "b"]
+    other = small.insitu.batches(m, "train", batch_size=2, variables=["b", "a"], stack=True, output="numpy")
+    with pytest.raises(ValueError, match=r"channel order.*\['a', 'b'\].*\['b', 'a'\]"):
+        other.load_state_dict(state)
+    same = small.insitu.batches(m, "train", batch_size=2, variables=["a", "b"], stack=True, output="numpy")
+    same.load_state_dict(state)
+    # a state from before channels were recorded still loads
+    old = {k: v for k, v in state.items() if k != "channels"}
+    same.load_state_dict(old)
+    assert np.array_equal(next(iter(same)), next(it))
+
+
+def test_normalize_records_channel_order(small):
+    m = small.insitu.split("t", fractions={"train": 0.5, "val": 0.5})
+    st = small.insitu.stats(m, "train", variables=["a", "b", "c"])
+    assert st["channels"] == ["a", "b", "c"]
+    with pytest.raises(ValueError, match=r"\['a', 'b', 'c'\].*\['b', 'a'\]"):
+        small.insitu.batches(m, "val", variables=["b", "a"], normalize=st, stack=True)
+    with pytest.raises(ValueError, match="order"):
+        small.insitu.batches(m, "val", variables=["c", "a"], normalize=st, output="numpy")
+    # the same order, or a part of it in that order: fine
+    ref = small.insitu.batches(m, "val", variables=["a", "c"], normalize=st, output="numpy", shuffle=False)
+    small.insitu.batches(m, "val", variables=["b"], normalize=st)
+    # statistics without recorded channels (older ones, or hand-written) apply by variable name
+    old = {k: v for k, v in st.items() if k not in ("channels", "variables")}
+    gen = small.insitu.batches(m, "val", variables=["c", "a"], normalize=old, output="numpy", shuffle=False)
+    got, exp = next(iter(gen)), next(iter(ref))
+    for v in ("a", "c"):
+        assert np.array_equal(got[v], exp[v])
+        raw = small[v].isel(t=slice(8, 16)).values
+        assert np.allclose(got[v], (raw - st[v]["mean"]) / st[v]["std"], rtol=1e-5)
+
+
+def test_level_order_of_stats_is_checked(small):
+    """A variable with an extra dim: its labels are channels, reordering them is refused too."""
+    ds = small.assign(z=(("t", "level", "x"), np.stack([small.a.values, small.b.values], axis=1)))
+    ds = ds.assign_coords(level=[500, 850])
+    m = ds.insitu.split("t", fractions={"train": 0.5, "val": 0.5})
+    st = ds.insitu.stats(m, "train", variables=["a", "z"])
+    assert st["channels"] == ["a", "z_500", "z_850"]
+    with pytest.raises(ValueError, match="order"):
+        ds.isel(level=[1, 0]).insitu.batches(m, "val", variables=["a", "z"], normalize=st, stack=True)

@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from xinsitu import _loop
-from xinsitu.backend import FORK_HELP, DamagedObjectError, backend_for, fetch_decoded
+from xinsitu.backend import DamagedObjectError, backend_for, fetch_decoded
 from xinsitu.decode import ChunkDecoder, ShardLayout, is_remote, is_sharded, store_root
 from xinsitu.source import VarSource
 
@@ -430,8 +430,8 @@ class Reader:
         path = f"{src.array.path} (sharded selection)"
         async with self.inflight:
             try:
-                if store_root(src.array.store)[0] == "obstore" and _loop.in_forked_child():
-                    raise RuntimeError(FORK_HELP)  # zarr would call obstore here and hang
+                if store_root(src.array.store)[0] == "obstore":  # zarr would call obstore here: a hang after fork
+                    _loop.refuse_after_fork(f"sharded array {src.array.path!r} (through zarr)")
                 res = await src.array.async_array.get_orthogonal_selection(tuple(pos))
             except Exception as e:  # noqa: BLE001 - every failure names its array
                 _reraise(src, (), path, e)
@@ -444,7 +444,7 @@ class Reader:
 
 def _reraise(src: VarSource, coords: tuple[int, ...], path: str, e: Exception) -> NoReturn:
     """Raise for a failed read: the fork hint as it is, anything else as an error naming the chunk."""
-    if isinstance(e, RuntimeError) and str(e) == FORK_HELP:
+    if isinstance(e, _loop.ForkError):
         raise e
     raise ChunkReadError(src.name, coords, path, e) from e
 

@@ -227,8 +227,16 @@ class Reader:
             if not src.stored or sharded:
                 if out is None and hook is None:
                     out = np.empty(self._shape(src, region), dtype=src.raw_dtype)
-                values = self._values(src, region) if not src.stored else \
-                    await self._read_with_zarr(src, self._positions(src, region))
+                if src.stored:
+                    values = await self._read_with_zarr(src, self._positions(src, region))
+                elif isinstance(src.values, np.ndarray):
+                    values = self._values(src, region)
+                else:  # read through dask (files that are not Zarr): file reads and decoding, in a thread
+                    async with self.inflight:
+                        values = await asyncio.get_running_loop().run_in_executor(None, self._values, src, region)
+                    self.counters.requests += 1  # what io_stats shows, and how far the loader reads ahead
+                    self.counters.chunks += 1
+                    self.counters.bytes_decoded += values.nbytes
                 if out is not None:
                     out[...] = values
                 if hook is not None:  # values may be the caller's own array

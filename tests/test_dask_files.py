@@ -236,3 +236,36 @@ def test_lazy_grib_names_open_grib(tmp_path):
     ds = xr.open_dataset(plain, engine="cfgrib", backend_kwargs={"indexpath": ""})
     with pytest.raises(SourceError, match=r"xinsitu\.virtual\.open_grib"):
         _ = ds.insitu.chunks
+
+
+def test_open_mfdataset_over_zarr_stores_reads_each(tmp_path):
+    """Several Zarr stores concatenated by dask are read through dask, never mapped to the first one."""
+    ds0 = _data(64)
+    paths = [tmp_path / "a.zarr", tmp_path / "b.zarr"]
+    ds0.isel(time=slice(0, 32)).chunk({"time": CT}).to_zarr(paths[0])
+    ds0.isel(time=slice(32, None)).chunk({"time": CT}).to_zarr(paths[1])
+    ds = xr.open_mfdataset(paths, engine="zarr", combine="by_coords", data_vars="minimal")
+    assert ds.insitu.chunks == {"time": CT, "lat": NY, "lon": NX}
+    m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    batches, _ = _epoch(ds, m, "val", shuffle=True)
+    assert _check_values(ds, batches) == 32
+
+
+def test_generator_pickles_and_stats(nc_path):
+    """What spawn workers get (the pickled generator) reads the same batches; statistics read the
+    split's chunks through dask too and equal those of the loaded Dataset."""
+    import pickle
+
+    ds = xr.open_dataset(nc_path, chunks={"time": CT})
+    m = ds.insitu.split("time", fractions={"train": 0.75, "val": 0.25})
+    gen = ds.insitu.batches(m, "val", variables=VARS, batch_size=16, block_chunks=2, output="numpy", seed=0)
+    again = pickle.loads(pickle.dumps(gen))
+    for a, b in zip(gen, again, strict=True):
+        assert all(np.array_equal(a[v], b[v]) for v in VARS)
+    with TaskLog() as log:
+        st = ds.insitu.stats(m, "val", variables=VARS)
+    log.check_reads(len(VARS) * len(m.blocks("val")))
+    ref = ds.load().insitu.stats(m, "val", variables=VARS)
+    for v in VARS:
+        for k in ("mean", "std", "min", "max", "nan_count"):
+            assert st[v][k] == pytest.approx(ref[v][k], rel=1e-12), (v, k)

@@ -313,7 +313,9 @@ def _computed_layer(data: Any) -> str | None:
 
 
 def _dask_zarr_array(data: Any) -> Any:
-    """The zarr array a dask-backed variable was opened from, or None."""
+    """The one zarr array a dask-backed variable was opened from, or None (not from Zarr, or from
+    several arrays, e.g. ``xr.open_mfdataset`` over Zarr stores: then read through dask)."""
+    found: dict[tuple[int, str], Any] = {}
     for layer in data.__dask_graph__().layers.values():
         for v in layer.values():
             adapter = getattr(v, "array", None)
@@ -321,8 +323,8 @@ def _dask_zarr_array(data: Any) -> Any:
                 continue
             zarray, _ = _unwrap_lazy(adapter)
             if zarray is not None:
-                return zarray
-    return None
+                found.setdefault((id(zarray.store), zarray.path), zarray)
+    return next(iter(found.values())) if len(found) == 1 else None
 
 
 def _dask_in_memory(data: Any) -> bool:

@@ -198,6 +198,19 @@ def test_fork_xinsitu_sharded_local_after_parent_epoch(tmp_path):
     _check_workers_epoch(out["epochs"][0], _reference(path), 2)
 
 
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_workers_netcdf_through_dask(era5_path, tmp_path, method):
+    """A NetCDF copy of the archive opened with dask chunks (read through dask, chunk by chunk),
+    after a whole epoch in the parent: the same batches as the Zarr archive, exactly once."""
+    import xarray as xr
+
+    nc = str(tmp_path / "era5.nc")
+    xr.open_zarr(era5_path, chunks=None).to_netcdf(nc)
+    out = _job(nc, tmp_path, "--open", "nc", "--method", method, "--workers", "2", "--warm")
+    assert "error" not in out, out.get("traceback")
+    _check_workers_epoch(out["epochs"][0], _reference(era5_path), 2)
+
+
 def test_fork_remote_fails_at_once(era5_path, tmp_path):
     """fork with a remote (HTTP) store the parent has read from: an error naming the store and
     the fix, at the worker's first step, never a hang."""

@@ -45,6 +45,8 @@ def open_archive(path: str, how: str) -> Any:
         return xinsitu.open_zarr(path)  # obstore: not usable in a forked child
     if how == "xr":
         return xr.open_zarr(path, chunks=None)  # zarr LocalStore: plain file reads after fork
+    if how == "nc":  # a NetCDF file read through dask (xinsitu computes the dask chunks it needs)
+        return xr.open_dataset(path, chunks={"time": 8})
     if how == "keylog":
         from tests.keylog import KeyLogStore
 
@@ -116,7 +118,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("archive")
     p.add_argument("out")
-    p.add_argument("--open", default="xr", choices=["xinsitu", "xr", "keylog"])
+    p.add_argument("--open", default="xr", choices=["xinsitu", "xr", "keylog", "nc"])
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--method", default="spawn", choices=["spawn", "forkserver", "fork"])
     p.add_argument("--epochs", type=int, default=1)

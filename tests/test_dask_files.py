@@ -269,3 +269,20 @@ def test_generator_pickles_and_stats(nc_path):
     for v in VARS:
         for k in ("mean", "std", "min", "max", "nan_count"):
             assert st[v][k] == pytest.approx(ref[v][k], rel=1e-12), (v, k)
+
+
+def test_grib_through_dask(tmp_path):
+    """GRIB through cfgrib with dask chunks: read chunk by chunk too; values equal cfgrib's."""
+    pytest.importorskip("cfgrib")
+    path = tmp_path / "t2m.grib2"
+    _write_grib(path)
+    ds = xr.open_dataset(path, engine="cfgrib", chunks={"step": 1}, backend_kwargs={"indexpath": ""})
+    with TaskLog() as log:
+        assert ds.insitu.chunks == {"step": 1, "latitude": 3, "longitude": 4}
+        m = ds.insitu.split("step", fractions={"train": 0.5, "val": 0.5})
+    assert log.keys == []
+    gen = ds.insitu.batches(m, "val", batch_size=2, output="numpy", shuffle=False)
+    with TaskLog() as log:
+        (batch,) = list(gen)
+    log.check_reads(2, chunk_len=1)
+    np.testing.assert_array_equal(batch["t2m"], ds.t2m.isel(step=[2, 3]).values)

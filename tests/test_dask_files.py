@@ -286,3 +286,20 @@ def test_grib_through_dask(tmp_path):
         (batch,) = list(gen)
     log.check_reads(2, chunk_len=1)
     np.testing.assert_array_equal(batch["t2m"], ds.t2m.isel(step=[2, 3]).values)
+
+
+def test_unreadable_file_names_variable_chunk_and_file(tmp_path):
+    """A file that breaks after opening (here: truncated) fails with ChunkReadError naming the chunk."""
+    from xinsitu.reader import ChunkReadError
+
+    path = tmp_path / "broken.nc"
+    _data(64).to_netcdf(path, encoding={v: {"chunksizes": (CT, NY, NX)} for v in VARS})
+    ds = xr.open_dataset(path, chunks={"time": CT}, cache=False)
+    m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    gen = ds.insitu.batches(m, "val", variables=["t2m"], batch_size=8, output="numpy", shuffle=False)
+    ds.close()
+    with open(path, "r+b") as f:
+        f.truncate(4096)
+    with pytest.raises(ChunkReadError) as e:
+        list(gen)
+    assert e.value.var == "t2m" and e.value.chunk[0] >= 4 and str(path) in e.value.key

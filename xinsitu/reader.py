@@ -233,7 +233,11 @@ class Reader:
                     values = self._values(src, region)
                 else:  # read through dask (files that are not Zarr): file reads and decoding, in a thread
                     async with self.inflight:
-                        values = await asyncio.get_running_loop().run_in_executor(None, self._values, src, region)
+                        try:
+                            values = await asyncio.get_running_loop().run_in_executor(None, self._values, src,
+                                                                                      region)
+                        except Exception as e:  # noqa: BLE001 - every failure names its chunk
+                            raise ChunkReadError(src.name, src.chunk_at(region), src.values.where, e) from e
                     self.counters.requests += 1  # what io_stats shows, and how far the loader reads ahead
                     self.counters.chunks += 1
                     self.counters.bytes_decoded += values.nbytes

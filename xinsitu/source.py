@@ -40,8 +40,9 @@ class DaskBlocks:
     the parallelism and memory, not a second thread pool). Picklable (goes to workers).
     """
 
-    def __init__(self, data: Any):
+    def __init__(self, data: Any, where: str = "dask"):
         self.data = data
+        self.where = where  # the file(s) it reads, for messages
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -90,6 +91,11 @@ class VarSource:
             return np.asarray(self.index[ax], dtype=np.int64) // self.chunk_shape[ax]
         sizes = self.mem_chunks[self.dims.index(dim)]
         return np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+
+    def chunk_at(self, region: dict[str, tuple[int, int]]) -> tuple[int, ...]:
+        """Chunk coordinates where ``region`` starts, in the grid of a variable not stored (messages)."""
+        return tuple(int(np.searchsorted(np.cumsum(sizes), region[d][0], side="right")) if d in region else 0
+                     for d, sizes in zip(self.dims, self.mem_chunks, strict=True))
 
     def chunk_len(self, dim: str) -> int | None:
         """The chunk length along ``dim`` (None for a ragged in-memory grid)."""
@@ -361,8 +367,10 @@ def _resolve_dask(ds: xr.Dataset, name: str, data: Any, base: dict) -> VarSource
             return VarSource(raw_dtype=values.dtype, values=values, mem_chunks=_memory_chunks(var), **base)
         # files that are not Zarr (NetCDF, GRIB through dask): the dask chunks set the grid, and a
         # read computes only the chunks it touches; never the whole array behind the user's back
-        return VarSource(raw_dtype=np.dtype(data.dtype), values=DaskBlocks(data), mem_chunks=_memory_chunks(var),
-                         **base)
+        source = var.encoding.get("source") or ds.encoding.get("source")
+        where = f"{source} through dask" if isinstance(source, str) else "dask"
+        return VarSource(raw_dtype=np.dtype(data.dtype), values=DaskBlocks(data, where),
+                         mem_chunks=_memory_chunks(var), **base)
     src_dims = _array_dims(zarray, name)
     index: list = []
     source_ds = None

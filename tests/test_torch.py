@@ -177,13 +177,55 @@ def test_fork_local_archive_works(era5_path, tmp_path):
     _check_workers_epoch(out["epochs"][0], _reference(era5_path), 3)
 
 
-def test_fork_obstore_fails_at_once(era5_path, tmp_path):
-    """fork with an obstore-backed Dataset: an error naming the fix, never a hang."""
-    out = _job(era5_path, tmp_path, "--open", "xinsitu", "--method", "fork", "--workers", "2", "--touch",
-               timeout=90)
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_workers_xinsitu_local_after_parent_epoch(era5_path, tmp_path, method):
+    """The most common set-up: ``xinsitu.open_zarr(path)``, a whole epoch in the parent (obstore's
+    runtime used there), then 2 workers: exactly once under every start method. Under fork the
+    workers read the files without obstore (which would hang in a forked child)."""
+    out = _job(era5_path, tmp_path, "--open", "xinsitu", "--method", method, "--workers", "2", "--warm")
+    assert "error" not in out, out.get("traceback")
+    _check_workers_epoch(out["epochs"][0], _reference(era5_path), 2)
+
+
+def test_fork_xinsitu_sharded_local_after_parent_epoch(tmp_path):
+    """Shards of a local archive (byte ranges of one file) are read without obstore after fork too."""
+    from xinsitu.synthetic import write_era5_like
+
+    path = str(tmp_path / "sharded.zarr")
+    write_era5_like(path, nt=120, ny=6, nx=10, chunk_time=8, shard_time=32)
+    out = _job(path, tmp_path, "--open", "xinsitu", "--method", "fork", "--workers", "2", "--warm")
+    assert "error" not in out, out.get("traceback")
+    _check_workers_epoch(out["epochs"][0], _reference(path), 2)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_workers_netcdf_through_dask(era5_path, tmp_path, method):
+    """A NetCDF copy of the archive opened with dask chunks (read through dask, chunk by chunk),
+    after a whole epoch in the parent: the same batches as the Zarr archive, exactly once."""
+    import xarray as xr
+
+    nc = str(tmp_path / "era5.nc")
+    xr.open_zarr(era5_path, chunks=None).to_netcdf(nc)
+    out = _job(nc, tmp_path, "--open", "nc", "--method", method, "--workers", "2", "--warm")
+    assert "error" not in out, out.get("traceback")
+    _check_workers_epoch(out["epochs"][0], _reference(era5_path), 2)
+
+
+def test_fork_remote_fails_at_once(era5_path, tmp_path):
+    """fork with a remote (HTTP) store the parent has read from: an error naming the store and
+    the fix, at the worker's first step, never a hang."""
+    from pathlib import Path
+
+    from tests.servers import FileServer
+
+    with FileServer(Path(era5_path).parent) as srv:
+        base = srv.url
+        out = _job(f"{base}/{Path(era5_path).name}", tmp_path, "--open", "xinsitu", "--method", "fork",
+                   "--workers", "2", "--touch", timeout=90)
     assert "error" in out
-    assert "RuntimeError" in out["error"]
-    assert "spawn" in out["error"] and "num_workers=0" in out["error"]
+    assert "ForkError" in out["traceback"] and base in out["error"]
+    assert "spawn" in out["error"] and "forkserver" in out["error"] and "num_workers=0" in out["error"]
+    assert out["seconds"] < 30
 
 
 def test_stateful_dataloader_workers(era5_path, tmp_path):

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 import traceback
 import warnings
 from typing import Any
@@ -44,6 +45,8 @@ def open_archive(path: str, how: str) -> Any:
         return xinsitu.open_zarr(path)  # obstore: not usable in a forked child
     if how == "xr":
         return xr.open_zarr(path, chunks=None)  # zarr LocalStore: plain file reads after fork
+    if how == "nc":  # a NetCDF file read through dask (xinsitu computes the dask chunks it needs)
+        return xr.open_dataset(path, chunks={"time": 8})
     if how == "keylog":
         from tests.keylog import KeyLogStore
 
@@ -76,6 +79,9 @@ def run_epochs(args: argparse.Namespace) -> dict[str, Any]:
     gen, dset = make_dataset(args)
     if args.touch:  # use the store in this process first (obstore runtime and I/O loop running)
         next(iter(gen))
+    if args.warm:  # a whole epoch in this process first, as a user checking the data would
+        for _ in gen:
+            pass
     dl = loader(dset, args)
     out: dict[str, Any] = {"len": len(dset), "epochs": []}
     for e in range(args.epochs):
@@ -112,12 +118,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("archive")
     p.add_argument("out")
-    p.add_argument("--open", default="xr", choices=["xinsitu", "xr", "keylog"])
+    p.add_argument("--open", default="xr", choices=["xinsitu", "xr", "keylog", "nc"])
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--method", default="spawn", choices=["spawn", "forkserver", "fork"])
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--persistent", action="store_true")
     p.add_argument("--touch", action="store_true")
+    p.add_argument("--warm", action="store_true")
     p.add_argument("--stateful", action="store_true")
     p.add_argument("--stop", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=5)
@@ -125,10 +132,12 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--variables", nargs="*", default=["t2m", "tp"])
     args = p.parse_args()
+    t0 = time.perf_counter()
     try:
         result = run_stateful(args) if args.stateful else run_epochs(args)
     except Exception as e:  # noqa: BLE001 - reported to the test
         result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    result["seconds"] = time.perf_counter() - t0
     with open(args.out, "w") as f:
         json.dump(result, f)
     sys.stdout.flush()

@@ -67,6 +67,37 @@ def in_forked_child() -> bool:
     return _forked
 
 
+# --------------------------------------------------------------------------- fork policy
+# The one fork policy of xinsitu. obstore's and Icechunk's Rust runtimes do not survive
+# ``fork``: any call into them in a forked child (even on a store object made there) hangs
+# once the parent has used them. So in a forked child local files are read with plain file
+# I/O (``xinsitu.backend.backend_for`` picks that backend), and every read that would have
+# to go through obstore or Icechunk raises ``ForkError`` at once, through ``refuse_after_fork``.
+
+#: What to do instead; every fork refusal ends with it.
+FORK_HELP = (
+    "obstore and Icechunk cannot run in a process forked from one that has used them (the read would hang). "
+    "Use DataLoader(..., num_workers=0) (xinsitu reads in parallel already) or start workers with "
+    "multiprocessing_context='spawn' or 'forkserver'"
+)
+
+
+class ForkError(RuntimeError):
+    """A read that would hang in this forked process (obstore or Icechunk after ``fork``)."""
+
+
+def refuse_after_fork(what: str) -> None:
+    """Raise ``ForkError`` naming ``what`` in a forked child; do nothing elsewhere.
+
+    Parameters
+    ----------
+    what : str
+        What would have been read, e.g. ``"remote store HTTPStore('http://...')"``.
+    """
+    if _forked:
+        raise ForkError(f"{what} cannot be read in this forked process: {FORK_HELP}")
+
+
 def _after_fork_in_child() -> None:
     global _loop, _thread, _pool, _lock, _forked
     _loop = _thread = _pool = None

@@ -31,16 +31,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from xinsitu import _loop
+from xinsitu._loop import FORK_HELP  # noqa: F401 - re-exported: the message lives in _loop
 from xinsitu.decode import store_root, zarr_store_get
-from xinsitu.store import scrubbed, secrets_of
+from xinsitu.store import redact_url, scrubbed, secrets_of
 
 T = TypeVar("T")
-
-FORK_HELP = (
-    "obstore cannot run in a process forked from one that already used it (the read would hang). "
-    "Use DataLoader(..., num_workers=0) (xinsitu reads in parallel already) or start workers with "
-    "multiprocessing_context='spawn' or 'forkserver'"
-)
 
 #: Fetches of one object at most, when its body comes back short or fails to decode.
 FETCH_ATTEMPTS = 3
@@ -185,6 +180,47 @@ class LocalBackend:
         return getattr(self.inner, name)
 
 
+class _FileBackend:
+    """Objects of a local directory by plain file I/O, in the decode threads: what a forked child
+    reads an obstore ``LocalStore`` with (obstore itself would hang there). Same methods, same
+    answers as ``_ObstoreBackend``."""
+
+    def __init__(self, root: str):
+        self.root = root
+
+    def _read(self, key: str, start: int = 0, end: int | None = None, suffix: int | None = None) -> bytes | None:
+        try:
+            with open(os.path.join(self.root, key), "rb") as f:
+                if suffix is not None:
+                    f.seek(max(0, os.fstat(f.fileno()).st_size - suffix))
+                    return f.read()
+                f.seek(start)
+                return f.read() if end is None else f.read(max(0, end - start))
+        except FileNotFoundError:
+            return None
+
+    async def _run(self, *args: Any) -> bytes | None:
+        return await asyncio.get_running_loop().run_in_executor(None, self._read, *args)
+
+    async def get(self, key: str) -> Any:
+        return await self._run(key)
+
+    async def get_range(self, key: str, start: int, end: int) -> Any:
+        return await self._run(key, int(start), int(end))
+
+    async def get_suffix(self, key: str, n: int) -> Any:
+        return await self._run(key, 0, None, int(n))
+
+    async def get_ranges(self, key: str, starts: list[int], ends: list[int]) -> list[Any]:
+        bodies = await asyncio.gather(*(self._run(key, int(a), int(b)) for a, b in zip(starts, ends, strict=True)))
+        for a, b, body in zip(starts, ends, bodies, strict=True):
+            if body is None:
+                raise FileNotFoundError(f"object {key!r} does not exist")
+            if len(body) != b - a:
+                raise DamagedObjectError(f"object {key!r}: bytes {a}-{b} asked for, {len(body)} exist")
+        return list(bodies)
+
+
 class _ZarrBackend:
     def __init__(self, zstore: Any):
         self.zstore = zstore
@@ -225,9 +261,14 @@ async def fetch_decoded(backend: Any, key: str, use: Callable[[Any], Awaitable[T
 
 
 def backend_for(zstore: Any) -> Any:
-    """The fastest fork-safe way to read objects of ``zstore`` in this process."""
-    if type(zstore).__name__ == "IcechunkStore" and _loop.in_forked_child():
-        raise RuntimeError(FORK_HELP)  # Icechunk's Rust runtime, like obstore's, hangs in a forked child
+    """The fastest fork-safe way to read objects of ``zstore`` in this process.
+
+    In a forked child (``_loop.in_forked_child``) local files are read with plain file I/O,
+    whichever store opened them; anything that would need obstore's or Icechunk's runtime
+    there raises ``_loop.ForkError`` at once (the fork policy, see ``xinsitu._loop``).
+    """
+    if type(zstore).__name__ == "IcechunkStore":
+        _loop.refuse_after_fork("an Icechunk repository")  # Icechunk's Rust runtime, like obstore's, hangs
     if type(zstore).__name__ == "ManifestStore":  # VirtualiZarr: byte ranges of NetCDF/HDF5 files
         from xinsitu.virtual import ManifestBackend, is_manifest_store
 
@@ -235,10 +276,10 @@ def backend_for(zstore: Any) -> Any:
             return ManifestBackend(zstore)
     kind, obj = store_root(zstore)
     if kind == "obstore":
-        if _loop.in_forked_child():
-            raise RuntimeError(FORK_HELP)
         if type(obj).__name__ == "LocalStore" and getattr(obj, "prefix", None) is not None:
-            return LocalBackend(str(obj.prefix), _ObstoreBackend(obj))  # what xinsitu.open_zarr opens a path with
+            root = str(obj.prefix)  # what xinsitu.open_zarr opens a path with
+            return LocalBackend(root, _FileBackend(root) if _loop.in_forked_child() else _ObstoreBackend(obj))
+        _loop.refuse_after_fork(f"the store {_store_url(obj)}")
         return _ObstoreBackend(obj)
     if kind == "local":
         if _loop.in_forked_child():  # zarr's LocalStore is plain file I/O: safe after fork
@@ -247,3 +288,9 @@ def backend_for(zstore: Any) -> Any:
 
         return LocalBackend(obj, _ObstoreBackend(obstore.store.LocalStore(prefix=obj)))
     return _ZarrBackend(zstore)
+
+
+def _store_url(obs: Any) -> str:
+    """An obstore store as messages name it: its URL without credentials, else its type."""
+    url = getattr(obs, "url", None)
+    return f"{type(obs).__name__}({redact_url(str(url))!r})" if url else type(obs).__name__

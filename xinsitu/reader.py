@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from xinsitu import _loop
-from xinsitu.backend import FORK_HELP, DamagedObjectError, backend_for, fetch_decoded
+from xinsitu.backend import DamagedObjectError, backend_for, fetch_decoded
 from xinsitu.decode import ChunkDecoder, ShardLayout, is_remote, is_sharded, store_root
 from xinsitu.source import VarSource
 
@@ -227,8 +227,20 @@ class Reader:
             if not src.stored or sharded:
                 if out is None and hook is None:
                     out = np.empty(self._shape(src, region), dtype=src.raw_dtype)
-                values = self._values(src, region) if not src.stored else \
-                    await self._read_with_zarr(src, self._positions(src, region))
+                if src.stored:
+                    values = await self._read_with_zarr(src, self._positions(src, region))
+                elif isinstance(src.values, np.ndarray):
+                    values = self._values(src, region)
+                else:  # read through dask (files that are not Zarr): file reads and decoding, in a thread
+                    async with self.inflight:
+                        try:
+                            values = await asyncio.get_running_loop().run_in_executor(None, self._values, src,
+                                                                                      region)
+                        except Exception as e:  # noqa: BLE001 - every failure names its chunk
+                            raise ChunkReadError(src.name, src.chunk_at(region), src.values.where, e) from e
+                    self.counters.requests += 1  # what io_stats shows, and how far the loader reads ahead
+                    self.counters.chunks += 1
+                    self.counters.bytes_decoded += values.nbytes
                 if out is not None:
                     out[...] = values
                 if hook is not None:  # values may be the caller's own array
@@ -430,8 +442,8 @@ class Reader:
         path = f"{src.array.path} (sharded selection)"
         async with self.inflight:
             try:
-                if store_root(src.array.store)[0] == "obstore" and _loop.in_forked_child():
-                    raise RuntimeError(FORK_HELP)  # zarr would call obstore here and hang
+                if store_root(src.array.store)[0] == "obstore":  # zarr would call obstore here: a hang after fork
+                    _loop.refuse_after_fork(f"sharded array {src.array.path!r} (through zarr)")
                 res = await src.array.async_array.get_orthogonal_selection(tuple(pos))
             except Exception as e:  # noqa: BLE001 - every failure names its array
                 _reraise(src, (), path, e)
@@ -444,7 +456,7 @@ class Reader:
 
 def _reraise(src: VarSource, coords: tuple[int, ...], path: str, e: Exception) -> NoReturn:
     """Raise for a failed read: the fork hint as it is, anything else as an error naming the chunk."""
-    if isinstance(e, RuntimeError) and str(e) == FORK_HELP:
+    if isinstance(e, _loop.ForkError):
         raise e
     raise ChunkReadError(src.name, coords, path, e) from e
 

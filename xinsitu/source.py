@@ -2,8 +2,11 @@
 
 A variable is either *stored* (a zarr array, plus, per dimension of that array, the
 positions the Dataset's selection took) or *in memory* (a numpy array plus a chunk
-grid). Nothing here reads data, except the small index coordinates needed to map a
-dask-backed selection back to its store.
+grid), or *read through dask* (a dask array over files that are not Zarr, e.g.
+``xr.open_dataset(nc, chunks=...)`` or ``xr.open_mfdataset``: its dask chunks set the
+grid, and a read computes only the dask chunks it touches, ``DaskBlocks``). Nothing
+here reads data, except the small index coordinates needed to map a dask-backed
+selection back to its Zarr store.
 """
 
 from __future__ import annotations
@@ -17,8 +20,47 @@ import xarray as xr
 #: CF keys that xarray moves from attrs to ``encoding`` when it decodes a variable.
 CF_KEYS = ("_FillValue", "missing_value", "scale_factor", "add_offset", "_Unsigned", "units", "calendar", "dtype")
 
-#: dask layer names that only select or re-chunk the values they read (no arithmetic).
-_SELECT_ONLY = ("original-", "open_dataset-", "getitem-", "rechunk-", "xarray-", "array-", "astype-")
+#: dask layer names that only select, arrange or re-chunk the values they read (no arithmetic):
+#: ``concatenate-`` is how ``xr.open_mfdataset`` puts its files together.
+_SELECT_ONLY = ("original-", "open_dataset-", "getitem-", "rechunk-", "xarray-", "array-", "astype-",
+                "concatenate-")
+
+#: xarray's backend array wrappers (and where they come from), by the files they read.
+_NETCDF_WRAPPERS = ("NetCDF4ArrayWrapper", "H5NetCDFArrayWrapper", "ScipyArrayWrapper", "PydapArrayWrapper")
+_GRIB_MODULES = ("cfgrib", "xarray.backends.cfgrib_")
+_NETCDF_EXT = (".nc", ".nc4", ".netcdf", ".cdf", ".h5", ".hdf5", ".hdf", ".he5")
+_GRIB_EXT = (".grib", ".grb", ".grib1", ".grib2", ".grb2")
+
+
+class DaskBlocks:
+    """A dask array over files that are not Zarr, read block by block.
+
+    ``self[sel]`` computes only the dask chunks that ``sel`` touches, with dask's synchronous
+    scheduler in the calling thread (the reader calls it in a decode thread: xinsitu bounds
+    the parallelism and memory, not a second thread pool). Picklable (goes to workers).
+    """
+
+    def __init__(self, data: Any, where: str = "dask"):
+        self.data = data
+        self.where = where  # the file(s) it reads, for messages
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.data.dtype)
+
+    def __getitem__(self, sel: Any) -> np.ndarray:
+        import dask
+        from dask.callbacks import Callback
+
+        # The caller's dask callbacks (a ProgressBar, a task counter) are passed on explicitly: left to
+        # dask, each compute would take them from the global set and empty it for its duration, so
+        # computes in several decode threads at once would hide them from each other (and could lose them)
+        (out,) = dask.compute(self.data[sel], scheduler="synchronous", callbacks=tuple(Callback.active))
+        return np.asarray(out)
 
 
 @dataclass
@@ -35,7 +77,7 @@ class VarSource:
     src_dims: tuple[str, ...] = ()
     index: tuple[Any, ...] = ()  # per source dim: int64 positions, or an int for a dropped dim
     chunk_shape: tuple[int, ...] = ()  # inner chunk of the source array (unit of reading)
-    values: np.ndarray | None = None  # in-memory variables
+    values: np.ndarray | DaskBlocks | None = None  # in-memory variables (or read through dask)
     mem_chunks: tuple[tuple[int, ...], ...] = ()
 
     @property
@@ -49,6 +91,11 @@ class VarSource:
             return np.asarray(self.index[ax], dtype=np.int64) // self.chunk_shape[ax]
         sizes = self.mem_chunks[self.dims.index(dim)]
         return np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+
+    def chunk_at(self, region: dict[str, tuple[int, int]]) -> tuple[int, ...]:
+        """Chunk coordinates where ``region`` starts, in the grid of a variable not stored (messages)."""
+        return tuple(int(np.searchsorted(np.cumsum(sizes), region[d][0], side="right")) if d in region else 0
+                     for d, sizes in zip(self.dims, self.mem_chunks, strict=True))
 
     def chunk_len(self, dim: str) -> int | None:
         """The chunk length along ``dim`` (None for a ragged in-memory grid)."""
@@ -87,10 +134,8 @@ def _resolve_var(ds: xr.Dataset, name: str) -> VarSource:
         if _in_memory(data):  # e.g. a stored variable that xarray has already loaded and cached
             values = np.asarray(var.values)
             return VarSource(raw_dtype=values.dtype, values=values, mem_chunks=_memory_chunks(var), **base)
-        raise SourceError(
-            f"variable {name!r} is backed by {type(data).__name__}, which xinsitu cannot map back to a "
-            "zarr store; open the archive with xinsitu.open_zarr or xr.open_zarr, or load it into memory"
-        )
+        raise SourceError(f"variable {name!r} is backed by {type(data).__name__}, which xinsitu cannot map "
+                          f"back to a zarr store; {_how_to_open(ds, data)}")
     src_dims = _array_dims(zarray, name)
     index = _compose_keys(zarray.shape, keys)
     return _stored(base, var, zarray, src_dims, index)
@@ -198,35 +243,134 @@ def _array_dims(zarray: Any, name: str) -> tuple[str, ...]:
     return tuple(dims)
 
 
+# --------------------------------------------------------------------------- files
+def _file_kind(ds: xr.Dataset, name: str, data: Any) -> str | None:
+    """``"netcdf"``, ``"grib"`` or ``"zarr"``: the kind of file ``data`` is read from (None: unknown).
+
+    From xarray's backend array wrapper where one is found, else from the source file
+    (``encoding["source"]``): its extension, then its first bytes.
+    """
+    for node in _backend_arrays(data):
+        kind = type(node).__name__
+        if kind == "ZarrArrayWrapper":
+            return "zarr"
+        if kind in _NETCDF_WRAPPERS:
+            return "netcdf"
+        if type(node).__module__.startswith(_GRIB_MODULES) or "Grib" in kind:
+            return "grib"
+    source = ds[name].encoding.get("source") or ds.encoding.get("source")
+    if not isinstance(source, str):
+        return None
+    low = source.lower()
+    if low.endswith(_GRIB_EXT):
+        return "grib"
+    if low.endswith(_NETCDF_EXT):
+        return "netcdf"
+    try:
+        with open(source, "rb") as f:
+            head = f.read(8)
+    except OSError:
+        return None
+    if head.startswith(b"GRIB"):
+        return "grib"
+    if head.startswith((b"CDF", b"\x89HDF")):
+        return "netcdf"
+    return None
+
+
+def _backend_arrays(data: Any) -> list[Any]:
+    """xarray's wrappers under ``data`` (a lazily indexed array, or every one a dask graph holds)."""
+    tops = [data]
+    if _is_dask(data):
+        tops = [v for layer in data.__dask_graph__().layers.values() for v in layer.values()
+                if getattr(v, "array", None) is not None]
+    out = []
+    for top in tops:
+        node = top
+        for _ in range(64):
+            out.append(node)
+            node = getattr(node, "array", None)
+            if node is None:
+                break
+    return out
+
+
+def _how_to_open(ds: xr.Dataset, data: Any) -> str:
+    """What to do instead, for a variable xinsitu cannot read as it is opened."""
+    names = [v for v in ds.data_vars if ds[v].variable._data is data]
+    kind = _file_kind(ds, names[0], data) if names else None
+    if kind == "netcdf":
+        return ("it is read from NetCDF/HDF5 files: open them in place with xinsitu.virtual.open_netcdf(paths), "
+                "or load the Dataset into memory")
+    if kind == "grib":
+        return ("it is read from GRIB files: open them in place with xinsitu.virtual.open_grib(paths), "
+                "or load the Dataset into memory")
+    return ("open a Zarr archive with xinsitu.open_zarr or xr.open_zarr, NetCDF/HDF5 files with "
+            "xinsitu.virtual.open_netcdf, GRIB files with xinsitu.virtual.open_grib, or load it into memory")
+
+
 # --------------------------------------------------------------------------- dask
-def _dask_zarr_array(data: Any) -> Any:
-    """The zarr array a dask-backed variable was opened from, or None; raises for computed graphs."""
-    graph = data.__dask_graph__()
-    layers = getattr(graph, "layers", {})
-    for lname in layers:
+def _computed_layer(data: Any) -> str | None:
+    """The first layer of a dask graph that computes values (arithmetic, reductions), or None."""
+    for lname in getattr(data.__dask_graph__(), "layers", {}):
         if not lname.startswith(_SELECT_ONLY):
-            raise SourceError(
-                f"this variable is computed lazily by dask (graph layer {lname!r}), so its values are not "
-                "the stored ones; xinsitu reads from the store itself. Select variables and positions only "
-                "(isel/sel), or .load()/.compute() the result to train from memory"
-            )
-    for layer in layers.values():
+            return lname
+    return None
+
+
+def _dask_zarr_array(data: Any) -> Any:
+    """The one zarr array a dask-backed variable was opened from, or None (not from Zarr, or from
+    several arrays, e.g. ``xr.open_mfdataset`` over Zarr stores: then read through dask)."""
+    found: dict[tuple[int, str], Any] = {}
+    for layer in data.__dask_graph__().layers.values():
         for v in layer.values():
             adapter = getattr(v, "array", None)
             if adapter is None:
                 continue
             zarray, _ = _unwrap_lazy(adapter)
             if zarray is not None:
-                return zarray
-    return None
+                found.setdefault((id(zarray.store), zarray.path), zarray)
+    return next(iter(found.values())) if len(found) == 1 else None
+
+
+def _dask_in_memory(data: Any) -> bool:
+    """Whether every array a dask graph starts from is already in memory (``.chunk()`` of numpy)."""
+    for layer in data.__dask_graph__().layers.values():
+        for v in layer.values():
+            if type(v).__name__ == "DataNode":  # a literal value in dask's task spec
+                v = v.value
+            elif type(v).__module__.startswith("dask") or isinstance(v, tuple | str | int):
+                continue  # a task, an alias, a key: it refers to other values of the graph
+            if not isinstance(v, np.ndarray | np.generic) and not _in_memory(v):
+                return False
+    return True
 
 
 def _resolve_dask(ds: xr.Dataset, name: str, data: Any, base: dict) -> VarSource:
     var = ds[name].variable
+    computed = _computed_layer(data)
+    if computed is not None:
+        kind = _file_kind(ds, name, data)
+        what = {"netcdf": ("NetCDF/HDF5", "xinsitu.virtual.open_netcdf(paths)"),
+                "grib": ("GRIB", "xinsitu.virtual.open_grib(paths)")}.get(kind or "")
+        fix = ("Select variables and positions only (isel/sel)"
+               + (f", open the {what[0]} files in place with {what[1]}" if what else "")
+               + ", or .load()/.compute() the result to train from memory")
+        raise SourceError(
+            f"variable {name!r} is computed lazily by dask (graph layer {computed!r}), so its values are not "
+            f"the stored ones; xinsitu reads stored chunks and never computes a whole graph. {fix}"
+        )
     zarray = _dask_zarr_array(data)
-    if zarray is None:  # built from memory with .chunk(): the dask chunks set the grid
-        values = np.asarray(data.compute())
-        return VarSource(raw_dtype=values.dtype, values=values, mem_chunks=_memory_chunks(var), **base)
+    if zarray is None:
+        if _dask_in_memory(data):  # built from memory with .chunk(): computing costs no I/O
+            values = np.asarray(data.compute())
+            return VarSource(raw_dtype=values.dtype, values=values, mem_chunks=_memory_chunks(var), **base)
+        # files that are not Zarr (NetCDF, GRIB through dask): the dask chunks set the grid, and a
+        # read computes only the chunks it touches; never the whole array behind the user's back
+        source = var.encoding.get("source") or ds.encoding.get("source")
+        where = f"{source} through dask" if isinstance(source, str) else "dask"
+        return VarSource(raw_dtype=np.dtype(data.dtype), values=DaskBlocks(data, where),
+                         mem_chunks=_memory_chunks(var), **base)
     src_dims = _array_dims(zarray, name)
     index: list = []
     source_ds = None

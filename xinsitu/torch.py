@@ -17,9 +17,11 @@ each worker holds its own few blocks in memory.
 
 ``set_epoch`` on this dataset also reaches ``persistent_workers=True`` workers (the
 epoch lives in shared memory); calling ``gen.set_epoch`` directly does not reach them.
-Under ``fork`` a worker can read a local archive opened with ``xr.open_zarr`` (plain
-file I/O); one that would have to call obstore (``xinsitu.open_zarr``, object storage)
-fails at once with an error naming the fix instead of hanging. A progress bar is shown
+Under ``fork`` a worker reads a local archive with plain file I/O, whether
+``xinsitu.open_zarr`` or ``xr.open_zarr`` opened it, even after the parent used obstore
+(which cannot run in a forked child); one that would have to call obstore or Icechunk
+(object storage, HTTP) fails at once with an error naming the fix instead of hanging
+(``xinsitu._loop.refuse_after_fork``). A progress bar is shown
 for ``num_workers=0`` only, and ``gen.io_stats`` counts the reads of this process only.
 """
 
@@ -31,8 +33,7 @@ import torch
 import torch.utils.data
 
 from xinsitu import _loop
-from xinsitu.backend import FORK_HELP
-from xinsitu.decode import store_root
+from xinsitu.backend import backend_for
 from xinsitu.plan import worker_batches
 from xinsitu.state import check_state, make_state
 
@@ -128,9 +129,13 @@ class InsituIterableDataset(torch.utils.data.IterableDataset):
 
 
 def _check_fork(gen: Any) -> None:
-    """Fail at once (never hang) where a forked worker would have to call obstore."""
+    """Fail at once (never hang) where a forked worker would have to call obstore or Icechunk.
+
+    ``backend_for`` holds the fork policy: it gives a local archive plain file reads in a forked
+    child, whichever store opened it, and raises ``_loop.ForkError`` for anything else.
+    """
     if not _loop.in_forked_child():
         return
     for src in gen.sources.values():
-        if src.stored and store_root(src.array.store)[0] == "obstore":
-            raise RuntimeError(FORK_HELP)
+        if src.stored:
+            backend_for(src.array.store)

@@ -36,7 +36,6 @@ import numpy as np
 import xarray as xr
 
 from xinsitu import _loop
-from xinsitu.backend import FORK_HELP
 from xinsitu.store import redact_url, scrubbed, secrets_of
 
 #: Attributes that change how xarray decodes a variable: they must agree across files.
@@ -213,7 +212,7 @@ class ManifestBackend:
         loop = asyncio.get_running_loop()
         if _is_obstore(store) and _loop.in_forked_child():
             if not url.startswith("file://"):
-                raise RuntimeError(FORK_HELP)
+                _loop.refuse_after_fork(f"{_where(url)}, referenced by the virtual store,")
             # obstore would hang here; a local file is read with plain file I/O instead (fork-safe)
             data = await loop.run_in_executor(None, _read_local, url, start, end)
             self.requests += 1

@@ -40,6 +40,7 @@ PREFETCH_BLOCKS = 3  # blocks read ahead or held: one being gathered from, one s
 #: ... and at most this many where the store is far (enough blocks loading to fill ``max_inflight``)
 MAX_PREFETCH_BLOCKS = 6
 PREFETCH_BATCHES = 2
+WAIT_STEP_S = 0.05  # queue waits are this long at most, then check that the other side still runs
 
 
 def _positive_int(name: str, v: Any) -> int:
@@ -452,6 +453,8 @@ class _EpochRun:
         self.credits: asyncio.Semaphore | None = None
         self.depth = PREFETCH_BLOCKS  # blocks read ahead or held (grows with requests in flight)
         self.n_loaded = 0
+        self.failed = False  # a block failed to load (set on the I/O loop)
+        self.tasks: set[asyncio.Task] = set()  # block loads in flight
         if start >= plan.n_batches:
             self.first_block = plan.n_blocks
         else:
@@ -467,22 +470,38 @@ class _EpochRun:
         try:
             for j in range(self.first_block, self.plan.n_blocks):
                 await self.credits.acquire()
-                if self.stop.is_set():
-                    break
+                if self.stop.is_set() or self.failed:
+                    break  # a failed block ends the epoch: its error is on its way to the caller
                 prev = asyncio.ensure_future(self._load(j, prev))
-            if prev is not None:
-                await prev
-            self.blocks.put(_END)
-        except BaseException as e:  # noqa: BLE001 - delivered to the caller
+                self.tasks.add(prev)
+                prev.add_done_callback(self.tasks.discard)
+            delivered = True if prev is None else await prev
+            if delivered and not self.stop.is_set():
+                self.blocks.put(_END)
+        except asyncio.CancelledError:
+            for t in list(self.tasks):  # closed early: stop the reads of blocks nobody will take
+                t.cancel()
+            raise
+        except Exception as e:  # noqa: BLE001 - delivered to the caller
             self.blocks.put(e)
 
-    async def _load(self, j: int, prev: asyncio.Task | None) -> None:
-        block = await self.loader.load(self.plan, j)
-        self.n_loaded += 1
-        self._deepen()
-        if prev is not None:
-            await prev  # deliver in order
+    async def _load(self, j: int, prev: asyncio.Task | None) -> bool:
+        """Load block ``j`` and hand it (or its error) on after block ``j - 1``; whether it was delivered."""
+        try:
+            block: Any = await self.loader.load(self.plan, j)
+        except Exception as e:  # noqa: BLE001 - delivered to the caller, in order
+            block = e
+            self.failed = True
+            self.credits.release()  # wake the producer, which may be waiting for a credit, so that it stops
+        else:
+            self.n_loaded += 1
+            self._deepen()
+        if prev is not None and not await prev:  # an earlier block failed: its error goes first, alone
+            if not isinstance(block, BaseException):
+                self.loader.recycle(block)
+            return False
         self.blocks.put(block)
+        return not isinstance(block, BaseException)
 
     def _deepen(self) -> None:
         """Read further ahead where the reader keeps more requests in flight than the blocks being
@@ -514,7 +533,9 @@ class _EpochRun:
                             # producer one more block, paid back when a block is recycled
                             self.borrowed += 1
                             self._release()
-                        item = self.blocks.get()
+                        item = self._next_block()
+                        if item is None:
+                            return  # closed
                         if isinstance(item, BaseException):
                             raise item
                         if item is _END:
@@ -549,6 +570,24 @@ class _EpochRun:
         except BaseException as e:  # noqa: BLE001 - delivered to the caller
             self._put(e)
 
+    def _next_block(self) -> Any:
+        """The next loaded block (or error, or ``_END``); None once closed. Waits in short steps and
+        checks the producer meanwhile, so that a producer that ended without a word cannot hang us."""
+        while True:
+            try:
+                return self.blocks.get(timeout=WAIT_STEP_S)
+            except queue.Empty:
+                pass
+            if self.stop.is_set():
+                return None
+            if self.io_future.done():
+                try:
+                    return self.blocks.get_nowait()  # put just before the producer ended
+                except queue.Empty:
+                    pass
+                err = None if self.io_future.cancelled() else self.io_future.exception()
+                return err or RuntimeError("xinsitu: the reading task ended before the epoch did (internal error)")
+
     def _put(self, item: Any) -> bool:
         while not self.stop.is_set():
             try:
@@ -562,7 +601,7 @@ class _EpochRun:
     def __iter__(self) -> Any:
         while True:
             t = time.perf_counter()
-            item = self.batches.get()
+            item = self._next_batch()
             self.wait_s += time.perf_counter() - t
             if item is _END:
                 self.t_end = time.perf_counter()
@@ -573,6 +612,20 @@ class _EpochRun:
             self.samples += n
             self.n_batches += 1
             yield i, batch
+
+    def _next_batch(self) -> Any:
+        """The next finished batch (or error, or ``_END``), waiting in short steps while the
+        prefetch thread lives."""
+        while True:
+            try:
+                return self.batches.get(timeout=WAIT_STEP_S)
+            except queue.Empty:
+                if not self.thread.is_alive():
+                    try:
+                        return self.batches.get_nowait()
+                    except queue.Empty:
+                        return RuntimeError("xinsitu: the prefetch thread ended before the epoch did "
+                                            "(internal error)")
 
     def close(self) -> None:
         self.stop.set()

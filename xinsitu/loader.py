@@ -125,6 +125,9 @@ class BatchGenerator:
         Default: torch.distributed's when it is initialised, else 0 and 1.
     progress : bool, default False
         Show a tqdm progress bar.
+    missing : {"fill", "raise"}, default "fill"
+        A chunk with no object in the store: read as the fill value, as zarr does (counted in
+        ``io_stats["missing"]``, with a warning once per epoch), or raise ``ChunkReadError``.
     """
 
     def __init__(self, ds: xr.Dataset, manifest: SplitManifest, split: str, *, batch_size: int = 32,
@@ -133,7 +136,8 @@ class BatchGenerator:
                  over: str | list[str] | None = None, variables: list[str] | None = None,
                  output: str = "xarray", stack: bool = False, normalize: Any = None, device: Any = None,
                  block_chunks: int = 16, max_inflight: int | None = None, drop_last: bool = False,
-                 rank: int | None = None, world_size: int | None = None, progress: bool = False):
+                 rank: int | None = None, world_size: int | None = None, progress: bool = False,
+                 missing: str = "fill"):
         if not isinstance(manifest, SplitManifest):
             raise TypeError(f"manifest must be a SplitManifest (from ds.insitu.split), got {type(manifest).__name__}")
         if split not in manifest.splits:
@@ -146,6 +150,9 @@ class BatchGenerator:
         self.seed, self.shuffle, self.drop_last = int(seed), bool(shuffle), bool(drop_last)
         self.rank, self.world_size = _dist_defaults(rank, world_size)
         self.manifest, self.split, self.progress = manifest, split, bool(progress)
+        if missing not in ("fill", "raise"):
+            raise ValueError(f"missing must be 'fill' or 'raise', got {missing!r}")
+        self.missing = missing
         if variables is None:
             variables = [v for v in ds.data_vars if any(d in ds[v].dims for d in manifest.dims)]
         elif isinstance(variables, str):
@@ -161,7 +168,8 @@ class BatchGenerator:
         self._ds = ds
         self.epoch = 0
         self._resume_batch = 0
-        self._yielded = 0
+        self._yielded_at = (0, 0)  # (epoch, batches) of the last batch handed out: what state_dict saves
+        self._live = 0  # iterations under way
         self._reader: Reader | None = None
         self._loader: BlockLoader | None = None
         self._pid = -1
@@ -219,17 +227,20 @@ class BatchGenerator:
     def _blockloader(self) -> BlockLoader:
         if self._loader is None or self._pid != os.getpid():  # a new process gets its own reader
             self._reader = Reader(self.max_inflight)
+            self._reader.on_missing = self.missing
             self._loader = BlockLoader(self.space, self.layouts, self._reader)
             self._pid = os.getpid()
         return self._loader
 
     # ------------------------------------------------------------------ epochs
     def set_epoch(self, epoch: int) -> None:
-        """Use the order of ``epoch`` from the next iteration on."""
+        """Use the order of ``epoch`` from the next iteration on (an iterator already made keeps its epoch)."""
         if not isinstance(epoch, (int, np.integer)) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
         if int(epoch) != self.epoch:
-            self._resume_batch = self._yielded = 0  # a state saved now is the new epoch's start
+            self._resume_batch = 0
+            if not self._live:  # a state saved now is the new epoch's start; else the live iterator's place
+                self._yielded_at = (int(epoch), 0)
         self.epoch = int(epoch)
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
@@ -257,50 +268,77 @@ class BatchGenerator:
         return self._iter_range(start, None)
 
     def _iter_range(self, start: int, stop: int | None) -> Any:
-        """Batches ``start..stop-1`` of this rank's epoch, reading only the blocks they draw from."""
-        plan = self.plan()
+        """Batches ``start..stop-1`` of this rank's epoch, reading only the blocks they draw from.
+
+        The epoch is fixed now: a later ``set_epoch`` takes effect at the next iteration."""
+        return self._batches(self.epoch, start, stop)
+
+    def _batches(self, epoch: int, start: int, stop: int | None) -> Any:
+        plan = self.plan(epoch)
         plan = plan_head(plan, plan.n_batches if stop is None else stop)  # blocks past the last batch: unread
-        self._yielded = start
+        self._live += 1
+        self._yielded_at = (epoch, start)
         run = _EpochRun(self, plan, start)
         bar = None
         if self.progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=plan.n_batches, initial=start, desc=f"{self.split} epoch {self.epoch}", unit="batch")
+            bar = tqdm(total=plan.n_batches, initial=start, desc=f"{self.split} epoch {epoch}", unit="batch")
         try:
             for i, batch in run:
-                self._yielded = i + 1
+                self._yielded_at = (epoch, i + 1)  # the state of the last batch handed out (as grain keeps it)
                 if bar is not None:
                     bar.update(1)
                 yield batch
         finally:
             run.close()
             self._io = run.report()
+            self._warn_missing()
+            self._live -= 1
+            if not self._live and self.epoch != epoch:  # set_epoch came during this iteration: now it counts
+                self._yielded_at = (self.epoch, 0)
             if bar is not None:
                 bar.close()
+
+    def _warn_missing(self) -> None:
+        """Once per epoch: chunks that had no object read as fill values (zarr's rule), but a deleted
+        archive or a store answering 404 looks just like that."""
+        n = self._io.get("missing", 0)
+        if n and self.missing == "fill":  # with "raise" the error has said it
+            var, chunk, key = self._io["missing_chunk"]
+            warnings.warn(f"epoch {self._io['epoch']} of split {self.split!r}: {n} chunk(s) had no object in the "
+                          f"store and read as the fill value (e.g. chunk {chunk} of variable {var!r}, key "
+                          f"{key!r}); zarr writers skip chunks that are all fill value, but a deleted archive "
+                          "or a store answering 404 looks the same. Pass missing='raise' to make it an error.",
+                          UserWarning, stacklevel=3)
 
     def __getstate__(self) -> dict[str, Any]:
         # a pickled generator (e.g. sent to a spawned DataLoader worker) leaves this process's
         # reader and recycled block buffers behind: the new process builds its own
         state = self.__dict__.copy()
-        state.update(_reader=None, _loader=None, _pid=-1, _io={})
+        state.update(_reader=None, _loader=None, _pid=-1, _io={}, _live=0)
         return state
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Small JSON-able state: where this generator is in which epoch, and what it was made with."""
-        return make_state(self, self.epoch, self._yielded)
+        """Small JSON-able state: where this generator is in which epoch, and what it was made with.
+
+        While an iteration runs, the place of the last batch it handed out (a ``set_epoch`` meanwhile
+        counts from the next iteration on)."""
+        return make_state(self, *self._yielded_at)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``: the next iteration yields the batch after the last one saved."""
         check_state(self, state)
         self.epoch = int(state["epoch"])
-        self._resume_batch = self._yielded = int(state["batch"])
+        self._resume_batch = int(state["batch"])
+        self._yielded_at = (self.epoch, self._resume_batch)
 
     # ------------------------------------------------------------------ inspection
     @property
     def io_stats(self) -> dict[str, Any]:
-        """Reads of the last epoch: chunks, bytes, requests, decode and wait seconds, rates."""
+        """Reads of the last epoch: chunks, bytes, requests, decode and wait seconds, rates, and
+        ``missing``: chunks with no object in the store (read as the fill value)."""
         return dict(self._io)
 
     @property
@@ -639,6 +677,8 @@ class _EpochRun:
         for k, v in self.counters_before.items():
             c[k] -= v
         dt = (self.t_end or time.perf_counter()) - self.t0
+        if c["missing"]:
+            c["missing_chunk"] = self.loader.reader.last_missing  # (variable, chunk, key): one of them
         return {"epoch": self.plan.epoch, "batches": self.n_batches, **c,
                 "wait_s": self.wait_s, "seconds": dt, "samples": self.samples,
                 "samples_per_s": self.samples / dt if dt > 0 else 0.0,

@@ -497,6 +497,8 @@ class _EpochRun:
             self.first_block = plan.n_blocks
         else:
             self.first_block = plan.blocks_of(*plan.batch_span(start))[0]
+        # chunks that windows spill into, passed from block to block rather than read twice
+        self.halo = self.loader.halo_plan(plan, self.first_block)
         self.io_future = _loop.submit(self._produce())
         self.thread = threading.Thread(target=self._assemble, name="xinsitu-prefetch", daemon=True)
         self.thread.start()
@@ -526,7 +528,7 @@ class _EpochRun:
     async def _load(self, j: int, prev: asyncio.Task | None) -> bool:
         """Load block ``j`` and hand it (or its error) on after block ``j - 1``; whether it was delivered."""
         try:
-            block: Any = await self.loader.load(self.plan, j)
+            block: Any = await self.loader.load(self.plan, j, self.halo)
         except Exception as e:  # noqa: BLE001 - delivered to the caller, in order
             block = e
             self.failed = True

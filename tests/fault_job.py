@@ -29,7 +29,7 @@ FAST = {"retry_config": {"max_retries": 3, "backoff": {"init_backoff": timedelta
         "client_options": {"timeout": "2s"}}
 
 
-def make_gen(archive: str, how: str = "xinsitu", fast: bool = False) -> Any:
+def make_gen(archive: str, how: str = "xinsitu", fast: bool = False, window: int = 1) -> Any:
     import xarray as xr
 
     import xinsitu
@@ -37,11 +37,11 @@ def make_gen(archive: str, how: str = "xinsitu", fast: bool = False) -> Any:
     ds = xinsitu.open_zarr(archive, **(FAST if fast else {})) if how == "xinsitu" else xr.open_zarr(archive,
                                                                                                     chunks=None)
     m = ds.insitu.split("time", fractions={"train": 1.0})
-    return ds.insitu.batches(m, "train", **GEN)
+    return ds.insitu.batches(m, "train", **GEN, window={"time": window} if window > 1 else None)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    gen = make_gen(args.archive, args.open, args.fast)
+    gen = make_gen(args.archive, args.open, args.fast, args.window)
     n = 0
     try:
         if args.workers:
@@ -67,6 +67,7 @@ def main() -> None:
     p.add_argument("--open", default="xinsitu", choices=["xinsitu", "xr"])
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--method", default="fork", choices=["spawn", "forkserver", "fork"])
+    p.add_argument("--window", type=int, default=1, help="windows along time (blocks pass chunks on)")
     p.add_argument("--fast", action="store_true", help="quick retries (remote stores)")
     args = p.parse_args()
     try:

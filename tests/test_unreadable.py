@@ -114,3 +114,10 @@ def test_failing_remote_chunk_raises(archive, failing, tmp_path, kind, workers):
         if kind == "503 every time":
             assert srv.counts["always"] >= 2  # retried, then given up
     _check(res, failing, workers)
+
+
+@pytest.mark.parametrize("window", [2, 3])
+def test_damaged_chunk_with_windows_raises(archive, failing, tmp_path, window):
+    """Windows: blocks pass the chunks they spill into on to later blocks; a failed one fails its takers."""
+    path = _damage(archive, tmp_path, failing[1], "garbage")
+    _check(_job(tmp_path, path, "--window", str(window)), failing, 0)

@@ -347,17 +347,19 @@ class HaloPlan:
             for k in range(j + 1, min(j + ahead + 1, plan.n_blocks)):
                 for u, b in ends[k].items():
                     later[u] = max(later.get(u, 0), b)
-            per_slot = []
+            per_slot, taken = [], set()
             for segs in need[j]:
                 out = []
                 for u, a, b in segs:
                     got = live.get(u)
                     if got is not None and got[1] >= b and j - got[0][0] <= ahead:
                         out.append((a, b, got[0]))
-                        self.takers[got[0]] += 1
+                        taken.add(got[0])
                     else:
                         out.append((a, b, None))
                 per_slot.append(out)
+            for key in taken:  # blocks taking from an entry (it is let go after the last one)
+                self.takers[key] += 1
             self.segments[j] = per_slot
             for u, b in ends[j].items():
                 got = live.get(u)

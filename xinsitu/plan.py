@@ -127,6 +127,15 @@ class SampleSpace:
         return sizes.astype(np.int64) * self._free_n
 
     @cached_property
+    def spills(self) -> bool:
+        """Whether windows or tiles along the (one) split dim reach from a unit into the next one."""
+        if len(self.split_dims) != 1 or self.split_dims[0].width == 1:
+            return False
+        d, e = self.split_dims[0], self.edges[0]
+        s = d.starts()
+        return bool(np.any(np.searchsorted(e, s, side="right") != np.searchsorted(e, s + d.width - 1, side="right")))
+
+    @cached_property
     def offsets(self) -> np.ndarray:
         """Global id of each unit's first sample (len = units + 1)."""
         return np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
@@ -277,7 +286,10 @@ def _equalise(per_rank: np.ndarray, batch_size: int, drop_last: bool) -> np.ndar
 def epoch_plan(space: SampleSpace, *, seed: int, epoch: int, shuffle: bool, batch_size: int,
                block_chunks: int, drop_last: bool, rank: int, world_size: int) -> EpochPlan:
     """The plan of one rank for one epoch (pure: depends on its arguments only)."""
-    order = _shuffle.unit_order(len(space.counts), seed, epoch, shuffle)
+    if shuffle and space.spills:  # neighbours share a block or follow each other: chunks read once
+        order = _shuffle.neighbour_order(len(space.counts), block_chunks, seed, epoch)
+    else:
+        order = _shuffle.unit_order(len(space.counts), seed, epoch, shuffle)
     pos, lo, hi, n = rank_share(space.counts[order], world_size, rank, batch_size, drop_last)
     return EpochPlan(units=order[pos], lo=lo, hi=hi, block_chunks=block_chunks, n_samples=n,
                      batch_size=batch_size, drop_last=drop_last, shuffle=shuffle, seed=seed, epoch=epoch,

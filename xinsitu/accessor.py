@@ -83,7 +83,7 @@ class InsituAccessor:
                 variables: str | list[str] | None = None, output: str = "xarray", stack: bool = False,
                 normalize: dict[str, Any] | None = None, device: Any = None, block_chunks: int = 16,
                 max_inflight: int | None = None, drop_last: bool = False, rank: int | None = None,
-                world_size: int | None = None, progress: bool = False) -> BatchGenerator:
+                world_size: int | None = None, progress: bool = False, missing: str = "fill") -> BatchGenerator:
         """Batches of one split, read in place.
 
         Parameters
@@ -126,6 +126,9 @@ class InsituAccessor:
             This process's share (default: torch.distributed's when it is initialised, else 0 of 1).
         progress : bool, default False
             Show a tqdm progress bar.
+        missing : {"fill", "raise"}, default "fill"
+            A chunk with no object in the store reads as the fill value, as in zarr (counted in
+            ``io_stats["missing"]``, warned once per epoch), or raises ``ChunkReadError``.
 
         Returns
         -------
@@ -135,7 +138,7 @@ class InsituAccessor:
                               window=window, patch=patch, stride=stride, over=over, variables=variables,
                               output=output, stack=stack, normalize=normalize, device=device,
                               block_chunks=block_chunks, max_inflight=max_inflight, drop_last=drop_last,
-                              rank=rank, world_size=world_size, progress=progress)
+                              rank=rank, world_size=world_size, progress=progress, missing=missing)
 
     def stats(self, manifest: SplitManifest, split: str = "train", *, variables: str | list[str] | None = None,
               block_chunks: int = 16, max_inflight: int | None = None) -> dict[str, Any]:

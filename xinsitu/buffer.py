@@ -19,6 +19,8 @@ from xinsitu.plan import EpochPlan, SampleSpace
 from xinsitu.reader import Reader
 from xinsitu.source import VarSource
 
+HALO_BLOCKS = 2  # a block passes the chunks a window spills into on to the blocks up to this many later
+
 
 @dataclass
 class VarLayout:
@@ -85,26 +87,34 @@ class BlockLoader:
                                                                                        strict=True)}
         return self._static
 
-    async def load(self, plan: EpochPlan, j: int) -> Block:
-        """Read every chunk of block ``j`` once (all variables, all units concurrently)."""
+    def _slots(self, plan: EpochPlan, j: int) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+        """Block ``j``'s sample starts per slot, and the region each slot holds: its unit from the
+        first position (``origin``) to the end of the last window or tile (``end``, halo included)."""
         sp = self.space
         sl = plan.block_pieces(j)
         units, lo, hi = plan.units[sl], plan.lo[sl], plan.hi[sl]
-        tables, slots, origins, ends = [], [], [], []
-        for s, (u, a, b) in enumerate(zip(units, lo, hi, strict=True)):
-            st = sp.unit_starts(int(u))
-            st = st[a:b]
+        tables, origins, ends = [], [], []
+        widths = np.array([d.width for d in sp.split_dims], dtype=np.int64)
+        for u, a, b in zip(units, lo, hi, strict=True):
+            st = sp.unit_starts(int(u))[a:b]
             tables.append(st)
-            slots.append(np.full(len(st), s, dtype=np.int64))
             coords = np.unravel_index(int(sp.blocks[u]), sp.grid)
-            org = np.array([sp.edges[k][c] for k, c in enumerate(coords)], dtype=np.int64)
-            widths = np.array([d.width for d in sp.split_dims], dtype=np.int64)
+            origins.append([sp.edges[k][c] for k, c in enumerate(coords)])
             block_end = np.array([sp.edges[k][c + 1] for k, c in enumerate(coords)], dtype=np.int64)
-            end = np.maximum(block_end, (st[:, : self.n_split] + widths).max(axis=0)) if len(st) else block_end
-            origins.append(org)
-            ends.append(end)
+            ends.append(np.maximum(block_end, (st[:, : self.n_split] + widths).max(axis=0)) if len(st) else block_end)
         origin = np.array(origins, dtype=np.int64).reshape(len(units), self.n_split)
         end = np.array(ends, dtype=np.int64).reshape(len(units), self.n_split)
+        return tables, origin, end
+
+    async def load(self, plan: EpochPlan, j: int, halo: HaloPlan | None = None) -> Block:
+        """Read every chunk of block ``j`` once (all variables, all units concurrently); with ``halo``,
+        take what an earlier block passes on instead of reading it again, and pass on what later
+        blocks need."""
+        sp = self.space
+        sl = plan.block_pieces(j)
+        units, lo, hi = plan.units[sl], plan.lo[sl], plan.hi[sl]
+        tables, origin, end = self._slots(plan, j)
+        slots = [np.full(len(st), s, dtype=np.int64) for s, st in enumerate(tables)]
         extent = (end - origin).max(axis=0) if len(units) else np.zeros(self.n_split, np.int64)
         base_starts = np.concatenate(tables) if tables else np.zeros((0, len(sp.dims)), np.int64)
         base_slot = np.concatenate(slots) if slots else np.zeros(0, np.int64)
@@ -114,6 +124,7 @@ class BlockLoader:
         perm = plan.block_perm(j, len(base_ids))
         arrays = {}
         jobs = []
+        step = None if halo is None else halo.step(j)
         for name, lay in self.layouts.items():
             if lay.static:
                 continue
@@ -124,11 +135,40 @@ class BlockLoader:
             for s in range(len(units)):
                 region = {d.name: (int(origin[s, k]), int(end[s, k])) for k, d in enumerate(sp.split_dims)
                           if d.name in lay.src.dims}
-                reads.append((region, self._slot_view(lay, buf, s, region)))
+                view = self._slot_view(lay, buf, s, region)
+                if step is None:
+                    reads.append((region, view))
+                    continue
+                dim, o = sp.split_dims[0].name, int(origin[s, 0])
+                for a, b, _ in step.segments[s]:
+                    if _ is None:  # read here (else copied from an earlier block, below)
+                        reads.append(({dim: (a, b)}, _cut(lay, view, dim, a - o, b - o)))
+            if step is not None:
+                for key, (a, b) in step.give.items():
+                    held = np.empty([b - a] + list(shape[2:]), lay.src.raw_dtype)
+                    step.held.setdefault(key, {})[name] = held
+                    reads.append(({sp.split_dims[0].name: (a, b)}, np.transpose(held, np.argsort(lay.order))))
             jobs.append(self.reader.read_many(lay.src, reads))
-        await asyncio.gather(*jobs)
+        try:
+            await asyncio.gather(*jobs)
+            if step is not None:
+                await step.take(arrays, origin)
+        except BaseException as e:
+            if step is not None:
+                step.fail(e)
+            raise
+        if step is not None:
+            step.done()
         arrays.update(await self.load_static())
         return Block(j, base_ids[perm], base_slot[perm], base_starts[perm], origin, arrays)
+
+    def halo_plan(self, plan: EpochPlan, first: int, ahead: int = HALO_BLOCKS) -> HaloPlan | None:
+        """Where windows or tiles spill over a split dim into the next unit: which block passes which
+        unit's data on to which later one (None where nothing spills; several split dims: not yet)."""
+        sp = self.space
+        if len(sp.split_dims) != 1 or sp.split_dims[0].width == 1:
+            return None
+        return HaloPlan(self, plan, first, ahead)
 
     def _axis_len(self, lay: VarLayout, ax: int, extent: np.ndarray) -> int:
         dim = lay.src.dims[ax]
@@ -209,6 +249,146 @@ class BlockLoader:
             into[...] = res
             return into
         return res
+
+
+def _cut(lay: VarLayout, view: np.ndarray, dim: str, a: int, b: int) -> np.ndarray:
+    """Positions ``a..b`` of ``view`` (a variable's slot in its own dim order) along ``dim``."""
+    ax = lay.src.dims.index(dim)
+    return view[(slice(None),) * ax + (slice(a, b),)]
+
+
+class _Step:
+    """What block ``j`` of a ``HaloPlan`` reads, takes and gives (state lives on the I/O loop)."""
+
+    def __init__(self, halo: HaloPlan, j: int):
+        self.halo, self.j = halo, j
+        self.segments = halo.segments[j]  # per slot: [(a, b, entry or None)]
+        self.give = halo.gives[j]  # entry -> (a, b): positions this block reads for later blocks
+        self.held = halo.held  # entry -> {var: array (positions, rest of the slot layout)}
+
+    async def take(self, arrays: dict[str, np.ndarray], origin: np.ndarray) -> None:
+        """Copy what earlier blocks passed on into this block's slots (after they are loaded)."""
+        h = self.halo
+        want = {e for seg in self.segments for _, _, e in seg if e is not None}
+        for e in sorted(want):
+            await asyncio.shield(h.ready(e[0]))
+        if not want:
+            return
+
+        def copy() -> None:
+            for s, seg in enumerate(self.segments):
+                o = int(origin[s, 0])
+                for a, b, e in seg:
+                    if e is None:
+                        continue
+                    ea = h.entry_start[e]
+                    for name, held in h.held[e].items():
+                        arrays[name][s, a - o:b - o] = held[a - ea:b - ea]
+
+        await asyncio.get_running_loop().run_in_executor(None, copy)
+        for e in want:
+            h.takers[e] -= 1
+            if not h.takers[e]:  # its last taker has it: let it go
+                h.held.pop(e, None)
+
+    def done(self) -> None:
+        fut = self.halo.ready(self.j)
+        if not fut.done():
+            fut.set_result(None)
+
+    def fail(self, e: BaseException) -> None:
+        fut = self.halo.ready(self.j)
+        if not fut.done():
+            fut.set_exception(e if isinstance(e, Exception) else RuntimeError("xinsitu: block load cancelled"))
+            fut.exception()  # retrieved: no "never retrieved" warning where no block waits on it
+
+
+class HaloPlan:
+    """Windows and tiles that spill into the next unit, in one epoch: a unit's first positions are
+    needed by its own block and by the block of the unit before it. Rather than read such a chunk
+    twice, the block that reads it first passes the positions a later block needs on to it (up to
+    ``ahead`` blocks later: memory stays bounded by a few blocks); values and order are unchanged.
+
+    Planned once per epoch (pure index math, one split dim): per block and slot the segments of its
+    region, each read or taken from an entry ``(block, unit)`` that an earlier block fills.
+    """
+
+    def __init__(self, loader: BlockLoader, plan: EpochPlan, first: int, ahead: int):
+        sp = loader.space
+        edges = sp.edges[0]
+        unit_of = {int(b): u for u, b in enumerate(sp.blocks)}
+        blocks = range(first, plan.n_blocks)
+        need: dict[int, list[list[tuple[int, int, int]]]] = {}  # block -> per slot [(unit, a, b)]
+        for j in blocks:
+            _, origin, end = loader._slots(plan, j)
+            per_slot = []
+            for o, e in zip(origin[:, 0].tolist(), end[:, 0].tolist(), strict=True):
+                segs, pos = [], o
+                while pos < e:
+                    c = int(np.searchsorted(edges, pos, side="right")) - 1
+                    b = min(e, int(edges[c + 1]))
+                    segs.append((unit_of[c], pos, b))
+                    pos = b
+                per_slot.append(segs)
+            need[j] = per_slot
+        # every need of a unit is a prefix of it (its own block: whole; the unit before: its head)
+        ends: dict[int, dict[int, int]] = {j: {} for j in blocks}
+        for j in blocks:
+            for segs in need[j]:
+                for u, _, b in segs:
+                    ends[j][u] = max(ends[j].get(u, 0), b)
+        self.segments: dict[int, list[list[tuple[int, int, Any]]]] = {}
+        self.gives: dict[int, dict[tuple[int, int], tuple[int, int]]] = {j: {} for j in blocks}
+        self.entry_start: dict[tuple[int, int], int] = {}
+        self.takers: dict[tuple[int, int], int] = {}
+        live: dict[int, tuple[tuple[int, int], int]] = {}  # unit -> (entry, end held)
+        for j in blocks:
+            later = {}
+            for k in range(j + 1, min(j + ahead + 1, plan.n_blocks)):
+                for u, b in ends[k].items():
+                    later[u] = max(later.get(u, 0), b)
+            per_slot, taken = [], set()
+            for segs in need[j]:
+                out = []
+                for u, a, b in segs:
+                    got = live.get(u)
+                    if got is not None and got[1] >= b and j - got[0][0] <= ahead:
+                        out.append((a, b, got[0]))
+                        taken.add(got[0])
+                    else:
+                        out.append((a, b, None))
+                per_slot.append(out)
+            for key in taken:  # blocks taking from an entry (it is let go after the last one)
+                self.takers[key] += 1
+            self.segments[j] = per_slot
+            for u, b in ends[j].items():
+                got = live.get(u)
+                if u in later and later[u] > (got[1] if got is not None and j + 1 - got[0][0] <= ahead else 0):
+                    start = int(edges[int(sp.blocks[u])])
+                    key = (j, u)
+                    self.gives[j][key] = (start, max(b, later[u]))
+                    self.entry_start[key] = start
+                    self.takers[key] = 0
+                    live[u] = (key, max(b, later[u]))
+        for key in [k for k, n in self.takers.items() if n == 0]:  # passed on to nobody: not read for it
+            del self.gives[key[0]][key]
+            del self.takers[key]
+            del self.entry_start[key]
+        self.held: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+        self._ready: dict[int, asyncio.Future] = {}
+
+    def ready(self, j: int) -> asyncio.Future:
+        """Resolved when block ``j`` has filled what it passes on (created on the I/O loop)."""
+        if j not in self._ready:
+            self._ready[j] = asyncio.get_running_loop().create_future()
+        return self._ready[j]
+
+    def step(self, j: int) -> _Step:
+        return _Step(self, j)
+
+    @property
+    def n_entries(self) -> int:
+        return len(self.takers)
 
 
 def plan_ids(space: SampleSpace, unit: int, lo: int, hi: int) -> np.ndarray:

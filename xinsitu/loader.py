@@ -40,6 +40,7 @@ PREFETCH_BLOCKS = 3  # blocks read ahead or held: one being gathered from, one s
 #: ... and at most this many where the store is far (enough blocks loading to fill ``max_inflight``)
 MAX_PREFETCH_BLOCKS = 6
 PREFETCH_BATCHES = 2
+WAIT_STEP_S = 0.05  # queue waits are this long at most, then check that the other side still runs
 
 
 def _int_arg(name: str, v: Any, minimum: int | None = None) -> int:
@@ -156,6 +157,9 @@ class BatchGenerator:
         Default: torch.distributed's when it is initialised, else 0 and 1.
     progress : bool, default False
         Show a tqdm progress bar.
+    missing : {"fill", "raise"}, default "fill"
+        A chunk with no object in the store: read as the fill value, as zarr does (counted in
+        ``io_stats["missing"]``, with a warning once per epoch), or raise ``ChunkReadError``.
     """
 
     def __init__(self, ds: xr.Dataset, manifest: SplitManifest, split: str, *, batch_size: int = 32,
@@ -164,7 +168,8 @@ class BatchGenerator:
                  over: str | list[str] | None = None, variables: list[str] | None = None,
                  output: str = "xarray", stack: bool = False, normalize: Any = None, device: Any = None,
                  block_chunks: int = 16, max_inflight: int | None = None, drop_last: bool = False,
-                 rank: int | None = None, world_size: int | None = None, progress: bool = False):
+                 rank: int | None = None, world_size: int | None = None, progress: bool = False,
+                 missing: str = "fill"):
         if not isinstance(manifest, SplitManifest):
             raise TypeError(f"manifest must be a SplitManifest (from ds.insitu.split), got {type(manifest).__name__}")
         if not isinstance(split, str):
@@ -178,6 +183,9 @@ class BatchGenerator:
         self.shuffle, self.drop_last = _flag("shuffle", shuffle), _flag("drop_last", drop_last)
         self.rank, self.world_size = _dist_defaults(rank, world_size)
         self.manifest, self.split, self.progress = manifest, split, _flag("progress", progress)
+        if missing not in ("fill", "raise"):
+            raise ValueError(f"missing must be 'fill' or 'raise', got {missing!r}")
+        self.missing = missing
         variables = _variable_names(variables, ds)
         if variables is None:
             variables = [v for v in ds.data_vars if any(d in ds[v].dims for d in manifest.dims)]
@@ -192,7 +200,8 @@ class BatchGenerator:
         self._ds = ds
         self.epoch = 0
         self._resume_batch = 0
-        self._yielded = 0
+        self._yielded_at = (0, 0)  # (epoch, batches) of the last batch handed out: what state_dict saves
+        self._live = 0  # iterations under way
         self._reader: Reader | None = None
         self._loader: BlockLoader | None = None
         self._pid = -1
@@ -272,17 +281,22 @@ class BatchGenerator:
     def _blockloader(self) -> BlockLoader:
         if self._loader is None or self._pid != os.getpid():  # a new process gets its own reader
             self._reader = Reader(self.max_inflight)
+            self._reader.on_missing = self.missing
             self._loader = BlockLoader(self.space, self.layouts, self._reader)
             self._pid = os.getpid()
         return self._loader
 
     # ------------------------------------------------------------------ epochs
     def set_epoch(self, epoch: int) -> None:
-        """Use the order of ``epoch`` from the next iteration on."""
+        """Use the order of ``epoch`` from the next iteration on (an iterator already made keeps its epoch)."""
         if not isinstance(epoch, (int, np.integer)) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
         if int(epoch) != self.epoch:
-            self._resume_batch = self._yielded = 0  # a state saved now is the new epoch's start
+            self._resume_batch = 0
+            if int(epoch) != self._elastic_epoch:  # an elastic remainder belongs to the epoch it was saved in
+                self._elastic, self._elastic_epoch, self._elastic_plan = [], -1, None
+            if not self._live:  # a state saved now is the new epoch's start; else the live iterator's place
+                self._yielded_at = (int(epoch), 0)
         self.epoch = int(epoch)
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
@@ -319,39 +333,64 @@ class BatchGenerator:
         return self._iter_range(start, None)
 
     def _iter_range(self, start: int, stop: int | None) -> Any:
-        """Batches ``start..stop-1`` of this rank's epoch, reading only the blocks they draw from."""
-        plan = self.plan()
+        """Batches ``start..stop-1`` of this rank's epoch, reading only the blocks they draw from.
+
+        The epoch is fixed now: a later ``set_epoch`` takes effect at the next iteration."""
+        return self._batches(self.epoch, start, stop)
+
+    def _batches(self, epoch: int, start: int, stop: int | None) -> Any:
+        plan = self.plan(epoch)
         plan = plan_head(plan, plan.n_batches if stop is None else stop)  # blocks past the last batch: unread
-        self._yielded = start
+        self._live += 1
+        self._yielded_at = (epoch, start)
         run = _EpochRun(self, plan, start)
         bar = None
         if self.progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=plan.n_batches, initial=start, desc=f"{self.split} epoch {self.epoch}", unit="batch")
+            bar = tqdm(total=plan.n_batches, initial=start, desc=f"{self.split} epoch {epoch}", unit="batch")
         try:
             for i, batch in run:
-                self._yielded = i + 1
+                self._yielded_at = (epoch, i + 1)  # the state of the last batch handed out (as grain keeps it)
                 if bar is not None:
                     bar.update(1)
                 yield batch
         finally:
             run.close()
             self._io = run.report()
+            self._warn_missing()
+            self._live -= 1
+            if not self._live and self.epoch != epoch:  # set_epoch came during this iteration: now it counts
+                self._yielded_at = (self.epoch, 0)
             if bar is not None:
                 bar.close()
+
+    def _warn_missing(self) -> None:
+        """Once per epoch: chunks that had no object read as fill values (zarr's rule), but a deleted
+        archive or a store answering 404 looks just like that."""
+        n = self._io.get("missing", 0)
+        if n and self.missing == "fill":  # with "raise" the error has said it
+            var, chunk, key = self._io["missing_chunk"]
+            warnings.warn(f"epoch {self._io['epoch']} of split {self.split!r}: {n} chunk(s) had no object in the "
+                          f"store and read as the fill value (e.g. chunk {chunk} of variable {var!r}, key "
+                          f"{key!r}); zarr writers skip chunks that are all fill value, but a deleted archive "
+                          "or a store answering 404 looks the same. Pass missing='raise' to make it an error.",
+                          UserWarning, stacklevel=3)
 
     def __getstate__(self) -> dict[str, Any]:
         # a pickled generator (e.g. sent to a spawned DataLoader worker) leaves this process's
         # reader and recycled block buffers behind: the new process builds its own
         state = self.__dict__.copy()
-        state.update(_reader=None, _loader=None, _pid=-1, _io={})
+        state.update(_reader=None, _loader=None, _pid=-1, _io={}, _live=0)
         return state
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Small JSON-able state: where this generator is in which epoch, and what it was made with."""
-        return make_state(self, self.epoch, self._yielded)
+        """Small JSON-able state: where this generator is in which epoch, and what it was made with.
+
+        While an iteration runs, the place of the last batch it handed out (a ``set_epoch`` meanwhile
+        counts from the next iteration on)."""
+        return make_state(self, *self._yielded_at)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``: the next iteration yields the batch after the last one saved.
@@ -369,12 +408,14 @@ class BatchGenerator:
             batch = 0
         self.epoch = epoch
         self._elastic, self._elastic_epoch, self._elastic_plan = hops, epoch, None
-        self._resume_batch = self._yielded = batch
+        self._resume_batch = batch
+        self._yielded_at = (epoch, batch)
 
     # ------------------------------------------------------------------ inspection
     @property
     def io_stats(self) -> dict[str, Any]:
-        """Reads of the last epoch: chunks, bytes, requests, decode and wait seconds, rates."""
+        """Reads of the last epoch: chunks, bytes, requests, decode and wait seconds, rates, and
+        ``missing``: chunks with no object in the store (read as the fill value)."""
         return dict(self._io)
 
     @property
@@ -534,10 +575,14 @@ class _EpochRun:
         self.credits: asyncio.Semaphore | None = None
         self.depth = PREFETCH_BLOCKS  # blocks read ahead or held (grows with requests in flight)
         self.n_loaded = 0
+        self.failed = False  # a block failed to load (set on the I/O loop)
+        self.tasks: set[asyncio.Task] = set()  # block loads in flight
         if start >= plan.n_batches:
             self.first_block = plan.n_blocks
         else:
             self.first_block = plan.blocks_of(*plan.batch_span(start))[0]
+        # chunks that windows spill into, passed from block to block rather than read twice
+        self.halo = self.loader.halo_plan(plan, self.first_block)
         self.io_future = _loop.submit(self._produce())
         self.thread = threading.Thread(target=self._assemble, name="xinsitu-prefetch", daemon=True)
         self.thread.start()
@@ -549,22 +594,38 @@ class _EpochRun:
         try:
             for j in range(self.first_block, self.plan.n_blocks):
                 await self.credits.acquire()
-                if self.stop.is_set():
-                    break
+                if self.stop.is_set() or self.failed:
+                    break  # a failed block ends the epoch: its error is on its way to the caller
                 prev = asyncio.ensure_future(self._load(j, prev))
-            if prev is not None:
-                await prev
-            self.blocks.put(_END)
-        except BaseException as e:  # noqa: BLE001 - delivered to the caller
+                self.tasks.add(prev)
+                prev.add_done_callback(self.tasks.discard)
+            delivered = True if prev is None else await prev
+            if delivered and not self.stop.is_set():
+                self.blocks.put(_END)
+        except asyncio.CancelledError:
+            for t in list(self.tasks):  # closed early: stop the reads of blocks nobody will take
+                t.cancel()
+            raise
+        except Exception as e:  # noqa: BLE001 - delivered to the caller
             self.blocks.put(e)
 
-    async def _load(self, j: int, prev: asyncio.Task | None) -> None:
-        block = await self.loader.load(self.plan, j)
-        self.n_loaded += 1
-        self._deepen()
-        if prev is not None:
-            await prev  # deliver in order
+    async def _load(self, j: int, prev: asyncio.Task | None) -> bool:
+        """Load block ``j`` and hand it (or its error) on after block ``j - 1``; whether it was delivered."""
+        try:
+            block: Any = await self.loader.load(self.plan, j, self.halo)
+        except Exception as e:  # noqa: BLE001 - delivered to the caller, in order
+            block = e
+            self.failed = True
+            self.credits.release()  # wake the producer, which may be waiting for a credit, so that it stops
+        else:
+            self.n_loaded += 1
+            self._deepen()
+        if prev is not None and not await prev:  # an earlier block failed: its error goes first, alone
+            if not isinstance(block, BaseException):
+                self.loader.recycle(block)
+            return False
         self.blocks.put(block)
+        return not isinstance(block, BaseException)
 
     def _deepen(self) -> None:
         """Read further ahead where the reader keeps more requests in flight than the blocks being
@@ -596,7 +657,9 @@ class _EpochRun:
                             # producer one more block, paid back when a block is recycled
                             self.borrowed += 1
                             self._release()
-                        item = self.blocks.get()
+                        item = self._next_block()
+                        if item is None:
+                            return  # closed
                         if isinstance(item, BaseException):
                             raise item
                         if item is _END:
@@ -631,6 +694,24 @@ class _EpochRun:
         except BaseException as e:  # noqa: BLE001 - delivered to the caller
             self._put(e)
 
+    def _next_block(self) -> Any:
+        """The next loaded block (or error, or ``_END``); None once closed. Waits in short steps and
+        checks the producer meanwhile, so that a producer that ended without a word cannot hang us."""
+        while True:
+            try:
+                return self.blocks.get(timeout=WAIT_STEP_S)
+            except queue.Empty:
+                pass
+            if self.stop.is_set():
+                return None
+            if self.io_future.done():
+                try:
+                    return self.blocks.get_nowait()  # put just before the producer ended
+                except queue.Empty:
+                    pass
+                err = None if self.io_future.cancelled() else self.io_future.exception()
+                return err or RuntimeError("xinsitu: the reading task ended before the epoch did (internal error)")
+
     def _put(self, item: Any) -> bool:
         while not self.stop.is_set():
             try:
@@ -644,7 +725,7 @@ class _EpochRun:
     def __iter__(self) -> Any:
         while True:
             t = time.perf_counter()
-            item = self.batches.get()
+            item = self._next_batch()
             self.wait_s += time.perf_counter() - t
             if item is _END:
                 self.t_end = time.perf_counter()
@@ -655,6 +736,20 @@ class _EpochRun:
             self.samples += n
             self.n_batches += 1
             yield i, batch
+
+    def _next_batch(self) -> Any:
+        """The next finished batch (or error, or ``_END``), waiting in short steps while the
+        prefetch thread lives."""
+        while True:
+            try:
+                return self.batches.get(timeout=WAIT_STEP_S)
+            except queue.Empty:
+                if not self.thread.is_alive():
+                    try:
+                        return self.batches.get_nowait()
+                    except queue.Empty:
+                        return RuntimeError("xinsitu: the prefetch thread ended before the epoch did "
+                                            "(internal error)")
 
     def close(self) -> None:
         self.stop.set()
@@ -668,6 +763,8 @@ class _EpochRun:
         for k, v in self.counters_before.items():
             c[k] -= v
         dt = (self.t_end or time.perf_counter()) - self.t0
+        if c["missing"]:
+            c["missing_chunk"] = self.loader.reader.last_missing  # (variable, chunk, key): one of them
         return {"epoch": self.plan.epoch, "batches": self.n_batches, **c,
                 "wait_s": self.wait_s, "seconds": dt, "samples": self.samples,
                 "samples_per_s": self.samples / dt if dt > 0 else 0.0,

@@ -127,6 +127,15 @@ class SampleSpace:
         return sizes.astype(np.int64) * self._free_n
 
     @cached_property
+    def spills(self) -> bool:
+        """Whether windows or tiles along the (one) split dim reach from a unit into the next one."""
+        if len(self.split_dims) != 1 or self.split_dims[0].width == 1:
+            return False
+        d, e = self.split_dims[0], self.edges[0]
+        s = d.starts()
+        return bool(np.any(np.searchsorted(e, s, side="right") != np.searchsorted(e, s + d.width - 1, side="right")))
+
+    @cached_property
     def offsets(self) -> np.ndarray:
         """Global id of each unit's first sample (len = units + 1)."""
         return np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
@@ -274,10 +283,17 @@ def _equalise(per_rank: np.ndarray, batch_size: int, drop_last: bool) -> np.ndar
     return np.minimum(per_rank, nb * batch_size)
 
 
+def unit_order(space: SampleSpace, *, seed: int, epoch: int, shuffle: bool, block_chunks: int) -> np.ndarray:
+    """The epoch's order of the split's units, before ranks take their shares."""
+    if shuffle and space.spills:  # neighbours share a block or follow each other: chunks read once
+        return _shuffle.neighbour_order(len(space.counts), block_chunks, seed, epoch)
+    return _shuffle.unit_order(len(space.counts), seed, epoch, shuffle)
+
+
 def epoch_plan(space: SampleSpace, *, seed: int, epoch: int, shuffle: bool, batch_size: int,
                block_chunks: int, drop_last: bool, rank: int, world_size: int) -> EpochPlan:
     """The plan of one rank for one epoch (pure: depends on its arguments only)."""
-    order = _shuffle.unit_order(len(space.counts), seed, epoch, shuffle)
+    order = unit_order(space, seed=seed, epoch=epoch, shuffle=shuffle, block_chunks=block_chunks)
     pos, lo, hi, n = rank_share(space.counts[order], world_size, rank, batch_size, drop_last)
     return EpochPlan(units=order[pos], lo=lo, hi=hi, block_chunks=block_chunks, n_samples=n,
                      batch_size=batch_size, drop_last=drop_last, shuffle=shuffle, seed=seed, epoch=epoch,
@@ -487,7 +503,7 @@ def epoch_rest(space: SampleSpace, hops: list[tuple[int, int]], *, seed: int, ep
     Every sample of the split not yielded in a hop is in the result, exactly once: each old
     rank's unread rest in its order, then what no old rank was given.
     """
-    order = _shuffle.unit_order(len(space.counts), seed, epoch, shuffle)
+    order = unit_order(space, seed=seed, epoch=epoch, shuffle=shuffle, block_chunks=block_chunks)
     n = len(order)
     seq = Pieces(order, np.zeros(n, np.int64), space.counts[order].copy(), (None,) * n)
     cfg = dict(block_chunks=block_chunks, batch_size=batch_size, drop_last=drop_last, shuffle=shuffle, seed=seed,

@@ -57,6 +57,7 @@ class IOCounters:
     bytes_read: int = 0
     bytes_decoded: int = 0
     decode_s: float = 0.0
+    missing: int = 0  # chunks with no object in the store, read as the fill value
 
     def add(self, other: IOCounters) -> None:
         for k in self.__dataclass_fields__:
@@ -180,6 +181,16 @@ class Reader:
         self._index_cache: OrderedDict[str, np.ndarray | None] = OrderedDict()
         self._whole_plans: dict[tuple[int, int], list[tuple[int, Any, Any]]] = {}
         self._ranges: dict[tuple[int, int], bool] = {}
+        self.on_missing = "fill"  # or "raise": a chunk with no object is an error
+        self.last_missing: tuple[str, tuple[int, ...], str] | None = None  # (variable, chunk, key)
+
+    def _missing(self, src: VarSource, coords: tuple[int, ...], path: str) -> None:
+        """A chunk with no object: counted and named (a deleted archive or a 404 would otherwise
+        pass as fill values in silence), or an error where ``on_missing`` is ``"raise"``."""
+        self.counters.missing += 1
+        self.last_missing = (src.name, coords, path)
+        if self.on_missing == "raise":
+            raise FileNotFoundError("no object at this key (missing='raise'; zarr would read the fill value)")
 
     def _decoder(self, src: VarSource) -> ChunkDecoder:
         key = id(src.array)
@@ -371,6 +382,8 @@ class Reader:
                 for coords, t in inner.items():
                     local = tuple(c - s * n for c, s, n in zip(coords, shard, lay.per_shard, strict=True))
                     off, nb = (None, None) if index is None else (int(index[local][0]), int(index[local][1]))
+                    if off is None:
+                        self._missing(src, coords, path)
                     if off is None or off == _EMPTY:
                         await loop.run_in_executor(None, _assign_all, dec.fill(), t)
                         continue
@@ -406,6 +419,7 @@ class Reader:
         async def use(raw: Any) -> None:
             self.counters.requests += 1
             if raw is None:
+                self._missing(src, coords, path)
                 await loop.run_in_executor(None, _assign_all, dec.fill(), targets)
             else:
                 waited = time.perf_counter() - t_start
@@ -426,7 +440,9 @@ class Reader:
                     read_s, nbytes, took = await loop.run_in_executor(None, _read_decode_assign, store, path, dec,
                                                                       targets)
                     self.counters.requests += 1
-                    self.counters.bytes_read += nbytes
+                    if nbytes is None:
+                        self._missing(src, coords, path)
+                    self.counters.bytes_read += nbytes or 0
                     self.counters.decode_s += took
                     self.inflight.observe(read_s, took)
                     store.observe(read_s, took)
@@ -539,15 +555,16 @@ def _decode_put(dec: ChunkDecoder, raw: Any, targets: list[Target]) -> None:
     _assign_all(dec.decode_sync(raw), targets)
 
 
-def _read_decode_assign(store: Any, path: str, dec: ChunkDecoder, targets: list[Target]) -> tuple[float, int, float]:
+def _read_decode_assign(store: Any, path: str, dec: ChunkDecoder,
+                        targets: list[Target]) -> tuple[float, int | None, float]:
     """Read a local file (``LocalBackend``), decode it and put it in place, in one decode-thread job:
-    (seconds reading, bytes read, seconds decoding)."""
+    (seconds reading, bytes read or None where there is no file, seconds decoding)."""
     t0 = time.perf_counter()
     raw = store.read(path)
     t1 = time.perf_counter()
     if raw is None:
         _assign_all(dec.fill(), targets)
-        return t1 - t0, 0, time.perf_counter() - t1
+        return t1 - t0, None, time.perf_counter() - t1
     try:
         _decode_put(dec, raw, targets)
     except Exception as e:  # noqa: BLE001 - a file reads the same bytes again: no second try

@@ -20,6 +20,28 @@ def unit_order(n_units: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray
     return rng.permutation(n_units).astype(np.int64)
 
 
+def neighbour_order(n_units: int, block_chunks: int, seed: int, epoch: int) -> np.ndarray:
+    """A shuffled unit order in which neighbouring units land in the same or the next shuffle block.
+
+    For windows and tiles that spill from one chunk into the next: the chunk they spill into is
+    then held by a block the next one can pass it to (``xinsitu.buffer.HaloPlan``), instead of
+    being read twice. The units are laid out in ``block_chunks`` rows, each running the other way
+    than the row before (a serpentine), and a block takes one column: its units are spread evenly
+    over the whole split (batches mix far-apart chunks as a permutation does), and the next block
+    holds their neighbours. The layout starts at a random unit and runs in a random direction per
+    ``(seed, epoch)``.
+    """
+    if n_units == 0:
+        return np.zeros(0, np.int64)
+    rng = np.random.default_rng([_UNIT_STREAM, seed, epoch])
+    m = -(-n_units // block_chunks)  # columns: the blocks of the epoch
+    u = np.arange(n_units, dtype=np.int64)
+    row, col = u // m, u % m
+    col = np.where(row % 2 == 1, m - 1 - col, col)
+    order = (np.lexsort((row, col)) + int(rng.integers(n_units))) % n_units
+    return (order[::-1] if rng.integers(2) else order).astype(np.int64)
+
+
 def block_permutation(n: int, seed: int, epoch: int, world_size: int, rank: int, block: int) -> np.ndarray:
     """Random order of the ``n`` samples held by shuffle block ``block`` of this rank."""
     rng = np.random.default_rng([_BLOCK_STREAM, seed, epoch, world_size, rank, block])

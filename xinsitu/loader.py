@@ -169,14 +169,7 @@ class BatchGenerator:
     # ------------------------------------------------------------------ set-up
     def _check_manifest(self, ds: xr.Dataset) -> None:
         m, g = self.manifest, self.geometry
-        for d in m.dims:
-            if d not in g.sizes:
-                raise ValueError(f"manifest splits dim {d!r}, which the selected variables do not have")
-            if g.sizes[d] != m.sizes[d]:
-                raise ValueError(f"manifest was made on {d!r} of length {m.sizes[d]}, this dataset has {g.sizes[d]}")
-            if not np.isin(np.asarray(m.edges[d]), g.edges[d]).all():
-                raise ValueError(f"the chunk grid along {d!r} (chunks of {g.dims[d]}) does not match the "
-                                 "manifest's: it was made on a dataset chunked differently")
+        m.check_grid(g.sizes, g.edges, g.dims)  # its own grid or a refinement of it
         m.check_labels({d: coord_span(ds, d) for d in m.dims if coord_span(ds, d) is not None})
         snap = snapshot_of_sources(self.sources)
         if m.snapshot is not None and snap is not None and snap != m.snapshot:
@@ -232,10 +225,18 @@ class BatchGenerator:
         self.epoch = int(epoch)
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
-        """This rank's plan of ``epoch`` (default: the current one)."""
-        return epoch_plan(self.space, seed=self.seed, epoch=self.epoch if epoch is None else epoch,
-                          shuffle=self.shuffle, batch_size=self.batch_size, block_chunks=self.block_chunks,
-                          drop_last=self.drop_last, rank=self.rank, world_size=self.world_size)
+        """This rank's plan of ``epoch`` (default: the current one); the last one is kept, so
+        ``len``, ``state_dict`` and ``repr`` don't redo it."""
+        epoch = self.epoch if epoch is None else epoch
+        key = (id(self.space), self.seed, epoch, self.shuffle, self.batch_size, self.block_chunks, self.drop_last,
+               self.rank, self.world_size)
+        cached = self.__dict__.get("_plan_cache")
+        if cached is None or cached[0] != key:
+            self._plan_cache = cached = (key, epoch_plan(
+                self.space, seed=self.seed, epoch=epoch, shuffle=self.shuffle, batch_size=self.batch_size,
+                block_chunks=self.block_chunks, drop_last=self.drop_last, rank=self.rank,
+                world_size=self.world_size))
+        return cached[1]
 
     def __len__(self) -> int:
         return self.plan().n_batches
@@ -282,7 +283,7 @@ class BatchGenerator:
         # a pickled generator (e.g. sent to a spawned DataLoader worker) leaves this process's
         # reader and recycled block buffers behind: the new process builds its own
         state = self.__dict__.copy()
-        state.update(_reader=None, _loader=None, _pid=-1, _io={})
+        state.update(_reader=None, _loader=None, _pid=-1, _io={}, _plan_cache=None)
         return state
 
     # ------------------------------------------------------------------ state

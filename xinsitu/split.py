@@ -28,7 +28,7 @@ from xinsitu.geometry import Geometry
 FORMAT_VERSION = 2
 #: a manifest written with more runs than this stores one owner per chunk block when that is smaller
 MAX_RUNS = 4096
-_LEFT_OUT = 255  # owner of a block no split holds, in the compressed owner array
+_MAX_OWNED = 255  # splits a compressed owner array can tell apart (the last code: left out)
 
 
 # ----------------------------------------------------------------------------- compact block sets
@@ -171,27 +171,50 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _encode_owner(owner: np.ndarray) -> dict[str, Any]:
-    """A per-block owner array (uint8, ``_LEFT_OUT`` where no split holds the block) as JSON."""
-    raw = zlib.compress(np.ascontiguousarray(owner, dtype=np.uint8).tobytes(), 9)
-    return {"encoding": "zlib+base64", "dtype": "uint8", "left_out": _LEFT_OUT, "length": int(len(owner)),
+def _owner_bits(nsplits: int) -> int:
+    """Bits per chunk block in the compressed owner array: room for each split and 'left out'."""
+    return next(b for b in (1, 2, 4, 8) if nsplits < (1 << b))
+
+
+def _encode_owner(owner: np.ndarray, nsplits: int) -> dict[str, Any]:
+    """A per-block owner array (split index, ``nsplits`` or more where no split holds the block) as
+    JSON: packed to the fewest bits that hold every owner (2 for three splits), then zlib, base64."""
+    bits = _owner_bits(nsplits)
+    left = (1 << bits) - 1
+    own = np.where(owner < nsplits, owner, left).astype(np.uint8)
+    per = 8 // bits
+    own = np.concatenate([own, np.zeros(-len(own) % per, np.uint8)]).reshape(-1, per)
+    packed = np.zeros(len(own), np.uint8)
+    for j in range(per):
+        packed |= own[:, j] << np.uint8(8 - bits * (j + 1))
+    raw = zlib.compress(packed.tobytes(), 1)
+    return {"encoding": "zlib+base64", "bits": bits, "left_out": left, "length": int(len(owner)),
             "data": base64.b64encode(raw).decode("ascii")}
 
 
 def _decode_owner(d: Any, n: int) -> np.ndarray:
-    if (not isinstance(d, dict) or d.get("encoding") != "zlib+base64" or d.get("dtype") != "uint8"
-            or d.get("left_out") != _LEFT_OUT or not isinstance(d.get("data"), str)):
-        raise ValueError("manifest 'owner' must be {'encoding': 'zlib+base64', 'dtype': 'uint8', "
-                         f"'left_out': {_LEFT_OUT}, 'length': n, 'data': str}}")
+    """The owner array of ``_encode_owner``'s JSON (``left_out`` where no split holds a block)."""
+    if (not isinstance(d, dict) or d.get("encoding") != "zlib+base64" or d.get("bits") not in (1, 2, 4, 8)
+            or d.get("left_out") != (1 << d["bits"]) - 1 or not isinstance(d.get("data"), str)):
+        raise ValueError("manifest 'owner' must be {'encoding': 'zlib+base64', 'bits': 1|2|4|8, "
+                         "'left_out': 2**bits - 1, 'length': n, 'data': str}")
     if d.get("length") != n:
         raise ValueError(f"manifest 'owner' holds {d.get('length')!r} chunk blocks, the grid has {n}")
+    bits = d["bits"]
+    per = 8 // bits
+    size = -(-n // per)
     try:
-        raw = zlib.decompressobj().decompress(base64.b64decode(d["data"], validate=True), n + 1)
+        raw = zlib.decompressobj().decompress(base64.b64decode(d["data"], validate=True), size + 1)
     except (ValueError, zlib.error) as e:
         raise ValueError(f"manifest 'owner' data cannot be decoded: {e}") from None
-    if len(raw) != n:
-        raise ValueError(f"manifest 'owner' data decodes to {len(raw)} chunk blocks, the grid has {n}")
-    return np.frombuffer(raw, dtype=np.uint8)
+    if len(raw) != size:
+        raise ValueError(f"manifest 'owner' data decodes to {len(raw)} bytes, {size} expected for {n} chunk blocks")
+    packed = np.frombuffer(raw, dtype=np.uint8)
+    if per == 1:
+        return packed
+    mask = np.uint8((1 << bits) - 1)
+    own = np.stack([(packed >> np.uint8(8 - bits * (j + 1))) & mask for j in range(per)], axis=1)
+    return own.reshape(-1)[:n]
 
 
 # ----------------------------------------------------------------------------- pure math
@@ -440,14 +463,16 @@ class SplitManifest:
     # -- JSON
     def to_dict(self) -> dict[str, Any]:
         """The manifest as plain JSON-able data (format version 2: runs, not lists of ids)."""
-        splits: dict[str, Any] = {k: {"runs": b.to_json()} for k, b in self.splits.items()}
         out: dict[str, Any] = {}
         nruns = sum(b.nruns for b in self.splits.values())
-        if nruns > MAX_RUNS and len(self.splits) < _LEFT_OUT and all(b.ascending() for b in self.splits.values()):
-            owner = _encode_owner(self._owner(left_out=_LEFT_OUT).ravel())
+        if nruns > MAX_RUNS and len(self.splits) < _MAX_OWNED and all(b.ascending() for b in self.splits.values()):
+            owner = _encode_owner(self._owner(left_out=len(self.splits)).ravel(), len(self.splits))
             if len(owner["data"]) < 16 * nruns:  # ~16 characters per run as JSON
-                splits = {k: {"owner": i} for i, k in enumerate(self.splits)}
                 out["owner"] = owner
+        if out:
+            splits: dict[str, Any] = {k: {"owner": i} for i, k in enumerate(self.splits)}
+        else:
+            splits = {k: {"runs": b.to_json()} for k, b in self.splits.items()}
         return {
             "format": "xinsitu.SplitManifest", "version": FORMAT_VERSION, "dims": self.dims,
             "sizes": self.sizes, "edges": {d: {"steps": encode_steps(e)} for d, e in self.edges.items()},
@@ -517,8 +542,7 @@ class SplitManifest:
     def _owner(self, left_out: int = -1) -> np.ndarray:
         """Per chunk block (shaped as ``grid``): index of its split in ``splits``, ``left_out`` where none."""
         n = int(np.prod(self.grid))
-        small = left_out == _LEFT_OUT
-        owner = np.full(n, left_out, dtype=np.uint8 if small else np.int64)
+        owner = np.full(n, left_out, dtype=np.uint8 if 0 <= left_out < _MAX_OWNED else np.int64)
         for i, b in enumerate(self.splits.values()):
             if b.nruns <= 64:
                 for a, z in zip(b.starts.tolist(), b.stops.tolist(), strict=True):
@@ -659,7 +683,8 @@ def _validated_fields(d: dict[str, Any], version: int) -> dict[str, Any]:
             b = Blocks([p[0] for p in r], [p[1] for p in r])
         elif isinstance(v, dict) and "owner" in v:
             i = v["owner"]
-            need(_is_int(i) and 0 <= i < _LEFT_OUT, f"split {k!r}: 'owner' must be an integer below {_LEFT_OUT}")
+            need(_is_int(i) and 0 <= i < int(d["owner"]["left_out"]),
+                 f"split {k!r}: 'owner' must be an integer below {d['owner']['left_out']}")
             b = Blocks.from_ids(np.flatnonzero(owner == i))
         else:
             raise ValueError(f"manifest split {k!r} must be a list of chunk blocks or {{'runs': [[start, stop], ...]}}")

@@ -28,7 +28,7 @@ from xinsitu import shuffle as _shuffle
 from xinsitu.buffer import BlockLoader, VarLayout
 from xinsitu.geometry import geometry_of
 from xinsitu.output import OutputBuilder
-from xinsitu.plan import EpochPlan, SampleDim, SampleSpace, epoch_plan, plan_head
+from xinsitu.plan import EpochPlan, SampleDim, SampleSpace, epoch_plan, epoch_size, plan_head, rank_share
 from xinsitu.reader import Reader
 from xinsitu.snapshot import snapshot_of_sources
 from xinsitu.source import resolve
@@ -226,20 +226,38 @@ class BatchGenerator:
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
         """This rank's plan of ``epoch`` (default: the current one); the last one is kept, so
-        ``len``, ``state_dict`` and ``repr`` don't redo it."""
+        ``state_dict`` checks and iterating again don't redo it."""
         epoch = self.epoch if epoch is None else epoch
-        key = (id(self.space), self.seed, epoch, self.shuffle, self.batch_size, self.block_chunks, self.drop_last,
-               self.rank, self.world_size)
+        cached = self._cached_plan(epoch)
+        if cached is None:
+            cached = epoch_plan(self.space, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                                batch_size=self.batch_size, block_chunks=self.block_chunks, drop_last=self.drop_last,
+                                rank=self.rank, world_size=self.world_size)
+            self._plan_cache = (self._plan_key(epoch), cached)
+        return cached
+
+    def _plan_key(self, epoch: int) -> tuple:
+        return (id(self.space), self.seed, epoch, self.shuffle, self.batch_size, self.block_chunks,
+                self.drop_last, self.rank, self.world_size)
+
+    def _cached_plan(self, epoch: int) -> EpochPlan | None:
         cached = self.__dict__.get("_plan_cache")
-        if cached is None or cached[0] != key:
-            self._plan_cache = cached = (key, epoch_plan(
-                self.space, seed=self.seed, epoch=epoch, shuffle=self.shuffle, batch_size=self.batch_size,
-                block_chunks=self.block_chunks, drop_last=self.drop_last, rank=self.rank,
-                world_size=self.world_size))
-        return cached[1]
+        return cached[1] if cached is not None and cached[0] == self._plan_key(epoch) else None
+
+    def _epoch_size(self) -> tuple[int, int]:
+        """(samples, units) of this rank's current epoch, without ordering 10^7 units where the
+        order cannot change them (``plan.epoch_size``)."""
+        p = self._cached_plan(self.epoch)
+        size = None if p is not None else epoch_size(self.space, world_size=self.world_size, rank=self.rank,
+                                                      batch_size=self.batch_size, drop_last=self.drop_last)
+        if size is None:
+            p = self.plan()
+            return p.n_samples, len(p.units)
+        return size
 
     def __len__(self) -> int:
-        return self.plan().n_batches
+        full, rest = divmod(self._epoch_size()[0], self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
 
     @property
     def n_samples(self) -> int:
@@ -317,7 +335,9 @@ class BatchGenerator:
         Scores the first ``max_batches`` batches of this rank's epoch (no I/O; only the
         shuffle blocks those batches come from are ordered).
         """
-        p = self.plan()
+        return self._quality(self.plan(), max_batches)
+
+    def _quality(self, p: EpochPlan, max_batches: int) -> float:
         need = min(p.n_samples, max_batches * self.batch_size)
         parts, n, j = [], 0, 0
         while n < need and j < p.n_blocks:
@@ -352,9 +372,33 @@ class BatchGenerator:
     def _headline(self) -> str:
         return f"{self.split!r}: {len(self)} batches of {self.batch_size}, output={self.output!r}"
 
+    def _display_plan(self) -> EpochPlan:
+        """The plan the repr describes: the plan itself where it is at hand; where the unit order
+        cannot change what the repr shows (units of equal size), the same cut with the units in
+        split order (no permutation of 10^7 units just to print)."""
+        p = self._cached_plan(self.epoch)
+        c = self.space.counts
+        if p is not None or not len(c) or not bool((c == c[0]).all()):
+            return p if p is not None else self.plan()
+        pos, lo, hi, n = rank_share(c, self.world_size, self.rank, self.batch_size, self.drop_last)
+        return EpochPlan(units=pos, lo=lo, hi=hi, block_chunks=self.block_chunks, n_samples=n,
+                         batch_size=self.batch_size, drop_last=self.drop_last, shuffle=self.shuffle, seed=self.seed,
+                         epoch=self.epoch, rank=self.rank, world_size=self.world_size)
+
     def _epoch_bytes(self, p: EpochPlan) -> int:
         """Decoded bytes of the chunk blocks this rank reads in an epoch (halos and partial chunks aside)."""
         sp = self.space
+        split = {d.name for d in sp.split_dims}
+        if len(p.units) == len(sp.blocks) and all(lay.static or split <= set(lay.src.dims)
+                                                  for lay in self.layouts.values()):
+            # every unit once (one rank): the split's positions, O(runs of the manifest)
+            n = self.manifest.positions(self.split)
+            total = 0
+            for lay in self.layouts.values():
+                rest = lay.src.raw_dtype.itemsize * int(np.prod([k for d, k in zip(lay.src.dims, lay.src.shape,
+                                                                                 strict=True) if d not in split]))
+                total += rest * (1 if lay.static else n)
+            return total
         coords = np.unravel_index(sp.blocks[p.units], sp.grid)
         extent = {d.name: np.diff(sp.edges[k])[coords[k]] for k, d in enumerate(sp.split_dims)}
         total = 0
@@ -371,7 +415,7 @@ class BatchGenerator:
         return total
 
     def _sections(self) -> list[_repr.Section]:
-        p = self.plan()
+        p = self._display_plan()
         nvar = sum(1 for lay in self.layouts.values() if not lay.static)
         batches = f"{p.n_batches} x {self.batch_size} samples"
         if p.n_samples % self.batch_size:
@@ -381,7 +425,7 @@ class BatchGenerator:
             samples += f" (rank {self.rank} of {self.world_size})"
         if self.shuffle:
             shuffle = (f"seed {self.seed}, epoch {self.epoch}, buffers of {self.block_chunks} chunk blocks; "
-                       f"quality {self.shuffle_quality(50):.2f} (1.0 ~ global)")
+                       f"quality {self._quality(p, 50):.2f} (1.0 ~ global)")
         else:
             shuffle = f"off: chunk blocks in split order (epoch {self.epoch})"
         once = "" if any(d.width > 1 for d in self.space.split_dims) else ", each chunk read once"

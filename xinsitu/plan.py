@@ -265,6 +265,22 @@ def rank_share(counts: np.ndarray, world_size: int, rank: int, batch_size: int,
     return units[keep], lo[keep], hi[keep], n
 
 
+def epoch_size(space: SampleSpace, *, world_size: int, rank: int, batch_size: int,
+               drop_last: bool) -> tuple[int, int] | None:
+    """``(samples, units)`` of one rank's epoch where the unit order cannot change them (one rank,
+    or units of equal size: any regular grid), without ordering the units (no permutation of
+    10^7 units for ``len``); None where it can (ask ``epoch_plan``). Equals
+    ``(plan.n_samples, len(plan.units))`` of ``epoch_plan`` with the same arguments."""
+    counts = space.counts
+    if world_size == 1:
+        total = space.n_samples
+        return (total - total % batch_size if drop_last else total), len(counts)
+    if len(counts) and bool((counts == counts[0]).all()):  # every order has the same prefix sums
+        pos, _, _, n = rank_share(counts, world_size, rank, batch_size, drop_last)
+        return n, len(pos)
+    return None
+
+
 def _equalise(per_rank: np.ndarray, batch_size: int, drop_last: bool) -> np.ndarray:
     """Samples each rank yields so that all ranks yield the same number of batches."""
     if drop_last:

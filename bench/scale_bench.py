@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1_000_000)
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "xinsitu-scale"))
     ap.add_argument("--no-random", action="store_true", help="skip the contiguous=False split")
+    ap.add_argument("--rss-steps", action="store_true", help="also report the peak RSS after each step")
     ap.add_argument("--time-unit", default=None,
                     help="decode the time axis to datetime64 of this unit (e.g. 's'): an hourly axis of 10^7 "
                          "steps from 1940 ends past 2262, where xarray's default (ns) falls back to 10^7 cftime "
@@ -68,9 +69,12 @@ def main() -> None:
     out: dict = {"steps": a.steps, "chunks": a.steps * 4}
 
     def step(name, fn):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         r = fn()
         out[name + "_s"] = round(time.perf_counter() - t0, 4)
+        out[name + "_cpu_s"] = round(time.process_time() - c0, 4)  # the machine may be shared
+        if a.rss_steps:
+            out[name + "_peak_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3)
         return r
 
     kw = {}

@@ -328,3 +328,37 @@ def test_manifest_on_coarser_or_other_grid_is_refused(era5_path, refined_path, t
         xinsitu.open_zarr(other).insitu.batches(m, "train")  # edges at 6, 12, ...: not every 8 is one
     with pytest.raises(ValueError, match="of length"):
         fine.isel(time=slice(0, NT - 1)).insitu.batches(m, "train")
+
+
+# ----------------------------------------------------------------------------- len without the plan
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 9), min_size=1, max_size=40), st.booleans(), st.integers(1, 6), st.data(),
+       st.integers(1, 7), st.booleans(), st.booleans())
+def test_epoch_size_equals_the_plan(counts, equal, world_size, data, batch_size, drop_last, shuffle):
+    """``epoch_size`` (what ``len(gen)`` and the repr use) is the plan's, wherever it answers."""
+    from xinsitu.plan import SampleDim, SampleSpace, epoch_plan, epoch_size
+
+    if equal:
+        counts = [counts[0] or 1] * len(counts)
+    edges = np.concatenate([[0], np.cumsum(np.maximum(counts, 1))]).astype(np.int64)
+    space = SampleSpace([SampleDim("t", int(edges[-1]), split=True)], {"t": edges}, np.arange(len(counts)))
+    rank = data.draw(st.integers(0, world_size - 1))
+    p = epoch_plan(space, seed=1, epoch=2, shuffle=shuffle, batch_size=batch_size, block_chunks=3,
+                   drop_last=drop_last, rank=rank, world_size=world_size)
+    size = epoch_size(space, world_size=world_size, rank=rank, batch_size=batch_size, drop_last=drop_last)
+    if world_size == 1 or equal:
+        assert size == (p.n_samples, len(p.units))
+    else:
+        assert size is None or size == (p.n_samples, len(p.units))
+
+
+def test_len_and_repr_match_the_plan(era5_path):
+    ds = xinsitu.open_zarr(era5_path)
+    m = ds.insitu.split("time", fractions=FR)
+    for kw in (dict(world_size=3, rank=1), dict(world_size=1), dict(window={"time": 3}, world_size=2, rank=0)):
+        gen = ds.insitu.batches(m, "train", batch_size=4, **kw)
+        n = len(gen)
+        text = repr(gen)  # made without the plan where the order cannot change it
+        p = gen.plan()
+        assert n == p.n_batches and f"{p.n_batches} x 4 samples" in text
+        assert f"quality {gen.shuffle_quality(50):.2f}" in text and repr(gen) == text

@@ -51,16 +51,19 @@ class SampleSpace:
         self.edges = [np.asarray(edges[d.name], dtype=np.int64) for d in self.split_dims]
         self.grid = tuple(len(e) - 1 for e in self.edges)
         self.blocks = np.asarray(blocks, dtype=np.int64)
-        mask = np.zeros(int(np.prod(self.grid)), dtype=bool)
-        mask[self.blocks] = True
-        self._in_split = mask.reshape(self.grid)
-        # n-d prefix sums of the membership grid: box queries in O(2^k)
-        cs = self._in_split.astype(np.int64)
-        for ax in range(cs.ndim):
-            cs = np.cumsum(cs, axis=ax)
-        self._cs = np.pad(cs, [(1, 0)] * cs.ndim)
         self._free_starts = [d.starts() for d in self.free_dims]
         self._free_n = int(np.prod([len(s) for s in self._free_starts])) if self.free_dims else 1
+
+    @cached_property
+    def _cs(self) -> np.ndarray:
+        """n-d prefix sums of the membership grid: box queries in O(2^k). Made on first use (windows,
+        tiles, several split dims): a split of 10^7 one-position units never needs them."""
+        mask = np.zeros(int(np.prod(self.grid)), dtype=bool)
+        mask[self.blocks] = True
+        cs = mask.reshape(self.grid).astype(np.int64)
+        for ax in range(cs.ndim):
+            cs = np.cumsum(cs, axis=ax)
+        return np.pad(cs, [(1, 0)] * cs.ndim)
 
     # ------------------------------------------------------------------ per unit
     def _candidates(self, k: int, c: int) -> tuple[np.ndarray, np.ndarray]:

@@ -153,6 +153,7 @@ class BatchGenerator:
         self.geometry = geometry_of(self.sources)
         self._check_manifest(ds)
         self.space = self._sample_space(window, patch, stride, over)
+        self.space.offsets  # noqa: B018 (samples per unit and their offsets: made once, for len, plans and sample)
         self.layouts = {n: VarLayout.build(s, self.space) for n, s in self.sources.items()}
         self.builder = OutputBuilder(ds, self.space, self.layouts, output, stack, device, normalize=normalize)
         self.normalize = normalize
@@ -372,25 +373,32 @@ class BatchGenerator:
     def _headline(self) -> str:
         return f"{self.split!r}: {len(self)} batches of {self.batch_size}, output={self.output!r}"
 
-    def _display_plan(self) -> EpochPlan:
-        """The plan the repr describes: the plan itself where it is at hand; where the unit order
-        cannot change what the repr shows (units of equal size), the same cut with the units in
-        split order (no permutation of 10^7 units just to print)."""
+    def _display_plan(self) -> tuple[EpochPlan, int]:
+        """The plan the repr describes (its first 50 batches at least) and how many units it reads:
+        the plan itself where it is at hand; where the unit order cannot change what the repr shows
+        (units of equal size), the same cut with the units in split order, and for one rank only
+        its head (no permutation of, nor pass over, 10^7 units just to print)."""
         p = self._cached_plan(self.epoch)
         c = self.space.counts
-        if p is not None or not len(c) or not bool((c == c[0]).all()):
-            return p if p is not None else self.plan()
+        if p is not None or not len(c) or not bool((c == c[0]).all()) or not c[0]:
+            p = p if p is not None else self.plan()
+            return p, len(p.units)
+        kw = dict(block_chunks=self.block_chunks, batch_size=self.batch_size, drop_last=self.drop_last,
+                  shuffle=self.shuffle, seed=self.seed, epoch=self.epoch, rank=self.rank, world_size=self.world_size)
+        if self.world_size == 1:
+            n, units = epoch_size(self.space, world_size=1, rank=0, batch_size=self.batch_size,
+                                  drop_last=self.drop_last)
+            k = min(units, (-(-50 * self.batch_size // int(c[0])) // self.block_chunks + 1) * self.block_chunks)
+            return EpochPlan(units=np.arange(k), lo=np.zeros(k, np.int64), hi=c[:k].copy(), n_samples=n, **kw), units
         pos, lo, hi, n = rank_share(c, self.world_size, self.rank, self.batch_size, self.drop_last)
-        return EpochPlan(units=pos, lo=lo, hi=hi, block_chunks=self.block_chunks, n_samples=n,
-                         batch_size=self.batch_size, drop_last=self.drop_last, shuffle=self.shuffle, seed=self.seed,
-                         epoch=self.epoch, rank=self.rank, world_size=self.world_size)
+        return EpochPlan(units=pos, lo=lo, hi=hi, n_samples=n, **kw), len(pos)
 
-    def _epoch_bytes(self, p: EpochPlan) -> int:
+    def _epoch_bytes(self, p: EpochPlan, n_units: int | None = None) -> int:
         """Decoded bytes of the chunk blocks this rank reads in an epoch (halos and partial chunks aside)."""
         sp = self.space
         split = {d.name for d in sp.split_dims}
-        if len(p.units) == len(sp.blocks) and all(lay.static or split <= set(lay.src.dims)
-                                                  for lay in self.layouts.values()):
+        n_units = len(p.units) if n_units is None else n_units
+        if n_units == len(sp.blocks) and all(lay.static or split <= set(lay.src.dims) for lay in self.layouts.values()):
             # every unit once (one rank): the split's positions, O(runs of the manifest)
             n = self.manifest.positions(self.split)
             total = 0
@@ -415,7 +423,7 @@ class BatchGenerator:
         return total
 
     def _sections(self) -> list[_repr.Section]:
-        p = self._display_plan()
+        p, n_units = self._display_plan()
         nvar = sum(1 for lay in self.layouts.values() if not lay.static)
         batches = f"{p.n_batches} x {self.batch_size} samples"
         if p.n_samples % self.batch_size:
@@ -430,8 +438,8 @@ class BatchGenerator:
             shuffle = f"off: chunk blocks in split order (epoch {self.epoch})"
         once = "" if any(d.width > 1 for d in self.space.split_dims) else ", each chunk read once"
         info = [("batches", batches), ("samples", samples),
-                ("reads / epoch", f"{len(p.units)} chunk blocks x {nvar} variable{'s' if nvar != 1 else ''}, "
-                                  f"~{_repr.fmt_bytes(self._epoch_bytes(p))} decoded{once}"),
+                ("reads / epoch", f"{n_units} chunk blocks x {nvar} variable{'s' if nvar != 1 else ''}, "
+                                  f"~{_repr.fmt_bytes(self._epoch_bytes(p, n_units))} decoded{once}"),
                 ("shuffle", shuffle), ("output", self.output + (f" on {self.builder.device}"
                                                                 if getattr(self.builder, "device", None) else ""))]
         roles = []

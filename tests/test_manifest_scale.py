@@ -233,7 +233,8 @@ def test_invalid_owner_array_raises():
 def test_geometry_of_a_regular_grid_needs_no_per_chunk_array(era5_path):
     ds = xinsitu.open_zarr(era5_path)
     src = resolve(ds)
-    for sub in (ds, ds.isel(time=slice(3, 50)), ds.isel(time=slice(5, None))):
+    for sub in (ds, ds.isel(time=slice(3, 50)), ds.isel(time=slice(5, None)), ds.isel(time=slice(1, None, 3)),
+                ds.isel(time=slice(None, None, -1))):
         s = resolve(sub)
         brk = chunk_breaks(s["t2m"], "time")
         ids = np.asarray(s["t2m"].index[0]) // CT  # what the per-position way found

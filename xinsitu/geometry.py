@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from xinsitu import repr as _repr
-from xinsitu.source import VarSource
+from xinsitu.source import _ARANGES, VarSource
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,9 @@ def _run(ix: np.ndarray) -> int | None:
     n = len(ix)
     if n == 0:
         return 0
+    base = ix if ix.base is None else ix.base
+    if ix.strides == (8,) and isinstance(base, np.ndarray) and base is _ARANGES.get(len(base)):
+        return int(ix[0])  # a step-1 view of the shared 0..n-1 (an untouched or sliced dim): no pass
     a = int(ix[0])
     if int(ix[-1]) - a != n - 1:
         return None

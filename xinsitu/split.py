@@ -661,6 +661,7 @@ def _validated_fields(d: dict[str, Any], version: int) -> dict[str, Any]:
             e = np.asarray(e, dtype=np.int64)
         need(len(e) >= 2 and e[0] == 0 and e[-1] == sizes[x] and bool((e[1:] > e[:-1]).all()),
              f"'edges' of {x!r} must rise strictly from 0 to its length {sizes[x]}")
+        e.setflags(write=False)  # ours: the manifest keeps it as it is, no copy
         edges[x] = e
     grid = tuple(len(edges[x]) - 1 for x in dims)
     n = int(np.prod(grid))

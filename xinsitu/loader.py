@@ -226,31 +226,16 @@ class BatchGenerator:
         self.epoch = int(epoch)
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
-        """This rank's plan of ``epoch`` (default: the current one); the last one is kept, so
-        ``state_dict`` checks and iterating again don't redo it."""
-        epoch = self.epoch if epoch is None else epoch
-        cached = self._cached_plan(epoch)
-        if cached is None:
-            cached = epoch_plan(self.space, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
-                                batch_size=self.batch_size, block_chunks=self.block_chunks, drop_last=self.drop_last,
-                                rank=self.rank, world_size=self.world_size)
-            self._plan_cache = (self._plan_key(epoch), cached)
-        return cached
-
-    def _plan_key(self, epoch: int) -> tuple:
-        return (id(self.space), self.seed, epoch, self.shuffle, self.batch_size, self.block_chunks,
-                self.drop_last, self.rank, self.world_size)
-
-    def _cached_plan(self, epoch: int) -> EpochPlan | None:
-        cached = self.__dict__.get("_plan_cache")
-        return cached[1] if cached is not None and cached[0] == self._plan_key(epoch) else None
+        """This rank's plan of ``epoch`` (default: the current one)."""
+        return epoch_plan(self.space, seed=self.seed, epoch=self.epoch if epoch is None else epoch,
+                          shuffle=self.shuffle, batch_size=self.batch_size, block_chunks=self.block_chunks,
+                          drop_last=self.drop_last, rank=self.rank, world_size=self.world_size)
 
     def _epoch_size(self) -> tuple[int, int]:
         """(samples, units) of this rank's current epoch, without ordering 10^7 units where the
         order cannot change them (``plan.epoch_size``)."""
-        p = self._cached_plan(self.epoch)
-        size = None if p is not None else epoch_size(self.space, world_size=self.world_size, rank=self.rank,
-                                                      batch_size=self.batch_size, drop_last=self.drop_last)
+        size = epoch_size(self.space, world_size=self.world_size, rank=self.rank, batch_size=self.batch_size,
+                          drop_last=self.drop_last)
         if size is None:
             p = self.plan()
             return p.n_samples, len(p.units)
@@ -302,7 +287,7 @@ class BatchGenerator:
         # a pickled generator (e.g. sent to a spawned DataLoader worker) leaves this process's
         # reader and recycled block buffers behind: the new process builds its own
         state = self.__dict__.copy()
-        state.update(_reader=None, _loader=None, _pid=-1, _io={}, _plan_cache=None)
+        state.update(_reader=None, _loader=None, _pid=-1, _io={})
         return state
 
     # ------------------------------------------------------------------ state
@@ -375,13 +360,12 @@ class BatchGenerator:
 
     def _display_plan(self) -> tuple[EpochPlan, int]:
         """The plan the repr describes (its first 50 batches at least) and how many units it reads:
-        the plan itself where it is at hand; where the unit order cannot change what the repr shows
-        (units of equal size), the same cut with the units in split order, and for one rank only
-        its head (no permutation of, nor pass over, 10^7 units just to print)."""
-        p = self._cached_plan(self.epoch)
+        where the unit order cannot change what the repr shows (units of equal size), the same cut
+        with the units in split order, and for one rank only its head (no permutation of, nor pass
+        over, 10^7 units just to print); else the plan."""
         c = self.space.counts
-        if p is not None or not len(c) or not bool((c == c[0]).all()) or not c[0]:
-            p = p if p is not None else self.plan()
+        if not len(c) or not bool((c == c[0]).all()) or not c[0]:
+            p = self.plan()
             return p, len(p.units)
         kw = dict(block_chunks=self.block_chunks, batch_size=self.batch_size, drop_last=self.drop_last,
                   shuffle=self.shuffle, seed=self.seed, epoch=self.epoch, rank=self.rank, world_size=self.world_size)

@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import os
+import weakref
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -150,6 +151,22 @@ def encode_steps(values: np.ndarray) -> list[list[int]]:
     counts = np.diff(np.concatenate([starts, [len(v)]]))
     steps = np.concatenate([d, [0]])[starts]
     return np.stack([v[starts], steps, counts], axis=1).tolist()
+
+
+_STEPS: dict[int, tuple[Any, list[list[int]]]] = {}
+
+
+def steps_of(values: Any) -> list[list[int]]:
+    """``encode_steps(values)``, remembered for a read-only array (a manifest's or geometry's edges):
+    the fingerprint and every ``to_json`` of a 10^7-chunk grid share one pass over it."""
+    if not isinstance(values, np.ndarray) or values.flags.writeable:
+        return encode_steps(values)
+    key = id(values)
+    hit = _STEPS.get(key)
+    if hit is None or hit[0]() is not values:
+        hit = (weakref.ref(values, lambda _, k=key: _STEPS.pop(k, None)), encode_steps(values))
+        _STEPS[key] = hit
+    return [list(r) for r in hit[1]]  # a copy: the caller may edit it
 
 
 def decode_steps(runs: Any, what: str) -> np.ndarray:
@@ -475,7 +492,7 @@ class SplitManifest:
             splits = {k: {"runs": b.to_json()} for k, b in self.splits.items()}
         return {
             "format": "xinsitu.SplitManifest", "version": FORMAT_VERSION, "dims": self.dims,
-            "sizes": self.sizes, "edges": {d: {"steps": encode_steps(e)} for d, e in self.edges.items()},
+            "sizes": self.sizes, "edges": {d: {"steps": steps_of(e)} for d, e in self.edges.items()},
             "splits": splits, **out, "labels": self.labels,
             "seed": self.seed, "gap": self.gap, "contiguous": self.contiguous, "method": self.method,
             "fingerprint": self.fingerprint, "snapshot": self.snapshot, "stats": self.stats,
@@ -623,7 +640,7 @@ def fingerprint_of(dims: list[str], sizes: dict[str, int], edges: dict[str, Any]
     """Hash of the split dims' geometry (lengths, chunk grid as runs of equal steps, first/last
     labels): O(runs of the grid), a few hundred bytes hashed for a regular grid of any length."""
     blob = json.dumps({"version": 2, "dims": list(dims), "sizes": {d: sizes[d] for d in dims},
-                       "edges": {d: encode_steps(edges[d]) for d in dims},
+                       "edges": {d: steps_of(edges[d]) for d in dims},
                        "coords": {d: coords.get(d) for d in dims}}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 

@@ -127,7 +127,8 @@ class SampleSpace:
             sizes = per_block[self.blocks]
         else:
             sizes = np.array([len(self.split_starts(u)) for u in range(len(self.blocks))], dtype=np.int64)
-        return sizes.astype(np.int64) * self._free_n
+        sizes = sizes.astype(np.int64, copy=False)  # no copy of 10^7 counts that are int64 already
+        return sizes * self._free_n if self._free_n != 1 else sizes
 
     @cached_property
     def offsets(self) -> np.ndarray:

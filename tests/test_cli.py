@@ -39,7 +39,7 @@ def test_inspect_json_matches_the_library(era5_path: str) -> None:
     got = json.loads(run("inspect", era5_path, "--json").stdout)
     ds = xinsitu.open_zarr(era5_path)
     m = ds.insitu.split("time", fractions={"train": 0.8, "val": 0.1, "test": 0.1}, gap=1)
-    assert got["split"]["splits"] == m.splits and got["split"]["gap"] == 1
+    assert got["split"]["splits"] == m.to_dict()["splits"] and got["split"]["gap"] == 1
     assert got["split"]["fingerprint"] == m.fingerprint
     n = sum(len(b) for b in m.splits.values())
     assert n + 2 == math.ceil(NT / CT)  # every chunk block but the two gaps
@@ -53,7 +53,7 @@ def test_inspect_falls_back_and_explains(tmp_path: Path, capsys: pytest.CaptureF
     assert cli.main(["inspect", few, "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["split"] is not None and got["split"]["gap"] == 0 and "gap=0" in got["code"]
-    assert sum(len(b) for b in got["split"]["splits"].values()) == 4
+    assert sum(b - a for s in got["split"]["splits"].values() for a, b in s["runs"]) == 4  # runs [start, stop)
     whole = str(tmp_path / "whole.zarr")
     write_era5_like(whole, nt=8, ny=2, nx=3, chunk_time=8)  # one chunk: nothing to split
     assert cli.main(["inspect", whole]) == 0

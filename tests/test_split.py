@@ -88,8 +88,12 @@ def test_manifest_tampering_detected(era5_path, tmp_path):
     ds = xinsitu.open_zarr(era5_path)
     m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
     d = m.to_dict()
-    d["sizes"]["time"] += 1
+    d["extra"]["coords"]["time"][0] = "1900-01-01T00:00:00"
     with pytest.raises(ValueError, match="fingerprint"):
+        SplitManifest.from_dict(d)
+    d = m.to_dict()
+    d["sizes"]["time"] += 1  # caught by the checks before the fingerprint
+    with pytest.raises(ValueError, match="'edges' of 'time' must rise strictly from 0 to its length"):
         SplitManifest.from_dict(d)
     with pytest.raises(ValueError, match="not an xinsitu SplitManifest"):
         SplitManifest.from_dict({"dims": ["time"]})

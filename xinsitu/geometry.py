@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from xinsitu import repr as _repr
-from xinsitu.source import VarSource
+from xinsitu.source import _ARANGES, VarSource
 
 
 @dataclass(frozen=True)
@@ -104,8 +104,37 @@ def _codec_names(array: object) -> tuple[str, ...]:
     return tuple(names)
 
 
+def _run(ix: np.ndarray) -> int | None:
+    """First position where ``ix`` is the consecutive run ``a, a+1, ..., a+len-1``, else None.
+
+    An untouched or sliced stored dim is such a run: its chunk grid is then arithmetic and
+    needs no per-position (or per-chunk) array. One vectorised pass over ``ix``, no sort.
+    """
+    n = len(ix)
+    if n == 0:
+        return 0
+    base = ix if ix.base is None else ix.base
+    if ix.strides == (8,) and isinstance(base, np.ndarray) and base is _ARANGES.get(len(base)):
+        return int(ix[0])  # a step-1 view of the shared 0..n-1 (an untouched or sliced dim): no pass
+    a = int(ix[0])
+    if int(ix[-1]) - a != n - 1:
+        return None
+    return a if n < 2 or bool((ix[1:] > ix[:-1]).all()) else None  # n increasing ints spanning n-1: a run
+
+
+def _chunks_touched(ix: np.ndarray, c: int) -> int:
+    """Distinct chunks (of length ``c``) the positions ``ix`` fall in."""
+    a = _run(ix)
+    if a is not None:
+        return 0 if len(ix) == 0 else (a + len(ix) - 1) // c - a // c + 1
+    ids = ix // c
+    if len(ids) < 2 or bool((ids[1:] >= ids[:-1]).all()):  # sorted selection: count the changes
+        return int(len(ids) > 0) + int(np.count_nonzero(ids[1:] != ids[:-1]))
+    return len(np.unique(ids))
+
+
 def var_geometry(src: VarSource) -> VarGeometry:
-    """Geometry of one variable from its source (metadata only)."""
+    """Geometry of one variable from its source (metadata only; no per-chunk array on a regular grid)."""
     itemsize = src.raw_dtype.itemsize
     if src.stored:
         kept = [ax for ax, ix in enumerate(src.index) if not isinstance(ix, int)]
@@ -114,7 +143,8 @@ def var_geometry(src: VarSource) -> VarGeometry:
         shards = tuple(shards[ax] for ax in kept) if shards else None
         nchunks = 1
         for ax, ix in enumerate(src.index):
-            nchunks *= len(np.unique(np.atleast_1d(ix) // src.chunk_shape[ax]))
+            if not isinstance(ix, int):
+                nchunks *= _chunks_touched(np.asarray(ix, dtype=np.int64), src.chunk_shape[ax])
         return VarGeometry(
             src.name, src.dims, src.shape, chunks, shards, str(src.raw_dtype), _codec_names(src.array),
             int(np.prod(src.chunk_shape)) * itemsize, int(nchunks), True,
@@ -125,16 +155,53 @@ def var_geometry(src: VarSource) -> VarGeometry:
                        int(np.prod(chunks)) * itemsize, nchunks, False)
 
 
+def chunk_breaks(src: VarSource, dim: str) -> np.ndarray:
+    """Positions ``1..n-1`` of ``dim`` (in this selection) where ``src`` starts a new chunk.
+
+    Arithmetic where the selection is a run of the stored dim (O(chunks)); per position only
+    for a scattered selection.
+    """
+    return _breaks(src, dim)[1]
+
+
+def _breaks(src: VarSource, dim: str) -> tuple[tuple[int, ...] | None, np.ndarray]:
+    """``chunk_breaks`` and, where the grid is arithmetic, what fixes it (start, length, chunk)."""
+    if not src.stored:
+        sizes = np.asarray(src.mem_chunks[src.dims.index(dim)], dtype=np.int64)
+        return None, (np.cumsum(sizes[:-1])[sizes[:-1] > 0] if len(sizes) > 1 else np.zeros(0, np.int64))
+    ax = src.src_dims.index(dim)
+    ix = np.asarray(src.index[ax], dtype=np.int64)
+    c = src.chunk_shape[ax]
+    a = _run(ix)
+    if a is not None:
+        return (a % c, len(ix), c), np.arange((-a) % c or c, len(ix), c, dtype=np.int64)
+    ids = ix // c
+    return None, (np.flatnonzero(ids[1:] != ids[:-1]) + 1).astype(np.int64)
+
+
 def common_edges(sources: dict[str, VarSource], dim: str) -> np.ndarray:
-    """Positions where every variable with ``dim`` starts a chunk (plus 0 and the length)."""
-    ids = [s.chunk_ids(dim) for s in sources.values() if dim in s.dims]
-    if not ids:
+    """Positions where every variable with ``dim`` starts a chunk (plus 0 and the length).
+
+    O(variables) for variables on one regular grid, O(chunks) for differing regular grids.
+    """
+    have = [s for s in sources.values() if dim in s.dims]
+    if not have:
         raise ValueError(f"no data variable has dim {dim!r}")
-    n = len(ids[0])
-    brk = np.ones(max(n - 1, 0), dtype=bool)
-    for a in ids:
-        brk &= a[1:] != a[:-1]
-    return np.concatenate([[0], np.flatnonzero(brk) + 1, [n]]).astype(np.int64)
+    n = have[0].shape[have[0].dims.index(dim)]
+    brk: np.ndarray | None = None
+    seen: set[tuple[int, ...]] = set()
+    for s in have:
+        if s.stored:  # the same arithmetic grid as a variable already counted adds nothing
+            ax = s.src_dims.index(dim)
+            ix = s.index[ax]
+            key = (int(ix[0]) % s.chunk_shape[ax] if len(ix) else 0, len(ix), s.chunk_shape[ax])
+            if key in seen and _run(np.asarray(ix, dtype=np.int64)) is not None:
+                continue
+        key, b = _breaks(s, dim)
+        if key is not None:
+            seen.add(key)
+        brk = b if brk is None else np.intersect1d(brk, b, assume_unique=True)
+    return np.concatenate([[0], brk, [n]]).astype(np.int64)
 
 
 def geometry_of(sources: dict[str, VarSource]) -> Geometry:
@@ -150,4 +217,5 @@ def geometry_of(sources: dict[str, VarSource]) -> Geometry:
         cs = sorted({g.chunks[g.dims.index(d)] for g in variables.values() if d in g.dims})
         dims[d] = cs[0] if len(cs) == 1 else tuple(cs)
         edges[d] = common_edges(sources, d)
+        edges[d].setflags(write=False)  # shared with the manifests split on it
     return Geometry(variables, dims, sizes, edges)

@@ -28,7 +28,7 @@ from xinsitu import shuffle as _shuffle
 from xinsitu.buffer import BlockLoader, VarLayout
 from xinsitu.geometry import geometry_of
 from xinsitu.output import OutputBuilder
-from xinsitu.plan import EpochPlan, SampleDim, SampleSpace, epoch_plan, plan_head, segment_plan
+from xinsitu.plan import EpochPlan, SampleDim, SampleSpace, epoch_plan, epoch_size, plan_head, rank_share, segment_plan
 from xinsitu.reader import Reader
 from xinsitu.snapshot import snapshot_of_sources
 from xinsitu.source import resolve
@@ -193,6 +193,7 @@ class BatchGenerator:
         self.geometry = geometry_of(self.sources)
         self._check_manifest(ds)
         self.space = self._sample_space(window, patch, stride, over)
+        self.space.offsets  # noqa: B018 (samples per unit and their offsets: made once, for len, plans and sample)
         self.layouts = {n: VarLayout.build(s, self.space) for n, s in self.sources.items()}
         self.builder = OutputBuilder(ds, self.space, self.layouts, output, stack, device, normalize=normalize)
         self.normalize = normalize
@@ -232,14 +233,7 @@ class BatchGenerator:
     # ------------------------------------------------------------------ set-up
     def _check_manifest(self, ds: xr.Dataset) -> None:
         m, g = self.manifest, self.geometry
-        for d in m.dims:
-            if d not in g.sizes:
-                raise ValueError(f"manifest splits dim {d!r}, which the selected variables do not have")
-            if g.sizes[d] != m.sizes[d]:
-                raise ValueError(f"manifest was made on {d!r} of length {m.sizes[d]}, this dataset has {g.sizes[d]}")
-            if not np.isin(np.asarray(m.edges[d]), g.edges[d]).all():
-                raise ValueError(f"the chunk grid along {d!r} (chunks of {g.dims[d]}) does not match the "
-                                 "manifest's: it was made on a dataset chunked differently")
+        m.check_grid(g.sizes, g.edges, g.dims)  # its own grid or a refinement of it
         m.check_labels({d: coord_span(ds, d) for d in m.dims if coord_span(ds, d) is not None})
         snap = snapshot_of_sources(self.sources)
         if m.snapshot is not None and snap is not None and snap != m.snapshot:
@@ -314,8 +308,20 @@ class BatchGenerator:
                           batch_size=self.batch_size, block_chunks=self.block_chunks,
                           drop_last=self.drop_last, rank=self.rank, world_size=self.world_size)
 
+    def _epoch_size(self) -> tuple[int, int]:
+        """(samples, units) of this rank's current epoch, without ordering 10^7 units where the
+        order cannot change them (``plan.epoch_size``)."""
+        resumed = bool(self._elastic) and self.epoch == self._elastic_epoch  # the rest of an epoch: its own plan
+        size = None if resumed else epoch_size(self.space, world_size=self.world_size, rank=self.rank,
+                                               batch_size=self.batch_size, drop_last=self.drop_last)
+        if size is None:
+            p = self.plan()
+            return p.n_samples, len(p.units)
+        return size
+
     def __len__(self) -> int:
-        return self.plan().n_batches
+        full, rest = divmod(self._epoch_size()[0], self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
 
     @property
     def n_samples(self) -> int:
@@ -433,7 +439,9 @@ class BatchGenerator:
         Scores the first ``max_batches`` batches of this rank's epoch (no I/O; only the
         shuffle blocks those batches come from are ordered).
         """
-        p = self.plan()
+        return self._quality(self.plan(), max_batches)
+
+    def _quality(self, p: EpochPlan, max_batches: int) -> float:
         need = min(p.n_samples, max_batches * self.batch_size)
         parts, n, j = [], 0, 0
         while n < need and j < p.n_blocks:
@@ -474,9 +482,40 @@ class BatchGenerator:
     def _headline(self) -> str:
         return f"{self.split!r}: {len(self)} batches of {self.batch_size}, output={self.output!r}"
 
-    def _epoch_bytes(self, p: EpochPlan) -> int:
+    def _display_plan(self) -> tuple[EpochPlan, int]:
+        """The plan the repr describes (its first 50 batches at least) and how many units it reads:
+        where the unit order cannot change what the repr shows (units of equal size), the same cut
+        with the units in split order, and for one rank only its head (no permutation of, nor pass
+        over, 10^7 units just to print); else the plan."""
+        c = self.space.counts
+        resumed = bool(self._elastic) and self.epoch == self._elastic_epoch
+        if resumed or not len(c) or not bool((c == c[0]).all()) or not c[0]:
+            p = self.plan()
+            return p, len(p.units)
+        kw = dict(block_chunks=self.block_chunks, batch_size=self.batch_size, drop_last=self.drop_last,
+                  shuffle=self.shuffle, seed=self.seed, epoch=self.epoch, rank=self.rank, world_size=self.world_size)
+        if self.world_size == 1:
+            n, units = epoch_size(self.space, world_size=1, rank=0, batch_size=self.batch_size,
+                                  drop_last=self.drop_last)
+            k = min(units, (-(-50 * self.batch_size // int(c[0])) // self.block_chunks + 1) * self.block_chunks)
+            return EpochPlan(units=np.arange(k), lo=np.zeros(k, np.int64), hi=c[:k].copy(), n_samples=n, **kw), units
+        pos, lo, hi, n = rank_share(c, self.world_size, self.rank, self.batch_size, self.drop_last)
+        return EpochPlan(units=pos, lo=lo, hi=hi, n_samples=n, **kw), len(pos)
+
+    def _epoch_bytes(self, p: EpochPlan, n_units: int | None = None) -> int:
         """Decoded bytes of the chunk blocks this rank reads in an epoch (halos and partial chunks aside)."""
         sp = self.space
+        split = {d.name for d in sp.split_dims}
+        n_units = len(p.units) if n_units is None else n_units
+        if n_units == len(sp.blocks) and all(lay.static or split <= set(lay.src.dims) for lay in self.layouts.values()):
+            # every unit once (one rank): the split's positions, O(runs of the manifest)
+            n = self.manifest.positions(self.split)
+            total = 0
+            for lay in self.layouts.values():
+                rest = lay.src.raw_dtype.itemsize * int(np.prod([k for d, k in zip(lay.src.dims, lay.src.shape,
+                                                                                 strict=True) if d not in split]))
+                total += rest * (1 if lay.static else n)
+            return total
         coords = np.unravel_index(sp.blocks[p.units], sp.grid)
         extent = {d.name: np.diff(sp.edges[k])[coords[k]] for k, d in enumerate(sp.split_dims)}
         total = 0
@@ -493,7 +532,7 @@ class BatchGenerator:
         return total
 
     def _sections(self) -> list[_repr.Section]:
-        p = self.plan()
+        p, n_units = self._display_plan()
         nvar = sum(1 for lay in self.layouts.values() if not lay.static)
         batches = f"{p.n_batches} x {self.batch_size} samples"
         if p.n_samples % self.batch_size:
@@ -503,13 +542,13 @@ class BatchGenerator:
             samples += f" (rank {self.rank} of {self.world_size})"
         if self.shuffle:
             shuffle = (f"seed {self.seed}, epoch {self.epoch}, buffers of {self.block_chunks} chunk blocks; "
-                       f"quality {self.shuffle_quality(50):.2f} (1.0 ~ global)")
+                       f"quality {self._quality(p, 50):.2f} (1.0 ~ global)")
         else:
             shuffle = f"off: chunk blocks in split order (epoch {self.epoch})"
         once = "" if any(d.width > 1 for d in self.space.split_dims) else ", each chunk read once"
         info = [("batches", batches), ("samples", samples),
-                ("reads / epoch", f"{len(p.units)} chunk blocks x {nvar} variable{'s' if nvar != 1 else ''}, "
-                                  f"~{_repr.fmt_bytes(self._epoch_bytes(p))} decoded{once}"),
+                ("reads / epoch", f"{n_units} chunk blocks x {nvar} variable{'s' if nvar != 1 else ''}, "
+                                  f"~{_repr.fmt_bytes(self._epoch_bytes(p, n_units))} decoded{once}"),
                 ("shuffle", shuffle), ("output", self.output + (f" on {self.builder.device}"
                                                                 if getattr(self.builder, "device", None) else ""))]
         roles = []

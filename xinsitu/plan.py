@@ -51,16 +51,19 @@ class SampleSpace:
         self.edges = [np.asarray(edges[d.name], dtype=np.int64) for d in self.split_dims]
         self.grid = tuple(len(e) - 1 for e in self.edges)
         self.blocks = np.asarray(blocks, dtype=np.int64)
-        mask = np.zeros(int(np.prod(self.grid)), dtype=bool)
-        mask[self.blocks] = True
-        self._in_split = mask.reshape(self.grid)
-        # n-d prefix sums of the membership grid: box queries in O(2^k)
-        cs = self._in_split.astype(np.int64)
-        for ax in range(cs.ndim):
-            cs = np.cumsum(cs, axis=ax)
-        self._cs = np.pad(cs, [(1, 0)] * cs.ndim)
         self._free_starts = [d.starts() for d in self.free_dims]
         self._free_n = int(np.prod([len(s) for s in self._free_starts])) if self.free_dims else 1
+
+    @cached_property
+    def _cs(self) -> np.ndarray:
+        """n-d prefix sums of the membership grid: box queries in O(2^k). Made on first use (windows,
+        tiles, several split dims): a split of 10^7 one-position units never needs them."""
+        mask = np.zeros(int(np.prod(self.grid)), dtype=bool)
+        mask[self.blocks] = True
+        cs = mask.reshape(self.grid).astype(np.int64)
+        for ax in range(cs.ndim):
+            cs = np.cumsum(cs, axis=ax)
+        return np.pad(cs, [(1, 0)] * cs.ndim)
 
     # ------------------------------------------------------------------ per unit
     def _candidates(self, k: int, c: int) -> tuple[np.ndarray, np.ndarray]:
@@ -124,7 +127,8 @@ class SampleSpace:
             sizes = per_block[self.blocks]
         else:
             sizes = np.array([len(self.split_starts(u)) for u in range(len(self.blocks))], dtype=np.int64)
-        return sizes.astype(np.int64) * self._free_n
+        sizes = sizes.astype(np.int64, copy=False)  # no copy of 10^7 counts that are int64 already
+        return sizes * self._free_n if self._free_n != 1 else sizes
 
     @cached_property
     def spills(self) -> bool:
@@ -272,6 +276,22 @@ def rank_share(counts: np.ndarray, world_size: int, rank: int, batch_size: int,
     keep = hi > lo
     n = q if not drop_last else q - q % batch_size
     return units[keep], lo[keep], hi[keep], n
+
+
+def epoch_size(space: SampleSpace, *, world_size: int, rank: int, batch_size: int,
+               drop_last: bool) -> tuple[int, int] | None:
+    """``(samples, units)`` of one rank's epoch where the unit order cannot change them (one rank,
+    or units of equal size: any regular grid), without ordering the units (no permutation of
+    10^7 units for ``len``); None where it can (ask ``epoch_plan``). Equals
+    ``(plan.n_samples, len(plan.units))`` of ``epoch_plan`` with the same arguments."""
+    counts = space.counts
+    if world_size == 1:
+        total = space.n_samples
+        return (total - total % batch_size if drop_last else total), len(counts)
+    if len(counts) and bool((counts == counts[0]).all()):  # every order has the same prefix sums
+        pos, _, _, n = rank_share(counts, world_size, rank, batch_size, drop_last)
+        return n, len(pos)
+    return None
 
 
 def _equalise(per_rank: np.ndarray, batch_size: int, drop_last: bool) -> np.ndarray:

@@ -58,12 +58,22 @@ def quality(batch_units: list[np.ndarray], counts: np.ndarray) -> float:
     total = counts.sum()
     if total == 0 or not batch_units:
         return 1.0
-    p = counts / total
+    # units of equal size are drawn alike: sum over the distinct sizes (O(units) once, not per batch)
+    sizes, mult = np.unique(counts, return_counts=True) if counts.max() > 1 << 20 else _bincount(counts)
+    p = sizes / total
+    expected: dict[int, float] = {}
     scores = []
     for units in batch_units:
         b = len(units)
         if b <= 1:
             continue
-        expected = float(np.sum(1.0 - (1.0 - p) ** b))  # E[#distinct blocks] for b uniform draws
-        scores.append(min(1.0, len(np.unique(units)) / expected))
+        if b not in expected:  # E[#distinct blocks] for b uniform draws
+            expected[b] = float(np.sum(mult * (1.0 - (1.0 - p) ** b)))
+        scores.append(min(1.0, len(np.unique(units)) / expected[b]))
     return float(np.mean(scores)) if scores else 1.0
+
+
+def _bincount(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    mult = np.bincount(counts)
+    sizes = np.flatnonzero(mult)
+    return sizes, mult[sizes]

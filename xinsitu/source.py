@@ -11,6 +11,7 @@ selection back to its Zarr store.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -218,9 +219,23 @@ def _unwrap_lazy(data: Any) -> tuple[Any, list]:
     return None, keys
 
 
+_ARANGES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _arange(n: int) -> np.ndarray:
+    """``0..n-1``, read-only and shared by every variable of that length (10^7 steps: one 80 MB
+    array for the archive, not one per variable and per call)."""
+    a = _ARANGES.get(n)
+    if a is None:
+        a = np.arange(n, dtype=np.int64)
+        a.setflags(write=False)
+        _ARANGES[n] = a
+    return a
+
+
 def _compose_keys(shape: tuple[int, ...], keys: list) -> list:
     """Apply lazy indexing keys (outermost first) to per-dim positions of the stored array."""
-    index: list = [np.arange(n, dtype=np.int64) for n in shape]
+    index: list = [_arange(n) for n in shape]
     for key in reversed(keys):
         live = [ax for ax, ix in enumerate(index) if not isinstance(ix, int)]
         if len(key) != len(live):

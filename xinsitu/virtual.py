@@ -508,12 +508,16 @@ def _inline_array(name: str, var: xr.Variable, url: str) -> tuple[Any, bytes]:
     from virtualizarr.manifests.utils import create_v3_array_metadata
 
     enc = _encode_inline(name, var)
-    values = np.ascontiguousarray(enc.values)
+    values = np.ascontiguousarray(enc.values).reshape(np.shape(enc.values))  # 0-d stays 0-d
     if values.dtype.kind not in "biuf":
         raise VirtualReferenceError(f"coordinate {name!r} of dtype {values.dtype} cannot be kept inline")
     values = values.astype(values.dtype.newbyteorder("<"), copy=False)
     attrs = {k: _jsonable(v) for k, v in enc.attrs.items()}
-    md = create_v3_array_metadata(shape=values.shape, data_type=values.dtype, chunk_shape=values.shape or (1,),
+    if "_FillValue" in attrs:  # xarray reads a zarr v3 _FillValue attribute in its own encoding (base64 for floats)
+        from xarray.backends.zarr import FillValueCoder
+
+        attrs["_FillValue"] = FillValueCoder.encode(enc.attrs["_FillValue"], values.dtype)
+    md = create_v3_array_metadata(shape=values.shape, data_type=values.dtype, chunk_shape=values.shape,
                                   attributes=attrs, dimension_names=enc.dims)
     grid = (1,) * values.ndim
     manifest = ChunkManifest.from_arrays(
@@ -678,3 +682,20 @@ def open_netcdf(paths: str | os.PathLike | Iterable[str | os.PathLike], *, conca
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NUMCODECS_WARNING)
         return open_zarr(store, consolidated=False, decode_times=decode_times)
+
+
+def grib_store(paths: str | os.PathLike | Iterable[str | os.PathLike], **kwargs: Any) -> Any:
+    """One virtual Zarr store over GRIB files, one message per chunk: see :func:`xinsitu.grib.grib_store`."""
+    from xinsitu.grib import grib_store as _grib_store
+
+    return _grib_store(paths, **kwargs)
+
+
+def open_grib(paths: str | os.PathLike | Iterable[str | os.PathLike], **kwargs: Any) -> xr.Dataset:
+    """GRIB files (editions 1 and 2) as one lazy Dataset read in place: see :func:`xinsitu.grib.open_grib`.
+
+    Equals ``xr.open_dataset(path, engine="cfgrib")`` (names, coordinates, attributes, values).
+    """
+    from xinsitu.grib import open_grib as _open_grib
+
+    return _open_grib(paths, **kwargs)

@@ -171,7 +171,10 @@ def scan_messages(path: str) -> list[tuple[int, int, int, str]]:
             try:
                 h = eccodes.codes_grib_new_from_file(f)
             except Exception as e:  # noqa: BLE001 - ecCodes' errors (premature end, wrong length...)
-                at = out[-1][0] + out[-1][1] if out else 0
+                if not out:
+                    raise GribError(f"{path} is not a GRIB file, or its first message is damaged (ecCodes: "
+                                    f"{type(e).__name__}: {e}); {_GRIB_HELP}") from None
+                at = out[-1][0] + out[-1][1]
                 raise GribError(f"{path}: the GRIB message after byte {at} cannot be read ({type(e).__name__}: "
                                 f"{e}); the file is truncated or damaged ({len(out)} messages read before it)") \
                     from None
@@ -266,7 +269,7 @@ def _read_file(url: str, cfgrib_kwargs: dict[str, Any]) -> _File:
         data[name] = (tuple(var.dimensions), tuple(oda.shape), dict(var.attributes), oda.geo_ndim,
                       paths, np.stack([offsets, lengths]), None if mv is None else float(mv))
     # decoded the way xarray's cfgrib backend decodes them (times, steps)
-    cds_coords = xr.decode_cf(xr.Dataset(coords))
+    cds_coords = xr.decode_cf(xr.Dataset(coords=coords))
     return _File(url, dict(cds.attributes), cds_coords, data, packings)
 
 
@@ -457,3 +460,54 @@ def open_grib(paths: str | os.PathLike | Iterable[str | os.PathLike], *, concat_
 
     return open_zarr(grib_store(paths, concat_dim=concat_dim, filter_by_keys=filter_by_keys, decoder=decoder,
                                 registry=registry, **cfgrib_kwargs), consolidated=False, decode_times=decode_times)
+
+
+# ----------------------------------------------------------------------------- writing (examples, tests, benchmarks)
+def write_grib(path: str | os.PathLike, fields: dict[str, np.ndarray], times: Any, steps: Iterable[int] = (0,), *,
+               edition: int = 2, lat0: float = 90.0, dlat: float = 1.0, lon0: float = 0.0, dlon: float = 1.0,
+               packing: str = "grid_simple", bits_per_value: int = 16, pad: int = 0,
+               missing: float | None = None) -> str:
+    """Write ``fields`` as GRIB messages with ecCodes' samples: one message per (time, step, field).
+
+    Parameters
+    ----------
+    fields : ``{shortName: array (time, step, lat, lon)}`` (``"2t"``, ``"msl"``, ``"10u"``...).
+    times : the reference times (anything ``pandas.to_datetime`` reads), one per index of axis 0.
+    steps : forecast steps in hours, one per index of axis 1.
+    edition : 1 or 2 (samples ``regular_ll_sfc_grib1`` / ``regular_ll_sfc_grib2``).
+    lat0, dlat, lon0, dlon : the regular lat/lon grid (latitudes go down from ``lat0``).
+    packing : ecCodes' ``packingType`` (``grid_simple``, ``grid_ccsds``, ``grid_ieee``...).
+    pad : zero bytes written after each message (as some GRIB1 archives pad theirs).
+    missing : values equal to this are left out through a bitmap.
+    """
+    import eccodes
+    import pandas as pd
+
+    times = pd.to_datetime(np.atleast_1d(np.asarray(times)))
+    steps = list(steps)
+    with open(path, "wb") as f:
+        for it, t in enumerate(times):
+            for js, step in enumerate(steps):
+                for name, arr in fields.items():
+                    ny, nx = arr.shape[-2:]
+                    h = eccodes.codes_grib_new_from_samples(f"regular_ll_sfc_grib{edition}")
+                    try:
+                        for k, v in (("Ni", nx), ("Nj", ny), ("latitudeOfFirstGridPointInDegrees", lat0),
+                                     ("latitudeOfLastGridPointInDegrees", lat0 - (ny - 1) * dlat),
+                                     ("longitudeOfFirstGridPointInDegrees", lon0),
+                                     ("longitudeOfLastGridPointInDegrees", lon0 + (nx - 1) * dlon),
+                                     ("iDirectionIncrementInDegrees", dlon), ("jDirectionIncrementInDegrees", dlat),
+                                     ("dataDate", int(t.strftime("%Y%m%d"))), ("dataTime", int(t.strftime("%H%M"))),
+                                     ("shortName", name), ("step", int(step)), ("bitsPerValue", bits_per_value)):
+                            eccodes.codes_set(h, k, v)
+                        values = np.asarray(arr[it, js], dtype=np.float64).ravel()
+                        if missing is not None:
+                            eccodes.codes_set(h, "bitmapPresent", 1)
+                            eccodes.codes_set(h, "missingValue", missing)
+                        eccodes.codes_set(h, "packingType", packing)
+                        eccodes.codes_set_values(h, values)
+                        f.write(eccodes.codes_get_message(h))
+                        f.write(b"\0" * pad)
+                    finally:
+                        eccodes.codes_release(h)
+    return os.fspath(path)

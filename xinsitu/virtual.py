@@ -365,10 +365,34 @@ def _registry_for(urls: list[str], registry: Any, store_options: dict[str, Any])
     return reg
 
 
-def _parse(url: str, registry: Any, group: str | None, drop: list[str]) -> Any:
+def _head(url: str, registry: Any) -> tuple[Any, Any, int]:
+    """(read(start, end), first 4 bytes, size) of ``url``, through the registry's store."""
+    import obstore
+
+    store, path = registry.resolve(url)
+    path = _path_in_store(url, store) if store is not None else path
+    try:
+        size = int(obstore.head(store, path)["size"])
+
+        def read(start: int, end: int) -> bytes:
+            return bytes(obstore.get_range(store, path, start=start, end=end)) if end > start else b""
+
+        return read, read(0, min(4, size)), size
+    except Exception as e:  # noqa: BLE001
+        raise _file_error(e, url, secrets_of(store)) from None
+
+
+def _parse(url: str, registry: Any, group: str | None, drop: list[str], concat_dim: str = "time") -> Any:
     """One file -> its ManifestStore; failures name the file and, where one is to blame, the variable."""
     from virtualizarr.parsers import HDFParser
 
+    from xinsitu import netcdf3
+
+    read, head, size = _head(url, registry)
+    if netcdf3.is_netcdf3(head):  # classic / 64-bit offset / CDF-5: byte ranges from the header
+        if group:
+            raise VirtualReferenceError(f"{_where(url)} is a NetCDF-3 file: it has no groups (group={group!r})")
+        return netcdf3.manifest_store(url, read, size, registry, concat_dim=concat_dim, drop=drop)
     try:
         return HDFParser(group=group, drop_variables=drop)(url, registry)
     except Exception as e:  # noqa: BLE001 - diagnosed and re-raised with the file (and variable) named
@@ -387,8 +411,8 @@ def _diagnose(url: str, registry: Any, group: str | None, drop: list[str], cause
     except Exception as e:  # noqa: BLE001
         if "signature" in str(e) or "not an HDF5" in str(e) or "Unable to" in str(e):
             return VirtualReferenceError(
-                f"{where} is not an HDF5/NetCDF4 file (NetCDF3 'classic' files and other formats cannot be "
-                f"referenced by this parser; convert them with `nccopy -k nc4`): {text}")
+                f"{where} is neither an HDF5/NetCDF4 nor a NetCDF-3 file (GRIB files open with "
+                f"xinsitu.virtual.open_grib): {text}")
         return VirtualReferenceError(f"{where} cannot be read: {text}")
     try:
         from virtualizarr.parsers.hdf.hdf import _construct_manifest_array
@@ -573,7 +597,7 @@ def _netcdf_store(paths: Any, concat_dim: str, group: str | None, drop_variables
     reg = _registry_for(urls, registry, store_options)
     drop = list(drop_variables or ())
     def one(u: str) -> tuple[Any, dict[str, xr.Variable]]:
-        s = _parse(u, reg, group, drop)
+        s = _parse(u, reg, group, drop, concat_dim)
         return s, _file_coords(u, s)
 
     # files parsed a few at a time: on object storage each costs several round trips

@@ -313,12 +313,24 @@ def test_filter_without_a_decoder(tmp_path):
     xr.testing.assert_identical(ok.load(), xr.open_dataset(f).drop_vars("u10").load())
 
 
-def test_not_netcdf4(tmp_path):
+def test_not_netcdf(tmp_path):
+    """A file that is neither HDF5/NetCDF4 nor NetCDF-3 (NetCDF-3 is read in place: see test_netcdf3.py)."""
+    f = tmp_path / "notes.nc"
+    f.write_text("not NetCDF\n" * 100)
+    with pytest.raises(VirtualReferenceError, match=r"notes\.nc is neither an HDF5/NetCDF4 nor a NetCDF-3 file"):
+        netcdf_store([str(f)])
+
+
+def test_netcdf3_and_netcdf4_files_do_not_mix(tmp_path):
+    """NetCDF-3 files (raw bytes) and NetCDF4 files (deflate) cannot share one array: refused, naming both."""
     pytest.importorskip("netCDF4", reason="writing a NetCDF-3 file needs netCDF4")
-    f = str(tmp_path / "classic.nc")
-    era5_like(STEPS, NY, NX).to_netcdf(f, format="NETCDF3_CLASSIC", engine="netcdf4")
-    with pytest.raises(VirtualReferenceError, match=r"classic\.nc is not an HDF5/NetCDF4 file"):
-        netcdf_store([f])
+    ds = era5_like(3 * STEPS, NY, NX)
+    files = write_days(tmp_path / "nc4", ds, enc={k: encoding(ds.isel(time=slice(0, STEPS)), ct=1) for k in range(3)})
+    f3 = str(tmp_path / "day001.nc")
+    ds.isel(time=slice(STEPS, 2 * STEPS)).to_netcdf(f3, format="NETCDF3_64BIT", engine="netcdf4",
+                                                     encoding={"tp": {"dtype": "int16", **packing()}})
+    with pytest.raises(VirtualReferenceError, match=r"day001\.nc differs from .*day000\.nc in its codecs"):
+        netcdf_store([files[0], f3, files[2]])  # deflate there, raw bytes here: one array, one codec chain
 
 
 def test_variable_missing_from_a_file(tmp_path):

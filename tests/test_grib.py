@@ -289,3 +289,25 @@ def test_file_changed_after_opening_names_it(tmp_path, one_file):
     m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
     with pytest.raises(OSError, match="moving.grib"):
         list(ds.insitu.batches(m, "val", batch_size=2, output="numpy", shuffle=False))
+
+
+@pytest.mark.parametrize("sample", ["reduced_gg_pl_32_grib1", "reduced_gg_pl_32_grib2", "regular_gg_sfc_grib2",
+                                    "rotated_ll_sfc_grib2", "sh_ml_grib2"])
+def test_other_grids(tmp_path, sample):
+    """Reduced and regular Gaussian grids, rotated lat/lon (2-D coordinates) and spherical harmonics read as cfgrib
+    reads them (a reduced grid or spectral field is one ``values`` dimension, one message a chunk)."""
+    import eccodes
+
+    rng = np.random.default_rng(2)
+    f = str(tmp_path / f"{sample}.grib")
+    with open(f, "wb") as fh:
+        for date in (20200101, 20200102, 20200103):
+            h = eccodes.codes_grib_new_from_samples(sample)
+            eccodes.codes_set(h, "dataDate", date)
+            eccodes.codes_set_values(h, 280 + rng.standard_normal(eccodes.codes_get(h, "numberOfValues")))
+            fh.write(eccodes.codes_get_message(h))
+            eccodes.codes_release(h)
+    ds, ref = open_grib(f), cfgrib(f)
+    same(ds, ref)
+    m = ds.insitu.split("time", fractions={"train": 0.6, "val": 0.4})
+    run_epoch(with_history(ref, ds), ds.insitu.batches(m, "train", batch_size=1, output="xarray"), "xarray")

@@ -169,7 +169,7 @@ def scan_messages(path: str) -> list[tuple[int, int, int, str]]:
     with open(path, "rb") as f:
         while True:
             try:
-                h = eccodes.codes_grib_new_from_file(f)
+                h = eccodes.codes_grib_new_from_file(f, headers_only=True)  # values are not read: fast
             except Exception as e:  # noqa: BLE001 - ecCodes' errors (premature end, wrong length...)
                 if not out:
                     raise GribError(f"{path} is not a GRIB file, or its first message is damaged (ecCodes: "
@@ -191,15 +191,21 @@ def scan_messages(path: str) -> list[tuple[int, int, int, str]]:
     if out[-1][0] + out[-1][1] > size:
         raise GribError(f"{path}: its last GRIB message ends at byte {out[-1][0] + out[-1][1]}, past the end of "
                         f"the file ({size} bytes): the file is truncated")
-    _check_gaps(path, out, size)
+    _check_framing(path, out, size)
     return out
 
 
-def _check_gaps(path: str, msgs: list[tuple[int, int, int, str]], size: int) -> None:
-    """Bytes between messages (GRIB1 padding) must not hold a message ecCodes did not return."""
+def _check_framing(path: str, msgs: list[tuple[int, int, int, str]], size: int) -> None:
+    """Every message ends with ``7777`` where its length says, and the bytes between messages (GRIB1
+    padding) hold no message ecCodes did not return: a message cut short is never skipped in silence."""
     ends = [0] + [o + n for o, n, _, _ in msgs]
     starts = [o for o, _, _, _ in msgs] + [size]
     with open(path, "rb") as f:
+        for o, n, _, _ in msgs:
+            f.seek(o + n - 4)
+            if f.read(4) != b"7777":
+                raise GribError(f"{path}: the GRIB message at byte {o} does not end with '7777' where its length "
+                                f"({n} bytes) says: the message is damaged or cut short")
         for a, b in zip(ends, starts, strict=True):
             if b > a:
                 f.seek(a)

@@ -1,7 +1,9 @@
-"""NetCDF4/HDF5 files read in place, through virtual references (VirtualiZarr manifests).
+"""NetCDF4/HDF5, NetCDF-3 and GRIB files read in place, through virtual references (VirtualiZarr manifests).
 
 VirtualiZarr's HDF parser turns one file into a ``ManifestStore``: zarr metadata plus,
-for every chunk, where its bytes lie in the original file (path, offset, length).
+for every chunk, where its bytes lie in the original file (path, offset, length). NetCDF-3
+files get theirs from their header (:mod:`xinsitu.netcdf3`), GRIB files one chunk per message
+(:mod:`xinsitu.grib`, :func:`open_grib`).
 :func:`netcdf_store` joins the stores of many files along one dimension into one store,
 after checking that they can be joined (same chunks, codecs and CF packing; a message
 names the file and the variable where they cannot), so that ``xinsitu.open_zarr(store)``
@@ -556,7 +558,11 @@ def _inline_array(name: str, var: xr.Variable, url: str) -> tuple[Any, bytes]:
 def netcdf_store(paths: str | os.PathLike | Iterable[str | os.PathLike], *, concat_dim: str = "time",
                  group: str | None = None, drop_variables: Iterable[str] | None = None, registry: Any = None,
                  **store_options: Any) -> Any:
-    """One virtual Zarr store over NetCDF4/HDF5 files joined along ``concat_dim``; nothing is copied.
+    """One virtual Zarr store over NetCDF4/HDF5 or NetCDF-3 files joined along ``concat_dim``; nothing is copied.
+
+    NetCDF-3 files (classic, 64-bit offset, CDF-5) are referenced from their header: one chunk per
+    record of each record variable (and per step of fixed-size variables along ``concat_dim``),
+    CF-decoded by xarray's own decoder in the ``xinsitu.cf_bytes`` codec.
 
     Parameters
     ----------
@@ -582,7 +588,8 @@ def netcdf_store(paths: str | os.PathLike | Iterable[str | os.PathLike], *, conc
         Where the files cannot be one virtual store, naming the file and the variable: chunks,
         codecs or CF packing that differ between files, a file whose length along ``concat_dim`` is
         not a whole number of chunks (other than the last), a filter without a decoder, a file that
-        is not HDF5.
+        is neither HDF5 nor NetCDF-3, a NetCDF-3 character variable or a NetCDF-3 file shorter than
+        its header says.
     """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NUMCODECS_WARNING)
@@ -693,7 +700,7 @@ def _check_decodable(store: Any, first_url: str) -> None:
 def open_netcdf(paths: str | os.PathLike | Iterable[str | os.PathLike], *, concat_dim: str = "time",
                 group: str | None = None, drop_variables: Iterable[str] | None = None, registry: Any = None,
                 decode_times: bool = True, **store_options: Any) -> xr.Dataset:
-    """``xinsitu.open_zarr(netcdf_store(paths, ...))``: NetCDF4 files as one lazy Dataset, read in place.
+    """``xinsitu.open_zarr(netcdf_store(paths, ...))``: NetCDF4 or NetCDF-3 files as one lazy Dataset, read in place.
 
     Equals ``xr.open_mfdataset(paths, data_vars="minimal", coords="minimal", compat="override")``
     (values, CF decoding, coordinates and attributes of the first file), without dask and without

@@ -21,6 +21,7 @@ import os
 import uuid
 import warnings
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ import xarray as xr
 
 from xinsitu.virtual import (
     INLINE_SCHEME,
+    PARSE_THREADS,
     VirtualReferenceError,
     _as_urls,
     _check_decodable,
@@ -428,7 +430,9 @@ def grib_store(paths: str | os.PathLike | Iterable[str | os.PathLike], *, concat
     kwargs = dict(cfgrib_kwargs)
     if filter_by_keys:
         kwargs["filter_by_keys"] = dict(filter_by_keys)
-    files = [_read_file(u, kwargs) for u in urls]
+    # files scanned a few at a time: ecCodes releases the GIL while it reads and parses headers
+    with ThreadPoolExecutor(min(PARSE_THREADS, len(urls))) as pool:
+        files = list(pool.map(lambda u: _read_file(u, kwargs), urls))
     if len(files) > 1:
         files = _order(files, concat_dim)
     reg = _registry_for([f.url for f in files], registry, {})

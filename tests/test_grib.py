@@ -320,3 +320,19 @@ def test_cfgrib_dataset_points_to_open_grib(one_file):
     ds = xr.open_dataset(one_file, engine="cfgrib", indexpath="")
     with pytest.raises(SourceError, match=r"xinsitu\.virtual\.open_grib\(paths\)"):
         ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+
+
+def test_filter_by_keys(tmp_path):
+    """Fields on two levels (2 m and 10 m above ground): cfgrib opens one hypercube at a time, and so does open_grib."""
+    rng = np.random.default_rng(3)
+    f = str(tmp_path / "levels.grib")
+    a = write_grib(tmp_path / "a.grib", {"2t": 280 + rng.standard_normal((2, 1, NY, NX))}, TIMES[:2])
+    b = write_grib(tmp_path / "b.grib", {"10u": rng.standard_normal((2, 1, NY, NX))}, TIMES[:2])
+    with open(f, "wb") as out:
+        out.write(open(a, "rb").read() + open(b, "rb").read())
+    keys = {"typeOfLevel": "heightAboveGround", "level": 10}
+    ref = xr.open_dataset(f, engine="cfgrib", indexpath="", filter_by_keys=keys).load()
+    ref.attrs.pop("history")
+    ds = open_grib(f, filter_by_keys=keys)
+    same(ds, ref)
+    assert list(ds.data_vars) == ["u10"]

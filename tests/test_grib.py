@@ -336,3 +336,25 @@ def test_filter_by_keys(tmp_path):
     ds = open_grib(f, filter_by_keys=keys)
     same(ds, ref)
     assert list(ds.data_vars) == ["u10"]
+
+
+@pytest.mark.slow
+def test_grib_bench_smoke(tmp_path):
+    """bench/grib_bench.py on a tiny archive: every variant runs and reads the same number of chunks."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "res.json"
+    cmd = [sys.executable, str(root / "bench" / "grib_bench.py"), "--nt", "20", "--ny", "11", "--nx", "20",
+           "--file-times", "10", "--rounds", "1", "--epochs", "2", "--batch-size", "4",
+           "--data-dir", str(tmp_path / "data"), "--json", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert set(res["median_samples_per_s"]) == {"zarr", "grib", "grib-eccodes"}
+    chunks = {v: rs[0]["io"]["chunks"] for v, rs in res["runs"].items()}
+    assert len(set(chunks.values())) == 1 and chunks["zarr"] > 0, chunks
+    assert res["runs"]["grib-eccodes"][0]["decoders"] == ["eccodes"]

@@ -91,6 +91,11 @@ def test_data_stays_in_the_files(one_file):
     assert str(store._group.arrays["latitude"].manifest._paths.ravel()[0]).startswith("xinsitu-inline://")
 
 
+def test_store_through_xr_open_zarr(one_file):
+    """The store is a zarr store like any other: plain ``xr.open_zarr`` (dask, zarr's own codec pipeline) reads it."""
+    same(xr.open_zarr(grib_store(one_file), consolidated=False), cfgrib(one_file))
+
+
 def test_isel_equals_cfgrib(one_file):
     ds, ref = open_grib(one_file), cfgrib(one_file)
     for sel in ({"time": 3}, {"time": slice(1, 4), "step": 1}, {"latitude": slice(2, 5), "longitude": [0, 3, 7]}):

@@ -49,6 +49,10 @@ def test_same_dataset_as_xarray(nc3):
         xr.testing.assert_identical(ds.isel(sel).load(), ref.isel(sel))
 
 
+def test_store_through_xr_open_zarr(nc3):
+    xr.testing.assert_identical(xr.open_zarr(netcdf_store(nc3), consolidated=False).load(), xr.open_dataset(nc3).load())
+
+
 def test_records_are_byte_ranges_of_the_file(nc3):
     """Record variables are interleaved: record i of a variable is at begin + i * recsize."""
     store = netcdf_store(nc3)

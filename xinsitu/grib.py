@@ -468,8 +468,12 @@ def open_grib(paths: str | os.PathLike | Iterable[str | os.PathLike], *, concat_
     """
     from xinsitu.store import open_zarr
 
-    return open_zarr(grib_store(paths, concat_dim=concat_dim, filter_by_keys=filter_by_keys, decoder=decoder,
-                                registry=registry, **cfgrib_kwargs), consolidated=False, decode_times=decode_times)
+    store = grib_store(paths, concat_dim=concat_dim, filter_by_keys=filter_by_keys, decoder=decoder,
+                       registry=registry, **cfgrib_kwargs)
+    ds = open_zarr(store, consolidated=False, decode_times=decode_times)
+    # cfgrib's variable order (the store lists its arrays in it; open_zarr may sort them by name)
+    order = [n for n in store._group.arrays if n in ds.data_vars]
+    return ds if list(ds.data_vars) == order else ds[order]
 
 
 # ----------------------------------------------------------------------------- writing (examples, tests, benchmarks)

@@ -389,3 +389,38 @@ def test_forked_child_reads_grib(one_file):
             p.kill()
     assert status == "ok", got
     assert got == expected
+
+
+def test_ensembles_join_along_time(tmp_path):
+    """Ensemble members (cfgrib's ``number`` comes before ``time``): files of 2 and 1 reference times join along
+    ``time``, the second axis, as ``xr.concat`` joins them (the one-time file's scalar ``time`` becomes that axis)."""
+    import eccodes
+
+    rng = np.random.default_rng(4)
+
+    def write(path, dates):
+        with open(path, "wb") as fh:
+            for date in dates:
+                for member in (1, 2, 3):
+                    for step in STEPS:
+                        h = eccodes.codes_grib_new_from_samples("regular_ll_sfc_grib2")
+                        for k, v in (("productDefinitionTemplateNumber", 1), ("perturbationNumber", member),
+                                     ("numberOfForecastsInEnsemble", 10), ("typeOfEnsembleForecast", 3),
+                                     ("dataDate", date), ("step", step), ("shortName", "2t")):
+                            eccodes.codes_set(h, k, v)
+                        eccodes.codes_set_values(h, 280 + rng.standard_normal(eccodes.codes_get(h, "numberOfValues")))
+                        fh.write(eccodes.codes_get_message(h))
+                        eccodes.codes_release(h)
+        return str(path)
+
+    files = [write(tmp_path / "b.grib", [20200103]), write(tmp_path / "a.grib", [20200101, 20200102])]
+    one = cfgrib(files[1])
+    assert one.t2m.dims == ("number", "time", "step", "latitude", "longitude")
+    same(open_grib(files[1]), one)
+    ref = xr.concat([cfgrib(files[1]), cfgrib(files[0]).expand_dims("time", axis=1)], dim="time",
+                    coords="different", compat="equals", join="exact", combine_attrs="override")
+    ds = open_grib(files)
+    same(ds, ref)
+    assert ds.t2m.dims == ("number", "time", "step", "latitude", "longitude") and ds.sizes["time"] == 3
+    m = ds.insitu.split("time", fractions={"train": 0.6, "val": 0.4})
+    run_epoch(with_history(ref, ds), ds.insitu.batches(m, "train", batch_size=2, output="xarray"), "xarray")

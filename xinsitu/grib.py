@@ -350,16 +350,19 @@ def _data_array(name: str, files: list[_File], concat_dim: str, decoder: str) ->
     from virtualizarr.manifests import ChunkManifest, ManifestArray
     from virtualizarr.manifests.utils import create_v3_array_metadata
 
+    missing = next((f for f in files if name not in f.data), None)
+    if missing is not None:
+        raise GribError(f"variable {name!r} is in {_where(files[0].url)} but not in {_where(missing.url)}")
+    # where a file's scalar concat_dim becomes a dimension: where other files have it (cfgrib puts an
+    # ensemble's ``number`` before ``time``), else first, as xr.concat puts a new dimension
+    pos = next((f.data[name][0].index(concat_dim) for f in files if concat_dim in f.data[name][0]), 0)
     parts = []
     dims0 = None
     for f in files:
-        got = f.data.get(name)
-        if got is None:
-            raise GribError(f"variable {name!r} is in {_where(files[0].url)} but not in {_where(f.url)}")
-        dims, shape, attrs, geo_ndim, paths, ol, mv = got
+        dims, shape, attrs, geo_ndim, paths, ol, mv = f.data[name]
         if len(files) > 1 and concat_dim not in dims:  # a scalar coordinate in each file becomes a dimension
-            dims, shape = (concat_dim, *dims), (1, *shape)
-            paths, ol = paths[None], ol[:, None]
+            dims, shape = (*dims[:pos], concat_dim, *dims[pos:]), (*shape[:pos], 1, *shape[pos:])
+            paths, ol = np.expand_dims(paths, pos), np.expand_dims(ol, pos + 1)
         if dims0 is None:
             dims0, shape0, attrs0, geo0, mv0 = dims, shape, attrs, geo_ndim, mv
         ax = dims.index(concat_dim) if concat_dim in dims else 0

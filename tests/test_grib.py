@@ -258,6 +258,9 @@ def test_truncated_file_names_it(tmp_path, one_file):
     with pytest.raises(GribError, match=re.escape(str(f)) + r": the GRIB message after byte \d+ cannot be read.*"
                                         r"truncated"):
         open_grib(str(f))
+    f.write_bytes(raw + raw[:12])  # a last message cut within its first section
+    with pytest.raises(GribError, match=re.escape(str(f))):
+        open_grib(str(f))
 
 
 def test_damaged_message_in_the_middle_names_it(tmp_path, one_file):

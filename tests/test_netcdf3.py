@@ -45,6 +45,9 @@ def test_same_dataset_as_xarray(nc3):
     xr.testing.assert_identical(ds.load(), ref)
     assert ds.tp.dtype == ref.tp.dtype and np.isnan(ds.tp.values).any()
     assert ds.t2m.encoding["chunks"] == (1, NY, NX)  # one record (or one step) a chunk
+    codecs = {v: a.metadata.codecs[0].to_dict()["name"] for v, a in netcdf_store(nc3)._group.arrays.items()
+              if v in ("t2m", "tp")}
+    assert codecs == {"t2m": "bytes", "tp": CODEC_NAME}  # a NaN _FillValue on floats needs no decoding
     for sel in ({"time": 5}, {"time": slice(2, 9), "lat": slice(1, 4)}, {"lon": [0, 4, 9]}):
         xr.testing.assert_identical(ds.isel(sel).load(), ref.isel(sel))
 

@@ -298,6 +298,10 @@ def _decoded_form(var: Var) -> tuple[np.dtype, dict[str, Any], dict[str, Any]]:
                                                 decode_endianness=True, stack_char_dim=False,
                                                 concat_characters=False, decode_timedelta=False)
     applied = {k: dec.encoding[k] for k in CF_VALUE_ATTRS if k in dec.encoding}
+    if var.dtype.kind == "f" and np.dtype(dec.dtype) == var.dtype.newbyteorder("=") and all(
+            k in ("_FillValue", "missing_value") and np.isnan(np.asarray(v, dtype=float)).all()
+            for k, v in applied.items()):
+        applied = {}  # floats masked where NaN: nothing to do (what xarray writes for every float variable)
     return np.dtype(dec.dtype), dict(dec.attrs), applied
 
 

@@ -321,15 +321,6 @@ def test_other_grids(tmp_path, sample):
     run_epoch(with_history(ref, ds), ds.insitu.batches(m, "train", batch_size=1, output="xarray"), "xarray")
 
 
-def test_cfgrib_dataset_points_to_open_grib(one_file):
-    """A Dataset opened with xr.open_dataset(engine="cfgrib") cannot be read in place: the error says how to."""
-    from xinsitu import SourceError
-
-    ds = xr.open_dataset(one_file, engine="cfgrib", indexpath="")
-    with pytest.raises(SourceError, match=r"xinsitu\.virtual\.open_grib\(paths\)"):
-        ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
-
-
 def test_filter_by_keys(tmp_path):
     """Fields on two levels (2 m and 10 m above ground): cfgrib opens one hypercube at a time, and so does open_grib."""
     rng = np.random.default_rng(3)

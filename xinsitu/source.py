@@ -89,9 +89,7 @@ def _resolve_var(ds: xr.Dataset, name: str) -> VarSource:
             return VarSource(raw_dtype=values.dtype, values=values, mem_chunks=_memory_chunks(var), **base)
         raise SourceError(
             f"variable {name!r} is backed by {type(data).__name__}, which xinsitu cannot map back to a "
-            "zarr store; open the archive with xinsitu.open_zarr or xr.open_zarr, NetCDF files with "
-            "xinsitu.virtual.open_netcdf(paths) and GRIB files with xinsitu.virtual.open_grib(paths) (read in "
-            "place, as xr.open_dataset reads them), or load it into memory"
+            "zarr store; open the archive with xinsitu.open_zarr or xr.open_zarr, or load it into memory"
         )
     src_dims = _array_dims(zarray, name)
     index = _compose_keys(zarray.shape, keys)

@@ -339,3 +339,21 @@ def test_variable_missing_from_a_file(tmp_path):
     files += write_days(tmp_path / "b", ds.isel(time=slice(4, 8)), steps=[4])
     with pytest.raises(VirtualReferenceError, match=r"'v10'.*day000\.nc"):
         netcdf_store(files)
+
+
+def test_float32_packing_decodes_as_xarray(tmp_path):
+    """int16 packed with float32 scale_factor/add_offset decodes to float32, as xarray reads the file (zarr's JSON
+    attributes alone would make it float64): the attributes' file types are read back and the xinsitu.cf codec
+    decodes each chunk with them."""
+    ds = era5_like(2 * STEPS, NY, NX)
+    f32 = {"dtype": "int16", "scale_factor": np.float32(0.002), "add_offset": np.float32(-1.5),
+           "_FillValue": np.int16(-32768)}
+    files = write_days(tmp_path, ds, enc={k: encoding(ds.isel(time=slice(0, STEPS)), **f32) for k in range(2)})
+    ref = xr.open_mfdataset(files, **MF).load()
+    got = open_netcdf(files)
+    assert ref.tp.dtype == np.float32
+    xr.testing.assert_identical(got.load(), ref)
+    assert netcdf_store(files)._group.arrays["tp"].metadata.codecs[0].to_dict()["name"] == "xinsitu.cf"
+    m = got.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    run_epoch(ref, got.insitu.batches(m, "train", batch_size=3, output="numpy"), "numpy")
+    run_epoch(ref, got.insitu.batches(m, "val", batch_size=3, output="xarray"), "xarray")

@@ -9,6 +9,9 @@ variables along the dimension the files are joined on are chunked the same way (
 chunk, so that files of different lengths join); other fixed-size variables are one chunk, or
 one chunk per index of their first dimension where they are large.
 
+(:class:`CFArrayCodec`, ``"xinsitu.cf"``, does the same after the codecs of a NetCDF4/HDF5 variable
+packed with float32 ``scale_factor``/``add_offset``: see :func:`typed_packing`.)
+
 Values are decoded as xarray decodes them (``_FillValue``, ``missing_value``, ``scale_factor``,
 ``add_offset``, ``_Unsigned``) by the :class:`CFBytesCodec` zarr codec (``"xinsitu.cf_bytes"``),
 which runs xarray's own CF decoder on each chunk: the attributes keep their NetCDF types there
@@ -42,6 +45,7 @@ CF_VALUE_ATTRS = ("_FillValue", "missing_value", "scale_factor", "add_offset", "
 WHOLE_CHUNK_BYTES = 64 * 2**20
 
 CODEC_NAME = "xinsitu.cf_bytes"
+ARRAY_CODEC_NAME = "xinsitu.cf"
 
 _NC_DIMENSION, _NC_VARIABLE, _NC_ATTRIBUTE = 10, 11, 12
 _STREAMING = 0xFFFFFFFF
@@ -275,6 +279,70 @@ def _register_codec() -> type:
     return CFBytesCodec
 
 
+def _register_array_codec() -> type:
+    from zarr.abc.codec import ArrayArrayCodec
+    from zarr.core.array_spec import ArraySpec
+    from zarr.core.common import parse_named_configuration
+    from zarr.core.dtype import parse_data_type
+    from zarr.registry import register_codec
+
+    class CFArrayCodec(ArrayArrayCodec):
+        """Read-only zarr v3 codec: stored values (``dtype``) -> xarray's CF decoding of them, with the CF
+        attributes in their NetCDF types (see :class:`CFBytesCodec`); for NetCDF4/HDF5 variables packed
+        with float32 ``scale_factor``/``add_offset``, which zarr's JSON attributes would turn into float64.
+        ``fill_value`` is the stored array's fill value.
+        """
+
+        is_fixed_size = True
+
+        def __init__(self, dtype: str = "<i2", attrs: Any = (), fill_value: Any = None):
+            items = attrs.items() if isinstance(attrs, dict) else attrs
+            object.__setattr__(self, "dtype", str(dtype))
+            object.__setattr__(self, "attrs", tuple((str(k), _freeze(v)) for k, v in items))
+            object.__setattr__(self, "fill_value", fill_value)
+
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, CFArrayCodec) and self.to_dict() == other.to_dict()
+
+        def __hash__(self) -> int:
+            return hash((self.dtype, self.attrs, repr(self.fill_value)))
+
+        @classmethod
+        def from_dict(cls, data: dict[str, Any]) -> CFArrayCodec:
+            _, cfg = parse_named_configuration(data, ARRAY_CODEC_NAME, require_configuration=True)
+            return cls(**cfg)
+
+        def to_dict(self) -> dict[str, Any]:
+            return {"name": ARRAY_CODEC_NAME, "configuration": {
+                "dtype": self.dtype, "attrs": {k: _thaw(v) for k, v in self.attrs}, "fill_value": self.fill_value}}
+
+        def resolve_metadata(self, chunk_spec: Any) -> Any:
+            """The stored side: the raw dtype and its fill value."""
+            return ArraySpec(shape=chunk_spec.shape, dtype=parse_data_type(np.dtype(self.dtype), zarr_format=3),
+                             fill_value=self.fill_value if self.fill_value is not None else 0,
+                             config=chunk_spec.config, prototype=chunk_spec.prototype)
+
+        def _decode_sync(self, chunk_array: Any, chunk_spec: Any) -> Any:
+            raw = np.asarray(chunk_array.as_ndarray_like())
+            out = cf_decode(raw, {k: _unpack(_thaw(v)) for k, v in self.attrs})
+            dtype = chunk_spec.dtype.to_native_dtype()
+            return chunk_spec.prototype.nd_buffer.from_ndarray_like(np.ascontiguousarray(out, dtype=dtype))
+
+        async def _decode_single(self, chunk_array: Any, chunk_spec: Any) -> Any:
+            return self._decode_sync(chunk_array, chunk_spec)
+
+        async def _encode_single(self, chunk_array: Any, chunk_spec: Any) -> Any:
+            raise NotImplementedError("files read in place are never written")
+
+        def compute_encoded_size(self, input_byte_length: int, chunk_spec: Any) -> int:
+            return input_byte_length // chunk_spec.dtype.to_native_dtype().itemsize * np.dtype(self.dtype).itemsize
+
+    CFArrayCodec.__module__ = __name__
+    CFArrayCodec.__qualname__ = "CFArrayCodec"
+    register_codec(ARRAY_CODEC_NAME, CFArrayCodec)
+    return CFArrayCodec
+
+
 def _freeze(packed: dict[str, Any]) -> tuple:
     return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in packed.items()))
 
@@ -284,6 +352,54 @@ def _thaw(frozen: tuple) -> dict[str, Any]:
 
 
 CFBytesCodec = _register_codec()
+CFArrayCodec = _register_array_codec()
+
+
+def typed_packing(arr: Any, h5attrs: Any) -> Any:
+    """``arr`` (a NetCDF4 variable's ManifestArray, its attributes as JSON) decoded as xarray decodes the file.
+
+    Where ``scale_factor``/``add_offset`` have a type JSON loses (float32: xarray then decodes to
+    float32, from JSON to float64), the array's dtype becomes the one xarray gives and the
+    ``xinsitu.cf`` codec decodes each chunk with the attributes in their file types (``h5attrs``,
+    the HDF5 attributes). Anything else is returned unchanged.
+    """
+    import warnings
+
+    from virtualizarr.manifests import ManifestArray
+
+    attrs = dict(arr.metadata.attributes or {})
+    if not ({"scale_factor", "add_offset"} & set(attrs)):
+        return arr
+    typed = {k: h5attrs[k] for k in CF_VALUE_ATTRS if k in h5attrs}
+    typed = {k: (v.decode() if isinstance(v, bytes) else v[0] if np.ndim(v) == 1 and len(v) == 1 else v)
+             for k, v in typed.items()}
+    raw = np.dtype(arr.metadata.data_type.to_native_dtype())
+
+    def decoded(cf: dict[str, Any]) -> Any:
+        sample = xr.Variable(("x",), np.zeros(1, raw), dict(cf))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return xr.conventions.decode_cf_variable("v", sample, mask_and_scale=True, decode_times=False,
+                                                    decode_timedelta=False)
+
+    json_typed = {k: float(v) if isinstance(v, np.floating) else v for k, v in typed.items()}
+    dec = decoded(typed)
+    if dec.dtype == decoded(json_typed).dtype:
+        return arr  # JSON gives the same decoding
+    applied = {k: dec.encoding[k] for k in CF_VALUE_ATTRS if k in dec.encoding}
+    md = arr.metadata
+    codec = {"name": ARRAY_CODEC_NAME, "configuration": {
+        "dtype": raw.str, "attrs": {k: _pack(v) for k, v in applied.items()},
+        "fill_value": md.fill_value.item() if hasattr(md.fill_value, "item") else md.fill_value}}
+    from virtualizarr.manifests.utils import create_v3_array_metadata
+
+    new = create_v3_array_metadata(
+        shape=md.shape, data_type=np.dtype(dec.dtype), chunk_shape=md.chunks,
+        chunk_key_encoding=md.chunk_key_encoding, fill_value=np.nan if dec.dtype.kind == "f" else None,
+        codecs=[codec, *[c.to_dict() for c in md.codecs]],
+        attributes={k: v for k, v in attrs.items() if k not in typed or k in dec.attrs},
+        dimension_names=md.dimension_names)
+    return ManifestArray(metadata=new, chunkmanifest=arr.manifest)
 
 
 # ----------------------------------------------------------------------------- a file -> ManifestStore

@@ -396,9 +396,43 @@ def _parse(url: str, registry: Any, group: str | None, drop: list[str], concat_d
             raise VirtualReferenceError(f"{_where(url)} is a NetCDF-3 file: it has no groups (group={group!r})")
         return netcdf3.manifest_store(url, read, size, registry, concat_dim=concat_dim, drop=drop)
     try:
-        return HDFParser(group=group, drop_variables=drop)(url, registry)
+        store = HDFParser(group=group, drop_variables=drop)(url, registry)
     except Exception as e:  # noqa: BLE001 - diagnosed and re-raised with the file (and variable) named
         raise _diagnose(url, registry, group, drop, e) from None
+    return _typed_packing(store, url, registry, group)
+
+
+def _typed_packing(store: Any, url: str, registry: Any, group: str | None) -> Any:
+    """``store`` with its packed variables decoded as xarray decodes the file (float32 packing stays float32).
+
+    VirtualiZarr keeps attributes as JSON numbers: a float32 ``scale_factor`` would decode to
+    float64, where xarray reading the file gives float32. Such variables get their attributes'
+    types back from the HDF5 file (a few small reads) and the ``xinsitu.cf`` codec.
+    """
+    arrays = store._group.arrays
+    packed = [n for n, a in arrays.items() if {"scale_factor", "add_offset"} & set(a.metadata.attributes or {})]
+    if not packed:
+        return store
+    import h5py
+    from obspec_utils.readers import BlockStoreReader
+    from virtualizarr.manifests import ManifestGroup, ManifestStore
+
+    from xinsitu.netcdf3 import typed_packing
+
+    obs, path = registry.resolve(url)
+    try:
+        with h5py.File(BlockStoreReader(obs, path), mode="r") as f:
+            g = f[group or "/"]
+            new = dict(arrays)
+            for name in packed:
+                new[name] = typed_packing(arrays[name], dict(g[name].attrs))
+    except Exception as e:  # noqa: BLE001
+        raise VirtualReferenceError(f"{_where(url)}: cannot read the packing attributes of {packed}: "
+                                    f"{type(e).__name__}: {e}") from None
+    if all(new[n] is arrays[n] for n in packed):
+        return store
+    return ManifestStore(ManifestGroup(arrays=new, attributes=dict(store._group.metadata.attributes or {})),
+                         registry=registry)
 
 
 def _diagnose(url: str, registry: Any, group: str | None, drop: list[str], cause: BaseException) -> Exception:

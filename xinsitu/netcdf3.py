@@ -9,14 +9,13 @@ variables along the dimension the files are joined on are chunked the same way (
 chunk, so that files of different lengths join); other fixed-size variables are one chunk, or
 one chunk per index of their first dimension where they are large.
 
-(:class:`CFArrayCodec`, ``"xinsitu.cf"``, does the same after the codecs of a NetCDF4/HDF5 variable
-packed with float32 ``scale_factor``/``add_offset``: see :func:`typed_packing`.)
-
 Values are decoded as xarray decodes them (``_FillValue``, ``missing_value``, ``scale_factor``,
 ``add_offset``, ``_Unsigned``) by the :class:`CFBytesCodec` zarr codec (``"xinsitu.cf_bytes"``),
 which runs xarray's own CF decoder on each chunk: the attributes keep their NetCDF types there
 (a float32 ``scale_factor`` decodes to float32, as xarray does it), which zarr's JSON attributes
 would lose. Variables that need no CF decoding are plain big-endian ``bytes``.
+:class:`CFArrayCodec` (``"xinsitu.cf"``) does the same after the codecs of a NetCDF4/HDF5
+variable packed with float32 ``scale_factor``/``add_offset`` (see :func:`typed_packing`).
 """
 
 from __future__ import annotations

@@ -31,6 +31,14 @@ INDEX_CACHE = 4096  # shard indexes kept (each a few bytes per inner chunk)
 AUTO_INFLIGHT = (64, 256)
 #: ... to this many times what keeps the decode threads busy while each request waits
 AUTO_HEADROOM = 2.0
+#: stores across a network: bounds of the latency-driven limit (it starts at the bottom)
+AUTO_REMOTE = (4, 256)
+#: ... completions per window at least (a window is also at least half the limit)
+AUTO_WINDOW = 4
+#: ... a window's mean latency past this many times the quickest window's: halve the limit
+AUTO_INFLATED = 2.0
+#: ... and within this many times it: grow the limit
+AUTO_HEALTHY = 1.3
 _EMPTY = 2**64 - 1  # shard index entry of an inner chunk never written
 
 #: called with (values, out_sel): a chunk's values within a region and where they lie in it
@@ -108,13 +116,21 @@ def _assign(out: np.ndarray, out_sel: list[Any], chunk: np.ndarray, in_sel: list
 class InflightLimit:
     """How many chunk requests may be in flight at once (``async with limit:`` around each).
 
-    A number fixes it. ``None`` sizes it from the store by Little's law: to keep ``threads``
-    decode threads busy while every request waits ``latency``, about
-    ``threads x latency / decode time per chunk`` requests must be in flight. Both times are
-    measured as requests complete (moving averages) and the limit follows ``AUTO_HEADROOM``
-    times that estimate, between the bounds of ``AUTO_INFLIGHT``: local disks sit at the
-    bottom (more requests only slow the first batch), stores 20-100 ms away at the top. A
-    store across a network starts at the top, before its first reply says how far it is.
+    A number fixes it. ``None`` adapts it. Enough requests must be in flight to keep ``threads``
+    decode threads busy while every request waits ``latency`` (Little's law: about
+    ``threads x latency / decode time per chunk``; ``AUTO_HEADROOM`` times that, between the
+    bounds of ``AUTO_INFLIGHT``): local disks sit at the bottom (more requests only slow the
+    first batch).
+
+    A store across a network (``expect_remote``) may be overloaded, where more requests only
+    queue up: its limit follows the latency the way TCP Vegas does, in windows of completed
+    requests. It starts at ``AUTO_REMOTE[0]`` and doubles per window while the latency stays near
+    the quickest window seen (slow start), then grows by an eighth per window (additive
+    increase); where the latency inflates past ``AUTO_INFLATED`` times the quickest window, or a
+    request fails or times out, it halves (multiplicative decrease), never below
+    ``AUTO_REMOTE[0]`` -- so it is never much slower than a fixed small limit on a store that
+    queues, and reaches the top for a far, healthy one (latency that does not grow with load).
+    Little's law bounds it from above.
     """
 
     def __init__(self, fixed: int | None, threads: int):
@@ -123,6 +139,13 @@ class InflightLimit:
         self.threads = threads
         self.latency_s: float | None = None
         self.decode_s: float | None = None
+        self.remote = False
+        self.history: list[tuple[int, float]] = []  # (limit, mean latency) at each window's end (remote)
+        self._base: float | None = None  # quickest window's mean latency (remote)
+        self._slow_start = True
+        self._n = 0  # completions in this window
+        self._sum = 0.0  # their latencies
+        self._waiting: dict[Any, float] = {}  # task -> when its request went out, until its bytes came
         self._sem: asyncio.Semaphore | None = None
         self._owed = 0  # permits to keep back as requests end (the limit shrank)
 
@@ -133,17 +156,31 @@ class InflightLimit:
 
     async def __aenter__(self) -> None:
         await self.semaphore().acquire()
+        self._waiting[asyncio.current_task()] = time.perf_counter()
+
+    def arrived(self) -> None:
+        """The current task's request has its bytes (what it waits for next is not the store)."""
+        self._waiting.pop(asyncio.current_task(), None)
 
     async def __aexit__(self, *exc: Any) -> None:
+        self._waiting.pop(asyncio.current_task(), None)
         if self._owed:
             self._owed -= 1
         else:
             self.semaphore().release()
 
     def expect_remote(self) -> None:
-        """The store is across a network: start at the top until replies say otherwise."""
-        if self.fixed is None and self.latency_s is None:
-            self._resize(AUTO_INFLIGHT[1])
+        """The store is across a network: its limit follows latency (see the class)."""
+        if self.fixed is None and not self.remote:
+            self.remote = True
+            self._resize(AUTO_REMOTE[0])
+
+    def _cap(self) -> int:
+        """Little's law: requests that keep the decode threads busy, within ``AUTO_INFLIGHT``."""
+        if self.latency_s is None or self.decode_s is None:
+            return AUTO_INFLIGHT[1]
+        want = AUTO_HEADROOM * self.threads * self.latency_s / max(self.decode_s, 1e-6)
+        return max(AUTO_INFLIGHT[0], min(AUTO_INFLIGHT[1], math.ceil(want)))
 
     def observe(self, latency_s: float, decode_s: float) -> None:
         """One request's wait for its bytes and its decode time (on the I/O loop)."""
@@ -151,10 +188,38 @@ class InflightLimit:
             return
         self.latency_s = latency_s if self.latency_s is None else 0.9 * self.latency_s + 0.1 * latency_s
         self.decode_s = decode_s if self.decode_s is None else 0.9 * self.decode_s + 0.1 * decode_s
-        want = AUTO_HEADROOM * self.threads * self.latency_s / max(self.decode_s, 1e-6)
-        target = max(AUTO_INFLIGHT[0], min(AUTO_INFLIGHT[1], math.ceil(want)))
-        if target > self.limit or target < 0.75 * self.limit:  # shrink only on a clear change
-            self._resize(target)
+        if not self.remote:
+            target = self._cap()
+            if target > self.limit or target < 0.75 * self.limit:  # shrink only on a clear change
+                self._resize(target)
+            return
+        self._n += 1
+        self._sum += latency_s
+        if self._n < max(AUTO_WINDOW, self.limit // 2):
+            return
+        # a window's requests that are still waiting count too: the ones a store queues (or a
+        # dropped connection delays) come back last, after quicker ones have filled the window
+        now = time.perf_counter()
+        oldest = now - min(self._waiting.values()) if self._waiting else 0.0
+        mean = max(self._sum / self._n, oldest)
+        self._n, self._sum = 0, 0.0
+        self.history.append((self.limit, mean))
+        base = self._base = mean if self._base is None else min(self._base, mean)
+        if mean > AUTO_INFLATED * base:  # the store queues: fewer requests finish no later
+            self._decrease()
+        elif mean <= AUTO_HEALTHY * base:  # no queueing seen: more requests, more throughput
+            grown = 2 * self.limit if self._slow_start else self.limit + max(1, self.limit // 8)
+            self._resize(max(AUTO_REMOTE[0], min(self._cap(), AUTO_REMOTE[1], grown)))
+
+    def failed(self) -> None:
+        """A request failed or timed out: fewer in flight (a store under load fails first)."""
+        if self.fixed is None and self.remote:
+            self._n, self._sum = 0, 0.0  # the next window starts now
+            self._decrease()
+
+    def _decrease(self) -> None:
+        self._slow_start = False
+        self._resize(max(AUTO_REMOTE[0], self.limit // 2))
 
     def _resize(self, n: int) -> None:
         grow, self.limit = n - self.limit, n
@@ -369,6 +434,7 @@ class Reader:
                     t_start = time.perf_counter()
                     raws = await store.get_ranges(path, starts, ends)  # ranges of one object coalesced
                     waited = time.perf_counter() - t_start
+                    self.inflight.arrived()
                     self.counters.requests += 1
                     self.counters.bytes_read += sum(len(r) for r in raws)
                     if dec.sync:
@@ -393,6 +459,7 @@ class Reader:
 
         async def use(raw: Any) -> None:
             self.counters.requests += 1
+            self.inflight.arrived()
             if raw is None:
                 await loop.run_in_executor(None, _assign_all, dec.fill(), targets)
             else:

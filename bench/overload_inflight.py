@@ -1,7 +1,8 @@
 """Epoch time on an overloaded HTTP store: ``max_inflight=None`` (automatic) against fixed limits.
 
 The server is ``tests.servers.FileServer(overloaded=True)``: a plain ``http.server`` (one
-request at a time, HTTP/1.0) with an accept backlog of 5, so a burst of new connections beyond it waits for the client's SYN retransmit.
+request at a time, HTTP/1.0) with an accept backlog of 5, so a burst of new connections beyond
+it waits for the client's SYN retransmit.
 A fixed small limit never bursts; the automatic one must back off instead of reading the
 queueing as distance. A far, healthy store (``--latency``) shows it still climbs to the top.
 
@@ -50,8 +51,9 @@ def main() -> None:
                     tops.append(srv.peak)
                     assert n == m.positions("train"), n
                 lim = gen._reader.inflight
+                top = max([lim.limit] + [n for n, _ in getattr(lim, "history", [])])
                 print(f"max_inflight={spec:>4}: epochs {', '.join(f'{x:.2f}' for x in times)} s; "
-                      f"limit at the end {lim.limit} (highest {max([lim.limit] + [n for n, _ in getattr(lim, 'history', [])])}), "
+                      f"limit at the end {lim.limit} (highest {top}), "
                       f"peak in flight at the server {max(tops)}", flush=True)
 
 

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
-import zarr
 
 import xinsitu
 from tests.servers import Faults, FileServer, assert_same_epoch, epoch_numpy, write_archive

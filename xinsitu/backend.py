@@ -200,17 +200,47 @@ class _ZarrBackend:
         raise err
 
 
+async def bounded(request: Callable[[], Awaitable[T]], key: str, on_retry: Callable[[], None] | None = None,
+                  attempts: int = FETCH_ATTEMPTS) -> T:
+    """``await request()``, each try given ``_loop.request_timeout()`` seconds, ``attempts`` tries.
+
+    A request that gets no answer (a server that accepts and never replies, a stalled body the
+    HTTP client does not time out) is cancelled and made again; after ``attempts`` it raises
+    ``TimeoutError`` naming ``key``. ``on_retry`` is called before each new try.
+    """
+    limit = _loop.request_timeout()
+    for i in range(attempts):
+        if i and on_retry is not None:
+            on_retry()
+        try:
+            return await asyncio.wait_for(request(), limit)
+        except TimeoutError:
+            continue
+    raise TimeoutError(f"object {key!r}: no answer within {limit:g} s, {attempts} times "
+                       "(XINSITU_REQUEST_TIMEOUT sets the limit)")
+
+
 async def fetch_decoded(backend: Any, key: str, use: Callable[[Any], Awaitable[T]],
-                        attempts: int = FETCH_ATTEMPTS) -> T:
+                        attempts: int = FETCH_ATTEMPTS, on_retry: Callable[[], None] | None = None) -> T:
     """Fetch ``key`` and return ``await use(raw)`` (``raw`` None where the object is missing).
 
     ``use`` decodes the bytes (and puts them in place). Where it fails, the object is
     fetched again, ``attempts`` fetches in all: a transfer damaged where the HTTP layer
-    cannot see it heals, an object corrupt in the store raises ``DamagedObjectError``.
+    cannot see it heals (a checksum that does not match included), an object corrupt in the
+    store raises ``DamagedObjectError``. Each fetch is bounded in time (``bounded``).
+    ``on_retry`` is called before each fetch made again.
     """
+    return await refetched(lambda: backend.get(key), key, use, attempts, on_retry)
+
+
+async def refetched(fetch: Callable[[], Awaitable[Any]], key: str, use: Callable[[Any], Awaitable[T]],
+                    attempts: int = FETCH_ATTEMPTS, on_retry: Callable[[], None] | None = None) -> T:
+    """``await use(await fetch())``, fetched again where ``use`` fails (see ``fetch_decoded``)."""
     last: BaseException | None = None
-    for _ in range(attempts):
-        raw = await backend.get(key)
+    for i in range(attempts):
+        if i and on_retry is not None:
+            on_retry()
+        raw = await bounded(fetch, key, on_retry)
         if raw is None:
             return await use(None)
         try:

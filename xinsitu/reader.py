@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from xinsitu import _loop
-from xinsitu.backend import FORK_HELP, DamagedObjectError, backend_for, fetch_decoded
+from xinsitu.backend import FORK_HELP, DamagedObjectError, backend_for, fetch_decoded, refetched
 from xinsitu.decode import ChunkDecoder, ShardLayout, is_remote, is_sharded, store_root
 from xinsitu.source import VarSource
 
@@ -338,7 +338,7 @@ class Reader:
             await self._fetch_into(src, self._decoder(src), self._store(src), c, t)
         elif targets:
             dec, store = self._decoder(src), self._store(src)
-            await asyncio.gather(*(self._fetch_into(src, dec, store, c, t) for c, t in targets.items()))
+            await _all_or_none(self._fetch_into(src, dec, store, c, t) for c, t in targets.items())
         return outs
 
     @staticmethod
@@ -393,19 +393,24 @@ class Reader:
             shard = tuple(c // n for c, n in zip(coords, lay.per_shard, strict=True))
             by_shard.setdefault(shard, {})[coords] = t
         store = self._store(src)
-        await asyncio.gather(*(self._fetch_shard(src, lay, store, sh, inner) for sh, inner in by_shard.items()))
+        await _all_or_none(self._fetch_shard(src, lay, store, sh, inner) for sh, inner in by_shard.items())
 
     async def _shard_index(self, lay: ShardLayout, store: Any, path: str) -> np.ndarray | None:
         """The shard's index, fetched once and cached (a few bytes per inner chunk)."""
         if path in self._index_cache:
             self._index_cache.move_to_end(path)
             return self._index_cache[path]
-        if lay.index_at_end:
-            raw = await store.get_suffix(path, lay.index_size)
-        else:
-            raw = await store.get_range(path, 0, lay.index_size)
-        self.counters.requests += 1
-        index = None if raw is None else await lay.index(raw)
+        def fetch() -> Any:
+            self.counters.requests += 1
+            if lay.index_at_end:
+                return store.get_suffix(path, lay.index_size)
+            return store.get_range(path, 0, lay.index_size)
+
+        async def use(raw: Any) -> np.ndarray | None:
+            return None if raw is None else await lay.index(raw)
+
+        # an index that fails its checksum (a flipped bit in transit) is fetched again
+        index = await refetched(fetch, path, use, on_retry=self.inflight.failed)
         self._index_cache[path] = index
         while len(self._index_cache) > INDEX_CACHE:
             self._index_cache.popitem(last=False)
@@ -431,21 +436,30 @@ class Reader:
                     starts.append(off)
                     ends.append(off + nb)
                 if want:
+                    done = [0]  # inner chunks put in place: a fetch made again skips them (hooks run once)
                     t_start = time.perf_counter()
-                    raws = await store.get_ranges(path, starts, ends)  # ranges of one object coalesced
-                    waited = time.perf_counter() - t_start
-                    self.inflight.arrived()
-                    self.counters.requests += 1
-                    self.counters.bytes_read += sum(len(r) for r in raws)
-                    if dec.sync:
-                        took = await loop.run_in_executor(None, _decode_assign_many, dec, raws, want)
-                    else:
+                    waited = [0.0]
+
+                    def fetch() -> Any:
+                        return store.get_ranges(path, starts[done[0]:], ends[done[0]:])  # coalesced
+
+                    async def use(raws: Any) -> float:
+                        waited[0] = time.perf_counter() - t_start
+                        self.inflight.arrived()
+                        self.counters.requests += 1
+                        self.counters.bytes_read += sum(len(r) for r in raws)
+                        rest = want[done[0]:]
+                        if dec.sync:
+                            return await loop.run_in_executor(None, _decode_assign_many, dec, raws, rest, done)
                         t0 = time.perf_counter()
-                        for raw, t in zip(raws, want, strict=True):
+                        for raw, t in zip(raws, rest, strict=True):
                             _assign_all(await dec.decode(raw), t)
-                        took = time.perf_counter() - t0
+                            done[0] += 1
+                        return time.perf_counter() - t0
+
+                    took = await refetched(fetch, path, use, on_retry=self.inflight.failed)
                     self.counters.decode_s += took
-                    self.inflight.observe(waited, took)
+                    self.inflight.observe(waited[0], took)
             except Exception as e:  # noqa: BLE001 - every failure names its shard
                 _reraise(src, shard, path, e)
         self.counters.chunks += len(inner)
@@ -486,7 +500,8 @@ class Reader:
                     self.inflight.observe(read_s, took)
                     store.observe(read_s, took)
                 else:
-                    await fetch_decoded(store, path, use)  # fetched again when the bytes fail to decode
+                    # fetched again when the bytes fail to decode or no answer comes in time
+                    await fetch_decoded(store, path, use, on_retry=self.inflight.failed)
             except Exception as e:  # noqa: BLE001 - every failure names its chunk
                 _reraise(src, coords, path, e)
         self.counters.chunks += 1
@@ -507,6 +522,21 @@ class Reader:
         self.counters.chunks += 1
         self.counters.bytes_decoded += arr.nbytes
         return arr
+
+
+async def _all_or_none(coros: Any) -> None:
+    """Run ``coros`` concurrently; where one fails, cancel the others before raising its error.
+
+    Not a bare ``gather``: its other reads would run on (retrying, holding permits of the in-flight
+    limit) after the caller has given up, and delay the reads that come next.
+    """
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        raise
 
 
 def _reraise(src: VarSource, coords: tuple[int, ...], path: str, e: Exception) -> NoReturn:
@@ -543,10 +573,12 @@ def _assign_all(chunk: np.ndarray, targets: list[Target]) -> None:
             hook(piece if len(targets) == 1 else _readonly(piece), out_sel)
 
 
-def _decode_assign_many(dec: ChunkDecoder, raws: list[Any], targets: list[list[Target]]) -> float:
+def _decode_assign_many(dec: ChunkDecoder, raws: list[Any], targets: list[list[Target]], done: list[int]) -> float:
+    """Decode and put in place inner chunks in turn, counting in ``done[0]`` those finished."""
     t0 = time.perf_counter()
     for raw, t in zip(raws, targets, strict=True):
         _decode_put(dec, raw, t)
+        done[0] += 1
     return time.perf_counter() - t0
 
 

@@ -52,7 +52,9 @@ class Faults:
     latency : seconds added to every request.
     max_per_key : faults injected on one path at most, then it is served cleanly (None: no bound).
     pattern : regex on the request path; only matching paths meet faults.
-    always : regex on the path; matching paths always answer ``always_status``.
+    always : regex on the path; matching paths always answer ``always_status``, with a body that
+        quotes the request's ``Authorization`` and ``X-Amz-Security-Token`` headers (as S3 quotes
+        the key id in signature errors).
     """
 
     error_503: float = 0.0
@@ -176,8 +178,11 @@ class _Handler(BaseHTTPRequestHandler):
             st.counts[kind or "ok"] += 1
         return kind, attempt
 
-    def _send_status(self, code: int) -> None:
+    def _send_status(self, code: int, echo: bool = False) -> None:
         msg = f"{code}\n".encode()
+        if echo:
+            msg += "".join(f"{k}: {v}\n" for k, v in self.headers.items()
+                           if k.lower() in ("authorization", "x-amz-security-token")).encode()
         self.send_response(code)
         self.send_header("Content-Type", "text/plain")
         self.send_header("Content-Length", str(len(msg)))
@@ -203,8 +208,8 @@ class _Handler(BaseHTTPRequestHandler):
         kind, _ = self._decide()
         if f.latency:
             st.stop.wait(f.latency)
-        if kind == "always":
-            return self._send_status(f.always_status)
+        if kind == "always":  # like S3's signature errors, the answer quotes what the request carried
+            return self._send_status(f.always_status, echo=True)
         if kind == "error_503":
             return self._send_status(503)
         if kind == "reset":

@@ -9,6 +9,7 @@ timeout, and transient faults are retried with backoff (see ``DEFAULT_CLIENT_OPT
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from datetime import timedelta
@@ -47,6 +48,62 @@ _URL = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^/\s@\"'<>]*
                   r"(?P<query>\?[^\s#\"'<>]*)?")
 
 
+#: environment variables obstore reads credentials from (their names also match ``_SECRET_KEY``)
+_ENV_PREFIXES = ("AWS_", "AZURE_", "GOOGLE_", "GCS_", "GCP_", "OBJECT_STORE_")
+_seen: dict[str, None] = {}  # credentials a credential_provider handed to obstore, newest last
+_SEEN_MAX = 256
+
+
+def env_secrets() -> list[str]:
+    """Credential values in the environment variables obstore reads (``AWS_SECRET_ACCESS_KEY``...)."""
+    found: list[str] = []
+    for k, v in os.environ.items():
+        if k.upper().startswith(_ENV_PREFIXES) and _SECRET_KEY.search(k) and len(v) >= 4:
+            found.append(v)
+            found.extend(w for w in v.split() if len(w) >= 8)
+    return found
+
+
+def _remember(value: Any) -> None:
+    """Record the credential values of a provider's answer (a dict or an object with attributes)."""
+    items = value.items() if isinstance(value, dict) else \
+        ((k, getattr(value, k, None)) for k in dir(value) if not k.startswith("_"))
+    for k, v in items:
+        if isinstance(v, str) and len(v) >= 4 and _SECRET_KEY.search(str(k)):
+            _seen.pop(v, None)
+            _seen[v] = None
+    while len(_seen) > _SEEN_MAX:
+        del _seen[next(iter(_seen))]
+
+
+class RecordingProvider:
+    """A ``credential_provider`` that hands obstore what ``inner`` returns and remembers it, so that
+    ``redact`` can scrub those credentials too. Picklable where ``inner`` is (spawned workers)."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def __call__(self) -> Any:
+        got = self.inner()
+        if inspect.isawaitable(got):
+            return self._wait(got)
+        _remember(got)
+        return got
+
+    async def _wait(self, pending: Any) -> Any:
+        got = await pending
+        _remember(got)
+        return got
+
+    def __getattr__(self, name: str) -> Any:  # e.g. obstore's ``config`` of its own providers
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __repr__(self) -> str:
+        return f"RecordingProvider({type(self.inner).__name__})"
+
+
 def make_store(url: str | os.PathLike, **options: Any) -> Any:
     """An obstore store for a URL (``s3://``, ``gs://``, ``az://``, ``http(s)://``, ``file://``,
     ``memory://``) or a local path.
@@ -75,6 +132,9 @@ def make_store(url: str | os.PathLike, **options: Any) -> Any:
             raise TypeError(f"anonymous= applies to object storage URLs, not to {scheme}://")
         if scheme in _SIGNED or _signed_https(s):
             options.setdefault("skip_signature", bool(anonymous))
+    provider = options.get("credential_provider")
+    if provider is not None and not isinstance(provider, RecordingProvider):
+        options["credential_provider"] = RecordingProvider(provider)
     if scheme in _REMOTE:
         client = DEFAULT_CLIENT_OPTIONS | dict(options.pop("client_options", None) or {})
         if scheme == "http":
@@ -149,8 +209,11 @@ def secrets_of(store: Any) -> list[str]:
 
 
 def redact(text: str, secrets: list[str] | tuple[str, ...] = ()) -> str:
-    """``text`` with URL query strings and user info, and every value in ``secrets``, replaced."""
-    for s in secrets:
+    """``text`` with URL query strings and user info, and every credential, replaced: the values in
+    ``secrets``, those of the environment variables obstore reads and those a credential provider
+    answered (``RecordingProvider``)."""
+    every = {s for s in (*secrets, *env_secrets(), *_seen) if len(s) >= 4}
+    for s in sorted(every, key=len, reverse=True):
         text = text.replace(s, "***")
     return _URL.sub(lambda m: m["scheme"] + ("***@" if m["user"] else "") + m["rest"]
                     + ("?***" if m["query"] else ""), text)

@@ -136,7 +136,9 @@ def make_store(url: str | os.PathLike, **options: Any) -> Any:
     if provider is not None and not isinstance(provider, RecordingProvider):
         options["credential_provider"] = RecordingProvider(provider)
     if scheme in _REMOTE:
-        client = DEFAULT_CLIENT_OPTIONS | dict(options.pop("client_options", None) or {})
+        # yours over the environment's (AWS_ALLOW_HTTP...) over xinsitu's: obstore takes one
+        # ``client_options`` whole, and would otherwise drop what it read from the environment
+        client = DEFAULT_CLIENT_OPTIONS | env_client_options(s) | dict(options.pop("client_options", None) or {})
         if scheme == "http":
             client.setdefault("allow_http", True)
         options["client_options"] = client
@@ -145,6 +147,29 @@ def make_store(url: str | os.PathLike, **options: Any) -> Any:
         return obstore.store.from_url(s, **options)
     except Exception as e:  # noqa: BLE001 - re-raised without the credentials it may quote
         raise scrubbed(e, secrets_in_options(s, options)) from None
+
+
+#: ``client_options`` keys obstore also reads from ``<PREFIX>_<KEY>`` environment variables
+_CLIENT_KEYS = ("allow_http", "allow_invalid_certificates", "connect_timeout", "default_content_type",
+                "http1_only", "http2_only", "http2_keep_alive_interval", "http2_keep_alive_timeout",
+                "http2_keep_alive_while_idle", "pool_idle_timeout", "pool_max_idle_per_host", "proxy_url",
+                "proxy_ca_certificate", "proxy_excludes", "randomize_addresses", "timeout", "user_agent")
+
+
+def env_client_options(url: str) -> dict[str, str]:
+    """Client options set in the environment for ``url``'s kind of store (``AWS_ALLOW_HTTP=true``
+    for ``s3://``, ``AZURE_...`` for ``az://``, ``GOOGLE_...`` for ``gs://``)."""
+    p = urlsplit(url)
+    scheme, host = p.scheme.lower(), (p.hostname or "").lower()
+    if scheme in ("s3", "s3a") or host.endswith(("amazonaws.com", "r2.cloudflarestorage.com")):
+        prefix = "AWS_"
+    elif scheme in ("gs", "gcs"):
+        prefix = "GOOGLE_"
+    elif scheme in ("az", "azure", "abfs", "abfss", "adl") or _signed_https(url):
+        prefix = "AZURE_"
+    else:
+        return {}
+    return {k: os.environ[prefix + k.upper()] for k in _CLIENT_KEYS if os.environ.get(prefix + k.upper())}
 
 
 def _signed_https(url: str) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import zarr
 
@@ -213,3 +214,27 @@ def test_range_request_answered_with_the_whole_object(archive, manifest):
         gen = xinsitu.open_zarr(f"{srv.url}/full_sharded.zarr").insitu.batches(manifest, "train", **ONE_BLOCK)
         assert_same_epoch(epoch_numpy(gen), reference)
         assert srv.counts["full"] > 3, srv.counts
+
+
+# ----------------------------------------------------------------------------- 10. errors that point the right way
+def test_open_errors_say_what_is_wrong(tmp_path):
+    """A v2 group without ``_ARRAY_DIMENSIONS``, an array path where a group is expected, and a
+    non-consolidated archive over plain HTTP (which cannot list) each get a message that names the
+    problem and the fix -- the last one at once, not after retried ``PROPFIND`` requests."""
+    import xarray as xr
+
+    g = zarr.open_group(tmp_path / "v2.zarr", mode="w", zarr_format=2)
+    g.create_array("a", shape=(4,), dtype="f4")
+    with pytest.raises(ValueError, match=r"\['a'\] have no '_ARRAY_DIMENSIONS'"):
+        xinsitu.open_zarr(str(tmp_path / "v2.zarr"))
+    xr.Dataset({"a": (("t",), np.arange(4.0))}).to_zarr(tmp_path / "noc.zarr", zarr_format=3, consolidated=False)
+    with pytest.raises(ValueError, match=r"is a zarr array .* not a group.*\['a'\]"):
+        xinsitu.open_zarr(str(tmp_path / "noc.zarr" / "a"))
+    with pytest.raises(ValueError, match=r"group='a'\) is a zarr array"):
+        xinsitu.open_zarr(str(tmp_path / "noc.zarr"), group="a")
+    with FileServer(tmp_path) as srv:
+        with pytest.raises(ValueError, match="no consolidated metadata.*plain HTTP cannot list.*Consolidate"):
+            xinsitu.open_zarr(f"{srv.url}/noc.zarr")
+        assert srv.requests <= 3, srv.requests  # no PROPFIND, no retries
+        zarr.consolidate_metadata(str(tmp_path / "noc.zarr"))
+        assert list(xinsitu.open_zarr(f"{srv.url}/noc.zarr").data_vars) == ["a"]

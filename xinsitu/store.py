@@ -10,6 +10,7 @@ timeout, and transient faults are retried with backoff (see ``DEFAULT_CLIENT_OPT
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import re
 from datetime import timedelta
@@ -329,14 +330,81 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
         zstore = zarr.storage.ObjectStore(store, read_only=True) if mod.startswith("obstore") else store
         secrets = secrets_of(store) if mod.startswith("obstore") else []
         where = type(store).__name__
+    if isinstance(store, (str, os.PathLike)) and consolidated is not False and _plain_http(os.fspath(store)):
+        _needs_consolidated(obs, group, where, secrets)
     try:
         return xr.open_zarr(zstore, chunks=None, consolidated=consolidated, group=group,
                             decode_times=decode_times)
     except FileNotFoundError as e:
+        _if_array(zstore, group, where)
         raise FileNotFoundError(f"no zarr group found at {where}: {scrubbed(e, secrets)}") from None
     except Exception as e:
+        _if_array(zstore, group, where)
+        if isinstance(e, TypeError) and "prototype" in str(e):  # xarray's fallback for v2 arrays without dims
+            _if_no_dims(zstore, group, where)
         text = _chain_text(e)
         # obstore's errors become the builtin ones (PermissionError...); none may quote a credential
         if type(e).__module__.startswith("obstore") or redact(text, secrets) != text:
             raise scrubbed(e, secrets) from None
         raise
+
+
+def _plain_http(url: str) -> bool:
+    """An ``http(s)://`` URL read as plain HTTP (not S3 or Azure over https): no listing there."""
+    return urlsplit(url).scheme.lower() in ("http", "https") and not _signed_https(url)
+
+
+def _needs_consolidated(obs: Any, group: str | None, where: str, secrets: list[str]) -> None:
+    """Raise at once where a plain HTTP archive has no consolidated metadata: without it zarr lists
+    the directory (a ``PROPFIND`` a web server refuses, retried many times)."""
+    import obstore
+
+    prefix = f"{group.strip('/')}/" if group else ""
+    try:
+        meta = json.loads(bytes(obstore.get(obs, prefix + "zarr.json").bytes()))
+        if meta.get("consolidated_metadata") is not None or meta.get("node_type") == "array":
+            return  # an array is reported by the open itself
+    except FileNotFoundError:
+        pass
+    except Exception:  # noqa: BLE001 - unreadable: the open reports it, naming the key
+        return
+    try:
+        obstore.get(obs, prefix + ".zmetadata").bytes()
+        return
+    except FileNotFoundError:
+        pass
+    except Exception:  # noqa: BLE001 - as above
+        return
+    raise ValueError(f"{where}: no consolidated metadata (no 'consolidated_metadata' in zarr.json, no "
+                     ".zmetadata), and plain HTTP cannot list a directory to find the arrays. Consolidate the "
+                     "metadata where the archive is written (zarr.consolidate_metadata(path), or "
+                     "ds.to_zarr(..., consolidated=True))")
+
+
+def _if_array(zstore: Any, group: str | None, where: str) -> None:
+    """Raise a clear error where the path given (or ``group``) is a zarr array, not a group."""
+    import zarr
+
+    try:
+        arr = zarr.open_array(zstore, path=group or "", mode="r")
+    except Exception:  # noqa: BLE001 - not an array: the caller reports what it met
+        return
+    at = f"{where} (group={group!r})" if group else where
+    name = (group or where).rstrip("/").rsplit("/", 1)[-1]
+    raise ValueError(f"{at} is a zarr array (shape {arr.shape}), not a group: open the group that contains "
+                     f"it and select the variable, e.g. xinsitu.open_zarr(<the parent group>)[{name!r}]") from None
+
+
+def _if_no_dims(zstore: Any, group: str | None, where: str) -> None:
+    """Raise naming the zarr v2 arrays that lack ``_ARRAY_DIMENSIONS`` (what xarray needs for dims)."""
+    import zarr
+
+    try:
+        g = zarr.open_group(zstore, path=group or "", mode="r")
+        names = sorted(n for n, a in g.arrays() if "_ARRAY_DIMENSIONS" not in a.attrs)
+    except Exception:  # noqa: BLE001 - unknown: the caller re-raises the original
+        return
+    if names:
+        raise ValueError(f"{where}: zarr v2 arrays {names} have no '_ARRAY_DIMENSIONS' attribute (nor NCZarr "
+                         "metadata), which xarray needs to name their dimensions: the archive was not written by "
+                         "xarray. Add the attribute (a list of dim names) to each array's .zattrs") from None

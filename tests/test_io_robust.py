@@ -238,3 +238,19 @@ def test_open_errors_say_what_is_wrong(tmp_path):
         assert srv.requests <= 3, srv.requests  # no PROPFIND, no retries
         zarr.consolidate_metadata(str(tmp_path / "noc.zarr"))
         assert list(xinsitu.open_zarr(f"{srv.url}/noc.zarr").data_vars) == ["a"]
+
+
+def test_damaged_metadata_is_fetched_again_then_named(archive):
+    """A ``zarr.json`` body damaged in transit is fetched again (the open succeeds); one damaged every
+    time raises naming the key, not a bare ``JSONDecodeError``."""
+    import pickle
+
+    with FileServer(Path(archive).parent, Faults(flip=1.0, pattern=r"zarr\.json$", max_per_key=2)) as srv:
+        ds = xinsitu.open_zarr(f"{srv.url}/era5.zarr")
+        assert srv.counts["flip"] == 2, srv.counts
+        local = xinsitu.open_zarr(archive)
+        assert list(ds.data_vars) == list(local.data_vars)
+        assert np.array_equal(pickle.loads(pickle.dumps(ds)).t2m[:4].values, local.t2m[:4].values)
+        srv.faults = Faults(flip=1.0, pattern=r"/era5\.zarr/zarr\.json$", max_per_key=None)
+        with pytest.raises(ValueError, match=r"metadata object 'zarr.json' is not valid JSON, 3 fetches"):
+            xinsitu.open_zarr(f"{srv.url}/era5.zarr")

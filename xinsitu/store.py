@@ -313,21 +313,20 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
     ...                        retry_config={"max_retries": 3})  # doctest: +SKIP
     >>> ds = xinsitu.open_zarr("s3://public-bucket/era5.zarr", anonymous=True)  # doctest: +SKIP
     """
-    import zarr.storage
 
     secrets: list[str] = []
     if isinstance(store, (str, os.PathLike)):
         url = os.fspath(store)
         secrets = secrets_in_options(url, store_options)
         obs = make_store(store, **store_options)
-        zstore = zarr.storage.ObjectStore(obs, read_only=True)
+        zstore = _checked_store()(obs, read_only=True)
         where = redact_url(url) if "://" in url else url
     else:
         if store_options:
             raise TypeError(f"store options {sorted(store_options)} apply to URLs and paths only, "
                             "not to a store object")
         mod = type(store).__module__
-        zstore = zarr.storage.ObjectStore(store, read_only=True) if mod.startswith("obstore") else store
+        zstore = _checked_store()(store, read_only=True) if mod.startswith("obstore") else store
         secrets = secrets_of(store) if mod.startswith("obstore") else []
         where = type(store).__name__
     if isinstance(store, (str, os.PathLike)) and consolidated is not False and _plain_http(os.fspath(store)):
@@ -408,3 +407,46 @@ def _if_no_dims(zstore: Any, group: str | None, where: str) -> None:
         raise ValueError(f"{where}: zarr v2 arrays {names} have no '_ARRAY_DIMENSIONS' attribute (nor NCZarr "
                          "metadata), which xarray needs to name their dimensions: the archive was not written by "
                          "xarray. Add the attribute (a list of dim names) to each array's .zattrs") from None
+
+
+#: metadata objects: JSON, checked as read (a damaged body is fetched again, then named)
+_METADATA = ("zarr.json", ".zmetadata", ".zarray", ".zattrs", ".zgroup")
+_checked: Any = None
+
+
+def _checked_store() -> Any:
+    """``zarr.storage.ObjectStore`` whose metadata reads are checked: a body that is not valid JSON
+    (damaged in transit) is fetched again, ``FETCH_ATTEMPTS`` times, then raises naming its key."""
+    global _checked
+    if _checked is None:
+        import zarr.storage
+
+        class ObjectStore(zarr.storage.ObjectStore):  # same name: code that checks the kind keeps working
+            async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+                if byte_range is not None or not key.endswith(_METADATA):
+                    return await super().get(key, prototype, byte_range)
+                from xinsitu.backend import FETCH_ATTEMPTS
+
+                err: Exception | None = None
+                for _ in range(FETCH_ATTEMPTS):
+                    buf = await super().get(key, prototype, byte_range)
+                    if buf is None:
+                        return None
+                    try:
+                        json.loads(buf.to_bytes())
+                        return buf
+                    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+                        err = e
+                raise ValueError(f"metadata object {key!r} is not valid JSON, {FETCH_ATTEMPTS} fetches in a row "
+                                 f"(damaged in the store?): {type(err).__name__}: {err}")
+
+        ObjectStore.__module__ = __name__
+        ObjectStore.__qualname__ = "_CheckedObjectStore"
+        _checked = ObjectStore
+    return _checked
+
+
+def __getattr__(name: str) -> Any:  # pickles name the checked store class by this attribute
+    if name == "_CheckedObjectStore":
+        return _checked_store()
+    raise AttributeError(name)

@@ -254,3 +254,40 @@ def test_damaged_metadata_is_fetched_again_then_named(archive):
         srv.faults = Faults(flip=1.0, pattern=r"/era5\.zarr/zarr\.json$", max_per_key=None)
         with pytest.raises(ValueError, match=r"metadata object 'zarr.json' is not valid JSON, 3 fetches"):
             xinsitu.open_zarr(f"{srv.url}/era5.zarr")
+
+
+def test_abandoned_epochs_stop_reading_and_threads_stay_bounded(tmp_path):
+    """An epoch abandoned after one batch stops its reads (they used to run on, holding connections
+    and threads of obstore's runtime); after several, obstore's threads stay within the process-wide
+    bound on requests in flight."""
+    import gc
+    import os
+    import time
+
+    from xinsitu.backend import PROCESS_INFLIGHT
+
+    def runtime_threads() -> int:
+        n = 0
+        for t in os.listdir("/proc/self/task"):
+            try:
+                n += "tokio" in Path(f"/proc/self/task/{t}/comm").read_text()
+            except OSError:  # the thread ended meanwhile
+                pass
+        return n
+
+    path = write_archive(tmp_path / "long.zarr", nt=384, chunk_time=4)
+    m = xinsitu.open_zarr(path).insitu.split("time", fractions={"train": 1.0})
+    with FileServer(tmp_path, Faults(latency=0.2)) as srv:
+        for _ in range(4):
+            gen = xinsitu.open_zarr(f"{srv.url}/long.zarr").insitu.batches(
+                m, "train", batch_size=8, block_chunks=16, max_inflight=16, output="numpy")
+            it = iter(gen)
+            next(it)
+            it.close()
+            del it, gen
+            gc.collect()
+            time.sleep(0.5)  # requests already at the server finish (0.2 s each)
+            before = srv.requests
+            time.sleep(1.0)
+            assert srv.requests - before <= 2, f"an abandoned epoch kept reading: {srv.requests - before} requests"
+            assert runtime_threads() <= 16 + PROCESS_INFLIGHT

@@ -49,6 +49,22 @@ FETCH_ATTEMPTS = 3
 COALESCE = 1024 * 1024
 
 
+#: obstore requests in flight in this process at most, all readers and stores together. Each
+#: request may hold a connection and, while it opens, one of the threads of obstore's runtime
+#: (name resolution): readers of abandoned epochs and of other generators cannot add up past it.
+PROCESS_INFLIGHT = 256
+_limit: tuple[Any, asyncio.Semaphore] | None = None
+
+
+def _process_limit() -> asyncio.Semaphore:
+    """The process-wide bound on obstore requests, for the running loop (a new one after ``fork``)."""
+    global _limit
+    loop = asyncio.get_running_loop()
+    if _limit is None or _limit[0] is not loop:
+        _limit = (loop, asyncio.Semaphore(PROCESS_INFLIGHT))
+    return _limit[1]
+
+
 class DamagedObjectError(OSError):
     """The bytes of a stored object came back short, or failed to decode, every time."""
 
@@ -69,8 +85,9 @@ class _ObstoreBackend:
         for _ in range(FETCH_ATTEMPTS):
             err: BaseException | None = None
             try:
-                resp = await obstore.get_async(self.store, key, options=options)  # type: ignore[arg-type]
-                data = await resp.bytes_async()
+                async with _process_limit():
+                    resp = await obstore.get_async(self.store, key, options=options)  # type: ignore[arg-type]
+                    data = await resp.bytes_async()
             except FileNotFoundError:
                 return None
             except asyncio.CancelledError:

@@ -464,15 +464,21 @@ class _EpochRun:
     async def _produce(self) -> None:
         self.credits = asyncio.Semaphore(self.depth)
         prev: asyncio.Task | None = None
+        loads: list[asyncio.Task] = []
         try:
             for j in range(self.first_block, self.plan.n_blocks):
                 await self.credits.acquire()
                 if self.stop.is_set():
                     break
                 prev = asyncio.ensure_future(self._load(j, prev))
+                loads = [t for t in loads if not t.done()] + [prev]
             if prev is not None:
                 await prev
             self.blocks.put(_END)
+        except asyncio.CancelledError:
+            for t in loads:  # an abandoned epoch: its reads stop too (they would hold connections and threads)
+                t.cancel()
+            raise
         except BaseException as e:  # noqa: BLE001 - delivered to the caller
             self.blocks.put(e)
 

@@ -167,7 +167,8 @@ def test_automatic_max_inflight_grows_with_latency(archive, manifest, monkeypatc
         n = sum(len(next(iter(b.values()))) for b in gen)
         assert n == manifest.positions("train")
         limit = gen._reader.inflight
-        assert limit.limit == 12 and limit.latency_s > 0.04, (limit.limit, limit.latency_s)
+        top = max([limit.limit] + [n for n, _ in limit.history])  # it may step back where latency inflates
+        assert top == 12 and limit.latency_s > 0.04, (limit.history, limit.latency_s)
         assert 3 < srv.peak <= 12, srv.peak
 
 

@@ -359,20 +359,22 @@ def _needs_consolidated(obs: Any, group: str | None, where: str, secrets: list[s
     import obstore
 
     prefix = f"{group.strip('/')}/" if group else ""
+
+    def read(key: str) -> bytes | None:
+        try:
+            return bytes(obstore.get(obs, prefix + key).bytes())
+        except FileNotFoundError:
+            return None
+
     try:
-        meta = json.loads(bytes(obstore.get(obs, prefix + "zarr.json").bytes()))
-        if meta.get("consolidated_metadata") is not None or meta.get("node_type") == "array":
-            return  # an array is reported by the open itself
-    except FileNotFoundError:
-        pass
+        v3 = read("zarr.json")
+        if v3 is not None:
+            meta = json.loads(v3)
+            if meta.get("consolidated_metadata") is not None or meta.get("node_type") == "array":
+                return  # an array is reported by the open itself
+        elif read(".zgroup") is None or read(".zmetadata") is not None:
+            return  # no group here (the open says so), or a consolidated v2 group
     except Exception:  # noqa: BLE001 - unreadable: the open reports it, naming the key
-        return
-    try:
-        obstore.get(obs, prefix + ".zmetadata").bytes()
-        return
-    except FileNotFoundError:
-        pass
-    except Exception:  # noqa: BLE001 - as above
         return
     raise ValueError(f"{where}: no consolidated metadata (no 'consolidated_metadata' in zarr.json, no "
                      ".zmetadata), and plain HTTP cannot list a directory to find the arrays. Consolidate the "

@@ -251,7 +251,9 @@ async def bounded(request: Callable[[], Awaitable[T]], key: str, on_retry: Calla
             on_retry()
         try:
             return await asyncio.wait_for(request(), limit)
-        except TimeoutError:
+        except TimeoutError as e:
+            if not isinstance(e.__cause__, asyncio.CancelledError):
+                raise  # the store's own timeout, after its own retries: not ours to repeat
             continue
     raise TimeoutError(f"object {key!r}: no answer within {limit:g} s, {attempts} times "
                        "(XINSITU_REQUEST_TIMEOUT sets the limit)")

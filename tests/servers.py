@@ -27,12 +27,12 @@ import threading
 import urllib.parse
 from collections import Counter
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 HOST = "127.0.0.1"
-KINDS = ("error_503", "reset", "truncate", "short", "slow", "stall")
+KINDS = ("error_503", "reset", "truncate", "short", "slow", "stall", "hang", "flip", "full")
 
 
 @dataclass
@@ -45,10 +45,16 @@ class Faults:
     short : announce and send only half the body (a broken proxy: the HTTP layer cannot tell).
     slow : wait ``slow_s`` before answering (longer than the client's timeout: a timeout).
     stall : send half the body, wait ``slow_s``, then send the rest (a stalled read).
+    hang : accept the request and never answer (until the server stops).
+    flip : send the whole body with one bit flipped (corruption in transit the HTTP layer cannot see).
+    full : answer a ``Range`` request with ``200`` and the whole object (a server or proxy that
+        ignores ranges).
     latency : seconds added to every request.
     max_per_key : faults injected on one path at most, then it is served cleanly (None: no bound).
     pattern : regex on the request path; only matching paths meet faults.
-    always : regex on the path; matching paths always answer ``always_status``.
+    always : regex on the path; matching paths always answer ``always_status``, with a body that
+        quotes the request's ``Authorization`` and ``X-Amz-Security-Token`` headers (as S3 quotes
+        the key id in signature errors).
     """
 
     error_503: float = 0.0
@@ -57,6 +63,9 @@ class Faults:
     short: float = 0.0
     slow: float = 0.0
     stall: float = 0.0
+    hang: float = 0.0
+    flip: float = 0.0
+    full: float = 0.0
     latency: float = 0.0
     slow_s: float = 2.0
     max_per_key: int | None = 3
@@ -169,8 +178,11 @@ class _Handler(BaseHTTPRequestHandler):
             st.counts[kind or "ok"] += 1
         return kind, attempt
 
-    def _send_status(self, code: int) -> None:
+    def _send_status(self, code: int, echo: bool = False) -> None:
         msg = f"{code}\n".encode()
+        if echo:
+            msg += "".join(f"{k}: {v}\n" for k, v in self.headers.items()
+                           if k.lower() in ("authorization", "x-amz-security-token")).encode()
         self.send_response(code)
         self.send_header("Content-Type", "text/plain")
         self.send_header("Content-Length", str(len(msg)))
@@ -196,8 +208,8 @@ class _Handler(BaseHTTPRequestHandler):
         kind, _ = self._decide()
         if f.latency:
             st.stop.wait(f.latency)
-        if kind == "always":
-            return self._send_status(f.always_status)
+        if kind == "always":  # like S3's signature errors, the answer quotes what the request carried
+            return self._send_status(f.always_status, echo=True)
         if kind == "error_503":
             return self._send_status(503)
         if kind == "reset":
@@ -207,6 +219,10 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         if kind == "slow":
             st.stop.wait(f.slow_s)
+        if kind == "hang":  # the connection stays open, no byte comes back
+            st.stop.wait()
+            self.close_connection = True
+            return None
         p = self._file()
         if p is None:
             with st.lock:
@@ -217,7 +233,7 @@ class _Handler(BaseHTTPRequestHandler):
         size = len(data)
         status, lo, hi = 200, 0, size
         rng = self.headers.get("Range")
-        if rng:
+        if rng and kind != "full":
             with st.lock:
                 st.ranged += 1
             m = re.fullmatch(r"bytes=(\d*)-(\d*)", rng.strip())
@@ -232,6 +248,10 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send_status(416)
             status = 206
         body = data[lo:hi]
+        if kind == "flip" and body:
+            h = int(hashlib.sha256(f"{f.seed}:{p}:{lo}".encode()).hexdigest(), 16)
+            i = h % len(body)
+            body = body[:i] + bytes([body[i] ^ (1 << (h >> 64) % 8)]) + body[i + 1:]
         half = body[: len(body) // 2]
         self.send_response(status)
         self.send_header("Content-Type", "application/octet-stream")
@@ -270,15 +290,32 @@ class _Server(ThreadingHTTPServer):
     request_queue_size = 256  # a burst of new connections (one per request in flight) is not dropped
 
 
+class _OneAtATimeHandler(_Handler):
+    protocol_version = "HTTP/1.0"  # one request per connection, as ``http.server``'s default
+
+
+class _OverloadedServer(HTTPServer):
+    """A plain ``http.server``: one request at a time, one connection each, an accept backlog of
+    5. Connections beyond the backlog are dropped and wait for the client's SYN retransmit (a
+    second or more): many requests in flight only make it slower."""
+
+    allow_reuse_address = True
+    request_queue_size = 5
+
+
 class FileServer:
     """Serve the files under ``root`` over HTTP/1.1 on 127.0.0.1, optionally with faults.
+
+    ``overloaded=True`` serves like a plain ``http.server`` instead (HTTP/1.0, one request at a
+    time, an accept backlog of 5): a store that more requests in flight only slow down.
 
     Use as a context manager (or ``start()``/``stop()``); ``url`` is the base URL,
     ``counts`` how many requests met each fault, ``requests`` how many were answered.
     """
 
     def __init__(self, root: str | os.PathLike, faults: Faults | None = None, *, max_lifetime_s: float = 300.0,
-                 max_requests: int = 200_000):
+                 max_requests: int = 200_000, overloaded: bool = False):
+        self.overloaded = overloaded
         self.state = _State(Path(root).resolve(), faults or Faults(), threading.Event(), int(max_requests))
         self.max_lifetime_s = float(max_lifetime_s)
         self._server: _Server | None = None
@@ -346,7 +383,7 @@ class FileServer:
             self.state.missing.clear()
 
     def start(self) -> FileServer:
-        srv = _Server((HOST, 0), _Handler)
+        srv = _OverloadedServer((HOST, 0), _OneAtATimeHandler) if self.overloaded else _Server((HOST, 0), _Handler)
         srv.state = self.state  # type: ignore[attr-defined]
         self._server = srv
         serve = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05},

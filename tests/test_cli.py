@@ -127,3 +127,21 @@ def test_verdict_sentences() -> None:
     assert cli.verdict(None, io, 32, 500.0)[0].startswith("Model-bound")
     assert cli.verdict(None, io, 32, 5.0)[0].startswith("Store-bound")
     assert np.isclose(float(cli.verdict(None, io, 32, 5.0)[0].split("needs ")[1].split(" ms")[0]), 100.0)
+
+
+def test_inspect_says_whether_chunks_carry_checksums(tmp_path: Path) -> None:
+    """Without a checksum, transfer corruption cannot be detected: ``inspect`` says so; with crc32c it says
+    chunks are verified."""
+    import xarray as xr
+    import zarr
+
+    ds = xr.Dataset({"a": (("t", "x"), np.arange(40.0).reshape(20, 2))})
+    ds.to_zarr(tmp_path / "plain.zarr", encoding={"a": {"chunks": (5, 2)}}, zarr_format=3)
+    ds.to_zarr(tmp_path / "crc.zarr", zarr_format=3, encoding={"a": {
+        "chunks": (5, 2), "compressors": [zarr.codecs.ZstdCodec(), zarr.codecs.Crc32cCodec()]}})
+    plain = run("inspect", str(tmp_path / "plain.zarr")).stdout
+    assert "Checksums: none on a" in plain and "cannot be detected" in plain and "Crc32cCodec" in plain
+    crc = run("inspect", str(tmp_path / "crc.zarr")).stdout
+    assert "carry one (crc32c)" in crc
+    got = json.loads(run("inspect", str(tmp_path / "crc.zarr"), "--json").stdout)
+    assert got["checksums"] == {"a": "crc32c"}

@@ -167,13 +167,14 @@ def test_automatic_max_inflight_grows_with_latency(archive, manifest, monkeypatc
         n = sum(len(next(iter(b.values()))) for b in gen)
         assert n == manifest.positions("train")
         limit = gen._reader.inflight
-        assert limit.limit == 12 and limit.latency_s > 0.04, (limit.limit, limit.latency_s)
+        top = max([limit.limit] + [n for n, _ in limit.history])  # it may step back where latency inflates
+        assert top == 12 and limit.latency_s > 0.04, (limit.history, limit.latency_s)
         assert 3 < srv.peak <= 12, srv.peak
 
 
 def test_inflight_limit_follows_littles_law():
     """Enough requests to keep the decode threads busy while each waits, twice over, within the bounds."""
-    from xinsitu.reader import AUTO_INFLIGHT, InflightLimit
+    from xinsitu.reader import AUTO_INFLIGHT, AUTO_REMOTE, InflightLimit
 
     fast = InflightLimit(None, threads=2)
     for _ in range(20):
@@ -186,10 +187,10 @@ def test_inflight_limit_follows_littles_law():
         far.observe(latency_s=0.1, decode_s=0.0005)  # 100 ms away: 800 wanted, never past the cap
     assert far.limit == AUTO_INFLIGHT[1]
     near = InflightLimit(None, threads=2)
-    near.expect_remote()  # a store across a network starts at the top ...
-    assert near.limit == AUTO_INFLIGHT[1]
+    near.expect_remote()  # a store across a network starts low (it may be overloaded) ...
+    assert near.limit == AUTO_REMOTE[0]
     for _ in range(40):
-        near.observe(latency_s=0.001, decode_s=0.0005)  # ... and comes down when it answers in 1 ms
+        near.observe(latency_s=0.001, decode_s=0.0005)  # ... and Little's law bounds it when it answers in 1 ms
     assert near.limit == AUTO_INFLIGHT[0]
     fixed = InflightLimit(5, threads=2)
     fixed.observe(latency_s=1.0, decode_s=0.001)

@@ -193,3 +193,40 @@ def test_manifest_and_state_are_json_never_pickle(archive, tmp_path):
         with pytest.raises((ValueError, TypeError)):
             gen2.load_state_dict(evil.read_bytes())  # type: ignore[arg-type]
     assert not sentinel.exists()
+
+
+@pytest.mark.parametrize("source", ["environment", "credential_provider"])
+def test_credentials_from_environment_or_provider_never_shown(archive, tmp_path, monkeypatch, logs, source):
+    """AWS echoes the key id in signature errors; here the server quotes the ``Authorization`` and
+    session-token headers in its 403 answers. Credentials obstore took from ``AWS_*`` environment
+    variables or from a ``credential_provider`` are scrubbed like those passed as options."""
+    import shutil
+
+    shutil.copytree(archive, tmp_path / "bucket" / "era5.zarr")
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(k, raising=False)
+    extra: dict[str, Any] = {}
+    if source == "environment":
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+        monkeypatch.setenv("AWS_SESSION_TOKEN", SESSION)
+    else:
+        extra["credential_provider"] = lambda: {"access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY,
+                                                "token": SESSION, "expires_at": None}
+    with FileServer(tmp_path) as srv:
+        opts = {"endpoint": srv.url, "region": "us-east-1", "client_options": {"allow_http": True},
+                "retry_config": FAST, **extra}
+        ds = xinsitu.open_zarr("s3://bucket/era5.zarr", **opts)
+        m = ds.insitu.split("time", fractions={"train": 0.75, "val": 0.25})
+        srv.faults = Faults(always=r"/era5.zarr/u10/c/", always_status=403)
+        err = _epoch_until_error(ds.insitu.batches(m, "train", batch_size=8, output="numpy"))
+        assert isinstance(err, xinsitu.ChunkReadError), repr(err)
+        assert any(ACCESS_KEY in a for a in srv.seen[1]), "the requests were not signed with these credentials"
+        assert "***" in str(err) and "u10" in str(err), str(err)  # the quoted headers were there, scrubbed
+        assert_clean(error_text(err), f"ChunkReadError ({source})")
+        srv.faults = Faults(always=r"zarr\.json$", always_status=403)
+        with pytest.raises(PermissionError) as ei:
+            xinsitu.open_zarr("s3://bucket/era5.zarr", **opts)
+        assert "***" in str(ei.value)
+        assert_clean(error_text(ei.value), f"PermissionError at open ({source})")
+    _check_logs(logs)

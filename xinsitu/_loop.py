@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import os
 import threading
 from collections.abc import Coroutine
@@ -17,6 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+#: seconds ``run`` waits for a result at most, by default (``XINSITU_TIMEOUT`` overrides it)
+RUN_TIMEOUT = 3600.0
+#: seconds one request may take before it is retried (``XINSITU_REQUEST_TIMEOUT`` overrides it).
+#: Longer than obstore's own whole-request limit (``xinsitu.store.DEFAULT_CLIENT_OPTIONS``), so
+#: obstore's retries come first; this bounds every backend, zarr stores and Icechunk included.
+REQUEST_TIMEOUT = 360.0
 
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
@@ -49,12 +57,45 @@ def get_loop() -> asyncio.AbstractEventLoop:
     return _loop
 
 
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro`` on the I/O loop and return its result here (exceptions re-raised)."""
+def run_timeout() -> float:
+    """Seconds ``run`` waits at most by default: ``XINSITU_TIMEOUT``, else ``RUN_TIMEOUT``."""
+    env = os.environ.get("XINSITU_TIMEOUT")
+    return float(env) if env else RUN_TIMEOUT
+
+
+def request_timeout() -> float:
+    """Seconds one request (one object or byte range) may take before it is given up and retried:
+    ``XINSITU_REQUEST_TIMEOUT``, else ``REQUEST_TIMEOUT``."""
+    env = os.environ.get("XINSITU_REQUEST_TIMEOUT")
+    if env:
+        t = float(env)
+        if not t > 0:
+            raise ValueError(f"XINSITU_REQUEST_TIMEOUT must be a positive number of seconds, got {env!r}")
+        return t
+    return REQUEST_TIMEOUT
+
+
+def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    """Run ``coro`` on the I/O loop and return its result here (exceptions re-raised).
+
+    Parameters
+    ----------
+    coro : the coroutine.
+    timeout : seconds to wait at most (default: ``run_timeout()``); then ``coro`` is cancelled
+        and ``TimeoutError`` raised. Reads bound each request themselves (``request_timeout``):
+        this is the backstop that keeps any call from waiting forever.
+    """
     loop = get_loop()
     if threading.current_thread() is _thread:
+        coro.close()
         raise RuntimeError("xinsitu: blocking call made from inside the I/O loop")
-    return asyncio.run_coroutine_threadsafe(coro, loop).result()
+    limit = run_timeout() if timeout is None else float(timeout)
+    fut = asyncio.run_coroutine_threadsafe(coro, loop)
+    try:
+        return fut.result(timeout=limit)
+    except concurrent.futures.TimeoutError:
+        fut.cancel()
+        raise TimeoutError(f"xinsitu: no result within {limit:g} s (timeout=, XINSITU_TIMEOUT)") from None
 
 
 def submit(coro: Coroutine[Any, Any, T]) -> asyncio.Future[T] | Any:

@@ -44,6 +44,22 @@ FETCH_ATTEMPTS = 3
 COALESCE = 1024 * 1024
 
 
+#: obstore requests in flight in this process at most, all readers and stores together. Each
+#: request may hold a connection and, while it opens, one of the threads of obstore's runtime
+#: (name resolution): readers of abandoned epochs and of other generators cannot add up past it.
+PROCESS_INFLIGHT = 256
+_limit: tuple[Any, asyncio.Semaphore] | None = None
+
+
+def _process_limit() -> asyncio.Semaphore:
+    """The process-wide bound on obstore requests, for the running loop (a new one after ``fork``)."""
+    global _limit
+    loop = asyncio.get_running_loop()
+    if _limit is None or _limit[0] is not loop:
+        _limit = (loop, asyncio.Semaphore(PROCESS_INFLIGHT))
+    return _limit[1]
+
+
 class DamagedObjectError(OSError):
     """The bytes of a stored object came back short, or failed to decode, every time."""
 
@@ -64,13 +80,18 @@ class _ObstoreBackend:
         for _ in range(FETCH_ATTEMPTS):
             err: BaseException | None = None
             try:
-                resp = await obstore.get_async(self.store, key, options=options)  # type: ignore[arg-type]
-                data = await resp.bytes_async()
+                async with _process_limit():
+                    resp = await obstore.get_async(self.store, key, options=options)  # type: ignore[arg-type]
+                    data = await resp.bytes_async()
             except FileNotFoundError:
                 return None
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - obstore already retried what was transient
+                if type(e).__name__ == "NotSupportedError" and "Range request not supported" in str(e):
+                    # the server (or a proxy) answered a Range request -- ours, or obstore's own to resume
+                    # a cut transfer -- with 200 and the whole object: take the range from the whole
+                    return await self._whole_then_slice(key, options)
                 err = scrubbed(e, self._secrets)
                 if type(e).__name__ == "NotSupportedError":
                     err = NotImplementedError(str(err))
@@ -81,6 +102,22 @@ class _ObstoreBackend:
             if got == want:
                 return data
         raise DamagedObjectError(f"object {key!r}: received {got} of {want} bytes, {FETCH_ATTEMPTS} times")
+
+    async def _whole_then_slice(self, key: str, options: dict[str, Any] | None) -> Any:
+        """The range ``options`` asks for, cut from the whole object (a server that ignores ``Range``)."""
+        rng = (options or {}).get("range")
+        whole = await self._fetch(key) if rng is not None or options else None
+        if rng is None and not options:  # a whole-object read whose resumed transfer got a 200: read it again
+            import obstore
+
+            resp = await obstore.get_async(self.store, key)  # type: ignore[arg-type]
+            return await resp.bytes_async()
+        if whole is None:
+            return None
+        view = memoryview(whole)
+        if isinstance(rng, dict):
+            return view[max(0, len(view) - int(rng["suffix"])):]
+        return view[int(rng[0]):int(rng[1])]
 
     async def get(self, key: str) -> Any:
         return await self._fetch(key)
@@ -236,17 +273,49 @@ class _ZarrBackend:
         raise err
 
 
+async def bounded(request: Callable[[], Awaitable[T]], key: str, on_retry: Callable[[], None] | None = None,
+                  attempts: int = FETCH_ATTEMPTS) -> T:
+    """``await request()``, each try given ``_loop.request_timeout()`` seconds, ``attempts`` tries.
+
+    A request that gets no answer (a server that accepts and never replies, a stalled body the
+    HTTP client does not time out) is cancelled and made again; after ``attempts`` it raises
+    ``TimeoutError`` naming ``key``. ``on_retry`` is called before each new try.
+    """
+    limit = _loop.request_timeout()
+    for i in range(attempts):
+        if i and on_retry is not None:
+            on_retry()
+        try:
+            return await asyncio.wait_for(request(), limit)
+        except TimeoutError as e:
+            if not isinstance(e.__cause__, asyncio.CancelledError):
+                raise  # the store's own timeout, after its own retries: not ours to repeat
+            continue
+    raise TimeoutError(f"object {key!r}: no answer within {limit:g} s, {attempts} times "
+                       "(XINSITU_REQUEST_TIMEOUT sets the limit)")
+
+
 async def fetch_decoded(backend: Any, key: str, use: Callable[[Any], Awaitable[T]],
-                        attempts: int = FETCH_ATTEMPTS) -> T:
+                        attempts: int = FETCH_ATTEMPTS, on_retry: Callable[[], None] | None = None) -> T:
     """Fetch ``key`` and return ``await use(raw)`` (``raw`` None where the object is missing).
 
     ``use`` decodes the bytes (and puts them in place). Where it fails, the object is
     fetched again, ``attempts`` fetches in all: a transfer damaged where the HTTP layer
-    cannot see it heals, an object corrupt in the store raises ``DamagedObjectError``.
+    cannot see it heals (a checksum that does not match included), an object corrupt in the
+    store raises ``DamagedObjectError``. Each fetch is bounded in time (``bounded``).
+    ``on_retry`` is called before each fetch made again.
     """
+    return await refetched(lambda: backend.get(key), key, use, attempts, on_retry)
+
+
+async def refetched(fetch: Callable[[], Awaitable[Any]], key: str, use: Callable[[Any], Awaitable[T]],
+                    attempts: int = FETCH_ATTEMPTS, on_retry: Callable[[], None] | None = None) -> T:
+    """``await use(await fetch())``, fetched again where ``use`` fails (see ``fetch_decoded``)."""
     last: BaseException | None = None
-    for _ in range(attempts):
-        raw = await backend.get(key)
+    for i in range(attempts):
+        if i and on_retry is not None:
+            on_retry()
+        raw = await bounded(fetch, key, on_retry)
         if raw is None:
             return await use(None)
         try:

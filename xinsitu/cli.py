@@ -207,20 +207,64 @@ def _geometry_dict(g: Any) -> dict[str, Any]:
     }
 
 
+#: codecs that carry a checksum of the chunk (zarr v3 ``crc32c``; numcodecs' ``crc32``, ``adler32``...)
+_CHECKSUMS = ("crc32c", "crc32", "adler32", "fletcher32")
+
+
+def checksums(ds: Any) -> dict[str, str | None]:
+    """Per data variable, the checksum codec its stored chunks carry (None: none).
+
+    Parameters
+    ----------
+    ds : xr.Dataset
+
+    Returns
+    -------
+    dict of str to str or None
+    """
+    out: dict[str, str | None] = {}
+    for name, v in ds.insitu.geometry.variables.items():
+        names = [str(c).lower() for c in v.codecs]
+        enc = ds[name].encoding if name in ds else {}
+        for key in ("compressors", "filters", "serializer", "codecs"):  # inner codecs of a shard too
+            for c in np.atleast_1d(np.asarray(enc.get(key) or [], dtype=object)):
+                cfg = c.to_dict() if hasattr(c, "to_dict") else getattr(c, "get_config", lambda: {})()
+                names.append(json.dumps(cfg, default=str).lower())
+        out[name] = next((k for k in _CHECKSUMS if any(k in n for n in names)), None)
+    return out
+
+
+def checksum_note(found: dict[str, str | None]) -> str:
+    """One paragraph: whether a transfer that corrupts a chunk can be detected."""
+    without = sorted(n for n, c in found.items() if c is None)
+    if not found:
+        return "Checksums: no data variable."
+    if not without:
+        kinds = ", ".join(sorted({c for c in found.values() if c}))
+        return (f"Checksums: every variable's chunks carry one ({kinds}): a chunk corrupted in transit is "
+                "detected, fetched again, and raises if it never matches.")
+    return (f"Checksums: none on {', '.join(without)}. A chunk corrupted in transit (a flipped bit) cannot be "
+            "detected and may decode into wrong values; write the archive with a crc32c codec "
+            "(zarr v3: compressors=[zarr.codecs.ZstdCodec(), zarr.codecs.Crc32cCodec()]).")
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
-    """``xinsitu inspect URL``: geometry and a suggested split."""
+    """``xinsitu inspect URL``: geometry, whether chunks carry checksums, and a suggested split."""
     ds = _open(args)
     g = ds.insitu.geometry
+    found = checksums(ds)
     try:
         m, code = suggest_split(ds, args.dim, args.fractions, args.gap)
         problem = None
     except ValueError as e:
         m, code, problem = None, None, str(e)
     if args.json:
-        print(json.dumps({"geometry": _geometry_dict(g), "split": m.to_dict() if m else None, "code": code,
-                          "problem": problem}, indent=1))
+        print(json.dumps({"geometry": _geometry_dict(g), "checksums": found, "checksum_note": checksum_note(found),
+                          "split": m.to_dict() if m else None, "code": code, "problem": problem}, indent=1))
         return 0
     print(repr(g))
+    print()
+    print(checksum_note(found))
     print()
     if m is None:
         print(f"No split suggested: {problem}")

@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from xinsitu import _loop
-from xinsitu.backend import DamagedObjectError, backend_for, fetch_decoded
+from xinsitu.backend import DamagedObjectError, backend_for, fetch_decoded, refetched
 from xinsitu.decode import ChunkDecoder, ShardLayout, is_remote, is_sharded, store_root
 from xinsitu.source import VarSource
 
@@ -31,6 +31,14 @@ INDEX_CACHE = 4096  # shard indexes kept (each a few bytes per inner chunk)
 AUTO_INFLIGHT = (64, 256)
 #: ... to this many times what keeps the decode threads busy while each request waits
 AUTO_HEADROOM = 2.0
+#: stores across a network: bounds of the latency-driven limit (it starts at the bottom)
+AUTO_REMOTE = (4, 256)
+#: ... completions per window at least (a window is also at least half the limit)
+AUTO_WINDOW = 4
+#: ... a window's mean latency past this many times the quickest window's: halve the limit
+AUTO_INFLATED = 2.0
+#: ... and within this many times it: grow the limit
+AUTO_HEALTHY = 1.3
 _EMPTY = 2**64 - 1  # shard index entry of an inner chunk never written
 
 #: called with (values, out_sel): a chunk's values within a region and where they lie in it
@@ -109,13 +117,21 @@ def _assign(out: np.ndarray, out_sel: list[Any], chunk: np.ndarray, in_sel: list
 class InflightLimit:
     """How many chunk requests may be in flight at once (``async with limit:`` around each).
 
-    A number fixes it. ``None`` sizes it from the store by Little's law: to keep ``threads``
-    decode threads busy while every request waits ``latency``, about
-    ``threads x latency / decode time per chunk`` requests must be in flight. Both times are
-    measured as requests complete (moving averages) and the limit follows ``AUTO_HEADROOM``
-    times that estimate, between the bounds of ``AUTO_INFLIGHT``: local disks sit at the
-    bottom (more requests only slow the first batch), stores 20-100 ms away at the top. A
-    store across a network starts at the top, before its first reply says how far it is.
+    A number fixes it. ``None`` adapts it. Enough requests must be in flight to keep ``threads``
+    decode threads busy while every request waits ``latency`` (Little's law: about
+    ``threads x latency / decode time per chunk``; ``AUTO_HEADROOM`` times that, between the
+    bounds of ``AUTO_INFLIGHT``): local disks sit at the bottom (more requests only slow the
+    first batch).
+
+    A store across a network (``expect_remote``) may be overloaded, where more requests only
+    queue up: its limit follows the latency the way TCP Vegas does, in windows of completed
+    requests. It starts at ``AUTO_REMOTE[0]`` and doubles per window while the latency stays near
+    the quickest window seen (slow start), then grows by an eighth per window (additive
+    increase); where the latency inflates past ``AUTO_INFLATED`` times the quickest window, or a
+    request fails or times out, it halves (multiplicative decrease), never below
+    ``AUTO_REMOTE[0]`` -- so it is never much slower than a fixed small limit on a store that
+    queues, and reaches the top for a far, healthy one (latency that does not grow with load).
+    Little's law bounds it from above.
     """
 
     def __init__(self, fixed: int | None, threads: int):
@@ -124,6 +140,13 @@ class InflightLimit:
         self.threads = threads
         self.latency_s: float | None = None
         self.decode_s: float | None = None
+        self.remote = False
+        self.history: list[tuple[int, float]] = []  # (limit, mean latency) at each window's end (remote)
+        self._base: float | None = None  # quickest window's mean latency (remote)
+        self._slow_start = True
+        self._n = 0  # completions in this window
+        self._sum = 0.0  # their latencies
+        self._waiting: dict[Any, float] = {}  # task -> when its request went out, until its bytes came
         self._sem: asyncio.Semaphore | None = None
         self._owed = 0  # permits to keep back as requests end (the limit shrank)
 
@@ -134,17 +157,31 @@ class InflightLimit:
 
     async def __aenter__(self) -> None:
         await self.semaphore().acquire()
+        self._waiting[asyncio.current_task()] = time.perf_counter()
+
+    def arrived(self) -> None:
+        """The current task's request has its bytes (what it waits for next is not the store)."""
+        self._waiting.pop(asyncio.current_task(), None)
 
     async def __aexit__(self, *exc: Any) -> None:
+        self._waiting.pop(asyncio.current_task(), None)
         if self._owed:
             self._owed -= 1
         else:
             self.semaphore().release()
 
     def expect_remote(self) -> None:
-        """The store is across a network: start at the top until replies say otherwise."""
-        if self.fixed is None and self.latency_s is None:
-            self._resize(AUTO_INFLIGHT[1])
+        """The store is across a network: its limit follows latency (see the class)."""
+        if self.fixed is None and not self.remote:
+            self.remote = True
+            self._resize(AUTO_REMOTE[0])
+
+    def _cap(self) -> int:
+        """Little's law: requests that keep the decode threads busy, within ``AUTO_INFLIGHT``."""
+        if self.latency_s is None or self.decode_s is None:
+            return AUTO_INFLIGHT[1]
+        want = AUTO_HEADROOM * self.threads * self.latency_s / max(self.decode_s, 1e-6)
+        return max(AUTO_INFLIGHT[0], min(AUTO_INFLIGHT[1], math.ceil(want)))
 
     def observe(self, latency_s: float, decode_s: float) -> None:
         """One request's wait for its bytes and its decode time (on the I/O loop)."""
@@ -152,10 +189,38 @@ class InflightLimit:
             return
         self.latency_s = latency_s if self.latency_s is None else 0.9 * self.latency_s + 0.1 * latency_s
         self.decode_s = decode_s if self.decode_s is None else 0.9 * self.decode_s + 0.1 * decode_s
-        want = AUTO_HEADROOM * self.threads * self.latency_s / max(self.decode_s, 1e-6)
-        target = max(AUTO_INFLIGHT[0], min(AUTO_INFLIGHT[1], math.ceil(want)))
-        if target > self.limit or target < 0.75 * self.limit:  # shrink only on a clear change
-            self._resize(target)
+        if not self.remote:
+            target = self._cap()
+            if target > self.limit or target < 0.75 * self.limit:  # shrink only on a clear change
+                self._resize(target)
+            return
+        self._n += 1
+        self._sum += latency_s
+        if self._n < max(AUTO_WINDOW, self.limit // 2):
+            return
+        # a window's requests that are still waiting count too: the ones a store queues (or a
+        # dropped connection delays) come back last, after quicker ones have filled the window
+        now = time.perf_counter()
+        oldest = now - min(self._waiting.values()) if self._waiting else 0.0
+        mean = max(self._sum / self._n, oldest)
+        self._n, self._sum = 0, 0.0
+        self.history.append((self.limit, mean))
+        base = self._base = mean if self._base is None else min(self._base, mean)
+        if mean > AUTO_INFLATED * base:  # the store queues: fewer requests finish no later
+            self._decrease()
+        elif mean <= AUTO_HEALTHY * base:  # no queueing seen: more requests, more throughput
+            grown = 2 * self.limit if self._slow_start else self.limit + max(1, self.limit // 8)
+            self._resize(max(AUTO_REMOTE[0], min(self._cap(), AUTO_REMOTE[1], grown)))
+
+    def failed(self) -> None:
+        """A request failed or timed out: fewer in flight (a store under load fails first)."""
+        if self.fixed is None and self.remote:
+            self._n, self._sum = 0, 0.0  # the next window starts now
+            self._decrease()
+
+    def _decrease(self) -> None:
+        self._slow_start = False
+        self._resize(max(AUTO_REMOTE[0], self.limit // 2))
 
     def _resize(self, n: int) -> None:
         grow, self.limit = n - self.limit, n
@@ -296,7 +361,7 @@ class Reader:
             await self._fetch_into(src, self._decoder(src), self._store(src), c, t)
         elif targets:
             dec, store = self._decoder(src), self._store(src)
-            await asyncio.gather(*(self._fetch_into(src, dec, store, c, t) for c, t in targets.items()))
+            await _all_or_none(self._fetch_into(src, dec, store, c, t) for c, t in targets.items())
         return outs
 
     @staticmethod
@@ -351,19 +416,24 @@ class Reader:
             shard = tuple(c // n for c, n in zip(coords, lay.per_shard, strict=True))
             by_shard.setdefault(shard, {})[coords] = t
         store = self._store(src)
-        await asyncio.gather(*(self._fetch_shard(src, lay, store, sh, inner) for sh, inner in by_shard.items()))
+        await _all_or_none(self._fetch_shard(src, lay, store, sh, inner) for sh, inner in by_shard.items())
 
     async def _shard_index(self, lay: ShardLayout, store: Any, path: str) -> np.ndarray | None:
         """The shard's index, fetched once and cached (a few bytes per inner chunk)."""
         if path in self._index_cache:
             self._index_cache.move_to_end(path)
             return self._index_cache[path]
-        if lay.index_at_end:
-            raw = await store.get_suffix(path, lay.index_size)
-        else:
-            raw = await store.get_range(path, 0, lay.index_size)
-        self.counters.requests += 1
-        index = None if raw is None else await lay.index(raw)
+        def fetch() -> Any:
+            self.counters.requests += 1
+            if lay.index_at_end:
+                return store.get_suffix(path, lay.index_size)
+            return store.get_range(path, 0, lay.index_size)
+
+        async def use(raw: Any) -> np.ndarray | None:
+            return None if raw is None else await lay.index(raw)
+
+        # an index that fails its checksum (a flipped bit in transit) is fetched again
+        index = await refetched(fetch, path, use, on_retry=self.inflight.failed)
         self._index_cache[path] = index
         while len(self._index_cache) > INDEX_CACHE:
             self._index_cache.popitem(last=False)
@@ -391,20 +461,30 @@ class Reader:
                     starts.append(off)
                     ends.append(off + nb)
                 if want:
+                    done = [0]  # inner chunks put in place: a fetch made again skips them (hooks run once)
                     t_start = time.perf_counter()
-                    raws = await store.get_ranges(path, starts, ends)  # ranges of one object coalesced
-                    waited = time.perf_counter() - t_start
-                    self.counters.requests += 1
-                    self.counters.bytes_read += sum(len(r) for r in raws)
-                    if dec.sync:
-                        took = await loop.run_in_executor(None, _decode_assign_many, dec, raws, want)
-                    else:
+                    waited = [0.0]
+
+                    def fetch() -> Any:
+                        return store.get_ranges(path, starts[done[0]:], ends[done[0]:])  # coalesced
+
+                    async def use(raws: Any) -> float:
+                        waited[0] = time.perf_counter() - t_start
+                        self.inflight.arrived()
+                        self.counters.requests += 1
+                        self.counters.bytes_read += sum(len(r) for r in raws)
+                        rest = want[done[0]:]
+                        if dec.sync:
+                            return await loop.run_in_executor(None, _decode_assign_many, dec, raws, rest, done)
                         t0 = time.perf_counter()
-                        for raw, t in zip(raws, want, strict=True):
+                        for raw, t in zip(raws, rest, strict=True):
                             _assign_all(await dec.decode(raw), t)
-                        took = time.perf_counter() - t0
+                            done[0] += 1
+                        return time.perf_counter() - t0
+
+                    took = await refetched(fetch, path, use, on_retry=self.inflight.failed)
                     self.counters.decode_s += took
-                    self.inflight.observe(waited, took)
+                    self.inflight.observe(waited[0], took)
             except Exception as e:  # noqa: BLE001 - every failure names its shard
                 _reraise(src, shard, path, e)
         self.counters.chunks += len(inner)
@@ -418,6 +498,7 @@ class Reader:
 
         async def use(raw: Any) -> None:
             self.counters.requests += 1
+            self.inflight.arrived()
             if raw is None:
                 self._missing(src, coords, path)
                 await loop.run_in_executor(None, _assign_all, dec.fill(), targets)
@@ -447,7 +528,8 @@ class Reader:
                     self.inflight.observe(read_s, took)
                     store.observe(read_s, took)
                 else:
-                    await fetch_decoded(store, path, use)  # fetched again when the bytes fail to decode
+                    # fetched again when the bytes fail to decode or no answer comes in time
+                    await fetch_decoded(store, path, use, on_retry=self.inflight.failed)
             except Exception as e:  # noqa: BLE001 - every failure names its chunk
                 _reraise(src, coords, path, e)
         self.counters.chunks += 1
@@ -468,6 +550,21 @@ class Reader:
         self.counters.chunks += 1
         self.counters.bytes_decoded += arr.nbytes
         return arr
+
+
+async def _all_or_none(coros: Any) -> None:
+    """Run ``coros`` concurrently; where one fails, cancel the others before raising its error.
+
+    Not a bare ``gather``: its other reads would run on (retrying, holding permits of the in-flight
+    limit) after the caller has given up, and delay the reads that come next.
+    """
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        raise
 
 
 def _reraise(src: VarSource, coords: tuple[int, ...], path: str, e: Exception) -> NoReturn:
@@ -504,10 +601,12 @@ def _assign_all(chunk: np.ndarray, targets: list[Target]) -> None:
             hook(piece if len(targets) == 1 else _readonly(piece), out_sel)
 
 
-def _decode_assign_many(dec: ChunkDecoder, raws: list[Any], targets: list[list[Target]]) -> float:
+def _decode_assign_many(dec: ChunkDecoder, raws: list[Any], targets: list[list[Target]], done: list[int]) -> float:
+    """Decode and put in place inner chunks in turn, counting in ``done[0]`` those finished."""
     t0 = time.perf_counter()
     for raw, t in zip(raws, targets, strict=True):
         _decode_put(dec, raw, t)
+        done[0] += 1
     return time.perf_counter() - t0
 
 

@@ -9,6 +9,8 @@ timeout, and transient faults are retried with backoff (see ``DEFAULT_CLIENT_OPT
 
 from __future__ import annotations
 
+import inspect
+import json
 import os
 import re
 from datetime import timedelta
@@ -47,6 +49,62 @@ _URL = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^/\s@\"'<>]*
                   r"(?P<query>\?[^\s#\"'<>]*)?")
 
 
+#: environment variables obstore reads credentials from (their names also match ``_SECRET_KEY``)
+_ENV_PREFIXES = ("AWS_", "AZURE_", "GOOGLE_", "GCS_", "GCP_", "OBJECT_STORE_")
+_seen: dict[str, None] = {}  # credentials a credential_provider handed to obstore, newest last
+_SEEN_MAX = 256
+
+
+def env_secrets() -> list[str]:
+    """Credential values in the environment variables obstore reads (``AWS_SECRET_ACCESS_KEY``...)."""
+    found: list[str] = []
+    for k, v in os.environ.items():
+        if k.upper().startswith(_ENV_PREFIXES) and _SECRET_KEY.search(k) and len(v) >= 4:
+            found.append(v)
+            found.extend(w for w in v.split() if len(w) >= 8)
+    return found
+
+
+def _remember(value: Any) -> None:
+    """Record the credential values of a provider's answer (a dict or an object with attributes)."""
+    items = value.items() if isinstance(value, dict) else \
+        ((k, getattr(value, k, None)) for k in dir(value) if not k.startswith("_"))
+    for k, v in items:
+        if isinstance(v, str) and len(v) >= 4 and _SECRET_KEY.search(str(k)):
+            _seen.pop(v, None)
+            _seen[v] = None
+    while len(_seen) > _SEEN_MAX:
+        del _seen[next(iter(_seen))]
+
+
+class RecordingProvider:
+    """A ``credential_provider`` that hands obstore what ``inner`` returns and remembers it, so that
+    ``redact`` can scrub those credentials too. Picklable where ``inner`` is (spawned workers)."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def __call__(self) -> Any:
+        got = self.inner()
+        if inspect.isawaitable(got):
+            return self._wait(got)
+        _remember(got)
+        return got
+
+    async def _wait(self, pending: Any) -> Any:
+        got = await pending
+        _remember(got)
+        return got
+
+    def __getattr__(self, name: str) -> Any:  # e.g. obstore's ``config`` of its own providers
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __repr__(self) -> str:
+        return f"RecordingProvider({type(self.inner).__name__})"
+
+
 def make_store(url: str | os.PathLike, **options: Any) -> Any:
     """An obstore store for a URL (``s3://``, ``gs://``, ``az://``, ``http(s)://``, ``file://``,
     ``memory://``) or a local path.
@@ -75,8 +133,13 @@ def make_store(url: str | os.PathLike, **options: Any) -> Any:
             raise TypeError(f"anonymous= applies to object storage URLs, not to {scheme}://")
         if scheme in _SIGNED or _signed_https(s):
             options.setdefault("skip_signature", bool(anonymous))
+    provider = options.get("credential_provider")
+    if provider is not None and not isinstance(provider, RecordingProvider):
+        options["credential_provider"] = RecordingProvider(provider)
     if scheme in _REMOTE:
-        client = DEFAULT_CLIENT_OPTIONS | dict(options.pop("client_options", None) or {})
+        # yours over the environment's (AWS_ALLOW_HTTP...) over xinsitu's: obstore takes one
+        # ``client_options`` whole, and would otherwise drop what it read from the environment
+        client = DEFAULT_CLIENT_OPTIONS | env_client_options(s) | dict(options.pop("client_options", None) or {})
         if scheme == "http":
             client.setdefault("allow_http", True)
         options["client_options"] = client
@@ -85,6 +148,29 @@ def make_store(url: str | os.PathLike, **options: Any) -> Any:
         return obstore.store.from_url(s, **options)
     except Exception as e:  # noqa: BLE001 - re-raised without the credentials it may quote
         raise scrubbed(e, secrets_in_options(s, options)) from None
+
+
+#: ``client_options`` keys obstore also reads from ``<PREFIX>_<KEY>`` environment variables
+_CLIENT_KEYS = ("allow_http", "allow_invalid_certificates", "connect_timeout", "default_content_type",
+                "http1_only", "http2_only", "http2_keep_alive_interval", "http2_keep_alive_timeout",
+                "http2_keep_alive_while_idle", "pool_idle_timeout", "pool_max_idle_per_host", "proxy_url",
+                "proxy_ca_certificate", "proxy_excludes", "randomize_addresses", "timeout", "user_agent")
+
+
+def env_client_options(url: str) -> dict[str, str]:
+    """Client options set in the environment for ``url``'s kind of store (``AWS_ALLOW_HTTP=true``
+    for ``s3://``, ``AZURE_...`` for ``az://``, ``GOOGLE_...`` for ``gs://``)."""
+    p = urlsplit(url)
+    scheme, host = p.scheme.lower(), (p.hostname or "").lower()
+    if scheme in ("s3", "s3a") or host.endswith(("amazonaws.com", "r2.cloudflarestorage.com")):
+        prefix = "AWS_"
+    elif scheme in ("gs", "gcs"):
+        prefix = "GOOGLE_"
+    elif scheme in ("az", "azure", "abfs", "abfss", "adl") or _signed_https(url):
+        prefix = "AZURE_"
+    else:
+        return {}
+    return {k: os.environ[prefix + k.upper()] for k in _CLIENT_KEYS if os.environ.get(prefix + k.upper())}
 
 
 def _signed_https(url: str) -> bool:
@@ -149,8 +235,11 @@ def secrets_of(store: Any) -> list[str]:
 
 
 def redact(text: str, secrets: list[str] | tuple[str, ...] = ()) -> str:
-    """``text`` with URL query strings and user info, and every value in ``secrets``, replaced."""
-    for s in secrets:
+    """``text`` with URL query strings and user info, and every credential, replaced: the values in
+    ``secrets``, those of the environment variables obstore reads and those a credential provider
+    answered (``RecordingProvider``)."""
+    every = {s for s in (*secrets, *env_secrets(), *_seen) if len(s) >= 4}
+    for s in sorted(every, key=len, reverse=True):
         text = text.replace(s, "***")
     return _URL.sub(lambda m: m["scheme"] + ("***@" if m["user"] else "") + m["rest"]
                     + ("?***" if m["query"] else ""), text)
@@ -224,23 +313,24 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
     ...                        retry_config={"max_retries": 3})  # doctest: +SKIP
     >>> ds = xinsitu.open_zarr("s3://public-bucket/era5.zarr", anonymous=True)  # doctest: +SKIP
     """
-    import zarr.storage
 
     secrets: list[str] = []
     if isinstance(store, (str, os.PathLike)):
         url = os.fspath(store)
         secrets = secrets_in_options(url, store_options)
         obs = make_store(store, **store_options)
-        zstore = zarr.storage.ObjectStore(obs, read_only=True)
+        zstore = _checked_store()(obs, read_only=True)
         where = redact_url(url) if "://" in url else url
     else:
         if store_options:
             raise TypeError(f"store options {sorted(store_options)} apply to URLs and paths only, "
                             "not to a store object")
         mod = type(store).__module__
-        zstore = zarr.storage.ObjectStore(store, read_only=True) if mod.startswith("obstore") else store
+        zstore = _checked_store()(store, read_only=True) if mod.startswith("obstore") else store
         secrets = secrets_of(store) if mod.startswith("obstore") else []
         where = type(store).__name__
+    if isinstance(store, (str, os.PathLike)) and consolidated is not False and _plain_http(os.fspath(store)):
+        _needs_consolidated(obs, group, where, secrets)
     try:
         ds = xr.open_zarr(zstore, chunks=None, consolidated=consolidated, group=group,
                           decode_times=decode_times)
@@ -248,8 +338,12 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
         # repository's differs from process to process): sort them, so channels never permute
         return ds if _read_consolidated(ds, zstore, group, consolidated) else _by_name(ds)
     except FileNotFoundError as e:
+        _if_array(zstore, group, where)
         raise FileNotFoundError(f"no zarr group found at {where}: {scrubbed(e, secrets)}") from None
     except Exception as e:
+        _if_array(zstore, group, where)
+        if isinstance(e, TypeError) and "prototype" in str(e):  # xarray's fallback for v2 arrays without dims
+            _if_no_dims(zstore, group, where)
         text = _chain_text(e)
         # obstore's errors become the builtin ones (PermissionError...); none may quote a credential
         if type(e).__module__.startswith("obstore") or redact(text, secrets) != text:
@@ -278,3 +372,109 @@ def _by_name(ds: xr.Dataset) -> xr.Dataset:
     out.attrs, out.encoding = dict(ds.attrs), dict(ds.encoding)
     out.set_close(ds._close)
     return out
+
+
+def _plain_http(url: str) -> bool:
+    """An ``http(s)://`` URL read as plain HTTP (not S3 or Azure over https): no listing there."""
+    return urlsplit(url).scheme.lower() in ("http", "https") and not _signed_https(url)
+
+
+def _needs_consolidated(obs: Any, group: str | None, where: str, secrets: list[str]) -> None:
+    """Raise at once where a plain HTTP archive has no consolidated metadata: without it zarr lists
+    the directory (a ``PROPFIND`` a web server refuses, retried many times)."""
+    import obstore
+
+    prefix = f"{group.strip('/')}/" if group else ""
+
+    def read(key: str) -> bytes | None:
+        try:
+            return bytes(obstore.get(obs, prefix + key).bytes())
+        except FileNotFoundError:
+            return None
+
+    try:
+        v3 = read("zarr.json")
+        if v3 is not None:
+            meta = json.loads(v3)
+            if meta.get("consolidated_metadata") is not None or meta.get("node_type") == "array":
+                return  # an array is reported by the open itself
+        elif read(".zgroup") is None or read(".zmetadata") is not None:
+            return  # no group here (the open says so), or a consolidated v2 group
+    except Exception:  # noqa: BLE001 - unreadable: the open reports it, naming the key
+        return
+    raise ValueError(f"{where}: no consolidated metadata (no 'consolidated_metadata' in zarr.json, no "
+                     ".zmetadata), and plain HTTP cannot list a directory to find the arrays. Consolidate the "
+                     "metadata where the archive is written (zarr.consolidate_metadata(path), or "
+                     "ds.to_zarr(..., consolidated=True))")
+
+
+def _if_array(zstore: Any, group: str | None, where: str) -> None:
+    """Raise a clear error where the path given (or ``group``) is a zarr array, not a group."""
+    import zarr
+
+    try:
+        arr = zarr.open_array(zstore, path=group or "", mode="r")
+    except Exception:  # noqa: BLE001 - not an array: the caller reports what it met
+        return
+    at = f"{where} (group={group!r})" if group else where
+    name = (group or where).rstrip("/").rsplit("/", 1)[-1]
+    raise ValueError(f"{at} is a zarr array (shape {arr.shape}), not a group: open the group that contains "
+                     f"it and select the variable, e.g. xinsitu.open_zarr(<the parent group>)[{name!r}]") from None
+
+
+def _if_no_dims(zstore: Any, group: str | None, where: str) -> None:
+    """Raise naming the zarr v2 arrays that lack ``_ARRAY_DIMENSIONS`` (what xarray needs for dims)."""
+    import zarr
+
+    try:
+        g = zarr.open_group(zstore, path=group or "", mode="r")
+        names = sorted(n for n, a in g.arrays() if "_ARRAY_DIMENSIONS" not in a.attrs)
+    except Exception:  # noqa: BLE001 - unknown: the caller re-raises the original
+        return
+    if names:
+        raise ValueError(f"{where}: zarr v2 arrays {names} have no '_ARRAY_DIMENSIONS' attribute (nor NCZarr "
+                         "metadata), which xarray needs to name their dimensions: the archive was not written by "
+                         "xarray. Add the attribute (a list of dim names) to each array's .zattrs") from None
+
+
+#: metadata objects: JSON, checked as read (a damaged body is fetched again, then named)
+_METADATA = ("zarr.json", ".zmetadata", ".zarray", ".zattrs", ".zgroup")
+_checked: Any = None
+
+
+def _checked_store() -> Any:
+    """``zarr.storage.ObjectStore`` whose metadata reads are checked: a body that is not valid JSON
+    (damaged in transit) is fetched again, ``FETCH_ATTEMPTS`` times, then raises naming its key."""
+    global _checked
+    if _checked is None:
+        import zarr.storage
+
+        class ObjectStore(zarr.storage.ObjectStore):  # same name: code that checks the kind keeps working
+            async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+                if byte_range is not None or not key.endswith(_METADATA):
+                    return await super().get(key, prototype, byte_range)
+                from xinsitu.backend import FETCH_ATTEMPTS
+
+                err: Exception | None = None
+                for _ in range(FETCH_ATTEMPTS):
+                    buf = await super().get(key, prototype, byte_range)
+                    if buf is None:
+                        return None
+                    try:
+                        json.loads(buf.to_bytes())
+                        return buf
+                    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+                        err = e
+                raise ValueError(f"metadata object {key!r} is not valid JSON, {FETCH_ATTEMPTS} fetches in a row "
+                                 f"(damaged in the store?): {type(err).__name__}: {err}")
+
+        ObjectStore.__module__ = __name__
+        ObjectStore.__qualname__ = "_CheckedObjectStore"
+        _checked = ObjectStore
+    return _checked
+
+
+def __getattr__(name: str) -> Any:  # pickles name the checked store class by this attribute
+    if name == "_CheckedObjectStore":
+        return _checked_store()
+    raise AttributeError(name)

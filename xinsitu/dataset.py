@@ -165,8 +165,9 @@ class InsituDataset:
         # the generator validates every argument and holds what a read needs (sources, sample space,
         # layouts, output builder); it is never iterated here: one rank, unshuffled, so that its
         # numbering is the split's (``gen.sample(i)``) whatever torch.distributed says
+        names = [variables] if isinstance(variables, str) else variables
         self._gen = BatchGenerator(ds, manifest, split, batch_size=1, shuffle=False, window=window, patch=patch,
-                                   stride=stride, over=over, variables=variables, output=output, stack=stack,
+                                   stride=stride, over=over, variables=names, output=output, stack=stack,
                                    normalize=normalize, max_inflight=max_inflight, rank=0, world_size=1,
                                    missing=missing)
         from xinsitu.cache import resolve_cache

@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xarray as xr
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import xinsitu
 from tests.test_sampling import general_oracle, grid_ds, write
@@ -391,6 +393,9 @@ def test_index_errors(era5):
         d.batch([])
     assert len(d.__getitems__(range(3))) == 3
     assert len(d.__getitems__(np.array([1, -1], dtype=np.int16))) == 2
+    torch = pytest.importorskip("torch")
+    got = d.__getitems__(torch.tensor([4, 2]))
+    assert np.array_equal(got[0]["t2m"], d[4]["t2m"]) and np.array_equal(d[torch.tensor(2)]["t2m"], d[2]["t2m"])
 
 
 def test_argument_errors(era5):
@@ -414,3 +419,26 @@ def test_argument_errors(era5):
         InsituDataset(ds, m, "nope")
     with pytest.raises(TypeError, match="manifest"):
         InsituDataset(ds, {"train": [0]}, "train")
+
+
+# ---------------------------------------------------------------- random geometries
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ct=st.integers(1, 7), k=st.integers(1, 5), py=st.integers(1, 6), sy=st.integers(1, 4),
+       seed=st.integers(0, 9), n=st.integers(1, 40))
+def test_hypothesis_random_indices(tmp_path_factory, ct, k, py, sy, seed, n):
+    """Random chunking, window, tile and indices (duplicates, any order): the batch, each item and
+    the chunk count of the call against xarray."""
+    path = tmp_path_factory.mktemp("h") / "h.zarr"
+    ds = write(path, grid_ds(nt=30, ny=6, nx=3, seed=seed), {"a": {"time": ct, "lat": 4}, "b": {"time": ct}})
+    try:
+        m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5}, gap=1 if 30 // ct > 3 else 0)
+        d = InsituDataset(ds, m, "train", window={"time": k}, patch={"lat": py}, stride={"lat": sy},
+                          variables=["a", "b"])
+    except ValueError:  # no chunk for a split, or no window fits: refused, as for batches
+        return
+    ids = np.random.default_rng(seed).integers(-len(d), len(d), n)
+    check_batch(d.batch(ids), oracle(ds, d, ids % len(d)), d, "numpy")
+    # a: chunks of ct steps x 4 lat (2 lat chunks, read whole); b: ct steps
+    assert d.io_stats["last"]["chunks"] == 3 * _chunks_touched(d, ids % len(d), ct)
+    i = int(ids[0])
+    check_item(d[i], oracle(ds, d, [i % len(d)]), d, "numpy")

@@ -4,6 +4,7 @@ samplers, workers under spawn/fork (in subprocesses with a timeout), and argumen
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import pickle
@@ -71,6 +72,34 @@ def check_item(item, ref: xr.Dataset, d: InsituDataset, output: str, stack: bool
     check_batch(item, ref, d, output, stack)
 
 
+@pytest.fixture(params=["units", "regions"])
+def read_path(request, monkeypatch):
+    """Both ways a call reads: whole chunk blocks into a block buffer, or each sample's region."""
+    import xinsitu.dataset as mod
+
+    monkeypatch.setattr(mod, "SPARSE_PER_UNIT", 0 if request.param == "units" else 10**9)
+    return request.param
+
+
+def region_chunks(d: InsituDataset, ids) -> int:
+    """Chunks the samples' own regions touch (window/tile along sampled dims, other dims whole),
+    over every variable: what the ``regions`` path reads (archives written whole: no subsetting)."""
+    sp, total = d._gen.space, 0
+    st = starts_of(d, ids)
+    for lay in d._gen.layouts.values():
+        src = lay.src
+        touched = set()
+        for row in st.tolist():
+            ranges = []
+            for dim, cs, size in zip(src.dims, src.chunk_shape, src.shape, strict=True):
+                k = [j for j, sd in enumerate(sp.dims) if sd.name == dim]
+                a, b = (row[k[0]], row[k[0]] + sp.dims[k[0]].width) if k else (0, size)
+                ranges.append(range(a // cs, (b - 1) // cs + 1))
+            touched |= set(itertools.product(*ranges))
+        total += len(touched)
+    return total
+
+
 @pytest.fixture(scope="module")
 def era5(era5_path):
     ds = xinsitu.open_zarr(era5_path)
@@ -81,7 +110,7 @@ def era5(era5_path):
 # ---------------------------------------------------------------- values
 @pytest.mark.parametrize("output, stack", [("numpy", False), ("torch", False), ("xarray", False), ("numpy", True),
                                            ("torch", True), ("dataarray", False)])
-def test_items_and_batches_match_xarray(era5, output, stack):
+def test_items_and_batches_match_xarray(era5, output, stack, read_path):
     if output == "torch":
         pytest.importorskip("torch")
     ds, m = era5
@@ -118,7 +147,7 @@ def test_item_equals_gen_sample(era5):
     dict(normalize="stats", stack=True, variables=["t2m", "z500"]),
     dict(variables="t2m", output="xarray", patch={"lon": 5}),
 ])
-def test_batches_equal_generator_batches(era5, kw):
+def test_batches_equal_generator_batches(era5, kw, read_path):
     """Every batch of a shuffled epoch of ``batches()``, read back through the dataset by its ids."""
     ds, m = era5
     kw = dict(kw)
@@ -140,7 +169,7 @@ def test_batches_equal_generator_batches(era5, kw):
             assert got.dtype == b.dtype and np.array_equal(got, b, equal_nan=True)
 
 
-def test_patches_over_spatial_split_and_static_var(tmp_path):
+def test_patches_over_spatial_split_and_static_var(tmp_path, read_path):
     ds = write(tmp_path / "g.zarr", grid_ds(ny=16, nx=16), {"a": {"time": 8, "lat": 4, "lon": 4},
                                                             "b": {"time": 8, "lat": 4, "lon": 4},
                                                             "mask": {"lat": 4, "lon": 4}})
@@ -161,7 +190,7 @@ def test_patches_over_spatial_split_and_static_var(tmp_path):
     check_batch(d.batch(ids), oracle(ds3, d, ids), d, "xarray")
 
 
-def test_in_memory_and_dask_datasets(era5_path):
+def test_in_memory_and_dask_datasets(era5_path, read_path):
     for ds in (xr.open_zarr(era5_path).load(), xr.open_zarr(era5_path)):
         m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
         d = InsituDataset(ds, m, "val", window={"time": 2})
@@ -179,7 +208,7 @@ def _chunks_touched(d: InsituDataset, ids, chunk: int) -> int:
 
 
 @pytest.mark.parametrize("window", [1, 3, 12])
-def test_each_chunk_read_once_per_call(era5, window):
+def test_each_chunk_read_once_per_call(era5, window, read_path):
     ds, m = era5
     d = InsituDataset(ds, m, "train", window={"time": window})
     nvar = len(d.variables)
@@ -424,8 +453,8 @@ def test_argument_errors(era5):
 # ---------------------------------------------------------------- random geometries
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ct=st.integers(1, 7), k=st.integers(1, 5), py=st.integers(1, 6), sy=st.integers(1, 4),
-       seed=st.integers(0, 9), n=st.integers(1, 40))
-def test_hypothesis_random_indices(tmp_path_factory, ct, k, py, sy, seed, n):
+       seed=st.integers(0, 9), n=st.integers(1, 40), sparse=st.sampled_from([0, 4, 10**9]))
+def test_hypothesis_random_indices(tmp_path_factory, monkeypatch, ct, k, py, sy, seed, n, sparse):
     """Random chunking, window, tile and indices (duplicates, any order): the batch, each item and
     the chunk count of the call against xarray."""
     path = tmp_path_factory.mktemp("h") / "h.zarr"
@@ -436,9 +465,15 @@ def test_hypothesis_random_indices(tmp_path_factory, ct, k, py, sy, seed, n):
                           variables=["a", "b"])
     except ValueError:  # no chunk for a split, or no window fits: refused, as for batches
         return
+    import xinsitu.dataset as mod
+
+    monkeypatch.setattr(mod, "SPARSE_PER_UNIT", sparse)
     ids = np.random.default_rng(seed).integers(-len(d), len(d), n)
     check_batch(d.batch(ids), oracle(ds, d, ids % len(d)), d, "numpy")
-    # a: chunks of ct steps x 4 lat (2 lat chunks, read whole); b: ct steps
-    assert d.io_stats["last"]["chunks"] == 3 * _chunks_touched(d, ids % len(d), ct)
+    n_units = len(np.unique(d._gen.space.locate(np.unique(ids % len(d)))[0]))
+    if len(np.unique(ids % len(d))) > sparse * n_units:  # whole units: a's 2 lat chunks and b's one, per time chunk
+        assert d.io_stats["last"]["chunks"] == 3 * _chunks_touched(d, ids % len(d), ct)
+    else:  # each sample's region: only the lat chunks its tile touches
+        assert d.io_stats["last"]["chunks"] == region_chunks(d, ids % len(d))
     i = int(ids[0])
     check_item(d[i], oracle(ds, d, [i % len(d)]), d, "numpy")

@@ -28,6 +28,7 @@ spawned workers rebuild it); without torch it is a plain ``InsituDataset``.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib.util
 import inspect
@@ -41,6 +42,7 @@ import xarray as xr
 
 from xinsitu import _loop
 from xinsitu.buffer import BlockLoader
+from xinsitu.decode import is_sharded
 from xinsitu.loader import BatchGenerator
 from xinsitu.plan import EpochPlan
 from xinsitu.reader import Reader
@@ -48,7 +50,19 @@ from xinsitu.split import SplitManifest
 
 __all__ = ["InsituDataset", "SampleBatch", "collate"]
 
-_COUNTERS = ("chunks", "requests", "bytes_read", "bytes_decoded", "decode_s", "missing")
+#: A call reads each sample's own region (its window or tile, straight into the batch) where its
+#: samples are sparse -- at most this many per chunk block on average, as a random sampler gives --
+#: and whole chunk blocks into a shuffle-block buffer (``BlockLoader``) where they are dense (a
+#: sequential sampler, ``over`` dims: many samples per block, one gather).
+SPARSE_PER_UNIT = 4
+
+
+
+def _counters(reader: Reader) -> dict[str, Any]:
+    """The reader's counters now (``IOCounters``' fields: chunks, requests, bytes, decode seconds,
+    missing chunks, and cache hits/misses where the reader has them)."""
+    c = reader.counters
+    return {k: getattr(c, k) for k in c.__dataclass_fields__}
 
 
 class SampleBatch(list):
@@ -180,7 +194,7 @@ class InsituDataset:
         self._lock = threading.Lock()
         self._loader: BlockLoader | None = None
         self._pid = -1
-        self._io = dict.fromkeys(_COUNTERS, 0) | {"calls": 0, "samples": 0}
+        self._io: dict[str, Any] = {"calls": 0, "samples": 0}
         self._last: dict[str, Any] = {}
 
     def __getstate__(self) -> dict[str, Any]:
@@ -211,8 +225,9 @@ class InsituDataset:
     @property
     def io_stats(self) -> dict[str, Any]:
         """Reads of this process since the dataset was made (or came to this process): ``calls``,
-        ``samples``, ``chunks``, ``requests``, ``bytes_read``, ``bytes_decoded``, ``decode_s``,
-        ``missing``; and ``last``: the same counters for the last call alone."""
+        ``samples`` and the reader's counters (``chunks``, ``requests``, ``bytes_read``,
+        ``bytes_decoded``, ``decode_s``, ``missing``, and the cache's hits and misses where there is
+        a cache); ``last``: the same for the last call alone."""
         return {**self._io, "last": dict(self._last)}
 
     # ------------------------------------------------------------------ access
@@ -278,29 +293,49 @@ class InsituDataset:
         return self._loader
 
     def _read(self, ids: np.ndarray) -> Any:
-        """The batch of samples ``ids`` (in range): every unit they fall in is one slot of one block."""
+        """The batch of samples ``ids`` (in range), each chunk read once."""
         gen = self._gen
         if not len(ids):
             raise ValueError("indices is empty: give at least one sample index")
         uniq, inv = np.unique(ids, return_inverse=True)
         unit, local = gen.space.locate(uniq)
-        # uniq is sorted, so its units are too: one piece per unit, from its first sample asked for to
-        # its last (the load reads the unit's whole chunk block either way)
-        units, first = np.unique(unit, return_index=True)
+        units, first = np.unique(unit, return_index=True)  # uniq is sorted, so its units are too
+        sparse = len(uniq) <= SPARSE_PER_UNIT * len(units) and self._regions_ok()
+        with self._lock:
+            loader = self._blockloader()
+            before = _counters(loader.reader)
+            if sparse:
+                starts = np.concatenate([gen.space.unit_starts(int(u))[local[a:b]] for u, a, b in
+                                         zip(units, first, np.append(first[1:], len(uniq)), strict=True)])
+                batch = self._read_regions(loader, starts[inv])
+            else:
+                batch = self._read_units(loader, uniq, inv, units, first, local)
+            self._last = {k: v - before[k] for k, v in _counters(loader.reader).items()}
+            self._last["samples"] = len(ids)
+            for k, v in self._last.items():
+                self._io[k] = self._io.get(k, 0) + v
+            self._io["calls"] += 1
+        return batch
+
+    def _regions_ok(self) -> bool:
+        """Whether every sampled variable is a stored, unsharded zarr array: the reader then fetches a
+        chunk that several regions of one call touch once (in memory or through dask, or through
+        zarr for shards, each region is its own read)."""
+        return all(lay.src.stored and not is_sharded(lay.src.array) for lay in self._gen.layouts.values()
+                   if lay.has_sample_axis)
+
+    def _read_units(self, loader: BlockLoader, uniq: np.ndarray, inv: np.ndarray, units: np.ndarray,
+                    first: np.ndarray, local: np.ndarray) -> Any:
+        """Dense samples: their units become the slots of one block of a one-off, unshuffled plan, read
+        as ``batches()`` reads a shuffle block (one ``read_many`` per variable: a chunk that several
+        units need, e.g. one a window spills into, is read once), and gathered from it."""
+        gen = self._gen
+        # one piece per unit, from its first sample asked for to its last (the unit is read whole anyway)
         last = np.append(first[1:], len(uniq)) - 1
         lo, hi = local[first], local[last] + 1
         plan = EpochPlan(units=units, lo=lo, hi=hi, block_chunks=len(units), n_samples=int((hi - lo).sum()),
-                         batch_size=len(ids), drop_last=False, shuffle=False, seed=0, epoch=0, rank=0, world_size=1)
-        with self._lock:
-            loader = self._blockloader()
-            before = [getattr(loader.reader.counters, k) for k in _COUNTERS]
-            block = _loop.run(loader.load(plan, 0))
-            after = [getattr(loader.reader.counters, k) for k in _COUNTERS]
-            self._last = {k: b - a for k, a, b in zip(_COUNTERS, before, after, strict=True)}
-            self._last["samples"] = len(ids)
-            for k, v in self._last.items():
-                self._io[k] += v
-            self._io["calls"] += 1
+                         batch_size=len(inv), drop_last=False, shuffle=False, seed=0, epoch=0, rank=0, world_size=1)
+        block = _loop.run(loader.load(plan, 0))
         # the block's samples are in id order (units ascending, each piece in order): rows by search
         rows = np.searchsorted(block.ids, uniq)[inv]
         builder = gen.builder
@@ -309,6 +344,47 @@ class InsituDataset:
             loader.gather(block, rows, direct[1])
             return builder.finish_stacked(direct[0])
         return builder.build(loader.gather(block, rows), block.starts[rows])
+
+    def _read_regions(self, loader: BlockLoader, starts: np.ndarray) -> Any:
+        """Sparse samples: each one's region (its window/tile, other dims whole) read straight into its
+        place in the batch, one ``read_many`` per variable (a chunk two samples share is read once).
+        Only the chunks the samples touch are read, and only their part of each chunk is copied:
+        a cache hit costs a sample's bytes, not a chunk's."""
+        gen = self._gen
+        sp, builder, n = gen.space, gen.builder, len(starts)
+        direct = builder.direct_stack(n)
+        raw: dict[str, np.ndarray] = {}
+        jobs = []
+        for name, lay in gen.layouts.items():
+            src = lay.src
+            if not lay.has_sample_axis:  # no sampled dim: the same whole array in every batch (below)
+                continue
+            width = {sp.dims[k].name: sp.dims[k].width for k in lay.sampled}
+            one = [src.dims.index(sp.dims[k].name) for k in lay.sampled if not sp.dims[k].keep]
+            if direct is not None:
+                out = direct[1][name]
+            else:
+                out = np.empty((n, *[width.get(d, src.shape[src.dims.index(d)]) for d in lay.out_dims]),
+                               src.raw_dtype)
+            raw[name] = out
+            regions = []
+            for i, row in enumerate(starts[:, lay.sampled].tolist()):
+                region = {sp.dims[k].name: (a, a + sp.dims[k].width) for k, a in zip(lay.sampled, row, strict=True)}
+                regions.append((region, np.expand_dims(out[i], one) if one else out[i]))
+            jobs.append(loader.reader.read_many(src, regions))
+
+        async def read() -> None:
+            await asyncio.gather(*jobs)
+
+        static = {n: lay for n, lay in gen.layouts.items() if not lay.has_sample_axis}
+        if static:
+            whole = _loop.run(loader.load_static())  # read once per process, as batches() does
+            for name, lay in static.items():
+                raw[name] = whole[name][0].transpose(np.argsort(lay.order))
+        _loop.run(read())
+        if direct is not None:
+            return builder.finish_stacked(direct[0])
+        return builder.build({name: raw[name] for name in gen.layouts}, starts)  # in variable order
 
     def _item(self, batch: Any, k: int) -> Any:
         """Sample ``k`` of ``batch`` without the batch axis (views where the kind allows)."""

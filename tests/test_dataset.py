@@ -146,6 +146,7 @@ def test_item_equals_gen_sample(era5):
     dict(normalize="stats"),
     dict(normalize="stats", stack=True, variables=["t2m", "z500"]),
     dict(variables="t2m", output="xarray", patch={"lon": 5}),
+    dict(variables=["t2m", "u10"], stack=True, window={"time": 2}),  # gathered straight into the stacked batch
 ])
 def test_batches_equal_generator_batches(era5, kw, read_path):
     """Every batch of a shuffled epoch of ``batches()``, read back through the dataset by its ids."""
@@ -188,6 +189,11 @@ def test_patches_over_spatial_split_and_static_var(tmp_path, read_path):
                       output="xarray")
     ids = [5, 1, 5, len(d) - 1]
     check_batch(d.batch(ids), oracle(ds3, d, ids), d, "xarray")
+    # without a patch, mask has no sampled dim: read once, no batch axis
+    d = InsituDataset(ds3, m3, "val", window={"time": 2}, variables=["a", "mask"])
+    ids = [5, 1, 5, len(d) - 1]
+    check_batch(d.batch(ids), oracle(ds3, d, ids), d, "numpy")
+    assert d[2]["mask"].shape == ds3["mask"].shape
 
 
 def test_in_memory_and_dask_datasets(era5_path, read_path):

@@ -6,19 +6,29 @@ them (unshuffled: chunk blocks in split order, then C order over the sampled dim
 that a torch ``DataLoader(d, batch_size=B, sampler=...)`` works with any sampler (weighted,
 distributed, curriculum, resumable) and reads each chunk once per batch.
 
-How a batch is read: the indices' chunk blocks (units) become the slots of one shuffle block
-of a one-off, unshuffled ``EpochPlan``, which ``BlockLoader.load`` reads with one
-``read_many`` per variable -- so a chunk that several samples (or a window spilling into the
-next unit) need is fetched and decoded once -- and the samples are gathered and assembled
-exactly as ``batches()`` does (same gather, same CF decoding, normalisation and stacking).
-Values are therefore those of ``batches()`` and of plain xarray for the same samples.
+How a call reads, two ways with the same values (those of ``batches()`` and of plain xarray):
 
-Why it is slower than ``batches()`` under a random sampler: a random sample needs about one
-chunk block of its own, and the whole chunk is fetched and decoded to serve it. With time
-chunks of 24 steps and a split far larger than a batch, a batch of ``B`` random samples
-decodes ``~B`` chunks for ``B`` steps, 24 times the decoding ``batches()`` does (it reads each
-chunk once per epoch and serves all its samples from it). ``cache=`` keeps decoded chunks,
-which removes that cost once the split fits in the cache.
+- *sparse* samples (at most ``SPARSE_PER_UNIT`` per chunk block on average: what a random
+  sampler gives): each sample's region -- its window/tile along the sampled dims, its other
+  dims whole -- is read straight into its place in the batch, one ``Reader.read_many`` per
+  variable, so a chunk two samples share is fetched and decoded once; only the chunks the
+  samples touch are read, and only their part of each is copied (a cache hit costs the
+  sample's bytes, not the chunk's);
+- *dense* samples (a sequential sampler, ``over`` dims), and variables held in memory, read
+  through dask or sharded: the samples' chunk blocks become the slots of one shuffle block of
+  a one-off, unshuffled ``EpochPlan``, read by ``BlockLoader.load`` (one ``read_many`` per
+  variable) and gathered as ``batches()`` gathers.
+
+Either way the gathered values go through the generator's ``OutputBuilder`` (CF decoding,
+normalisation, stacking), as in ``batches()``.
+
+Why it is slower than ``batches()`` under a random sampler: each random sample falls in a
+chunk of its own, and the whole chunk is fetched and decoded to serve it. With time chunks of
+24 steps, a batch of 32 random samples decodes ~27 chunks per variable (3.4 chunks per sample
+for 4 variables) where ``batches()`` decodes each chunk once per epoch (~0.17 per sample):
+~20 times the decoding, ~10 times fewer samples/s on the yardstick archive
+(``bench/dataset_bench.py``). ``cache=`` keeps decoded chunks; once the split is cached, a
+random sampler reads about as fast as ``batches()``.
 
 torch is optional. Where it is installed, ``InsituDataset(...)`` makes an instance of
 ``TorchInsituDataset``, a subclass of both ``InsituDataset`` and ``torch.utils.data.Dataset``
@@ -354,7 +364,7 @@ class InsituDataset:
         sp, builder, n = gen.space, gen.builder, len(starts)
         direct = builder.direct_stack(n)
         raw: dict[str, np.ndarray] = {}
-        jobs = []
+        reads: list[tuple[Any, list[tuple[dict[str, tuple[int, int]], np.ndarray]]]] = []
         for name, lay in gen.layouts.items():
             src = lay.src
             if not lay.has_sample_axis:  # no sampled dim: the same whole array in every batch (below)
@@ -370,18 +380,18 @@ class InsituDataset:
             regions = []
             for i, row in enumerate(starts[:, lay.sampled].tolist()):
                 region = {sp.dims[k].name: (a, a + sp.dims[k].width) for k, a in zip(lay.sampled, row, strict=True)}
+                # a position-only sampled dim is one position in the region and no axis in the batch
                 regions.append((region, np.expand_dims(out[i], one) if one else out[i]))
-            jobs.append(loader.reader.read_many(src, regions))
+            reads.append((src, regions))
+        static = {name: lay for name, lay in gen.layouts.items() if not lay.has_sample_axis}
 
-        async def read() -> None:
-            await asyncio.gather(*jobs)
+        async def read() -> dict[str, np.ndarray]:
+            await asyncio.gather(*(loader.reader.read_many(src, regions) for src, regions in reads))
+            return await loader.load_static() if static else {}  # read once per process, as batches() does
 
-        static = {n: lay for n, lay in gen.layouts.items() if not lay.has_sample_axis}
-        if static:
-            whole = _loop.run(loader.load_static())  # read once per process, as batches() does
-            for name, lay in static.items():
-                raw[name] = whole[name][0].transpose(np.argsort(lay.order))
-        _loop.run(read())
+        whole = _loop.run(read())
+        for name, lay in static.items():
+            raw[name] = whole[name][0].transpose(np.argsort(lay.order))
         if direct is not None:
             return builder.finish_stacked(direct[0])
         return builder.build({name: raw[name] for name in gen.layouts}, starts)  # in variable order

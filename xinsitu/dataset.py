@@ -243,6 +243,9 @@ class InsituDataset:
     # ------------------------------------------------------------------ access
     def __getitem__(self, i: Any) -> Any:
         """Sample ``i`` (no batch axis)."""
+        if isinstance(i, (list, tuple, range, np.ndarray)) and np.ndim(i) > 0:
+            raise TypeError(f"index must be an integer, got {type(i).__name__}: for several samples use "
+                            "d.batch(indices), or a DataLoader with batch_size= (it calls d.__getitems__)")
         i = self._ids([_index("index", i)], "index")
         batch = self._read(i)
         return self._item(batch, 0)

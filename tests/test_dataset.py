@@ -483,3 +483,22 @@ def test_hypothesis_random_indices(tmp_path_factory, monkeypatch, ct, k, py, sy,
         assert d.io_stats["last"]["chunks"] == region_chunks(d, ids % len(d))
     i = int(ids[0])
     check_item(d[i], oracle(ds, d, [i % len(d)]), d, "numpy")
+
+
+def test_accessor_dataset(era5):
+    """``ds.insitu.dataset`` spells every keyword out and gives the same dataset (runs once the
+    accessor method is merged)."""
+    import inspect
+
+    from xinsitu.accessor import InsituAccessor
+
+    if not hasattr(InsituAccessor, "dataset"):
+        pytest.skip("ds.insitu.dataset is added to accessor.py at merge")
+    params = inspect.signature(InsituAccessor.dataset).parameters
+    assert {"window", "patch", "stride", "over", "variables", "output", "stack", "normalize", "cache"} <= set(params)
+    ds, m = era5
+    d = ds.insitu.dataset(m, "train", window={"time": 2}, output="numpy")
+    ref = InsituDataset(ds, m, "train", window={"time": 2})
+    assert isinstance(d, InsituDataset) and len(d) == len(ref)
+    a, b = d.batch([3, 1]), ref.batch([3, 1])
+    assert all(np.array_equal(a[v], b[v], equal_nan=True) for v in b)

@@ -3,7 +3,8 @@ its arguments and calls a plain function or class that knows nothing of accessor
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xarray as xr
@@ -12,6 +13,10 @@ from xinsitu.geometry import Geometry, geometry_of
 from xinsitu.loader import BatchGenerator
 from xinsitu.source import resolve
 from xinsitu.split import SplitManifest, make_split
+
+if TYPE_CHECKING:
+    from xinsitu.cache import ChunkCache
+    from xinsitu.dataset import InsituDataset
 
 
 @xr.register_dataset_accessor("insitu")
@@ -180,6 +185,65 @@ class InsituAccessor:
                            max_inflight=max_inflight)
         manifest.stats = st
         return st
+
+    def dataset(self, manifest: SplitManifest, split: str, *, window: dict[str, int] | None = None,
+                patch: dict[str, int] | None = None, stride: dict[str, int] | None = None,
+                over: str | list[str] | None = None, variables: str | list[str] | None = None,
+                output: str = "numpy", stack: bool = False, normalize: dict[str, Any] | None = None,
+                cache: bool | str | os.PathLike[str] | ChunkCache | None = None,
+                max_inflight: int | None = None, missing: str = "fill") -> InsituDataset:
+        """A map-style dataset over the samples of ``split``, for a DataLoader with your own sampler.
+
+        ``len(d)`` is the number of samples of the whole split, numbered in unshuffled order (as
+        :meth:`sample` numbers them); ``d[i]`` is one sample (no batch axis; negative ``i`` counts
+        from the end); ``d.__getitems__(indices)`` -- what ``DataLoader(d, batch_size=B,
+        sampler=...)`` calls -- reads a whole batch in one pass, each chunk once per call, and the
+        default ``collate_fn`` stacks it into the batch :meth:`batches` would give for the same
+        samples (``collate_fn=xinsitu.dataset.collate`` hands that batch on as it is). Values are
+        bit-identical to ``ds.isel(...)``. A torch ``Dataset`` where torch is installed; workers
+        work under spawn/forkserver, and under fork for a local archive.
+
+        Parameters
+        ----------
+        manifest : SplitManifest
+            From :meth:`split`.
+        split : str
+            Name of the split whose samples are numbered ``0 .. len(d) - 1``.
+        window : dict of str to int, optional
+            ``{dim: k}``: each sample carries ``k`` consecutive positions.
+        patch : dict of str to int, optional
+            ``{dim: size}``: tiles (xbatcher's ``input_dims``).
+        stride : dict of str to int, optional
+            Tile stride per patch dim (default: the patch size).
+        over : str or list of str, optional
+            More dims whose positions are samples.
+        variables : str or list of str, optional
+            Default: the data variables on the split dim(s); their order is the channel order.
+        output : {"numpy", "torch", "xarray", "dataarray", "cupy"}, default "numpy"
+            The kind of ``d[i]`` and of a batch; "numpy" or "torch" for the default ``collate_fn``
+            (xarray outputs need ``collate_fn=xinsitu.dataset.collate``).
+        stack : bool, default False
+            One array per sample with the variables as channels (``d.channels``).
+        normalize : dict, optional
+            Statistics from :meth:`stats` (``manifest.stats``): ``(x - mean) / std`` per channel.
+        cache : bool, str, os.PathLike or xinsitu.ChunkCache, optional
+            Keep decoded chunks across calls (a directory: also across runs), as for :meth:`batches`;
+            a random sampler then decodes each chunk once per run instead of once per sample.
+        max_inflight : int, optional
+            Chunk requests in flight at most (default: sized from the store's latency).
+        missing : {"fill", "raise"}, default "fill"
+            A chunk with no object in the store reads as the fill value, as in zarr, or raises
+            ``ChunkReadError``.
+
+        Returns
+        -------
+        xinsitu.dataset.InsituDataset
+        """
+        from xinsitu.dataset import InsituDataset
+
+        return InsituDataset(self._ds, manifest, split, window=window, patch=patch, stride=stride, over=over,
+                             variables=variables, output=output, stack=stack, normalize=normalize, cache=cache,
+                             max_inflight=max_inflight, missing=missing)
 
     def sample(self, manifest: SplitManifest, split: str, i: int, *, window: dict[str, int] | None = None,
                patch: dict[str, int] | None = None, stride: dict[str, int] | None = None,

@@ -13,5 +13,5 @@ from xinsitu.split import SplitManifest
 from xinsitu.store import open_zarr
 
 __version__ = "0.1.0"
-__all__ = ["BatchGenerator", "ChunkReadError", "Geometry", "InsituDataset", "SourceError", "SplitManifest", "VarGeometry",
-           "open_zarr", "__version__"]
+__all__ = ["BatchGenerator", "ChunkReadError", "Geometry", "InsituDataset", "SourceError", "SplitManifest",
+           "VarGeometry", "open_zarr", "__version__"]

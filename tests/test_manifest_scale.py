@@ -337,7 +337,8 @@ def test_manifest_on_coarser_or_other_grid_is_refused(era5_path, refined_path, t
        st.integers(1, 7), st.booleans(), st.booleans())
 def test_epoch_size_equals_the_plan(counts, equal, world_size, data, batch_size, drop_last, shuffle):
     """``epoch_size`` (what ``len(gen)`` and the repr use) is the plan's, wherever it answers."""
-    from xinsitu.plan import SampleDim, SampleSpace, epoch_plan, epoch_size
+    from xinsitu.plan import epoch_plan, epoch_size
+    from xinsitu.sampling import SampleDim, SampleSpace
 
     if equal:
         counts = [counts[0] or 1] * len(counts)

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xinsitu.plan import EpochPlan, SampleDim, SampleSpace, epoch_plan, plan_head, rank_share, worker_batches
+from xinsitu.plan import EpochPlan, epoch_plan, plan_head, rank_share, worker_batches
+from xinsitu.sampling import SampleDim, SampleSpace
 
 settings.register_profile("xinsitu", max_examples=150, deadline=None, derandomize=True)
 settings.load_profile("xinsitu")

@@ -15,42 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from xinsitu.plan import EpochPlan, SampleSpace
+from xinsitu.plan import EpochPlan
 from xinsitu.reader import Reader
-from xinsitu.source import VarSource
+from xinsitu.sampling import SampleSpace, VarLayout
 
 HALO_BLOCKS = 2  # a block passes the chunks a window spills into on to the blocks up to this many later
-
-
-@dataclass
-class VarLayout:
-    """Where one variable's axes go in its buffer and in its output."""
-
-    src: VarSource
-    sampled: list[int]  # positions in space.dims of the sampled dims this variable has
-    order: list[int]  # var axis of each buffer axis after the slot axis
-    out_dims: tuple[str, ...]  # output dims after the sample axis
-    out_perm: tuple[int, ...] | None  # transpose of the gathered array into out_dims (None: none needed)
-    static: bool  # no split dim: read once, whole
-
-    @classmethod
-    def build(cls, src: VarSource, space: SampleSpace) -> VarLayout:
-        names = [d.name for d in space.dims]
-        sampled = [k for k, n in enumerate(names) if n in src.dims]
-        samp_axes = [src.dims.index(names[k]) for k in sampled]
-        other = [ax for ax in range(len(src.dims)) if ax not in samp_axes]
-        order = samp_axes + other
-        kept_names = [names[k] for k in sampled if space.dims[k].keep]
-        gathered = kept_names + [src.dims[ax] for ax in other]
-        out_dims = tuple(d for d in src.dims if d in gathered)
-        perm = tuple(gathered.index(d) + 1 for d in out_dims)
-        out_perm = None if perm == tuple(range(1, len(perm) + 1)) else (0, *perm)
-        static = not any(space.dims[k].split for k in sampled)
-        return cls(src, sampled, order, out_dims, out_perm, static)
-
-    @property
-    def has_sample_axis(self) -> bool:
-        return bool(self.sampled)
 
 
 @dataclass

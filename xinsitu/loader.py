@@ -13,7 +13,6 @@ import asyncio
 import math
 import os
 import queue
-import sys
 import threading
 import time
 import warnings
@@ -25,14 +24,12 @@ import xarray as xr
 from xinsitu import _loop
 from xinsitu import repr as _repr
 from xinsitu import shuffle as _shuffle
-from xinsitu.buffer import BlockLoader, VarLayout
-from xinsitu.geometry import geometry_of
+from xinsitu.buffer import BlockLoader
 from xinsitu.output import OutputBuilder
-from xinsitu.plan import EpochPlan, SampleDim, SampleSpace, epoch_plan, epoch_size, plan_head, rank_share, segment_plan
+from xinsitu.plan import EpochPlan, epoch_plan, epoch_size, plan_head, rank_share, segment_plan
 from xinsitu.reader import Reader
-from xinsitu.snapshot import snapshot_of_sources
-from xinsitu.source import resolve
-from xinsitu.split import SplitManifest, coord_span
+from xinsitu.sampling import check_split, dist_defaults, flag, int_arg, positive_int, sampling
+from xinsitu.split import SplitManifest
 from xinsitu.state import check_state, make_state
 
 _END = object()
@@ -41,75 +38,6 @@ PREFETCH_BLOCKS = 3  # blocks read ahead or held: one being gathered from, one s
 MAX_PREFETCH_BLOCKS = 6
 PREFETCH_BATCHES = 2
 WAIT_STEP_S = 0.05  # queue waits are this long at most, then check that the other side still runs
-
-
-def _int_arg(name: str, v: Any, minimum: int | None = None) -> int:
-    """``v`` as an int; a bool, a float or a string is refused (never truncated or parsed)."""
-    if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an integer, got {type(v).__name__} {v!r}")
-    if minimum is not None and v < minimum:
-        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ValueError(f"{name} must be {what}, got {v!r}")
-    return int(v)
-
-
-def _positive_int(name: str, v: Any) -> int:
-    return _int_arg(name, v, 1)
-
-
-def _flag(name: str, v: Any) -> bool:
-    """``v`` as a bool; ``"no"`` or ``"False"`` would be truthy, so only real booleans pass."""
-    if not isinstance(v, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True or False, got {type(v).__name__} {v!r}")
-    return bool(v)
-
-
-def _variable_names(v: Any, ds: xr.Dataset) -> list[str] | None:
-    """``variables=`` as a list of data variable names (None: the default)."""
-    if v is None:
-        return None
-    names = [v] if isinstance(v, str) else v
-    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
-        raise TypeError(f"variables must be a variable name or a list of names, got {type(v).__name__} {v!r}")
-    if not names:
-        raise ValueError("variables is empty: name at least one data variable")
-    unknown = [n for n in names if n not in ds.data_vars]
-    if unknown:
-        raise ValueError(f"variables: unknown variable(s) {unknown}; the Dataset has {list(ds.data_vars)}")
-    if len(set(names)) != len(names):
-        raise ValueError(f"variables names a variable twice: {list(names)}")
-    return list(names)
-
-
-def _dim_map(name: str, v: Any, sizes: dict[str, int]) -> dict[str, int]:
-    if v is None:
-        return {}
-    if not isinstance(v, dict):
-        raise TypeError(f"{name} must be a dict of dim -> length, got {type(v).__name__}")
-    out = {}
-    for d, n in v.items():
-        if d not in sizes:
-            raise ValueError(f"{name}: unknown dim {d!r}; the variables have dims {sorted(sizes)}")
-        n = _positive_int(f"{name}[{d!r}]", n)
-        if n > sizes[d]:
-            raise ValueError(f"{name}[{d!r}] = {n} is longer than dim {d!r} ({sizes[d]})")
-        out[d] = n
-    return out
-
-
-def _dist_defaults(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    if rank is None or world_size is None:
-        # only a process that imported torch.distributed can have initialised it: don't import
-        # torch (~200 MB, ~1 s) just to learn that it hasn't
-        dist = sys.modules.get("torch.distributed")
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            rank = dist.get_rank() if rank is None else rank
-            world_size = dist.get_world_size() if world_size is None else world_size
-    world_size = 1 if world_size is None else _positive_int("world_size", world_size)
-    rank = 0 if rank is None else _int_arg("rank", rank)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}) for world_size={world_size}, got {rank}")
-    return rank, world_size
 
 
 class BatchGenerator:
@@ -170,31 +98,22 @@ class BatchGenerator:
                  block_chunks: int = 16, max_inflight: int | None = None, drop_last: bool = False,
                  rank: int | None = None, world_size: int | None = None, progress: bool = False,
                  missing: str = "fill"):
-        if not isinstance(manifest, SplitManifest):
-            raise TypeError(f"manifest must be a SplitManifest (from ds.insitu.split), got {type(manifest).__name__}")
-        if not isinstance(split, str):
-            raise TypeError(f"split must be the name of a split (a str), got {type(split).__name__} {split!r}")
-        if split not in manifest.splits:
-            raise ValueError(f"unknown split {split!r}; the manifest has {list(manifest.splits)}")
-        self.batch_size = _positive_int("batch_size", batch_size)
-        self.block_chunks = _positive_int("block_chunks", block_chunks)
-        self.max_inflight = None if max_inflight is None else _positive_int("max_inflight", max_inflight)
-        self.seed = _int_arg("seed", seed, 0)  # numpy's generators take no negative seed
-        self.shuffle, self.drop_last = _flag("shuffle", shuffle), _flag("drop_last", drop_last)
-        self.rank, self.world_size = _dist_defaults(rank, world_size)
-        self.manifest, self.split, self.progress = manifest, split, _flag("progress", progress)
+        check_split(manifest, split)
+        self.batch_size = positive_int("batch_size", batch_size)
+        self.block_chunks = positive_int("block_chunks", block_chunks)
+        self.max_inflight = None if max_inflight is None else positive_int("max_inflight", max_inflight)
+        self.seed = int_arg("seed", seed, 0)  # numpy's generators take no negative seed
+        self.shuffle, self.drop_last = flag("shuffle", shuffle), flag("drop_last", drop_last)
+        self.rank, self.world_size = dist_defaults(rank, world_size)
+        self.manifest, self.split, self.progress = manifest, split, flag("progress", progress)
         if missing not in ("fill", "raise"):
             raise ValueError(f"missing must be 'fill' or 'raise', got {missing!r}")
         self.missing = missing
-        variables = _variable_names(variables, ds)
-        if variables is None:
-            variables = [v for v in ds.data_vars if any(d in ds[v].dims for d in manifest.dims)]
-        self.sources = resolve(ds, variables)
-        self.geometry = geometry_of(self.sources)
-        self._check_manifest(ds)
-        self.space = self._sample_space(window, patch, stride, over)
-        self.space.offsets  # noqa: B018 (samples per unit and their offsets: made once, for len, plans and sample)
-        self.layouts = {n: VarLayout.build(s, self.space) for n, s in self.sources.items()}
+        sampled = sampling(ds, manifest, split, window=window, patch=patch, stride=stride, over=over,
+                           variables=variables, stacklevel=3)
+        self.sampling = sampled
+        self.sources, self.geometry, self.space, self.layouts = (sampled.sources, sampled.geometry, sampled.space,
+                                                                 sampled.layouts)
         self.builder = OutputBuilder(ds, self.space, self.layouts, output, stack, device, normalize=normalize)
         self.normalize = normalize
         self.output = output
@@ -216,11 +135,7 @@ class BatchGenerator:
 
     def _check_not_empty(self) -> None:
         """Refuse a generator that would yield nothing: an empty epoch looks like a finished one."""
-        if self.space.n_samples == 0:
-            wide = {d.name: d.width for d in self.space.dims if d.width > 1}
-            raise ValueError(f"split {self.split!r} holds no sample of this shape ({wide or 'one position'}): "
-                             "every window/patch is longer than the split's runs of whole chunk blocks "
-                             f"along {[d.name for d in self.space.split_dims]}; use a shorter window or patch")
+        self.sampling.check_not_empty()
         if self.world_size > 1 or self.drop_last:
             n = self.plan(self.epoch).n_batches
             if n == 0:
@@ -231,47 +146,6 @@ class BatchGenerator:
                                  + "; use fewer ranks or a smaller batch_size")
 
     # ------------------------------------------------------------------ set-up
-    def _check_manifest(self, ds: xr.Dataset) -> None:
-        m, g = self.manifest, self.geometry
-        m.check_grid(g.sizes, g.edges, g.dims)  # its own grid or a refinement of it
-        m.check_labels({d: coord_span(ds, d) for d in m.dims if coord_span(ds, d) is not None})
-        snap = snapshot_of_sources(self.sources)
-        if m.snapshot is not None and snap is not None and snap != m.snapshot:
-            warnings.warn(f"manifest was made on snapshot {m.snapshot}, this dataset is snapshot {snap}: "
-                          "the data may have changed", UserWarning, stacklevel=4)
-
-    def _sample_space(self, window: Any, patch: Any, stride: Any, over: Any) -> SampleSpace:
-        sizes = self.geometry.sizes
-        window = _dim_map("window", window, sizes)
-        patch = _dim_map("patch", patch, sizes)
-        stride = _dim_map("stride", stride, sizes)
-        over = [over] if isinstance(over, str) else list(over or [])
-        both = set(window) & set(patch)
-        if both:
-            raise ValueError(f"dims {sorted(both)} are in both window and patch")
-        for d in stride:
-            if d not in patch:
-                raise ValueError(f"stride[{d!r}] given but {d!r} is not a patch dim")
-        for d in over:
-            if d not in sizes:
-                raise ValueError(f"over: unknown dim {d!r}; the variables have dims {sorted(sizes)}")
-            if d in self.manifest.dims or d in window or d in patch:
-                raise ValueError(f"over: dim {d!r} is already a split, window or patch dim")
-        dims = []
-        for d in self.manifest.dims:
-            w = window.get(d, patch.get(d, 1))
-            st = stride.get(d, patch.get(d, 1)) if d in patch else 1
-            dims.append(SampleDim(d, sizes[d], w, st, keep=d in window or d in patch, split=True))
-        for d in list(patch) + list(window):
-            if d not in self.manifest.dims:
-                st = stride.get(d, patch[d]) if d in patch else 1
-                dims.append(SampleDim(d, sizes[d], patch.get(d, window.get(d, 1)), st, keep=True))
-        for d in over:
-            dims.append(SampleDim(d, sizes[d]))
-        return SampleSpace(dims, self.geometry.edges | {d: np.asarray(self.manifest.edges[d])
-                                                        for d in self.manifest.dims},
-                           self.manifest.blocks(self.split))
-
     def _blockloader(self) -> BlockLoader:
         if self._loader is None or self._pid != os.getpid():  # a new process gets its own reader
             self._reader = Reader(self.max_inflight)
@@ -454,7 +328,7 @@ class BatchGenerator:
 
     def sample(self, i: int) -> xr.Dataset:
         """Sample ``i`` of the whole split (unshuffled order) as a labeled ``xr.Dataset``."""
-        i = _int_arg("i", i)
+        i = int_arg("i", i)
         if not 0 <= i < self.space.n_samples:
             raise IndexError(f"sample index i={i} is out of range: split {self.split!r} has "
                              f"{self.space.n_samples} samples")

@@ -28,9 +28,9 @@ import numpy as np
 import xarray as xr
 
 from xinsitu import _loop
-from xinsitu.buffer import VarLayout
 from xinsitu.plan import EpochPlan, epoch_plan
 from xinsitu.reader import Reader
+from xinsitu.sampling import VarLayout, check_split, positive_int, sampling
 from xinsitu.split import SplitManifest
 
 #: top-level keys of a stats dict that are not variables
@@ -235,17 +235,17 @@ class StatsPass:
 
     def __init__(self, ds: xr.Dataset, manifest: SplitManifest, split: str, variables: list[str] | None = None,
                  *, block_chunks: int = 16, max_inflight: int | None = None, reader: Reader | None = None):
-        # imported here: output.py imports this module for ``normalizer``
-        from xinsitu.loader import BatchGenerator
         from xinsitu.output import cf_decoder
 
-        # a generator with no window/patch/over: its samples are exactly the split's positions, and it
-        # validates the manifest, the variables and the arguments the way ds.insitu.batches does
-        self.gen = BatchGenerator(ds, manifest, split, variables=variables, shuffle=False, batch_size=1,
-                                  block_chunks=block_chunks, max_inflight=max_inflight, rank=0, world_size=1,
-                                  output="numpy")
+        # no window/patch/over: the samples are exactly the split's positions; the manifest, the variables
+        # and the arguments are checked the way ds.insitu.batches checks them
+        check_split(manifest, split)
+        self.block_chunks = positive_int("block_chunks", block_chunks)
+        max_inflight = None if max_inflight is None else positive_int("max_inflight", max_inflight)
+        sampled = sampling(ds, manifest, split, variables=variables, stacklevel=3)
+        sampled.check_not_empty()
         self.split = split
-        self.space, self.layouts = self.gen.space, self.gen.layouts
+        self.space, self.layouts = sampled.space, sampled.layouts
         clash = [n for n in self.layouts if n in RESERVED]
         if clash:
             raise ValueError(f"variable(s) {clash} are named like a key of the stats record {RESERVED}; "
@@ -272,7 +272,7 @@ class StatsPass:
     def plan(self) -> EpochPlan:
         """The unshuffled single-rank plan: every unit of the split once, in split order."""
         return epoch_plan(self.space, seed=0, epoch=0, shuffle=False, batch_size=1,
-                          block_chunks=self.gen.block_chunks, drop_last=False, rank=0, world_size=1)
+                          block_chunks=self.block_chunks, drop_last=False, rank=0, world_size=1)
 
     def run(self) -> dict[str, Any]:
         """Read and reduce every chunk of the split once; return the stats record."""
@@ -312,7 +312,7 @@ class StatsPass:
             for u, box in zip(plan.units.tolist(), self._boxes(plan.units), strict=True):
                 names = [n for n, lay in self.layouts.items()
                          if not lay.static and (n not in owners or u in owners[n])]
-                while running >= max(PREFETCH_BLOCKS * self.gen.block_chunks,
+                while running >= max(PREFETCH_BLOCKS * self.block_chunks,
                                      math.ceil(1.5 * self.reader.inflight.limit / per_unit)):
                     room.clear()
                     await room.wait()

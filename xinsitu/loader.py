@@ -25,6 +25,7 @@ from xinsitu import _loop
 from xinsitu import repr as _repr
 from xinsitu import shuffle as _shuffle
 from xinsitu.buffer import BlockLoader
+from xinsitu.channels import channel_names
 from xinsitu.output import OutputBuilder
 from xinsitu.plan import EpochPlan, epoch_plan, epoch_size, plan_head, rank_share, segment_plan
 from xinsitu.reader import Reader
@@ -302,8 +303,6 @@ class BatchGenerator:
     def channels(self) -> list[str]:
         """Channel names of a stacked batch, in order (the variables' names where they cannot be stacked)."""
         if self._channels is None:
-            from xinsitu.stats import channel_names
-
             self._channels = channel_names(self._ds, self.layouts, tuple(d.name for d in self.space.dims if d.keep))
         return list(self._channels)
 

@@ -18,8 +18,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-#: CF keys that xarray moves from attrs to ``encoding`` when it decodes a variable.
-CF_KEYS = ("_FillValue", "missing_value", "scale_factor", "add_offset", "_Unsigned", "units", "calendar", "dtype")
+from xinsitu.channels import CF_KEYS
 
 #: dask layer names that only select, arrange or re-chunk the values they read (no arithmetic):
 #: ``concatenate-`` is how ``xr.open_mfdataset`` puts its files together.

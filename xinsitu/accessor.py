@@ -10,8 +10,9 @@ import xarray as xr
 
 from xinsitu.geometry import Geometry, geometry_of
 from xinsitu.loader import BatchGenerator
+from xinsitu.manifest import SplitManifest
 from xinsitu.source import resolve
-from xinsitu.split import SplitManifest, make_split
+from xinsitu.split import make_split
 
 
 @xr.register_dataset_accessor("insitu")

@@ -26,11 +26,11 @@ from xinsitu import repr as _repr
 from xinsitu import shuffle as _shuffle
 from xinsitu.buffer import BlockLoader
 from xinsitu.channels import channel_names
+from xinsitu.manifest import SplitManifest
 from xinsitu.output import OutputBuilder
 from xinsitu.plan import EpochPlan, epoch_plan, epoch_size, plan_head, rank_share, segment_plan
 from xinsitu.reader import Reader
 from xinsitu.sampling import check_split, dist_defaults, flag, int_arg, positive_int, sampling
-from xinsitu.split import SplitManifest
 from xinsitu.state import check_state, make_state
 
 _END = object()

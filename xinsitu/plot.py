@@ -16,7 +16,7 @@ from xinsitu import repr as _repr
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from xinsitu.split import SplitManifest
+    from xinsitu.manifest import SplitManifest
 
 #: Draw chunk-block edges where there are at most this many blocks along a dim.
 MAX_EDGE_LINES = 64

@@ -22,9 +22,9 @@ import numpy as np
 import xarray as xr
 
 from xinsitu.geometry import Geometry, geometry_of
+from xinsitu.manifest import SplitManifest, coord_span
 from xinsitu.snapshot import snapshot_of_sources
 from xinsitu.source import VarSource, resolve
-from xinsitu.split import SplitManifest, coord_span
 
 
 # ---------------------------------------------------------------------- option checks

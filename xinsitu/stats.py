@@ -29,10 +29,10 @@ import xarray as xr
 
 from xinsitu import _loop
 from xinsitu.channels import RESERVED, cf_decoder, channel_plan, decodes_to_itself
+from xinsitu.manifest import SplitManifest
 from xinsitu.plan import EpochPlan, epoch_plan
 from xinsitu.reader import Reader
 from xinsitu.sampling import check_split, positive_int, sampling
-from xinsitu.split import SplitManifest
 
 #: the keys every variable's entry has
 STAT_KEYS = ("mean", "std", "min", "max", "nan_count")

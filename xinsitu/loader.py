@@ -1,20 +1,14 @@
 """``BatchGenerator``: batches of one split, read in place.
 
-Three parties work at once. The I/O loop reads shuffle blocks ahead (a few blocks in
-flight, their chunk reads bounded by ``max_inflight``); a prefetch thread gathers
-batches from loaded blocks into a small bounded queue; the caller's thread only takes
-finished batches off that queue. Errors travel through the queues and are raised to the
-caller; closing the iterator (or breaking out of the loop) stops both helpers.
+The generator holds the configuration (checked, see ``sampling``), the epoch and the resume
+state, and answers questions about them without I/O (``len``, ``plan``, ``batch_ids``,
+``shuffle_quality``, the repr). Iterating it runs one ``pipeline.EpochRun``: the I/O loop
+reads buffers ahead, a prefetch thread gathers batches, the caller takes them.
 """
 
 from __future__ import annotations
 
-import asyncio
-import math
 import os
-import queue
-import threading
-import time
 import warnings
 from typing import Any
 
@@ -28,17 +22,11 @@ from xinsitu.buffer import BlockLoader
 from xinsitu.channels import channel_names
 from xinsitu.manifest import SplitManifest
 from xinsitu.output import OutputBuilder
+from xinsitu.pipeline import EpochRun
 from xinsitu.plan import EpochPlan, epoch_plan, epoch_size, plan_head, rank_share, segment_plan
 from xinsitu.reader import Reader
 from xinsitu.sampling import check_split, dist_defaults, flag, int_arg, positive_int, sampling
 from xinsitu.state import check_state, make_state
-
-_END = object()
-PREFETCH_BLOCKS = 3  # blocks read ahead or held: one being gathered from, one spanning, one loading
-#: ... and at most this many where the store is far (enough blocks loading to fill ``max_inflight``)
-MAX_PREFETCH_BLOCKS = 6
-PREFETCH_BATCHES = 2
-WAIT_STEP_S = 0.05  # queue waits are this long at most, then check that the other side still runs
 
 
 class BatchGenerator:
@@ -224,7 +212,7 @@ class BatchGenerator:
         plan = plan_head(plan, plan.n_batches if stop is None else stop)  # blocks past the last batch: unread
         self._live += 1
         self._yielded_at = (epoch, start)
-        run = _EpochRun(self, plan, start)
+        run = EpochRun(plan, start, self._blockloader(), self.builder)
         bar = None
         if self.progress:
             from tqdm.auto import tqdm
@@ -465,223 +453,3 @@ class BatchGenerator:
 
     def _repr_html_(self) -> str:
         return _repr.html("xinsitu.BatchGenerator", self._sections(), repr(self), self._headline())
-
-
-class _EpochRun:
-    """One pass over an epoch plan: the I/O producer, the prefetch thread, and their queues."""
-
-    def __init__(self, gen: BatchGenerator, plan: EpochPlan, start: int):
-        self.gen, self.plan, self.start = gen, plan, start
-        self.loader = gen._blockloader()
-        self.counters_before = _copy_counters(self.loader.reader.counters)
-        self.blocks: queue.Queue = queue.Queue()
-        self.batches: queue.Queue = queue.Queue(PREFETCH_BATCHES)
-        self.stop = threading.Event()
-        self.wait_s = 0.0
-        self.samples = 0
-        self.n_batches = 0
-        self.borrowed = 0
-        self.t0 = time.perf_counter()
-        self.t_end: float | None = None
-        self.loop = _loop.get_loop()
-        self.credits: asyncio.Semaphore | None = None
-        self.depth = PREFETCH_BLOCKS  # blocks read ahead or held (grows with requests in flight)
-        self.n_loaded = 0
-        self.failed = False  # a block failed to load (set on the I/O loop)
-        self.tasks: set[asyncio.Task] = set()  # block loads in flight
-        if start >= plan.n_batches:
-            self.first_block = plan.n_blocks
-        else:
-            self.first_block = plan.blocks_of(*plan.batch_span(start))[0]
-        # chunks that windows spill into, passed from block to block rather than read twice
-        self.halo = self.loader.halo_plan(plan, self.first_block)
-        self.io_future = _loop.submit(self._produce())
-        self.thread = threading.Thread(target=self._assemble, name="xinsitu-prefetch", daemon=True)
-        self.thread.start()
-
-    # -- I/O loop side
-    async def _produce(self) -> None:
-        self.credits = asyncio.Semaphore(self.depth)
-        prev: asyncio.Task | None = None
-        try:
-            for j in range(self.first_block, self.plan.n_blocks):
-                await self.credits.acquire()
-                if self.stop.is_set() or self.failed:
-                    break  # a failed block ends the epoch: its error is on its way to the caller
-                prev = asyncio.ensure_future(self._load(j, prev))
-                self.tasks.add(prev)
-                prev.add_done_callback(self.tasks.discard)
-            delivered = True if prev is None else await prev
-            if delivered and not self.stop.is_set():
-                self.blocks.put(_END)
-        except asyncio.CancelledError:
-            for t in list(self.tasks):  # closed early: stop the reads of blocks nobody will take
-                t.cancel()
-            raise
-        except Exception as e:  # noqa: BLE001 - delivered to the caller
-            self.blocks.put(e)
-
-    async def _load(self, j: int, prev: asyncio.Task | None) -> bool:
-        """Load block ``j`` and hand it (or its error) on after block ``j - 1``; whether it was delivered."""
-        try:
-            block: Any = await self.loader.load(self.plan, j, self.halo)
-        except Exception as e:  # noqa: BLE001 - delivered to the caller, in order
-            block = e
-            self.failed = True
-            self.credits.release()  # wake the producer, which may be waiting for a credit, so that it stops
-        else:
-            self.n_loaded += 1
-            self._deepen()
-        if prev is not None and not await prev:  # an earlier block failed: its error goes first, alone
-            if not isinstance(block, BaseException):
-                self.loader.recycle(block)
-            return False
-        self.blocks.put(block)
-        return not isinstance(block, BaseException)
-
-    def _deepen(self) -> None:
-        """Read further ahead where the reader keeps more requests in flight than the blocks being
-        loaded hold (a far store, see ``InflightLimit``): one block gathered from, and enough
-        loading to fill the limit, at most ``MAX_PREFETCH_BLOCKS``."""
-        reader = self.loader.reader
-        per_block = (reader.counters.requests - self.counters_before["requests"]) / self.n_loaded
-        want = min(MAX_PREFETCH_BLOCKS, 1 + math.ceil(reader.inflight.limit / max(per_block, 1.0)))
-        while self.depth < want and self.credits is not None:
-            self.depth += 1
-            self.credits.release()
-
-    def _release(self) -> None:
-        if self.credits is not None:
-            self.loop.call_soon_threadsafe(self.credits.release)
-
-    # -- prefetch thread
-    def _assemble(self) -> None:
-        plan, gen = self.plan, self.gen
-        loaded: dict[int, Any] = {}
-        try:
-            for i in range(self.start, plan.n_batches):
-                a, b = plan.batch_span(i)
-                js = plan.blocks_of(a, b)
-                for j in js:
-                    while j not in loaded:
-                        if len(loaded) >= self.depth - 1:
-                            # this batch spans more blocks than the read-ahead allows: lend the
-                            # producer one more block, paid back when a block is recycled
-                            self.borrowed += 1
-                            self._release()
-                        item = self._next_block()
-                        if item is None:
-                            return  # closed
-                        if isinstance(item, BaseException):
-                            raise item
-                        if item is _END:
-                            raise RuntimeError(f"xinsitu: block {j} was never read (internal error)")
-                        loaded[item.j] = item
-                for old in [k for k in loaded if k < js[0]]:
-                    self.loader.recycle(loaded.pop(old))
-                    if self.borrowed:
-                        self.borrowed -= 1
-                    else:
-                        self._release()
-                direct = gen.builder.direct_stack(b - a)  # gather straight into the stacked batch
-                raw_parts, start_parts, done = [], [], 0
-                for j in js:
-                    off = plan.block_offsets[j]
-                    lo, hi = max(a, off) - off, min(b, plan.block_offsets[j + 1]) - off
-                    rows = np.arange(lo, hi)
-                    into = None if direct is None else {n: v[done:done + len(rows)] for n, v in direct[1].items()}
-                    raw_parts.append(self.loader.gather(loaded[j], rows, into))
-                    start_parts.append(loaded[j].starts[rows])
-                    done += len(rows)
-                if direct is not None:
-                    batch = gen.builder.finish_stacked(direct[0])
-                else:
-                    raw = raw_parts[0] if len(raw_parts) == 1 else {
-                        n: (np.concatenate([p[n] for p in raw_parts]) if gen.layouts[n].has_sample_axis
-                            else raw_parts[0][n]) for n in raw_parts[0]}
-                    batch = gen.builder.build(raw, np.concatenate(start_parts))
-                if not self._put((i, batch, b - a)):
-                    return
-            self._put(_END)
-        except BaseException as e:  # noqa: BLE001 - delivered to the caller
-            self._put(e)
-
-    def _next_block(self) -> Any:
-        """The next loaded block (or error, or ``_END``); None once closed. Waits in short steps and
-        checks the producer meanwhile, so that a producer that ended without a word cannot hang us."""
-        while True:
-            try:
-                return self.blocks.get(timeout=WAIT_STEP_S)
-            except queue.Empty:
-                pass
-            if self.stop.is_set():
-                return None
-            if self.io_future.done():
-                try:
-                    return self.blocks.get_nowait()  # put just before the producer ended
-                except queue.Empty:
-                    pass
-                err = None if self.io_future.cancelled() else self.io_future.exception()
-                return err or RuntimeError("xinsitu: the reading task ended before the epoch did (internal error)")
-
-    def _put(self, item: Any) -> bool:
-        while not self.stop.is_set():
-            try:
-                self.batches.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    # -- caller side
-    def __iter__(self) -> Any:
-        while True:
-            t = time.perf_counter()
-            item = self._next_batch()
-            self.wait_s += time.perf_counter() - t
-            if item is _END:
-                self.t_end = time.perf_counter()
-                return
-            if isinstance(item, BaseException):
-                raise item
-            i, batch, n = item
-            self.samples += n
-            self.n_batches += 1
-            yield i, batch
-
-    def _next_batch(self) -> Any:
-        """The next finished batch (or error, or ``_END``), waiting in short steps while the
-        prefetch thread lives."""
-        while True:
-            try:
-                return self.batches.get(timeout=WAIT_STEP_S)
-            except queue.Empty:
-                if not self.thread.is_alive():
-                    try:
-                        return self.batches.get_nowait()
-                    except queue.Empty:
-                        return RuntimeError("xinsitu: the prefetch thread ended before the epoch did "
-                                            "(internal error)")
-
-    def close(self) -> None:
-        self.stop.set()
-        for _ in range(MAX_PREFETCH_BLOCKS + 1):
-            self._release()
-        self.io_future.cancel()
-        self.thread.join(timeout=5)
-
-    def report(self) -> dict[str, Any]:
-        c = _copy_counters(self.loader.reader.counters)
-        for k, v in self.counters_before.items():
-            c[k] -= v
-        dt = (self.t_end or time.perf_counter()) - self.t0
-        if c["missing"]:
-            c["missing_chunk"] = self.loader.reader.last_missing  # (variable, chunk, key): one of them
-        return {"epoch": self.plan.epoch, "batches": self.n_batches, **c,
-                "wait_s": self.wait_s, "seconds": dt, "samples": self.samples,
-                "samples_per_s": self.samples / dt if dt > 0 else 0.0,
-                "mb_per_s": c["bytes_decoded"] / dt / 1e6 if dt > 0 else 0.0}
-
-
-def _copy_counters(c: Any) -> dict[str, Any]:
-    return {k: getattr(c, k) for k in c.__dataclass_fields__}

@@ -36,8 +36,9 @@ from xinsitu.sampling import check_split, positive_int, sampling
 
 #: the keys every variable's entry has
 STAT_KEYS = ("mean", "std", "min", "max", "nan_count")
-#: units in flight: at least this many times ``block_chunks`` (each holds only its chunks' compressed bytes)
-PREFETCH_BLOCKS = 3
+#: units in flight: at least this many buffers' worth (times ``block_chunks``; each unit holds only its
+#: chunks' compressed bytes). Not the batch pipeline's read-ahead (``pipeline.READ_AHEAD_BUFFERS``)
+INFLIGHT_BUFFERS = 3
 #: values per partial sum of deviations (float32 sums for float32 values, see ``Moments``)
 ROW = 1024
 #: spans (max - min) of float32 values reduced in float32 partial sums: their squares neither
@@ -227,7 +228,7 @@ class StatsPass:
     ds : the Dataset (stored, dask-backed or in memory), as for ``ds.insitu.batches``.
     manifest, split : the split whose positions are reduced.
     variables : variables to reduce (default: the data variables on the split dims, as for batches).
-    block_chunks : units (chunk blocks) read ahead: at least ``PREFETCH_BLOCKS * block_chunks``.
+    block_chunks : units (chunk blocks) read ahead: at least ``INFLIGHT_BUFFERS * block_chunks``.
     max_inflight : chunk reads in flight at once (default: sized from the store's latency).
     reader : the ``Reader`` to read through (default: a new one); its ``counters`` show the cost.
     """
@@ -289,7 +290,7 @@ class StatsPass:
 
     async def _run(self, plan: EpochPlan) -> None:
         owners = self._first_units(plan)
-        # units read at once: at least PREFETCH_BLOCKS blocks' worth, more where the reader keeps more
+        # units read at once: at least INFLIGHT_BUFFERS buffers' worth, more where the reader keeps more
         # chunk requests in flight (a far store). A unit holds only the compressed bytes of its chunks in
         # flight (the reader bounds those), and a chunk's values only while a decode thread reduces them
         per_unit = max(1, len(self.layouts))
@@ -309,7 +310,7 @@ class StatsPass:
             for u, box in zip(plan.units.tolist(), self._boxes(plan.units), strict=True):
                 names = [n for n, lay in self.layouts.items()
                          if not lay.static and (n not in owners or u in owners[n])]
-                while running >= max(PREFETCH_BLOCKS * self.block_chunks,
+                while running >= max(INFLIGHT_BUFFERS * self.block_chunks,
                                      math.ceil(1.5 * self.reader.inflight.limit / per_unit)):
                     room.clear()
                     await room.wait()

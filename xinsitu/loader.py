@@ -15,15 +15,13 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from xinsitu import _loop
-from xinsitu import repr as _repr
-from xinsitu import shuffle as _shuffle
+from xinsitu import _loop, formatting
 from xinsitu.buffer import BlockLoader
 from xinsitu.channels import channel_names
 from xinsitu.manifest import SplitManifest
 from xinsitu.output import OutputBuilder
 from xinsitu.pipeline import EpochRun
-from xinsitu.plan import EpochPlan, epoch_plan, epoch_size, plan_head, rank_share, segment_plan
+from xinsitu.plan import EpochPlan, epoch_plan, epoch_size, plan_head, plan_quality, segment_plan
 from xinsitu.reader import Reader
 from xinsitu.sampling import check_split, dist_defaults, flag, int_arg, positive_int, sampling
 from xinsitu.state import check_state, make_state
@@ -174,8 +172,7 @@ class BatchGenerator:
     def _epoch_size(self) -> tuple[int, int]:
         """(samples, units) of this rank's current epoch, without ordering 10^7 units where the
         order cannot change them (``plan.epoch_size``)."""
-        resumed = bool(self._elastic) and self.epoch == self._elastic_epoch  # the rest of an epoch: its own plan
-        size = None if resumed else epoch_size(self.space, world_size=self.world_size, rank=self.rank,
+        size = None if self.elastic_remainder else epoch_size(self.space, world_size=self.world_size, rank=self.rank,
                                                batch_size=self.batch_size, drop_last=self.drop_last)
         if size is None:
             p = self.plan()
@@ -185,6 +182,12 @@ class BatchGenerator:
     def __len__(self) -> int:
         full, rest = divmod(self._epoch_size()[0], self.batch_size)
         return full + (1 if rest and not self.drop_last else 0)
+
+    @property
+    def elastic_remainder(self) -> bool:
+        """Whether the current epoch is the rest of one saved by a run of another world size
+        (``load_state_dict``): its plan deals what no rank had yielded across this run's ranks."""
+        return bool(self._elastic) and self.epoch == self._elastic_epoch
 
     @property
     def n_samples(self) -> int:
@@ -300,18 +303,7 @@ class BatchGenerator:
         Scores the first ``max_batches`` batches of this rank's epoch (no I/O; only the
         shuffle blocks those batches come from are ordered).
         """
-        return self._quality(self.plan(), max_batches)
-
-    def _quality(self, p: EpochPlan, max_batches: int) -> float:
-        need = min(p.n_samples, max_batches * self.batch_size)
-        parts, n, j = [], 0, 0
-        while n < need and j < p.n_blocks:
-            parts.append(p.block_order(j, self.space.offsets))
-            n += len(parts[-1])
-            j += 1
-        ids = np.concatenate(parts)[:need] if parts else np.zeros(0, np.int64)
-        units = [self.space.locate(ids[k:k + self.batch_size])[0] for k in range(0, len(ids), self.batch_size)]
-        return _shuffle.quality(units, self.space.counts)
+        return plan_quality(self.plan(), self.space, self.batch_size, max_batches)
 
     def sample(self, i: int) -> xr.Dataset:
         """Sample ``i`` of the whole split (unshuffled order) as a labeled ``xr.Dataset``."""
@@ -340,116 +332,8 @@ class BatchGenerator:
 
         return InsituIterableDataset(self)
 
-    def _headline(self) -> str:
-        return f"{self.split!r}: {len(self)} batches of {self.batch_size}, output={self.output!r}"
-
-    def _display_plan(self) -> tuple[EpochPlan, int]:
-        """The plan the repr describes (its first 50 batches at least) and how many units it reads:
-        where the unit order cannot change what the repr shows (units of equal size), the same cut
-        with the units in split order, and for one rank only its head (no permutation of, nor pass
-        over, 10^7 units just to print); else the plan."""
-        c = self.space.counts
-        resumed = bool(self._elastic) and self.epoch == self._elastic_epoch
-        if resumed or not len(c) or not bool((c == c[0]).all()) or not c[0]:
-            p = self.plan()
-            return p, len(p.units)
-        kw = dict(block_chunks=self.block_chunks, batch_size=self.batch_size, drop_last=self.drop_last,
-                  shuffle=self.shuffle, seed=self.seed, epoch=self.epoch, rank=self.rank, world_size=self.world_size)
-        if self.world_size == 1:
-            n, units = epoch_size(self.space, world_size=1, rank=0, batch_size=self.batch_size,
-                                  drop_last=self.drop_last)
-            k = min(units, (-(-50 * self.batch_size // int(c[0])) // self.block_chunks + 1) * self.block_chunks)
-            return EpochPlan(units=np.arange(k), lo=np.zeros(k, np.int64), hi=c[:k].copy(), n_samples=n, **kw), units
-        pos, lo, hi, n = rank_share(c, self.world_size, self.rank, self.batch_size, self.drop_last)
-        return EpochPlan(units=pos, lo=lo, hi=hi, n_samples=n, **kw), len(pos)
-
-    def _epoch_bytes(self, p: EpochPlan, n_units: int | None = None) -> int:
-        """Decoded bytes of the chunk blocks this rank reads in an epoch (halos and partial chunks aside)."""
-        sp = self.space
-        split = {d.name for d in sp.split_dims}
-        n_units = len(p.units) if n_units is None else n_units
-        if n_units == len(sp.blocks) and all(lay.static or split <= set(lay.src.dims) for lay in self.layouts.values()):
-            # every unit once (one rank): the split's positions, O(runs of the manifest)
-            n = self.manifest.positions(self.split)
-            total = 0
-            for lay in self.layouts.values():
-                rest = lay.src.raw_dtype.itemsize * int(np.prod([k for d, k in zip(lay.src.dims, lay.src.shape,
-                                                                                 strict=True) if d not in split]))
-                total += rest * (1 if lay.static else n)
-            return total
-        coords = np.unravel_index(sp.blocks[p.units], sp.grid)
-        extent = {d.name: np.diff(sp.edges[k])[coords[k]] for k, d in enumerate(sp.split_dims)}
-        total = 0
-        for lay in self.layouts.values():
-            src = lay.src
-            per = np.ones(len(p.units), dtype=np.int64)
-            rest = src.raw_dtype.itemsize
-            for d, n in zip(src.dims, src.shape, strict=True):
-                if d in extent:
-                    per = per * extent[d]
-                else:
-                    rest *= n
-            total += rest if lay.static else int(per.sum()) * rest  # a static variable is read once
-        return total
-
-    def _sections(self) -> list[_repr.Section]:
-        p, n_units = self._display_plan()
-        nvar = sum(1 for lay in self.layouts.values() if not lay.static)
-        batches = f"{p.n_batches} x {self.batch_size} samples"
-        if p.n_samples % self.batch_size:
-            batches += " (short last batch dropped)" if self.drop_last else " (last one short)"
-        samples = f"{p.n_samples} of {self.space.n_samples} in split {self.split!r}"
-        if self.world_size > 1:
-            samples += f" (rank {self.rank} of {self.world_size})"
-        if self.shuffle:
-            shuffle = (f"seed {self.seed}, epoch {self.epoch}, buffers of {self.block_chunks} chunk blocks; "
-                       f"quality {self._quality(p, 50):.2f} (1.0 ~ global)")
-        else:
-            shuffle = f"off: chunk blocks in split order (epoch {self.epoch})"
-        once = "" if any(d.width > 1 for d in self.space.split_dims) else ", each chunk read once"
-        info = [("batches", batches), ("samples", samples),
-                ("reads / epoch", f"{n_units} chunk blocks x {nvar} variable{'s' if nvar != 1 else ''}, "
-                                  f"~{_repr.fmt_bytes(self._epoch_bytes(p, n_units))} decoded{once}"),
-                ("shuffle", shuffle), ("output", self.output + (f" on {self.builder.device}"
-                                                                if getattr(self.builder, "device", None) else ""))]
-        roles = []
-        sampled = {d.name for d in self.space.dims}
-        for d in self.space.dims:
-            if d.width == 1:
-                what = "1 position"
-            elif d.stride == 1:
-                what = f"window of {d.width}"
-            else:
-                what = f"tile of {d.width}, stride {d.stride}"
-            role = "split dim" if d.split else ("over: one sample per position" if not d.keep else "window / patch")
-            roles.append((d.name, str(d.size), what, role))
-        for d, n in self.geometry.sizes.items():
-            if d not in sampled:
-                roles.append((d, str(n), f"whole ({n})", "kept"))
-        width = {d.name: d.width for d in self.space.dims if d.keep}
-        var_rows = []
-        for name, lay in self.layouts.items():
-            shape = ", ".join(f"{d}: {width.get(d, self.geometry.sizes.get(d, 0))}" for d in lay.out_dims)
-            var_rows.append((name, f"({shape})", str(lay.src.dtype), "static: same in every batch" if lay.static
-                             else ""))
-        sections = [_repr.Section("Epoch", (), info),
-                    _repr.Section("Sample", ("dim", "length", "takes", "role"), roles),
-                    _repr.Section("Variables", ("variable", "per sample", "dtype", ""), var_rows,
-                                  summary=f"({len(var_rows)})")]
-        io = {k: self._io.get(k, 0) for k in ("chunks", "requests", "bytes_read", "bytes_decoded", "samples_per_s",
-                                               "mb_per_s", "seconds", "wait_s", "epoch", "batches")}
-        if self._io:  # a repr never raises: missing counters read as 0
-            sections.append(_repr.Section("Last epoch I/O", (), [
-                ("read", f"{io['chunks']} chunks in {io['requests']} requests, {_repr.fmt_bytes(io['bytes_read'])} "
-                         f"stored -> {_repr.fmt_bytes(io['bytes_decoded'])} decoded"),
-                ("rate", f"{io['samples_per_s']:.0f} samples/s, {io['mb_per_s']:.1f} MB/s decoded "
-                         f"over {io['seconds']:.2f} s"),
-                ("waited for data", f"{io['wait_s']:.2f} s")],
-                summary=f"(epoch {io['epoch']}, {io['batches']} batches)", collapsed=True))
-        return sections
-
     def __repr__(self) -> str:
-        return _repr.text("xinsitu.BatchGenerator", self._sections(), self._headline())
+        return formatting.text_repr(self)
 
     def _repr_html_(self) -> str:
-        return _repr.html("xinsitu.BatchGenerator", self._sections(), repr(self), self._headline())
+        return formatting.html_repr(self)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from xinsitu import repr as _repr
+from xinsitu import formatting
 
 #: 2: chunk blocks stored as runs (or, for a scattered split, one compressed owner per block),
 #: chunk edges as arithmetic runs; version-1 files (explicit lists) still load
@@ -363,7 +363,7 @@ class SplitManifest:
         out: dict[str, Any] = {}
         nruns = sum(b.nruns for b in self.splits.values())
         if nruns > MAX_RUNS and len(self.splits) < _MAX_OWNED and all(b.ascending() for b in self.splits.values()):
-            owner = _encode_owner(self._owner(left_out=len(self.splits)).ravel(), len(self.splits))
+            owner = _encode_owner(self.owner(left_out=len(self.splits)).ravel(), len(self.splits))
             if len(owner["data"]) < 16 * nruns:  # ~16 characters per run as JSON
                 out["owner"] = owner
         if out:
@@ -421,22 +421,12 @@ class SplitManifest:
             raise ValueError(f"manifest is not valid JSON: {e}") from None
         return cls.from_dict(d)
 
-    # -- display
+    # -- display (``formatting``)
     def summary(self) -> str:
-        lines = [f"split on {', '.join(self.dims)} ({' x '.join(map(str, self.grid))} chunk blocks, "
-                 f"method={self.method}, gap={self.gap}, seed={self.seed})"]
-        for k, v in self._rows():
-            lines.append(f"  {k}: " + "  ".join(v))
-        return "\n".join(lines)
+        """A few plain lines: the split dims and, per split, its chunk blocks, positions and labels."""
+        return formatting.manifest_summary(self)
 
-    def _rows(self) -> list[tuple[str, tuple[str, ...]]]:
-        rows = []
-        for name, blocks in self.splits.items():
-            rng = "; ".join(f"{d} {lab[0]} .. {lab[1]}" for d, lab in self.labels.get(name, {}).items())
-            rows.append((name, (f"{len(blocks)} chunks", f"{self.positions(name)} positions", rng)))
-        return rows
-
-    def _owner(self, left_out: int = -1) -> np.ndarray:
+    def owner(self, left_out: int = -1) -> np.ndarray:
         """Per chunk block (shaped as ``grid``): index of its split in ``splits``, ``left_out`` where none."""
         n = int(np.prod(self.grid))
         owner = np.full(n, left_out, dtype=np.uint8 if 0 <= left_out < _MAX_OWNED else np.int64)
@@ -448,59 +438,6 @@ class SplitManifest:
                 owner[b.ids()] = i
         return owner.reshape(self.grid)
 
-    def _headline(self) -> str:
-        how = ("ranges" if self.method == "ranges" else
-               "contiguous fractions" if self.contiguous else f"random fractions (seed {self.seed})")
-        return (f"on {' x '.join(self.dims)}: {' x '.join(map(str, self.grid))} chunk blocks, {how}, "
-                f"gap {self.gap}")
-
-    def _sections(self, drawing: bool = False) -> list[_repr.Section]:
-        """The repr's sections; ``drawing``: with the timeline/grid (HTML only, O(chunk blocks))."""
-        one = len(self.dims) == 1
-        total = sum(self.sizes[d] for d in self.dims) if one else int(np.prod([self.sizes[d] for d in self.dims]))
-        rows = []
-        for name, blocks in self.splits.items():
-            n = self.positions(name)
-            labs = self.labels.get(name, {})
-            if one:
-                lab = labs.get(self.dims[0])
-                where = (str(lab[0]), str(lab[1])) if lab else ("", "")
-            else:
-                where = ("; ".join(f"{d} {v[0]} .. {v[1]}" for d, v in labs.items()),)
-            rows.append((name, str(len(blocks)), str(n), f"{100 * n / max(total, 1):.1f}%", *where))
-        left = int(np.prod(self.grid)) - sum(len(b) for b in self.splits.values())  # splits are disjoint
-        if left > 0:
-            n = total - sum(self.positions(k) for k in self.splits)
-            rows.append(("(left out)", str(left), str(n), f"{100 * n / max(total, 1):.1f}%",
-                         *([""] * (2 if one else 1))))
-        header = ("split", "chunk blocks", "positions", "share", *(("first", "last") if one else ("labels",)))
-        coords = self.extra.get("coords", {})
-        spans = {d: (str(v[0]), str(v[1])) for d, v in coords.items() if v}
-        owner = self._owner() if drawing and len(self.dims) <= 2 else None
-        if owner is None:
-            drawing = ""
-        elif one:
-            d = self.dims[0]
-            drawing = _repr.timeline(owner, self.edges[d], list(self.splits), dim=d, span=spans.get(d),
-                                     labels={k: (str(v[d][0]), str(v[d][1])) for k, v in self.labels.items()
-                                             if d in v})
-        else:
-            drawing = _repr.grid(owner, self.edges[self.dims[0]], self.edges[self.dims[1]], list(self.splits),
-                                 dims=(self.dims[0], self.dims[1]), spans=spans)
-        info = [("dims", ", ".join(f"{d} ({self.sizes[d]}, {len(self.edges[d]) - 1} chunk blocks)"
-                                   for d in self.dims)),
-                ("method", self.method + ("" if self.method == "ranges" else
-                                          ", contiguous" if self.contiguous else ", random")),
-                ("gap", f"{self.gap} chunk block{'s' if self.gap != 1 else ''}"), ("seed", str(self.seed)),
-                ("fingerprint", self.fingerprint[:12])]
-        if self.snapshot:
-            info.append(("snapshot", self.snapshot))
-        if self.stats:
-            info.append(("stats", f"{len(self.stats.get('channels', self.stats))} channels "
-                                  f"from split {self.stats.get('split', '?')!r}"))
-        return [_repr.Section("Splits", header, rows, extra_html=drawing, summary=f"({len(self.splits)})"),
-                _repr.Section("Manifest", (), info, collapsed=True)]
-
     def plot(self, ax: Any = None) -> Any:
         """Draw the splits with matplotlib (a timeline for one dim, a grid for two); see
         ``xinsitu.plot.plot_manifest``. Returns the Axes."""
@@ -509,10 +446,10 @@ class SplitManifest:
         return plot_manifest(self, ax=ax)
 
     def __repr__(self) -> str:
-        return _repr.text("xinsitu.SplitManifest", self._sections(), self._headline())
+        return formatting.text_repr(self)
 
     def _repr_html_(self) -> str:
-        return _repr.html("xinsitu.SplitManifest", self._sections(drawing=True), repr(self), self._headline())
+        return formatting.html_repr(self)
 
 
 def fingerprint_of(dims: list[str], sizes: dict[str, int], edges: dict[str, Any],

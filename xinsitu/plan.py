@@ -1,4 +1,5 @@
-"""Pure index math: which samples a split holds, and who yields which of them in an epoch.
+"""Pure index math: who yields which samples of a split in an epoch (the samples themselves,
+per unit, are ``sampling.SampleSpace``).
 
 A *unit* is one chunk block of the split (the shuffle unit). Samples are numbered by
 a global id: units in split order, and inside a unit in C order over the sampled dims
@@ -11,11 +12,14 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from xinsitu import shuffle as _shuffle
-from xinsitu.sampling import SampleSpace
+
+if TYPE_CHECKING:
+    from xinsitu.sampling import SampleSpace
 
 
 # ---------------------------------------------------------------------- epoch plan
@@ -179,6 +183,20 @@ def epoch_plan(space: SampleSpace, *, seed: int, epoch: int, shuffle: bool, batc
     return EpochPlan(units=order[pos], lo=lo, hi=hi, block_chunks=block_chunks, n_samples=n,
                      batch_size=batch_size, drop_last=drop_last, shuffle=shuffle, seed=seed, epoch=epoch,
                      rank=rank, world_size=world_size)
+
+
+def plan_quality(plan: EpochPlan, space: SampleSpace, batch_size: int, max_batches: int) -> float:
+    """How well the first ``max_batches`` batches of ``plan`` mix units, 0..1 (``shuffle.quality``);
+    only the buffers those batches come from are ordered."""
+    need = min(plan.n_samples, max_batches * batch_size)
+    parts, n, j = [], 0, 0
+    while n < need and j < plan.n_blocks:
+        parts.append(plan.block_order(j, space.offsets))
+        n += len(parts[-1])
+        j += 1
+    ids = np.concatenate(parts)[:need] if parts else np.zeros(0, np.int64)
+    units = [space.locate(ids[k:k + batch_size])[0] for k in range(0, len(ids), batch_size)]
+    return _shuffle.quality(units, space.counts)
 
 
 # ---------------------------------------------------------------------- DataLoader workers

@@ -179,7 +179,7 @@ class InsituAccessor:
 
         st = compute_stats(self._ds, manifest, split, variables, block_chunks=block_chunks,
                            max_inflight=max_inflight)
-        manifest.stats = st
+        manifest.set_stats(st)
         return st
 
     def sample(self, manifest: SplitManifest, split: str, i: int, *, window: dict[str, int] | None = None,

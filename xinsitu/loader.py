@@ -202,22 +202,28 @@ class BatchGenerator:
 
     def __iter__(self) -> Any:
         start, self._resume_batch = self._resume_batch, 0
-        return self._iter_range(start, None)
+        return self._batches(self.epoch, start, None, self.progress)
 
-    def _iter_range(self, start: int, stop: int | None) -> Any:
-        """Batches ``start..stop-1`` of this rank's epoch, reading only the blocks they draw from.
+    def iter_batches(self, start: int = 0, stop: int | None = None, *, progress: bool | None = None) -> Any:
+        """Batches ``start..stop-1`` of this rank's current epoch (``stop=None``: to its end), reading
+        only the buffers they draw from; a DataLoader worker iterates its share this way.
 
-        The epoch is fixed now: a later ``set_epoch`` takes effect at the next iteration."""
-        return self._batches(self.epoch, start, stop)
+        The epoch is fixed now: a later ``set_epoch`` takes effect at the next iteration.
+        ``progress`` (default: the generator's) shows a tqdm bar for this iteration.
+        """
+        start = int_arg("start", start, 0)
+        stop = None if stop is None else int_arg("stop", stop, 0)
+        progress = self.progress if progress is None else flag("progress", progress)
+        return self._batches(self.epoch, start, stop, progress)
 
-    def _batches(self, epoch: int, start: int, stop: int | None) -> Any:
+    def _batches(self, epoch: int, start: int, stop: int | None, progress: bool) -> Any:
         plan = self.plan(epoch)
         plan = plan_head(plan, plan.n_batches if stop is None else stop)  # blocks past the last batch: unread
         self._live += 1
         self._yielded_at = (epoch, start)
         run = EpochRun(plan, start, self._blockloader(), self.builder)
         bar = None
-        if self.progress:
+        if progress:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=plan.n_batches, initial=start, desc=f"{self.split} epoch {epoch}", unit="batch")
@@ -321,7 +327,7 @@ class BatchGenerator:
         coords = self.builder.sample_coords(block.starts[:1])
         if "sample" in coords.dims:  # not where no sampled dim has a coordinate
             coords = coords.isel(sample=0)
-        data = {n: xr.Variable(self.builder._dims(n)[1:] if self.layouts[n].has_sample_axis else
+        data = {n: xr.Variable(self.builder.dims_of(n)[1:] if self.layouts[n].has_sample_axis else
                                self.layouts[n].src.dims, a[0] if self.layouts[n].has_sample_axis else a,
                                attrs=self.builder.attrs[n]) for n, a in values.items()}
         return xr.Dataset(data, coords=coords.coords, attrs=self.builder.ds_attrs)

@@ -328,6 +328,13 @@ class SplitManifest:
         idx = np.unravel_index(self.blocks(split), self.grid)
         return int(np.prod([ends[k][idx[k]] for k in range(len(self.dims))], axis=0).sum())
 
+    def set_stats(self, stats: dict[str, Any] | None) -> None:
+        """Record normalisation statistics (a ``ds.insitu.stats`` result, which calls this) in the
+        manifest, as ``stats``; ``to_json`` saves them. None removes them."""
+        if stats is not None and not isinstance(stats, dict):
+            raise TypeError(f"stats must be a dict from ds.insitu.stats (or None), got {type(stats).__name__}")
+        self.stats = stats
+
     # -- checks
     def check_labels(self, first_last: dict[str, list[Any]]) -> None:
         for d, fl in first_last.items():

@@ -155,7 +155,7 @@ class OutputBuilder:
         values = self.decode(raw)
         if self.output == "xarray" and not self.stack:
             c = self.sample_coords(starts)
-            data = {n: xr.Variable(self._dims(n), a, attrs=self.attrs[n]) for n, a in values.items()}
+            data = {n: xr.Variable(self.dims_of(n), a, attrs=self.attrs[n]) for n, a in values.items()}
             return xr.Dataset(data, coords=c.coords, attrs=self.ds_attrs)
         if self.output == "dataarray":
             c = self.sample_coords(starts)
@@ -172,7 +172,8 @@ class OutputBuilder:
             return {n: _to_cupy(a) for n, a in values.items()}
         return values
 
-    def _dims(self, name: str) -> tuple[str, ...]:
+    def dims_of(self, name: str) -> tuple[str, ...]:
+        """The dims of variable ``name`` in a batch (``"sample"`` first where it has a sample axis)."""
         lay = self.layouts[name]
         return ("sample", *lay.out_dims) if lay.has_sample_axis else lay.src.dims
 

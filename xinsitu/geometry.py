@@ -25,10 +25,6 @@ class VarGeometry:
     nchunks: int  # chunks the selection touches
     stored: bool
 
-    @property
-    def shard_nbytes(self) -> int | None:
-        return None if self.shards is None else int(np.prod(self.shards)) * np.dtype(self.dtype).itemsize
-
 
 @dataclass(frozen=True)
 class Geometry:

@@ -97,13 +97,6 @@ class VarSource:
         return tuple(int(np.searchsorted(np.cumsum(sizes), region[d][0], side="right")) if d in region else 0
                      for d, sizes in zip(self.dims, self.mem_chunks, strict=True))
 
-    def chunk_len(self, dim: str) -> int | None:
-        """The chunk length along ``dim`` (None for a ragged in-memory grid)."""
-        if self.stored:
-            return self.chunk_shape[self.src_dims.index(dim)]
-        sizes = set(self.mem_chunks[self.dims.index(dim)][:-1]) or set(self.mem_chunks[self.dims.index(dim)])
-        return sizes.pop() if len(sizes) == 1 else None
-
 
 class SourceError(ValueError):
     """The Dataset cannot be mapped back to a store or to memory."""

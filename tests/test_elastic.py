@@ -97,7 +97,7 @@ def test_elastic_reads_only_the_pieces_it_yields(space, cfg, old_world, new_worl
         for u, lo, hi in zip(p.units.tolist(), p.lo.tolist(), p.hi.tolist(), strict=True):
             piece.setdefault(u, []).append((lo, hi))
         assert all(any(lo <= loc < hi for lo, hi in piece[int(u)]) for u, loc in zip(unit, local, strict=True))
-        assert p.n_samples <= int(p.block_offsets[-1])
+        assert p.n_samples <= int(p.buffer_offsets[-1])
 
 
 def test_state_stays_small_json():

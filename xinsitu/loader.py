@@ -16,7 +16,7 @@ import numpy as np
 import xarray as xr
 
 from xinsitu import _loop, formatting
-from xinsitu.buffer import BlockLoader
+from xinsitu.buffer import BufferLoader
 from xinsitu.channels import channel_names
 from xinsitu.manifest import SplitManifest
 from xinsitu.output import OutputBuilder
@@ -63,7 +63,8 @@ class BatchGenerator:
     device : str or torch.device, optional
         Where torch tensors go (e.g. ``"cuda:0"``).
     block_chunks : int, default 16
-        Chunk blocks per shuffle block (memory ~ a few blocks).
+        Chunk blocks (units) per buffer: read together, samples drawn at random from them
+        (memory ~ a few buffers).
     max_inflight : int, optional
         Chunk requests in flight at most. Default: sized from the store's latency, from 64
         (local disk) up to 256 (object stores; see ``xinsitu.reader.InflightLimit``).
@@ -110,7 +111,7 @@ class BatchGenerator:
         self._yielded_at = (0, 0)  # (epoch, batches) of the last batch handed out: what state_dict saves
         self._live = 0  # iterations under way
         self._reader: Reader | None = None
-        self._loader: BlockLoader | None = None
+        self._loader: BufferLoader | None = None
         self._pid = -1
         self._io: dict[str, Any] = {}
         self._channels: list[str] | None = None
@@ -133,11 +134,11 @@ class BatchGenerator:
                                  + "; use fewer ranks or a smaller batch_size")
 
     # ------------------------------------------------------------------ set-up
-    def _blockloader(self) -> BlockLoader:
+    def _buffer_loader(self) -> BufferLoader:
         if self._loader is None or self._pid != os.getpid():  # a new process gets its own reader
             self._reader = Reader(self.max_inflight)
             self._reader.on_missing = self.missing
-            self._loader = BlockLoader(self.space, self.layouts, self._reader)
+            self._loader = BufferLoader(self.space, self.layouts, self._reader)
             self._pid = os.getpid()
         return self._loader
 
@@ -221,7 +222,7 @@ class BatchGenerator:
         plan = plan_head(plan, plan.n_batches if stop is None else stop)  # blocks past the last batch: unread
         self._live += 1
         self._yielded_at = (epoch, start)
-        run = EpochRun(plan, start, self._blockloader(), self.builder)
+        run = EpochRun(plan, start, self._buffer_loader(), self.builder)
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -307,7 +308,7 @@ class BatchGenerator:
         """How well batches mix chunks, 0..1 (1.0 ~ a global shuffle); computed from the plan.
 
         Scores the first ``max_batches`` batches of this rank's epoch (no I/O; only the
-        shuffle blocks those batches come from are ordered).
+        buffers those batches come from are ordered).
         """
         return plan_quality(self.plan(), self.space, self.batch_size, max_batches)
 
@@ -320,7 +321,7 @@ class BatchGenerator:
         unit, local = self.space.locate(np.array([i]))
         plan = EpochPlan(units=unit, lo=local, hi=local + 1, block_chunks=1, n_samples=1, batch_size=1,
                          drop_last=False, shuffle=False, seed=0, epoch=0, rank=0, world_size=1)
-        loader = self._blockloader()
+        loader = self._buffer_loader()
         block = _loop.run(loader.load(plan, 0))
         raw = loader.gather(block, np.array([0]))
         values = self.builder.decode(raw)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from xinsitu import _loop
-from xinsitu.buffer import BlockLoader
+from xinsitu.buffer import BufferLoader
 from xinsitu.output import OutputBuilder
 from xinsitu.plan import EpochPlan
 
@@ -42,11 +42,11 @@ class EpochRun:
     ``loader`` reads the plan's buffers (through its reader); ``builder`` makes batches of them.
     """
 
-    def __init__(self, plan: EpochPlan, start: int, loader: BlockLoader, builder: OutputBuilder):
+    def __init__(self, plan: EpochPlan, start: int, loader: BufferLoader, builder: OutputBuilder):
         self.plan, self.start, self.builder = plan, start, builder
         self.loader = loader
         self.counters_before = _copy_counters(self.loader.reader.counters)
-        self.blocks: queue.Queue = queue.Queue()
+        self.buffers: queue.Queue = queue.Queue()
         self.batches: queue.Queue = queue.Queue(PREFETCH_BATCHES)
         self.stop = threading.Event()
         self.wait_s = 0.0
@@ -57,16 +57,16 @@ class EpochRun:
         self.t_end: float | None = None
         self.loop = _loop.get_loop()
         self.credits: asyncio.Semaphore | None = None
-        self.depth = READ_AHEAD_BUFFERS  # blocks read ahead or held (grows with requests in flight)
+        self.depth = READ_AHEAD_BUFFERS  # buffers read ahead or held (grows with requests in flight)
         self.n_loaded = 0
-        self.failed = False  # a block failed to load (set on the I/O loop)
-        self.tasks: set[asyncio.Task] = set()  # block loads in flight
+        self.failed = False  # a buffer failed to load (set on the I/O loop)
+        self.tasks: set[asyncio.Task] = set()  # buffer loads in flight
         if start >= plan.n_batches:
-            self.first_block = plan.n_blocks
+            self.first_buffer = plan.n_buffers
         else:
-            self.first_block = plan.blocks_of(*plan.batch_span(start))[0]
-        # chunks that windows spill into, passed from block to block rather than read twice
-        self.halo = self.loader.halo_plan(plan, self.first_block)
+            self.first_buffer = plan.buffers_of(*plan.batch_span(start))[0]
+        # chunks that windows spill into, passed from buffer to buffer rather than read twice
+        self.halo = self.loader.halo_plan(plan, self.first_buffer)
         self.io_future = _loop.submit(self._produce())
         self.thread = threading.Thread(target=self._assemble, name="xinsitu-prefetch", daemon=True)
         self.thread.start()
@@ -76,48 +76,48 @@ class EpochRun:
         self.credits = asyncio.Semaphore(self.depth)
         prev: asyncio.Task | None = None
         try:
-            for j in range(self.first_block, self.plan.n_blocks):
+            for j in range(self.first_buffer, self.plan.n_buffers):
                 await self.credits.acquire()
                 if self.stop.is_set() or self.failed:
-                    break  # a failed block ends the epoch: its error is on its way to the caller
+                    break  # a failed buffer ends the epoch: its error is on its way to the caller
                 prev = asyncio.ensure_future(self._load(j, prev))
                 self.tasks.add(prev)
                 prev.add_done_callback(self.tasks.discard)
             delivered = True if prev is None else await prev
             if delivered and not self.stop.is_set():
-                self.blocks.put(_END)
+                self.buffers.put(_END)
         except asyncio.CancelledError:
-            for t in list(self.tasks):  # closed early: stop the reads of blocks nobody will take
+            for t in list(self.tasks):  # closed early: stop the reads of buffers nobody will take
                 t.cancel()
             raise
         except Exception as e:  # noqa: BLE001 - delivered to the caller
-            self.blocks.put(e)
+            self.buffers.put(e)
 
     async def _load(self, j: int, prev: asyncio.Task | None) -> bool:
-        """Load block ``j`` and hand it (or its error) on after block ``j - 1``; whether it was delivered."""
+        """Load buffer ``j`` and hand it (or its error) on after buffer ``j - 1``; whether it was delivered."""
         try:
-            block: Any = await self.loader.load(self.plan, j, self.halo)
+            buffer: Any = await self.loader.load(self.plan, j, self.halo)
         except Exception as e:  # noqa: BLE001 - delivered to the caller, in order
-            block = e
+            buffer = e
             self.failed = True
             self.credits.release()  # wake the producer, which may be waiting for a credit, so that it stops
         else:
             self.n_loaded += 1
             self._deepen()
-        if prev is not None and not await prev:  # an earlier block failed: its error goes first, alone
-            if not isinstance(block, BaseException):
-                self.loader.recycle(block)
+        if prev is not None and not await prev:  # an earlier buffer failed: its error goes first, alone
+            if not isinstance(buffer, BaseException):
+                self.loader.recycle(buffer)
             return False
-        self.blocks.put(block)
-        return not isinstance(block, BaseException)
+        self.buffers.put(buffer)
+        return not isinstance(buffer, BaseException)
 
     def _deepen(self) -> None:
-        """Read further ahead where the reader keeps more requests in flight than the blocks being
-        loaded hold (a far store, see ``InflightLimit``): one block gathered from, and enough
+        """Read further ahead where the reader keeps more requests in flight than the buffers being
+        loaded hold (a far store, see ``InflightLimit``): one buffer gathered from, and enough
         loading to fill the limit, at most ``MAX_READ_AHEAD_BUFFERS``."""
         reader = self.loader.reader
-        per_block = (reader.counters.requests - self.counters_before["requests"]) / self.n_loaded
-        want = min(MAX_READ_AHEAD_BUFFERS, 1 + math.ceil(reader.inflight.limit / max(per_block, 1.0)))
+        per_buffer = (reader.counters.requests - self.counters_before["requests"]) / self.n_loaded
+        want = min(MAX_READ_AHEAD_BUFFERS, 1 + math.ceil(reader.inflight.limit / max(per_buffer, 1.0)))
         while self.depth < want and self.credits is not None:
             self.depth += 1
             self.credits.release()
@@ -133,21 +133,21 @@ class EpochRun:
         try:
             for i in range(self.start, plan.n_batches):
                 a, b = plan.batch_span(i)
-                js = plan.blocks_of(a, b)
+                js = plan.buffers_of(a, b)
                 for j in js:
                     while j not in loaded:
                         if len(loaded) >= self.depth - 1:
-                            # this batch spans more blocks than the read-ahead allows: lend the
-                            # producer one more block, paid back when a block is recycled
+                            # this batch spans more buffers than the read-ahead allows: lend the
+                            # producer one more buffer, paid back when a buffer is recycled
                             self.borrowed += 1
                             self._release()
-                        item = self._next_block()
+                        item = self._next_buffer()
                         if item is None:
                             return  # closed
                         if isinstance(item, BaseException):
                             raise item
                         if item is _END:
-                            raise RuntimeError(f"xinsitu: block {j} was never read (internal error)")
+                            raise RuntimeError(f"xinsitu: buffer {j} was never read (internal error)")
                         loaded[item.j] = item
                 for old in [k for k in loaded if k < js[0]]:
                     self.loader.recycle(loaded.pop(old))
@@ -158,8 +158,8 @@ class EpochRun:
                 direct = builder.direct_stack(b - a)  # gather straight into the stacked batch
                 raw_parts, start_parts, done = [], [], 0
                 for j in js:
-                    off = plan.block_offsets[j]
-                    lo, hi = max(a, off) - off, min(b, plan.block_offsets[j + 1]) - off
+                    off = plan.buffer_offsets[j]
+                    lo, hi = max(a, off) - off, min(b, plan.buffer_offsets[j + 1]) - off
                     rows = np.arange(lo, hi)
                     into = None if direct is None else {n: v[done:done + len(rows)] for n, v in direct[1].items()}
                     raw_parts.append(self.loader.gather(loaded[j], rows, into))
@@ -178,19 +178,19 @@ class EpochRun:
         except BaseException as e:  # noqa: BLE001 - delivered to the caller
             self._put(e)
 
-    def _next_block(self) -> Any:
-        """The next loaded block (or error, or ``_END``); None once closed. Waits in short steps and
+    def _next_buffer(self) -> Any:
+        """The next loaded buffer (or error, or ``_END``); None once closed. Waits in short steps and
         checks the producer meanwhile, so that a producer that ended without a word cannot hang us."""
         while True:
             try:
-                return self.blocks.get(timeout=WAIT_STEP_S)
+                return self.buffers.get(timeout=WAIT_STEP_S)
             except queue.Empty:
                 pass
             if self.stop.is_set():
                 return None
             if self.io_future.done():
                 try:
-                    return self.blocks.get_nowait()  # put just before the producer ended
+                    return self.buffers.get_nowait()  # put just before the producer ended
                 except queue.Empty:
                     pass
                 err = None if self.io_future.cancelled() else self.io_future.exception()

@@ -25,11 +25,11 @@ if TYPE_CHECKING:
 # ---------------------------------------------------------------------- epoch plan
 @dataclass(frozen=True)
 class EpochPlan:
-    """What one rank yields in one epoch: pieces of units, grouped in shuffle blocks.
+    """What one rank yields in one epoch: pieces of units, grouped in buffers.
 
     ``units[i]``/``lo[i]``/``hi[i]``: piece i is samples ``lo..hi`` (local ids) of unit
-    ``units[i]``. Blocks are ``block_chunks`` consecutive pieces. The rank yields the
-    first ``n_samples`` samples of its sequence (blocks in order, each block's samples
+    ``units[i]``. A buffer is ``block_chunks`` consecutive pieces. The rank yields the
+    first ``n_samples`` samples of its sequence (buffers in order, each buffer's samples
     permuted when shuffling), cut into ``n_batches`` batches.
     """
 
@@ -47,57 +47,57 @@ class EpochPlan:
     world_size: int
 
     @cached_property
-    def block_offsets(self) -> np.ndarray:
+    def buffer_offsets(self) -> np.ndarray:
         """Position in this rank's sequence where each block starts (len = blocks + 1)."""
         sizes = self.hi - self.lo
         per_block = np.add.reduceat(sizes, np.arange(0, len(sizes), self.block_chunks)) if len(sizes) else sizes
         return np.concatenate([[0], np.cumsum(per_block)]).astype(np.int64)
 
     @property
-    def n_blocks(self) -> int:
-        return len(self.block_offsets) - 1
+    def n_buffers(self) -> int:
+        return len(self.buffer_offsets) - 1
 
     @property
     def n_batches(self) -> int:
         full, rest = divmod(self.n_samples, self.batch_size)
         return full + (1 if rest and not self.drop_last else 0)
 
-    def block_pieces(self, j: int) -> slice:
+    def buffer_pieces(self, j: int) -> slice:
         return slice(j * self.block_chunks, min((j + 1) * self.block_chunks, len(self.units)))
 
-    def block_perm(self, j: int, n: int) -> np.ndarray:
+    def buffer_perm(self, j: int, n: int) -> np.ndarray:
         """Order in which the ``n`` samples of block ``j`` (in piece order) are yielded."""
         if not self.shuffle:
             return np.arange(n, dtype=np.int64)
-        return _shuffle.block_permutation(n, self.seed, self.epoch, self.world_size, self.rank, j)
+        return _shuffle.buffer_permutation(n, self.seed, self.epoch, self.world_size, self.rank, j)
 
-    def block_order(self, j: int, offsets: np.ndarray) -> np.ndarray:
+    def buffer_order(self, j: int, offsets: np.ndarray) -> np.ndarray:
         """Global sample ids of block ``j`` in the order they are yielded."""
-        sl = self.block_pieces(j)
+        sl = self.buffer_pieces(j)
         base = offsets[self.units[sl]] + self.lo[sl]
         sizes = self.hi[sl] - self.lo[sl]
         ids = np.repeat(base - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes) + np.arange(sizes.sum())
-        return ids[self.block_perm(j, len(ids))]
+        return ids[self.buffer_perm(j, len(ids))]
 
     def batch_span(self, i: int) -> tuple[int, int]:
         """Positions ``[a, b)`` of batch ``i`` in this rank's sequence."""
         a = i * self.batch_size
         return a, min(a + self.batch_size, self.n_samples)
 
-    def blocks_of(self, a: int, b: int) -> range:
+    def buffers_of(self, a: int, b: int) -> range:
         """Blocks holding sequence positions ``[a, b)``."""
         off = self._offsets_list
         return range(bisect.bisect_right(off, a) - 1, bisect.bisect_right(off, b - 1))
 
     @cached_property
     def _offsets_list(self) -> list[int]:
-        return self.block_offsets.tolist()
+        return self.buffer_offsets.tolist()
 
     def all_ids(self, offsets: np.ndarray) -> np.ndarray:
         """Every yielded sample id in order (for tests and inspection; O(samples))."""
-        if not self.n_blocks:
+        if not self.n_buffers:
             return np.zeros(0, np.int64)
-        return np.concatenate([self.block_order(j, offsets) for j in range(self.n_blocks)])[: self.n_samples]
+        return np.concatenate([self.buffer_order(j, offsets) for j in range(self.n_buffers)])[: self.n_samples]
 
 
 def rank_share(counts: np.ndarray, world_size: int, rank: int, batch_size: int,
@@ -190,8 +190,8 @@ def plan_quality(plan: EpochPlan, space: SampleSpace, batch_size: int, max_batch
     only the buffers those batches come from are ordered."""
     need = min(plan.n_samples, max_batches * batch_size)
     parts, n, j = [], 0, 0
-    while n < need and j < plan.n_blocks:
-        parts.append(plan.block_order(j, space.offsets))
+    while n < need and j < plan.n_buffers:
+        parts.append(plan.buffer_order(j, space.offsets))
         n += len(parts[-1])
         j += 1
     ids = np.concatenate(parts)[:need] if parts else np.zeros(0, np.int64)
@@ -204,7 +204,7 @@ def worker_batches(n_batches: int, num_workers: int, worker: int) -> tuple[int, 
     """Batches ``[start, stop)`` of a rank's epoch that DataLoader worker ``worker`` yields.
 
     Each worker takes one contiguous run of batches (run lengths differ by at most one),
-    so it reads its own run of shuffle blocks: only a block that a run boundary falls
+    so it reads its own run of buffers: only a buffer that a run boundary falls
     inside is read by two workers (at most ``num_workers - 1`` per epoch), instead of
     every block by every worker as a round-robin of batches would need. The batches are
     the rank's own, so ``len`` and the rank's batch count do not depend on the workers;
@@ -225,7 +225,7 @@ def plan_head(plan: EpochPlan, n_batches: int) -> EpochPlan:
     n = min(stop * plan.batch_size, plan.n_samples)
     keep = 0
     if n:
-        last = int(np.searchsorted(plan.block_offsets, n - 1, side="right")) - 1
+        last = int(np.searchsorted(plan.buffer_offsets, n - 1, side="right")) - 1
         keep = min((last + 1) * plan.block_chunks, len(plan.units))
     return replace(plan, units=plan.units[:keep], lo=plan.lo[:keep], hi=plan.hi[:keep], n_samples=n)
 
@@ -271,7 +271,7 @@ class RemainderPlan(EpochPlan):
     keep: tuple[np.ndarray | None, ...] = ()
 
     @cached_property
-    def block_offsets(self) -> np.ndarray:
+    def buffer_offsets(self) -> np.ndarray:
         sizes = self.hi - self.lo
         starts = np.arange(0, len(sizes), self.block_chunks)
         per_block = np.add.reduceat(sizes, starts) if len(sizes) else sizes
@@ -281,13 +281,13 @@ class RemainderPlan(EpochPlan):
                 per_block[j] = len(k)
         return np.concatenate([[0], np.cumsum(per_block)]).astype(np.int64)
 
-    def block_perm(self, j: int, n: int) -> np.ndarray:
+    def buffer_perm(self, j: int, n: int) -> np.ndarray:
         k = self.keep[j] if j < len(self.keep) else None
         if k is None:
-            return super().block_perm(j, n)
+            return super().buffer_perm(j, n)
         if not self.shuffle:
             return k
-        return k[_shuffle.block_permutation(len(k), self.seed, self.epoch, self.world_size, self.rank, j)]
+        return k[_shuffle.buffer_permutation(len(k), self.seed, self.epoch, self.world_size, self.rank, j)]
 
 
 def _deal(seq: Pieces, world_size: int, rank: int, batch_size: int, drop_last: bool) -> tuple[Pieces, int]:
@@ -332,12 +332,12 @@ def _plan_of(share: Pieces, n: int, *, world_size: int, rank: int, **cfg: object
 
 def _remaining(plan: EpochPlan, done: int) -> Pieces:
     """The samples of ``plan``'s pieces that are not among the first ``done`` it yields, in piece order."""
-    off = plan.block_offsets
+    off = plan.buffer_offsets
     units, los, his, picks = [], [], [], []
-    for j in range(plan.n_blocks):
+    for j in range(plan.n_buffers):
         if off[j + 1] <= done:
             continue  # yielded whole
-        sl = plan.block_pieces(j)
+        sl = plan.buffer_pieces(j)
         u, lo, hi = plan.units[sl], plan.lo[sl], plan.hi[sl]
         keep = plan.keep[j] if isinstance(plan, RemainderPlan) and j < len(plan.keep) else None
         if keep is None and off[j] >= done:  # untouched, whole pieces
@@ -348,7 +348,7 @@ def _remaining(plan: EpochPlan, done: int) -> Pieces:
             continue
         sizes = hi - lo
         n = int(sizes.sum())
-        left = plan.block_perm(j, n)[max(done - int(off[j]), 0):]  # positions not yielded yet
+        left = plan.buffer_perm(j, n)[max(done - int(off[j]), 0):]  # positions not yielded yet
         left = np.sort(left)
         cut = np.concatenate([[0], np.cumsum(sizes)])
         for s in range(len(u)):

@@ -64,7 +64,7 @@ class Section:
 
     title: str
     header: tuple[str, ...] = ()
-    rows: list[tuple[str, ...]] = field(default_factory=list)
+    rows: Sequence[tuple[str, ...]] = field(default_factory=list)
     extra_html: str = ""
     summary: str = ""
     collapsed: bool = False
@@ -423,8 +423,9 @@ def manifest_summary(m: SplitManifest) -> str:
         lines.append(f"  {k}: " + "  ".join(v))
     return "\n".join(lines)
 
+
 def _manifest_rows(m: SplitManifest) -> list[tuple[str, tuple[str, ...]]]:
-    rows = []
+    rows: list[tuple[str, tuple[str, ...]]] = []
     for name, blocks in m.splits.items():
         rng = "; ".join(f"{d} {lab[0]} .. {lab[1]}" for d, lab in m.labels.get(name, {}).items())
         rows.append((name, (f"{len(blocks)} chunks", f"{m.positions(name)} positions", rng)))
@@ -436,6 +437,7 @@ def _manifest_headline(m: SplitManifest) -> str:
            "contiguous fractions" if m.contiguous else f"random fractions (seed {m.seed})")
     return (f"on {' x '.join(m.dims)}: {' x '.join(map(str, m.grid))} chunk blocks, {how}, "
             f"gap {m.gap}")
+
 
 def _manifest_sections(m: SplitManifest, drawing: bool = False) -> list[Section]:
     """The repr's sections; ``drawing``: with the timeline/grid (HTML only, O(chunk blocks))."""
@@ -460,20 +462,18 @@ def _manifest_sections(m: SplitManifest, drawing: bool = False) -> list[Section]
     coords = m.extra.get("coords", {})
     spans = {d: (str(v[0]), str(v[1])) for d, v in coords.items() if v}
     owner = m.owner() if drawing and len(m.dims) <= 2 else None
-    if owner is None:
-        drawing = ""
-    elif one:
+    picture = ""
+    if owner is not None and one:
         d = m.dims[0]
-        drawing = timeline(owner, m.edges[d], list(m.splits), dim=d, span=spans.get(d),
-                                 labels={k: (str(v[d][0]), str(v[d][1])) for k, v in m.labels.items()
-                                         if d in v})
-    else:
-        drawing = grid(owner, m.edges[m.dims[0]], m.edges[m.dims[1]], list(m.splits),
-                             dims=(m.dims[0], m.dims[1]), spans=spans)
+        picture = timeline(owner, m.edges[d], list(m.splits), dim=d, span=spans.get(d),
+                           labels={k: (str(v[d][0]), str(v[d][1])) for k, v in m.labels.items() if d in v})
+    elif owner is not None:
+        picture = grid(owner, m.edges[m.dims[0]], m.edges[m.dims[1]], list(m.splits),
+                       dims=(m.dims[0], m.dims[1]), spans=spans)
     info = [("dims", ", ".join(f"{d} ({m.sizes[d]}, {len(m.edges[d]) - 1} chunk blocks)"
                                for d in m.dims)),
             ("method", m.method + ("" if m.method == "ranges" else
-                                      ", contiguous" if m.contiguous else ", random")),
+                                   ", contiguous" if m.contiguous else ", random")),
             ("gap", f"{m.gap} chunk block{'s' if m.gap != 1 else ''}"), ("seed", str(m.seed)),
             ("fingerprint", m.fingerprint[:12])]
     if m.snapshot:
@@ -481,13 +481,14 @@ def _manifest_sections(m: SplitManifest, drawing: bool = False) -> list[Section]
     if m.stats:
         info.append(("stats", f"{len(m.stats.get('channels', m.stats))} channels "
                               f"from split {m.stats.get('split', '?')!r}"))
-    return [Section("Splits", header, rows, extra_html=drawing, summary=f"({len(m.splits)})"),
+    return [Section("Splits", header, rows, extra_html=picture, summary=f"({len(m.splits)})"),
             Section("Manifest", (), info, collapsed=True)]
 
 
 # -- BatchGenerator
 def _generator_headline(gen: BatchGenerator) -> str:
     return f"{gen.split!r}: {len(gen)} batches of {gen.batch_size}, output={gen.output!r}"
+
 
 def _display_plan(gen: BatchGenerator) -> tuple[EpochPlan, int]:
     """The plan the repr describes (its first 50 batches at least) and how many units it reads:
@@ -508,6 +509,7 @@ def _display_plan(gen: BatchGenerator) -> tuple[EpochPlan, int]:
     pos, lo, hi, n = rank_share(c, gen.world_size, gen.rank, gen.batch_size, gen.drop_last)
     return EpochPlan(units=pos, lo=lo, hi=hi, n_samples=n, **kw), len(pos)
 
+
 def _epoch_bytes(gen: BatchGenerator, p: EpochPlan, n_units: int | None = None) -> int:
     """Decoded bytes of the chunk blocks this rank reads in an epoch (halos and partial chunks aside)."""
     sp = gen.space
@@ -519,7 +521,7 @@ def _epoch_bytes(gen: BatchGenerator, p: EpochPlan, n_units: int | None = None) 
         total = 0
         for lay in gen.layouts.values():
             rest = lay.src.raw_dtype.itemsize * int(np.prod([k for d, k in zip(lay.src.dims, lay.src.shape,
-                                                                             strict=True) if d not in split]))
+                                                                              strict=True) if d not in split]))
             total += rest * (1 if lay.static else n)
         return total
     coords = np.unravel_index(sp.blocks[p.units], sp.grid)
@@ -557,7 +559,7 @@ def _generator_sections(gen: BatchGenerator, drawing: bool = False) -> list[Sect
             ("reads / epoch", f"{n_units} chunk blocks x {nvar} variable{'s' if nvar != 1 else ''}, "
                               f"~{fmt_bytes(_epoch_bytes(gen, p, n_units))} decoded{once}"),
             ("shuffle", shuffle), ("output", gen.output + (f" on {gen.builder.device}"
-                                                            if getattr(gen.builder, "device", None) else ""))]
+                                                           if getattr(gen.builder, "device", None) else ""))]
     roles = []
     sampled = {d.name for d in gen.space.dims}
     for d in gen.space.dims:
@@ -580,11 +582,10 @@ def _generator_sections(gen: BatchGenerator, drawing: bool = False) -> list[Sect
                          else ""))
     sections = [Section("Epoch", (), info),
                 Section("Sample", ("dim", "length", "takes", "role"), roles),
-                Section("Variables", ("variable", "per sample", "dtype", ""), var_rows,
-                              summary=f"({len(var_rows)})")]
+                Section("Variables", ("variable", "per sample", "dtype", ""), var_rows, summary=f"({len(var_rows)})")]
     last = gen.io_stats
     io = {k: last.get(k, 0) for k in ("chunks", "requests", "bytes_read", "bytes_decoded", "samples_per_s",
-                                           "mb_per_s", "seconds", "wait_s", "epoch", "batches")}
+                                      "mb_per_s", "seconds", "wait_s", "epoch", "batches")}
     if last:  # a repr never raises: missing counters read as 0
         sections.append(Section("Last epoch I/O", (), [
             ("read", f"{io['chunks']} chunks in {io['requests']} requests, {fmt_bytes(io['bytes_read'])} "

@@ -158,7 +158,7 @@ class InsituAccessor:
         Per channel (as ``gen.channels`` names them for the same variables): mean, std (ddof=0),
         min, max, nan_count (and count) of the CF-decoded values, in float64; a list in label order
         for a variable with an extra dim. Only ``split``'s chunks are read, each once. The result is
-        plain JSON-able data, also stored as ``manifest.stats`` (saved by ``manifest.to_json``);
+        plain JSON-able data, also stored as ``manifest.stats`` (``manifest.set_stats``; saved by ``manifest.to_json``);
         pass it as ``normalize=`` to ``batches`` for ``(x - mean) / std`` per channel.
 
         Parameters

@@ -313,12 +313,24 @@ def test_filter_without_a_decoder(tmp_path):
     xr.testing.assert_identical(ok.load(), xr.open_dataset(f).drop_vars("u10").load())
 
 
-def test_not_netcdf4(tmp_path):
+def test_not_netcdf(tmp_path):
+    """A file that is neither HDF5/NetCDF4 nor NetCDF-3 (NetCDF-3 is read in place: see test_netcdf3.py)."""
+    f = tmp_path / "notes.nc"
+    f.write_text("not NetCDF\n" * 100)
+    with pytest.raises(VirtualReferenceError, match=r"notes\.nc is neither an HDF5/NetCDF4 nor a NetCDF-3 file"):
+        netcdf_store([str(f)])
+
+
+def test_netcdf3_and_netcdf4_files_do_not_mix(tmp_path):
+    """NetCDF-3 files (raw bytes) and NetCDF4 files (deflate) cannot share one array: refused, naming both."""
     pytest.importorskip("netCDF4", reason="writing a NetCDF-3 file needs netCDF4")
-    f = str(tmp_path / "classic.nc")
-    era5_like(STEPS, NY, NX).to_netcdf(f, format="NETCDF3_CLASSIC", engine="netcdf4")
-    with pytest.raises(VirtualReferenceError, match=r"classic\.nc is not an HDF5/NetCDF4 file"):
-        netcdf_store([f])
+    ds = era5_like(3 * STEPS, NY, NX)
+    files = write_days(tmp_path / "nc4", ds, enc={k: encoding(ds.isel(time=slice(0, STEPS)), ct=1) for k in range(3)})
+    f3 = str(tmp_path / "day001.nc")
+    ds.isel(time=slice(STEPS, 2 * STEPS)).to_netcdf(f3, format="NETCDF3_64BIT", engine="netcdf4",
+                                                     encoding={"tp": {"dtype": "int16", **packing()}})
+    with pytest.raises(VirtualReferenceError, match=r"day001\.nc differs from .*day000\.nc in its codecs"):
+        netcdf_store([files[0], f3, files[2]])  # deflate there, raw bytes here: one array, one codec chain
 
 
 def test_variable_missing_from_a_file(tmp_path):
@@ -327,3 +339,21 @@ def test_variable_missing_from_a_file(tmp_path):
     files += write_days(tmp_path / "b", ds.isel(time=slice(4, 8)), steps=[4])
     with pytest.raises(VirtualReferenceError, match=r"'v10'.*day000\.nc"):
         netcdf_store(files)
+
+
+def test_float32_packing_decodes_as_xarray(tmp_path):
+    """int16 packed with float32 scale_factor/add_offset decodes to float32, as xarray reads the file (zarr's JSON
+    attributes alone would make it float64): the attributes' file types are read back and the xinsitu.cf codec
+    decodes each chunk with them."""
+    ds = era5_like(2 * STEPS, NY, NX)
+    f32 = {"dtype": "int16", "scale_factor": np.float32(0.002), "add_offset": np.float32(-1.5),
+           "_FillValue": np.int16(-32768)}
+    files = write_days(tmp_path, ds, enc={k: encoding(ds.isel(time=slice(0, STEPS)), **f32) for k in range(2)})
+    ref = xr.open_mfdataset(files, **MF).load()
+    got = open_netcdf(files)
+    assert ref.tp.dtype == np.float32
+    xr.testing.assert_identical(got.load(), ref)
+    assert netcdf_store(files)._group.arrays["tp"].metadata.codecs[0].to_dict()["name"] == "xinsitu.cf"
+    m = got.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    run_epoch(ref, got.insitu.batches(m, "train", batch_size=3, output="numpy"), "numpy")
+    run_epoch(ref, got.insitu.batches(m, "val", batch_size=3, output="xarray"), "xarray")

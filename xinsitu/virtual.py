@@ -1,7 +1,9 @@
-"""NetCDF4/HDF5 files read in place, through virtual references (VirtualiZarr manifests).
+"""NetCDF4/HDF5, NetCDF-3 and GRIB files read in place, through virtual references (VirtualiZarr manifests).
 
 VirtualiZarr's HDF parser turns one file into a ``ManifestStore``: zarr metadata plus,
-for every chunk, where its bytes lie in the original file (path, offset, length).
+for every chunk, where its bytes lie in the original file (path, offset, length). NetCDF-3
+files get theirs from their header (:mod:`xinsitu.netcdf3`), GRIB files one chunk per message
+(:mod:`xinsitu.grib`, :func:`open_grib`).
 :func:`netcdf_store` joins the stores of many files along one dimension into one store,
 after checking that they can be joined (same chunks, codecs and CF packing; a message
 names the file and the variable where they cannot), so that ``xinsitu.open_zarr(store)``
@@ -364,14 +366,72 @@ def _registry_for(urls: list[str], registry: Any, store_options: dict[str, Any])
     return reg
 
 
-def _parse(url: str, registry: Any, group: str | None, drop: list[str]) -> Any:
+def _head(url: str, registry: Any) -> tuple[Any, Any, int]:
+    """(read(start, end), first 4 bytes, size) of ``url``, through the registry's store."""
+    import obstore
+
+    store, path = registry.resolve(url)
+    path = _path_in_store(url, store) if store is not None else path
+    try:
+        size = int(obstore.head(store, path)["size"])
+
+        def read(start: int, end: int) -> bytes:
+            return bytes(obstore.get_range(store, path, start=start, end=end)) if end > start else b""
+
+        return read, read(0, min(4, size)), size
+    except Exception as e:  # noqa: BLE001
+        raise _file_error(e, url, secrets_of(store)) from None
+
+
+def _parse(url: str, registry: Any, group: str | None, drop: list[str], concat_dim: str = "time") -> Any:
     """One file -> its ManifestStore; failures name the file and, where one is to blame, the variable."""
     from virtualizarr.parsers import HDFParser
 
+    from xinsitu import netcdf3
+
+    read, head, size = _head(url, registry)
+    if netcdf3.is_netcdf3(head):  # classic / 64-bit offset / CDF-5: byte ranges from the header
+        if group:
+            raise VirtualReferenceError(f"{_where(url)} is a NetCDF-3 file: it has no groups (group={group!r})")
+        return netcdf3.manifest_store(url, read, size, registry, concat_dim=concat_dim, drop=drop)
     try:
-        return HDFParser(group=group, drop_variables=drop)(url, registry)
+        store = HDFParser(group=group, drop_variables=drop)(url, registry)
     except Exception as e:  # noqa: BLE001 - diagnosed and re-raised with the file (and variable) named
         raise _diagnose(url, registry, group, drop, e) from None
+    return _typed_packing(store, url, registry, group)
+
+
+def _typed_packing(store: Any, url: str, registry: Any, group: str | None) -> Any:
+    """``store`` with its packed variables decoded as xarray decodes the file (float32 packing stays float32).
+
+    VirtualiZarr keeps attributes as JSON numbers: a float32 ``scale_factor`` would decode to
+    float64, where xarray reading the file gives float32. Such variables get their attributes'
+    types back from the HDF5 file (a few small reads) and the ``xinsitu.cf`` codec.
+    """
+    arrays = store._group.arrays
+    packed = [n for n, a in arrays.items() if {"scale_factor", "add_offset"} & set(a.metadata.attributes or {})]
+    if not packed:
+        return store
+    import h5py
+    from obspec_utils.readers import BlockStoreReader
+    from virtualizarr.manifests import ManifestGroup, ManifestStore
+
+    from xinsitu.netcdf3 import typed_packing
+
+    obs, path = registry.resolve(url)
+    try:
+        with h5py.File(BlockStoreReader(obs, path), mode="r") as f:
+            g = f[group or "/"]
+            new = dict(arrays)
+            for name in packed:
+                new[name] = typed_packing(arrays[name], dict(g[name].attrs))
+    except Exception as e:  # noqa: BLE001
+        raise VirtualReferenceError(f"{_where(url)}: cannot read the packing attributes of {packed}: "
+                                    f"{type(e).__name__}: {e}") from None
+    if all(new[n] is arrays[n] for n in packed):
+        return store
+    return ManifestStore(ManifestGroup(arrays=new, attributes=dict(store._group.metadata.attributes or {})),
+                         registry=registry)
 
 
 def _diagnose(url: str, registry: Any, group: str | None, drop: list[str], cause: BaseException) -> Exception:
@@ -386,8 +446,8 @@ def _diagnose(url: str, registry: Any, group: str | None, drop: list[str], cause
     except Exception as e:  # noqa: BLE001
         if "signature" in str(e) or "not an HDF5" in str(e) or "Unable to" in str(e):
             return VirtualReferenceError(
-                f"{where} is not an HDF5/NetCDF4 file (NetCDF3 'classic' files and other formats cannot be "
-                f"referenced by this parser; convert them with `nccopy -k nc4`): {text}")
+                f"{where} is neither an HDF5/NetCDF4 nor a NetCDF-3 file (GRIB files open with "
+                f"xinsitu.virtual.open_grib): {text}")
         return VirtualReferenceError(f"{where} cannot be read: {text}")
     try:
         from virtualizarr.parsers.hdf.hdf import _construct_manifest_array
@@ -507,12 +567,16 @@ def _inline_array(name: str, var: xr.Variable, url: str) -> tuple[Any, bytes]:
     from virtualizarr.manifests.utils import create_v3_array_metadata
 
     enc = _encode_inline(name, var)
-    values = np.ascontiguousarray(enc.values)
+    values = np.ascontiguousarray(enc.values).reshape(np.shape(enc.values))  # 0-d stays 0-d
     if values.dtype.kind not in "biuf":
         raise VirtualReferenceError(f"coordinate {name!r} of dtype {values.dtype} cannot be kept inline")
     values = values.astype(values.dtype.newbyteorder("<"), copy=False)
     attrs = {k: _jsonable(v) for k, v in enc.attrs.items()}
-    md = create_v3_array_metadata(shape=values.shape, data_type=values.dtype, chunk_shape=values.shape or (1,),
+    if "_FillValue" in attrs:  # xarray reads a zarr v3 _FillValue attribute in its own encoding (base64 for floats)
+        from xarray.backends.zarr import FillValueCoder
+
+        attrs["_FillValue"] = FillValueCoder.encode(enc.attrs["_FillValue"], values.dtype)
+    md = create_v3_array_metadata(shape=values.shape, data_type=values.dtype, chunk_shape=values.shape,
                                   attributes=attrs, dimension_names=enc.dims)
     grid = (1,) * values.ndim
     manifest = ChunkManifest.from_arrays(
@@ -527,7 +591,11 @@ def _inline_array(name: str, var: xr.Variable, url: str) -> tuple[Any, bytes]:
 def netcdf_store(paths: str | os.PathLike | Iterable[str | os.PathLike], *, concat_dim: str = "time",
                  group: str | None = None, drop_variables: Iterable[str] | None = None, registry: Any = None,
                  **store_options: Any) -> Any:
-    """One virtual Zarr store over NetCDF4/HDF5 files joined along ``concat_dim``; nothing is copied.
+    """One virtual Zarr store over NetCDF4/HDF5 or NetCDF-3 files joined along ``concat_dim``; nothing is copied.
+
+    NetCDF-3 files (classic, 64-bit offset, CDF-5) are referenced from their header: one chunk per
+    record of each record variable (and per step of fixed-size variables along ``concat_dim``),
+    CF-decoded by xarray's own decoder in the ``xinsitu.cf_bytes`` codec.
 
     Parameters
     ----------
@@ -553,7 +621,8 @@ def netcdf_store(paths: str | os.PathLike | Iterable[str | os.PathLike], *, conc
         Where the files cannot be one virtual store, naming the file and the variable: chunks,
         codecs or CF packing that differ between files, a file whose length along ``concat_dim`` is
         not a whole number of chunks (other than the last), a filter without a decoder, a file that
-        is not HDF5.
+        is neither HDF5 nor NetCDF-3, a NetCDF-3 character variable or a NetCDF-3 file shorter than
+        its header says.
     """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NUMCODECS_WARNING)
@@ -568,7 +637,7 @@ def _netcdf_store(paths: Any, concat_dim: str, group: str | None, drop_variables
     reg = _registry_for(urls, registry, store_options)
     drop = list(drop_variables or ())
     def one(u: str) -> tuple[Any, dict[str, xr.Variable]]:
-        s = _parse(u, reg, group, drop)
+        s = _parse(u, reg, group, drop, concat_dim)
         return s, _file_coords(u, s)
 
     # files parsed a few at a time: on object storage each costs several round trips
@@ -664,7 +733,7 @@ def _check_decodable(store: Any, first_url: str) -> None:
 def open_netcdf(paths: str | os.PathLike | Iterable[str | os.PathLike], *, concat_dim: str = "time",
                 group: str | None = None, drop_variables: Iterable[str] | None = None, registry: Any = None,
                 decode_times: bool = True, **store_options: Any) -> xr.Dataset:
-    """``xinsitu.open_zarr(netcdf_store(paths, ...))``: NetCDF4 files as one lazy Dataset, read in place.
+    """``xinsitu.open_zarr(netcdf_store(paths, ...))``: NetCDF4 or NetCDF-3 files as one lazy Dataset, read in place.
 
     Equals ``xr.open_mfdataset(paths, data_vars="minimal", coords="minimal", compat="override")``
     (values, CF decoding, coordinates and attributes of the first file), without dask and without
@@ -677,3 +746,20 @@ def open_netcdf(paths: str | os.PathLike | Iterable[str | os.PathLike], *, conca
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NUMCODECS_WARNING)
         return open_zarr(store, consolidated=False, decode_times=decode_times)
+
+
+def grib_store(paths: str | os.PathLike | Iterable[str | os.PathLike], **kwargs: Any) -> Any:
+    """One virtual Zarr store over GRIB files, one message per chunk: see :func:`xinsitu.grib.grib_store`."""
+    from xinsitu.grib import grib_store as _grib_store
+
+    return _grib_store(paths, **kwargs)
+
+
+def open_grib(paths: str | os.PathLike | Iterable[str | os.PathLike], **kwargs: Any) -> xr.Dataset:
+    """GRIB files (editions 1 and 2) as one lazy Dataset read in place: see :func:`xinsitu.grib.open_grib`.
+
+    Equals ``xr.open_dataset(path, engine="cfgrib")`` (names, coordinates, attributes, values).
+    """
+    from xinsitu.grib import open_grib as _open_grib
+
+    return _open_grib(paths, **kwargs)

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 import xinsitu
 from tests.test_plan import configs, spaces
-from xinsitu.plan import SampleSpace, epoch_plan, segment_plan
+from xinsitu.plan import epoch_plan, segment_plan
+from xinsitu.sampling import SampleSpace
 
 
 def _yielded(space: SampleSpace, hops: list[tuple[int, int]], world_size: int, batches: int | None,
@@ -96,12 +97,12 @@ def test_elastic_reads_only_the_pieces_it_yields(space, cfg, old_world, new_worl
         for u, lo, hi in zip(p.units.tolist(), p.lo.tolist(), p.hi.tolist(), strict=True):
             piece.setdefault(u, []).append((lo, hi))
         assert all(any(lo <= loc < hi for lo, hi in piece[int(u)]) for u, loc in zip(unit, local, strict=True))
-        assert p.n_samples <= int(p.block_offsets[-1])
+        assert p.n_samples <= int(p.buffer_offsets[-1])
 
 
 def test_state_stays_small_json():
     """No sample list in the state: a resized epoch of 10^6 samples saves a few hundred bytes."""
-    from xinsitu.plan import SampleDim
+    from xinsitu.sampling import SampleDim
 
     space = SampleSpace([SampleDim("t", 10**6, split=True)], {"t": np.arange(0, 10**6 + 1, 1000)}, np.arange(1000))
     cfg = dict(seed=0, epoch=0, shuffle=True, batch_size=32, block_chunks=16, drop_last=False)

@@ -16,22 +16,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import xinsitu
-import xinsitu.split as split_module
+import xinsitu.manifest as manifest_module
 from tests.conftest import CT, NT
 from xinsitu.geometry import chunk_breaks, common_edges, geometry_of
-from xinsitu.source import resolve
-from xinsitu.split import (
+from xinsitu.manifest import (
     Blocks,
     SplitManifest,
     _decode_owner,
     _encode_owner,
-    contiguous_split,
     decode_steps,
     encode_steps,
     fingerprint_of,
     fingerprint_v1,
-    random_split,
 )
+from xinsitu.source import resolve
+from xinsitu.split import contiguous_split, random_split
 
 FR = {"train": 0.8, "val": 0.1, "test": 0.1}
 
@@ -100,7 +99,7 @@ def test_manifest_json_exactly_once(n, fractions, gap, seed, contiguous):
     back = SplitManifest.from_json(m.to_json())
     assert back == m
     if all(b.ascending() for b in m.splits.values()):
-        with mock.patch.object(split_module, "MAX_RUNS", 0):  # the owner-array form, for small grids too
+        with mock.patch.object(manifest_module, "MAX_RUNS", 0):  # the owner-array form, for small grids too
             text = m.to_json()
         assert SplitManifest.from_json(text) == m
     owned = np.concatenate([back.blocks(k) for k in back.splits])
@@ -337,7 +336,8 @@ def test_manifest_on_coarser_or_other_grid_is_refused(era5_path, refined_path, t
        st.integers(1, 7), st.booleans(), st.booleans())
 def test_epoch_size_equals_the_plan(counts, equal, world_size, data, batch_size, drop_last, shuffle):
     """``epoch_size`` (what ``len(gen)`` and the repr use) is the plan's, wherever it answers."""
-    from xinsitu.plan import SampleDim, SampleSpace, epoch_plan, epoch_size
+    from xinsitu.plan import epoch_plan, epoch_size
+    from xinsitu.sampling import SampleDim, SampleSpace
 
     if equal:
         counts = [counts[0] or 1] * len(counts)

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xinsitu.plan import EpochPlan, SampleDim, SampleSpace, epoch_plan, plan_head, rank_share, worker_batches
+from xinsitu.plan import EpochPlan, epoch_plan, plan_head, rank_share, worker_batches
+from xinsitu.sampling import SampleDim, SampleSpace
 
 settings.register_profile("xinsitu", max_examples=150, deadline=None, derandomize=True)
 settings.load_profile("xinsitu")
@@ -149,9 +150,9 @@ def test_resume_offsets_give_the_tail(space, cfg, world_size, data):
     for i in range(start, p.n_batches):
         a, b = p.batch_span(i)
         parts = []
-        for j in p.blocks_of(a, b):
-            off, end = p.block_offsets[j], p.block_offsets[j + 1]
-            parts.append(p.block_order(j, space.offsets)[max(a, off) - off:min(b, end) - off])
+        for j in p.buffers_of(a, b):
+            off, end = p.buffer_offsets[j], p.buffer_offsets[j + 1]
+            parts.append(p.buffer_order(j, space.offsets)[max(a, off) - off:min(b, end) - off])
         resumed.append(np.concatenate(parts))
     assert len(resumed) == len(full) - start
     for got, exp in zip(resumed, full[start:], strict=True):
@@ -167,8 +168,8 @@ def test_plan_head_keeps_the_batches(space, cfg, world_size, data):
     full, head = batches_of(p, p.all_ids(space.offsets)), batches_of(h, h.all_ids(space.offsets))
     for got, exp in zip(head, full[: len(head)], strict=True):
         assert np.array_equal(got, exp)
-    needed = p.blocks_of(0, h.n_samples)[-1] + 1 if h.n_samples else 0
-    assert h.n_blocks == needed, "a block no batch draws from would be read"
+    needed = p.buffers_of(0, h.n_samples)[-1] + 1 if h.n_samples else 0
+    assert h.n_buffers == needed, "a block no batch draws from would be read"
 
 
 @given(spaces(), configs, world_sizes, st.integers(1, 6), st.data())
@@ -187,11 +188,11 @@ def test_worker_shares(space, cfg, world_size, num_workers, data):
             reads.append(set())
             continue
         h = plan_head(p, b)
-        first = h.blocks_of(*h.batch_span(a))[0]
-        reads.append(set(range(first, h.n_blocks)))
+        first = h.buffers_of(*h.batch_span(a))[0]
+        reads.append(set(range(first, h.n_buffers)))
     together = sum(len(r) for r in reads)
     distinct = set().union(*reads)
-    assert distinct == set(range(plan_head(p, p.n_batches).n_blocks))
+    assert distinct == set(range(plan_head(p, p.n_batches).n_buffers))
     assert together - len(distinct) <= num_workers - 1
 
 

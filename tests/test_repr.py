@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import xinsitu
-from xinsitu import repr as xr_repr
+from xinsitu import formatting as xr_repr
 from xinsitu.split import SplitManifest
 from xinsitu.synthetic import era5_like
 
@@ -173,7 +173,7 @@ def _same_sections(obj: object) -> None:
     t, h = repr(obj), obj._repr_html_()
     check_html(h)
     assert fallback_of(h) == t.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("'", "&#x27;")
-    titles = [s.title for s in obj._sections()]
+    titles = [s.title for s in xr_repr.sections(obj)]
     assert re.findall(r"class='xi-section-label'>([^<]+)<", h) == titles
     assert [ln.split(":")[0] for ln in t.splitlines()[1:] if not ln.startswith(" ")] == titles
     assert len(t.splitlines()) <= 40 and max(map(len, t.splitlines())) <= 160

@@ -70,13 +70,13 @@ def test_halo_entries_are_let_go(ds):
 
     m = ds.insitu.split("time", fractions={"train": 1.0})
     gen = ds.insitu.batches(m, "train", batch_size=16, output="numpy", block_chunks=2, window={"time": 3})
-    loader, plan = gen._blockloader(), gen.plan()
+    loader, plan = gen._buffer_loader(), gen.plan()
     halo = loader.halo_plan(plan, 0)
     assert halo is not None and halo.n_entries > 0
 
     async def walk() -> int:
         most = 0
-        for j in range(plan.n_blocks):
+        for j in range(plan.n_buffers):
             await loader.load(plan, j, halo)
             most = max(most, len(halo.held))
         return most

@@ -7,9 +7,9 @@ from xinsitu import accessor as _accessor  # noqa: F401  (registers ds.insitu)
 from xinsitu.dataset import InsituDataset
 from xinsitu.geometry import Geometry, VarGeometry
 from xinsitu.loader import BatchGenerator
+from xinsitu.manifest import SplitManifest
 from xinsitu.reader import ChunkReadError
 from xinsitu.source import SourceError
-from xinsitu.split import SplitManifest
 from xinsitu.store import open_zarr
 
 __version__ = "0.1.0"

@@ -11,8 +11,9 @@ import xarray as xr
 
 from xinsitu.geometry import Geometry, geometry_of
 from xinsitu.loader import BatchGenerator
+from xinsitu.manifest import SplitManifest
 from xinsitu.source import resolve
-from xinsitu.split import SplitManifest, make_split
+from xinsitu.split import make_split
 
 if TYPE_CHECKING:
     from xinsitu.cache import ChunkCache
@@ -162,7 +163,7 @@ class InsituAccessor:
         Per channel (as ``gen.channels`` names them for the same variables): mean, std (ddof=0),
         min, max, nan_count (and count) of the CF-decoded values, in float64; a list in label order
         for a variable with an extra dim. Only ``split``'s chunks are read, each once. The result is
-        plain JSON-able data, also stored as ``manifest.stats`` (saved by ``manifest.to_json``);
+        plain JSON-able data, also stored as ``manifest.stats`` (``manifest.set_stats``; saved by ``manifest.to_json``);
         pass it as ``normalize=`` to ``batches`` for ``(x - mean) / std`` per channel.
 
         Parameters
@@ -183,7 +184,7 @@ class InsituAccessor:
 
         st = compute_stats(self._ds, manifest, split, variables, block_chunks=block_chunks,
                            max_inflight=max_inflight)
-        manifest.stats = st
+        manifest.set_stats(st)
         return st
 
     def dataset(self, manifest: SplitManifest, split: str, *, window: dict[str, int] | None = None,

@@ -1,5 +1,5 @@
-"""The shuffle-block buffer: a block of chunk blocks read into one array per variable,
-and batches gathered from it with vectorised numpy (one fancy-index per variable).
+"""Buffers: ``block_chunks`` units (chunk blocks of the split) read together into one array per
+variable, and batches gathered from them with vectorised numpy (one fancy-index per variable).
 
 Layout of a variable's buffer: ``(slot, sampled dims the variable has (space order),
 its other dims (own order))``. A *slot* holds one unit (chunk block) of the split,
@@ -15,47 +15,16 @@ from typing import Any
 
 import numpy as np
 
-from xinsitu.plan import EpochPlan, SampleSpace
+from xinsitu.plan import EpochPlan
 from xinsitu.reader import Reader
-from xinsitu.source import VarSource
+from xinsitu.sampling import SampleSpace, VarLayout
 
-HALO_BLOCKS = 2  # a block passes the chunks a window spills into on to the blocks up to this many later
-
-
-@dataclass
-class VarLayout:
-    """Where one variable's axes go in its buffer and in its output."""
-
-    src: VarSource
-    sampled: list[int]  # positions in space.dims of the sampled dims this variable has
-    order: list[int]  # var axis of each buffer axis after the slot axis
-    out_dims: tuple[str, ...]  # output dims after the sample axis
-    out_perm: tuple[int, ...] | None  # transpose of the gathered array into out_dims (None: none needed)
-    static: bool  # no split dim: read once, whole
-
-    @classmethod
-    def build(cls, src: VarSource, space: SampleSpace) -> VarLayout:
-        names = [d.name for d in space.dims]
-        sampled = [k for k, n in enumerate(names) if n in src.dims]
-        samp_axes = [src.dims.index(names[k]) for k in sampled]
-        other = [ax for ax in range(len(src.dims)) if ax not in samp_axes]
-        order = samp_axes + other
-        kept_names = [names[k] for k in sampled if space.dims[k].keep]
-        gathered = kept_names + [src.dims[ax] for ax in other]
-        out_dims = tuple(d for d in src.dims if d in gathered)
-        perm = tuple(gathered.index(d) + 1 for d in out_dims)
-        out_perm = None if perm == tuple(range(1, len(perm) + 1)) else (0, *perm)
-        static = not any(space.dims[k].split for k in sampled)
-        return cls(src, sampled, order, out_dims, out_perm, static)
-
-    @property
-    def has_sample_axis(self) -> bool:
-        return bool(self.sampled)
+HALO_BUFFERS = 2  # a buffer passes the chunks a window spills into on to the buffers up to this many later
 
 
 @dataclass
-class Block:
-    """Block ``j`` of an epoch, loaded: per-variable buffers and its samples in yield order."""
+class Buffer:
+    """Buffer ``j`` of an epoch, loaded: per-variable buffers and its samples in yield order."""
 
     j: int
     ids: np.ndarray  # global sample ids, in yield order
@@ -65,8 +34,8 @@ class Block:
     arrays: dict[str, np.ndarray]
 
 
-class BlockLoader:
-    """Reads shuffle blocks and gathers batches from them."""
+class BufferLoader:
+    """Reads buffers and gathers batches from them."""
 
     def __init__(self, space: SampleSpace, layouts: dict[str, VarLayout], reader: Reader):
         self.space = space
@@ -88,10 +57,10 @@ class BlockLoader:
         return self._static
 
     def _slots(self, plan: EpochPlan, j: int) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
-        """Block ``j``'s sample starts per slot, and the region each slot holds: its unit from the
+        """Buffer ``j``'s sample starts per slot, and the region each slot holds: its unit from the
         first position (``origin``) to the end of the last window or tile (``end``, halo included)."""
         sp = self.space
-        sl = plan.block_pieces(j)
+        sl = plan.buffer_pieces(j)
         units, lo, hi = plan.units[sl], plan.lo[sl], plan.hi[sl]
         tables, origins, ends = [], [], []
         widths = np.array([d.width for d in sp.split_dims], dtype=np.int64)
@@ -106,12 +75,12 @@ class BlockLoader:
         end = np.array(ends, dtype=np.int64).reshape(len(units), self.n_split)
         return tables, origin, end
 
-    async def load(self, plan: EpochPlan, j: int, halo: HaloPlan | None = None) -> Block:
-        """Read every chunk of block ``j`` once (all variables, all units concurrently); with ``halo``,
-        take what an earlier block passes on instead of reading it again, and pass on what later
-        blocks need."""
+    async def load(self, plan: EpochPlan, j: int, halo: HaloPlan | None = None) -> Buffer:
+        """Read every chunk of buffer ``j`` once (all variables, all units concurrently); with ``halo``,
+        take what an earlier buffer passes on instead of reading it again, and pass on what later
+        buffers need."""
         sp = self.space
-        sl = plan.block_pieces(j)
+        sl = plan.buffer_pieces(j)
         units, lo, hi = plan.units[sl], plan.lo[sl], plan.hi[sl]
         tables, origin, end = self._slots(plan, j)
         slots = [np.full(len(st), s, dtype=np.int64) for s, st in enumerate(tables)]
@@ -121,7 +90,7 @@ class BlockLoader:
         base_ids = np.concatenate([plan_ids(sp, int(u), int(a), int(b)) for u, a, b in zip(units, lo, hi,
                                                                                           strict=True)]) \
             if len(units) else np.zeros(0, np.int64)
-        perm = plan.block_perm(j, len(base_ids))
+        perm = plan.buffer_perm(j, len(base_ids))
         arrays = {}
         jobs = []
         step = None if halo is None else halo.step(j)
@@ -141,7 +110,7 @@ class BlockLoader:
                     continue
                 dim, o = sp.split_dims[0].name, int(origin[s, 0])
                 for a, b, _ in step.segments[s]:
-                    if _ is None:  # read here (else copied from an earlier block, below)
+                    if _ is None:  # read here (else copied from an earlier buffer, below)
                         reads.append(({dim: (a, b)}, _cut(lay, view, dim, a - o, b - o)))
             if step is not None:
                 for key, (a, b) in step.give.items():
@@ -160,10 +129,10 @@ class BlockLoader:
         if step is not None:
             step.done()
         arrays.update(await self.load_static())
-        return Block(j, base_ids[perm], base_slot[perm], base_starts[perm], origin, arrays)
+        return Buffer(j, base_ids[perm], base_slot[perm], base_starts[perm], origin, arrays)
 
-    def halo_plan(self, plan: EpochPlan, first: int, ahead: int = HALO_BLOCKS) -> HaloPlan | None:
-        """Where windows or tiles spill over a split dim into the next unit: which block passes which
+    def halo_plan(self, plan: EpochPlan, first: int, ahead: int = HALO_BUFFERS) -> HaloPlan | None:
+        """Where windows or tiles spill over a split dim into the next unit: which buffer passes which
         unit's data on to which later one (None where nothing spills; several split dims: not yet)."""
         sp = self.space
         if len(sp.split_dims) != 1 or sp.split_dims[0].width == 1:
@@ -186,33 +155,33 @@ class BlockLoader:
 
     # ------------------------------------------------------------------ buffers
     def _empty(self, shape: list[int], dtype: np.dtype) -> np.ndarray:
-        """A block array, recycled from a released block where one of that shape is free
+        """A buffer array, recycled from a released buffer where one of that shape is free
         (fresh pages cost a page fault each on first touch)."""
         free = self._pool.get((tuple(shape), np.dtype(dtype)))
         return free.pop() if free else np.empty(shape, dtype=dtype)
 
-    def recycle(self, block: Block) -> None:
-        """Give a block's arrays back once no batch will be gathered from it again."""
-        for name, arr in block.arrays.items():
+    def recycle(self, buffer: Buffer) -> None:
+        """Give a buffer's arrays back once no batch will be gathered from it again."""
+        for name, arr in buffer.arrays.items():
             if not self.layouts[name].static:
                 free = self._pool.setdefault((arr.shape, arr.dtype), [])
                 if len(free) < self.pool_size:
                     free.append(arr)
 
     # ------------------------------------------------------------------ gathering
-    def gather(self, block: Block, rows: np.ndarray,
+    def gather(self, buffer: Buffer, rows: np.ndarray,
                into: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-        """Raw values of samples ``rows`` (positions in the block's yield order), per variable;
+        """Raw values of samples ``rows`` (positions in the buffer's yield order), per variable;
         written into ``into[var]`` (e.g. a channel of a stacked batch) where given."""
-        slot = block.slot[rows]
-        st = block.starts[rows]
+        slot = buffer.slot[rows]
+        st = buffer.starts[rows]
         out = {}
         for name, lay in self.layouts.items():
-            buf = block.arrays[name]
+            buf = buffer.arrays[name]
             if not lay.has_sample_axis:
                 out[name] = buf[0].transpose(np.argsort(lay.order))
                 continue
-            out[name] = self._gather_var(lay, buf, slot, st, block.origin, None if into is None else into[name])
+            out[name] = self._gather_var(lay, buf, slot, st, buffer.origin, None if into is None else into[name])
         return out
 
     def _gather_var(self, lay: VarLayout, buf: np.ndarray, slot: np.ndarray, st: np.ndarray,
@@ -258,16 +227,16 @@ def _cut(lay: VarLayout, view: np.ndarray, dim: str, a: int, b: int) -> np.ndarr
 
 
 class _Step:
-    """What block ``j`` of a ``HaloPlan`` reads, takes and gives (state lives on the I/O loop)."""
+    """What buffer ``j`` of a ``HaloPlan`` reads, takes and gives (state lives on the I/O loop)."""
 
     def __init__(self, halo: HaloPlan, j: int):
         self.halo, self.j = halo, j
         self.segments = halo.segments[j]  # per slot: [(a, b, entry or None)]
-        self.give = halo.gives[j]  # entry -> (a, b): positions this block reads for later blocks
+        self.give = halo.gives[j]  # entry -> (a, b): positions this buffer reads for later buffers
         self.held = halo.held  # entry -> {var: array (positions, rest of the slot layout)}
 
     async def take(self, arrays: dict[str, np.ndarray], origin: np.ndarray) -> None:
-        """Copy what earlier blocks passed on into this block's slots (after they are loaded)."""
+        """Copy what earlier buffers passed on into this buffer's slots (after they are loaded)."""
         h = self.halo
         want = {e for seg in self.segments for _, _, e in seg if e is not None}
         for e in sorted(want):
@@ -299,27 +268,27 @@ class _Step:
     def fail(self, e: BaseException) -> None:
         fut = self.halo.ready(self.j)
         if not fut.done():
-            fut.set_exception(e if isinstance(e, Exception) else RuntimeError("xinsitu: block load cancelled"))
-            fut.exception()  # retrieved: no "never retrieved" warning where no block waits on it
+            fut.set_exception(e if isinstance(e, Exception) else RuntimeError("xinsitu: buffer load cancelled"))
+            fut.exception()  # retrieved: no "never retrieved" warning where no buffer waits on it
 
 
 class HaloPlan:
     """Windows and tiles that spill into the next unit, in one epoch: a unit's first positions are
-    needed by its own block and by the block of the unit before it. Rather than read such a chunk
-    twice, the block that reads it first passes the positions a later block needs on to it (up to
-    ``ahead`` blocks later: memory stays bounded by a few blocks); values and order are unchanged.
+    needed by its own buffer and by the buffer of the unit before it. Rather than read such a chunk
+    twice, the buffer that reads it first passes the positions a later buffer needs on to it (up to
+    ``ahead`` buffers later: memory stays bounded by a few buffers); values and order are unchanged.
 
-    Planned once per epoch (pure index math, one split dim): per block and slot the segments of its
-    region, each read or taken from an entry ``(block, unit)`` that an earlier block fills.
+    Planned once per epoch (pure index math, one split dim): per buffer and slot the segments of its
+    region, each read or taken from an entry ``(buffer, unit)`` that an earlier buffer fills.
     """
 
-    def __init__(self, loader: BlockLoader, plan: EpochPlan, first: int, ahead: int):
+    def __init__(self, loader: BufferLoader, plan: EpochPlan, first: int, ahead: int):
         sp = loader.space
         edges = sp.edges[0]
         unit_of = {int(b): u for u, b in enumerate(sp.blocks)}
-        blocks = range(first, plan.n_blocks)
-        need: dict[int, list[list[tuple[int, int, int]]]] = {}  # block -> per slot [(unit, a, b)]
-        for j in blocks:
+        buffers = range(first, plan.n_buffers)
+        need: dict[int, list[list[tuple[int, int, int]]]] = {}  # buffer -> per slot [(unit, a, b)]
+        for j in buffers:
             _, origin, end = loader._slots(plan, j)
             per_slot = []
             for o, e in zip(origin[:, 0].tolist(), end[:, 0].tolist(), strict=True):
@@ -331,20 +300,20 @@ class HaloPlan:
                     pos = b
                 per_slot.append(segs)
             need[j] = per_slot
-        # every need of a unit is a prefix of it (its own block: whole; the unit before: its head)
-        ends: dict[int, dict[int, int]] = {j: {} for j in blocks}
-        for j in blocks:
+        # every need of a unit is a prefix of it (its own buffer: whole; the unit before: its head)
+        ends: dict[int, dict[int, int]] = {j: {} for j in buffers}
+        for j in buffers:
             for segs in need[j]:
                 for u, _, b in segs:
                     ends[j][u] = max(ends[j].get(u, 0), b)
         self.segments: dict[int, list[list[tuple[int, int, Any]]]] = {}
-        self.gives: dict[int, dict[tuple[int, int], tuple[int, int]]] = {j: {} for j in blocks}
+        self.gives: dict[int, dict[tuple[int, int], tuple[int, int]]] = {j: {} for j in buffers}
         self.entry_start: dict[tuple[int, int], int] = {}
         self.takers: dict[tuple[int, int], int] = {}
         live: dict[int, tuple[tuple[int, int], int]] = {}  # unit -> (entry, end held)
-        for j in blocks:
+        for j in buffers:
             later = {}
-            for k in range(j + 1, min(j + ahead + 1, plan.n_blocks)):
+            for k in range(j + 1, min(j + ahead + 1, plan.n_buffers)):
                 for u, b in ends[k].items():
                     later[u] = max(later.get(u, 0), b)
             per_slot, taken = [], set()
@@ -358,7 +327,7 @@ class HaloPlan:
                     else:
                         out.append((a, b, None))
                 per_slot.append(out)
-            for key in taken:  # blocks taking from an entry (it is let go after the last one)
+            for key in taken:  # buffers taking from an entry (it is let go after the last one)
                 self.takers[key] += 1
             self.segments[j] = per_slot
             for u, b in ends[j].items():
@@ -378,7 +347,7 @@ class HaloPlan:
         self._ready: dict[int, asyncio.Future] = {}
 
     def ready(self, j: int) -> asyncio.Future:
-        """Resolved when block ``j`` has filled what it passes on (created on the I/O loop)."""
+        """Resolved when buffer ``j`` has filled what it passes on (created on the I/O loop)."""
         if j not in self._ready:
             self._ready[j] = asyncio.get_running_loop().create_future()
         return self._ready[j]

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from xinsitu import __version__
-from xinsitu import repr as _repr
+from xinsitu import formatting as _repr
 
 DEFAULT_FRACTIONS = {"train": 0.8, "val": 0.1, "test": 0.1}
 

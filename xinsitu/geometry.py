@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from xinsitu import repr as _repr
+from xinsitu import formatting
 from xinsitu.source import _ARANGES, VarSource
 
 
@@ -24,10 +24,6 @@ class VarGeometry:
     chunk_nbytes: int  # decoded size of one chunk
     nchunks: int  # chunks the selection touches
     stored: bool
-
-    @property
-    def shard_nbytes(self) -> int | None:
-        return None if self.shards is None else int(np.prod(self.shards)) * np.dtype(self.dtype).itemsize
 
 
 @dataclass(frozen=True)
@@ -47,49 +43,11 @@ class Geometry:
     def nblocks(self, dim: str) -> int:
         return len(self.edges[dim]) - 1
 
-    def _summary(self) -> str:
-        split = [f"{d} ({self.nblocks(d)} chunks)" for d in self.dims if self.nblocks(d) > 1]
-        nv = len(self.variables)
-        return f"{nv} variable{'s' if nv != 1 else ''}, chunked along " + (", ".join(split) or "no dim")
-
-    def _sections(self) -> list[_repr.Section]:
-        sharded = any(g.shards for g in self.variables.values())
-        header = ("variable", "dims", "shape", "chunk", *(("shard",) if sharded else ()), "dtype", "codecs",
-                  "chunk size", "chunks")
-        rows = [
-            (
-                g.name,
-                "(" + ", ".join(g.dims) + ")",
-                _fmt_shape(g.shape),
-                _fmt_shape(g.chunks),
-                *((_fmt_shape(g.shards) if g.shards else "-",) if sharded else ()),
-                g.dtype,
-                ", ".join(g.codecs) or "-",
-                _repr.fmt_bytes(g.chunk_nbytes),
-                str(g.nchunks),
-            )
-            for g in self.variables.values()
-        ]
-        dim_rows = [
-            (d, str(self.sizes[d]), str(c) if isinstance(c, int) else "differs: " + ", ".join(map(str, c)),
-             str(self.nblocks(d)))
-            for d, c in self.dims.items()
-        ]
-        return [
-            _repr.Section("Dimensions", ("dim", "length", "chunk", "chunk blocks"), dim_rows,
-                          summary=f"({len(dim_rows)})"),
-            _repr.Section("Variables", header, rows, summary=f"({len(rows)})"),
-        ]
-
     def __repr__(self) -> str:
-        return _repr.text("xinsitu.Geometry", self._sections(), self._summary())
+        return formatting.text_repr(self)
 
     def _repr_html_(self) -> str:
-        return _repr.html("xinsitu.Geometry", self._sections(), repr(self), self._summary())
-
-
-def _fmt_shape(shape: tuple[int, ...] | None) -> str:
-    return "(" + ", ".join(map(str, shape or ())) + ")"
+        return formatting.html_repr(self)
 
 
 def _codec_names(array: object) -> tuple[str, ...]:

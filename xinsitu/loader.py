@@ -1,115 +1,30 @@
 """``BatchGenerator``: batches of one split, read in place.
 
-Three parties work at once. The I/O loop reads shuffle blocks ahead (a few blocks in
-flight, their chunk reads bounded by ``max_inflight``); a prefetch thread gathers
-batches from loaded blocks into a small bounded queue; the caller's thread only takes
-finished batches off that queue. Errors travel through the queues and are raised to the
-caller; closing the iterator (or breaking out of the loop) stops both helpers.
+The generator holds the configuration (checked, see ``sampling``), the epoch and the resume
+state, and answers questions about them without I/O (``len``, ``plan``, ``batch_ids``,
+``shuffle_quality``, the repr). Iterating it runs one ``pipeline.EpochRun``: the I/O loop
+reads buffers ahead, a prefetch thread gathers batches, the caller takes them.
 """
 
 from __future__ import annotations
 
-import asyncio
-import math
 import os
-import queue
-import sys
-import threading
-import time
 import warnings
 from typing import Any
 
 import numpy as np
 import xarray as xr
 
-from xinsitu import _loop
-from xinsitu import repr as _repr
-from xinsitu import shuffle as _shuffle
-from xinsitu.buffer import BlockLoader, VarLayout
-from xinsitu.geometry import geometry_of
+from xinsitu import _loop, formatting
+from xinsitu.buffer import BufferLoader
+from xinsitu.channels import channel_names
+from xinsitu.manifest import SplitManifest
 from xinsitu.output import OutputBuilder
-from xinsitu.plan import EpochPlan, SampleDim, SampleSpace, epoch_plan, epoch_size, plan_head, rank_share, segment_plan
+from xinsitu.pipeline import EpochRun
+from xinsitu.plan import EpochPlan, epoch_plan, epoch_size, plan_head, plan_quality, segment_plan
 from xinsitu.reader import Reader
-from xinsitu.snapshot import snapshot_of_sources
-from xinsitu.source import resolve
-from xinsitu.split import SplitManifest, coord_span
+from xinsitu.sampling import check_split, dist_defaults, flag, int_arg, positive_int, sampling
 from xinsitu.state import check_state, make_state
-
-_END = object()
-PREFETCH_BLOCKS = 3  # blocks read ahead or held: one being gathered from, one spanning, one loading
-#: ... and at most this many where the store is far (enough blocks loading to fill ``max_inflight``)
-MAX_PREFETCH_BLOCKS = 6
-PREFETCH_BATCHES = 2
-WAIT_STEP_S = 0.05  # queue waits are this long at most, then check that the other side still runs
-
-
-def _int_arg(name: str, v: Any, minimum: int | None = None) -> int:
-    """``v`` as an int; a bool, a float or a string is refused (never truncated or parsed)."""
-    if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an integer, got {type(v).__name__} {v!r}")
-    if minimum is not None and v < minimum:
-        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ValueError(f"{name} must be {what}, got {v!r}")
-    return int(v)
-
-
-def _positive_int(name: str, v: Any) -> int:
-    return _int_arg(name, v, 1)
-
-
-def _flag(name: str, v: Any) -> bool:
-    """``v`` as a bool; ``"no"`` or ``"False"`` would be truthy, so only real booleans pass."""
-    if not isinstance(v, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True or False, got {type(v).__name__} {v!r}")
-    return bool(v)
-
-
-def _variable_names(v: Any, ds: xr.Dataset) -> list[str] | None:
-    """``variables=`` as a list of data variable names (None: the default)."""
-    if v is None:
-        return None
-    names = [v] if isinstance(v, str) else v
-    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
-        raise TypeError(f"variables must be a variable name or a list of names, got {type(v).__name__} {v!r}")
-    if not names:
-        raise ValueError("variables is empty: name at least one data variable")
-    unknown = [n for n in names if n not in ds.data_vars]
-    if unknown:
-        raise ValueError(f"variables: unknown variable(s) {unknown}; the Dataset has {list(ds.data_vars)}")
-    if len(set(names)) != len(names):
-        raise ValueError(f"variables names a variable twice: {list(names)}")
-    return list(names)
-
-
-def _dim_map(name: str, v: Any, sizes: dict[str, int]) -> dict[str, int]:
-    if v is None:
-        return {}
-    if not isinstance(v, dict):
-        raise TypeError(f"{name} must be a dict of dim -> length, got {type(v).__name__}")
-    out = {}
-    for d, n in v.items():
-        if d not in sizes:
-            raise ValueError(f"{name}: unknown dim {d!r}; the variables have dims {sorted(sizes)}")
-        n = _positive_int(f"{name}[{d!r}]", n)
-        if n > sizes[d]:
-            raise ValueError(f"{name}[{d!r}] = {n} is longer than dim {d!r} ({sizes[d]})")
-        out[d] = n
-    return out
-
-
-def _dist_defaults(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    if rank is None or world_size is None:
-        # only a process that imported torch.distributed can have initialised it: don't import
-        # torch (~200 MB, ~1 s) just to learn that it hasn't
-        dist = sys.modules.get("torch.distributed")
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            rank = dist.get_rank() if rank is None else rank
-            world_size = dist.get_world_size() if world_size is None else world_size
-    world_size = 1 if world_size is None else _positive_int("world_size", world_size)
-    rank = 0 if rank is None else _int_arg("rank", rank)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}) for world_size={world_size}, got {rank}")
-    return rank, world_size
 
 
 class BatchGenerator:
@@ -148,7 +63,8 @@ class BatchGenerator:
     device : str or torch.device, optional
         Where torch tensors go (e.g. ``"cuda:0"``).
     block_chunks : int, default 16
-        Chunk blocks per shuffle block (memory ~ a few blocks).
+        Chunk blocks (units) per buffer: read together, samples drawn at random from them
+        (memory ~ a few buffers).
     max_inflight : int, optional
         Chunk requests in flight at most. Default: sized from the store's latency, from 64
         (local disk) up to 256 (object stores; see ``xinsitu.reader.InflightLimit``).
@@ -170,31 +86,22 @@ class BatchGenerator:
                  block_chunks: int = 16, max_inflight: int | None = None, drop_last: bool = False,
                  rank: int | None = None, world_size: int | None = None, progress: bool = False,
                  missing: str = "fill"):
-        if not isinstance(manifest, SplitManifest):
-            raise TypeError(f"manifest must be a SplitManifest (from ds.insitu.split), got {type(manifest).__name__}")
-        if not isinstance(split, str):
-            raise TypeError(f"split must be the name of a split (a str), got {type(split).__name__} {split!r}")
-        if split not in manifest.splits:
-            raise ValueError(f"unknown split {split!r}; the manifest has {list(manifest.splits)}")
-        self.batch_size = _positive_int("batch_size", batch_size)
-        self.block_chunks = _positive_int("block_chunks", block_chunks)
-        self.max_inflight = None if max_inflight is None else _positive_int("max_inflight", max_inflight)
-        self.seed = _int_arg("seed", seed, 0)  # numpy's generators take no negative seed
-        self.shuffle, self.drop_last = _flag("shuffle", shuffle), _flag("drop_last", drop_last)
-        self.rank, self.world_size = _dist_defaults(rank, world_size)
-        self.manifest, self.split, self.progress = manifest, split, _flag("progress", progress)
+        check_split(manifest, split)
+        self.batch_size = positive_int("batch_size", batch_size)
+        self.block_chunks = positive_int("block_chunks", block_chunks)
+        self.max_inflight = None if max_inflight is None else positive_int("max_inflight", max_inflight)
+        self.seed = int_arg("seed", seed, 0)  # numpy's generators take no negative seed
+        self.shuffle, self.drop_last = flag("shuffle", shuffle), flag("drop_last", drop_last)
+        self.rank, self.world_size = dist_defaults(rank, world_size)
+        self.manifest, self.split, self.progress = manifest, split, flag("progress", progress)
         if missing not in ("fill", "raise"):
             raise ValueError(f"missing must be 'fill' or 'raise', got {missing!r}")
         self.missing = missing
-        variables = _variable_names(variables, ds)
-        if variables is None:
-            variables = [v for v in ds.data_vars if any(d in ds[v].dims for d in manifest.dims)]
-        self.sources = resolve(ds, variables)
-        self.geometry = geometry_of(self.sources)
-        self._check_manifest(ds)
-        self.space = self._sample_space(window, patch, stride, over)
-        self.space.offsets  # noqa: B018 (samples per unit and their offsets: made once, for len, plans and sample)
-        self.layouts = {n: VarLayout.build(s, self.space) for n, s in self.sources.items()}
+        sampled = sampling(ds, manifest, split, window=window, patch=patch, stride=stride, over=over,
+                           variables=variables, stacklevel=3)
+        self.sampling = sampled
+        self.sources, self.geometry, self.space, self.layouts = (sampled.sources, sampled.geometry, sampled.space,
+                                                                 sampled.layouts)
         self.builder = OutputBuilder(ds, self.space, self.layouts, output, stack, device, normalize=normalize)
         self.normalize = normalize
         self.output = output
@@ -204,7 +111,7 @@ class BatchGenerator:
         self._yielded_at = (0, 0)  # (epoch, batches) of the last batch handed out: what state_dict saves
         self._live = 0  # iterations under way
         self._reader: Reader | None = None
-        self._loader: BlockLoader | None = None
+        self._loader: BufferLoader | None = None
         self._pid = -1
         self._io: dict[str, Any] = {}
         self._channels: list[str] | None = None
@@ -216,11 +123,7 @@ class BatchGenerator:
 
     def _check_not_empty(self) -> None:
         """Refuse a generator that would yield nothing: an empty epoch looks like a finished one."""
-        if self.space.n_samples == 0:
-            wide = {d.name: d.width for d in self.space.dims if d.width > 1}
-            raise ValueError(f"split {self.split!r} holds no sample of this shape ({wide or 'one position'}): "
-                             "every window/patch is longer than the split's runs of whole chunk blocks "
-                             f"along {[d.name for d in self.space.split_dims]}; use a shorter window or patch")
+        self.sampling.check_not_empty()
         if self.world_size > 1 or self.drop_last:
             n = self.plan(self.epoch).n_batches
             if n == 0:
@@ -231,52 +134,11 @@ class BatchGenerator:
                                  + "; use fewer ranks or a smaller batch_size")
 
     # ------------------------------------------------------------------ set-up
-    def _check_manifest(self, ds: xr.Dataset) -> None:
-        m, g = self.manifest, self.geometry
-        m.check_grid(g.sizes, g.edges, g.dims)  # its own grid or a refinement of it
-        m.check_labels({d: coord_span(ds, d) for d in m.dims if coord_span(ds, d) is not None})
-        snap = snapshot_of_sources(self.sources)
-        if m.snapshot is not None and snap is not None and snap != m.snapshot:
-            warnings.warn(f"manifest was made on snapshot {m.snapshot}, this dataset is snapshot {snap}: "
-                          "the data may have changed", UserWarning, stacklevel=4)
-
-    def _sample_space(self, window: Any, patch: Any, stride: Any, over: Any) -> SampleSpace:
-        sizes = self.geometry.sizes
-        window = _dim_map("window", window, sizes)
-        patch = _dim_map("patch", patch, sizes)
-        stride = _dim_map("stride", stride, sizes)
-        over = [over] if isinstance(over, str) else list(over or [])
-        both = set(window) & set(patch)
-        if both:
-            raise ValueError(f"dims {sorted(both)} are in both window and patch")
-        for d in stride:
-            if d not in patch:
-                raise ValueError(f"stride[{d!r}] given but {d!r} is not a patch dim")
-        for d in over:
-            if d not in sizes:
-                raise ValueError(f"over: unknown dim {d!r}; the variables have dims {sorted(sizes)}")
-            if d in self.manifest.dims or d in window or d in patch:
-                raise ValueError(f"over: dim {d!r} is already a split, window or patch dim")
-        dims = []
-        for d in self.manifest.dims:
-            w = window.get(d, patch.get(d, 1))
-            st = stride.get(d, patch.get(d, 1)) if d in patch else 1
-            dims.append(SampleDim(d, sizes[d], w, st, keep=d in window or d in patch, split=True))
-        for d in list(patch) + list(window):
-            if d not in self.manifest.dims:
-                st = stride.get(d, patch[d]) if d in patch else 1
-                dims.append(SampleDim(d, sizes[d], patch.get(d, window.get(d, 1)), st, keep=True))
-        for d in over:
-            dims.append(SampleDim(d, sizes[d]))
-        return SampleSpace(dims, self.geometry.edges | {d: np.asarray(self.manifest.edges[d])
-                                                        for d in self.manifest.dims},
-                           self.manifest.blocks(self.split))
-
-    def _blockloader(self) -> BlockLoader:
+    def _buffer_loader(self) -> BufferLoader:
         if self._loader is None or self._pid != os.getpid():  # a new process gets its own reader
             self._reader = Reader(self.max_inflight)
             self._reader.on_missing = self.missing
-            self._loader = BlockLoader(self.space, self.layouts, self._reader)
+            self._loader = BufferLoader(self.space, self.layouts, self._reader)
             self._pid = os.getpid()
         return self._loader
 
@@ -311,8 +173,7 @@ class BatchGenerator:
     def _epoch_size(self) -> tuple[int, int]:
         """(samples, units) of this rank's current epoch, without ordering 10^7 units where the
         order cannot change them (``plan.epoch_size``)."""
-        resumed = bool(self._elastic) and self.epoch == self._elastic_epoch  # the rest of an epoch: its own plan
-        size = None if resumed else epoch_size(self.space, world_size=self.world_size, rank=self.rank,
+        size = None if self.elastic_remainder else epoch_size(self.space, world_size=self.world_size, rank=self.rank,
                                                batch_size=self.batch_size, drop_last=self.drop_last)
         if size is None:
             p = self.plan()
@@ -322,6 +183,12 @@ class BatchGenerator:
     def __len__(self) -> int:
         full, rest = divmod(self._epoch_size()[0], self.batch_size)
         return full + (1 if rest and not self.drop_last else 0)
+
+    @property
+    def elastic_remainder(self) -> bool:
+        """Whether the current epoch is the rest of one saved by a run of another world size
+        (``load_state_dict``): its plan deals what no rank had yielded across this run's ranks."""
+        return bool(self._elastic) and self.epoch == self._elastic_epoch
 
     @property
     def n_samples(self) -> int:
@@ -336,22 +203,28 @@ class BatchGenerator:
 
     def __iter__(self) -> Any:
         start, self._resume_batch = self._resume_batch, 0
-        return self._iter_range(start, None)
+        return self._batches(self.epoch, start, None, self.progress)
 
-    def _iter_range(self, start: int, stop: int | None) -> Any:
-        """Batches ``start..stop-1`` of this rank's epoch, reading only the blocks they draw from.
+    def iter_batches(self, start: int = 0, stop: int | None = None, *, progress: bool | None = None) -> Any:
+        """Batches ``start..stop-1`` of this rank's current epoch (``stop=None``: to its end), reading
+        only the buffers they draw from; a DataLoader worker iterates its share this way.
 
-        The epoch is fixed now: a later ``set_epoch`` takes effect at the next iteration."""
-        return self._batches(self.epoch, start, stop)
+        The epoch is fixed now: a later ``set_epoch`` takes effect at the next iteration.
+        ``progress`` (default: the generator's) shows a tqdm bar for this iteration.
+        """
+        start = int_arg("start", start, 0)
+        stop = None if stop is None else int_arg("stop", stop, 0)
+        progress = self.progress if progress is None else flag("progress", progress)
+        return self._batches(self.epoch, start, stop, progress)
 
-    def _batches(self, epoch: int, start: int, stop: int | None) -> Any:
+    def _batches(self, epoch: int, start: int, stop: int | None, progress: bool) -> Any:
         plan = self.plan(epoch)
         plan = plan_head(plan, plan.n_batches if stop is None else stop)  # blocks past the last batch: unread
         self._live += 1
         self._yielded_at = (epoch, start)
-        run = _EpochRun(self, plan, start)
+        run = EpochRun(plan, start, self._buffer_loader(), self.builder)
         bar = None
-        if self.progress:
+        if progress:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=plan.n_batches, initial=start, desc=f"{self.split} epoch {epoch}", unit="batch")
@@ -428,8 +301,6 @@ class BatchGenerator:
     def channels(self) -> list[str]:
         """Channel names of a stacked batch, in order (the variables' names where they cannot be stacked)."""
         if self._channels is None:
-            from xinsitu.stats import channel_names
-
             self._channels = channel_names(self._ds, self.layouts, tuple(d.name for d in self.space.dims if d.keep))
         return list(self._channels)
 
@@ -437,38 +308,27 @@ class BatchGenerator:
         """How well batches mix chunks, 0..1 (1.0 ~ a global shuffle); computed from the plan.
 
         Scores the first ``max_batches`` batches of this rank's epoch (no I/O; only the
-        shuffle blocks those batches come from are ordered).
+        buffers those batches come from are ordered).
         """
-        return self._quality(self.plan(), max_batches)
-
-    def _quality(self, p: EpochPlan, max_batches: int) -> float:
-        need = min(p.n_samples, max_batches * self.batch_size)
-        parts, n, j = [], 0, 0
-        while n < need and j < p.n_blocks:
-            parts.append(p.block_order(j, self.space.offsets))
-            n += len(parts[-1])
-            j += 1
-        ids = np.concatenate(parts)[:need] if parts else np.zeros(0, np.int64)
-        units = [self.space.locate(ids[k:k + self.batch_size])[0] for k in range(0, len(ids), self.batch_size)]
-        return _shuffle.quality(units, self.space.counts)
+        return plan_quality(self.plan(), self.space, self.batch_size, max_batches)
 
     def sample(self, i: int) -> xr.Dataset:
         """Sample ``i`` of the whole split (unshuffled order) as a labeled ``xr.Dataset``."""
-        i = _int_arg("i", i)
+        i = int_arg("i", i)
         if not 0 <= i < self.space.n_samples:
             raise IndexError(f"sample index i={i} is out of range: split {self.split!r} has "
                              f"{self.space.n_samples} samples")
         unit, local = self.space.locate(np.array([i]))
         plan = EpochPlan(units=unit, lo=local, hi=local + 1, block_chunks=1, n_samples=1, batch_size=1,
                          drop_last=False, shuffle=False, seed=0, epoch=0, rank=0, world_size=1)
-        loader = self._blockloader()
+        loader = self._buffer_loader()
         block = _loop.run(loader.load(plan, 0))
         raw = loader.gather(block, np.array([0]))
         values = self.builder.decode(raw)
         coords = self.builder.sample_coords(block.starts[:1])
         if "sample" in coords.dims:  # not where no sampled dim has a coordinate
             coords = coords.isel(sample=0)
-        data = {n: xr.Variable(self.builder._dims(n)[1:] if self.layouts[n].has_sample_axis else
+        data = {n: xr.Variable(self.builder.dims_of(n)[1:] if self.layouts[n].has_sample_axis else
                                self.layouts[n].src.dims, a[0] if self.layouts[n].has_sample_axis else a,
                                attrs=self.builder.attrs[n]) for n, a in values.items()}
         return xr.Dataset(data, coords=coords.coords, attrs=self.builder.ds_attrs)
@@ -479,336 +339,8 @@ class BatchGenerator:
 
         return InsituIterableDataset(self)
 
-    def _headline(self) -> str:
-        return f"{self.split!r}: {len(self)} batches of {self.batch_size}, output={self.output!r}"
-
-    def _display_plan(self) -> tuple[EpochPlan, int]:
-        """The plan the repr describes (its first 50 batches at least) and how many units it reads:
-        where the unit order cannot change what the repr shows (units of equal size), the same cut
-        with the units in split order, and for one rank only its head (no permutation of, nor pass
-        over, 10^7 units just to print); else the plan."""
-        c = self.space.counts
-        resumed = bool(self._elastic) and self.epoch == self._elastic_epoch
-        if resumed or not len(c) or not bool((c == c[0]).all()) or not c[0]:
-            p = self.plan()
-            return p, len(p.units)
-        kw = dict(block_chunks=self.block_chunks, batch_size=self.batch_size, drop_last=self.drop_last,
-                  shuffle=self.shuffle, seed=self.seed, epoch=self.epoch, rank=self.rank, world_size=self.world_size)
-        if self.world_size == 1:
-            n, units = epoch_size(self.space, world_size=1, rank=0, batch_size=self.batch_size,
-                                  drop_last=self.drop_last)
-            k = min(units, (-(-50 * self.batch_size // int(c[0])) // self.block_chunks + 1) * self.block_chunks)
-            return EpochPlan(units=np.arange(k), lo=np.zeros(k, np.int64), hi=c[:k].copy(), n_samples=n, **kw), units
-        pos, lo, hi, n = rank_share(c, self.world_size, self.rank, self.batch_size, self.drop_last)
-        return EpochPlan(units=pos, lo=lo, hi=hi, n_samples=n, **kw), len(pos)
-
-    def _epoch_bytes(self, p: EpochPlan, n_units: int | None = None) -> int:
-        """Decoded bytes of the chunk blocks this rank reads in an epoch (halos and partial chunks aside)."""
-        sp = self.space
-        split = {d.name for d in sp.split_dims}
-        n_units = len(p.units) if n_units is None else n_units
-        if n_units == len(sp.blocks) and all(lay.static or split <= set(lay.src.dims) for lay in self.layouts.values()):
-            # every unit once (one rank): the split's positions, O(runs of the manifest)
-            n = self.manifest.positions(self.split)
-            total = 0
-            for lay in self.layouts.values():
-                rest = lay.src.raw_dtype.itemsize * int(np.prod([k for d, k in zip(lay.src.dims, lay.src.shape,
-                                                                                 strict=True) if d not in split]))
-                total += rest * (1 if lay.static else n)
-            return total
-        coords = np.unravel_index(sp.blocks[p.units], sp.grid)
-        extent = {d.name: np.diff(sp.edges[k])[coords[k]] for k, d in enumerate(sp.split_dims)}
-        total = 0
-        for lay in self.layouts.values():
-            src = lay.src
-            per = np.ones(len(p.units), dtype=np.int64)
-            rest = src.raw_dtype.itemsize
-            for d, n in zip(src.dims, src.shape, strict=True):
-                if d in extent:
-                    per = per * extent[d]
-                else:
-                    rest *= n
-            total += rest if lay.static else int(per.sum()) * rest  # a static variable is read once
-        return total
-
-    def _sections(self) -> list[_repr.Section]:
-        p, n_units = self._display_plan()
-        nvar = sum(1 for lay in self.layouts.values() if not lay.static)
-        batches = f"{p.n_batches} x {self.batch_size} samples"
-        if p.n_samples % self.batch_size:
-            batches += " (short last batch dropped)" if self.drop_last else " (last one short)"
-        samples = f"{p.n_samples} of {self.space.n_samples} in split {self.split!r}"
-        if self.world_size > 1:
-            samples += f" (rank {self.rank} of {self.world_size})"
-        if self.shuffle:
-            shuffle = (f"seed {self.seed}, epoch {self.epoch}, buffers of {self.block_chunks} chunk blocks; "
-                       f"quality {self._quality(p, 50):.2f} (1.0 ~ global)")
-        else:
-            shuffle = f"off: chunk blocks in split order (epoch {self.epoch})"
-        once = "" if any(d.width > 1 for d in self.space.split_dims) else ", each chunk read once"
-        info = [("batches", batches), ("samples", samples),
-                ("reads / epoch", f"{n_units} chunk blocks x {nvar} variable{'s' if nvar != 1 else ''}, "
-                                  f"~{_repr.fmt_bytes(self._epoch_bytes(p, n_units))} decoded{once}"),
-                ("shuffle", shuffle), ("output", self.output + (f" on {self.builder.device}"
-                                                                if getattr(self.builder, "device", None) else ""))]
-        roles = []
-        sampled = {d.name for d in self.space.dims}
-        for d in self.space.dims:
-            if d.width == 1:
-                what = "1 position"
-            elif d.stride == 1:
-                what = f"window of {d.width}"
-            else:
-                what = f"tile of {d.width}, stride {d.stride}"
-            role = "split dim" if d.split else ("over: one sample per position" if not d.keep else "window / patch")
-            roles.append((d.name, str(d.size), what, role))
-        for d, n in self.geometry.sizes.items():
-            if d not in sampled:
-                roles.append((d, str(n), f"whole ({n})", "kept"))
-        width = {d.name: d.width for d in self.space.dims if d.keep}
-        var_rows = []
-        for name, lay in self.layouts.items():
-            shape = ", ".join(f"{d}: {width.get(d, self.geometry.sizes.get(d, 0))}" for d in lay.out_dims)
-            var_rows.append((name, f"({shape})", str(lay.src.dtype), "static: same in every batch" if lay.static
-                             else ""))
-        sections = [_repr.Section("Epoch", (), info),
-                    _repr.Section("Sample", ("dim", "length", "takes", "role"), roles),
-                    _repr.Section("Variables", ("variable", "per sample", "dtype", ""), var_rows,
-                                  summary=f"({len(var_rows)})")]
-        io = {k: self._io.get(k, 0) for k in ("chunks", "requests", "bytes_read", "bytes_decoded", "samples_per_s",
-                                               "mb_per_s", "seconds", "wait_s", "epoch", "batches")}
-        if self._io:  # a repr never raises: missing counters read as 0
-            sections.append(_repr.Section("Last epoch I/O", (), [
-                ("read", f"{io['chunks']} chunks in {io['requests']} requests, {_repr.fmt_bytes(io['bytes_read'])} "
-                         f"stored -> {_repr.fmt_bytes(io['bytes_decoded'])} decoded"),
-                ("rate", f"{io['samples_per_s']:.0f} samples/s, {io['mb_per_s']:.1f} MB/s decoded "
-                         f"over {io['seconds']:.2f} s"),
-                ("waited for data", f"{io['wait_s']:.2f} s")],
-                summary=f"(epoch {io['epoch']}, {io['batches']} batches)", collapsed=True))
-        return sections
-
     def __repr__(self) -> str:
-        return _repr.text("xinsitu.BatchGenerator", self._sections(), self._headline())
+        return formatting.text_repr(self)
 
     def _repr_html_(self) -> str:
-        return _repr.html("xinsitu.BatchGenerator", self._sections(), repr(self), self._headline())
-
-
-class _EpochRun:
-    """One pass over an epoch plan: the I/O producer, the prefetch thread, and their queues."""
-
-    def __init__(self, gen: BatchGenerator, plan: EpochPlan, start: int):
-        self.gen, self.plan, self.start = gen, plan, start
-        self.loader = gen._blockloader()
-        self.counters_before = _copy_counters(self.loader.reader.counters)
-        self.blocks: queue.Queue = queue.Queue()
-        self.batches: queue.Queue = queue.Queue(PREFETCH_BATCHES)
-        self.stop = threading.Event()
-        self.wait_s = 0.0
-        self.samples = 0
-        self.n_batches = 0
-        self.borrowed = 0
-        self.t0 = time.perf_counter()
-        self.t_end: float | None = None
-        self.loop = _loop.get_loop()
-        self.credits: asyncio.Semaphore | None = None
-        self.depth = PREFETCH_BLOCKS  # blocks read ahead or held (grows with requests in flight)
-        self.n_loaded = 0
-        self.failed = False  # a block failed to load (set on the I/O loop)
-        self.tasks: set[asyncio.Task] = set()  # block loads in flight
-        if start >= plan.n_batches:
-            self.first_block = plan.n_blocks
-        else:
-            self.first_block = plan.blocks_of(*plan.batch_span(start))[0]
-        # chunks that windows spill into, passed from block to block rather than read twice
-        self.halo = self.loader.halo_plan(plan, self.first_block)
-        self.io_future = _loop.submit(self._produce())
-        self.thread = threading.Thread(target=self._assemble, name="xinsitu-prefetch", daemon=True)
-        self.thread.start()
-
-    # -- I/O loop side
-    async def _produce(self) -> None:
-        self.credits = asyncio.Semaphore(self.depth)
-        prev: asyncio.Task | None = None
-        try:
-            for j in range(self.first_block, self.plan.n_blocks):
-                await self.credits.acquire()
-                if self.stop.is_set() or self.failed:
-                    break  # a failed block ends the epoch: its error is on its way to the caller
-                prev = asyncio.ensure_future(self._load(j, prev))
-                self.tasks.add(prev)
-                prev.add_done_callback(self.tasks.discard)
-            delivered = True if prev is None else await prev
-            if delivered and not self.stop.is_set():
-                self.blocks.put(_END)
-        except asyncio.CancelledError:
-            for t in list(self.tasks):  # closed early: stop the reads of blocks nobody will take
-                t.cancel()
-            raise
-        except Exception as e:  # noqa: BLE001 - delivered to the caller
-            self.blocks.put(e)
-
-    async def _load(self, j: int, prev: asyncio.Task | None) -> bool:
-        """Load block ``j`` and hand it (or its error) on after block ``j - 1``; whether it was delivered."""
-        try:
-            block: Any = await self.loader.load(self.plan, j, self.halo)
-        except Exception as e:  # noqa: BLE001 - delivered to the caller, in order
-            block = e
-            self.failed = True
-            self.credits.release()  # wake the producer, which may be waiting for a credit, so that it stops
-        else:
-            self.n_loaded += 1
-            self._deepen()
-        if prev is not None and not await prev:  # an earlier block failed: its error goes first, alone
-            if not isinstance(block, BaseException):
-                self.loader.recycle(block)
-            return False
-        self.blocks.put(block)
-        return not isinstance(block, BaseException)
-
-    def _deepen(self) -> None:
-        """Read further ahead where the reader keeps more requests in flight than the blocks being
-        loaded hold (a far store, see ``InflightLimit``): one block gathered from, and enough
-        loading to fill the limit, at most ``MAX_PREFETCH_BLOCKS``."""
-        reader = self.loader.reader
-        per_block = (reader.counters.requests - self.counters_before["requests"]) / self.n_loaded
-        want = min(MAX_PREFETCH_BLOCKS, 1 + math.ceil(reader.inflight.limit / max(per_block, 1.0)))
-        while self.depth < want and self.credits is not None:
-            self.depth += 1
-            self.credits.release()
-
-    def _release(self) -> None:
-        if self.credits is not None:
-            self.loop.call_soon_threadsafe(self.credits.release)
-
-    # -- prefetch thread
-    def _assemble(self) -> None:
-        plan, gen = self.plan, self.gen
-        loaded: dict[int, Any] = {}
-        try:
-            for i in range(self.start, plan.n_batches):
-                a, b = plan.batch_span(i)
-                js = plan.blocks_of(a, b)
-                for j in js:
-                    while j not in loaded:
-                        if len(loaded) >= self.depth - 1:
-                            # this batch spans more blocks than the read-ahead allows: lend the
-                            # producer one more block, paid back when a block is recycled
-                            self.borrowed += 1
-                            self._release()
-                        item = self._next_block()
-                        if item is None:
-                            return  # closed
-                        if isinstance(item, BaseException):
-                            raise item
-                        if item is _END:
-                            raise RuntimeError(f"xinsitu: block {j} was never read (internal error)")
-                        loaded[item.j] = item
-                for old in [k for k in loaded if k < js[0]]:
-                    self.loader.recycle(loaded.pop(old))
-                    if self.borrowed:
-                        self.borrowed -= 1
-                    else:
-                        self._release()
-                direct = gen.builder.direct_stack(b - a)  # gather straight into the stacked batch
-                raw_parts, start_parts, done = [], [], 0
-                for j in js:
-                    off = plan.block_offsets[j]
-                    lo, hi = max(a, off) - off, min(b, plan.block_offsets[j + 1]) - off
-                    rows = np.arange(lo, hi)
-                    into = None if direct is None else {n: v[done:done + len(rows)] for n, v in direct[1].items()}
-                    raw_parts.append(self.loader.gather(loaded[j], rows, into))
-                    start_parts.append(loaded[j].starts[rows])
-                    done += len(rows)
-                if direct is not None:
-                    batch = gen.builder.finish_stacked(direct[0])
-                else:
-                    raw = raw_parts[0] if len(raw_parts) == 1 else {
-                        n: (np.concatenate([p[n] for p in raw_parts]) if gen.layouts[n].has_sample_axis
-                            else raw_parts[0][n]) for n in raw_parts[0]}
-                    batch = gen.builder.build(raw, np.concatenate(start_parts))
-                if not self._put((i, batch, b - a)):
-                    return
-            self._put(_END)
-        except BaseException as e:  # noqa: BLE001 - delivered to the caller
-            self._put(e)
-
-    def _next_block(self) -> Any:
-        """The next loaded block (or error, or ``_END``); None once closed. Waits in short steps and
-        checks the producer meanwhile, so that a producer that ended without a word cannot hang us."""
-        while True:
-            try:
-                return self.blocks.get(timeout=WAIT_STEP_S)
-            except queue.Empty:
-                pass
-            if self.stop.is_set():
-                return None
-            if self.io_future.done():
-                try:
-                    return self.blocks.get_nowait()  # put just before the producer ended
-                except queue.Empty:
-                    pass
-                err = None if self.io_future.cancelled() else self.io_future.exception()
-                return err or RuntimeError("xinsitu: the reading task ended before the epoch did (internal error)")
-
-    def _put(self, item: Any) -> bool:
-        while not self.stop.is_set():
-            try:
-                self.batches.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    # -- caller side
-    def __iter__(self) -> Any:
-        while True:
-            t = time.perf_counter()
-            item = self._next_batch()
-            self.wait_s += time.perf_counter() - t
-            if item is _END:
-                self.t_end = time.perf_counter()
-                return
-            if isinstance(item, BaseException):
-                raise item
-            i, batch, n = item
-            self.samples += n
-            self.n_batches += 1
-            yield i, batch
-
-    def _next_batch(self) -> Any:
-        """The next finished batch (or error, or ``_END``), waiting in short steps while the
-        prefetch thread lives."""
-        while True:
-            try:
-                return self.batches.get(timeout=WAIT_STEP_S)
-            except queue.Empty:
-                if not self.thread.is_alive():
-                    try:
-                        return self.batches.get_nowait()
-                    except queue.Empty:
-                        return RuntimeError("xinsitu: the prefetch thread ended before the epoch did "
-                                            "(internal error)")
-
-    def close(self) -> None:
-        self.stop.set()
-        for _ in range(MAX_PREFETCH_BLOCKS + 1):
-            self._release()
-        self.io_future.cancel()
-        self.thread.join(timeout=5)
-
-    def report(self) -> dict[str, Any]:
-        c = _copy_counters(self.loader.reader.counters)
-        for k, v in self.counters_before.items():
-            c[k] -= v
-        dt = (self.t_end or time.perf_counter()) - self.t0
-        if c["missing"]:
-            c["missing_chunk"] = self.loader.reader.last_missing  # (variable, chunk, key): one of them
-        return {"epoch": self.plan.epoch, "batches": self.n_batches, **c,
-                "wait_s": self.wait_s, "seconds": dt, "samples": self.samples,
-                "samples_per_s": self.samples / dt if dt > 0 else 0.0,
-                "mb_per_s": c["bytes_decoded"] / dt / 1e6 if dt > 0 else 0.0}
-
-
-def _copy_counters(c: Any) -> dict[str, Any]:
-    return {k: getattr(c, k) for k in c.__dataclass_fields__}
+        return formatting.html_repr(self)

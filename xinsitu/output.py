@@ -3,99 +3,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import xarray as xr
 
-from xinsitu.buffer import VarLayout
-from xinsitu.plan import SampleSpace
-from xinsitu.stats import channel_names, check_channel_order, normalizer
+from xinsitu.channels import cf_decoder, channel_names, check_channel_order, identity, normalizer, plan_channels
+from xinsitu.sampling import SampleSpace, VarLayout
 
 OUTPUTS = ("xarray", "dataarray", "numpy", "torch", "cupy")
-
-
-def _identity(raw: np.ndarray) -> np.ndarray:
-    return raw
-
-
-class _CFDecode:
-    """raw -> values exactly as xarray decodes them; a class, not a closure, so that a
-    generator pickles into spawned DataLoader workers."""
-
-    def __init__(self, name: str, attrs: dict[str, Any]):
-        self.name, self.attrs = name, attrs
-
-    def __call__(self, raw: np.ndarray) -> np.ndarray:
-        var = xr.Variable(tuple(f"_{i}" for i in range(raw.ndim)), raw, attrs=dict(self.attrs))
-        return np.asarray(xr.conventions.decode_cf_variable(self.name, var).values)
-
-
-def _nan_fill_only(attrs: dict[str, Any], src: Any) -> bool:
-    """A float variable whose only CF encoding is a NaN fill value: xarray masks nothing."""
-    if src.raw_dtype.kind != "f" or src.dtype != src.raw_dtype:
-        return False
-    if set(attrs) - {"_FillValue", "missing_value"}:
-        return False
-    return all(bool(np.all(np.isnan(np.asarray(v, dtype="f8")))) for v in attrs.values())
-
-
-def cf_decoder(name: str, layout: VarLayout) -> Any:
-    """A function raw -> values exactly as xarray decodes them (scale/offset/fill -> NaN)."""
-    src = layout.src
-    attrs = {k: v for k, v in src.cf.items() if k != "dtype"}
-    if not src.stored or not attrs or _nan_fill_only(attrs, src):
-        return _identity
-    decode = _CFDecode(name, attrs)
-    probe = decode(np.zeros((1,), dtype=src.raw_dtype))
-    if probe.dtype != src.dtype:
-        raise ValueError(f"variable {name!r}: re-applying its CF encoding gives {probe.dtype}, but the Dataset "
-                         f"has {src.dtype}; was it opened with unusual decoding options?")
-    return decode
-
-
-@dataclass
-class Channel:
-    """One channel of a stacked batch: a variable, or one label of its extra dim."""
-
-    name: str
-    var: str
-    index: tuple[int, ...]  # position along the variable's extra dims (empty: the whole variable)
-
-
-def plan_channels(ds: xr.Dataset, layouts: dict[str, VarLayout],
-                  kept: tuple[str, ...] = ()) -> tuple[list[Channel], tuple[str, ...]]:
-    """Channels in order (variables in order; an extra dim expands into ``{var}_{label}``) and the
-    dims every channel shares (after the sample axis). Window/patch dims (``kept``) are sample axes,
-    never channels: a variable lacking them (a static one) is broadcast along them."""
-    outs = {n: tuple(d for d in lay.out_dims if d not in kept) for n, lay in layouts.items()}
-    base = min(outs.values(), key=len)
-    channels: list[Channel] = []
-    for n, dims in outs.items():
-        if any(d not in dims for d in base):
-            raise ValueError(f"cannot stack {n!r} {dims} with variables of dims {base}: stacked variables "
-                             "must share their dims (an extra dim becomes channels)")
-        extra = [d for d in dims if d not in base]
-        if not extra:
-            channels.append(Channel(n, n, ()))
-            continue
-        sizes = [layouts[n].src.shape[layouts[n].src.dims.index(d)] for d in extra]
-        labels = [_labels(ds, d, s) for d, s in zip(extra, sizes, strict=True)]
-        for idx in np.ndindex(*sizes):
-            lab = "_".join(str(labels[k][i]) for k, i in enumerate(idx))
-            channels.append(Channel(f"{n}_{lab}", n, tuple(int(i) for i in idx)))
-    # the shared dims in the order a sampled variable has them (kept dims included)
-    order = max((lay.out_dims for lay in layouts.values() if lay.has_sample_axis), key=len, default=base)
-    shared = tuple(d for d in order if d in kept or d in base)
-    return channels, shared + tuple(d for d in base if d not in shared)
-
-
-def _labels(ds: xr.Dataset, dim: str, size: int) -> list[Any]:
-    if dim in ds.indexes:
-        vals = ds.indexes[dim]
-        return [v.item() if hasattr(v, "item") else v for v in vals]
-    return list(range(size))
 
 
 class OutputBuilder:
@@ -158,7 +74,7 @@ class OutputBuilder:
         if self._direct is None:
             lays = self.layouts
             ok = (self.stack and self.output in ("numpy", "torch", "cupy") and self.normalizer is None
-                  and all(d is _identity for d in self.decoders.values())
+                  and all(d is identity for d in self.decoders.values())
                   and len(self.channels) == len(lays)
                   and all(lay.has_sample_axis and lay.out_perm is None and lay.out_dims == self.base_dims
                           and lay.src.raw_dtype == self.dtype for lay in lays.values()))
@@ -239,7 +155,7 @@ class OutputBuilder:
         values = self.decode(raw)
         if self.output == "xarray" and not self.stack:
             c = self.sample_coords(starts)
-            data = {n: xr.Variable(self._dims(n), a, attrs=self.attrs[n]) for n, a in values.items()}
+            data = {n: xr.Variable(self.dims_of(n), a, attrs=self.attrs[n]) for n, a in values.items()}
             return xr.Dataset(data, coords=c.coords, attrs=self.ds_attrs)
         if self.output == "dataarray":
             c = self.sample_coords(starts)
@@ -256,7 +172,8 @@ class OutputBuilder:
             return {n: _to_cupy(a) for n, a in values.items()}
         return values
 
-    def _dims(self, name: str) -> tuple[str, ...]:
+    def dims_of(self, name: str) -> tuple[str, ...]:
+        """The dims of variable ``name`` in a batch (``"sample"`` first where it has a sample axis)."""
         lay = self.layouts[name]
         return ("sample", *lay.out_dims) if lay.has_sample_axis else lay.src.dims
 

@@ -1,4 +1,5 @@
-"""Pure index math: which samples a split holds, and who yields which of them in an epoch.
+"""Pure index math: who yields which samples of a split in an epoch (the samples themselves,
+per unit, are ``sampling.SampleSpace``).
 
 A *unit* is one chunk block of the split (the shuffle unit). Samples are numbered by
 a global id: units in split order, and inside a unit in C order over the sampled dims
@@ -11,160 +12,24 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from xinsitu import shuffle as _shuffle
 
-
-@dataclass(frozen=True)
-class SampleDim:
-    """One dim along which samples are taken."""
-
-    name: str
-    size: int  # length in the Dataset
-    width: int = 1  # window/patch length (1: a single position)
-    stride: int = 1  # tiles start at multiples of the stride
-    keep: bool = False  # kept in the output (window/patch); else reduced to one position
-    split: bool = False  # a split dim (its chunk blocks are the units)
-
-    def starts(self) -> np.ndarray:
-        return np.arange(0, self.size - self.width + 1, self.stride, dtype=np.int64)
-
-
-class SampleSpace:
-    """The samples of one split: per unit (chunk block) how many, and which.
-
-    Parameters
-    ----------
-    dims : sampled dims, split dims first (in the manifest's order)
-    edges : per split dim, the chunk-block edges (len = blocks + 1)
-    blocks : flat block ids of the split (C order over the split dims), in split order
-    """
-
-    def __init__(self, dims: list[SampleDim], edges: dict[str, np.ndarray], blocks: np.ndarray):
-        self.dims = list(dims)
-        self.split_dims = [d for d in self.dims if d.split]
-        self.free_dims = [d for d in self.dims if not d.split]
-        if self.dims[: len(self.split_dims)] != self.split_dims:
-            raise ValueError("split dims must come first")
-        self.edges = [np.asarray(edges[d.name], dtype=np.int64) for d in self.split_dims]
-        self.grid = tuple(len(e) - 1 for e in self.edges)
-        self.blocks = np.asarray(blocks, dtype=np.int64)
-        self._free_starts = [d.starts() for d in self.free_dims]
-        self._free_n = int(np.prod([len(s) for s in self._free_starts])) if self.free_dims else 1
-
-    @cached_property
-    def _cs(self) -> np.ndarray:
-        """n-d prefix sums of the membership grid: box queries in O(2^k). Made on first use (windows,
-        tiles, several split dims): a split of 10^7 one-position units never needs them."""
-        mask = np.zeros(int(np.prod(self.grid)), dtype=bool)
-        mask[self.blocks] = True
-        cs = mask.reshape(self.grid).astype(np.int64)
-        for ax in range(cs.ndim):
-            cs = np.cumsum(cs, axis=ax)
-        return np.pad(cs, [(1, 0)] * cs.ndim)
-
-    # ------------------------------------------------------------------ per unit
-    def _candidates(self, k: int, c: int) -> tuple[np.ndarray, np.ndarray]:
-        """Starts along split dim ``k`` inside block ``c``, and the last block each touches."""
-        d, e = self.split_dims[k], self.edges[k]
-        lo, hi = e[c], e[c + 1]
-        first = -(-lo // d.stride) * d.stride
-        s = np.arange(first, min(hi, d.size - d.width + 1), d.stride, dtype=np.int64)
-        last = np.searchsorted(e, s + d.width - 1, side="right") - 1
-        return s, last
-
-    def _box_full(self, lo: list[np.ndarray], hi: list[np.ndarray]) -> np.ndarray:
-        """Whether every block in the box [lo, hi] (inclusive, per dim) belongs to the split."""
-        k = len(lo)
-        total = np.zeros(np.broadcast_shapes(*[a.shape for a in lo + hi]), dtype=np.int64)
-        for corner in range(1 << k):
-            idx, sign = [], 1
-            for ax in range(k):
-                if corner >> ax & 1:
-                    idx.append(lo[ax])
-                    sign = -sign
-                else:
-                    idx.append(hi[ax] + 1)
-            total = total + sign * self._cs[tuple(idx)]
-        size = np.ones_like(total)
-        for ax in range(k):
-            size = size * (hi[ax] - lo[ax] + 1)
-        return total == size
-
-    def split_starts(self, unit: int) -> np.ndarray:
-        """Valid start positions along the split dims in unit ``unit`` (rows in C order)."""
-        coords = np.unravel_index(int(self.blocks[unit]), self.grid)
-        cand = [self._candidates(k, int(c)) for k, c in enumerate(coords)]
-        mesh = np.meshgrid(*[s for s, _ in cand], indexing="ij")
-        last = list(np.meshgrid(*[e for _, e in cand], indexing="ij"))
-        lo = [np.full(m.shape, c, dtype=np.int64) for m, c in zip(mesh, coords, strict=True)]
-        ok = self._box_full(lo, last)
-        return np.stack([m[ok] for m in mesh], axis=1) if mesh else np.zeros((1, 0), np.int64)
-
-    def unit_starts(self, unit: int) -> np.ndarray:
-        """Start of every sample of ``unit`` along every sampled dim, shape (n, len(dims))."""
-        sp = self.split_starts(unit)
-        if not self.free_dims:
-            return sp
-        free = np.stack([m.ravel() for m in np.meshgrid(*self._free_starts, indexing="ij")], axis=1)
-        return np.concatenate([np.repeat(sp, len(free), axis=0), np.tile(free, (len(sp), 1))], axis=1)
-
-    # ------------------------------------------------------------------ counts
-    @cached_property
-    def counts(self) -> np.ndarray:
-        """Samples per unit (int64, in split order)."""
-        if len(self.split_dims) == 1 and self.split_dims[0].width == 1 and self.split_dims[0].stride == 1:
-            sizes = np.diff(self.edges[0])[self.blocks]  # every position of a block is a sample
-        elif len(self.split_dims) == 1:
-            d, e = self.split_dims[0], self.edges[0]
-            s = d.starts()
-            first = np.searchsorted(e, s, side="right") - 1
-            last = np.searchsorted(e, s + d.width - 1, side="right") - 1
-            ok = self._box_full([first], [last])
-            per_block = np.bincount(first[ok], minlength=self.grid[0])
-            sizes = per_block[self.blocks]
-        else:
-            sizes = np.array([len(self.split_starts(u)) for u in range(len(self.blocks))], dtype=np.int64)
-        sizes = sizes.astype(np.int64, copy=False)  # no copy of 10^7 counts that are int64 already
-        return sizes * self._free_n if self._free_n != 1 else sizes
-
-    @cached_property
-    def spills(self) -> bool:
-        """Whether windows or tiles along the (one) split dim reach from a unit into the next one."""
-        if len(self.split_dims) != 1 or self.split_dims[0].width == 1:
-            return False
-        d, e = self.split_dims[0], self.edges[0]
-        s = d.starts()
-        return bool(np.any(np.searchsorted(e, s, side="right") != np.searchsorted(e, s + d.width - 1, side="right")))
-
-    @cached_property
-    def offsets(self) -> np.ndarray:
-        """Global id of each unit's first sample (len = units + 1)."""
-        return np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
-
-    @property
-    def n_samples(self) -> int:
-        return int(self.offsets[-1])
-
-    def locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(unit, local index) of global sample ids."""
-        ids = np.asarray(ids, dtype=np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.n_samples):
-            raise IndexError(f"sample index out of range for a split of {self.n_samples} samples")
-        unit = np.searchsorted(self.offsets, ids, side="right") - 1
-        return unit, ids - self.offsets[unit]
+if TYPE_CHECKING:
+    from xinsitu.sampling import SampleSpace
 
 
 # ---------------------------------------------------------------------- epoch plan
 @dataclass(frozen=True)
 class EpochPlan:
-    """What one rank yields in one epoch: pieces of units, grouped in shuffle blocks.
+    """What one rank yields in one epoch: pieces of units, grouped in buffers.
 
     ``units[i]``/``lo[i]``/``hi[i]``: piece i is samples ``lo..hi`` (local ids) of unit
-    ``units[i]``. Blocks are ``block_chunks`` consecutive pieces. The rank yields the
-    first ``n_samples`` samples of its sequence (blocks in order, each block's samples
+    ``units[i]``. A buffer is ``block_chunks`` consecutive pieces. The rank yields the
+    first ``n_samples`` samples of its sequence (buffers in order, each buffer's samples
     permuted when shuffling), cut into ``n_batches`` batches.
     """
 
@@ -182,57 +47,57 @@ class EpochPlan:
     world_size: int
 
     @cached_property
-    def block_offsets(self) -> np.ndarray:
+    def buffer_offsets(self) -> np.ndarray:
         """Position in this rank's sequence where each block starts (len = blocks + 1)."""
         sizes = self.hi - self.lo
         per_block = np.add.reduceat(sizes, np.arange(0, len(sizes), self.block_chunks)) if len(sizes) else sizes
         return np.concatenate([[0], np.cumsum(per_block)]).astype(np.int64)
 
     @property
-    def n_blocks(self) -> int:
-        return len(self.block_offsets) - 1
+    def n_buffers(self) -> int:
+        return len(self.buffer_offsets) - 1
 
     @property
     def n_batches(self) -> int:
         full, rest = divmod(self.n_samples, self.batch_size)
         return full + (1 if rest and not self.drop_last else 0)
 
-    def block_pieces(self, j: int) -> slice:
+    def buffer_pieces(self, j: int) -> slice:
         return slice(j * self.block_chunks, min((j + 1) * self.block_chunks, len(self.units)))
 
-    def block_perm(self, j: int, n: int) -> np.ndarray:
+    def buffer_perm(self, j: int, n: int) -> np.ndarray:
         """Order in which the ``n`` samples of block ``j`` (in piece order) are yielded."""
         if not self.shuffle:
             return np.arange(n, dtype=np.int64)
-        return _shuffle.block_permutation(n, self.seed, self.epoch, self.world_size, self.rank, j)
+        return _shuffle.buffer_permutation(n, self.seed, self.epoch, self.world_size, self.rank, j)
 
-    def block_order(self, j: int, offsets: np.ndarray) -> np.ndarray:
+    def buffer_order(self, j: int, offsets: np.ndarray) -> np.ndarray:
         """Global sample ids of block ``j`` in the order they are yielded."""
-        sl = self.block_pieces(j)
+        sl = self.buffer_pieces(j)
         base = offsets[self.units[sl]] + self.lo[sl]
         sizes = self.hi[sl] - self.lo[sl]
         ids = np.repeat(base - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes) + np.arange(sizes.sum())
-        return ids[self.block_perm(j, len(ids))]
+        return ids[self.buffer_perm(j, len(ids))]
 
     def batch_span(self, i: int) -> tuple[int, int]:
         """Positions ``[a, b)`` of batch ``i`` in this rank's sequence."""
         a = i * self.batch_size
         return a, min(a + self.batch_size, self.n_samples)
 
-    def blocks_of(self, a: int, b: int) -> range:
+    def buffers_of(self, a: int, b: int) -> range:
         """Blocks holding sequence positions ``[a, b)``."""
         off = self._offsets_list
         return range(bisect.bisect_right(off, a) - 1, bisect.bisect_right(off, b - 1))
 
     @cached_property
     def _offsets_list(self) -> list[int]:
-        return self.block_offsets.tolist()
+        return self.buffer_offsets.tolist()
 
     def all_ids(self, offsets: np.ndarray) -> np.ndarray:
         """Every yielded sample id in order (for tests and inspection; O(samples))."""
-        if not self.n_blocks:
+        if not self.n_buffers:
             return np.zeros(0, np.int64)
-        return np.concatenate([self.block_order(j, offsets) for j in range(self.n_blocks)])[: self.n_samples]
+        return np.concatenate([self.buffer_order(j, offsets) for j in range(self.n_buffers)])[: self.n_samples]
 
 
 def rank_share(counts: np.ndarray, world_size: int, rank: int, batch_size: int,
@@ -320,12 +185,26 @@ def epoch_plan(space: SampleSpace, *, seed: int, epoch: int, shuffle: bool, batc
                      rank=rank, world_size=world_size)
 
 
+def plan_quality(plan: EpochPlan, space: SampleSpace, batch_size: int, max_batches: int) -> float:
+    """How well the first ``max_batches`` batches of ``plan`` mix units, 0..1 (``shuffle.quality``);
+    only the buffers those batches come from are ordered."""
+    need = min(plan.n_samples, max_batches * batch_size)
+    parts, n, j = [], 0, 0
+    while n < need and j < plan.n_buffers:
+        parts.append(plan.buffer_order(j, space.offsets))
+        n += len(parts[-1])
+        j += 1
+    ids = np.concatenate(parts)[:need] if parts else np.zeros(0, np.int64)
+    units = [space.locate(ids[k:k + batch_size])[0] for k in range(0, len(ids), batch_size)]
+    return _shuffle.quality(units, space.counts)
+
+
 # ---------------------------------------------------------------------- DataLoader workers
 def worker_batches(n_batches: int, num_workers: int, worker: int) -> tuple[int, int]:
     """Batches ``[start, stop)`` of a rank's epoch that DataLoader worker ``worker`` yields.
 
     Each worker takes one contiguous run of batches (run lengths differ by at most one),
-    so it reads its own run of shuffle blocks: only a block that a run boundary falls
+    so it reads its own run of buffers: only a buffer that a run boundary falls
     inside is read by two workers (at most ``num_workers - 1`` per epoch), instead of
     every block by every worker as a round-robin of batches would need. The batches are
     the rank's own, so ``len`` and the rank's batch count do not depend on the workers;
@@ -346,7 +225,7 @@ def plan_head(plan: EpochPlan, n_batches: int) -> EpochPlan:
     n = min(stop * plan.batch_size, plan.n_samples)
     keep = 0
     if n:
-        last = int(np.searchsorted(plan.block_offsets, n - 1, side="right")) - 1
+        last = int(np.searchsorted(plan.buffer_offsets, n - 1, side="right")) - 1
         keep = min((last + 1) * plan.block_chunks, len(plan.units))
     return replace(plan, units=plan.units[:keep], lo=plan.lo[:keep], hi=plan.hi[:keep], n_samples=n)
 
@@ -392,7 +271,7 @@ class RemainderPlan(EpochPlan):
     keep: tuple[np.ndarray | None, ...] = ()
 
     @cached_property
-    def block_offsets(self) -> np.ndarray:
+    def buffer_offsets(self) -> np.ndarray:
         sizes = self.hi - self.lo
         starts = np.arange(0, len(sizes), self.block_chunks)
         per_block = np.add.reduceat(sizes, starts) if len(sizes) else sizes
@@ -402,13 +281,13 @@ class RemainderPlan(EpochPlan):
                 per_block[j] = len(k)
         return np.concatenate([[0], np.cumsum(per_block)]).astype(np.int64)
 
-    def block_perm(self, j: int, n: int) -> np.ndarray:
+    def buffer_perm(self, j: int, n: int) -> np.ndarray:
         k = self.keep[j] if j < len(self.keep) else None
         if k is None:
-            return super().block_perm(j, n)
+            return super().buffer_perm(j, n)
         if not self.shuffle:
             return k
-        return k[_shuffle.block_permutation(len(k), self.seed, self.epoch, self.world_size, self.rank, j)]
+        return k[_shuffle.buffer_permutation(len(k), self.seed, self.epoch, self.world_size, self.rank, j)]
 
 
 def _deal(seq: Pieces, world_size: int, rank: int, batch_size: int, drop_last: bool) -> tuple[Pieces, int]:
@@ -453,12 +332,12 @@ def _plan_of(share: Pieces, n: int, *, world_size: int, rank: int, **cfg: object
 
 def _remaining(plan: EpochPlan, done: int) -> Pieces:
     """The samples of ``plan``'s pieces that are not among the first ``done`` it yields, in piece order."""
-    off = plan.block_offsets
+    off = plan.buffer_offsets
     units, los, his, picks = [], [], [], []
-    for j in range(plan.n_blocks):
+    for j in range(plan.n_buffers):
         if off[j + 1] <= done:
             continue  # yielded whole
-        sl = plan.block_pieces(j)
+        sl = plan.buffer_pieces(j)
         u, lo, hi = plan.units[sl], plan.lo[sl], plan.hi[sl]
         keep = plan.keep[j] if isinstance(plan, RemainderPlan) and j < len(plan.keep) else None
         if keep is None and off[j] >= done:  # untouched, whole pieces
@@ -469,7 +348,7 @@ def _remaining(plan: EpochPlan, done: int) -> Pieces:
             continue
         sizes = hi - lo
         n = int(sizes.sum())
-        left = plan.block_perm(j, n)[max(done - int(off[j]), 0):]  # positions not yielded yet
+        left = plan.buffer_perm(j, n)[max(done - int(off[j]), 0):]  # positions not yielded yet
         left = np.sort(left)
         cut = np.concatenate([[0], np.cumsum(sizes)])
         for s in range(len(u)):

@@ -1,7 +1,7 @@
 """Draw a ``SplitManifest`` with matplotlib: a timeline for one split dim, a grid for two.
 
 matplotlib is optional (``pip install xinsitu[plot]``) and imported only when drawing.
-Colours are those of the HTML repr (``xinsitu.repr.SPLIT_COLORS``); chunk blocks left
+Colours are those of the HTML repr (``xinsitu.formatting.SPLIT_COLORS``); chunk blocks left
 out (gaps) are hatched.
 """
 
@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from xinsitu import repr as _repr
+from xinsitu import formatting
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from xinsitu.split import SplitManifest
+    from xinsitu.manifest import SplitManifest
 
 #: Draw chunk-block edges where there are at most this many blocks along a dim.
 MAX_EDGE_LINES = 64
@@ -63,7 +63,7 @@ def plot_manifest(m: SplitManifest, ax: Axes | None = None) -> Axes:
         h, w = (m.sizes[d] for d in m.dims)
         size = (7.0, float(np.clip(4.5 * h / max(w, 1), 2.0, 6.0)) + 1.0)
     ax = _axes(ax, size)
-    owner = _owner(m)
+    owner = m.owner()
     if len(m.dims) == 1:
         _timeline(m, owner, ax)
     else:
@@ -80,14 +80,6 @@ def _axes(ax: Axes | None, size: tuple[float, float]) -> Axes:
         raise ImportError("plotting needs matplotlib: pip install matplotlib (or xinsitu[plot])") from e
     _, ax = plt.subplots(figsize=size, layout="constrained")
     return ax
-
-
-def _owner(m: SplitManifest) -> np.ndarray:
-    """Per chunk block (shaped as the block grid): index of its split, ``-1`` where left out."""
-    owner = np.full(int(np.prod(m.grid)), -1, dtype=np.int64)
-    for i, blocks in enumerate(m.splits.values()):
-        owner[np.asarray(blocks, dtype=np.int64)] = i
-    return owner.reshape(m.grid)
 
 
 def _short(label: Any) -> str:
@@ -108,9 +100,9 @@ def _legend(m: SplitManifest, ax: Axes, gaps: bool, loc: str) -> None:
     handles = []
     for i, name in enumerate(m.splits):
         n = len(m.splits[name])
-        handles.append(Patch(facecolor=_repr.split_color(i), label=f"{name} ({_count(n, 'chunk')})"))
+        handles.append(Patch(facecolor=formatting.split_color(i), label=f"{name} ({_count(n, 'chunk')})"))
     if gaps:
-        handles.append(Patch(facecolor="none", edgecolor=_repr.GAP_COLOR, hatch="///", label="left out (gap)"))
+        handles.append(Patch(facecolor="none", edgecolor=formatting.GAP_COLOR, hatch="///", label="left out (gap)"))
     ax.legend(handles=handles, loc=loc, frameon=False, fontsize="small",
               **({"bbox_to_anchor": (1.0, 1.0)} if loc == "upper left" else {}))
 
@@ -119,7 +111,7 @@ def _timeline(m: SplitManifest, owner: np.ndarray, ax: Axes) -> None:
     dim = m.dims[0]
     edges = np.asarray(m.edges[dim], dtype=np.int64)
     total = int(edges[-1] - edges[0])
-    pieces = _repr.runs(owner)
+    pieces = formatting.runs(owner)
     nruns = np.bincount([o + 1 for o, _, _ in pieces], minlength=len(m.splits) + 1)
     names = list(m.splits)
     gaps = False
@@ -127,10 +119,10 @@ def _timeline(m: SplitManifest, owner: np.ndarray, ax: Axes) -> None:
         x0, w = int(edges[a]), int(edges[b] - edges[a])
         if o < 0:
             gaps = True
-            ax.broken_barh([(x0, w)], (0, 1), facecolors="none", edgecolors=_repr.GAP_COLOR, hatch="///",
+            ax.broken_barh([(x0, w)], (0, 1), facecolors="none", edgecolors=formatting.GAP_COLOR, hatch="///",
                            linewidth=0)
             continue
-        ax.broken_barh([(x0, w)], (0, 1), facecolors=_repr.split_color(o), linewidth=0)
+        ax.broken_barh([(x0, w)], (0, 1), facecolors=formatting.split_color(o), linewidth=0)
         if w < 0.06 * total:  # too narrow to write in
             continue
         text = names[o]
@@ -160,11 +152,11 @@ def _grid(m: SplitManifest, owner: np.ndarray, ax: Axes) -> None:
     re_ = np.asarray(m.edges[rd], dtype=np.int64)
     ce = np.asarray(m.edges[cd], dtype=np.int64)
     n = len(m.splits)
-    cmap = ListedColormap([_repr.split_color(i) for i in range(n)])
+    cmap = ListedColormap([formatting.split_color(i) for i in range(n)])
     gaps = bool((owner < 0).any())
     if gaps:  # hatched background shows through the masked (left out) blocks
         ax.add_patch(Rectangle((ce[0], re_[0]), ce[-1] - ce[0], re_[-1] - re_[0], facecolor="none",
-                               edgecolor=_repr.GAP_COLOR, hatch="///", linewidth=0, zorder=0))
+                               edgecolor=formatting.GAP_COLOR, hatch="///", linewidth=0, zorder=0))
     lines = max(owner.shape) <= MAX_EDGE_LINES
     ax.pcolormesh(ce, re_, np.ma.masked_less(owner, 0), cmap=cmap, vmin=-0.5, vmax=n - 0.5,
                   edgecolors="white" if lines else "face", linewidth=0.5 if lines else 0, zorder=1)

@@ -1,4 +1,4 @@
-"""Pure permutations: the chunk order of an epoch and the mixing inside a shuffle block.
+"""Pure permutations: the chunk order of an epoch and the mixing inside a buffer.
 
 Every function is a pure function of its integer arguments (never of timing), so an
 epoch's order can be recomputed anywhere: in a DataLoader worker, or after a restart.
@@ -21,13 +21,13 @@ def unit_order(n_units: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray
 
 
 def neighbour_order(n_units: int, block_chunks: int, seed: int, epoch: int) -> np.ndarray:
-    """A shuffled unit order in which neighbouring units land in the same or the next shuffle block.
+    """A shuffled unit order in which neighbouring units land in the same or the next buffer.
 
     For windows and tiles that spill from one chunk into the next: the chunk they spill into is
-    then held by a block the next one can pass it to (``xinsitu.buffer.HaloPlan``), instead of
+    then held by a buffer the next one can pass it to (``xinsitu.buffer.HaloPlan``), instead of
     being read twice. The units are laid out in ``block_chunks`` rows, each running the other way
-    than the row before (a serpentine), and a block takes one column: its units are spread evenly
-    over the whole split (batches mix far-apart chunks as a permutation does), and the next block
+    than the row before (a serpentine), and a buffer takes one column: its units are spread evenly
+    over the whole split (batches mix far-apart chunks as a permutation does), and the next buffer
     holds their neighbours. The layout starts at a random unit and runs in a random direction per
     ``(seed, epoch)``.
     """
@@ -42,9 +42,9 @@ def neighbour_order(n_units: int, block_chunks: int, seed: int, epoch: int) -> n
     return (order[::-1] if rng.integers(2) else order).astype(np.int64)
 
 
-def block_permutation(n: int, seed: int, epoch: int, world_size: int, rank: int, block: int) -> np.ndarray:
-    """Random order of the ``n`` samples held by shuffle block ``block`` of this rank."""
-    rng = np.random.default_rng([_BLOCK_STREAM, seed, epoch, world_size, rank, block])
+def buffer_permutation(n: int, seed: int, epoch: int, world_size: int, rank: int, j: int) -> np.ndarray:
+    """Random order of the ``n`` samples held by buffer ``j`` of this rank."""
+    rng = np.random.default_rng([_BLOCK_STREAM, seed, epoch, world_size, rank, j])
     return rng.permutation(n).astype(np.int64)
 
 

@@ -18,8 +18,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-#: CF keys that xarray moves from attrs to ``encoding`` when it decodes a variable.
-CF_KEYS = ("_FillValue", "missing_value", "scale_factor", "add_offset", "_Unsigned", "units", "calendar", "dtype")
+from xinsitu.channels import CF_KEYS
 
 #: dask layer names that only select, arrange or re-chunk the values they read (no arithmetic):
 #: ``concatenate-`` is how ``xr.open_mfdataset`` puts its files together.
@@ -97,13 +96,6 @@ class VarSource:
         """Chunk coordinates where ``region`` starts, in the grid of a variable not stored (messages)."""
         return tuple(int(np.searchsorted(np.cumsum(sizes), region[d][0], side="right")) if d in region else 0
                      for d, sizes in zip(self.dims, self.mem_chunks, strict=True))
-
-    def chunk_len(self, dim: str) -> int | None:
-        """The chunk length along ``dim`` (None for a ragged in-memory grid)."""
-        if self.stored:
-            return self.chunk_shape[self.src_dims.index(dim)]
-        sizes = set(self.mem_chunks[self.dims.index(dim)][:-1]) or set(self.mem_chunks[self.dims.index(dim)])
-        return sizes.pop() if len(sizes) == 1 else None
 
 
 class SourceError(ValueError):

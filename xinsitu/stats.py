@@ -10,9 +10,9 @@ Statistics are taken over the split's *positions*: every position along the spli
 inside the split's chunk blocks, counted once, whatever window, patch or ``over`` a
 generator later uses; other dims are taken whole.
 
-Channels are named as ``output.plan_channels`` names them for the same variables: each
+Channels are named by the one channel rule (``channels.plan_channels``) for the same variables: each
 variable, or ``{var}_{label}`` per label of a dim the other selected variables lack.
-``normalizer`` turns the result into the ``(x - mean) / std`` step of the batch gather.
+``channels.normalizer`` turns the result into the ``(x - mean) / std`` step of the batch gather.
 """
 
 from __future__ import annotations
@@ -28,17 +28,17 @@ import numpy as np
 import xarray as xr
 
 from xinsitu import _loop
-from xinsitu.buffer import VarLayout
+from xinsitu.channels import RESERVED, cf_decoder, channel_plan, decodes_to_itself
+from xinsitu.manifest import SplitManifest
 from xinsitu.plan import EpochPlan, epoch_plan
 from xinsitu.reader import Reader
-from xinsitu.split import SplitManifest
+from xinsitu.sampling import check_split, positive_int, sampling
 
-#: top-level keys of a stats dict that are not variables
-RESERVED = ("split", "channels", "variables")
 #: the keys every variable's entry has
 STAT_KEYS = ("mean", "std", "min", "max", "nan_count")
-#: units in flight: at least this many times ``block_chunks`` (each holds only its chunks' compressed bytes)
-PREFETCH_BLOCKS = 3
+#: units in flight: at least this many buffers' worth (times ``block_chunks``; each unit holds only its
+#: chunks' compressed bytes). Not the batch pipeline's read-ahead (``pipeline.READ_AHEAD_BUFFERS``)
+INFLIGHT_BUFFERS = 3
 #: values per partial sum of deviations (float32 sums for float32 values, see ``Moments``)
 ROW = 1024
 #: spans (max - min) of float32 values reduced in float32 partial sums: their squares neither
@@ -228,24 +228,22 @@ class StatsPass:
     ds : the Dataset (stored, dask-backed or in memory), as for ``ds.insitu.batches``.
     manifest, split : the split whose positions are reduced.
     variables : variables to reduce (default: the data variables on the split dims, as for batches).
-    block_chunks : units (chunk blocks) read ahead: at least ``PREFETCH_BLOCKS * block_chunks``.
+    block_chunks : units (chunk blocks) read ahead: at least ``INFLIGHT_BUFFERS * block_chunks``.
     max_inflight : chunk reads in flight at once (default: sized from the store's latency).
     reader : the ``Reader`` to read through (default: a new one); its ``counters`` show the cost.
     """
 
     def __init__(self, ds: xr.Dataset, manifest: SplitManifest, split: str, variables: list[str] | None = None,
                  *, block_chunks: int = 16, max_inflight: int | None = None, reader: Reader | None = None):
-        # imported here: output.py imports this module for ``normalizer``
-        from xinsitu.loader import BatchGenerator
-        from xinsitu.output import cf_decoder
-
-        # a generator with no window/patch/over: its samples are exactly the split's positions, and it
-        # validates the manifest, the variables and the arguments the way ds.insitu.batches does
-        self.gen = BatchGenerator(ds, manifest, split, variables=variables, shuffle=False, batch_size=1,
-                                  block_chunks=block_chunks, max_inflight=max_inflight, rank=0, world_size=1,
-                                  output="numpy")
+        # no window/patch/over: the samples are exactly the split's positions; the manifest, the variables
+        # and the arguments are checked the way ds.insitu.batches checks them
+        check_split(manifest, split)
+        self.block_chunks = positive_int("block_chunks", block_chunks)
+        max_inflight = None if max_inflight is None else positive_int("max_inflight", max_inflight)
+        sampled = sampling(ds, manifest, split, variables=variables, stacklevel=3)
+        sampled.check_not_empty()
         self.split = split
-        self.space, self.layouts = self.gen.space, self.gen.layouts
+        self.space, self.layouts = sampled.space, sampled.layouts
         clash = [n for n in self.layouts if n in RESERVED]
         if clash:
             raise ValueError(f"variable(s) {clash} are named like a key of the stats record {RESERVED}; "
@@ -255,7 +253,7 @@ class StatsPass:
                 raise ValueError(f"variable {n!r} has dtype {lay.src.dtype}; statistics need real numbers "
                                  "(select numeric variables with variables=[...])")
         self.reader = reader if reader is not None else Reader(max_inflight)
-        self.decoders = {n: None if _decodes_to_itself(lay) else cf_decoder(n, lay)
+        self.decoders = {n: None if decodes_to_itself(lay.src) else cf_decoder(n, lay)
                          for n, lay in self.layouts.items()}
         self.channels, self.extra = channel_plan(ds, self.layouts)
         self.moments = {n: Moments(len(chs)) for n, chs in self.channels.items()}
@@ -272,7 +270,7 @@ class StatsPass:
     def plan(self) -> EpochPlan:
         """The unshuffled single-rank plan: every unit of the split once, in split order."""
         return epoch_plan(self.space, seed=0, epoch=0, shuffle=False, batch_size=1,
-                          block_chunks=self.gen.block_chunks, drop_last=False, rank=0, world_size=1)
+                          block_chunks=self.block_chunks, drop_last=False, rank=0, world_size=1)
 
     def run(self) -> dict[str, Any]:
         """Read and reduce every chunk of the split once; return the stats record."""
@@ -292,7 +290,7 @@ class StatsPass:
 
     async def _run(self, plan: EpochPlan) -> None:
         owners = self._first_units(plan)
-        # units read at once: at least PREFETCH_BLOCKS blocks' worth, more where the reader keeps more
+        # units read at once: at least INFLIGHT_BUFFERS buffers' worth, more where the reader keeps more
         # chunk requests in flight (a far store). A unit holds only the compressed bytes of its chunks in
         # flight (the reader bounds those), and a chunk's values only while a decode thread reduces them
         per_unit = max(1, len(self.layouts))
@@ -312,7 +310,7 @@ class StatsPass:
             for u, box in zip(plan.units.tolist(), self._boxes(plan.units), strict=True):
                 names = [n for n, lay in self.layouts.items()
                          if not lay.static and (n not in owners or u in owners[n])]
-                while running >= max(PREFETCH_BLOCKS * self.gen.block_chunks,
+                while running >= max(INFLIGHT_BUFFERS * self.block_chunks,
                                      math.ceil(1.5 * self.reader.inflight.limit / per_unit)):
                     room.clear()
                     await room.wait()
@@ -405,64 +403,6 @@ class StatsPass:
         return out
 
 
-def _decodes_to_itself(lay: VarLayout) -> bool:
-    """Whether CF decoding leaves raw values as they are: floats whose only CF attribute is a NaN fill
-    value (what xarray writes for float variables). Saves a pass per block; anything else is decoded."""
-    src = lay.src
-    attrs = {k: v for k, v in src.cf.items() if k != "dtype"}
-    if not src.stored or not attrs:
-        return True
-    return (src.raw_dtype == src.dtype and src.dtype.kind == "f" and set(attrs) <= {"_FillValue", "missing_value"}
-            and all(np.isnan(np.asarray(v, dtype=np.float64)).all() for v in attrs.values()))
-
-
-def channel_plan(ds: xr.Dataset, layouts: dict[str, VarLayout]) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
-    """Per variable, its channel names and its extra (channel) dims, as ``plan_channels`` has them.
-
-    Variables that cannot be stacked together (no shared dims) are one channel each.
-    """
-    from xinsitu.output import plan_channels
-
-    try:
-        chans, base = plan_channels(ds, layouts)
-    except ValueError:
-        return {n: [n] for n in layouts}, {n: [] for n in layouts}
-    names: dict[str, list[str]] = {n: [] for n in layouts}
-    for ch in chans:
-        names[ch.var].append(ch.name)
-    extra = {n: [d for d in lay.out_dims if d not in base] for n, lay in layouts.items()}
-    return names, extra
-
-
-def channel_names(ds: xr.Dataset, layouts: dict[str, VarLayout], kept: tuple[str, ...] = ()) -> list[str]:
-    """The channel names of these variables in order, as ``gen.channels`` and the stats record list them
-    (one per variable where the variables cannot be stacked together)."""
-    from xinsitu.output import plan_channels
-
-    try:
-        return [c.name for c in plan_channels(ds, layouts, kept)[0]]
-    except ValueError:
-        return list(layouts)
-
-
-def check_channel_order(stats: dict[str, Any], channels: list[str]) -> None:
-    """Refuse statistics recorded with another channel order than ``channels`` (the generator's).
-
-    The channels both have must come in the same order (statistics of more variables, or a
-    generator of fewer, are fine). Statistics without recorded channels (older ones, or written
-    by hand) are applied by variable name.
-    """
-    saved = stats.get("channels")
-    if not isinstance(saved, list):
-        return
-    shared = set(saved) & set(channels)
-    a, b = [c for c in saved if c in shared], [c for c in channels if c in shared]
-    if a != b:
-        raise ValueError(f"normalize: the statistics were computed with channels in the order {saved}, these "
-                         f"batches have {channels}: a model trained on one would get permuted inputs; pass "
-                         "variables= in the statistics' order (or recompute the statistics)")
-
-
 def compute_stats(ds: xr.Dataset, manifest: SplitManifest, split: str, variables: list[str] | None = None, *,
                   block_chunks: int = 16, max_inflight: int | None = None) -> dict[str, Any]:
     """Normalisation statistics of one split, from one streaming pass over its chunks.
@@ -493,104 +433,3 @@ def compute_stats(ds: xr.Dataset, manifest: SplitManifest, split: str, variables
         dim. A channel with no value at all has ``None`` for mean/std/min/max.
     """
     return StatsPass(ds, manifest, split, variables, block_chunks=block_chunks, max_inflight=max_inflight).run()
-
-
-# ----------------------------------------------------------------------------- normalising
-class Normalizer:
-    """``(x - mean) / std`` per channel, applied to CF-decoded values of one generator's variables.
-
-    Made by :func:`normalizer`. Call it on ``{var: values}`` (values shaped as a batch
-    gives them: a leading sample axis, then the variable's output dims; or the
-    variable's own dims for a variable without a split dim), or use ``apply(var, values)``.
-    Floating values keep their dtype (mean and std are cast to it, as
-    ``(da - mean) / std`` does with Python floats); integers become float64. A channel
-    with std 0 is only centred (scale 1, as scikit-learn does); one without statistics
-    (``None``) becomes NaN.
-    """
-
-    def __init__(self, params: dict[str, tuple[np.ndarray, np.ndarray]]):
-        self.params = params  # var -> (mean, scale), float64 and shaped to broadcast against a batch
-
-    def dtype(self, dtype: np.dtype) -> np.dtype:
-        """The dtype normalised values of ``dtype`` have."""
-        return np.result_type(np.dtype(dtype), 1.0)
-
-    def apply(self, name: str, values: np.ndarray) -> np.ndarray:
-        mean, scale = self.params[name]
-        dt = self.dtype(values.dtype)
-        out = np.subtract(values, mean.astype(dt), dtype=dt)  # never in place: values may be a block buffer
-        out /= scale.astype(dt)
-        return out
-
-    def __call__(self, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return {n: self.apply(n, a) if n in self.params else a for n, a in values.items()}
-
-
-def normalizer(stats: dict[str, Any], layouts: dict[str, VarLayout], kept: tuple[str, ...] = ()) -> Normalizer:
-    """A :class:`Normalizer` applying ``stats`` (from :func:`compute_stats`) to these variables.
-
-    Parameters
-    ----------
-    stats : ``{var: {"mean": ..., "std": ...}, ...}`` (a ``compute_stats`` record, e.g. ``m.stats``,
-        or a hand-written dict of the same shape). A variable with an extra dim needs a list per
-        key, in channel order (C order over the entry's ``"dims"``, the extra dims; default: the
-        dims the other variables lack, as in ``plan_channels``).
-    layouts : the generator's variable layouts (``gen.layouts``).
-    kept : the window/patch dims of the generator's samples (never channel dims).
-
-    Raises
-    ------
-    ValueError
-        When a variable has no statistics, or its number of channels differs.
-    """
-    if not isinstance(stats, dict):
-        raise TypeError(f"normalize= takes a stats dict (e.g. m.stats from ds.insitu.stats), got "
-                        f"{type(stats).__name__}")
-    inferred = _extra_dims(layouts, kept)
-    params = {}
-    for n, lay in layouts.items():
-        entry = stats.get(n)
-        if not isinstance(entry, dict) or "mean" not in entry or "std" not in entry:
-            have = [k for k in stats if k not in RESERVED]
-            raise ValueError(f"normalize: no statistics for variable {n!r} (the stats have {have}); compute "
-                             f"them for these variables: ds.insitu.stats(m, split, variables={list(layouts)})")
-        extra = list(entry.get("dims", inferred[n]))
-        out_dims = ("sample", *lay.out_dims) if lay.has_sample_axis else lay.src.dims
-        missing = [d for d in extra if d not in out_dims]
-        if missing:
-            raise ValueError(f"normalize: the statistics of {n!r} are per {extra}, but its batches have dims "
-                             f"{out_dims} (was a dim selected away after computing the statistics?)")
-        sizes = [lay.src.shape[lay.src.dims.index(d)] for d in extra]
-        mean, std = (_channel_values(n, entry[k], k, sizes) for k in ("mean", "std"))
-        shape = [1] * len(out_dims)
-        for d, size in zip(extra, sizes, strict=True):
-            shape[out_dims.index(d)] = size
-        # the channel list is C order over ``extra``; lay its axes out in the batch's dim order
-        order = sorted(range(len(extra)), key=lambda i: out_dims.index(extra[i]))
-        mean = mean.reshape(sizes).transpose(order).reshape(shape)
-        std = std.reshape(sizes).transpose(order).reshape(shape)
-        scale = np.where(std == 0, 1.0, std)
-        params[n] = (mean, scale)
-    return Normalizer(params)
-
-
-def _channel_values(name: str, v: Any, key: str, sizes: list[int]) -> np.ndarray:
-    n = int(np.prod(sizes)) if sizes else 1
-    arr = np.array([np.nan if x is None else x for x in (v if isinstance(v, (list, tuple)) else [v])],
-                   dtype=np.float64)
-    if sizes and arr.size != n:
-        raise ValueError(f"normalize: {name!r} has {n} channels but its {key!r} has {arr.size} value(s)")
-    if not sizes and arr.size != 1:
-        raise ValueError(f"normalize: {name!r} is one channel here, but its {key!r} has {arr.size} values "
-                         "(statistics computed with another set of variables?)")
-    return arr
-
-
-def _extra_dims(layouts: dict[str, VarLayout], kept: tuple[str, ...] = ()) -> dict[str, list[str]]:
-    """The dims each variable has beyond the shortest variable's (the channel dims of plan_channels),
-    window/patch dims left aside."""
-    outs = {n: tuple(d for d in lay.out_dims if d not in kept) for n, lay in layouts.items()}
-    base = min(outs.values(), key=len)
-    return {n: [d for d in dims if d not in base] if all(d in dims for d in base) else []
-            for n, dims in outs.items()}
-

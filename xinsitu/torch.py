@@ -110,7 +110,6 @@ class InsituIterableDataset(torch.utils.data.IterableDataset):
         # as it creates the iterator (a persistent worker, at the start of every epoch)
         _check_fork(self.gen)
         gen = self.gen
-        gen.progress = False  # one bar per worker would mislead; the DataLoader's caller can wrap it
         epoch = int(self._shared_epoch)
         if self._iterated and epoch >= 0:  # a persistent worker: its copy of gen missed set_epoch
             gen.set_epoch(epoch)
@@ -123,7 +122,8 @@ class InsituIterableDataset(torch.utils.data.IterableDataset):
         return self._batches(start, stop)
 
     def _batches(self, start: int, stop: int) -> Any:
-        for batch in self.gen._iter_range(start, stop):
+        # no bar per worker (it would mislead); the DataLoader's caller can wrap the loader in one
+        for batch in self.gen.iter_batches(start, stop, progress=False):
             self._pos = (self._pos or 0) + 1
             yield batch
 

@@ -13,12 +13,20 @@ from __future__ import annotations
 
 import html as _html
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from xinsitu.plan import EpochPlan, epoch_size, plan_quality, rank_share
+
+if TYPE_CHECKING:
+    from xinsitu.geometry import Geometry
+    from xinsitu.loader import BatchGenerator
+    from xinsitu.manifest import SplitManifest
 
 #: Colour of split ``i`` (``i`` in the manifest's split order), shared with ``xinsitu.plot``
 #: (matplotlib's tab10 without its grey, which marks gaps).
@@ -56,7 +64,7 @@ class Section:
 
     title: str
     header: tuple[str, ...] = ()
-    rows: list[tuple[str, ...]] = field(default_factory=list)
+    rows: Sequence[tuple[str, ...]] = field(default_factory=list)
     extra_html: str = ""
     summary: str = ""
     collapsed: bool = False
@@ -343,3 +351,254 @@ def grid(owner: np.ndarray, row_edges: Sequence[int] | np.ndarray, col_edges: Se
             f"<div class='xi-axis xi-axis-top'>{_e(clab)} →{_e(note)}</div>"
             f"<div class='xi-grid-row'><div class='xi-axis xi-axis-left'>{_e(rlab)} →</div>{svg}</div>"
             "</div>" + legend(names, gaps=bool((owner < 0).any())))
+
+
+# ----------------------------------------------------------------------------- the objects' reprs
+# Each object's ``__repr__`` is ``text_repr(self)`` and its ``_repr_html_`` is ``html_repr(self)``:
+# one list of sections per object feeds both. The objects are taken duck-typed (their modules import
+# this one; their types are imported for annotations only).
+def text_repr(obj: Any) -> str:
+    """The text repr of a ``Geometry``, ``SplitManifest`` or ``BatchGenerator``."""
+    title, headline, make = _REPRS[type(obj).__name__]
+    return text(title, make(obj), headline(obj))
+
+
+def html_repr(obj: Any) -> str:
+    """The HTML repr of the same objects (with drawings; the text repr as its fallback)."""
+    title, headline, make = _REPRS[type(obj).__name__]
+    return html(title, make(obj, drawing=True), text_repr(obj), headline(obj))
+
+
+def sections(obj: Any, drawing: bool = False) -> list[Section]:
+    """The sections both reprs of ``obj`` show (``drawing``: with the HTML-only drawings)."""
+    return _REPRS[type(obj).__name__][2](obj, drawing=drawing)
+
+
+# -- Geometry
+def _geometry_headline(g: Geometry) -> str:
+    split = [f"{d} ({g.nblocks(d)} chunks)" for d in g.dims if g.nblocks(d) > 1]
+    nv = len(g.variables)
+    return f"{nv} variable{'s' if nv != 1 else ''}, chunked along " + (", ".join(split) or "no dim")
+
+
+def _geometry_sections(g: Geometry, drawing: bool = False) -> list[Section]:
+    sharded = any(v.shards for v in g.variables.values())
+    header = ("variable", "dims", "shape", "chunk", *(("shard",) if sharded else ()), "dtype", "codecs",
+              "chunk size", "chunks")
+    rows = [
+        (
+            v.name,
+            "(" + ", ".join(v.dims) + ")",
+            _fmt_shape(v.shape),
+            _fmt_shape(v.chunks),
+            *((_fmt_shape(v.shards) if v.shards else "-",) if sharded else ()),
+            v.dtype,
+            ", ".join(v.codecs) or "-",
+            fmt_bytes(v.chunk_nbytes),
+            str(v.nchunks),
+        )
+        for v in g.variables.values()
+    ]
+    dim_rows = [
+        (d, str(g.sizes[d]), str(c) if isinstance(c, int) else "differs: " + ", ".join(map(str, c)),
+         str(g.nblocks(d)))
+        for d, c in g.dims.items()
+    ]
+    return [
+        Section("Dimensions", ("dim", "length", "chunk", "chunk blocks"), dim_rows, summary=f"({len(dim_rows)})"),
+        Section("Variables", header, rows, summary=f"({len(rows)})"),
+    ]
+
+
+def _fmt_shape(shape: tuple[int, ...] | None) -> str:
+    return "(" + ", ".join(map(str, shape or ())) + ")"
+
+
+# -- SplitManifest
+def manifest_summary(m: SplitManifest) -> str:
+    """``SplitManifest.summary()``: a few plain lines."""
+    lines = [f"split on {', '.join(m.dims)} ({' x '.join(map(str, m.grid))} chunk blocks, "
+             f"method={m.method}, gap={m.gap}, seed={m.seed})"]
+    for k, v in _manifest_rows(m):
+        lines.append(f"  {k}: " + "  ".join(v))
+    return "\n".join(lines)
+
+
+def _manifest_rows(m: SplitManifest) -> list[tuple[str, tuple[str, ...]]]:
+    rows: list[tuple[str, tuple[str, ...]]] = []
+    for name, blocks in m.splits.items():
+        rng = "; ".join(f"{d} {lab[0]} .. {lab[1]}" for d, lab in m.labels.get(name, {}).items())
+        rows.append((name, (f"{len(blocks)} chunks", f"{m.positions(name)} positions", rng)))
+    return rows
+
+
+def _manifest_headline(m: SplitManifest) -> str:
+    how = ("ranges" if m.method == "ranges" else
+           "contiguous fractions" if m.contiguous else f"random fractions (seed {m.seed})")
+    return (f"on {' x '.join(m.dims)}: {' x '.join(map(str, m.grid))} chunk blocks, {how}, "
+            f"gap {m.gap}")
+
+
+def _manifest_sections(m: SplitManifest, drawing: bool = False) -> list[Section]:
+    """The repr's sections; ``drawing``: with the timeline/grid (HTML only, O(chunk blocks))."""
+    one = len(m.dims) == 1
+    total = sum(m.sizes[d] for d in m.dims) if one else int(np.prod([m.sizes[d] for d in m.dims]))
+    rows = []
+    for name, blocks in m.splits.items():
+        n = m.positions(name)
+        labs = m.labels.get(name, {})
+        if one:
+            lab = labs.get(m.dims[0])
+            where = (str(lab[0]), str(lab[1])) if lab else ("", "")
+        else:
+            where = ("; ".join(f"{d} {v[0]} .. {v[1]}" for d, v in labs.items()),)
+        rows.append((name, str(len(blocks)), str(n), f"{100 * n / max(total, 1):.1f}%", *where))
+    left = int(np.prod(m.grid)) - sum(len(b) for b in m.splits.values())  # splits are disjoint
+    if left > 0:
+        n = total - sum(m.positions(k) for k in m.splits)
+        rows.append(("(left out)", str(left), str(n), f"{100 * n / max(total, 1):.1f}%",
+                     *([""] * (2 if one else 1))))
+    header = ("split", "chunk blocks", "positions", "share", *(("first", "last") if one else ("labels",)))
+    coords = m.extra.get("coords", {})
+    spans = {d: (str(v[0]), str(v[1])) for d, v in coords.items() if v}
+    owner = m.owner() if drawing and len(m.dims) <= 2 else None
+    picture = ""
+    if owner is not None and one:
+        d = m.dims[0]
+        picture = timeline(owner, m.edges[d], list(m.splits), dim=d, span=spans.get(d),
+                           labels={k: (str(v[d][0]), str(v[d][1])) for k, v in m.labels.items() if d in v})
+    elif owner is not None:
+        picture = grid(owner, m.edges[m.dims[0]], m.edges[m.dims[1]], list(m.splits),
+                       dims=(m.dims[0], m.dims[1]), spans=spans)
+    info = [("dims", ", ".join(f"{d} ({m.sizes[d]}, {len(m.edges[d]) - 1} chunk blocks)"
+                               for d in m.dims)),
+            ("method", m.method + ("" if m.method == "ranges" else
+                                   ", contiguous" if m.contiguous else ", random")),
+            ("gap", f"{m.gap} chunk block{'s' if m.gap != 1 else ''}"), ("seed", str(m.seed)),
+            ("fingerprint", m.fingerprint[:12])]
+    if m.snapshot:
+        info.append(("snapshot", m.snapshot))
+    if m.stats:
+        info.append(("stats", f"{len(m.stats.get('channels', m.stats))} channels "
+                              f"from split {m.stats.get('split', '?')!r}"))
+    return [Section("Splits", header, rows, extra_html=picture, summary=f"({len(m.splits)})"),
+            Section("Manifest", (), info, collapsed=True)]
+
+
+# -- BatchGenerator
+def _generator_headline(gen: BatchGenerator) -> str:
+    return f"{gen.split!r}: {len(gen)} batches of {gen.batch_size}, output={gen.output!r}"
+
+
+def _display_plan(gen: BatchGenerator) -> tuple[EpochPlan, int]:
+    """The plan the repr describes (its first 50 batches at least) and how many units it reads:
+    where the unit order cannot change what the repr shows (units of equal size), the same cut
+    with the units in split order, and for one rank only its head (no permutation of, nor pass
+    over, 10^7 units just to print); else the plan."""
+    c = gen.space.counts
+    if gen.elastic_remainder or not len(c) or not bool((c == c[0]).all()) or not c[0]:
+        p = gen.plan()
+        return p, len(p.units)
+    kw = dict(block_chunks=gen.block_chunks, batch_size=gen.batch_size, drop_last=gen.drop_last,
+              shuffle=gen.shuffle, seed=gen.seed, epoch=gen.epoch, rank=gen.rank, world_size=gen.world_size)
+    if gen.world_size == 1:
+        n, units = epoch_size(gen.space, world_size=1, rank=0, batch_size=gen.batch_size,
+                              drop_last=gen.drop_last)
+        k = min(units, (-(-50 * gen.batch_size // int(c[0])) // gen.block_chunks + 1) * gen.block_chunks)
+        return EpochPlan(units=np.arange(k), lo=np.zeros(k, np.int64), hi=c[:k].copy(), n_samples=n, **kw), units
+    pos, lo, hi, n = rank_share(c, gen.world_size, gen.rank, gen.batch_size, gen.drop_last)
+    return EpochPlan(units=pos, lo=lo, hi=hi, n_samples=n, **kw), len(pos)
+
+
+def _epoch_bytes(gen: BatchGenerator, p: EpochPlan, n_units: int | None = None) -> int:
+    """Decoded bytes of the chunk blocks this rank reads in an epoch (halos and partial chunks aside)."""
+    sp = gen.space
+    split = {d.name for d in sp.split_dims}
+    n_units = len(p.units) if n_units is None else n_units
+    if n_units == len(sp.blocks) and all(lay.static or split <= set(lay.src.dims) for lay in gen.layouts.values()):
+        # every unit once (one rank): the split's positions, O(runs of the manifest)
+        n = gen.manifest.positions(gen.split)
+        total = 0
+        for lay in gen.layouts.values():
+            rest = lay.src.raw_dtype.itemsize * int(np.prod([k for d, k in zip(lay.src.dims, lay.src.shape,
+                                                                              strict=True) if d not in split]))
+            total += rest * (1 if lay.static else n)
+        return total
+    coords = np.unravel_index(sp.blocks[p.units], sp.grid)
+    extent = {d.name: np.diff(sp.edges[k])[coords[k]] for k, d in enumerate(sp.split_dims)}
+    total = 0
+    for lay in gen.layouts.values():
+        src = lay.src
+        per = np.ones(len(p.units), dtype=np.int64)
+        rest = src.raw_dtype.itemsize
+        for d, n in zip(src.dims, src.shape, strict=True):
+            if d in extent:
+                per = per * extent[d]
+            else:
+                rest *= n
+        total += rest if lay.static else int(per.sum()) * rest  # a static variable is read once
+    return total
+
+
+def _generator_sections(gen: BatchGenerator, drawing: bool = False) -> list[Section]:
+    p, n_units = _display_plan(gen)
+    nvar = sum(1 for lay in gen.layouts.values() if not lay.static)
+    batches = f"{p.n_batches} x {gen.batch_size} samples"
+    if p.n_samples % gen.batch_size:
+        batches += " (short last batch dropped)" if gen.drop_last else " (last one short)"
+    samples = f"{p.n_samples} of {gen.space.n_samples} in split {gen.split!r}"
+    if gen.world_size > 1:
+        samples += f" (rank {gen.rank} of {gen.world_size})"
+    if gen.shuffle:
+        shuffle = (f"seed {gen.seed}, epoch {gen.epoch}, buffers of {gen.block_chunks} chunk blocks; "
+                   f"quality {plan_quality(p, gen.space, gen.batch_size, 50):.2f} (1.0 ~ global)")
+    else:
+        shuffle = f"off: chunk blocks in split order (epoch {gen.epoch})"
+    once = "" if any(d.width > 1 for d in gen.space.split_dims) else ", each chunk read once"
+    info = [("batches", batches), ("samples", samples),
+            ("reads / epoch", f"{n_units} chunk blocks x {nvar} variable{'s' if nvar != 1 else ''}, "
+                              f"~{fmt_bytes(_epoch_bytes(gen, p, n_units))} decoded{once}"),
+            ("shuffle", shuffle), ("output", gen.output + (f" on {gen.builder.device}"
+                                                           if getattr(gen.builder, "device", None) else ""))]
+    roles = []
+    sampled = {d.name for d in gen.space.dims}
+    for d in gen.space.dims:
+        if d.width == 1:
+            what = "1 position"
+        elif d.stride == 1:
+            what = f"window of {d.width}"
+        else:
+            what = f"tile of {d.width}, stride {d.stride}"
+        role = "split dim" if d.split else ("over: one sample per position" if not d.keep else "window / patch")
+        roles.append((d.name, str(d.size), what, role))
+    for d, n in gen.geometry.sizes.items():
+        if d not in sampled:
+            roles.append((d, str(n), f"whole ({n})", "kept"))
+    width = {d.name: d.width for d in gen.space.dims if d.keep}
+    var_rows = []
+    for name, lay in gen.layouts.items():
+        shape = ", ".join(f"{d}: {width.get(d, gen.geometry.sizes.get(d, 0))}" for d in lay.out_dims)
+        var_rows.append((name, f"({shape})", str(lay.src.dtype), "static: same in every batch" if lay.static
+                         else ""))
+    sections = [Section("Epoch", (), info),
+                Section("Sample", ("dim", "length", "takes", "role"), roles),
+                Section("Variables", ("variable", "per sample", "dtype", ""), var_rows, summary=f"({len(var_rows)})")]
+    last = gen.io_stats
+    io = {k: last.get(k, 0) for k in ("chunks", "requests", "bytes_read", "bytes_decoded", "samples_per_s",
+                                      "mb_per_s", "seconds", "wait_s", "epoch", "batches")}
+    if last:  # a repr never raises: missing counters read as 0
+        sections.append(Section("Last epoch I/O", (), [
+            ("read", f"{io['chunks']} chunks in {io['requests']} requests, {fmt_bytes(io['bytes_read'])} "
+                     f"stored -> {fmt_bytes(io['bytes_decoded'])} decoded"),
+            ("rate", f"{io['samples_per_s']:.0f} samples/s, {io['mb_per_s']:.1f} MB/s decoded "
+                     f"over {io['seconds']:.2f} s"),
+            ("waited for data", f"{io['wait_s']:.2f} s")],
+            summary=f"(epoch {io['epoch']}, {io['batches']} batches)", collapsed=True))
+    return sections
+
+
+_REPRS: dict[str, tuple[str, Callable[[Any], str], Callable[..., list[Section]]]] = {
+    "Geometry": ("xinsitu.Geometry", _geometry_headline, _geometry_sections),
+    "SplitManifest": ("xinsitu.SplitManifest", _manifest_headline, _manifest_sections),
+    "BatchGenerator": ("xinsitu.BatchGenerator", _generator_headline, _generator_sections),
+}

@@ -1,0 +1,261 @@
+"""The channel rule, CF decoding and normalisation: how a generator's variables become values.
+
+Layer 1 (no I/O). One rule names the channels of a set of variables, for stacked batches,
+for the stats record and for normalisation alike: the *base* dims are the shortest
+variable's output dims (window/patch dims aside); each variable is one channel, or, where
+it has dims beyond the base (its *extra* dims), one ``{var}_{label}`` channel per label
+of them. Variables lacking a base dim cannot be stacked together.
+
+CF decoding re-applies a variable's encoding to raw values exactly as xarray decodes
+them; ``decodes_to_itself`` tells where that is the identity (a pass saved per chunk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import xarray as xr
+
+if TYPE_CHECKING:
+    from xinsitu.sampling import VarLayout
+    from xinsitu.source import VarSource
+
+#: CF keys that xarray moves from attrs to ``encoding`` when it decodes a variable (kept in ``VarSource.cf``)
+CF_KEYS = ("_FillValue", "missing_value", "scale_factor", "add_offset", "_Unsigned", "units", "calendar", "dtype")
+#: top-level keys of a stats record that are not variables
+RESERVED = ("split", "channels", "variables")
+
+
+# ----------------------------------------------------------------------------- CF decoding
+def decodes_to_itself(src: VarSource) -> bool:
+    """Whether CF decoding leaves raw values as they are: not stored (values already decoded), no CF
+    attribute, or floats whose only CF attribute is a NaN fill value (what xarray writes for float
+    variables: it masks nothing)."""
+    attrs = {k: v for k, v in src.cf.items() if k != "dtype"}
+    if not src.stored or not attrs:
+        return True
+    return (src.raw_dtype == src.dtype and src.dtype.kind == "f" and set(attrs) <= {"_FillValue", "missing_value"}
+            and all(bool(np.all(np.isnan(np.asarray(v, dtype=np.float64)))) for v in attrs.values()))
+
+
+def identity(raw: np.ndarray) -> np.ndarray:
+    """The decoder of a variable whose CF decoding is the identity."""
+    return raw
+
+
+class _CFDecode:
+    """raw -> values exactly as xarray decodes them; a class, not a closure, so that a
+    generator pickles into spawned DataLoader workers."""
+
+    def __init__(self, name: str, attrs: dict[str, Any]):
+        self.name, self.attrs = name, attrs
+
+    def __call__(self, raw: np.ndarray) -> np.ndarray:
+        var = xr.Variable(tuple(f"_{i}" for i in range(raw.ndim)), raw, attrs=dict(self.attrs))
+        return np.asarray(xr.conventions.decode_cf_variable(self.name, var).values)
+
+
+def cf_decoder(name: str, layout: VarLayout) -> Any:
+    """A function raw -> values exactly as xarray decodes them (scale/offset/fill -> NaN)."""
+    src = layout.src
+    if decodes_to_itself(src):
+        return identity
+    decode = _CFDecode(name, {k: v for k, v in src.cf.items() if k != "dtype"})
+    probe = decode(np.zeros((1,), dtype=src.raw_dtype))
+    if probe.dtype != src.dtype:
+        raise ValueError(f"variable {name!r}: re-applying its CF encoding gives {probe.dtype}, but the Dataset "
+                         f"has {src.dtype}; was it opened with unusual decoding options?")
+    return decode
+
+
+# ----------------------------------------------------------------------------- the channel rule
+def _base_and_extra(layouts: dict[str, VarLayout],
+                    kept: tuple[str, ...] = ()) -> tuple[tuple[str, ...], dict[str, list[str] | None]]:
+    """The base dims (the shortest variable's output dims, window/patch dims ``kept`` aside) and per
+    variable its extra dims, in its order; None for a variable lacking a base dim (not stackable)."""
+    outs = {n: tuple(d for d in lay.out_dims if d not in kept) for n, lay in layouts.items()}
+    base = min(outs.values(), key=len)
+    return base, {n: [d for d in dims if d not in base] if all(d in dims for d in base) else None
+                  for n, dims in outs.items()}
+
+
+@dataclass
+class Channel:
+    """One channel of a stacked batch: a variable, or one label of its extra dim."""
+
+    name: str
+    var: str
+    index: tuple[int, ...]  # position along the variable's extra dims (empty: the whole variable)
+
+
+def plan_channels(ds: xr.Dataset, layouts: dict[str, VarLayout],
+                  kept: tuple[str, ...] = ()) -> tuple[list[Channel], tuple[str, ...]]:
+    """Channels in order (variables in order; an extra dim expands into ``{var}_{label}``) and the
+    dims every channel shares (after the sample axis). Window/patch dims (``kept``) are sample axes,
+    never channels: a variable lacking them (a static one) is broadcast along them."""
+    base, extras = _base_and_extra(layouts, kept)
+    channels: list[Channel] = []
+    for n, extra in extras.items():
+        if extra is None:
+            dims = tuple(d for d in layouts[n].out_dims if d not in kept)
+            raise ValueError(f"cannot stack {n!r} {dims} with variables of dims {base}: stacked variables "
+                             "must share their dims (an extra dim becomes channels)")
+        if not extra:
+            channels.append(Channel(n, n, ()))
+            continue
+        sizes = [layouts[n].src.shape[layouts[n].src.dims.index(d)] for d in extra]
+        labels = [_labels(ds, d, s) for d, s in zip(extra, sizes, strict=True)]
+        for idx in np.ndindex(*sizes):
+            lab = "_".join(str(labels[k][i]) for k, i in enumerate(idx))
+            channels.append(Channel(f"{n}_{lab}", n, tuple(int(i) for i in idx)))
+    # the shared dims in the order a sampled variable has them (kept dims included)
+    order = max((lay.out_dims for lay in layouts.values() if lay.has_sample_axis), key=len, default=base)
+    shared = tuple(d for d in order if d in kept or d in base)
+    return channels, shared + tuple(d for d in base if d not in shared)
+
+
+def _labels(ds: xr.Dataset, dim: str, size: int) -> list[Any]:
+    if dim in ds.indexes:
+        vals = ds.indexes[dim]
+        return [v.item() if hasattr(v, "item") else v for v in vals]
+    return list(range(size))
+
+
+def channel_plan(ds: xr.Dataset, layouts: dict[str, VarLayout]) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """Per variable, its channel names and its extra (channel) dims, as ``plan_channels`` has them.
+
+    Variables that cannot be stacked together (no shared dims) are one channel each.
+    """
+    extras = _base_and_extra(layouts)[1]
+    if any(extra is None for extra in extras.values()):
+        return {n: [n] for n in layouts}, {n: [] for n in layouts}
+    names: dict[str, list[str]] = {n: [] for n in layouts}
+    for ch in plan_channels(ds, layouts)[0]:
+        names[ch.var].append(ch.name)
+    return names, {n: extra or [] for n, extra in extras.items()}
+
+
+def channel_names(ds: xr.Dataset, layouts: dict[str, VarLayout], kept: tuple[str, ...] = ()) -> list[str]:
+    """The channel names of these variables in order, as ``gen.channels`` and the stats record list them
+    (one per variable where the variables cannot be stacked together)."""
+    try:
+        return [c.name for c in plan_channels(ds, layouts, kept)[0]]
+    except ValueError:
+        return list(layouts)
+
+
+def check_channel_order(stats: dict[str, Any], channels: list[str]) -> None:
+    """Refuse statistics recorded with another channel order than ``channels`` (the generator's).
+
+    The channels both have must come in the same order (statistics of more variables, or a
+    generator of fewer, are fine). Statistics without recorded channels (older ones, or written
+    by hand) are applied by variable name.
+    """
+    saved = stats.get("channels")
+    if not isinstance(saved, list):
+        return
+    shared = set(saved) & set(channels)
+    a, b = [c for c in saved if c in shared], [c for c in channels if c in shared]
+    if a != b:
+        raise ValueError(f"normalize: the statistics were computed with channels in the order {saved}, these "
+                         f"batches have {channels}: a model trained on one would get permuted inputs; pass "
+                         "variables= in the statistics' order (or recompute the statistics)")
+
+
+# ----------------------------------------------------------------------------- normalising
+class Normalizer:
+    """``(x - mean) / std`` per channel, applied to CF-decoded values of one generator's variables.
+
+    Made by :func:`normalizer`. Call it on ``{var: values}`` (values shaped as a batch
+    gives them: a leading sample axis, then the variable's output dims; or the
+    variable's own dims for a variable without a split dim), or use ``apply(var, values)``.
+    Floating values keep their dtype (mean and std are cast to it, as
+    ``(da - mean) / std`` does with Python floats); integers become float64. A channel
+    with std 0 is only centred (scale 1, as scikit-learn does); one without statistics
+    (``None``) becomes NaN.
+    """
+
+    def __init__(self, params: dict[str, tuple[np.ndarray, np.ndarray]]):
+        self.params = params  # var -> (mean, scale), float64 and shaped to broadcast against a batch
+
+    def dtype(self, dtype: np.dtype) -> np.dtype:
+        """The dtype normalised values of ``dtype`` have."""
+        return np.result_type(np.dtype(dtype), 1.0)
+
+    def apply(self, name: str, values: np.ndarray) -> np.ndarray:
+        mean, scale = self.params[name]
+        dt = self.dtype(values.dtype)
+        out = np.subtract(values, mean.astype(dt), dtype=dt)  # never in place: values may be a block buffer
+        out /= scale.astype(dt)
+        return out
+
+    def __call__(self, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {n: self.apply(n, a) if n in self.params else a for n, a in values.items()}
+
+
+def normalizer(stats: dict[str, Any], layouts: dict[str, VarLayout], kept: tuple[str, ...] = ()) -> Normalizer:
+    """A :class:`Normalizer` applying ``stats`` (from :func:`compute_stats`) to these variables.
+
+    Parameters
+    ----------
+    stats : ``{var: {"mean": ..., "std": ...}, ...}`` (a ``compute_stats`` record, e.g. ``m.stats``,
+        or a hand-written dict of the same shape). A variable with an extra dim needs a list per
+        key, in channel order (C order over the entry's ``"dims"``, the extra dims; default: the
+        dims the other variables lack, as in ``plan_channels``).
+    layouts : the generator's variable layouts (``gen.layouts``).
+    kept : the window/patch dims of the generator's samples (never channel dims).
+
+    Raises
+    ------
+    ValueError
+        When a variable has no statistics, or its number of channels differs.
+    """
+    if not isinstance(stats, dict):
+        raise TypeError(f"normalize= takes a stats dict (e.g. m.stats from ds.insitu.stats), got "
+                        f"{type(stats).__name__}")
+    inferred = _extra_dims(layouts, kept)
+    params = {}
+    for n, lay in layouts.items():
+        entry = stats.get(n)
+        if not isinstance(entry, dict) or "mean" not in entry or "std" not in entry:
+            have = [k for k in stats if k not in RESERVED]
+            raise ValueError(f"normalize: no statistics for variable {n!r} (the stats have {have}); compute "
+                             f"them for these variables: ds.insitu.stats(m, split, variables={list(layouts)})")
+        extra = list(entry.get("dims", inferred[n]))
+        out_dims = ("sample", *lay.out_dims) if lay.has_sample_axis else lay.src.dims
+        missing = [d for d in extra if d not in out_dims]
+        if missing:
+            raise ValueError(f"normalize: the statistics of {n!r} are per {extra}, but its batches have dims "
+                             f"{out_dims} (was a dim selected away after computing the statistics?)")
+        sizes = [lay.src.shape[lay.src.dims.index(d)] for d in extra]
+        mean, std = (_channel_values(n, entry[k], k, sizes) for k in ("mean", "std"))
+        shape = [1] * len(out_dims)
+        for d, size in zip(extra, sizes, strict=True):
+            shape[out_dims.index(d)] = size
+        # the channel list is C order over ``extra``; lay its axes out in the batch's dim order
+        order = sorted(range(len(extra)), key=lambda i: out_dims.index(extra[i]))
+        mean = mean.reshape(sizes).transpose(order).reshape(shape)
+        std = std.reshape(sizes).transpose(order).reshape(shape)
+        scale = np.where(std == 0, 1.0, std)
+        params[n] = (mean, scale)
+    return Normalizer(params)
+
+
+def _channel_values(name: str, v: Any, key: str, sizes: list[int]) -> np.ndarray:
+    n = int(np.prod(sizes)) if sizes else 1
+    arr = np.array([np.nan if x is None else x for x in (v if isinstance(v, (list, tuple)) else [v])],
+                   dtype=np.float64)
+    if sizes and arr.size != n:
+        raise ValueError(f"normalize: {name!r} has {n} channels but its {key!r} has {arr.size} value(s)")
+    if not sizes and arr.size != 1:
+        raise ValueError(f"normalize: {name!r} is one channel here, but its {key!r} has {arr.size} values "
+                         "(statistics computed with another set of variables?)")
+    return arr
+
+
+def _extra_dims(layouts: dict[str, VarLayout], kept: tuple[str, ...] = ()) -> dict[str, list[str]]:
+    """The dims each variable has beyond the base (its channel dims; none for one lacking a base dim)."""
+    return {n: extra or [] for n, extra in _base_and_extra(layouts, kept)[1].items()}
+

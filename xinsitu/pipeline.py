@@ -1,0 +1,259 @@
+"""The batch pipeline of one epoch: ``EpochRun``.
+
+Three parties work at once. The I/O loop reads buffers (``block_chunks`` units each) ahead (a
+few buffers in flight, their chunk reads bounded by ``max_inflight``); a prefetch thread gathers
+batches from loaded buffers into a small bounded queue; the caller's thread only takes finished
+batches off that queue. Errors travel through the queues and are raised to the caller;
+``close()`` (or breaking out of the loop that iterates the generator) stops both helpers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import queue
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from xinsitu import _loop
+from xinsitu.buffer import BufferLoader
+from xinsitu.output import OutputBuilder
+from xinsitu.plan import EpochPlan
+
+_END = object()
+#: buffers read ahead or held: one being gathered from, one spanning, one loading
+READ_AHEAD_BUFFERS = 3
+#: ... and at most this many where the store is far (enough buffers loading to fill ``max_inflight``)
+MAX_READ_AHEAD_BUFFERS = 6
+#: finished batches waiting for the caller
+PREFETCH_BATCHES = 2
+WAIT_STEP_S = 0.05  # queue waits are this long at most, then check that the other side still runs
+
+
+
+class EpochRun:
+    """One pass over an epoch plan from batch ``start`` on: the I/O producer, the prefetch thread,
+    and their queues. Iterate it for ``(batch index, batch)``; ``close()`` stops both helpers (always
+    call it, e.g. in a ``finally``); ``report()`` gives the pass's I/O counters and rates.
+
+    ``loader`` reads the plan's buffers (through its reader); ``builder`` makes batches of them.
+    """
+
+    def __init__(self, plan: EpochPlan, start: int, loader: BufferLoader, builder: OutputBuilder):
+        self.plan, self.start, self.builder = plan, start, builder
+        self.loader = loader
+        self.counters_before = _copy_counters(self.loader.reader.counters)
+        self.buffers: queue.Queue = queue.Queue()
+        self.batches: queue.Queue = queue.Queue(PREFETCH_BATCHES)
+        self.stop = threading.Event()
+        self.wait_s = 0.0
+        self.samples = 0
+        self.n_batches = 0
+        self.borrowed = 0
+        self.t0 = time.perf_counter()
+        self.t_end: float | None = None
+        self.loop = _loop.get_loop()
+        self.credits: asyncio.Semaphore | None = None
+        self.depth = READ_AHEAD_BUFFERS  # buffers read ahead or held (grows with requests in flight)
+        self.n_loaded = 0
+        self.failed = False  # a buffer failed to load (set on the I/O loop)
+        self.tasks: set[asyncio.Task] = set()  # buffer loads in flight
+        if start >= plan.n_batches:
+            self.first_buffer = plan.n_buffers
+        else:
+            self.first_buffer = plan.buffers_of(*plan.batch_span(start))[0]
+        # chunks that windows spill into, passed from buffer to buffer rather than read twice
+        self.halo = self.loader.halo_plan(plan, self.first_buffer)
+        self.io_future = _loop.submit(self._produce())
+        self.thread = threading.Thread(target=self._assemble, name="xinsitu-prefetch", daemon=True)
+        self.thread.start()
+
+    # -- I/O loop side
+    async def _produce(self) -> None:
+        self.credits = asyncio.Semaphore(self.depth)
+        prev: asyncio.Task | None = None
+        try:
+            for j in range(self.first_buffer, self.plan.n_buffers):
+                await self.credits.acquire()
+                if self.stop.is_set() or self.failed:
+                    break  # a failed buffer ends the epoch: its error is on its way to the caller
+                prev = asyncio.ensure_future(self._load(j, prev))
+                self.tasks.add(prev)
+                prev.add_done_callback(self.tasks.discard)
+            delivered = True if prev is None else await prev
+            if delivered and not self.stop.is_set():
+                self.buffers.put(_END)
+        except asyncio.CancelledError:
+            for t in list(self.tasks):  # closed early: stop the reads of buffers nobody will take
+                t.cancel()
+            raise
+        except Exception as e:  # noqa: BLE001 - delivered to the caller
+            self.buffers.put(e)
+
+    async def _load(self, j: int, prev: asyncio.Task | None) -> bool:
+        """Load buffer ``j`` and hand it (or its error) on after buffer ``j - 1``; whether it was delivered."""
+        try:
+            buffer: Any = await self.loader.load(self.plan, j, self.halo)
+        except Exception as e:  # noqa: BLE001 - delivered to the caller, in order
+            buffer = e
+            self.failed = True
+            self.credits.release()  # wake the producer, which may be waiting for a credit, so that it stops
+        else:
+            self.n_loaded += 1
+            self._deepen()
+        if prev is not None and not await prev:  # an earlier buffer failed: its error goes first, alone
+            if not isinstance(buffer, BaseException):
+                self.loader.recycle(buffer)
+            return False
+        self.buffers.put(buffer)
+        return not isinstance(buffer, BaseException)
+
+    def _deepen(self) -> None:
+        """Read further ahead where the reader keeps more requests in flight than the buffers being
+        loaded hold (a far store, see ``InflightLimit``): one buffer gathered from, and enough
+        loading to fill the limit, at most ``MAX_READ_AHEAD_BUFFERS``."""
+        reader = self.loader.reader
+        per_buffer = (reader.counters.requests - self.counters_before["requests"]) / self.n_loaded
+        want = min(MAX_READ_AHEAD_BUFFERS, 1 + math.ceil(reader.inflight.limit / max(per_buffer, 1.0)))
+        while self.depth < want and self.credits is not None:
+            self.depth += 1
+            self.credits.release()
+
+    def _release(self) -> None:
+        if self.credits is not None:
+            self.loop.call_soon_threadsafe(self.credits.release)
+
+    # -- prefetch thread
+    def _assemble(self) -> None:
+        plan, builder = self.plan, self.builder
+        loaded: dict[int, Any] = {}
+        try:
+            for i in range(self.start, plan.n_batches):
+                a, b = plan.batch_span(i)
+                js = plan.buffers_of(a, b)
+                for j in js:
+                    while j not in loaded:
+                        if len(loaded) >= self.depth - 1:
+                            # this batch spans more buffers than the read-ahead allows: lend the
+                            # producer one more buffer, paid back when a buffer is recycled
+                            self.borrowed += 1
+                            self._release()
+                        item = self._next_buffer()
+                        if item is None:
+                            return  # closed
+                        if isinstance(item, BaseException):
+                            raise item
+                        if item is _END:
+                            raise RuntimeError(f"xinsitu: buffer {j} was never read (internal error)")
+                        loaded[item.j] = item
+                for old in [k for k in loaded if k < js[0]]:
+                    self.loader.recycle(loaded.pop(old))
+                    if self.borrowed:
+                        self.borrowed -= 1
+                    else:
+                        self._release()
+                direct = builder.direct_stack(b - a)  # gather straight into the stacked batch
+                raw_parts, start_parts, done = [], [], 0
+                for j in js:
+                    off = plan.buffer_offsets[j]
+                    lo, hi = max(a, off) - off, min(b, plan.buffer_offsets[j + 1]) - off
+                    rows = np.arange(lo, hi)
+                    into = None if direct is None else {n: v[done:done + len(rows)] for n, v in direct[1].items()}
+                    raw_parts.append(self.loader.gather(loaded[j], rows, into))
+                    start_parts.append(loaded[j].starts[rows])
+                    done += len(rows)
+                if direct is not None:
+                    batch = builder.finish_stacked(direct[0])
+                else:
+                    raw = raw_parts[0] if len(raw_parts) == 1 else {
+                        n: (np.concatenate([p[n] for p in raw_parts]) if builder.layouts[n].has_sample_axis
+                            else raw_parts[0][n]) for n in raw_parts[0]}
+                    batch = builder.build(raw, np.concatenate(start_parts))
+                if not self._put((i, batch, b - a)):
+                    return
+            self._put(_END)
+        except BaseException as e:  # noqa: BLE001 - delivered to the caller
+            self._put(e)
+
+    def _next_buffer(self) -> Any:
+        """The next loaded buffer (or error, or ``_END``); None once closed. Waits in short steps and
+        checks the producer meanwhile, so that a producer that ended without a word cannot hang us."""
+        while True:
+            try:
+                return self.buffers.get(timeout=WAIT_STEP_S)
+            except queue.Empty:
+                pass
+            if self.stop.is_set():
+                return None
+            if self.io_future.done():
+                try:
+                    return self.buffers.get_nowait()  # put just before the producer ended
+                except queue.Empty:
+                    pass
+                err = None if self.io_future.cancelled() else self.io_future.exception()
+                return err or RuntimeError("xinsitu: the reading task ended before the epoch did (internal error)")
+
+    def _put(self, item: Any) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.batches.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    # -- caller side
+    def __iter__(self) -> Any:
+        while True:
+            t = time.perf_counter()
+            item = self._next_batch()
+            self.wait_s += time.perf_counter() - t
+            if item is _END:
+                self.t_end = time.perf_counter()
+                return
+            if isinstance(item, BaseException):
+                raise item
+            i, batch, n = item
+            self.samples += n
+            self.n_batches += 1
+            yield i, batch
+
+    def _next_batch(self) -> Any:
+        """The next finished batch (or error, or ``_END``), waiting in short steps while the
+        prefetch thread lives."""
+        while True:
+            try:
+                return self.batches.get(timeout=WAIT_STEP_S)
+            except queue.Empty:
+                if not self.thread.is_alive():
+                    try:
+                        return self.batches.get_nowait()
+                    except queue.Empty:
+                        return RuntimeError("xinsitu: the prefetch thread ended before the epoch did "
+                                            "(internal error)")
+
+    def close(self) -> None:
+        self.stop.set()
+        for _ in range(MAX_READ_AHEAD_BUFFERS + 1):
+            self._release()
+        self.io_future.cancel()
+        self.thread.join(timeout=5)
+
+    def report(self) -> dict[str, Any]:
+        c = _copy_counters(self.loader.reader.counters)
+        for k, v in self.counters_before.items():
+            c[k] -= v
+        dt = (self.t_end or time.perf_counter()) - self.t0
+        if c["missing"]:
+            c["missing_chunk"] = self.loader.reader.last_missing  # (variable, chunk, key): one of them
+        return {"epoch": self.plan.epoch, "batches": self.n_batches, **c,
+                "wait_s": self.wait_s, "seconds": dt, "samples": self.samples,
+                "samples_per_s": self.samples / dt if dt > 0 else 0.0,
+                "mb_per_s": c["bytes_decoded"] / dt / 1e6 if dt > 0 else 0.0}
+
+
+def _copy_counters(c: Any) -> dict[str, Any]:
+    return {k: getattr(c, k) for k in c.__dataclass_fields__}

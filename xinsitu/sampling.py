@@ -1,0 +1,362 @@
+"""What a split's samples are: the options that shape them, checked, and the sample space.
+
+Layer 1 (no I/O, no threads). ``sampling(ds, manifest, split, ...)`` checks a manifest
+against a Dataset and turns the sampling options (``window``, ``patch``, ``stride``,
+``over``, ``variables``) into a :class:`Sampling`: the variables' sources and geometry,
+the :class:`SampleSpace` (per unit, i.e. per chunk block of the split, how many samples
+and which) and each variable's :class:`VarLayout`. ``BatchGenerator`` and ``StatsPass``
+both start from it. Samples are numbered by a global id: units in split order, and inside
+a unit in C order over the sampled dims (split dims, then window/patch dims, then ``over``
+dims).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import xarray as xr
+
+from xinsitu.geometry import Geometry, geometry_of
+from xinsitu.manifest import SplitManifest, coord_span
+from xinsitu.snapshot import snapshot_of_sources
+from xinsitu.source import VarSource, resolve
+
+
+# ---------------------------------------------------------------------- option checks
+def int_arg(name: str, v: Any, minimum: int | None = None) -> int:
+    """``v`` as an int; a bool, a float or a string is refused (never truncated or parsed)."""
+    if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an integer, got {type(v).__name__} {v!r}")
+    if minimum is not None and v < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{name} must be {what}, got {v!r}")
+    return int(v)
+
+
+def positive_int(name: str, v: Any) -> int:
+    return int_arg(name, v, 1)
+
+
+def flag(name: str, v: Any) -> bool:
+    """``v`` as a bool; ``"no"`` or ``"False"`` would be truthy, so only real booleans pass."""
+    if not isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {type(v).__name__} {v!r}")
+    return bool(v)
+
+
+def variable_names(v: Any, ds: xr.Dataset) -> list[str] | None:
+    """``variables=`` as a list of data variable names (None: the default)."""
+    if v is None:
+        return None
+    names = [v] if isinstance(v, str) else v
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"variables must be a variable name or a list of names, got {type(v).__name__} {v!r}")
+    if not names:
+        raise ValueError("variables is empty: name at least one data variable")
+    unknown = [n for n in names if n not in ds.data_vars]
+    if unknown:
+        raise ValueError(f"variables: unknown variable(s) {unknown}; the Dataset has {list(ds.data_vars)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"variables names a variable twice: {list(names)}")
+    return list(names)
+
+
+def dim_map(name: str, v: Any, sizes: dict[str, int]) -> dict[str, int]:
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise TypeError(f"{name} must be a dict of dim -> length, got {type(v).__name__}")
+    out = {}
+    for d, n in v.items():
+        if d not in sizes:
+            raise ValueError(f"{name}: unknown dim {d!r}; the variables have dims {sorted(sizes)}")
+        n = positive_int(f"{name}[{d!r}]", n)
+        if n > sizes[d]:
+            raise ValueError(f"{name}[{d!r}] = {n} is longer than dim {d!r} ({sizes[d]})")
+        out[d] = n
+    return out
+
+
+def dist_defaults(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is None or world_size is None:
+        # only a process that imported torch.distributed can have initialised it: don't import
+        # torch (~200 MB, ~1 s) just to learn that it hasn't
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank() if rank is None else rank
+            world_size = dist.get_world_size() if world_size is None else world_size
+    world_size = 1 if world_size is None else positive_int("world_size", world_size)
+    rank = 0 if rank is None else int_arg("rank", rank)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}) for world_size={world_size}, got {rank}")
+    return rank, world_size
+
+
+# ---------------------------------------------------------------------- the sample space
+@dataclass(frozen=True)
+class SampleDim:
+    """One dim along which samples are taken."""
+
+    name: str
+    size: int  # length in the Dataset
+    width: int = 1  # window/patch length (1: a single position)
+    stride: int = 1  # tiles start at multiples of the stride
+    keep: bool = False  # kept in the output (window/patch); else reduced to one position
+    split: bool = False  # a split dim (its chunk blocks are the units)
+
+    def starts(self) -> np.ndarray:
+        return np.arange(0, self.size - self.width + 1, self.stride, dtype=np.int64)
+
+
+class SampleSpace:
+    """The samples of one split: per unit (chunk block) how many, and which.
+
+    Parameters
+    ----------
+    dims : sampled dims, split dims first (in the manifest's order)
+    edges : per split dim, the chunk-block edges (len = blocks + 1)
+    blocks : flat block ids of the split (C order over the split dims), in split order
+    """
+
+    def __init__(self, dims: list[SampleDim], edges: dict[str, np.ndarray], blocks: np.ndarray):
+        self.dims = list(dims)
+        self.split_dims = [d for d in self.dims if d.split]
+        self.free_dims = [d for d in self.dims if not d.split]
+        if self.dims[: len(self.split_dims)] != self.split_dims:
+            raise ValueError("split dims must come first")
+        self.edges = [np.asarray(edges[d.name], dtype=np.int64) for d in self.split_dims]
+        self.grid = tuple(len(e) - 1 for e in self.edges)
+        self.blocks = np.asarray(blocks, dtype=np.int64)
+        self._free_starts = [d.starts() for d in self.free_dims]
+        self._free_n = int(np.prod([len(s) for s in self._free_starts])) if self.free_dims else 1
+
+    @cached_property
+    def _cs(self) -> np.ndarray:
+        """n-d prefix sums of the membership grid: box queries in O(2^k). Made on first use (windows,
+        tiles, several split dims): a split of 10^7 one-position units never needs them."""
+        mask = np.zeros(int(np.prod(self.grid)), dtype=bool)
+        mask[self.blocks] = True
+        cs = mask.reshape(self.grid).astype(np.int64)
+        for ax in range(cs.ndim):
+            cs = np.cumsum(cs, axis=ax)
+        return np.pad(cs, [(1, 0)] * cs.ndim)
+
+    # ------------------------------------------------------------------ per unit
+    def _candidates(self, k: int, c: int) -> tuple[np.ndarray, np.ndarray]:
+        """Starts along split dim ``k`` inside block ``c``, and the last block each touches."""
+        d, e = self.split_dims[k], self.edges[k]
+        lo, hi = e[c], e[c + 1]
+        first = -(-lo // d.stride) * d.stride
+        s = np.arange(first, min(hi, d.size - d.width + 1), d.stride, dtype=np.int64)
+        last = np.searchsorted(e, s + d.width - 1, side="right") - 1
+        return s, last
+
+    def _box_full(self, lo: list[np.ndarray], hi: list[np.ndarray]) -> np.ndarray:
+        """Whether every block in the box [lo, hi] (inclusive, per dim) belongs to the split."""
+        k = len(lo)
+        total = np.zeros(np.broadcast_shapes(*[a.shape for a in lo + hi]), dtype=np.int64)
+        for corner in range(1 << k):
+            idx, sign = [], 1
+            for ax in range(k):
+                if corner >> ax & 1:
+                    idx.append(lo[ax])
+                    sign = -sign
+                else:
+                    idx.append(hi[ax] + 1)
+            total = total + sign * self._cs[tuple(idx)]
+        size = np.ones_like(total)
+        for ax in range(k):
+            size = size * (hi[ax] - lo[ax] + 1)
+        return total == size
+
+    def split_starts(self, unit: int) -> np.ndarray:
+        """Valid start positions along the split dims in unit ``unit`` (rows in C order)."""
+        coords = np.unravel_index(int(self.blocks[unit]), self.grid)
+        cand = [self._candidates(k, int(c)) for k, c in enumerate(coords)]
+        mesh = np.meshgrid(*[s for s, _ in cand], indexing="ij")
+        last = list(np.meshgrid(*[e for _, e in cand], indexing="ij"))
+        lo = [np.full(m.shape, c, dtype=np.int64) for m, c in zip(mesh, coords, strict=True)]
+        ok = self._box_full(lo, last)
+        return np.stack([m[ok] for m in mesh], axis=1) if mesh else np.zeros((1, 0), np.int64)
+
+    def unit_starts(self, unit: int) -> np.ndarray:
+        """Start of every sample of ``unit`` along every sampled dim, shape (n, len(dims))."""
+        sp = self.split_starts(unit)
+        if not self.free_dims:
+            return sp
+        free = np.stack([m.ravel() for m in np.meshgrid(*self._free_starts, indexing="ij")], axis=1)
+        return np.concatenate([np.repeat(sp, len(free), axis=0), np.tile(free, (len(sp), 1))], axis=1)
+
+    # ------------------------------------------------------------------ counts
+    @cached_property
+    def counts(self) -> np.ndarray:
+        """Samples per unit (int64, in split order)."""
+        if len(self.split_dims) == 1 and self.split_dims[0].width == 1 and self.split_dims[0].stride == 1:
+            sizes = np.diff(self.edges[0])[self.blocks]  # every position of a block is a sample
+        elif len(self.split_dims) == 1:
+            d, e = self.split_dims[0], self.edges[0]
+            s = d.starts()
+            first = np.searchsorted(e, s, side="right") - 1
+            last = np.searchsorted(e, s + d.width - 1, side="right") - 1
+            ok = self._box_full([first], [last])
+            per_block = np.bincount(first[ok], minlength=self.grid[0])
+            sizes = per_block[self.blocks]
+        else:
+            sizes = np.array([len(self.split_starts(u)) for u in range(len(self.blocks))], dtype=np.int64)
+        sizes = sizes.astype(np.int64, copy=False)  # no copy of 10^7 counts that are int64 already
+        return sizes * self._free_n if self._free_n != 1 else sizes
+
+    @cached_property
+    def spills(self) -> bool:
+        """Whether windows or tiles along the (one) split dim reach from a unit into the next one."""
+        if len(self.split_dims) != 1 or self.split_dims[0].width == 1:
+            return False
+        d, e = self.split_dims[0], self.edges[0]
+        s = d.starts()
+        return bool(np.any(np.searchsorted(e, s, side="right") != np.searchsorted(e, s + d.width - 1, side="right")))
+
+    @cached_property
+    def offsets(self) -> np.ndarray:
+        """Global id of each unit's first sample (len = units + 1)."""
+        return np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
+
+    @property
+    def n_samples(self) -> int:
+        return int(self.offsets[-1])
+
+    def locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(unit, local index) of global sample ids."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.n_samples):
+            raise IndexError(f"sample index out of range for a split of {self.n_samples} samples")
+        unit = np.searchsorted(self.offsets, ids, side="right") - 1
+        return unit, ids - self.offsets[unit]
+
+
+@dataclass
+class VarLayout:
+    """Where one variable's axes go in its buffer and in its output."""
+
+    src: VarSource
+    sampled: list[int]  # positions in space.dims of the sampled dims this variable has
+    order: list[int]  # var axis of each buffer axis after the slot axis
+    out_dims: tuple[str, ...]  # output dims after the sample axis
+    out_perm: tuple[int, ...] | None  # transpose of the gathered array into out_dims (None: none needed)
+    static: bool  # no split dim: read once, whole
+
+    @classmethod
+    def build(cls, src: VarSource, space: SampleSpace) -> VarLayout:
+        names = [d.name for d in space.dims]
+        sampled = [k for k, n in enumerate(names) if n in src.dims]
+        samp_axes = [src.dims.index(names[k]) for k in sampled]
+        other = [ax for ax in range(len(src.dims)) if ax not in samp_axes]
+        order = samp_axes + other
+        kept_names = [names[k] for k in sampled if space.dims[k].keep]
+        gathered = kept_names + [src.dims[ax] for ax in other]
+        out_dims = tuple(d for d in src.dims if d in gathered)
+        perm = tuple(gathered.index(d) + 1 for d in out_dims)
+        out_perm = None if perm == tuple(range(1, len(perm) + 1)) else (0, *perm)
+        static = not any(space.dims[k].split for k in sampled)
+        return cls(src, sampled, order, out_dims, out_perm, static)
+
+    @property
+    def has_sample_axis(self) -> bool:
+        return bool(self.sampled)
+
+
+# ---------------------------------------------------------------------- one split's sampling
+@dataclass(frozen=True)
+class Sampling:
+    """The samples of one split of a Dataset: what ``sampling`` makes of the options."""
+
+    split: str
+    sources: dict[str, VarSource]
+    geometry: Geometry
+    space: SampleSpace
+    layouts: dict[str, VarLayout]
+
+    def check_not_empty(self) -> None:
+        """Refuse a split that holds no sample of this shape: an empty epoch looks like a finished one."""
+        if self.space.n_samples == 0:
+            wide = {d.name: d.width for d in self.space.dims if d.width > 1}
+            raise ValueError(f"split {self.split!r} holds no sample of this shape ({wide or 'one position'}): "
+                             "every window/patch is longer than the split's runs of whole chunk blocks "
+                             f"along {[d.name for d in self.space.split_dims]}; use a shorter window or patch")
+
+
+def check_split(manifest: Any, split: Any) -> None:
+    """``manifest`` is a ``SplitManifest`` and ``split`` names one of its splits."""
+    if not isinstance(manifest, SplitManifest):
+        raise TypeError(f"manifest must be a SplitManifest (from ds.insitu.split), got {type(manifest).__name__}")
+    if not isinstance(split, str):
+        raise TypeError(f"split must be the name of a split (a str), got {type(split).__name__} {split!r}")
+    if split not in manifest.splits:
+        raise ValueError(f"unknown split {split!r}; the manifest has {list(manifest.splits)}")
+
+
+def sampling(ds: xr.Dataset, manifest: SplitManifest, split: str, *, window: Any = None, patch: Any = None,
+             stride: Any = None, over: Any = None, variables: Any = None, stacklevel: int = 2) -> Sampling:
+    """Check ``manifest`` against ``ds`` and the sampling options; the samples of ``split``.
+
+    ``variables`` defaults to the data variables on the split dim(s). A manifest made on another
+    snapshot of the data warns (at ``stacklevel`` above the caller).
+    """
+    check_split(manifest, split)
+    names = variable_names(variables, ds)
+    if names is None:
+        names = [v for v in ds.data_vars if any(d in ds[v].dims for d in manifest.dims)]
+    sources = resolve(ds, names)
+    geometry = geometry_of(sources)
+    _check_manifest(ds, manifest, geometry, sources, stacklevel + 1)
+    space = _sample_space(manifest, split, geometry, window, patch, stride, over)
+    space.offsets  # noqa: B018 (samples per unit and their offsets: made once, for len, plans and sample)
+    layouts = {n: VarLayout.build(s, space) for n, s in sources.items()}
+    return Sampling(split, sources, geometry, space, layouts)
+
+
+def _check_manifest(ds: xr.Dataset, m: SplitManifest, g: Geometry, sources: dict[str, VarSource],
+                    stacklevel: int) -> None:
+    m.check_grid(g.sizes, g.edges, g.dims)  # its own grid or a refinement of it
+    m.check_labels({d: coord_span(ds, d) for d in m.dims if coord_span(ds, d) is not None})
+    snap = snapshot_of_sources(sources)
+    if m.snapshot is not None and snap is not None and snap != m.snapshot:
+        warnings.warn(f"manifest was made on snapshot {m.snapshot}, this dataset is snapshot {snap}: "
+                      "the data may have changed", UserWarning, stacklevel=stacklevel + 1)
+
+
+def _sample_space(manifest: SplitManifest, split: str, geometry: Geometry, window: Any, patch: Any, stride: Any,
+                  over: Any) -> SampleSpace:
+    sizes = geometry.sizes
+    window = dim_map("window", window, sizes)
+    patch = dim_map("patch", patch, sizes)
+    stride = dim_map("stride", stride, sizes)
+    over = [over] if isinstance(over, str) else list(over or [])
+    both = set(window) & set(patch)
+    if both:
+        raise ValueError(f"dims {sorted(both)} are in both window and patch")
+    for d in stride:
+        if d not in patch:
+            raise ValueError(f"stride[{d!r}] given but {d!r} is not a patch dim")
+    for d in over:
+        if d not in sizes:
+            raise ValueError(f"over: unknown dim {d!r}; the variables have dims {sorted(sizes)}")
+        if d in manifest.dims or d in window or d in patch:
+            raise ValueError(f"over: dim {d!r} is already a split, window or patch dim")
+    dims = []
+    for d in manifest.dims:
+        w = window.get(d, patch.get(d, 1))
+        st = stride.get(d, patch.get(d, 1)) if d in patch else 1
+        dims.append(SampleDim(d, sizes[d], w, st, keep=d in window or d in patch, split=True))
+    for d in list(patch) + list(window):
+        if d not in manifest.dims:
+            st = stride.get(d, patch[d]) if d in patch else 1
+            dims.append(SampleDim(d, sizes[d], patch.get(d, window.get(d, 1)), st, keep=True))
+    for d in over:
+        dims.append(SampleDim(d, sizes[d]))
+    return SampleSpace(dims, geometry.edges | {d: np.asarray(manifest.edges[d]) for d in manifest.dims},
+                       manifest.blocks(split))

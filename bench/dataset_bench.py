@@ -70,7 +70,7 @@ def run_batches(ds: Any, m: Any, n: int, bs: int) -> dict[str, float]:
     for _ in range(n):
         samples += len(next(it))
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-    chunks = gen._blockloader().reader.counters.chunks  # this process's reads, first batch included
+    chunks = gen._buffer_loader().reader.counters.chunks  # this process's reads, first batch included
     it.close()
     return {"samples": samples, "seconds": dt, "samples_per_s": samples / dt, "cpu_ms_per_sample": cpu / samples * 1e3,
             "chunks_per_sample": chunks / (samples + bs)}

@@ -33,12 +33,11 @@ from typing import Any, TypeVar
 from xinsitu import _loop
 from xinsitu._loop import FORK_HELP  # noqa: F401 - re-exported: the message lives in _loop
 from xinsitu.decode import store_root, zarr_store_get
-from xinsitu.store import redact_url, scrubbed, secrets_of
+from xinsitu.store import FETCH_ATTEMPTS, redact_url, scrubbed, secrets_of
 
 T = TypeVar("T")
 
 #: Fetches of one object at most, when its body comes back short or fails to decode.
-FETCH_ATTEMPTS = 3
 
 #: Byte ranges of one object less than this apart are fetched in one request (as obstore does).
 COALESCE = 1024 * 1024

@@ -16,7 +16,7 @@ How a call reads, two ways with the same values (those of ``batches()`` and of p
   sample's bytes, not the chunk's);
 - *dense* samples (a sequential sampler, ``over`` dims), and variables held in memory, read
   through dask or sharded: the samples' chunk blocks become the slots of one shuffle block of
-  a one-off, unshuffled ``EpochPlan``, read by ``BlockLoader.load`` (one ``read_many`` per
+  a one-off, unshuffled ``EpochPlan``, read by ``BufferLoader.load`` (one ``read_many`` per
   variable) and gathered as ``batches()`` gathers.
 
 Either way the gathered values go through the generator's ``OutputBuilder`` (CF decoding,
@@ -51,7 +51,7 @@ import numpy as np
 import xarray as xr
 
 from xinsitu import _loop
-from xinsitu.buffer import BlockLoader
+from xinsitu.buffer import BufferLoader
 from xinsitu.decode import is_sharded
 from xinsitu.loader import BatchGenerator
 from xinsitu.plan import EpochPlan
@@ -62,7 +62,7 @@ __all__ = ["InsituDataset", "SampleBatch", "collate"]
 
 #: A call reads each sample's own region (its window or tile, straight into the batch) where its
 #: samples are sparse -- at most this many per chunk block on average, as a random sampler gives --
-#: and whole chunk blocks into a shuffle-block buffer (``BlockLoader``) where they are dense (a
+#: and whole chunk blocks into a shuffle-block buffer (``BufferLoader``) where they are dense (a
 #: sequential sampler, ``over`` dims: many samples per block, one gather).
 SPARSE_PER_UNIT = 4
 
@@ -202,7 +202,7 @@ class InsituDataset:
 
     def _setup(self) -> None:
         self._lock = threading.Lock()
-        self._loader: BlockLoader | None = None
+        self._loader: BufferLoader | None = None
         self._pid = -1
         self._io: dict[str, Any] = {"calls": 0, "samples": 0}
         self._last: dict[str, Any] = {}
@@ -292,7 +292,7 @@ class InsituDataset:
         return np.where(ids < 0, ids + n, ids)
 
     # ------------------------------------------------------------------ reading
-    def _blockloader(self) -> BlockLoader:
+    def _bufferloader(self) -> BufferLoader:
         if self._loader is None or self._pid != os.getpid():  # a new process builds its own reader
             _check_fork(self._gen)
             gen = self._gen
@@ -301,7 +301,7 @@ class InsituDataset:
             else:
                 reader = Reader(gen.max_inflight)  # HOOK(cache): until reader.py takes Reader(..., cache=)
             reader.on_missing = gen.missing
-            self._loader = BlockLoader(gen.space, gen.layouts, reader)
+            self._loader = BufferLoader(gen.space, gen.layouts, reader)
             self._pid = os.getpid()
         return self._loader
 
@@ -315,7 +315,7 @@ class InsituDataset:
         units, first = np.unique(unit, return_index=True)  # uniq is sorted, so its units are too
         sparse = len(uniq) <= SPARSE_PER_UNIT * len(units) and self._regions_ok()
         with self._lock:
-            loader = self._blockloader()
+            loader = self._bufferloader()
             before = _counters(loader.reader)
             if sparse:
                 starts = np.concatenate([gen.space.unit_starts(int(u))[local[a:b]] for u, a, b in
@@ -337,7 +337,7 @@ class InsituDataset:
         return all(lay.src.stored and not is_sharded(lay.src.array) for lay in self._gen.layouts.values()
                    if lay.has_sample_axis)
 
-    def _read_units(self, loader: BlockLoader, uniq: np.ndarray, inv: np.ndarray, units: np.ndarray,
+    def _read_units(self, loader: BufferLoader, uniq: np.ndarray, inv: np.ndarray, units: np.ndarray,
                     first: np.ndarray, local: np.ndarray) -> Any:
         """Dense samples: their units become the slots of one block of a one-off, unshuffled plan, read
         as ``batches()`` reads a shuffle block (one ``read_many`` per variable: a chunk that several
@@ -358,7 +358,7 @@ class InsituDataset:
             return builder.finish_stacked(direct[0])
         return builder.build(loader.gather(block, rows), block.starts[rows])
 
-    def _read_regions(self, loader: BlockLoader, starts: np.ndarray) -> Any:
+    def _read_regions(self, loader: BufferLoader, starts: np.ndarray) -> Any:
         """Sparse samples: each one's region (its window/tile, other dims whole) read straight into its
         place in the batch, one ``read_many`` per variable (a chunk two samples share is read once).
         Only the chunks the samples touch are read, and only their part of each chunk is copied:

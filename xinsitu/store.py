@@ -437,6 +437,8 @@ def _if_no_dims(zstore: Any, group: str | None, where: str) -> None:
                          "xarray. Add the attribute (a list of dim names) to each array's .zattrs") from None
 
 
+#: fetches of one object before a damaged body (short, undecodable, not JSON) is an error
+FETCH_ATTEMPTS = 3
 #: metadata objects: JSON, checked as read (a damaged body is fetched again, then named)
 _METADATA = ("zarr.json", ".zmetadata", ".zarray", ".zattrs", ".zgroup")
 _checked: Any = None
@@ -453,8 +455,6 @@ def _checked_store() -> Any:
             async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
                 if byte_range is not None or not key.endswith(_METADATA):
                     return await super().get(key, prototype, byte_range)
-                from xinsitu.backend import FETCH_ATTEMPTS
-
                 err: Exception | None = None
                 for _ in range(FETCH_ATTEMPTS):
                     buf = await super().get(key, prototype, byte_range)

@@ -4,6 +4,7 @@
 """
 
 from xinsitu import accessor as _accessor  # noqa: F401  (registers ds.insitu)
+from xinsitu.cache import ChunkCache
 from xinsitu.geometry import Geometry, VarGeometry
 from xinsitu.loader import BatchGenerator
 from xinsitu.reader import ChunkReadError
@@ -12,5 +13,5 @@ from xinsitu.split import SplitManifest
 from xinsitu.store import open_zarr
 
 __version__ = "0.1.0"
-__all__ = ["BatchGenerator", "ChunkReadError", "Geometry", "SourceError", "SplitManifest", "VarGeometry",
+__all__ = ["BatchGenerator", "ChunkCache", "ChunkReadError", "Geometry", "SourceError", "SplitManifest", "VarGeometry",
            "open_zarr", "__version__"]

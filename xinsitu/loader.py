@@ -26,6 +26,7 @@ from xinsitu import _loop
 from xinsitu import repr as _repr
 from xinsitu import shuffle as _shuffle
 from xinsitu.buffer import BlockLoader, VarLayout
+from xinsitu.cache import ChunkCache, resolve_cache
 from xinsitu.geometry import geometry_of
 from xinsitu.output import OutputBuilder
 from xinsitu.plan import EpochPlan, SampleDim, SampleSpace, epoch_plan, epoch_size, plan_head, rank_share, segment_plan
@@ -160,6 +161,10 @@ class BatchGenerator:
     missing : {"fill", "raise"}, default "fill"
         A chunk with no object in the store: read as the fill value, as zarr does (counted in
         ``io_stats["missing"]``, with a warning once per epoch), or raise ``ChunkReadError``.
+    cache : bool, str, os.PathLike or ChunkCache, optional
+        Keep decoded chunks across epochs: ``True`` or ``"memory"`` (a memory tier with the
+        default budget), a directory (plus a disk tier there that persists across runs), or an
+        ``xinsitu.ChunkCache``. The same batches in the same order as without.
     """
 
     def __init__(self, ds: xr.Dataset, manifest: SplitManifest, split: str, *, batch_size: int = 32,
@@ -169,7 +174,7 @@ class BatchGenerator:
                  output: str = "xarray", stack: bool = False, normalize: Any = None, device: Any = None,
                  block_chunks: int = 16, max_inflight: int | None = None, drop_last: bool = False,
                  rank: int | None = None, world_size: int | None = None, progress: bool = False,
-                 missing: str = "fill"):
+                 missing: str = "fill", cache: bool | str | os.PathLike[str] | ChunkCache | None = None):
         if not isinstance(manifest, SplitManifest):
             raise TypeError(f"manifest must be a SplitManifest (from ds.insitu.split), got {type(manifest).__name__}")
         if not isinstance(split, str):
@@ -186,6 +191,7 @@ class BatchGenerator:
         if missing not in ("fill", "raise"):
             raise ValueError(f"missing must be 'fill' or 'raise', got {missing!r}")
         self.missing = missing
+        self.cache = resolve_cache(cache)
         variables = _variable_names(variables, ds)
         if variables is None:
             variables = [v for v in ds.data_vars if any(d in ds[v].dims for d in manifest.dims)]
@@ -274,7 +280,7 @@ class BatchGenerator:
 
     def _blockloader(self) -> BlockLoader:
         if self._loader is None or self._pid != os.getpid():  # a new process gets its own reader
-            self._reader = Reader(self.max_inflight)
+            self._reader = Reader(self.max_inflight, cache=self.cache)
             self._reader.on_missing = self.missing
             self._loader = BlockLoader(self.space, self.layouts, self._reader)
             self._pid = os.getpid()
@@ -420,8 +426,10 @@ class BatchGenerator:
     # ------------------------------------------------------------------ inspection
     @property
     def io_stats(self) -> dict[str, Any]:
-        """Reads of the last epoch: chunks, bytes, requests, decode and wait seconds, rates, and
-        ``missing``: chunks with no object in the store (read as the fill value)."""
+        """Reads of the last epoch: chunks, bytes, requests, decode and wait seconds, rates,
+        ``missing``: chunks with no object in the store (read as the fill value), and with a
+        ``cache``: ``cache_hits`` (chunks taken from it, neither fetched nor decoded),
+        ``cache_disk_hits`` (those its disk tier had) and ``cache_misses``."""
         return dict(self._io)
 
     @property
@@ -551,6 +559,8 @@ class BatchGenerator:
                                   f"~{_repr.fmt_bytes(self._epoch_bytes(p, n_units))} decoded{once}"),
                 ("shuffle", shuffle), ("output", self.output + (f" on {self.builder.device}"
                                                                 if getattr(self.builder, "device", None) else ""))]
+        if self.cache is not None:
+            info.append(("cache", self.cache.summary()))
         roles = []
         sampled = {d.name for d in self.space.dims}
         for d in self.space.dims:
@@ -583,7 +593,9 @@ class BatchGenerator:
                          f"stored -> {_repr.fmt_bytes(io['bytes_decoded'])} decoded"),
                 ("rate", f"{io['samples_per_s']:.0f} samples/s, {io['mb_per_s']:.1f} MB/s decoded "
                          f"over {io['seconds']:.2f} s"),
-                ("waited for data", f"{io['wait_s']:.2f} s")],
+                ("waited for data", f"{io['wait_s']:.2f} s")]
+                + ([("cache", f"{self._io.get('cache_hits', 0)} hits ({self._io.get('cache_disk_hits', 0)} from "
+                              f"disk), {self._io.get('cache_misses', 0)} misses")] if self.cache is not None else []),
                 summary=f"(epoch {io['epoch']}, {io['batches']} batches)", collapsed=True))
         return sections
 
@@ -672,6 +684,8 @@ class _EpochRun:
         loading to fill the limit, at most ``MAX_PREFETCH_BLOCKS``."""
         reader = self.loader.reader
         per_block = (reader.counters.requests - self.counters_before["requests"]) / self.n_loaded
+        if not per_block:  # every chunk came from the cache: no request to keep in flight, no need to read ahead
+            return
         want = min(MAX_PREFETCH_BLOCKS, 1 + math.ceil(reader.inflight.limit / max(per_block, 1.0)))
         while self.depth < want and self.credits is not None:
             self.depth += 1

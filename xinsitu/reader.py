@@ -23,6 +23,7 @@ import numpy as np
 
 from xinsitu import _loop
 from xinsitu.backend import DamagedObjectError, backend_for, fetch_decoded
+from xinsitu.cache import ChunkCache, ChunkKey
 from xinsitu.decode import ChunkDecoder, ShardLayout, is_remote, is_sharded, store_root
 from xinsitu.source import VarSource
 
@@ -58,6 +59,9 @@ class IOCounters:
     bytes_decoded: int = 0
     decode_s: float = 0.0
     missing: int = 0  # chunks with no object in the store, read as the fill value
+    cache_hits: int = 0  # chunks the cache had (memory or disk): not fetched, not decoded
+    cache_disk_hits: int = 0  # ... of which its disk tier had
+    cache_misses: int = 0  # chunks of cached arrays it did not have (fetched, then kept)
 
     def add(self, other: IOCounters) -> None:
         for k in self.__dataclass_fields__:
@@ -171,10 +175,17 @@ class InflightLimit:
 
 
 class Reader:
-    """Reads regions of the variables of one Dataset; one per process (built lazily)."""
+    """Reads regions of the variables of one Dataset; one per process (built lazily).
 
-    def __init__(self, max_inflight: int | None = None):
+    With a ``cache`` (``xinsitu.cache.ChunkCache``), decoded chunks of stored arrays are kept
+    across reads: a chunk it has is copied into place without a request or a decode (see
+    ``_serve_cached``). Values and their order are the same either way.
+    """
+
+    def __init__(self, max_inflight: int | None = None, cache: ChunkCache | None = None):
         self.inflight = InflightLimit(max_inflight, _loop.decode_threads())
+        self.cache = cache
+        self._keys: dict[int, ChunkKey | None] = {}
         self._decoders: dict[int, ChunkDecoder] = {}
         self._backends: dict[int, Any] = {}
         self.counters = IOCounters()
@@ -291,7 +302,10 @@ class Reader:
                 targets.setdefault(coords, []).append((out, out_sel, in_sel, drop, hook))
         if targets and is_sharded(src.array):
             await self._read_shards(src, targets)
-        elif len(targets) == 1:  # one chunk (a chunk-aligned unit): no task of its own
+            return outs
+        if targets and self.cache is not None:
+            targets = await self._serve_cached(src, targets, self._decoder(src).key)
+        if len(targets) == 1:  # one chunk (a chunk-aligned unit): no task of its own
             ((c, t),) = targets.items()
             await self._fetch_into(src, self._decoder(src), self._store(src), c, t)
         elif targets:
@@ -326,6 +340,64 @@ class Reader:
             got = self._ranges[key] = bool(len(ix) > 0 and np.all(np.diff(ix) == 1))
         return got
 
+    # ------------------------------------------------------------------ cache
+    def _chunk_keys(self, src: VarSource) -> ChunkKey | None:
+        """The cache keys of ``src``'s chunks, made once; None where its store has no lasting identity
+        (a memory store, uncommitted Icechunk changes): such an array is read, not cached."""
+        k = id(src.array)
+        if k not in self._keys:
+            try:
+                self._keys[k] = ChunkKey.for_array(src.array)
+            except Exception:  # noqa: BLE001 - an array the keys cannot describe is simply not cached
+                self._keys[k] = None
+        return self._keys[k]
+
+    async def _serve_cached(self, src: VarSource, targets: dict[tuple[int, ...], list[Target]],
+                            object_of: Callable[[tuple[int, ...]], str],
+                            dec: ChunkDecoder | None = None) -> dict[tuple[int, ...], list[Target]]:
+        """Put the chunks the cache has in place; return the others (to fetch), each tagged so that
+        the decode thread hands it to the cache once decoded (``_Keep``).
+
+        Memory hits are found here on the I/O loop (a dict lookup; a local chunk file's ``stat`` for
+        its key) and copied by one decode-thread job for all of them: no request, no in-flight slot,
+        no task per chunk. Where the cache has a disk tier, the same job looks there for the others
+        (a disk read blocks). ``object_of(coords)`` is the store key holding chunk ``coords`` (its
+        shard's, for a sharded array).
+        """
+        keys = self._chunk_keys(src)
+        if keys is None:
+            return targets
+        cache = self.cache
+        assert cache is not None
+        dec = dec or self._decoder(src)
+        disk = cache.disk is not None
+        prefix = f"{src.array.path}/" if src.array.path else ""
+        hits: list[tuple[np.ndarray, list[Target]]] = []
+        rest: dict[tuple[int, ...], list[Target]] = {}
+        for coords, t in targets.items():
+            ck = keys.key(coords, keys.file_of(prefix + object_of(coords)))
+            got = cache.peek(ck) if disk else cache.get(ck)  # without a disk tier ``get`` never blocks
+            if got is None:
+                rest[coords] = _Keep(t, cache, ck)
+            else:
+                hits.append((got, t))
+        found = 0
+        if hits or (disk and rest):
+            look = list(rest) if disk else []
+            on_disk = await asyncio.get_running_loop().run_in_executor(
+                None, _take_cached, cache, hits, [rest[c] for c in look])
+            for coords, hit in zip(look, on_disk, strict=True):
+                if hit:
+                    del rest[coords]
+            found = sum(on_disk)
+        n = len(hits) + found
+        self.counters.cache_hits += n
+        self.counters.cache_disk_hits += found
+        self.counters.cache_misses += len(rest)
+        self.counters.chunks += n
+        self.counters.bytes_decoded += n * math.prod(dec.shape) * dec.dtype.itemsize
+        return rest
+
     # ------------------------------------------------------------------ sharded arrays
     def _native_shards(self, src: VarSource) -> bool:
         """Whether inner chunks of ``src`` can be fetched by byte range here (else zarr reads them)."""
@@ -346,6 +418,11 @@ class Reader:
 
     async def _read_shards(self, src: VarSource, targets: dict[tuple[int, ...], list[Target]]) -> None:
         lay = self._layout(src)
+        if self.cache is not None:  # inner chunks keyed by their coordinates and their shard's file
+            targets = await self._serve_cached(src, targets, lambda c: lay.shard_key(
+                tuple(i // n for i, n in zip(c, lay.per_shard, strict=True))), lay.inner)
+            if not targets:
+                return
         by_shard: dict[tuple[int, ...], dict[tuple[int, ...], list]] = {}
         for coords, t in targets.items():
             shard = tuple(c // n for c, n in zip(coords, lay.per_shard, strict=True))
@@ -541,8 +618,12 @@ def _scratch_chunk(dec: ChunkDecoder) -> np.ndarray:
 
 
 def _decode_put(dec: ChunkDecoder, raw: Any, targets: list[Target]) -> None:
+    # a chunk the cache takes (``_Keep``) goes to it before any hook, which may use a buffer as scratch
+    keep = targets.keep if isinstance(targets, _Keep) else None
     view = _whole(dec, targets)
     if view is not None and dec.decode_into(raw, view):
+        if keep is not None:
+            keep(view)  # copied (where memory has room): the view is the caller's
         hook = targets[0][4]
         if hook is not None:
             hook(_readonly(view), targets[0][1])  # the caller's array
@@ -550,9 +631,45 @@ def _decode_put(dec: ChunkDecoder, raw: Any, targets: list[Target]) -> None:
     if all(t[0] is None for t in targets):  # only hooks: decode into this thread's buffer, no allocation
         buf = _scratch_chunk(dec)
         if dec.decode_into(raw, buf):
+            if keep is not None:
+                keep(buf)  # copied: the buffer is reused
             _assign_all(buf, targets)
             return
-    _assign_all(dec.decode_sync(raw), targets)
+    chunk = dec.decode_sync(raw)
+    if keep is not None:
+        keep(chunk, copy=False)  # a new array: handed over (read-only from now on where it is kept)
+    _assign_all(chunk, targets)
+
+
+class _Keep(list):
+    """A chunk's targets, and the cache key it is kept under once decoded (see ``Reader._serve_cached``)."""
+
+    __slots__ = ("cache", "key")
+
+    def __init__(self, targets: list[Target], cache: ChunkCache, key: str):
+        super().__init__(targets)
+        self.cache, self.key = cache, key
+
+    def keep(self, chunk: np.ndarray, copy: bool = True) -> None:
+        try:
+            self.cache.put(self.key, chunk, copy=copy)
+        except (OSError, MemoryError):  # a chunk the cache cannot keep is still read: never a failed read
+            pass
+
+
+def _take_cached(cache: ChunkCache, hits: list[tuple[np.ndarray, list[Target]]],
+                 lookups: list[_Keep]) -> list[bool]:
+    """One decode-thread job: put the memory hits in place, then look for ``lookups`` in the cache's
+    disk tier (blocking reads) and put those found in place; which of ``lookups`` were found."""
+    for chunk, t in hits:
+        _assign_all(chunk, t)
+    found = []
+    for t in lookups:
+        chunk = cache.get(t.key)
+        if chunk is not None:
+            _assign_all(chunk, t)
+        found.append(chunk is not None)
+    return found
 
 
 def _read_decode_assign(store: Any, path: str, dec: ChunkDecoder,

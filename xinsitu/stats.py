@@ -29,6 +29,7 @@ import xarray as xr
 
 from xinsitu import _loop
 from xinsitu.buffer import VarLayout
+from xinsitu.cache import resolve_cache
 from xinsitu.plan import EpochPlan, epoch_plan
 from xinsitu.reader import Reader
 from xinsitu.split import SplitManifest
@@ -231,10 +232,13 @@ class StatsPass:
     block_chunks : units (chunk blocks) read ahead: at least ``PREFETCH_BLOCKS * block_chunks``.
     max_inflight : chunk reads in flight at once (default: sized from the store's latency).
     reader : the ``Reader`` to read through (default: a new one); its ``counters`` show the cost.
+    cache : a chunk cache for the new reader, as ``cache=`` of ``ds.insitu.batches`` (e.g. the one the
+        training epochs use next: the statistics pass fills it).
     """
 
     def __init__(self, ds: xr.Dataset, manifest: SplitManifest, split: str, variables: list[str] | None = None,
-                 *, block_chunks: int = 16, max_inflight: int | None = None, reader: Reader | None = None):
+                 *, block_chunks: int = 16, max_inflight: int | None = None, reader: Reader | None = None,
+                 cache: Any = None):
         # imported here: output.py imports this module for ``normalizer``
         from xinsitu.loader import BatchGenerator
         from xinsitu.output import cf_decoder
@@ -254,7 +258,7 @@ class StatsPass:
             if lay.src.dtype.kind not in "biuf":
                 raise ValueError(f"variable {n!r} has dtype {lay.src.dtype}; statistics need real numbers "
                                  "(select numeric variables with variables=[...])")
-        self.reader = reader if reader is not None else Reader(max_inflight)
+        self.reader = reader if reader is not None else Reader(max_inflight, cache=resolve_cache(cache))
         self.decoders = {n: None if _decodes_to_itself(lay) else cf_decoder(n, lay)
                          for n, lay in self.layouts.items()}
         self.channels, self.extra = channel_plan(ds, self.layouts)
@@ -464,7 +468,7 @@ def check_channel_order(stats: dict[str, Any], channels: list[str]) -> None:
 
 
 def compute_stats(ds: xr.Dataset, manifest: SplitManifest, split: str, variables: list[str] | None = None, *,
-                  block_chunks: int = 16, max_inflight: int | None = None) -> dict[str, Any]:
+                  block_chunks: int = 16, max_inflight: int | None = None, cache: Any = None) -> dict[str, Any]:
     """Normalisation statistics of one split, from one streaming pass over its chunks.
 
     Parameters
@@ -475,6 +479,8 @@ def compute_stats(ds: xr.Dataset, manifest: SplitManifest, split: str, variables
     variables : variables to reduce (default: the data variables on the split dims).
     block_chunks : units (chunk blocks) read ahead: at least 3 × ``block_chunks``.
     max_inflight : chunk reads in flight at once.
+    cache : ``True``, ``"memory"``, a directory or an ``xinsitu.ChunkCache``: chunks it holds are not
+        read again, and the chunks read are kept (pass the same ``ChunkCache`` to ``batches``).
 
     Returns
     -------
@@ -492,7 +498,8 @@ def compute_stats(ds: xr.Dataset, manifest: SplitManifest, split: str, variables
         a number per key, or a list in channel (label) order for a variable with an extra
         dim. A channel with no value at all has ``None`` for mean/std/min/max.
     """
-    return StatsPass(ds, manifest, split, variables, block_chunks=block_chunks, max_inflight=max_inflight).run()
+    return StatsPass(ds, manifest, split, variables, block_chunks=block_chunks, max_inflight=max_inflight,
+                     cache=cache).run()
 
 
 # ----------------------------------------------------------------------------- normalising

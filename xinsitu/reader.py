@@ -358,11 +358,12 @@ class Reader:
         """Put the chunks the cache has in place; return the others (to fetch), each tagged so that
         the decode thread hands it to the cache once decoded (``_Keep``).
 
-        Memory hits are found here on the I/O loop (a dict lookup; a local chunk file's ``stat`` for
-        its key) and copied by one decode-thread job for all of them: no request, no in-flight slot,
-        no task per chunk. Where the cache has a disk tier, the same job looks there for the others
-        (a disk read blocks). ``object_of(coords)`` is the store key holding chunk ``coords`` (its
-        shard's, for a sharded array).
+        Hits take no request, no in-flight slot and no task per chunk: the lookups and the copies of
+        one read are one decode-thread job. Where nothing blocks (a remote store's keys, a memory
+        tier) the lookups are made here on the I/O loop, and the job only copies; a local chunk
+        file's key needs a ``stat`` and a disk tier reads files, so there the job looks up too (a
+        ``stat`` on the loop would wait for the GIL back after each call). ``object_of(coords)`` is
+        the store key holding chunk ``coords`` (its shard's, for a sharded array).
         """
         keys = self._chunk_keys(src)
         if keys is None:
@@ -370,29 +371,20 @@ class Reader:
         cache = self.cache
         assert cache is not None
         dec = dec or self._decoder(src)
-        disk = cache.disk is not None
         prefix = f"{src.array.path}/" if src.array.path else ""
-        hits: list[tuple[np.ndarray, list[Target]]] = []
-        rest: dict[tuple[int, ...], list[Target]] = {}
-        for coords, t in targets.items():
-            ck = keys.key(coords, keys.file_of(prefix + object_of(coords)))
-            got = cache.peek(ck) if disk else cache.get(ck)  # without a disk tier ``get`` never blocks
-            if got is None:
-                rest[coords] = _Keep(t, cache, ck)
-            else:
-                hits.append((got, t))
-        found = 0
-        if hits or (disk and rest):
-            look = list(rest) if disk else []
-            on_disk = await asyncio.get_running_loop().run_in_executor(
-                None, _take_cached, cache, hits, [rest[c] for c in look])
-            for coords, hit in zip(look, on_disk, strict=True):
-                if hit:
-                    del rest[coords]
-            found = sum(on_disk)
-        n = len(hits) + found
+        items = list(targets.items())
+        loop = asyncio.get_running_loop()
+        if keys.local_root is not None or cache.disk is not None:
+            n_mem, n_disk, misses = await loop.run_in_executor(None, _lookup_take, cache, keys, prefix,
+                                                               object_of, items)
+        else:
+            hits, n_mem, n_disk, misses = _lookup(cache, keys, prefix, object_of, items)
+            if hits:
+                await loop.run_in_executor(None, _take, hits)
+        rest = {c: _Keep(t, cache, ck) for c, t, ck in misses}
+        n = n_mem + n_disk
         self.counters.cache_hits += n
-        self.counters.cache_disk_hits += found
+        self.counters.cache_disk_hits += n_disk
         self.counters.cache_misses += len(rest)
         self.counters.chunks += n
         self.counters.bytes_decoded += n * math.prod(dec.shape) * dec.dtype.itemsize
@@ -579,6 +571,118 @@ def _assign_all(chunk: np.ndarray, targets: list[Target]) -> None:
         if hook is not None:
             piece = _piece(chunk, in_sel, drop)
             hook(piece if len(targets) == 1 else _readonly(piece), out_sel)
+
+
+def _decode_assign_many(dec: ChunkDecoder, raws: list[Any], targets: list[list[Target]]) -> float:
+    t0 = time.perf_counter()
+    for raw, t in zip(raws, targets, strict=True):
+        _decode_put(dec, raw, t)
+    return time.perf_counter() - t0
+
+
+def _whole(dec: ChunkDecoder, targets: list[Target]) -> np.ndarray | None:
+    """The destination view when the chunk lands whole, in one place (no copy needed), else None."""
+    if len(targets) != 1:
+        return None
+    out, out_sel, in_sel, drop, _ = targets[0]
+    if out is None or drop or len(in_sel) != len(dec.shape) \
+            or not all(isinstance(s, slice) for s in out_sel + in_sel):
+        return None
+    if any((s.start or 0) != 0 or s.stop != n for s, n in zip(in_sel, dec.shape, strict=True)):
+        return None
+    return out[tuple(out_sel)]
+
+
+_scratch = threading.local()
+
+
+def _scratch_chunk(dec: ChunkDecoder) -> np.ndarray:
+    """This thread's reused array of the chunk's shape and dtype (for chunks put nowhere)."""
+    bufs = getattr(_scratch, "chunks", None)
+    if bufs is None:
+        bufs = _scratch.chunks = {}
+    key = (dec.shape, dec.dtype)
+    if key not in bufs:
+        if len(bufs) >= 8:
+            bufs.clear()
+        bufs[key] = np.empty(dec.shape, dec.dtype)
+    return bufs[key]
+
+
+def _decode_put(dec: ChunkDecoder, raw: Any, targets: list[Target]) -> None:
+    # a chunk the cache takes (``_Keep``) goes to it before any hook, which may use a buffer as scratch
+    keep = targets.keep if isinstance(targets, _Keep) else None
+    view = _whole(dec, targets)
+    if view is not None and dec.decode_into(raw, view):
+        if keep is not None:
+            keep(view)  # copied (where memory has room): the view is the caller's
+        hook = targets[0][4]
+        if hook is not None:
+            hook(_readonly(view), targets[0][1])  # the caller's array
+        return
+    if all(t[0] is None for t in targets):  # only hooks: decode into this thread's buffer, no allocation
+        buf = _scratch_chunk(dec)
+        if dec.decode_into(raw, buf):
+            if keep is not None:
+                keep(buf)  # copied: the buffer is reused
+            _assign_all(buf, targets)
+            return
+    chunk = dec.decode_sync(raw)
+    if keep is not None:
+        keep(chunk, copy=False)  # a new array: handed over (read-only from now on where it is kept)
+    _assign_all(chunk, targets)
+
+
+class _Keep(list):
+    """A chunk's targets, and the cache key it is kept under once decoded (see ``Reader._serve_cached``)."""
+
+    __slots__ = ("cache", "key")
+
+    def __init__(self, targets: list[Target], cache: ChunkCache, key: str):
+        super().__init__(targets)
+        self.cache, self.key = cache, key
+
+    def keep(self, chunk: np.ndarray, copy: bool = True) -> None:
+        try:
+            self.cache.put(self.key, chunk, copy=copy)
+        except (OSError, MemoryError):  # a chunk the cache cannot keep is still read: never a failed read
+            pass
+
+
+_Lookup = tuple[list[tuple[np.ndarray, list[Target]]], int, int, list[tuple[tuple[int, ...], list[Target], str]]]
+
+
+def _lookup(cache: ChunkCache, keys: ChunkKey, prefix: str, object_of: Callable[[tuple[int, ...]], str],
+            items: list[tuple[tuple[int, ...], list[Target]]]) -> _Lookup:
+    """Look up chunks in the cache: (hits as (chunk, targets), memory hits, disk hits, misses as
+    (coords, targets, key)). Blocks where keys stat local files or the cache reads its disk tier."""
+    hits, misses, n_disk = [], [], 0
+    disk = cache.disk is not None
+    for coords, t in items:
+        ck = keys.key(coords, keys.file_of(prefix + object_of(coords)))
+        got = cache.peek(ck) if disk else cache.get(ck)  # ``get`` counts the miss; with a disk tier, below
+        if got is None and disk:
+            got = cache.get(ck)
+            n_disk += got is not None
+        if got is None:
+            misses.append((coords, t, ck))
+        else:
+            hits.append((got, t))
+    return hits, len(hits) - n_disk, n_disk, misses
+
+
+def _take(hits: list[tuple[np.ndarray, list[Target]]]) -> None:
+    """Put cached chunks in place (a decode-thread job: one copy per target)."""
+    for chunk, t in hits:
+        _assign_all(chunk, t)
+
+
+def _lookup_take(cache: ChunkCache, keys: ChunkKey, prefix: str, object_of: Callable[[tuple[int, ...]], str],
+                 items: list[tuple[tuple[int, ...], list[Target]]]) -> tuple[int, int, list]:
+    """``_lookup`` and ``_take`` in one decode-thread job: (memory hits, disk hits, misses)."""
+    hits, n_mem, n_disk, misses = _lookup(cache, keys, prefix, object_of, items)
+    _take(hits)
+    return n_mem, n_disk, misses
 
 
 def _decode_assign_many(dec: ChunkDecoder, raws: list[Any], targets: list[list[Target]]) -> float:

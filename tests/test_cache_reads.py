@@ -276,3 +276,27 @@ def test_dataloader_workers_with_a_cache(era5_path, tmp_path, method, cache):
     assert got["epochs"] == ref["epochs"] and got["len"] == ref["len"]
     if cache == "disk":
         assert any(f.endswith(".chunk") for _, _, fs in os.walk(tmp_path / "c") for f in fs)
+
+
+# --------------------------------------------------------------------------------------------- remote
+@pytest.mark.parametrize("sharded", [False, True])
+def test_http_store_memory_and_disk_tiers(tmp_path, sharded):
+    """A remote store (keys without a file to stat: looked up on the I/O loop for a memory tier, in a
+    decode thread for a disk tier): cached epochs equal uncached ones and send no request."""
+    from tests.servers import FileServer
+
+    path = tmp_path / "era5.zarr"
+    write_era5_like(str(path), nt=64, ny=4, nx=6, chunk_time=8, shard_time=32 if sharded else None)
+    ref = _epochs(_gen(str(path)))
+    with FileServer(tmp_path) as srv:
+        url = f"{srv.url}/era5.zarr"
+        for cache in (ChunkCache(memory="1GB"), ChunkCache(memory=0, disk=tmp_path / "c")):
+            gen = _gen(url, cache=cache)
+            srv.reset_counts()
+            got = _epochs(gen, (0,))
+            assert srv.requests > 0 and gen.io_stats["cache_misses"] == gen.io_stats["chunks"]
+            srv.reset_counts()
+            got += _epochs(gen, (1, 2))
+            assert _same(got, ref)
+            assert srv.requests == 0 and gen.io_stats["requests"] == 0
+            assert gen.io_stats["cache_hits"] == gen.io_stats["chunks"] > 0

@@ -58,7 +58,8 @@ def make_dataset(args: argparse.Namespace) -> Any:
     ds = open_archive(args.archive, args.open)
     m = ds.insitu.split("time", fractions={"train": 0.8, "val": 0.2})
     gen = ds.insitu.batches(m, "train", batch_size=args.batch_size, block_chunks=args.block_chunks,
-                            output="xarray", seed=args.seed, variables=args.variables)
+                            output="xarray", seed=args.seed, variables=args.variables,
+                            cache=None if args.cache is None else (True if args.cache == "memory" else args.cache))
     return gen, gen.to_torch()
 
 
@@ -131,6 +132,7 @@ def main() -> None:
     p.add_argument("--block-chunks", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--variables", nargs="*", default=["t2m", "tp"])
+    p.add_argument("--cache", help="'memory' or a directory: cache= of the generator")
     args = p.parse_args()
     t0 = time.perf_counter()
     try:

@@ -4,6 +4,7 @@
 """
 
 from xinsitu import accessor as _accessor  # noqa: F401  (registers ds.insitu)
+from xinsitu.cache import ChunkCache
 from xinsitu.dataset import InsituDataset
 from xinsitu.geometry import Geometry, VarGeometry
 from xinsitu.loader import BatchGenerator
@@ -13,5 +14,5 @@ from xinsitu.source import SourceError
 from xinsitu.store import open_zarr
 
 __version__ = "0.1.0"
-__all__ = ["BatchGenerator", "ChunkReadError", "Geometry", "InsituDataset", "SourceError", "SplitManifest",
-           "VarGeometry", "open_zarr", "__version__"]
+__all__ = ["BatchGenerator", "ChunkCache", "ChunkReadError", "Geometry", "InsituDataset", "SourceError",
+           "SplitManifest", "VarGeometry", "open_zarr", "__version__"]

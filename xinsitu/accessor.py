@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xarray as xr
 
+from xinsitu.cache import ChunkCache
 from xinsitu.geometry import Geometry, geometry_of
 from xinsitu.loader import BatchGenerator
 from xinsitu.manifest import SplitManifest
@@ -16,7 +17,6 @@ from xinsitu.source import resolve
 from xinsitu.split import make_split
 
 if TYPE_CHECKING:
-    from xinsitu.cache import ChunkCache
     from xinsitu.dataset import InsituDataset
 
 
@@ -99,7 +99,8 @@ class InsituAccessor:
                 variables: str | list[str] | None = None, output: str = "xarray", stack: bool = False,
                 normalize: dict[str, Any] | None = None, device: Any = None, block_chunks: int = 16,
                 max_inflight: int | None = None, drop_last: bool = False, rank: int | None = None,
-                world_size: int | None = None, progress: bool = False, missing: str = "fill") -> BatchGenerator:
+                world_size: int | None = None, progress: bool = False, missing: str = "fill",
+                cache: bool | str | os.PathLike[str] | ChunkCache | None = None) -> BatchGenerator:
         """Batches of one split, read in place.
 
         Parameters
@@ -145,6 +146,10 @@ class InsituAccessor:
         missing : {"fill", "raise"}, default "fill"
             A chunk with no object in the store reads as the fill value, as in zarr (counted in
             ``io_stats["missing"]``, warned once per epoch), or raises ``ChunkReadError``.
+        cache : bool, str, os.PathLike or ChunkCache, optional
+            Keep decoded chunks across epochs: ``True`` or ``"memory"`` (in memory, a default
+            budget), a directory (plus a disk tier there, kept across runs), or an
+            ``xinsitu.ChunkCache(memory=, disk=, disk_size=)``. Same batches, same order.
 
         Returns
         -------
@@ -154,10 +159,11 @@ class InsituAccessor:
                               window=window, patch=patch, stride=stride, over=over, variables=variables,
                               output=output, stack=stack, normalize=normalize, device=device,
                               block_chunks=block_chunks, max_inflight=max_inflight, drop_last=drop_last,
-                              rank=rank, world_size=world_size, progress=progress, missing=missing)
+                              rank=rank, world_size=world_size, progress=progress, missing=missing, cache=cache)
 
     def stats(self, manifest: SplitManifest, split: str = "train", *, variables: str | list[str] | None = None,
-              block_chunks: int = 16, max_inflight: int | None = None) -> dict[str, Any]:
+              block_chunks: int = 16, max_inflight: int | None = None,
+              cache: bool | str | os.PathLike[str] | ChunkCache | None = None) -> dict[str, Any]:
         """Normalisation statistics of ``split``, from one streaming pass over its chunks.
 
         Per channel (as ``gen.channels`` names them for the same variables): mean, std (ddof=0),
@@ -173,6 +179,8 @@ class InsituAccessor:
         variables : variables to reduce (default: the data variables on the split dims, as for batches).
         block_chunks : units (chunk blocks) read ahead: at least 3 × ``block_chunks``.
         max_inflight : chunk reads in flight at once.
+        cache : as for :meth:`batches`; pass the ``ChunkCache`` the training epochs use, and this
+            pass fills it.
 
         Returns
         -------
@@ -183,7 +191,7 @@ class InsituAccessor:
         from xinsitu.stats import compute_stats
 
         st = compute_stats(self._ds, manifest, split, variables, block_chunks=block_chunks,
-                           max_inflight=max_inflight)
+                           max_inflight=max_inflight, cache=cache)
         manifest.set_stats(st)
         return st
 

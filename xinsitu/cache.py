@@ -588,6 +588,18 @@ class ChunkCache:
             used = self._stats.disk_bytes
         return int(max(0, used + free - keep))
 
+    def summary(self) -> str:
+        """One line for a generator's repr: each tier's budget and fill, e.g.
+        ``"memory 120.3 MB of 5.6 GB (153 chunks), disk off"``."""
+        s = self.stats
+        mem = f"memory {_fmt(s.memory_bytes)} of {_fmt(self.memory_budget)} ({s.memory_entries} chunks)" \
+            if self.memory_budget else "memory off"
+        if self.disk is None:
+            return f"{mem}, disk off"
+        bound = _fmt(self.disk_size) if self.disk_size is not None else "free space"
+        used = _fmt(s.disk_bytes) if self._scanned else "not scanned yet"
+        return f"{mem}, disk {self.disk} {used} of {bound}"
+
     def __repr__(self) -> str:
         s = self.stats
         mem = f"memory={_fmt(s.memory_bytes)} of {_fmt(self.memory_budget)} ({s.memory_entries} chunks)" \

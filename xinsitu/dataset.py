@@ -41,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import importlib.util
-import inspect
 import operator
 import os
 import threading
@@ -292,14 +291,11 @@ class InsituDataset:
         return np.where(ids < 0, ids + n, ids)
 
     # ------------------------------------------------------------------ reading
-    def _bufferloader(self) -> BufferLoader:
+    def _buffer_loader(self) -> BufferLoader:
         if self._loader is None or self._pid != os.getpid():  # a new process builds its own reader
             _check_fork(self._gen)
             gen = self._gen
-            if self.cache is not None and "cache" in inspect.signature(Reader).parameters:
-                reader = Reader(gen.max_inflight, cache=self.cache)  # type: ignore[call-arg]
-            else:
-                reader = Reader(gen.max_inflight)  # HOOK(cache): until reader.py takes Reader(..., cache=)
+            reader = Reader(gen.max_inflight, cache=self.cache)
             reader.on_missing = gen.missing
             self._loader = BufferLoader(gen.space, gen.layouts, reader)
             self._pid = os.getpid()
@@ -315,7 +311,7 @@ class InsituDataset:
         units, first = np.unique(unit, return_index=True)  # uniq is sorted, so its units are too
         sparse = len(uniq) <= SPARSE_PER_UNIT * len(units) and self._regions_ok()
         with self._lock:
-            loader = self._bufferloader()
+            loader = self._buffer_loader()
             before = _counters(loader.reader)
             if sparse:
                 starts = np.concatenate([gen.space.unit_starts(int(u))[local[a:b]] for u, a, b in

@@ -560,6 +560,8 @@ def _generator_sections(gen: BatchGenerator, drawing: bool = False) -> list[Sect
                               f"~{fmt_bytes(_epoch_bytes(gen, p, n_units))} decoded{once}"),
             ("shuffle", shuffle), ("output", gen.output + (f" on {gen.builder.device}"
                                                            if getattr(gen.builder, "device", None) else ""))]
+    if gen.cache is not None:
+        info.append(("cache", gen.cache.summary()))
     roles = []
     sampled = {d.name for d in gen.space.dims}
     for d in gen.space.dims:
@@ -592,7 +594,9 @@ def _generator_sections(gen: BatchGenerator, drawing: bool = False) -> list[Sect
                      f"stored -> {fmt_bytes(io['bytes_decoded'])} decoded"),
             ("rate", f"{io['samples_per_s']:.0f} samples/s, {io['mb_per_s']:.1f} MB/s decoded "
                      f"over {io['seconds']:.2f} s"),
-            ("waited for data", f"{io['wait_s']:.2f} s")],
+            ("waited for data", f"{io['wait_s']:.2f} s")]
+            + ([("cache", f"{last.get('cache_hits', 0)} hits ({last.get('cache_disk_hits', 0)} from disk), "
+                          f"{last.get('cache_misses', 0)} misses")] if gen.cache is not None else []),
             summary=f"(epoch {io['epoch']}, {io['batches']} batches)", collapsed=True))
     return sections
 

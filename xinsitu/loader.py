@@ -17,6 +17,7 @@ import xarray as xr
 
 from xinsitu import _loop, formatting
 from xinsitu.buffer import BufferLoader
+from xinsitu.cache import ChunkCache, resolve_cache
 from xinsitu.channels import channel_names
 from xinsitu.manifest import SplitManifest
 from xinsitu.output import OutputBuilder
@@ -76,6 +77,10 @@ class BatchGenerator:
     missing : {"fill", "raise"}, default "fill"
         A chunk with no object in the store: read as the fill value, as zarr does (counted in
         ``io_stats["missing"]``, with a warning once per epoch), or raise ``ChunkReadError``.
+    cache : bool, str, os.PathLike or ChunkCache, optional
+        Keep decoded chunks across epochs: ``True`` or ``"memory"`` (a memory tier with the
+        default budget), a directory (plus a disk tier there that persists across runs), or an
+        ``xinsitu.ChunkCache``. The same batches in the same order as without.
     """
 
     def __init__(self, ds: xr.Dataset, manifest: SplitManifest, split: str, *, batch_size: int = 32,
@@ -85,7 +90,7 @@ class BatchGenerator:
                  output: str = "xarray", stack: bool = False, normalize: Any = None, device: Any = None,
                  block_chunks: int = 16, max_inflight: int | None = None, drop_last: bool = False,
                  rank: int | None = None, world_size: int | None = None, progress: bool = False,
-                 missing: str = "fill"):
+                 missing: str = "fill", cache: bool | str | os.PathLike[str] | ChunkCache | None = None):
         check_split(manifest, split)
         self.batch_size = positive_int("batch_size", batch_size)
         self.block_chunks = positive_int("block_chunks", block_chunks)
@@ -97,6 +102,7 @@ class BatchGenerator:
         if missing not in ("fill", "raise"):
             raise ValueError(f"missing must be 'fill' or 'raise', got {missing!r}")
         self.missing = missing
+        self.cache = resolve_cache(cache)
         sampled = sampling(ds, manifest, split, window=window, patch=patch, stride=stride, over=over,
                            variables=variables, stacklevel=3)
         self.sampling = sampled
@@ -136,7 +142,7 @@ class BatchGenerator:
     # ------------------------------------------------------------------ set-up
     def _buffer_loader(self) -> BufferLoader:
         if self._loader is None or self._pid != os.getpid():  # a new process gets its own reader
-            self._reader = Reader(self.max_inflight)
+            self._reader = Reader(self.max_inflight, cache=self.cache)
             self._reader.on_missing = self.missing
             self._loader = BufferLoader(self.space, self.layouts, self._reader)
             self._pid = os.getpid()
@@ -293,8 +299,10 @@ class BatchGenerator:
     # ------------------------------------------------------------------ inspection
     @property
     def io_stats(self) -> dict[str, Any]:
-        """Reads of the last epoch: chunks, bytes, requests, decode and wait seconds, rates, and
-        ``missing``: chunks with no object in the store (read as the fill value)."""
+        """Reads of the last epoch: chunks, bytes, requests, decode and wait seconds, rates,
+        ``missing``: chunks with no object in the store (read as the fill value), and with a
+        ``cache``: ``cache_hits`` (chunks taken from it, neither fetched nor decoded),
+        ``cache_disk_hits`` (those its disk tier had) and ``cache_misses``."""
         return dict(self._io)
 
     @property

@@ -117,6 +117,8 @@ class EpochRun:
         loading to fill the limit, at most ``MAX_READ_AHEAD_BUFFERS``."""
         reader = self.loader.reader
         per_buffer = (reader.counters.requests - self.counters_before["requests"]) / self.n_loaded
+        if not per_buffer:  # every chunk came from the cache: no request to keep in flight, no need to read ahead
+            return
         want = min(MAX_READ_AHEAD_BUFFERS, 1 + math.ceil(reader.inflight.limit / max(per_buffer, 1.0)))
         while self.depth < want and self.credits is not None:
             self.depth += 1

@@ -23,6 +23,7 @@ import numpy as np
 
 from xinsitu import _loop
 from xinsitu.backend import DamagedObjectError, backend_for, fetch_decoded, refetched
+from xinsitu.cache import ChunkCache, ChunkKey
 from xinsitu.decode import ChunkDecoder, ShardLayout, is_remote, is_sharded, store_root
 from xinsitu.source import VarSource
 
@@ -66,6 +67,9 @@ class IOCounters:
     bytes_decoded: int = 0
     decode_s: float = 0.0
     missing: int = 0  # chunks with no object in the store, read as the fill value
+    cache_hits: int = 0  # chunks the cache had (memory or disk): not fetched, not decoded
+    cache_disk_hits: int = 0  # ... of which its disk tier had
+    cache_misses: int = 0  # chunks of cached arrays it did not have (fetched, then kept)
 
     def add(self, other: IOCounters) -> None:
         for k in self.__dataclass_fields__:
@@ -236,10 +240,17 @@ class InflightLimit:
 
 
 class Reader:
-    """Reads regions of the variables of one Dataset; one per process (built lazily)."""
+    """Reads regions of the variables of one Dataset; one per process (built lazily).
 
-    def __init__(self, max_inflight: int | None = None):
+    With a ``cache`` (``xinsitu.cache.ChunkCache``), decoded chunks of stored arrays are kept
+    across reads: a chunk it has is copied into place without a request or a decode (see
+    ``_serve_cached``). Values and their order are the same either way.
+    """
+
+    def __init__(self, max_inflight: int | None = None, cache: ChunkCache | None = None):
         self.inflight = InflightLimit(max_inflight, _loop.decode_threads())
+        self.cache = cache
+        self._keys: dict[int, ChunkKey | None] = {}
         self._decoders: dict[int, ChunkDecoder] = {}
         self._backends: dict[int, Any] = {}
         self.counters = IOCounters()
@@ -356,7 +367,10 @@ class Reader:
                 targets.setdefault(coords, []).append((out, out_sel, in_sel, drop, hook))
         if targets and is_sharded(src.array):
             await self._read_shards(src, targets)
-        elif len(targets) == 1:  # one chunk (a chunk-aligned unit): no task of its own
+            return outs
+        if targets and self.cache is not None:
+            targets = await self._serve_cached(src, targets, self._decoder(src).key)
+        if len(targets) == 1:  # one chunk (a chunk-aligned unit): no task of its own
             ((c, t),) = targets.items()
             await self._fetch_into(src, self._decoder(src), self._store(src), c, t)
         elif targets:
@@ -391,6 +405,56 @@ class Reader:
             got = self._ranges[key] = bool(len(ix) > 0 and np.all(np.diff(ix) == 1))
         return got
 
+    # ------------------------------------------------------------------ cache
+    def _chunk_keys(self, src: VarSource) -> ChunkKey | None:
+        """The cache keys of ``src``'s chunks, made once; None where its store has no lasting identity
+        (a memory store, uncommitted Icechunk changes): such an array is read, not cached."""
+        k = id(src.array)
+        if k not in self._keys:
+            try:
+                self._keys[k] = ChunkKey.for_array(src.array)
+            except Exception:  # noqa: BLE001 - an array the keys cannot describe is simply not cached
+                self._keys[k] = None
+        return self._keys[k]
+
+    async def _serve_cached(self, src: VarSource, targets: dict[tuple[int, ...], list[Target]],
+                            object_of: Callable[[tuple[int, ...]], str],
+                            dec: ChunkDecoder | None = None) -> dict[tuple[int, ...], list[Target]]:
+        """Put the chunks the cache has in place; return the others (to fetch), each tagged so that
+        the decode thread hands it to the cache once decoded (``_Keep``).
+
+        Hits take no request, no in-flight slot and no task per chunk: the lookups and the copies of
+        one read are one decode-thread job. Where nothing blocks (a remote store's keys, a memory
+        tier) the lookups are made here on the I/O loop, and the job only copies; a local chunk
+        file's key needs a ``stat`` and a disk tier reads files, so there the job looks up too (a
+        ``stat`` on the loop would wait for the GIL back after each call). ``object_of(coords)`` is
+        the store key holding chunk ``coords`` (its shard's, for a sharded array).
+        """
+        keys = self._chunk_keys(src)
+        if keys is None:
+            return targets
+        cache = self.cache
+        assert cache is not None
+        dec = dec or self._decoder(src)
+        prefix = f"{src.array.path}/" if src.array.path else ""
+        items = list(targets.items())
+        loop = asyncio.get_running_loop()
+        if keys.local_root is not None or cache.disk is not None:
+            n_mem, n_disk, misses = await loop.run_in_executor(None, _lookup_take, cache, keys, prefix,
+                                                               object_of, items)
+        else:
+            hits, n_mem, n_disk, misses = _lookup(cache, keys, prefix, object_of, items)
+            if hits:
+                await loop.run_in_executor(None, _take, hits)
+        rest = {c: _Keep(t, cache, ck) for c, t, ck in misses}
+        n = n_mem + n_disk
+        self.counters.cache_hits += n
+        self.counters.cache_disk_hits += n_disk
+        self.counters.cache_misses += len(rest)
+        self.counters.chunks += n
+        self.counters.bytes_decoded += n * math.prod(dec.shape) * dec.dtype.itemsize
+        return rest
+
     # ------------------------------------------------------------------ sharded arrays
     def _native_shards(self, src: VarSource) -> bool:
         """Whether inner chunks of ``src`` can be fetched by byte range here (else zarr reads them)."""
@@ -411,6 +475,11 @@ class Reader:
 
     async def _read_shards(self, src: VarSource, targets: dict[tuple[int, ...], list[Target]]) -> None:
         lay = self._layout(src)
+        if self.cache is not None:  # inner chunks keyed by their coordinates and their shard's file
+            targets = await self._serve_cached(src, targets, lambda c: lay.shard_key(
+                tuple(i // n for i, n in zip(c, lay.per_shard, strict=True))), lay.inner)
+            if not targets:
+                return
         by_shard: dict[tuple[int, ...], dict[tuple[int, ...], list]] = {}
         for coords, t in targets.items():
             shard = tuple(c // n for c, n in zip(coords, lay.per_shard, strict=True))
@@ -640,8 +709,12 @@ def _scratch_chunk(dec: ChunkDecoder) -> np.ndarray:
 
 
 def _decode_put(dec: ChunkDecoder, raw: Any, targets: list[Target]) -> None:
+    # a chunk the cache takes (``_Keep``) goes to it before any hook, which may use a buffer as scratch
+    keep = targets.keep if isinstance(targets, _Keep) else None
     view = _whole(dec, targets)
     if view is not None and dec.decode_into(raw, view):
+        if keep is not None:
+            keep(view)  # copied (where memory has room): the view is the caller's
         hook = targets[0][4]
         if hook is not None:
             hook(_readonly(view), targets[0][1])  # the caller's array
@@ -649,9 +722,66 @@ def _decode_put(dec: ChunkDecoder, raw: Any, targets: list[Target]) -> None:
     if all(t[0] is None for t in targets):  # only hooks: decode into this thread's buffer, no allocation
         buf = _scratch_chunk(dec)
         if dec.decode_into(raw, buf):
+            if keep is not None:
+                keep(buf)  # copied: the buffer is reused
             _assign_all(buf, targets)
             return
-    _assign_all(dec.decode_sync(raw), targets)
+    chunk = dec.decode_sync(raw)
+    if keep is not None:
+        keep(chunk, copy=False)  # a new array: handed over (read-only from now on where it is kept)
+    _assign_all(chunk, targets)
+
+
+class _Keep(list):
+    """A chunk's targets, and the cache key it is kept under once decoded (see ``Reader._serve_cached``)."""
+
+    __slots__ = ("cache", "key")
+
+    def __init__(self, targets: list[Target], cache: ChunkCache, key: str):
+        super().__init__(targets)
+        self.cache, self.key = cache, key
+
+    def keep(self, chunk: np.ndarray, copy: bool = True) -> None:
+        try:
+            self.cache.put(self.key, chunk, copy=copy)
+        except (OSError, MemoryError):  # a chunk the cache cannot keep is still read: never a failed read
+            pass
+
+
+_Lookup = tuple[list[tuple[np.ndarray, list[Target]]], int, int, list[tuple[tuple[int, ...], list[Target], str]]]
+
+
+def _lookup(cache: ChunkCache, keys: ChunkKey, prefix: str, object_of: Callable[[tuple[int, ...]], str],
+            items: list[tuple[tuple[int, ...], list[Target]]]) -> _Lookup:
+    """Look up chunks in the cache: (hits as (chunk, targets), memory hits, disk hits, misses as
+    (coords, targets, key)). Blocks where keys stat local files or the cache reads its disk tier."""
+    hits, misses, n_disk = [], [], 0
+    disk = cache.disk is not None
+    for coords, t in items:
+        ck = keys.key(coords, keys.file_of(prefix + object_of(coords)))
+        got = cache.peek(ck) if disk else cache.get(ck)  # ``get`` counts the miss; with a disk tier, below
+        if got is None and disk:
+            got = cache.get(ck)
+            n_disk += got is not None
+        if got is None:
+            misses.append((coords, t, ck))
+        else:
+            hits.append((got, t))
+    return hits, len(hits) - n_disk, n_disk, misses
+
+
+def _take(hits: list[tuple[np.ndarray, list[Target]]]) -> None:
+    """Put cached chunks in place (a decode-thread job: one copy per target)."""
+    for chunk, t in hits:
+        _assign_all(chunk, t)
+
+
+def _lookup_take(cache: ChunkCache, keys: ChunkKey, prefix: str, object_of: Callable[[tuple[int, ...]], str],
+                 items: list[tuple[tuple[int, ...], list[Target]]]) -> tuple[int, int, list]:
+    """``_lookup`` and ``_take`` in one decode-thread job: (memory hits, disk hits, misses)."""
+    hits, n_mem, n_disk, misses = _lookup(cache, keys, prefix, object_of, items)
+    _take(hits)
+    return n_mem, n_disk, misses
 
 
 def _read_decode_assign(store: Any, path: str, dec: ChunkDecoder,

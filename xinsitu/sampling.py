@@ -176,6 +176,10 @@ class SampleSpace:
 
     def split_starts(self, unit: int) -> np.ndarray:
         """Valid start positions along the split dims in unit ``unit`` (rows in C order)."""
+        if len(self.split_dims) == 1 and self.split_dims[0].width == 1 and self.split_dims[0].stride == 1:
+            # every position of the block is a sample (as ``counts`` says): no mesh, no box test per unit
+            e, c = self.edges[0], int(self.blocks[unit])
+            return np.arange(e[c], e[c + 1], dtype=np.int64)[:, None]
         coords = np.unravel_index(int(self.blocks[unit]), self.grid)
         cand = [self._candidates(k, int(c)) for k, c in enumerate(coords)]
         mesh = np.meshgrid(*[s for s, _ in cand], indexing="ij")

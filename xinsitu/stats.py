@@ -28,6 +28,7 @@ import numpy as np
 import xarray as xr
 
 from xinsitu import _loop
+from xinsitu.cache import resolve_cache
 from xinsitu.channels import RESERVED, cf_decoder, channel_plan, decodes_to_itself
 from xinsitu.manifest import SplitManifest
 from xinsitu.plan import EpochPlan, epoch_plan
@@ -231,10 +232,13 @@ class StatsPass:
     block_chunks : units (chunk blocks) read ahead: at least ``INFLIGHT_BUFFERS * block_chunks``.
     max_inflight : chunk reads in flight at once (default: sized from the store's latency).
     reader : the ``Reader`` to read through (default: a new one); its ``counters`` show the cost.
+    cache : a chunk cache for the new reader, as ``cache=`` of ``ds.insitu.batches`` (e.g. the one the
+        training epochs use next: the statistics pass fills it).
     """
 
     def __init__(self, ds: xr.Dataset, manifest: SplitManifest, split: str, variables: list[str] | None = None,
-                 *, block_chunks: int = 16, max_inflight: int | None = None, reader: Reader | None = None):
+                 *, block_chunks: int = 16, max_inflight: int | None = None, reader: Reader | None = None,
+                 cache: Any = None):
         # no window/patch/over: the samples are exactly the split's positions; the manifest, the variables
         # and the arguments are checked the way ds.insitu.batches checks them
         check_split(manifest, split)
@@ -252,7 +256,7 @@ class StatsPass:
             if lay.src.dtype.kind not in "biuf":
                 raise ValueError(f"variable {n!r} has dtype {lay.src.dtype}; statistics need real numbers "
                                  "(select numeric variables with variables=[...])")
-        self.reader = reader if reader is not None else Reader(max_inflight)
+        self.reader = reader if reader is not None else Reader(max_inflight, cache=resolve_cache(cache))
         self.decoders = {n: None if decodes_to_itself(lay.src) else cf_decoder(n, lay)
                          for n, lay in self.layouts.items()}
         self.channels, self.extra = channel_plan(ds, self.layouts)
@@ -404,7 +408,7 @@ class StatsPass:
 
 
 def compute_stats(ds: xr.Dataset, manifest: SplitManifest, split: str, variables: list[str] | None = None, *,
-                  block_chunks: int = 16, max_inflight: int | None = None) -> dict[str, Any]:
+                  block_chunks: int = 16, max_inflight: int | None = None, cache: Any = None) -> dict[str, Any]:
     """Normalisation statistics of one split, from one streaming pass over its chunks.
 
     Parameters
@@ -415,6 +419,8 @@ def compute_stats(ds: xr.Dataset, manifest: SplitManifest, split: str, variables
     variables : variables to reduce (default: the data variables on the split dims).
     block_chunks : units (chunk blocks) read ahead: at least 3 × ``block_chunks``.
     max_inflight : chunk reads in flight at once.
+    cache : ``True``, ``"memory"``, a directory or an ``xinsitu.ChunkCache``: chunks it holds are not
+        read again, and the chunks read are kept (pass the same ``ChunkCache`` to ``batches``).
 
     Returns
     -------
@@ -432,4 +438,5 @@ def compute_stats(ds: xr.Dataset, manifest: SplitManifest, split: str, variables
         a number per key, or a list in channel (label) order for a variable with an extra
         dim. A channel with no value at all has ``None`` for mean/std/min/max.
     """
-    return StatsPass(ds, manifest, split, variables, block_chunks=block_chunks, max_inflight=max_inflight).run()
+    return StatsPass(ds, manifest, split, variables, block_chunks=block_chunks, max_inflight=max_inflight,
+                     cache=cache).run()

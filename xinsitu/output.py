@@ -71,6 +71,11 @@ class OutputBuilder:
             import torch  # noqa: F401  - fail now, not in the prefetch thread
         if output == "jax":
             self.device = _jax_device(device)
+            if transform is None:  # else the transform may cast; checked per array in _to_jax
+                outs = {n: self.normalizer.dtype(lay.src.dtype) if self.normalizer is not None else lay.src.dtype
+                        for n, lay in layouts.items()}
+                for n, dt in ({"the stacked batch": self.dtype} if self.stack else outs).items():
+                    _check_jax_dtype(n, dt)
         elif device is not None and output != "torch":
             raise ValueError(f"device={device!r} applies to output='torch' or 'jax' (output='cupy' uses the "
                              "current CuPy device)")
@@ -108,7 +113,7 @@ class OutputBuilder:
             self._direct = self._sample_shape() if ok else False
         if self._direct is False:
             return None
-        arr = np.empty((n, len(self.layouts), *self._direct), dtype=self.dtype)
+        arr = _aligned_empty((n, len(self.layouts), *self._direct), self.dtype)
         return arr, {name: arr[:, c] for c, name in enumerate(self.layouts)}
 
     def _sample_shape(self) -> tuple[int, ...]:
@@ -173,7 +178,7 @@ class OutputBuilder:
             parts.append(a.reshape(n, -1, *base_shape))
         if len(parts) == 1:
             return parts[0].astype(self.dtype, copy=False)
-        out = np.empty((n, sum(p.shape[1] for p in parts), *base_shape), dtype=self.dtype)
+        out = _aligned_empty((n, sum(p.shape[1] for p in parts), *base_shape), self.dtype)
         c = 0
         for p in parts:
             out[:, c:c + p.shape[1]] = p
@@ -246,7 +251,22 @@ class OutputBuilder:
             return a
         import jax
 
+        _check_jax_dtype("an array of the transformed batch", a.dtype)
         return jax.device_put(a, self.device)
+
+
+#: jax (XLA) aliases host memory aligned to this many bytes instead of copying it
+JAX_ALIGN = 64
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """``np.empty`` aligned to ``JAX_ALIGN`` bytes (numpy aligns to 16), so that ``output="jax"`` on a
+    CPU device takes a stacked batch without a copy; nothing changes for the other outputs."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + JAX_ALIGN, dtype=np.uint8)
+    off = (-raw.ctypes.data) % JAX_ALIGN
+    return raw[off:off + nbytes].view(dtype).reshape(shape)
 
 
 def _tree_map(x: Any, fn: Any) -> Any:
@@ -259,6 +279,19 @@ def _tree_map(x: Any, fn: Any) -> Any:
     if isinstance(x, list):
         return [_tree_map(v, fn) for v in x]
     return fn(x)
+
+
+def _check_jax_dtype(what: str, dtype: Any) -> None:
+    """Refuse 64-bit values while jax has 64-bit types off: jax would silently make them 32-bit, and
+    the batch would no longer equal the numpy output."""
+    import jax
+
+    dtype = np.dtype(dtype)
+    if dtype.itemsize == 8 and dtype.kind in "fiuc" and not jax.config.read("jax_enable_x64"):
+        name = repr(what) if what.isidentifier() else what
+        raise ValueError(f"output='jax': {name} is {dtype}, but jax has 64-bit types off and would turn it into "
+                         f"{dtype.kind}32; enable them (jax.config.update('jax_enable_x64', True)), leave the "
+                         "variable out (variables=[...]), or cast it in transform=")
 
 
 def _jax_device(device: Any) -> Any:

@@ -129,3 +129,18 @@ def test_jax_map_style_dataset(ds_m, x64):
     for v in exp:
         assert isinstance(got[v], jax.Array)
         assert np.array_equal(np.asarray(got[v]), exp[v], equal_nan=True)
+
+
+def test_train_jax_example_runs(tmp_path):
+    """examples/train_jax.py trains on a small synthetic archive (written in tmp_path) and learns."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "train_jax.py"
+    p = subprocess.run([sys.executable, "-W", "ignore", str(script), "--nt", "400", "--epochs", "2"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300, env=os.environ.copy())
+    assert p.returncode == 0, p.stdout + p.stderr
+    losses = [float(line.rsplit("val loss ", 1)[1]) for line in p.stdout.splitlines() if "val loss" in line]
+    assert len(losses) == 2 and all(np.isfinite(losses)), p.stdout

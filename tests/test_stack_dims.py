@@ -155,3 +155,23 @@ def test_stack_with_window(ds_m):
     exp = ds[["u", "z"]].isel(time=slice(0, 2)).load().to_dataarray("variable")
     exp = exp.transpose("variable", "level", "time", "lat", "lon").values.reshape(6, 2, 5, 6)
     np.testing.assert_array_equal(b[0], exp)
+
+
+def test_state_records_level_channels(ds_m):
+    """A state saved with stack=True (channels u, v) is not loaded by a stack=['level'] generator."""
+    ds, m = ds_m
+    kw = dict(batch_size=4, output="numpy", variables=["u", "v"])
+    a = ds.insitu.batches(m, "train", stack=True, **kw)
+    next(iter(a))
+    b = ds.insitu.batches(m, "train", stack=["level"], **kw)
+    with pytest.raises(ValueError, match="channel order"):
+        b.load_state_dict(a.state_dict())
+
+
+def test_map_style_dataset_level_channels(ds_m):
+    ds, m = ds_m
+    d = ds.insitu.dataset(m, "train", output="numpy", variables=["u", "v", "z"], stack=["level"])
+    assert d.channels == [f"{v}_{lev}" for v in "uvz" for lev in LEVELS]
+    got = d.batch([5, 0, 11])
+    exp = manual_stack(ds, ds.time.values[[5, 0, 11]], ["u", "v", "z"])
+    assert np.array_equal(got, exp, equal_nan=True)

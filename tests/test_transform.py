@@ -138,3 +138,22 @@ def test_transform_in_spawned_dataloader_workers(ds_m):
                                      multiprocessing_context="spawn")
     n = sum(len(tp) for _, tp in dl)
     assert n == m.positions("train")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_transform_then_cuda_copy(ds_m):
+    """On a GPU: the transform sees CPU tensors, and every tensor of its result arrives on cuda."""
+    ds, m = ds_m
+    rec = Recorder()
+
+    def fn(b):
+        rec(b)
+        return {"x": torch.stack([b["t2m"], b["u10"]], 1)}, [b["t2m"]]
+
+    gen = ds.insitu.batches(m, "train", batch_size=8, output="torch", device="cuda:0", variables=["t2m", "u10"],
+                            transform=fn)
+    n = 0
+    for x, (y,) in gen:
+        assert x["x"].is_cuda and y.is_cuda
+        n += len(y)
+    assert rec.kinds == {("Tensor", "cpu")} and n == m.positions("train")

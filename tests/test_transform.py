@@ -115,7 +115,7 @@ def _walk(tb):
 @pytest.mark.parametrize("bad", [3, "collate", [to_pair]])
 def test_transform_not_callable(ds_m, bad):
     ds, m = ds_m
-    with pytest.raises(TypeError, match="transform"):
+    with pytest.raises(TypeError, match="transform must be a callable"):
         ds.insitu.batches(m, "train", transform=bad)
 
 

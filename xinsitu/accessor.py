@@ -4,6 +4,7 @@ its arguments and calls a plain function or class that knows nothing of accessor
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -96,11 +97,12 @@ class InsituAccessor:
     def batches(self, manifest: SplitManifest, split: str, *, batch_size: int = 32, shuffle: bool = True,
                 seed: int = 0, window: dict[str, int] | None = None, patch: dict[str, int] | None = None,
                 stride: dict[str, int] | None = None, over: str | list[str] | None = None,
-                variables: str | list[str] | None = None, output: str = "xarray", stack: bool = False,
+                variables: str | list[str] | None = None, output: str = "xarray", stack: bool | list[str] = False,
                 normalize: dict[str, Any] | None = None, device: Any = None, block_chunks: int = 16,
                 max_inflight: int | None = None, drop_last: bool = False, rank: int | None = None,
                 world_size: int | None = None, progress: bool = False, missing: str = "fill",
-                cache: bool | str | os.PathLike[str] | ChunkCache | None = None) -> BatchGenerator:
+                cache: bool | str | os.PathLike[str] | ChunkCache | None = None,
+                transform: Callable[[Any], Any] | None = None) -> BatchGenerator:
         """Batches of one split, read in place.
 
         Parameters
@@ -126,13 +128,16 @@ class InsituAccessor:
             More dims whose positions are samples.
         variables : str or list of str, optional
             Default: the data variables on the split dim(s); their order is the channel order.
-        output : {"xarray", "dataarray", "numpy", "torch", "cupy"}, default "xarray"
-        stack : bool, default False
-            One array per batch with the variables as channels (see ``BatchGenerator.channels``).
+        output : {"xarray", "dataarray", "numpy", "torch", "cupy", "jax"}, default "xarray"
+        stack : bool or list of str, default False
+            One array per batch with the variables as channels (see ``BatchGenerator.channels``);
+            a list of dims (e.g. ``["level"]``) also folds those dims, which every variable must
+            have, into channels ``{var}_{label}`` (variable then label).
         normalize : dict, optional
             Statistics from :meth:`stats` (``manifest.stats``): ``(x - mean) / std`` per channel.
-        device : str or torch.device, optional
-            Where torch tensors go (e.g. ``"cuda:0"``).
+        device : str, torch.device or jax.Device, optional
+            Where torch tensors go (e.g. ``"cuda:0"``); for ``output="jax"`` a jax device
+            (default: jax's default device).
         block_chunks : int, default 16
             Chunk blocks per shuffle buffer.
         max_inflight : int, optional
@@ -150,6 +155,10 @@ class InsituAccessor:
             Keep decoded chunks across epochs: ``True`` or ``"memory"`` (in memory, a default
             budget), a directory (plus a disk tier there, kept across runs), or an
             ``xinsitu.ChunkCache(memory=, disk=, disk_size=)``. Same batches, same order.
+        transform : callable, optional
+            ``fn(batch) -> anything`` applied to every finished batch in the background thread,
+            on host values before the ``device=`` copy (which then moves every array in what it
+            returned); its exceptions are raised from the iterator.
 
         Returns
         -------
@@ -159,11 +168,13 @@ class InsituAccessor:
                               window=window, patch=patch, stride=stride, over=over, variables=variables,
                               output=output, stack=stack, normalize=normalize, device=device,
                               block_chunks=block_chunks, max_inflight=max_inflight, drop_last=drop_last,
-                              rank=rank, world_size=world_size, progress=progress, missing=missing, cache=cache)
+                              rank=rank, world_size=world_size, progress=progress, missing=missing, cache=cache,
+                              transform=transform)
 
     def stats(self, manifest: SplitManifest, split: str = "train", *, variables: str | list[str] | None = None,
               block_chunks: int = 16, max_inflight: int | None = None,
-              cache: bool | str | os.PathLike[str] | ChunkCache | None = None) -> dict[str, Any]:
+              cache: bool | str | os.PathLike[str] | ChunkCache | None = None,
+              stack: list[str] | None = None) -> dict[str, Any]:
         """Normalisation statistics of ``split``, from one streaming pass over its chunks.
 
         Per channel (as ``gen.channels`` names them for the same variables): mean, std (ddof=0),
@@ -181,6 +192,9 @@ class InsituAccessor:
         max_inflight : chunk reads in flight at once.
         cache : as for :meth:`batches`; pass the ``ChunkCache`` the training epochs use, and this
             pass fills it.
+        stack : list of str, optional
+            Dims to make channels of in every variable, as ``stack=["level"]`` of :meth:`batches`:
+            statistics per label (per-level mean/std) rather than pooled over the dim.
 
         Returns
         -------
@@ -191,7 +205,7 @@ class InsituAccessor:
         from xinsitu.stats import compute_stats
 
         st = compute_stats(self._ds, manifest, split, variables, block_chunks=block_chunks,
-                           max_inflight=max_inflight, cache=cache)
+                           max_inflight=max_inflight, cache=cache, stack=stack)
         manifest.set_stats(st)
         return st
 

@@ -71,12 +71,36 @@ def cf_decoder(name: str, layout: VarLayout) -> Any:
 
 
 # ----------------------------------------------------------------------------- the channel rule
-def _base_and_extra(layouts: dict[str, VarLayout],
-                    kept: tuple[str, ...] = ()) -> tuple[tuple[str, ...], dict[str, list[str] | None]]:
-    """The base dims (the shortest variable's output dims, window/patch dims ``kept`` aside) and per
-    variable its extra dims, in its order; None for a variable lacking a base dim (not stackable)."""
+def fold_dims(stack: Any) -> tuple[str, ...]:
+    """The dims of ``stack=[dims]`` (none for ``stack=True/False``)."""
+    if isinstance(stack, bool):
+        return ()
+    if isinstance(stack, (list, tuple)) and stack and all(isinstance(d, str) for d in stack):
+        if len(set(stack)) != len(stack):
+            raise ValueError(f"stack names a dim twice: {list(stack)}")
+        return tuple(stack)
+    raise TypeError(f"stack must be True, False or a non-empty list of dim names (e.g. ['level']), got {stack!r}")
+
+
+def check_fold(layouts: dict[str, VarLayout], fold: tuple[str, ...], kept: tuple[str, ...] = ()) -> None:
+    """Refuse ``stack=[dims]`` (``fold``) naming a dim that some selected variable lacks, or a
+    window/patch dim (those are sample axes)."""
+    for d in fold:
+        if d in kept:
+            raise ValueError(f"stack: {d!r} is a window/patch dim (a sample axis), it cannot become channels")
+        for n, lay in layouts.items():
+            if d not in lay.out_dims:
+                raise ValueError(f"stack: variable {n!r} has no dim {d!r} to fold into channels (its batch dims "
+                                 f"are {lay.out_dims}); stack=[dims] needs the dims on every selected variable")
+
+
+def _base_and_extra(layouts: dict[str, VarLayout], kept: tuple[str, ...] = (),
+                    fold: tuple[str, ...] = ()) -> tuple[tuple[str, ...], dict[str, list[str] | None]]:
+    """The base dims (the shortest variable's output dims, window/patch dims ``kept`` and the dims
+    ``fold`` (``stack=[dims]``) aside) and per variable its extra dims, in its order; None for a
+    variable lacking a base dim (not stackable). A folded dim is an extra dim of every variable."""
     outs = {n: tuple(d for d in lay.out_dims if d not in kept) for n, lay in layouts.items()}
-    base = min(outs.values(), key=len)
+    base = tuple(d for d in min(outs.values(), key=len) if d not in fold)
     return base, {n: [d for d in dims if d not in base] if all(d in dims for d in base) else None
                   for n, dims in outs.items()}
 
@@ -90,12 +114,13 @@ class Channel:
     index: tuple[int, ...]  # position along the variable's extra dims (empty: the whole variable)
 
 
-def plan_channels(ds: xr.Dataset, layouts: dict[str, VarLayout],
-                  kept: tuple[str, ...] = ()) -> tuple[list[Channel], tuple[str, ...]]:
+def plan_channels(ds: xr.Dataset, layouts: dict[str, VarLayout], kept: tuple[str, ...] = (),
+                  fold: tuple[str, ...] = ()) -> tuple[list[Channel], tuple[str, ...]]:
     """Channels in order (variables in order; an extra dim expands into ``{var}_{label}``) and the
     dims every channel shares (after the sample axis). Window/patch dims (``kept``) are sample axes,
-    never channels: a variable lacking them (a static one) is broadcast along them."""
-    base, extras = _base_and_extra(layouts, kept)
+    never channels: a variable lacking them (a static one) is broadcast along them. Dims in
+    ``fold`` (``stack=["level"]``) are channels of every variable (``{var}_{label}``)."""
+    base, extras = _base_and_extra(layouts, kept, fold)
     channels: list[Channel] = []
     for n, extra in extras.items():
         if extra is None:
@@ -123,25 +148,30 @@ def _labels(ds: xr.Dataset, dim: str, size: int) -> list[Any]:
     return list(range(size))
 
 
-def channel_plan(ds: xr.Dataset, layouts: dict[str, VarLayout]) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+def channel_plan(ds: xr.Dataset, layouts: dict[str, VarLayout],
+                 fold: tuple[str, ...] = ()) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
     """Per variable, its channel names and its extra (channel) dims, as ``plan_channels`` has them.
 
-    Variables that cannot be stacked together (no shared dims) are one channel each.
+    Variables that cannot be stacked together (no shared dims) are one channel each (unless dims
+    are folded: ``fold``, i.e. ``stack=["level"]``, makes channels of them in every variable).
     """
-    extras = _base_and_extra(layouts)[1]
+    extras = _base_and_extra(layouts, (), fold)[1]
     if any(extra is None for extra in extras.values()):
+        if fold:
+            raise ValueError(f"stack={list(fold)}: the variables {list(layouts)} share no other dims to stack on")
         return {n: [n] for n in layouts}, {n: [] for n in layouts}
     names: dict[str, list[str]] = {n: [] for n in layouts}
-    for ch in plan_channels(ds, layouts)[0]:
+    for ch in plan_channels(ds, layouts, (), fold)[0]:
         names[ch.var].append(ch.name)
     return names, {n: extra or [] for n, extra in extras.items()}
 
 
-def channel_names(ds: xr.Dataset, layouts: dict[str, VarLayout], kept: tuple[str, ...] = ()) -> list[str]:
+def channel_names(ds: xr.Dataset, layouts: dict[str, VarLayout], kept: tuple[str, ...] = (),
+                  fold: tuple[str, ...] = ()) -> list[str]:
     """The channel names of these variables in order, as ``gen.channels`` and the stats record list them
     (one per variable where the variables cannot be stacked together)."""
     try:
-        return [c.name for c in plan_channels(ds, layouts, kept)[0]]
+        return [c.name for c in plan_channels(ds, layouts, kept, fold)[0]]
     except ValueError:
         return list(layouts)
 
@@ -195,7 +225,8 @@ class Normalizer:
         return {n: self.apply(n, a) if n in self.params else a for n, a in values.items()}
 
 
-def normalizer(stats: dict[str, Any], layouts: dict[str, VarLayout], kept: tuple[str, ...] = ()) -> Normalizer:
+def normalizer(stats: dict[str, Any], layouts: dict[str, VarLayout], kept: tuple[str, ...] = (),
+               fold: tuple[str, ...] = ()) -> Normalizer:
     """A :class:`Normalizer` applying ``stats`` (from :func:`compute_stats`) to these variables.
 
     Parameters
@@ -206,6 +237,7 @@ def normalizer(stats: dict[str, Any], layouts: dict[str, VarLayout], kept: tuple
         dims the other variables lack, as in ``plan_channels``).
     layouts : the generator's variable layouts (``gen.layouts``).
     kept : the window/patch dims of the generator's samples (never channel dims).
+    fold : dims folded into channels in every variable (``stack=["level"]``).
 
     Raises
     ------
@@ -215,7 +247,7 @@ def normalizer(stats: dict[str, Any], layouts: dict[str, VarLayout], kept: tuple
     if not isinstance(stats, dict):
         raise TypeError(f"normalize= takes a stats dict (e.g. m.stats from ds.insitu.stats), got "
                         f"{type(stats).__name__}")
-    inferred = _extra_dims(layouts, kept)
+    inferred = _extra_dims(layouts, kept, fold)
     params = {}
     for n, lay in layouts.items():
         entry = stats.get(n)
@@ -255,7 +287,8 @@ def _channel_values(name: str, v: Any, key: str, sizes: list[int]) -> np.ndarray
     return arr
 
 
-def _extra_dims(layouts: dict[str, VarLayout], kept: tuple[str, ...] = ()) -> dict[str, list[str]]:
+def _extra_dims(layouts: dict[str, VarLayout], kept: tuple[str, ...] = (),
+                fold: tuple[str, ...] = ()) -> dict[str, list[str]]:
     """The dims each variable has beyond the base (its channel dims; none for one lacking a base dim)."""
-    return {n: extra or [] for n, extra in _base_and_extra(layouts, kept)[1].items()}
+    return {n: extra or [] for n, extra in _base_and_extra(layouts, kept, fold)[1].items()}
 

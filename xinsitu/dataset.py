@@ -182,7 +182,7 @@ class InsituDataset:
     def __init__(self, ds: xr.Dataset, manifest: SplitManifest, split: str, *,
                  window: dict[str, int] | None = None, patch: dict[str, int] | None = None,
                  stride: dict[str, int] | None = None, over: str | list[str] | None = None,
-                 variables: str | list[str] | None = None, output: str = "numpy", stack: bool = False,
+                 variables: str | list[str] | None = None, output: str = "numpy", stack: bool | list[str] = False,
                  normalize: dict[str, Any] | None = None, cache: Any = None, max_inflight: int | None = None,
                  missing: str = "fill"):
         # the generator validates every argument and holds what a read needs (sources, sample space,

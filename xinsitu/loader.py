@@ -56,13 +56,21 @@ class BatchGenerator:
         More dims whose positions are samples.
     variables : list of str, optional
         Default: the data variables on the split dim(s).
-    output : {"xarray", "dataarray", "numpy", "torch", "cupy"}, default "xarray"
-    stack : bool, default False
-        One ``(sample, channel, ...)`` array per batch (see ``channels``).
+    output : {"xarray", "dataarray", "numpy", "torch", "cupy", "jax"}, default "xarray"
+    stack : bool or list of str, default False
+        One ``(sample, channel, ...)`` array per batch (see ``channels``). A list of dims
+        (e.g. ``["level"]``) also folds those dims, which every variable must have, into
+        channels ``{var}_{label}`` (variable then label).
     normalize : dict, optional
         Statistics from ``ds.insitu.stats`` (``m.stats``): ``(x - mean) / std`` per channel.
-    device : str or torch.device, optional
-        Where torch tensors go (e.g. ``"cuda:0"``).
+    device : str, torch.device or jax.Device, optional
+        Where torch tensors go (e.g. ``"cuda:0"``); for ``output="jax"`` a jax device
+        (default: jax's default device).
+    transform : callable, optional
+        ``fn(batch) -> anything``, applied to every finished batch in the background
+        (prefetch) thread, on host values (numpy, CPU tensors) before the ``device=`` copy,
+        which then moves every array in what it returned. Its exceptions are raised to the
+        caller from the iterator. Must pickle for spawned DataLoader workers.
     block_chunks : int, default 16
         Chunk blocks (units) per buffer: read together, samples drawn at random from them
         (memory ~ a few buffers).
@@ -87,10 +95,11 @@ class BatchGenerator:
                  shuffle: bool = True, seed: int = 0, window: dict[str, int] | None = None,
                  patch: dict[str, int] | None = None, stride: dict[str, int] | None = None,
                  over: str | list[str] | None = None, variables: list[str] | None = None,
-                 output: str = "xarray", stack: bool = False, normalize: Any = None, device: Any = None,
+                 output: str = "xarray", stack: bool | list[str] = False, normalize: Any = None, device: Any = None,
                  block_chunks: int = 16, max_inflight: int | None = None, drop_last: bool = False,
                  rank: int | None = None, world_size: int | None = None, progress: bool = False,
-                 missing: str = "fill", cache: bool | str | os.PathLike[str] | ChunkCache | None = None):
+                 missing: str = "fill", cache: bool | str | os.PathLike[str] | ChunkCache | None = None,
+                 transform: Any = None):
         check_split(manifest, split)
         self.batch_size = positive_int("batch_size", batch_size)
         self.block_chunks = positive_int("block_chunks", block_chunks)
@@ -108,7 +117,8 @@ class BatchGenerator:
         self.sampling = sampled
         self.sources, self.geometry, self.space, self.layouts = (sampled.sources, sampled.geometry, sampled.space,
                                                                  sampled.layouts)
-        self.builder = OutputBuilder(ds, self.space, self.layouts, output, stack, device, normalize=normalize)
+        self.builder = OutputBuilder(ds, self.space, self.layouts, output, stack, device, normalize=normalize,
+                                     transform=transform)
         self.normalize = normalize
         self.output = output
         self._ds = ds
@@ -309,7 +319,8 @@ class BatchGenerator:
     def channels(self) -> list[str]:
         """Channel names of a stacked batch, in order (the variables' names where they cannot be stacked)."""
         if self._channels is None:
-            self._channels = channel_names(self._ds, self.layouts, tuple(d.name for d in self.space.dims if d.keep))
+            self._channels = channel_names(self._ds, self.layouts, tuple(d.name for d in self.space.dims if d.keep),
+                                           self.builder.fold)
         return list(self._channels)
 
     def shuffle_quality(self, max_batches: int = 200) -> float:

@@ -1,5 +1,10 @@
 """Turn gathered raw values into what the user asked for: CF-decoded numpy, a labeled
-``xr.Dataset``/``xr.DataArray``, torch tensors; variables stacked as channels."""
+``xr.Dataset``/``xr.DataArray``, torch tensors, jax arrays; variables stacked as channels.
+
+Order of the last steps (all in the prefetch thread): gather -> CF decode -> normalise -> stack
+-> the output kind on the CPU (numpy / torch CPU tensors) -> ``transform=`` -> the ``device=``
+copy (torch) or the move onto a jax device (jax). So a transform sees host values and may return
+any structure (tuples, nested dicts); the device copy then moves every array in it."""
 
 from __future__ import annotations
 
@@ -8,33 +13,53 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from xinsitu.channels import cf_decoder, channel_names, check_channel_order, identity, normalizer, plan_channels
+from xinsitu.channels import (
+    cf_decoder,
+    channel_names,
+    check_channel_order,
+    check_fold,
+    fold_dims,
+    identity,
+    normalizer,
+    plan_channels,
+)
 from xinsitu.sampling import SampleSpace, VarLayout
 
-OUTPUTS = ("xarray", "dataarray", "numpy", "torch", "cupy")
+OUTPUTS = ("xarray", "dataarray", "numpy", "torch", "cupy", "jax")
 
 
 class OutputBuilder:
     """Assembles one batch in the requested form (runs in the prefetch thread)."""
 
     def __init__(self, ds: xr.Dataset, space: SampleSpace, layouts: dict[str, VarLayout], output: str,
-                 stack: bool, device: Any = None, normalize: dict[str, Any] | None = None):
+                 stack: bool | list[str], device: Any = None, normalize: dict[str, Any] | None = None,
+                 transform: Any = None):
         if output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
-        if not isinstance(stack, bool):
-            raise TypeError(f"stack must be True or False, got {stack!r}")
+        if transform is not None and not callable(transform):
+            raise TypeError(f"transform must be a callable fn(batch) -> batch, got {type(transform).__name__}")
+        self.transform = transform
+        self.fold = fold_dims(stack)
         self.output, self.device = output, device
-        self.stack = stack or output == "dataarray"
+        self.stack = bool(stack) or output == "dataarray"
         self.space, self.layouts = space, layouts
         self.decoders = {n: cf_decoder(n, lay) for n, lay in layouts.items()}
         self.attrs = {n: dict(ds[n].attrs) for n in layouts}
         self.ds_attrs = dict(ds.attrs)
         kept = tuple(d.name for d in space.dims if d.keep)  # window/patch dims: sample axes, never channels
-        self.channels, self.base_dims = plan_channels(ds, layouts, kept) if self.stack else ([], ())
+        check_fold(layouts, self.fold, kept)
+        self.channels, self.base_dims = plan_channels(ds, layouts, kept, self.fold) if self.stack else ([], ())
         # (x - mean) / std per channel after CF decoding; m.stats from ds.insitu.stats, or a dict like it
-        self.normalizer = normalizer(normalize, layouts, kept) if normalize is not None else None
+        self.normalizer = normalizer(normalize, layouts, kept, self.fold) if normalize is not None else None
         if normalize is not None:
-            check_channel_order(normalize, channel_names(ds, layouts, kept))
+            names = channel_names(ds, layouts, kept, self.fold)
+            check_channel_order(normalize, names)
+            saved = normalize.get("channels")
+            if self.fold and isinstance(saved, list) and not set(names) <= set(saved):
+                # statistics pooled over the folded dim would normalise every label alike
+                raise ValueError(f"normalize: these batches have channels {names} (stack={list(self.fold)}), "
+                                 f"the statistics have {saved}; compute them per channel: "
+                                 f"ds.insitu.stats(m, split, stack={list(self.fold)})")
         dtypes = [lay.src.dtype for lay in layouts.values()]
         if self.normalizer is not None:
             dtypes = [self.normalizer.dtype(d) for d in dtypes]
@@ -44,12 +69,19 @@ class OutputBuilder:
         self._ds_coords = ds.coords
         if output in ("torch",):
             import torch  # noqa: F401  - fail now, not in the prefetch thread
-        if device is not None and output != "torch":
-            raise ValueError(f"device={device!r} applies to output='torch' (output='cupy' uses the current "
-                             "CuPy device)")
+        if output == "jax":
+            self.device = _jax_device(device)
+            if transform is None:  # else the transform may cast; checked per array in _to_jax
+                outs = {n: self.normalizer.dtype(lay.src.dtype) if self.normalizer is not None else lay.src.dtype
+                        for n, lay in layouts.items()}
+                for n, dt in ({"the stacked batch": self.dtype} if self.stack else outs).items():
+                    _check_jax_dtype(n, dt)
+        elif device is not None and output != "torch":
+            raise ValueError(f"device={device!r} applies to output='torch' or 'jax' (output='cupy' uses the "
+                             "current CuPy device)")
         if output == "cupy":
             _check_cupy()
-        if device is not None:
+        if device is not None and output == "torch":
             self._check_device(device)
 
     def _check_device(self, device: Any) -> None:
@@ -81,7 +113,7 @@ class OutputBuilder:
             self._direct = self._sample_shape() if ok else False
         if self._direct is False:
             return None
-        arr = np.empty((n, len(self.layouts), *self._direct), dtype=self.dtype)
+        arr = _aligned_empty((n, len(self.layouts), *self._direct), self.dtype)
         return arr, {name: arr[:, c] for c, name in enumerate(self.layouts)}
 
     def _sample_shape(self) -> tuple[int, ...]:
@@ -93,8 +125,24 @@ class OutputBuilder:
     def finish_stacked(self, arr: np.ndarray) -> Any:
         """The stacked batch gathered by ``direct_stack``, in the output's kind."""
         if self.output == "torch":
-            return self._to_torch(arr)
-        return _to_cupy(arr) if self.output == "cupy" else arr
+            return self.finish(self._to_torch(arr))
+        return self.finish(_to_cupy(arr) if self.output == "cupy" else arr)
+
+    def finish(self, batch: Any) -> Any:
+        """``transform=`` on the host batch, then the ``device=`` copy (torch) or the move onto the
+        jax device, of every array in whatever structure the transform returned."""
+        if self.transform is not None:
+            try:
+                batch = self.transform(batch)
+            except Exception as e:
+                # the caller gets the transform's own exception (type and traceback); say where it came from
+                e.add_note("xinsitu: raised by transform= (applied to each batch in the prefetch thread)")
+                raise
+        if self.output == "torch" and self.device is not None:
+            return _tree_map(batch, self._move_torch)
+        if self.output == "jax":
+            return _tree_map(batch, self._to_jax)
+        return batch
 
     def decode(self, raw: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         values = {n: self.decoders[n](a) for n, a in raw.items()}
@@ -130,7 +178,7 @@ class OutputBuilder:
             parts.append(a.reshape(n, -1, *base_shape))
         if len(parts) == 1:
             return parts[0].astype(self.dtype, copy=False)
-        out = np.empty((n, sum(p.shape[1] for p in parts), *base_shape), dtype=self.dtype)
+        out = _aligned_empty((n, sum(p.shape[1] for p in parts), *base_shape), self.dtype)
         c = 0
         for p in parts:
             out[:, c:c + p.shape[1]] = p
@@ -152,6 +200,9 @@ class OutputBuilder:
         return self.coords.isel({d: v for d, v in ind.items() if d in have})
 
     def build(self, raw: dict[str, np.ndarray], starts: np.ndarray) -> Any:
+        return self.finish(self._build_host(raw, starts))
+
+    def _build_host(self, raw: dict[str, np.ndarray], starts: np.ndarray) -> Any:
         values = self.decode(raw)
         if self.output == "xarray" and not self.stack:
             c = self.sample_coords(starts)
@@ -178,16 +229,83 @@ class OutputBuilder:
         return ("sample", *lay.out_dims) if lay.has_sample_axis else lay.src.dims
 
     def _to_torch(self, arr: np.ndarray) -> Any:
+        """A CPU tensor (the ``device=`` copy comes after ``transform=``, in :meth:`finish`)."""
         import torch
 
-        t = torch.from_numpy(np.ascontiguousarray(arr) if arr.flags.writeable else arr.copy())
-        if self.device is not None:
-            dev = torch.device(self.device)
-            if dev.type == "cuda":
-                t = t.pin_memory().to(dev, non_blocking=True)
-            else:
-                t = t.to(dev)
-        return t
+        return torch.from_numpy(np.ascontiguousarray(arr) if arr.flags.writeable else arr.copy())
+
+    def _move_torch(self, t: Any) -> Any:
+        import torch
+
+        if not isinstance(t, torch.Tensor):
+            return t
+        dev = torch.device(self.device)
+        if dev.type == "cuda":
+            return t.pin_memory().to(dev, non_blocking=True)
+        return t.to(dev)
+
+    def _to_jax(self, a: Any) -> Any:
+        """A numpy array as a ``jax.Array`` on the builder's device; anything else as it is.
+        ``jax.device_put`` onto a CPU device aliases suitably aligned host memory (no copy)."""
+        if not isinstance(a, np.ndarray):
+            return a
+        import jax
+
+        _check_jax_dtype("an array of the transformed batch", a.dtype)
+        return jax.device_put(a, self.device)
+
+
+#: jax (XLA) aliases host memory aligned to this many bytes instead of copying it
+JAX_ALIGN = 64
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """``np.empty`` aligned to ``JAX_ALIGN`` bytes (numpy aligns to 16), so that ``output="jax"`` on a
+    CPU device takes a stacked batch without a copy; nothing changes for the other outputs."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + JAX_ALIGN, dtype=np.uint8)
+    off = (-raw.ctypes.data) % JAX_ALIGN
+    return raw[off:off + nbytes].view(dtype).reshape(shape)
+
+
+def _tree_map(x: Any, fn: Any) -> Any:
+    """``fn`` on every leaf of nested dicts, lists and tuples (named tuples kept)."""
+    if isinstance(x, dict):
+        return {k: _tree_map(v, fn) for k, v in x.items()}
+    if isinstance(x, tuple):
+        items = [_tree_map(v, fn) for v in x]
+        return type(x)(*items) if hasattr(x, "_fields") else tuple(items)
+    if isinstance(x, list):
+        return [_tree_map(v, fn) for v in x]
+    return fn(x)
+
+
+def _check_jax_dtype(what: str, dtype: Any) -> None:
+    """Refuse 64-bit values while jax has 64-bit types off: jax would silently make them 32-bit, and
+    the batch would no longer equal the numpy output."""
+    import jax
+
+    dtype = np.dtype(dtype)
+    if dtype.itemsize == 8 and dtype.kind in "fiuc" and not jax.config.read("jax_enable_x64"):
+        name = repr(what) if what.isidentifier() else what
+        raise ValueError(f"output='jax': {name} is {dtype}, but jax has 64-bit types off and would turn it into "
+                         f"{dtype.kind}32; enable them (jax.config.update('jax_enable_x64', True)), leave the "
+                         "variable out (variables=[...]), or cast it in transform=")
+
+
+def _jax_device(device: Any) -> Any:
+    """The jax device of ``device=`` (None: jax's default device); a torch-style string is refused."""
+    try:
+        import jax
+    except ImportError:
+        raise RuntimeError("output='jax' needs jax: pip install 'xinsitu[jax]'") from None
+    if device is None:
+        return None  # jax.device_put(x, None): jax's default device (honours jax.default_device)
+    if isinstance(device, jax.Device):
+        return device
+    raise TypeError(f"device= for output='jax' takes a jax device (e.g. jax.devices('cpu')[0] or "
+                    f"jax.devices()[0]), got {device!r}")
 
 
 def _check_cupy() -> None:

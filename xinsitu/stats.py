@@ -29,7 +29,7 @@ import xarray as xr
 
 from xinsitu import _loop
 from xinsitu.cache import resolve_cache
-from xinsitu.channels import RESERVED, cf_decoder, channel_plan, decodes_to_itself
+from xinsitu.channels import RESERVED, cf_decoder, channel_plan, check_fold, decodes_to_itself, fold_dims
 from xinsitu.manifest import SplitManifest
 from xinsitu.plan import EpochPlan, epoch_plan
 from xinsitu.reader import Reader
@@ -234,11 +234,13 @@ class StatsPass:
     reader : the ``Reader`` to read through (default: a new one); its ``counters`` show the cost.
     cache : a chunk cache for the new reader, as ``cache=`` of ``ds.insitu.batches`` (e.g. the one the
         training epochs use next: the statistics pass fills it).
+    stack : dims to fold into channels in every variable, as ``stack=["level"]`` of ``batches``
+        (statistics per level, not pooled over levels).
     """
 
     def __init__(self, ds: xr.Dataset, manifest: SplitManifest, split: str, variables: list[str] | None = None,
                  *, block_chunks: int = 16, max_inflight: int | None = None, reader: Reader | None = None,
-                 cache: Any = None):
+                 cache: Any = None, stack: list[str] | None = None):
         # no window/patch/over: the samples are exactly the split's positions; the manifest, the variables
         # and the arguments are checked the way ds.insitu.batches checks them
         check_split(manifest, split)
@@ -259,7 +261,9 @@ class StatsPass:
         self.reader = reader if reader is not None else Reader(max_inflight, cache=resolve_cache(cache))
         self.decoders = {n: None if decodes_to_itself(lay.src) else cf_decoder(n, lay)
                          for n, lay in self.layouts.items()}
-        self.channels, self.extra = channel_plan(ds, self.layouts)
+        self.fold = () if stack is None or stack is False else fold_dims(stack)
+        check_fold(self.layouts, self.fold)
+        self.channels, self.extra = channel_plan(ds, self.layouts, self.fold)
         self.moments = {n: Moments(len(chs)) for n, chs in self.channels.items()}
         # per variable: the axes (in its dims) of its extra dims, which are channels, and their sizes
         self._channel_axes = {n: [lay.src.dims.index(d) for d in self.extra[n]] for n, lay in self.layouts.items()}
@@ -408,7 +412,8 @@ class StatsPass:
 
 
 def compute_stats(ds: xr.Dataset, manifest: SplitManifest, split: str, variables: list[str] | None = None, *,
-                  block_chunks: int = 16, max_inflight: int | None = None, cache: Any = None) -> dict[str, Any]:
+                  block_chunks: int = 16, max_inflight: int | None = None, cache: Any = None,
+                  stack: list[str] | None = None) -> dict[str, Any]:
     """Normalisation statistics of one split, from one streaming pass over its chunks.
 
     Parameters
@@ -421,6 +426,8 @@ def compute_stats(ds: xr.Dataset, manifest: SplitManifest, split: str, variables
     max_inflight : chunk reads in flight at once.
     cache : ``True``, ``"memory"``, a directory or an ``xinsitu.ChunkCache``: chunks it holds are not
         read again, and the chunks read are kept (pass the same ``ChunkCache`` to ``batches``).
+    stack : dims every variable has to make channels of, as ``stack=["level"]`` of ``batches``: then
+        each variable gets a list in label order (per-level mean/std), the channels the batches have.
 
     Returns
     -------
@@ -439,4 +446,4 @@ def compute_stats(ds: xr.Dataset, manifest: SplitManifest, split: str, variables
         dim. A channel with no value at all has ``None`` for mean/std/min/max.
     """
     return StatsPass(ds, manifest, split, variables, block_chunks=block_chunks, max_inflight=max_inflight,
-                     cache=cache).run()
+                     cache=cache, stack=stack).run()

@@ -37,9 +37,12 @@ AUTO_REMOTE = (4, 256)
 #: ... completions per window at least (a window is also at least half the limit)
 AUTO_WINDOW = 4
 #: ... a window's mean latency past this many times the quickest window's: halve the limit
-AUTO_INFLATED = 2.0
+AUTO_INFLATED = 3.0
 #: ... and within this many times it: grow the limit
-AUTO_HEALTHY = 1.3
+AUTO_HEALTHY = 1.6
+#: ... a window counts as the best (its limit a floor for halving) with this many times the most
+#: completions per second seen before
+AUTO_BETTER = 1.1
 _EMPTY = 2**64 - 1  # shard index entry of an inner chunk never written
 
 #: called with (values, out_sel): a chunk's values within a region and where they lie in it
@@ -132,7 +135,10 @@ class InflightLimit:
     requests. It starts at ``AUTO_REMOTE[0]`` and doubles per window while the latency stays near
     the quickest window seen (slow start), then grows by an eighth per window (additive
     increase); where the latency inflates past ``AUTO_INFLATED`` times the quickest window, or a
-    request fails or times out, it halves (multiplicative decrease), never below
+    request fails or times out, it halves (multiplicative decrease), never below half the limit
+    that gave the most completions per second (a store that only queues gains nothing from more
+    requests, so that is the bottom; a busy client, whose own cores inflate the latency it
+    measures, does not fall below what it had gained) nor below
     ``AUTO_REMOTE[0]`` -- so it is never much slower than a fixed small limit on a store that
     queues, and reaches the top for a far, healthy one (latency that does not grow with load).
     Little's law bounds it from above.
@@ -148,6 +154,9 @@ class InflightLimit:
         self.history: list[tuple[int, float]] = []  # (limit, mean latency) at each window's end (remote)
         self._base: float | None = None  # quickest window's mean latency (remote)
         self._slow_start = True
+        self._best_rate = 0.0  # most completions per second of a window so far (remote)
+        self._best_limit = AUTO_REMOTE[0]  # ... and the limit it had (halving stops at half of it)
+        self._t0 = 0.0  # when this window's first request went out
         self._n = 0  # completions in this window
         self._sum = 0.0  # their latencies
         self._waiting: dict[Any, float] = {}  # task -> when its request went out, until its bytes came
@@ -198,18 +207,23 @@ class InflightLimit:
             if target > self.limit or target < 0.75 * self.limit:  # shrink only on a clear change
                 self._resize(target)
             return
+        now = time.perf_counter()
+        if self._n == 0:
+            self._t0 = now - latency_s  # the window opens with its first request
         self._n += 1
         self._sum += latency_s
         if self._n < max(AUTO_WINDOW, self.limit // 2):
             return
         # a window's requests that are still waiting count too: the ones a store queues (or a
         # dropped connection delays) come back last, after quicker ones have filled the window
-        now = time.perf_counter()
         oldest = now - min(self._waiting.values()) if self._waiting else 0.0
         mean = max(self._sum / self._n, oldest)
+        rate = self._n / max(now - self._t0, 1e-6)
         self._n, self._sum = 0, 0.0
         self.history.append((self.limit, mean))
         base = self._base = mean if self._base is None else min(self._base, mean)
+        if rate > AUTO_BETTER * self._best_rate:  # more requests bought more throughput
+            self._best_rate, self._best_limit = rate, self.limit
         if mean > AUTO_INFLATED * base:  # the store queues: fewer requests finish no later
             self._decrease()
         elif mean <= AUTO_HEALTHY * base:  # no queueing seen: more requests, more throughput
@@ -223,8 +237,10 @@ class InflightLimit:
             self._decrease()
 
     def _decrease(self) -> None:
+        # never far below the limit of the best window: a burst of slow answers (this machine busy)
+        # halves it once or twice, not down to the bottom
         self._slow_start = False
-        self._resize(max(AUTO_REMOTE[0], self.limit // 2))
+        self._resize(max(AUTO_REMOTE[0], self._best_limit // 2, self.limit // 2))
 
     def _resize(self, n: int) -> None:
         grow, self.limit = n - self.limit, n

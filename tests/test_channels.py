@@ -133,6 +133,19 @@ def test_dataarray_output(levels_ds):
         np.testing.assert_array_equal(batch.time.values, ref.time.values)  # sample coords kept
 
 
+def test_xarray_output_with_stack_is_the_labeled_stacked_array(levels_ds):
+    """output="xarray", stack=True: the same labeled ``(sample, variable, ...)`` DataArray as "dataarray"."""
+    ds = levels_ds[["t2m", "tp"]]
+    m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    kw = dict(batch_size=7, seed=2, shuffle=False)
+    got = list(ds.insitu.batches(m, "train", output="xarray", stack=True, **kw))
+    ref = list(ds.insitu.batches(m, "train", output="dataarray", **kw))
+    assert len(got) == len(ref) > 0
+    for a, b in zip(got, ref, strict=True):
+        assert isinstance(a, xr.DataArray)
+        xr.testing.assert_identical(a, b)
+
+
 @pytest.mark.parametrize("variables", [["t2m", "tp", "z"], ["t2m", "tp"]], ids=["z-levels", "level-coord-only"])
 def test_dataarray_output_with_extra_dim(levels_ds, variables):
     ds = levels_ds

@@ -208,7 +208,7 @@ class OutputBuilder:
             c = self.sample_coords(starts)
             data = {n: xr.Variable(self.dims_of(n), a, attrs=self.attrs[n]) for n, a in values.items()}
             return xr.Dataset(data, coords=c.coords, attrs=self.ds_attrs)
-        if self.output == "dataarray":
+        if self.output in ("dataarray", "xarray"):  # xarray with stack=: the labeled stacked array
             c = self.sample_coords(starts)
             arr = self.stacked(values)
             dims = ("sample", "variable", *self.base_dims)

@@ -1026,3 +1026,21 @@ def test_virtual_attribute_after_plain_import():
     r = subprocess.run([sys.executable, "-c", "import xinsitu; xinsitu.virtual.open_netcdf; xinsitu.virtual.open_grib"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-500:]
+
+
+def test_state_other_channel_order_names_both(ds3):
+    m = ds3.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    g = ds3.insitu.batches(m, "train", batch_size=4, variables=["t2m", "tp"])
+    next(iter(g))
+    state = g.state_dict()
+    g2 = ds3.insitu.batches(m, "train", batch_size=4, variables=["tp", "t2m"])
+    with pytest.raises(ValueError) as ei:
+        g2.load_state_dict(state)
+    msg = str(ei.value)
+    assert "t2m" in msg and "tp" in msg
+
+
+def test_stats_stack_level_keyword(ds3):
+    params = inspect.signature(_accessor_cls().stats).parameters
+    if "stack" not in params:
+        pytest.xfail("SPEC §4: ds.insitu.stats(m, split, stack=['level']) has no stack keyword")

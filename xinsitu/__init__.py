@@ -16,3 +16,13 @@ from xinsitu.store import open_zarr
 __version__ = "0.1.0"
 __all__ = ["BatchGenerator", "ChunkCache", "ChunkReadError", "Geometry", "InsituDataset", "SourceError",
            "SplitManifest", "VarGeometry", "open_zarr", "__version__"]
+
+
+def __getattr__(name: str) -> object:
+    # ``xinsitu.virtual.open_netcdf(...)`` after a plain ``import xinsitu``, without importing
+    # VirtualiZarr (and the NetCDF/GRIB stack) at ``import xinsitu``
+    if name == "virtual":
+        import importlib
+
+        return importlib.import_module("xinsitu.virtual")
+    raise AttributeError(f"module 'xinsitu' has no attribute {name!r}")

@@ -608,9 +608,10 @@ def encode_mask(mask: np.ndarray) -> dict[str, Any]:
 
 def decode_mask(record: dict[str, Any], what: str = "validity") -> np.ndarray:
     """The bool mask of an ``encode_mask`` record; ``ValueError`` naming ``what`` if it is damaged."""
-    n = record.get("n")
-    if not _is_int(n) or n < 0:
-        raise ValueError(f"{what}: 'n' must be a non-negative integer, got {n!r}")
+    got = record.get("n")
+    if not _is_int(got) or got < 0:
+        raise ValueError(f"{what}: 'n' must be a non-negative integer, got {got!r}")
+    n = int(got)
     try:
         raw = zlib.decompress(base64.b64decode(record["bitmap"], validate=True))
     except (KeyError, TypeError, ValueError, zlib.error) as e:

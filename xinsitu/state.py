@@ -54,7 +54,8 @@ def make_state(gen: Any, epoch: int, batch: int) -> dict[str, Any]:
             "world_size": gen.world_size, "rank": gen.rank, "sampling": _sampling(gen),
             "normalize": _normalize_id(gen),
             # the validity mask's digest (None: every sample): another mask is another sample space
-            "valid": getattr(gen.space, "valid_digest", None), "channels": list(gen.channels), "elastic": _hops(gen, epoch)}
+            "valid": getattr(gen.space, "valid_digest", None), "channels": list(gen.channels),
+            "elastic": _hops(gen, epoch)}
 
 
 def _hops(gen: Any, epoch: int) -> list[list[int]]:

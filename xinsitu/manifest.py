@@ -608,7 +608,7 @@ def encode_mask(mask: np.ndarray) -> dict[str, Any]:
 
 def decode_mask(record: dict[str, Any], what: str = "validity") -> np.ndarray:
     """The bool mask of an ``encode_mask`` record; ``ValueError`` naming ``what`` if it is damaged."""
-    got = record.get("n")
+    got: Any = record.get("n")
     if not _is_int(got) or got < 0:
         raise ValueError(f"{what}: 'n' must be a non-negative integer, got {got!r}")
     n = int(got)

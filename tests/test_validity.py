@@ -319,3 +319,17 @@ def test_masked_space_properties(chunks: list[int], width: int, free: int, data:
         assert sp.n_samples - len(allids) < world * bs
     with pytest.raises(ValueError, match="mask"):
         SampleSpace(dims, {"t": edges}, blocks, valid=np.ones(n + 1, bool))
+
+
+def test_pass_in_many_batches(ds: xr.Dataset, m: xinsitu.SplitManifest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large samples are tested in smaller batches of the pass: the same mask."""
+    import xinsitu.validity as validity
+
+    kw = {"window": {"time": 2}, "over": "lat"}
+    ds.insitu.validity(m, "train", variables=["x"], **kw)
+    whole = decode_mask(m.validity["train"])
+    monkeypatch.setattr(validity, "PASS_BYTES", 3 * 2 * NLON * 4)  # three samples per batch of the pass
+    assert validity._pass_batch(ds, m, "train", variables=["x"], **kw) == 3
+    ds.insitu.validity(m, "train", variables=["x"], **kw)
+    assert np.array_equal(decode_mask(m.validity["train"]), whole)
+    assert np.array_equal(whole, oracle_mask(ds, m, "train", ["x"], **kw))

@@ -22,10 +22,21 @@ import xarray as xr
 from xinsitu.cache import ChunkCache
 from xinsitu.loader import BatchGenerator
 from xinsitu.manifest import SplitManifest, encode_mask
-from xinsitu.sampling import check_split, positive_int, sampling_key
+from xinsitu.sampling import check_split, positive_int, sampling, sampling_key
 
-#: samples tested at once (one batch of the pass): bounds the memory of a test, not of the read
+#: samples tested at once (one batch of the pass) at most, and the bytes such a batch may hold:
+#: a batch of large patches is cut smaller, so the pass stays within a few buffers' memory
 PASS_BATCH = 4096
+PASS_BYTES = 64 * 2**20
+
+
+def _pass_batch(ds: xr.Dataset, manifest: SplitManifest, split: str, **kw: Any) -> int:
+    """Samples per batch of the pass: ``PASS_BATCH``, fewer where samples are large."""
+    sp = sampling(ds, manifest, split, **kw)
+    width = {d.name: d.width for d in sp.space.dims}
+    nbytes = sum(int(np.prod([width.get(d, n) for d, n in zip(src.dims, src.shape, strict=True)]))
+                 * src.dtype.itemsize for src in sp.sources.values())
+    return max(1, min(PASS_BATCH, PASS_BYTES // max(nbytes, 1)))
 
 
 def _finite(batch: dict[str, np.ndarray], n: int) -> np.ndarray:
@@ -70,7 +81,9 @@ def compute_validity(ds: xr.Dataset, manifest: SplitManifest, split: str, where:
     # the pass sees every sample: a mask already there must not hide any
     plain = copy.copy(manifest)
     plain.validity = {k: v for k, v in manifest.validity.items() if k != split}
-    gen = BatchGenerator(ds, plain, split, batch_size=PASS_BATCH, shuffle=False, window=window, patch=patch,
+    size = _pass_batch(ds, plain, split, window=window, patch=patch, stride=stride, over=over, variables=variables,
+                       stacklevel=4)
+    gen = BatchGenerator(ds, plain, split, batch_size=size, shuffle=False, window=window, patch=patch,
                          stride=stride, over=over, variables=variables, output=output,
                          block_chunks=block_chunks, max_inflight=max_inflight, rank=0, world_size=1,
                          cache=cache)
@@ -79,7 +92,7 @@ def compute_validity(ds: xr.Dataset, manifest: SplitManifest, split: str, where:
     mask = np.zeros(total, dtype=bool)
     pos = 0
     for batch in gen:  # unshuffled, one rank: global ids 0, 1, 2, ... in order
-        n = min(PASS_BATCH, total - pos)
+        n = min(size, total - pos)
         mask[pos:pos + n] = _finite(batch, n) if output == "numpy" else _predicate(where, batch, n)
         pos += n
     if pos != total:  # the generator yields every sample of an unshuffled one-rank epoch

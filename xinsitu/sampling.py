@@ -321,6 +321,10 @@ class Sampling:
 
     def check_not_empty(self) -> None:
         """Refuse a split that holds no sample of this shape: an empty epoch looks like a finished one."""
+        if self.space.n_samples == 0 and self.space.valid is not None:
+            raise ValueError(f"split {self.split!r} holds no valid sample: its validity mask (ds.insitu.validity) "
+                             f"marks none of its {self.space.valid.size} samples valid; check `where` and "
+                             "`variables`, or remove the mask with m.set_validity(split, None)")
         if self.space.n_samples == 0:
             wide = {d.name: d.width for d in self.space.dims if d.width > 1}
             raise ValueError(f"split {self.split!r} holds no sample of this shape ({wide or 'one position'}): "

@@ -209,6 +209,50 @@ class InsituAccessor:
         manifest.set_stats(st)
         return st
 
+    def validity(self, manifest: SplitManifest, split: str, where: str | Callable[[xr.Dataset], Any] = "finite",
+                 variables: str | list[str] | None = None, *, window: dict[str, int] | None = None,
+                 patch: dict[str, int] | None = None, stride: dict[str, int] | None = None,
+                 over: str | list[str] | None = None, block_chunks: int = 16, max_inflight: int | None = None,
+                 cache: bool | str | os.PathLike[str] | ChunkCache | None = None) -> dict[str, Any]:
+        """Mark which samples of ``split`` are valid, from one streaming pass; batches then draw only those.
+
+        The samples are read once, unshuffled, through the batches' own reader (each chunk once,
+        memory bounded by ``block_chunks``). The mask -- a bitmap, compressed, JSON-able -- is stored
+        as ``manifest.validity[split]`` with the sampling options it was made for, and saved by
+        ``manifest.to_json``. ``batches``/``dataset`` of that split with the same ``window``,
+        ``patch``, ``stride`` and ``over`` then hold only valid samples (exactly once, shuffled,
+        equal batch counts across ranks, resumable); other options raise ``ValueError``.
+        ``manifest.set_validity(split, None)`` removes the mask.
+
+        Parameters
+        ----------
+        manifest : SplitManifest
+            From :meth:`split`; the mask is stored in it.
+        split : str
+            The split whose samples are tested.
+        where : "finite" or callable, default "finite"
+            ``"finite"``: a sample is valid when no value of the chosen variables in it (every
+            position of its window/patch and other dims) is NaN or infinite. A callable gets a batch
+            of samples (an ``xr.Dataset`` with a ``sample`` dim, as ``output="xarray"`` gives) and
+            returns one bool per sample.
+        variables : str or list of str, optional
+            Variables tested (default: the data variables on the split dims). Batches may read others.
+        window, patch, stride, over : optional
+            The sampling, as for :meth:`batches`.
+        block_chunks, max_inflight, cache : optional
+            As for :meth:`batches`.
+
+        Returns
+        -------
+        dict
+            ``{"split", "valid", "total", "where", "sampling"}``: how many samples are valid of how many.
+        """
+        from xinsitu.validity import compute_validity
+
+        return compute_validity(self._ds, manifest, split, where, variables, window=window, patch=patch,
+                                stride=stride, over=over, block_chunks=block_chunks, max_inflight=max_inflight,
+                                cache=cache)
+
     def dataset(self, manifest: SplitManifest, split: str, *, window: dict[str, int] | None = None,
                 patch: dict[str, int] | None = None, stride: dict[str, int] | None = None,
                 over: str | list[str] | None = None, variables: str | list[str] | None = None,

@@ -113,7 +113,7 @@ class BatchGenerator:
         self.missing = missing
         self.cache = resolve_cache(cache)
         sampled = sampling(ds, manifest, split, window=window, patch=patch, stride=stride, over=over,
-                           variables=variables, stacklevel=3)
+                           variables=variables, stacklevel=3, valid_only=True)
         self.sampling = sampled
         self.sources, self.geometry, self.space, self.layouts = (sampled.sources, sampled.geometry, sampled.space,
                                                                  sampled.layouts)

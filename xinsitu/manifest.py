@@ -280,6 +280,8 @@ class SplitManifest:
     stats: dict[str, Any] | None = None
     version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
+    #: split name -> valid-sample mask record (``ds.insitu.validity``; see ``encode_mask``)
+    validity: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         edges = {}
@@ -300,7 +302,7 @@ class SplitManifest:
                 and list(self.splits) == list(other.splits)
                 and all(self.splits[k] == other.splits[k] for k in self.splits))
         rest = ("dims", "sizes", "labels", "seed", "gap", "contiguous", "method", "fingerprint", "snapshot",
-                "stats", "version", "extra")
+                "stats", "version", "extra", "validity")
         return same and all(getattr(self, k) == getattr(other, k) for k in rest)
 
     __hash__ = None  # type: ignore[assignment]
@@ -334,6 +336,17 @@ class SplitManifest:
         if stats is not None and not isinstance(stats, dict):
             raise TypeError(f"stats must be a dict from ds.insitu.stats (or None), got {type(stats).__name__}")
         self.stats = stats
+
+    def set_validity(self, split: str, record: dict[str, Any] | None) -> None:
+        """Record the valid-sample mask of ``split`` (an ``encode_mask`` record, which
+        ``ds.insitu.validity`` makes); ``to_json`` saves it. None removes it."""
+        if split not in self.splits:
+            raise ValueError(f"unknown split {split!r}; this manifest has {list(self.splits)}")
+        if record is None:
+            self.validity.pop(split, None)
+            return
+        check_mask_record(record, f"validity of split {split!r}")
+        self.validity[split] = record
 
     # -- checks
     def check_labels(self, first_last: dict[str, list[Any]]) -> None:
@@ -383,7 +396,7 @@ class SplitManifest:
             "splits": splits, **out, "labels": self.labels,
             "seed": self.seed, "gap": self.gap, "contiguous": self.contiguous, "method": self.method,
             "fingerprint": self.fingerprint, "snapshot": self.snapshot, "stats": self.stats,
-            "extra": self.extra,
+            "extra": self.extra, **({"validity": self.validity} if self.validity else {}),
         }
 
     def to_json(self, path: str | os.PathLike | None = None) -> str:
@@ -549,6 +562,12 @@ def _validated_fields(d: dict[str, Any], version: int) -> dict[str, Any]:
         if key in d:
             need(ok(d[key]), f"{key!r} has a wrong type or value: {d[key]!r}")
             out[key] = d[key]
+    validity = d.get("validity", {})
+    need(isinstance(validity, dict) and all(k in splits for k in validity),
+         f"'validity' must be a dict of split name -> mask, for splits of {list(splits)}")
+    for k, rec in validity.items():
+        check_mask_record(rec, f"manifest validity of split {k!r}")
+    out["validity"] = dict(validity)
     coords = out.get("extra", {}).get("coords", {})
     need(isinstance(coords, dict), "'extra.coords' must be a dict of dim -> [first, last]")
     return out
@@ -570,3 +589,51 @@ def _check_disjoint(splits: dict[str, Blocks]) -> None:
         if a == b:
             raise ValueError(f"manifest split {a!r} holds chunk block {block} twice")
         raise ValueError(f"manifest splits {a!r} and {b!r} overlap (both hold chunk block {block})")
+
+
+# ----------------------------------------------------------------------------- valid-sample masks
+#: the sampling options a mask was made for (compared with a generator's before the mask is used)
+MASK_SAMPLING = ("window", "patch", "stride", "over")
+
+
+def encode_mask(mask: np.ndarray) -> dict[str, Any]:
+    """A bool mask over a split's samples as JSON-able fields: its length, how many are valid,
+    a digest and the bitmap (``np.packbits``, zlib, base64): 10^7 samples take ~1.3 MB at worst
+    and far less for the runs that ocean tiles or NaN stretches make."""
+    mask = np.asarray(mask, dtype=bool).ravel()
+    raw = np.packbits(mask).tobytes()
+    return {"n": int(mask.size), "valid": int(mask.sum()), "digest": hashlib.sha256(raw).hexdigest()[:16],
+            "bitmap": base64.b64encode(zlib.compress(raw, 6)).decode("ascii")}
+
+
+def decode_mask(record: dict[str, Any], what: str = "validity") -> np.ndarray:
+    """The bool mask of an ``encode_mask`` record; ``ValueError`` naming ``what`` if it is damaged."""
+    got: Any = record.get("n")
+    if not _is_int(got) or got < 0:
+        raise ValueError(f"{what}: 'n' must be a non-negative integer, got {got!r}")
+    n = int(got)
+    try:
+        raw = zlib.decompress(base64.b64decode(record["bitmap"], validate=True))
+    except (KeyError, TypeError, ValueError, zlib.error) as e:
+        raise ValueError(f"{what}: 'bitmap' is not a base64 zlib bitmap ({e})") from None
+    if len(raw) != (n + 7) // 8:
+        raise ValueError(f"{what}: the bitmap holds {8 * len(raw)} bits, not the {n} samples it claims "
+                         f"(wrong length: made for another split or sampling?)")
+    mask = np.unpackbits(np.frombuffer(raw, np.uint8), count=n).astype(bool)
+    if record.get("valid") != int(mask.sum()):
+        raise ValueError(f"{what}: 'valid' ({record.get('valid')!r}) does not match the bitmap ({int(mask.sum())})")
+    if record.get("digest") != hashlib.sha256(raw).hexdigest()[:16]:
+        raise ValueError(f"{what}: 'digest' does not match the bitmap (the file was edited or damaged)")
+    return mask
+
+
+def check_mask_record(record: Any, what: str) -> None:
+    """Validate a mask record (fields, types, bitmap length): ``ValueError`` naming ``what``."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{what} must be a dict (an encode_mask record), got {type(record).__name__}")
+    sampling = record.get("sampling")
+    if not isinstance(sampling, dict) or set(sampling) != set(MASK_SAMPLING):
+        raise ValueError(f"{what}: 'sampling' must give {list(MASK_SAMPLING)}, got {sampling!r}")
+    if not isinstance(record.get("where"), str):
+        raise ValueError(f"{what}: 'where' must be a str, got {record.get('where')!r}")
+    decode_mask(record, what)

@@ -22,7 +22,7 @@ import numpy as np
 import xarray as xr
 
 from xinsitu.geometry import Geometry, geometry_of
-from xinsitu.manifest import SplitManifest, coord_span
+from xinsitu.manifest import MASK_SAMPLING, SplitManifest, coord_span, decode_mask
 from xinsitu.snapshot import snapshot_of_sources
 from xinsitu.source import VarSource, resolve
 
@@ -121,9 +121,15 @@ class SampleSpace:
     dims : sampled dims, split dims first (in the manifest's order)
     edges : per split dim, the chunk-block edges (len = blocks + 1)
     blocks : flat block ids of the split (C order over the split dims), in split order
+    valid : optional bool mask over the split's samples (``ds.insitu.validity``): the space then
+        holds only the valid ones. ``counts``, ``offsets``, ``locate`` and ``unit_starts`` all
+        speak of valid samples (a unit's local index k is its k-th valid sample), so plans,
+        buffers and the map-style dataset need no change to draw valid samples only.
+    valid_digest : the mask's digest (part of a generator state)
     """
 
-    def __init__(self, dims: list[SampleDim], edges: dict[str, np.ndarray], blocks: np.ndarray):
+    def __init__(self, dims: list[SampleDim], edges: dict[str, np.ndarray], blocks: np.ndarray,
+                 valid: np.ndarray | None = None, valid_digest: str | None = None):
         self.dims = list(dims)
         self.split_dims = [d for d in self.dims if d.split]
         self.free_dims = [d for d in self.dims if not d.split]
@@ -134,6 +140,11 @@ class SampleSpace:
         self.blocks = np.asarray(blocks, dtype=np.int64)
         self._free_starts = [d.starts() for d in self.free_dims]
         self._free_n = int(np.prod([len(s) for s in self._free_starts])) if self.free_dims else 1
+        self.valid = None if valid is None else np.asarray(valid, dtype=bool).ravel()
+        self.valid_digest = valid_digest
+        if self.valid is not None and self.valid.size != int(self.all_offsets[-1]):
+            raise ValueError(f"validity mask holds {self.valid.size} samples, the split has "
+                             f"{int(self.all_offsets[-1])} of this shape: it was made for other samples")
 
     @cached_property
     def _cs(self) -> np.ndarray:
@@ -189,7 +200,15 @@ class SampleSpace:
         return np.stack([m[ok] for m in mesh], axis=1) if mesh else np.zeros((1, 0), np.int64)
 
     def unit_starts(self, unit: int) -> np.ndarray:
-        """Start of every sample of ``unit`` along every sampled dim, shape (n, len(dims))."""
+        """Start of every (valid) sample of ``unit`` along every sampled dim, shape (n, len(dims))."""
+        st = self.all_unit_starts(unit)
+        if self.valid is None:
+            return st
+        a, b = self.all_offsets[unit], self.all_offsets[unit + 1]
+        return st[self.valid[a:b]]
+
+    def all_unit_starts(self, unit: int) -> np.ndarray:
+        """Start of every sample of ``unit``, valid or not (the mask's numbering)."""
         sp = self.split_starts(unit)
         if not self.free_dims:
             return sp
@@ -199,7 +218,23 @@ class SampleSpace:
     # ------------------------------------------------------------------ counts
     @cached_property
     def counts(self) -> np.ndarray:
-        """Samples per unit (int64, in split order)."""
+        """Samples per unit (int64, in split order): valid samples where a mask is set."""
+        if self.valid is None:
+            return self.all_counts
+        # valid samples before each unit's first sample: one cumsum, no loop over units
+        before = np.concatenate([[0], np.cumsum(self.valid, dtype=np.int64)])[self.all_offsets]
+        return np.diff(before).astype(np.int64)
+
+    @cached_property
+    def all_offsets(self) -> np.ndarray:
+        """Global id of each unit's first sample, valid or not (the mask's numbering)."""
+        if self.valid is None and "offsets" in self.__dict__:
+            return self.offsets
+        return np.concatenate([[0], np.cumsum(self.all_counts)]).astype(np.int64)
+
+    @cached_property
+    def all_counts(self) -> np.ndarray:
+        """Samples per unit, valid or not (int64, in split order)."""
         if len(self.split_dims) == 1 and self.split_dims[0].width == 1 and self.split_dims[0].stride == 1:
             sizes = np.diff(self.edges[0])[self.blocks]  # every position of a block is a sample
         elif len(self.split_dims) == 1:
@@ -286,6 +321,10 @@ class Sampling:
 
     def check_not_empty(self) -> None:
         """Refuse a split that holds no sample of this shape: an empty epoch looks like a finished one."""
+        if self.space.n_samples == 0 and self.space.valid is not None:
+            raise ValueError(f"split {self.split!r} holds no valid sample: its validity mask (ds.insitu.validity) "
+                             f"marks none of its {self.space.valid.size} samples valid; check `where` and "
+                             "`variables`, or remove the mask with m.set_validity(split, None)")
         if self.space.n_samples == 0:
             wide = {d.name: d.width for d in self.space.dims if d.width > 1}
             raise ValueError(f"split {self.split!r} holds no sample of this shape ({wide or 'one position'}): "
@@ -304,11 +343,14 @@ def check_split(manifest: Any, split: Any) -> None:
 
 
 def sampling(ds: xr.Dataset, manifest: SplitManifest, split: str, *, window: Any = None, patch: Any = None,
-             stride: Any = None, over: Any = None, variables: Any = None, stacklevel: int = 2) -> Sampling:
+             stride: Any = None, over: Any = None, variables: Any = None, stacklevel: int = 2,
+             valid_only: bool = False) -> Sampling:
     """Check ``manifest`` against ``ds`` and the sampling options; the samples of ``split``.
 
     ``variables`` defaults to the data variables on the split dim(s). A manifest made on another
-    snapshot of the data warns (at ``stacklevel`` above the caller).
+    snapshot of the data warns (at ``stacklevel`` above the caller). ``valid_only``: where the
+    manifest holds a validity mask for ``split`` (``ds.insitu.validity``), the space holds only
+    its valid samples; a mask made with other sampling options raises ``ValueError``.
     """
     check_split(manifest, split)
     names = variable_names(variables, ds)
@@ -318,9 +360,38 @@ def sampling(ds: xr.Dataset, manifest: SplitManifest, split: str, *, window: Any
     geometry = geometry_of(sources)
     _check_manifest(ds, manifest, geometry, sources, stacklevel + 1)
     space = _sample_space(manifest, split, geometry, window, patch, stride, over)
+    if valid_only and split in manifest.validity:
+        space = _masked(space, manifest, split, sampling_key(window, patch, stride, over, geometry.sizes))
     space.offsets  # noqa: B018 (samples per unit and their offsets: made once, for len, plans and sample)
     layouts = {n: VarLayout.build(s, space) for n, s in sources.items()}
     return Sampling(split, sources, geometry, space, layouts)
+
+
+def sampling_key(window: Any, patch: Any, stride: Any, over: Any, sizes: dict[str, int]) -> dict[str, Any]:
+    """The sampling options in one spelling (what a validity mask records and is compared by):
+    a patch's stride defaults to the patch, ``over`` is a list."""
+    window, patch, stride = (dim_map("window", window, sizes), dim_map("patch", patch, sizes),
+                             dim_map("stride", stride, sizes))
+    return {"window": dict(sorted(window.items())), "patch": dict(sorted(patch.items())),
+            "stride": {d: stride.get(d, patch[d]) for d in sorted(patch)},
+            "over": [over] if isinstance(over, str) else list(over or [])}
+
+
+def _masked(space: SampleSpace, manifest: SplitManifest, split: str, key: dict[str, Any]) -> SampleSpace:
+    """``space`` restricted to the valid samples of ``manifest.validity[split]``."""
+    rec = manifest.validity[split]
+    made = rec["sampling"]
+    diff = [f"{k} (mask made with {made[k]!r}, here {key[k]!r})" for k in MASK_SAMPLING if made[k] != key[k]]
+    if diff:
+        raise ValueError(f"the validity mask of split {split!r} was made for other samples: " + ", ".join(diff)
+                         + "; run ds.insitu.validity again with these options (or m.set_validity(split, None))")
+    mask = decode_mask(rec, f"validity of split {split!r}")
+    if mask.size != space.n_samples:
+        raise ValueError(f"the validity mask of split {split!r} holds {mask.size} samples, the split has "
+                         f"{space.n_samples} of this shape (other variables or another dataset?); "
+                         "run ds.insitu.validity again")
+    return SampleSpace(space.dims, {d.name: e for d, e in zip(space.split_dims, space.edges, strict=True)},
+                       space.blocks, valid=mask, valid_digest=rec["digest"])
 
 
 def _check_manifest(ds: xr.Dataset, m: SplitManifest, g: Geometry, sources: dict[str, VarSource],

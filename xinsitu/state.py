@@ -21,7 +21,7 @@ STATE_VERSION = 1
 
 # what must match for the saved position to mean the same batches
 _DEFINING = ("split", "manifest", "seed", "batch_size", "shuffle", "block_chunks", "drop_last",
-             "world_size", "rank", "sampling", "normalize")
+             "world_size", "rank", "sampling", "normalize", "valid")
 
 
 def _sampling(gen: Any) -> str:
@@ -52,7 +52,10 @@ def make_state(gen: Any, epoch: int, batch: int) -> dict[str, Any]:
             "manifest": _manifest_id(gen), "seed": gen.seed, "batch_size": gen.batch_size,
             "shuffle": gen.shuffle, "block_chunks": gen.block_chunks, "drop_last": gen.drop_last,
             "world_size": gen.world_size, "rank": gen.rank, "sampling": _sampling(gen),
-            "normalize": _normalize_id(gen), "channels": list(gen.channels), "elastic": _hops(gen, epoch)}
+            "normalize": _normalize_id(gen),
+            # the validity mask's digest (None: every sample): another mask is another sample space
+            "valid": getattr(gen.space, "valid_digest", None), "channels": list(gen.channels),
+            "elastic": _hops(gen, epoch)}
 
 
 def _hops(gen: Any, epoch: int) -> list[list[int]]:

@@ -245,13 +245,15 @@ def test_damaged_metadata_is_fetched_again_then_named(archive):
     time raises naming the key, not a bare ``JSONDecodeError``."""
     import pickle
 
-    with FileServer(Path(archive).parent, Faults(flip=1.0, pattern=r"zarr\.json$", max_per_key=2)) as srv:
+    # half the body (never valid JSON): a flipped bit can leave valid JSON with another value, which
+    # no reader can tell from the real one without a checksum (where the bit falls depends on the path)
+    with FileServer(Path(archive).parent, Faults(short=1.0, pattern=r"zarr\.json$", max_per_key=2)) as srv:
         ds = xinsitu.open_zarr(f"{srv.url}/era5.zarr")
-        assert srv.counts["flip"] == 2, srv.counts
+        assert srv.counts["short"] == 2, srv.counts
         local = xinsitu.open_zarr(archive)
         assert list(ds.data_vars) == list(local.data_vars)
         assert np.array_equal(pickle.loads(pickle.dumps(ds)).t2m[:4].values, local.t2m[:4].values)
-        srv.faults = Faults(flip=1.0, pattern=r"/era5\.zarr/zarr\.json$", max_per_key=None)
+        srv.faults = Faults(short=1.0, pattern=r"/era5\.zarr/zarr\.json$", max_per_key=None)
         with pytest.raises(ValueError, match=r"metadata object 'zarr.json' is not valid JSON, 3 fetches"):
             xinsitu.open_zarr(f"{srv.url}/era5.zarr")
 

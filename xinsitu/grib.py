@@ -28,17 +28,16 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from xinsitu.virtual import (
+from xinsitu.backend import VirtualReferenceError, _where
+from xinsitu.references import (
     INLINE_SCHEME,
     PARSE_THREADS,
-    VirtualReferenceError,
     _as_urls,
     _check_decodable,
     _inline_array,
     _InlineStore,
     _jsonable,
     _registry_for,
-    _where,
 )
 
 #: Packings gribberish 0.30 decodes to exactly ecCodes' values, by edition (measured; see the module doc).

@@ -14,7 +14,8 @@ with their own units) are read once, decoded, joined, encoded again and kept inl
 memory, a few bytes per step); the data variables stay in the files.
 
 :class:`xinsitu.backend.ManifestBackend` (I/O, so it lives there) is how xinsitu fetches the
-chunks of such a store: byte ranges of the original files straight through obstore; on object storage the ranges of one file asked
+chunks of such a store: byte ranges of the original files straight
+through obstore; on object storage the ranges of one file asked
 for in the same turn of the event loop go out as one ``get_ranges`` request (obstore merges
 ranges that lie close together), local files are read one range at a time so that reads
 and decodes overlap, and in a forked process (where obstore would hang) with plain file

@@ -38,6 +38,8 @@ from xinsitu.references import (
     _InlineStore,
     _jsonable,
     _registry_for,
+    read_only_bytes_codec,
+    register_codec_class,
 )
 
 #: Packings gribberish 0.30 decodes to exactly ecCodes' values, by edition (measured; see the module doc).
@@ -103,12 +105,10 @@ def decode_message(raw: bytes, shape: tuple[int, ...], missing_value: float | No
 
 
 def _register_codec() -> type:
-    from zarr.abc.codec import ArrayBytesCodec
     from zarr.core.common import parse_named_configuration
-    from zarr.registry import register_codec
 
     @dataclass(frozen=True)
-    class GribCodec(ArrayBytesCodec):
+    class GribCodec(read_only_bytes_codec()):  # type: ignore[misc]
         """Read-only zarr v3 codec: the bytes of one GRIB message -> its field (see :func:`decode_message`).
 
         ``decoder`` is ``"gribberish"`` or ``"eccodes"``; ``missing_value`` the message's
@@ -118,6 +118,7 @@ def _register_codec() -> type:
         decoder: str = "eccodes"
         missing_value: float | None = None
         is_fixed_size = False
+        read_as = "GRIB messages"
 
         @classmethod
         def from_dict(cls, data: dict[str, Any]) -> GribCodec:
@@ -132,21 +133,10 @@ def _register_codec() -> type:
             dtype = chunk_spec.dtype.to_native_dtype()
             return chunk_spec.prototype.nd_buffer.from_ndarray_like(out.astype(dtype, copy=False))
 
-        async def _decode_single(self, chunk_bytes: Any, chunk_spec: Any) -> Any:
-            import asyncio
-
-            return await asyncio.to_thread(self._decode_sync, chunk_bytes, chunk_spec)
-
-        async def _encode_single(self, chunk_array: Any, chunk_spec: Any) -> Any:
-            raise NotImplementedError("GRIB messages are read in place, never written")
-
         def compute_encoded_size(self, input_byte_length: int, chunk_spec: Any) -> int:
             raise NotImplementedError
 
-    GribCodec.__module__ = __name__
-    GribCodec.__qualname__ = "GribCodec"
-    register_codec(CODEC_NAME, GribCodec)
-    return GribCodec
+    return register_codec_class(GribCodec, CODEC_NAME, __name__)
 
 
 try:  # zarr is a dependency; the class is built lazily only so that this module imports fast

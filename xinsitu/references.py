@@ -11,6 +11,8 @@ lives in :mod:`xinsitu.backend`.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import glob
 import os
 import warnings
@@ -176,3 +178,40 @@ def _check_decodable(store: Any, first_url: str) -> None:
         except Exception as e:  # noqa: BLE001
             raise VirtualReferenceError(f"variable {name!r} (from {_where(first_url)}) cannot be read in "
                                         f"place: zarr cannot build its codecs ({type(e).__name__}: {e})") from None
+
+
+# ----------------------------------------------------------------------------- read-only codecs
+@functools.cache
+def read_only_bytes_codec() -> type:
+    """The base of the zarr v3 array -> bytes codecs that decode a file's bytes in their own format.
+
+    A subclass gives ``_decode_sync(chunk_bytes, chunk_spec)`` and ``read_as`` (what the bytes
+    are, for the message raised on writing). Built on first use: zarr imports only then.
+    """
+    from zarr.abc.codec import ArrayBytesCodec
+
+    class ReadOnlyBytesCodec(ArrayBytesCodec):  # type: ignore[misc]  # zarr's ABC is untyped here
+        #: what the stored bytes are ("GRIB messages"), named when something tries to write them
+        read_as = "files"
+
+        def _decode_sync(self, chunk_bytes: Any, chunk_spec: Any) -> Any:
+            raise NotImplementedError
+
+        async def _decode_single(self, chunk_bytes: Any, chunk_spec: Any) -> Any:
+            # decoding is CPU work: in a worker thread, the event loop keeps fetching meanwhile
+            return await asyncio.to_thread(self._decode_sync, chunk_bytes, chunk_spec)
+
+        async def _encode_single(self, chunk_array: Any, chunk_spec: Any) -> Any:
+            raise NotImplementedError(f"{self.read_as} are read in place, never written")
+
+    return ReadOnlyBytesCodec
+
+
+def register_codec_class(cls: type, name: str, module: str) -> type:
+    """Register ``cls`` with zarr as codec ``name``, named as a class of ``module`` (pickles, reprs)."""
+    from zarr.registry import register_codec
+
+    cls.__module__ = module
+    cls.__qualname__ = cls.__name__
+    register_codec(name, cls)
+    return cls

@@ -3,9 +3,12 @@ fast path), the zarr store's own async ``get`` otherwise (and after ``fork``, wh
 obstore would hang). Files of a local directory are read in the decode thread that
 decodes them, while reading costs less than decoding (``LocalBackend``).
 
-A backend has one coroutine, ``get(key) -> bytes | None`` (None: the object does not
-exist, which zarr reads as the fill value). ``fetch_decoded`` wraps it for the reader:
-it fetches again when the bytes fail to decode.
+A backend is typed by :class:`Backend`: one coroutine, ``get(key) -> bytes | None`` (None:
+the object does not exist, which zarr reads as the fill value); a :class:`RangeBackend` also
+fetches byte ranges (what the reader needs for the inner chunks of shards). ``fetch_decoded``
+wraps ``get`` for the reader: it fetches again when the bytes fail to decode.
+``ManifestBackend`` fetches the chunks of a VirtualiZarr store (byte ranges of NetCDF/GRIB
+files; see the end of this module).
 
 What is retried where:
 
@@ -28,7 +31,7 @@ import asyncio
 import os
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeAlias, TypeVar, runtime_checkable
 from urllib.parse import urlparse
 
 from xinsitu import _loop
@@ -37,6 +40,35 @@ from xinsitu.decode import store_root, zarr_store_get
 from xinsitu.store import FETCH_ATTEMPTS, redact_url, scrubbed, secrets_of
 
 T = TypeVar("T")
+
+#: What a fetch returns: ``bytes``, a ``memoryview`` or obstore's ``Bytes`` (all buffers with a ``len``).
+Data: TypeAlias = Any
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """How the reader fetches the objects of one store (whole objects)."""
+
+    async def get(self, key: str) -> Data | None:
+        """The bytes of object ``key``; None where it does not exist (zarr's fill value)."""
+        ...
+
+
+@runtime_checkable
+class RangeBackend(Backend, Protocol):
+    """A backend that also fetches byte ranges: inner chunks of shards, a shard's index."""
+
+    async def get_range(self, key: str, start: int, end: int) -> Data | None:
+        """Bytes ``start:end`` of ``key`` (fewer where the object is shorter); None where it is missing."""
+        ...
+
+    async def get_suffix(self, key: str, n: int) -> Data | None:
+        """The last ``n`` bytes of ``key``; None where it is missing."""
+        ...
+
+    async def get_ranges(self, key: str, starts: list[int], ends: list[int]) -> list[Data]:
+        """Several ranges of one object, in the order asked; raises where the object is missing or short."""
+        ...
 
 #: Fetches of one object at most, when its body comes back short or fails to decode.
 
@@ -184,7 +216,7 @@ class LocalBackend:
     #: reads timed before the choice is made, and the window it looks at
     WINDOW = 32
 
-    def __init__(self, root: str, inner: Any):
+    def __init__(self, root: str, inner: RangeBackend):
         self.root = root
         self.inner = inner
         self.fused = True  # read in the decode thread
@@ -210,11 +242,17 @@ class LocalBackend:
         if len(self._times) == self.WINDOW:
             self.fused = min(r for r, _ in self._times) <= min(d for _, d in self._times)
 
-    async def get(self, key: str) -> Any:
+    async def get(self, key: str) -> Data | None:
         return await self.inner.get(key)
 
-    def __getattr__(self, name: str) -> Any:  # get_range, get_suffix, get_ranges where ``inner`` has them
-        return getattr(self.inner, name)
+    async def get_range(self, key: str, start: int, end: int) -> Data | None:
+        return await self.inner.get_range(key, start, end)
+
+    async def get_suffix(self, key: str, n: int) -> Data | None:
+        return await self.inner.get_suffix(key, n)
+
+    async def get_ranges(self, key: str, starts: list[int], ends: list[int]) -> list[Data]:
+        return await self.inner.get_ranges(key, starts, ends)
 
 
 class _FileBackend:
@@ -259,6 +297,8 @@ class _FileBackend:
 
 
 class _ZarrBackend:
+    """Whole objects through the zarr store's own async ``get`` (stores obstore cannot read)."""
+
     def __init__(self, zstore: Any):
         self.zstore = zstore
 
@@ -295,7 +335,7 @@ async def bounded(request: Callable[[], Awaitable[T]], key: str, on_retry: Calla
                        "(XINSITU_REQUEST_TIMEOUT sets the limit)")
 
 
-async def fetch_decoded(backend: Any, key: str, use: Callable[[Any], Awaitable[T]],
+async def fetch_decoded(backend: Backend, key: str, use: Callable[[Any], Awaitable[T]],
                         attempts: int = FETCH_ATTEMPTS, on_retry: Callable[[], None] | None = None) -> T:
     """Fetch ``key`` and return ``await use(raw)`` (``raw`` None where the object is missing).
 
@@ -329,7 +369,7 @@ async def refetched(fetch: Callable[[], Awaitable[Any]], key: str, use: Callable
                              f"{type(last).__name__}: {last}") from last
 
 
-def backend_for(zstore: Any) -> Any:
+def backend_for(zstore: Any) -> Backend:
     """The fastest fork-safe way to read objects of ``zstore`` in this process.
 
     In a forked child (``_loop.in_forked_child``) local files are read with plain file I/O,
@@ -349,8 +389,8 @@ def backend_for(zstore: Any) -> Any:
         _loop.refuse_after_fork(f"the store {_store_url(obj)}")
         return _ObstoreBackend(obj)
     if kind == "local":
-        if _loop.in_forked_child():  # zarr's LocalStore is plain file I/O: safe after fork
-            return LocalBackend(obj, _ZarrBackend(zstore))
+        if _loop.in_forked_child():  # plain file I/O, as zarr's LocalStore itself: safe after fork
+            return LocalBackend(obj, _FileBackend(obj))
         import obstore.store
 
         return LocalBackend(obj, _ObstoreBackend(obstore.store.LocalStore(prefix=obj)))

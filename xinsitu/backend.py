@@ -137,7 +137,7 @@ class _ObstoreBackend:
 
     async def _whole_then_slice(self, key: str, options: dict[str, Any] | None) -> Any:
         """The range ``options`` asks for, cut from the whole object (a server that ignores ``Range``)."""
-        rng = (options or {}).get("range")
+        rng: Any = (options or {}).get("range")
         whole = await self._fetch(key) if rng is not None or options else None
         if rng is None and not options:  # a whole-object read whose resumed transfer got a 200: read it again
             import obstore

@@ -123,7 +123,7 @@ def _register_codec() -> type:
         @classmethod
         def from_dict(cls, data: dict[str, Any]) -> GribCodec:
             _, cfg = parse_named_configuration(data, CODEC_NAME, require_configuration=False)
-            return cls(**(cfg or {}))
+            return cls(**(cfg or {}))  # type: ignore[arg-type]  # zarr's JSON config: checked by zarr
 
         def to_dict(self) -> dict[str, Any]:
             return {"name": CODEC_NAME, "configuration": {"decoder": self.decoder, "missing_value": self.missing_value}}
@@ -346,7 +346,7 @@ def _data_array(name: str, files: list[_File], concat_dim: str, decoder: str) ->
     # ensemble's ``number`` before ``time``), else first, as xr.concat puts a new dimension
     pos = next((f.data[name][0].index(concat_dim) for f in files if concat_dim in f.data[name][0]), 0)
     parts = []
-    dims0 = None
+    dims0: tuple[str, ...] | None = None
     for f in files:
         dims, shape, attrs, geo_ndim, paths, ol, mv = f.data[name]
         if len(files) > 1 and concat_dim not in dims:  # a scalar coordinate in each file becomes a dimension
@@ -363,22 +363,23 @@ def _data_array(name: str, files: list[_File], concat_dim: str, decoder: str) ->
             raise GribError(f"variable {name!r} has missingValue {mv} in {_where(f.url)} but {mv0} in "
                             f"{_where(files[0].url)}: one codec cannot decode both")
         parts.append((shape, paths, ol))
+    assert dims0 is not None  # files is never empty
     ax = dims0.index(concat_dim) if concat_dim in dims0 else 0
-    shape = list(shape0)
+    shape_out = list(shape0)
     if len(parts) > 1:
-        shape[ax] = sum(p[0][ax] for p in parts)
+        shape_out[ax] = sum(p[0][ax] for p in parts)
     paths = np.concatenate([p[1] for p in parts], axis=ax) if len(parts) > 1 else parts[0][1]
     ol = np.concatenate([p[2] for p in parts], axis=ax + 1) if len(parts) > 1 else parts[0][2]
-    nh = len(shape) - geo0
-    chunks = (1,) * nh + tuple(shape[nh:])
+    nh = len(shape_out) - geo0
+    chunks = (1,) * nh + tuple(shape_out[nh:])
     attrs = {k: _jsonable(v) for k, v in attrs0.items()}
     md = create_v3_array_metadata(
-        shape=tuple(shape), data_type=np.dtype("float32"), chunk_shape=chunks, fill_value=np.float32("nan"),
+        shape=tuple(shape_out), data_type=np.dtype("float32"), chunk_shape=chunks, fill_value=np.float32("nan"),
         codecs=[{"name": CODEC_NAME, "configuration": {"decoder": decoder, "missing_value": mv0}}],
         attributes=attrs, dimension_names=dims0)
-    grid = tuple(shape[:nh]) + (1,) * geo0
-    manifest = ChunkManifest.from_arrays(paths=paths.reshape(grid), offsets=ol[0].reshape(grid),
-                                         lengths=ol[1].reshape(grid), validate_paths=False)
+    grid = tuple(shape_out[:nh]) + (1,) * geo0
+    manifest = ChunkManifest.from_arrays(paths=paths.reshape(grid), offsets=ol[0].reshape(grid),  # type: ignore[arg-type]
+                                         lengths=ol[1].reshape(grid), validate_paths=False)  # (StringDType paths)
     return ManifestArray(metadata=md, chunkmanifest=manifest)
 
 
@@ -439,7 +440,8 @@ def grib_store(paths: str | os.PathLike | Iterable[str | os.PathLike], *, concat
         if extra:
             raise GribError(f"variable(s) {extra} are in {_where(f.url)} but not in {_where(files[0].url)}; "
                             "pass filter_by_keys= to open the same fields of every file")
-    for name, var in coords.variables.items():
+    for key, var in coords.variables.items():
+        name = str(key)
         url = f"{INLINE_SCHEME}://{token}/{name}"
         arrays[name], inline.objects[name] = _inline_array(name, var, url)
     reg.register(f"{INLINE_SCHEME}://{token}", inline)

@@ -247,7 +247,7 @@ def _register_codec() -> type:
         @classmethod
         def from_dict(cls, data: dict[str, Any]) -> CFBytesCodec:
             _, cfg = parse_named_configuration(data, CODEC_NAME, require_configuration=True)
-            return cls(**cfg)
+            return cls(**(cfg or {}))  # type: ignore[arg-type]  # zarr's JSON config: checked by zarr
 
         def to_dict(self) -> dict[str, Any]:
             return {"name": CODEC_NAME, "configuration": {"dtype": self.dtype,
@@ -284,6 +284,9 @@ def _register_array_codec() -> type:
         """
 
         is_fixed_size = True
+        dtype: str
+        attrs: tuple[tuple[str, Any], ...]
+        fill_value: Any
 
         def __init__(self, dtype: str = "<i2", attrs: Any = (), fill_value: Any = None):
             items = attrs.items() if isinstance(attrs, dict) else attrs
@@ -300,7 +303,7 @@ def _register_array_codec() -> type:
         @classmethod
         def from_dict(cls, data: dict[str, Any]) -> CFArrayCodec:
             _, cfg = parse_named_configuration(data, ARRAY_CODEC_NAME, require_configuration=True)
-            return cls(**cfg)
+            return cls(**(cfg or {}))  # type: ignore[arg-type]  # zarr's JSON config: checked by zarr
 
         def to_dict(self) -> dict[str, Any]:
             return {"name": ARRAY_CODEC_NAME, "configuration": {
@@ -448,6 +451,7 @@ def manifest_store(url: str, read: Callable[[int, int], bytes], size: int, regis
             raise VirtualReferenceError(f"{_where(url)}: variable {v.name!r} ends at byte {end}, past the end of "
                                         f"the file ({size} bytes): the file is truncated")
         dtype, attrs, applied = _decoded_form(v)
+        codecs: list[dict[str, Any]] | None
         if applied:
             codecs = [{"name": CODEC_NAME, "configuration": {
                 "dtype": v.dtype.str, "attrs": {k: _pack(val) for k, val in applied.items()}}}]

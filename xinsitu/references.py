@@ -99,7 +99,7 @@ def _registry_for(urls: list[str], registry: Any, store_options: dict[str, Any])
 
     from xinsitu.store import make_store
 
-    reg = ObjectStoreRegistry()
+    reg: Any = ObjectStoreRegistry()
     done: set[str] = set()
     for u in urls:
         p = urlparse(u)
@@ -157,7 +157,7 @@ def _inline_array(name: str, var: xr.Variable, url: str) -> tuple[Any, bytes]:
 
         attrs["_FillValue"] = FillValueCoder.encode(enc.attrs["_FillValue"], values.dtype)
     md = create_v3_array_metadata(shape=values.shape, data_type=values.dtype, chunk_shape=values.shape,
-                                  attributes=attrs, dimension_names=enc.dims)
+                                  attributes=attrs, dimension_names=[str(d) for d in enc.dims])
     grid = (1,) * values.ndim
     manifest = ChunkManifest.from_arrays(
         paths=np.full(grid, url, dtype=np.dtypes.StringDType()),

@@ -225,7 +225,7 @@ def _concat(name: str, parts: list[tuple[str, Any]], axis: int, concat_dim: str)
                 + _REWRITE_HINT.format(dim=concat_dim))
     ms = [arr.manifest for _, arr in parts]
     manifest = ChunkManifest.from_arrays(
-        paths=np.concatenate([m._paths for m in ms], axis=axis),
+        paths=np.concatenate([m._paths for m in ms], axis=axis),  # type: ignore[arg-type]  # StringDType
         offsets=np.concatenate([m._offsets for m in ms], axis=axis),
         lengths=np.concatenate([m._lengths for m in ms], axis=axis),
         validate_paths=False,

@@ -31,7 +31,7 @@ import asyncio
 import os
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeAlias, TypeVar, runtime_checkable
+from typing import Any, NamedTuple, Protocol, TypeAlias, TypeVar, runtime_checkable
 from urllib.parse import urlparse
 
 from xinsitu import _loop
@@ -451,6 +451,22 @@ def _is_obstore(store: Any) -> bool:
     return type(store).__module__.startswith("obstore")
 
 
+class ChunkRange(NamedTuple):
+    """Where a virtual chunk's bytes lie: ``url``, bytes ``start:end``."""
+
+    url: str
+    start: int
+    end: int
+
+
+class _FileStore(NamedTuple):
+    """How a referenced file is read: the store its URL resolves to, its path there, the store's secrets."""
+
+    store: Any
+    path: str
+    secrets: list[str]
+
+
 class ManifestBackend:
     """Fetch chunks of a ``ManifestStore`` as byte ranges of the original files.
 
@@ -467,7 +483,7 @@ class ManifestBackend:
         self._group = mstore._group
         self._registry = mstore._registry
         self._arrays: dict[str, tuple[Any, Any]] = {}
-        self._stores: dict[str, tuple[Any, str, list[str]]] = {}
+        self._stores: dict[str, _FileStore] = {}
         self._pending: dict[tuple[int, str], tuple[Any, str, list[tuple[int, int, asyncio.Future]]]] = {}
         self._flushing = False
         self._tasks: set[asyncio.Future] = set()
@@ -485,7 +501,7 @@ class ManifestBackend:
             got = self._arrays[apath] = (node.manifest, node.metadata.chunk_key_encoding)
         return got
 
-    def locate(self, key: str) -> tuple[str, int, int] | None:
+    def locate(self, key: str) -> ChunkRange | None:
         """(file URL, start, end) of the chunk stored under ``key``; None where it has no entry."""
         apath, ckey = self._split_key(key)
         manifest, encoding = self._array(apath)
@@ -494,7 +510,7 @@ class ManifestBackend:
         if entry is None:
             return None
         start = int(entry["offset"])
-        return str(entry["path"]), start, start + int(entry["length"])
+        return ChunkRange(str(entry["path"]), start, start + int(entry["length"]))
 
     def _split_key(self, key: str) -> tuple[str, str]:
         """'grp/t2m/c/0/0' -> ('grp/t2m', 'c/0/0'): the longest prefix that names an array."""
@@ -510,13 +526,13 @@ class ManifestBackend:
             node = groups[part]
         raise KeyError(f"no array of the virtual store holds key {key!r}")
 
-    def _store_of(self, url: str) -> tuple[Any, str, list[str]]:
+    def _store_of(self, url: str) -> _FileStore:
         got = self._stores.get(url)
         if got is None:
             store, _ = self._registry.resolve(url)
             if store is None:
                 raise VirtualReferenceError(f"no store registered for {_where(url)}")
-            got = self._stores[url] = (store, _path_in_store(url, store), secrets_of(store))
+            got = self._stores[url] = _FileStore(store, _path_in_store(url, store), secrets_of(store))
         return got
 
     # -- fetching
@@ -525,7 +541,8 @@ class ManifestBackend:
         if where is None:
             return None
         url, start, end = where
-        store, path, _ = self._store_of(url)
+        fs = self._store_of(url)
+        store, path = fs.store, fs.path
         loop = asyncio.get_running_loop()
         if _is_obstore(store) and _loop.in_forked_child():
             if not url.startswith("file://"):
@@ -551,7 +568,8 @@ class ManifestBackend:
                 task.add_done_callback(self._tasks.discard)
 
     async def _fetch_file(self, store: Any, url: str, items: list[tuple[int, int, asyncio.Future]]) -> None:
-        _, path, secrets = self._store_of(url)
+        fs = self._store_of(url)
+        path, secrets = fs.path, fs.secrets
         try:
             self.requests += 1
             if len(items) == 1:

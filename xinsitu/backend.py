@@ -36,7 +36,7 @@ from urllib.parse import urlparse
 
 from xinsitu import _loop
 from xinsitu._loop import FORK_HELP  # noqa: F401 - re-exported: the message lives in _loop
-from xinsitu.decode import store_root, zarr_store_get
+from xinsitu.codecs import store_root, zarr_store_get
 from xinsitu.store import FETCH_ATTEMPTS, redact_url, scrubbed, secrets_of
 
 T = TypeVar("T")

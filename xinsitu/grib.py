@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import xarray as xr
@@ -206,12 +206,26 @@ def _check_framing(path: str, msgs: list[tuple[int, int, int, str]], size: int) 
 
 
 # ----------------------------------------------------------------------------- one file
+class _Messages(NamedTuple):
+    """One variable of one file: its dims, shape and attributes as cfgrib gives them, the dims of one
+    message (``geo_ndim``), and where each message lies: ``paths`` (the file's URL, "" where missing)
+    and ``ol`` (offsets and lengths, stacked); ``missing_value`` is what cfgrib turns into NaN."""
+
+    dims: tuple[str, ...]
+    shape: tuple[int, ...]
+    attrs: dict[str, Any]
+    geo_ndim: int
+    paths: np.ndarray
+    ol: np.ndarray
+    missing_value: float | None
+
+
 @dataclass
 class _File:
     url: str
     attrs: dict[str, Any]
     coords: xr.Dataset  # decoded coordinates, as cfgrib's backend gives them
-    data: dict[str, tuple[tuple[str, ...], tuple[int, ...], dict[str, Any], int, np.ndarray, np.ndarray, float | None]]
+    data: dict[str, _Messages]
     packings: dict[str, set[tuple[int, str]]]
 
 
@@ -242,7 +256,7 @@ def _read_file(url: str, cfgrib_kwargs: dict[str, Any]) -> _File:
         raise GribError(f"{path}: cfgrib cannot build a dataset from it ({type(e).__name__}: {e}); pass "
                         "filter_by_keys= (e.g. {'typeOfLevel': 'surface'}) to open one hypercube at a time") from None
     coords: dict[str, xr.Variable] = {}
-    data = {}
+    data: dict[str, _Messages] = {}
     packings: dict[str, set[tuple[int, str]]] = {}
     for name, var in cds.variables.items():
         if not isinstance(var.data, cd.OnDiskArray):
@@ -263,8 +277,8 @@ def _read_file(url: str, cfgrib_kwargs: dict[str, Any]) -> _File:
             packings[name].add(kind[int(mid)])
         paths = np.where(present, url, "").astype(np.dtypes.StringDType())
         mv = oda.missing_value  # what cfgrib turns into NaN
-        data[name] = (tuple(var.dimensions), tuple(oda.shape), dict(var.attributes), oda.geo_ndim,
-                      paths, np.stack([offsets, lengths]), None if mv is None else float(mv))
+        data[name] = _Messages(tuple(var.dimensions), tuple(oda.shape), dict(var.attributes), oda.geo_ndim,
+                               paths, np.stack([offsets, lengths]), None if mv is None else float(mv))
     # decoded the way xarray's cfgrib backend decodes them (times, steps)
     cds_coords = xr.decode_cf(xr.Dataset(coords=coords))
     return _File(url, dict(cds.attributes), cds_coords, data, packings)
@@ -344,7 +358,7 @@ def _data_array(name: str, files: list[_File], concat_dim: str, decoder: str) ->
         raise GribError(f"variable {name!r} is in {_where(files[0].url)} but not in {_where(missing.url)}")
     # where a file's scalar concat_dim becomes a dimension: where other files have it (cfgrib puts an
     # ensemble's ``number`` before ``time``), else first, as xr.concat puts a new dimension
-    pos = next((f.data[name][0].index(concat_dim) for f in files if concat_dim in f.data[name][0]), 0)
+    pos = next((f.data[name].dims.index(concat_dim) for f in files if concat_dim in f.data[name].dims), 0)
     parts = []
     dims0: tuple[str, ...] | None = None
     for f in files:

@@ -254,7 +254,7 @@ def test_the_reader_s_use(tmp_path: os.PathLike[str]) -> None:
     file is a miss that reads the new values, never the cached old ones."""
     import zarr
 
-    from xinsitu.decode import ChunkDecoder
+    from xinsitu.codecs import ChunkDecoder
 
     path = os.path.join(tmp_path, "a.zarr")
     _zarr_array(path)

@@ -4,6 +4,21 @@ Every asynchronous read in xinsitu runs on a single asyncio loop that lives in a
 daemon thread. The loop is created on first use, its decode thread pool is its
 default executor, and both are forgotten in a forked child (threads do not survive
 ``fork``), so the child builds its own on first use.
+
+The façade, the only ways the rest of xinsitu drives the loop:
+
+* :func:`run` -- run a coroutine there and wait for its result, bounded in time (``timeout=``,
+  ``XINSITU_TIMEOUT``): every blocking wait on the loop goes through it;
+* :func:`submit` -- schedule a coroutine and return at once with a
+  ``concurrent.futures.Future``: the one non-blocking entry point, for a producer that runs
+  for a whole epoch while its consumer polls (``xinsitu.pipeline``); whoever waits on the
+  future bounds that wait;
+* :func:`call_soon` -- a plain callback, from any thread (e.g. releasing a semaphore of the
+  loop's).
+
+Code running *on* the loop uses ``asyncio`` itself (``get_running_loop``, ``run_in_executor``
+for the decode threads). The fork policy (:func:`refuse_after_fork`, :data:`FORK_HELP`) lives
+here too.
 """
 
 from __future__ import annotations
@@ -13,7 +28,7 @@ import atexit
 import concurrent.futures
 import os
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -42,7 +57,7 @@ def decode_threads() -> int:
 
 
 def get_loop() -> asyncio.AbstractEventLoop:
-    """The running I/O loop, started on first use."""
+    """The running I/O loop, started on first use (drive it through ``run``, ``submit``, ``call_soon``)."""
     global _loop, _thread, _pool
     if _loop is not None:
         return _loop
@@ -90,17 +105,32 @@ def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         coro.close()
         raise RuntimeError("xinsitu: blocking call made from inside the I/O loop")
     limit = run_timeout() if timeout is None else float(timeout)
+    if not limit > 0:
+        coro.close()
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     fut = asyncio.run_coroutine_threadsafe(coro, loop)
     try:
         return fut.result(timeout=limit)
     except concurrent.futures.TimeoutError:
         fut.cancel()
         raise TimeoutError(f"xinsitu: no result within {limit:g} s (timeout=, XINSITU_TIMEOUT)") from None
+    except BaseException:
+        fut.cancel()  # e.g. KeyboardInterrupt in the caller: stop the work on the loop too
+        raise
 
 
-def submit(coro: Coroutine[Any, Any, T]) -> asyncio.Future[T] | Any:
-    """Schedule ``coro`` on the I/O loop; returns a ``concurrent.futures.Future``."""
+def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+    """Schedule ``coro`` on the I/O loop and return at once: the one non-blocking entry point.
+
+    The caller owns the returned ``concurrent.futures.Future``: it polls it or waits on it with a
+    timeout, and cancels it when it gives up (``xinsitu.pipeline.EpochRun`` does all three).
+    """
     return asyncio.run_coroutine_threadsafe(coro, get_loop())
+
+
+def call_soon(callback: Callable[..., object], *args: Any) -> None:
+    """Call ``callback(*args)`` on the I/O loop soon; safe from any thread, never waits."""
+    get_loop().call_soon_threadsafe(callback, *args)
 
 
 def in_forked_child() -> bool:

@@ -3,9 +3,12 @@ fast path), the zarr store's own async ``get`` otherwise (and after ``fork``, wh
 obstore would hang). Files of a local directory are read in the decode thread that
 decodes them, while reading costs less than decoding (``LocalBackend``).
 
-A backend has one coroutine, ``get(key) -> bytes | None`` (None: the object does not
-exist, which zarr reads as the fill value). ``fetch_decoded`` wraps it for the reader:
-it fetches again when the bytes fail to decode.
+A backend is typed by :class:`Backend`: one coroutine, ``get(key) -> bytes | None`` (None:
+the object does not exist, which zarr reads as the fill value); a :class:`RangeBackend` also
+fetches byte ranges (what the reader needs for the inner chunks of shards). ``fetch_decoded``
+wraps ``get`` for the reader: it fetches again when the bytes fail to decode.
+``ManifestBackend`` fetches the chunks of a VirtualiZarr store (byte ranges of NetCDF/GRIB
+files; see the end of this module).
 
 What is retried where:
 
@@ -28,14 +31,44 @@ import asyncio
 import os
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeAlias, TypeVar, runtime_checkable
+from urllib.parse import urlparse
 
 from xinsitu import _loop
 from xinsitu._loop import FORK_HELP  # noqa: F401 - re-exported: the message lives in _loop
-from xinsitu.decode import store_root, zarr_store_get
+from xinsitu.codecs import store_root, zarr_store_get
 from xinsitu.store import FETCH_ATTEMPTS, redact_url, scrubbed, secrets_of
 
 T = TypeVar("T")
+
+#: What a fetch returns: ``bytes``, a ``memoryview`` or obstore's ``Bytes`` (all buffers with a ``len``).
+Data: TypeAlias = Any
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """How the reader fetches the objects of one store (whole objects)."""
+
+    async def get(self, key: str) -> Data | None:
+        """The bytes of object ``key``; None where it does not exist (zarr's fill value)."""
+        ...
+
+
+@runtime_checkable
+class RangeBackend(Backend, Protocol):
+    """A backend that also fetches byte ranges: inner chunks of shards, a shard's index."""
+
+    async def get_range(self, key: str, start: int, end: int) -> Data | None:
+        """Bytes ``start:end`` of ``key`` (fewer where the object is shorter); None where it is missing."""
+        ...
+
+    async def get_suffix(self, key: str, n: int) -> Data | None:
+        """The last ``n`` bytes of ``key``; None where it is missing."""
+        ...
+
+    async def get_ranges(self, key: str, starts: list[int], ends: list[int]) -> list[Data]:
+        """Several ranges of one object, in the order asked; raises where the object is missing or short."""
+        ...
 
 #: Fetches of one object at most, when its body comes back short or fails to decode.
 
@@ -104,7 +137,7 @@ class _ObstoreBackend:
 
     async def _whole_then_slice(self, key: str, options: dict[str, Any] | None) -> Any:
         """The range ``options`` asks for, cut from the whole object (a server that ignores ``Range``)."""
-        rng = (options or {}).get("range")
+        rng: Any = (options or {}).get("range")
         whole = await self._fetch(key) if rng is not None or options else None
         if rng is None and not options:  # a whole-object read whose resumed transfer got a 200: read it again
             import obstore
@@ -183,7 +216,7 @@ class LocalBackend:
     #: reads timed before the choice is made, and the window it looks at
     WINDOW = 32
 
-    def __init__(self, root: str, inner: Any):
+    def __init__(self, root: str, inner: RangeBackend):
         self.root = root
         self.inner = inner
         self.fused = True  # read in the decode thread
@@ -209,11 +242,17 @@ class LocalBackend:
         if len(self._times) == self.WINDOW:
             self.fused = min(r for r, _ in self._times) <= min(d for _, d in self._times)
 
-    async def get(self, key: str) -> Any:
+    async def get(self, key: str) -> Data | None:
         return await self.inner.get(key)
 
-    def __getattr__(self, name: str) -> Any:  # get_range, get_suffix, get_ranges where ``inner`` has them
-        return getattr(self.inner, name)
+    async def get_range(self, key: str, start: int, end: int) -> Data | None:
+        return await self.inner.get_range(key, start, end)
+
+    async def get_suffix(self, key: str, n: int) -> Data | None:
+        return await self.inner.get_suffix(key, n)
+
+    async def get_ranges(self, key: str, starts: list[int], ends: list[int]) -> list[Data]:
+        return await self.inner.get_ranges(key, starts, ends)
 
 
 class _FileBackend:
@@ -258,6 +297,8 @@ class _FileBackend:
 
 
 class _ZarrBackend:
+    """Whole objects through the zarr store's own async ``get`` (stores obstore cannot read)."""
+
     def __init__(self, zstore: Any):
         self.zstore = zstore
 
@@ -294,7 +335,7 @@ async def bounded(request: Callable[[], Awaitable[T]], key: str, on_retry: Calla
                        "(XINSITU_REQUEST_TIMEOUT sets the limit)")
 
 
-async def fetch_decoded(backend: Any, key: str, use: Callable[[Any], Awaitable[T]],
+async def fetch_decoded(backend: Backend, key: str, use: Callable[[Any], Awaitable[T]],
                         attempts: int = FETCH_ATTEMPTS, on_retry: Callable[[], None] | None = None) -> T:
     """Fetch ``key`` and return ``await use(raw)`` (``raw`` None where the object is missing).
 
@@ -328,7 +369,7 @@ async def refetched(fetch: Callable[[], Awaitable[Any]], key: str, use: Callable
                              f"{type(last).__name__}: {last}") from last
 
 
-def backend_for(zstore: Any) -> Any:
+def backend_for(zstore: Any) -> Backend:
     """The fastest fork-safe way to read objects of ``zstore`` in this process.
 
     In a forked child (``_loop.in_forked_child``) local files are read with plain file I/O,
@@ -338,8 +379,6 @@ def backend_for(zstore: Any) -> Any:
     if type(zstore).__name__ == "IcechunkStore":
         _loop.refuse_after_fork("an Icechunk repository")  # Icechunk's Rust runtime, like obstore's, hangs
     if type(zstore).__name__ == "ManifestStore":  # VirtualiZarr: byte ranges of NetCDF/HDF5 files
-        from xinsitu.virtual import ManifestBackend, is_manifest_store
-
         if is_manifest_store(zstore):
             return ManifestBackend(zstore)
     kind, obj = store_root(zstore)
@@ -350,8 +389,8 @@ def backend_for(zstore: Any) -> Any:
         _loop.refuse_after_fork(f"the store {_store_url(obj)}")
         return _ObstoreBackend(obj)
     if kind == "local":
-        if _loop.in_forked_child():  # zarr's LocalStore is plain file I/O: safe after fork
-            return LocalBackend(obj, _ZarrBackend(zstore))
+        if _loop.in_forked_child():  # plain file I/O, as zarr's LocalStore itself: safe after fork
+            return LocalBackend(obj, _FileBackend(obj))
         import obstore.store
 
         return LocalBackend(obj, _ObstoreBackend(obstore.store.LocalStore(prefix=obj)))
@@ -362,3 +401,244 @@ def _store_url(obs: Any) -> str:
     """An obstore store as messages name it: its URL without credentials, else its type."""
     url = getattr(obs, "url", None)
     return f"{type(obs).__name__}({redact_url(str(url))!r})" if url else type(obs).__name__
+
+
+# ----------------------------------------------------------------------------- virtual stores
+#: Bytes of one file fetched in one request at most, where ranges are coalesced (remote stores).
+COALESCE_BYTES = 8 * 2**20
+
+class VirtualReferenceError(ValueError):
+    """Files that cannot be read in place as one virtual Zarr store; names the file and the variable."""
+
+
+def _where(url: str) -> str:
+    """How a file is named in messages: a local path as a path, a URL without credentials."""
+    return url[len("file://"):] if url.startswith("file://") else redact_url(url)
+
+
+def is_manifest_store(zstore: Any) -> bool:
+    """Whether ``zstore`` is a VirtualiZarr ``ManifestStore`` (chunks are byte ranges of other files)."""
+    return type(zstore).__name__ == "ManifestStore" and hasattr(zstore, "_group") and hasattr(zstore, "_registry")
+
+
+def _chunk_coords(ckey: str, encoding: Any, ndim: int) -> tuple[int, ...]:
+    """Chunk grid coordinates from a chunk key ("c/0/1/2", "c.0.1.2" or v2's "0.1.2")."""
+    sep = getattr(encoding, "separator", "/")
+    if getattr(encoding, "name", "default") == "default":
+        if not ckey.startswith("c"):
+            raise KeyError(f"chunk key {ckey!r} does not start with 'c'")
+        ckey = ckey[1:].lstrip(sep)
+    parts = [p for p in ckey.split(sep) if p != ""]
+    if len(parts) != ndim:
+        raise KeyError(f"chunk key {ckey!r} does not have {ndim} coordinates")
+    return tuple(int(p) for p in parts)
+
+
+def _path_in_store(url: str, store: Any) -> str:
+    """The path of ``url`` inside ``store``, exactly as VirtualiZarr's ``ManifestStore.get`` computes it."""
+    path = urlparse(url).path
+    prefix = getattr(store, "prefix", None)
+    if prefix:
+        pre = str(prefix).lstrip("/")
+    elif isinstance(getattr(store, "url", None), str):
+        pre = urlparse(store.url).path.lstrip("/")
+    else:
+        pre = ""
+    return path.lstrip("/").removeprefix(pre).lstrip("/")
+
+
+def _is_obstore(store: Any) -> bool:
+    return type(store).__module__.startswith("obstore")
+
+
+class ChunkRange(NamedTuple):
+    """Where a virtual chunk's bytes lie: ``url``, bytes ``start:end``."""
+
+    url: str
+    start: int
+    end: int
+
+
+class _FileStore(NamedTuple):
+    """How a referenced file is read: the store its URL resolves to, its path there, the store's secrets."""
+
+    store: Any
+    path: str
+    secrets: list[str]
+
+
+class ManifestBackend:
+    """Fetch chunks of a ``ManifestStore`` as byte ranges of the original files.
+
+    ``get(key)`` takes the zarr key of a chunk (``"t2m/c/0/0/0"``) and returns its bytes,
+    None where the manifest has no entry (zarr's fill value). On object storage, ranges of one
+    file requested in the same turn of the event loop go out as one ``get_ranges`` call (see
+    ``_groups``). The reader's semaphore bounds the ranges in flight (``max_inflight``).
+    """
+
+    def __init__(self, mstore: Any):
+        if not is_manifest_store(mstore):
+            raise TypeError(f"expected a VirtualiZarr ManifestStore, got {type(mstore).__name__}")
+        self.mstore = mstore
+        self._group = mstore._group
+        self._registry = mstore._registry
+        self._arrays: dict[str, tuple[Any, Any]] = {}
+        self._stores: dict[str, _FileStore] = {}
+        self._pending: dict[tuple[int, str], tuple[Any, str, list[tuple[int, int, asyncio.Future]]]] = {}
+        self._flushing = False
+        self._tasks: set[asyncio.Future] = set()
+        self.requests = 0  # get/get_ranges calls made to the file stores
+
+    # -- key -> (url, start, end)
+    def _array(self, apath: str) -> tuple[Any, Any]:
+        got = self._arrays.get(apath)
+        if got is None:
+            node = self._group
+            for part in apath.split("/"):
+                node = node[part]
+            if not hasattr(node, "manifest"):
+                raise KeyError(f"{apath!r} is a group, not an array")
+            got = self._arrays[apath] = (node.manifest, node.metadata.chunk_key_encoding)
+        return got
+
+    def locate(self, key: str) -> ChunkRange | None:
+        """(file URL, start, end) of the chunk stored under ``key``; None where it has no entry."""
+        apath, ckey = self._split_key(key)
+        manifest, encoding = self._array(apath)
+        coords = _chunk_coords(ckey, encoding, manifest.ndim_chunk_grid)
+        entry = manifest.get_entry(coords)
+        if entry is None:
+            return None
+        start = int(entry["offset"])
+        return ChunkRange(str(entry["path"]), start, start + int(entry["length"]))
+
+    def _split_key(self, key: str) -> tuple[str, str]:
+        """'grp/t2m/c/0/0' -> ('grp/t2m', 'c/0/0'): the longest prefix that names an array."""
+        parts = key.split("/")
+        node = self._group
+        for i, part in enumerate(parts):
+            arrays = getattr(node, "arrays", {})
+            if part in arrays:
+                return "/".join(parts[: i + 1]), "/".join(parts[i + 1:])
+            groups = getattr(node, "groups", {})
+            if part not in groups:
+                break
+            node = groups[part]
+        raise KeyError(f"no array of the virtual store holds key {key!r}")
+
+    def _store_of(self, url: str) -> _FileStore:
+        got = self._stores.get(url)
+        if got is None:
+            store, _ = self._registry.resolve(url)
+            if store is None:
+                raise VirtualReferenceError(f"no store registered for {_where(url)}")
+            got = self._stores[url] = _FileStore(store, _path_in_store(url, store), secrets_of(store))
+        return got
+
+    # -- fetching
+    async def get(self, key: str) -> Any:
+        where = self.locate(key)
+        if where is None:
+            return None
+        url, start, end = where
+        fs = self._store_of(url)
+        store, path = fs.store, fs.path
+        loop = asyncio.get_running_loop()
+        if _is_obstore(store) and _loop.in_forked_child():
+            if not url.startswith("file://"):
+                _loop.refuse_after_fork(f"{_where(url)}, referenced by the virtual store,")
+            # obstore would hang here; a local file is read with plain file I/O instead (fork-safe)
+            data = await loop.run_in_executor(None, _read_local, url, start, end)
+            self.requests += 1
+            return _checked(data, url, start, end, key)
+        fut: asyncio.Future = loop.create_future()
+        self._pending.setdefault((id(store), path), (store, url, []))[2].append((start, end, fut))
+        if not self._flushing:
+            self._flushing = True
+            loop.call_soon(self._flush)
+        return _checked(await fut, url, start, end, key)
+
+    def _flush(self) -> None:
+        self._flushing = False
+        pending, self._pending = self._pending, {}
+        for store, url, items in pending.values():
+            for group in _groups(store, items):
+                task = asyncio.ensure_future(self._fetch_file(store, url, group))
+                self._tasks.add(task)  # the loop keeps only weak references to tasks
+                task.add_done_callback(self._tasks.discard)
+
+    async def _fetch_file(self, store: Any, url: str, items: list[tuple[int, int, asyncio.Future]]) -> None:
+        fs = self._store_of(url)
+        path, secrets = fs.path, fs.secrets
+        try:
+            self.requests += 1
+            if len(items) == 1:
+                s, e, _ = items[0]
+                got = [await store.get_range_async(path, start=s, end=e)]
+            else:
+                got = list(await store.get_ranges_async(path, starts=[s for s, _, _ in items],
+                                                        ends=[e for _, e, _ in items]))
+        except asyncio.CancelledError:
+            for _, _, f in items:
+                f.cancel()
+            raise
+        except Exception as e:  # noqa: BLE001 - every waiting chunk gets the error, naming the file
+            err = _file_error(e, url, secrets)
+            for _, _, f in items:
+                if not f.done():
+                    f.set_exception(err)
+            return
+        for (_, _, f), data in zip(items, got, strict=True):
+            if not f.done():
+                f.set_result(data)
+
+
+def _checked(data: Any, url: str, start: int, end: int, key: str) -> Any:
+    if len(data) != end - start:
+        raise OSError(f"{_where(url)}: bytes {start}..{end} of chunk {key!r} came back as {len(data)} "
+                      "bytes; the file is shorter than its references say (changed since they were made?)")
+    return data
+
+
+def _read_local(url: str, start: int, end: int) -> bytes:
+    """Bytes ``start:end`` of a local file (``file://`` URL), by plain file I/O."""
+    from urllib.parse import unquote
+
+    path = unquote(urlparse(url).path)
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            return f.read(end - start)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}, referenced by the virtual store, does not exist "
+                                "(moved or deleted since the references were made?)") from None
+
+
+def _groups(store: Any, items: list[tuple[int, int, asyncio.Future]]) -> list[list[tuple[int, int, asyncio.Future]]]:
+    """The requests that ``items`` (ranges of one file) go out as.
+
+    Remote: ranges together, in file order, up to ``COALESCE_BYTES`` a request (obstore then
+    merges those that lie close): fewer round trips. Local files: one read per range, so that
+    reads and decodes overlap (a local ``get_ranges`` reads its ranges one after the other).
+    """
+    if _is_obstore(store) and type(store).__name__ == "LocalStore":
+        return [[it] for it in items]
+    out: list[list[tuple[int, int, asyncio.Future]]] = []
+    size = COALESCE_BYTES
+    for it in sorted(items, key=lambda x: x[0]):
+        n = it[1] - it[0]
+        if size + n > COALESCE_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(it)
+        size += n
+    return out
+
+
+def _file_error(e: BaseException, url: str, secrets: list[str]) -> BaseException:
+    where = _where(url)
+    if isinstance(e, FileNotFoundError) or type(e).__name__ == "NotFoundError":
+        return FileNotFoundError(f"{where}, referenced by the virtual store, does not exist "
+                                 "(moved or deleted since the references were made?)")
+    err = scrubbed(e, secrets)
+    return type(err)(f"{where}: {err}")

@@ -591,24 +591,23 @@ class ChunkCache:
     def summary(self) -> str:
         """One line for a generator's repr: each tier's budget and fill, e.g.
         ``"memory 120.3 MB of 5.6 GB (153 chunks), disk off"``."""
-        s = self.stats
-        mem = f"memory {_fmt(s.memory_bytes)} of {_fmt(self.memory_budget)} ({s.memory_entries} chunks)" \
-            if self.memory_budget else "memory off"
-        if self.disk is None:
-            return f"{mem}, disk off"
-        bound = _fmt(self.disk_size) if self.disk_size is not None else "free space"
-        used = _fmt(s.disk_bytes) if self._scanned else "not scanned yet"
-        return f"{mem}, disk {self.disk} {used} of {bound}"
+        mem, disk = self._tiers(" ", "not scanned yet")
+        return f"{mem}, disk off" if disk is None else f"{mem}, disk {self.disk} {disk}"
 
     def __repr__(self) -> str:
+        mem, disk = self._tiers("=", "not scanned")
+        return f"ChunkCache({mem}, disk=off)" if disk is None else f"ChunkCache({mem}, disk={self.disk!r} {disk})"
+
+    def _tiers(self, sep: str, unscanned: str) -> tuple[str, str | None]:
+        """The memory tier's fill and the disk tier's (None: no disk tier), as ``summary`` and the repr say them."""
         s = self.stats
-        mem = f"memory={_fmt(s.memory_bytes)} of {_fmt(self.memory_budget)} ({s.memory_entries} chunks)" \
-            if self.memory_budget else "memory=off"
+        mem = (f"memory{sep}{_fmt(s.memory_bytes)} of {_fmt(self.memory_budget)} ({s.memory_entries} chunks)"
+               if self.memory_budget else f"memory{sep}off")
         if self.disk is None:
-            return f"ChunkCache({mem}, disk=off)"
+            return mem, None
         bound = _fmt(self.disk_size) if self.disk_size is not None else "free space"
-        used = _fmt(s.disk_bytes) if self._scanned else "not scanned"
-        return f"ChunkCache({mem}, disk={self.disk!r} {used} of {bound})"
+        used = _fmt(s.disk_bytes) if self._scanned else unscanned
+        return mem, f"{used} of {bound}"
 
     # ------------------------------------------------------------------ memory tier
     def _admit(self, key: str, arr: np.ndarray) -> None:

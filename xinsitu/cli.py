@@ -287,7 +287,7 @@ def _chunk_coords(src: Any, manifest: Any, split: str) -> set[tuple[int, ...]]:
     per_dim: list[np.ndarray | None] = []  # chunk id of each selected position, per source dim
     for ax, ix in enumerate(src.index):
         per_dim.append(None if isinstance(ix, (int, np.integer)) else np.asarray(ix, np.int64) // grid_shape[ax])
-    whole = [np.array([int(ix) // grid_shape[ax]]) if per_dim[ax] is None else np.unique(per_dim[ax])
+    whole = [np.array([int(ix) // grid_shape[ax]]) if (d := per_dim[ax]) is None else np.unique(d)
              for ax, ix in enumerate(src.index)]
     split_axes = {d: src.src_dims.index(d) for d in manifest.dims if d in src.dims}
     if not split_axes:  # a variable without the split dims is read whole, once
@@ -416,6 +416,7 @@ def verdict(raw: dict[str, Any] | None, io: dict[str, Any], batch_size: int, ste
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """``xinsitu bench URL``: raw fetch pass, then the loader over the same chunk blocks."""
+    from xinsitu.manifest import Blocks
     from xinsitu.reader import AUTO_INFLIGHT
     from xinsitu.split import SplitManifest
 
@@ -427,7 +428,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         m, code = suggest_split(ds, args.dim, args.fractions, args.gap)
     blocks = m.blocks(args.split)
     if args.max_blocks and len(blocks) > args.max_blocks:
-        m = dataclasses.replace(m, splits={**m.splits, args.split: [int(b) for b in blocks[:args.max_blocks]]})
+        m = dataclasses.replace(m, splits={**m.splits, args.split: Blocks.from_ids(blocks[:args.max_blocks])})
     used = len(m.splits[args.split])
     variables = args.variables.split(",") if args.variables else None
     gen = ds.insitu.batches(m, args.split, batch_size=args.batch_size, shuffle=True, seed=0, output="numpy",

@@ -51,7 +51,7 @@ import xarray as xr
 
 from xinsitu import _loop
 from xinsitu.buffer import BufferLoader
-from xinsitu.decode import is_sharded
+from xinsitu.codecs import is_sharded
 from xinsitu.loader import BatchGenerator
 from xinsitu.plan import EpochPlan
 from xinsitu.reader import Reader

@@ -443,10 +443,11 @@ def _manifest_sections(m: SplitManifest, drawing: bool = False) -> list[Section]
     """The repr's sections; ``drawing``: with the timeline/grid (HTML only, O(chunk blocks))."""
     one = len(m.dims) == 1
     total = sum(m.sizes[d] for d in m.dims) if one else int(np.prod([m.sizes[d] for d in m.dims]))
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for name, blocks in m.splits.items():
         n = m.positions(name)
         labs = m.labels.get(name, {})
+        where: tuple[str, ...]
         if one:
             lab = labs.get(m.dims[0])
             where = (str(lab[0]), str(lab[1])) if lab else ("", "")
@@ -499,11 +500,12 @@ def _display_plan(gen: BatchGenerator) -> tuple[EpochPlan, int]:
     if gen.elastic_remainder or not len(c) or not bool((c == c[0]).all()) or not c[0]:
         p = gen.plan()
         return p, len(p.units)
-    kw = dict(block_chunks=gen.block_chunks, batch_size=gen.batch_size, drop_last=gen.drop_last,
+    kw: dict[str, Any] = dict(block_chunks=gen.block_chunks, batch_size=gen.batch_size, drop_last=gen.drop_last,
               shuffle=gen.shuffle, seed=gen.seed, epoch=gen.epoch, rank=gen.rank, world_size=gen.world_size)
     if gen.world_size == 1:
-        n, units = epoch_size(gen.space, world_size=1, rank=0, batch_size=gen.batch_size,
-                              drop_last=gen.drop_last)
+        size = epoch_size(gen.space, world_size=1, rank=0, batch_size=gen.batch_size, drop_last=gen.drop_last)
+        assert size is not None  # one rank, units of equal size: the size is known without a plan
+        n, units = size
         k = min(units, (-(-50 * gen.batch_size // int(c[0])) // gen.block_chunks + 1) * gen.block_chunks)
         return EpochPlan(units=np.arange(k), lo=np.zeros(k, np.int64), hi=c[:k].copy(), n_samples=n, **kw), units
     pos, lo, hi, n = rank_share(c, gen.world_size, gen.rank, gen.batch_size, gen.drop_last)
@@ -562,7 +564,7 @@ def _generator_sections(gen: BatchGenerator, drawing: bool = False) -> list[Sect
                                                            if getattr(gen.builder, "device", None) else ""))]
     if gen.cache is not None:
         info.append(("cache", gen.cache.summary()))
-    roles = []
+    roles: list[tuple[str, str, str, str]] = []
     sampled = {d.name for d in gen.space.dims}
     for d in gen.space.dims:
         if d.width == 1:
@@ -573,9 +575,9 @@ def _generator_sections(gen: BatchGenerator, drawing: bool = False) -> list[Sect
             what = f"tile of {d.width}, stride {d.stride}"
         role = "split dim" if d.split else ("over: one sample per position" if not d.keep else "window / patch")
         roles.append((d.name, str(d.size), what, role))
-    for d, n in gen.geometry.sizes.items():
-        if d not in sampled:
-            roles.append((d, str(n), f"whole ({n})", "kept"))
+    for kept, n in gen.geometry.sizes.items():
+        if kept not in sampled:
+            roles.append((kept, str(n), f"whole ({n})", "kept"))
     width = {d.name: d.width for d in gen.space.dims if d.keep}
     var_rows = []
     for name, lay in gen.layouts.items():

@@ -152,8 +152,8 @@ def common_edges(sources: dict[str, VarSource], dim: str) -> np.ndarray:
         if s.stored:  # the same arithmetic grid as a variable already counted adds nothing
             ax = s.src_dims.index(dim)
             ix = s.index[ax]
-            key = (int(ix[0]) % s.chunk_shape[ax] if len(ix) else 0, len(ix), s.chunk_shape[ax])
-            if key in seen and _run(np.asarray(ix, dtype=np.int64)) is not None:
+            grid = (int(ix[0]) % s.chunk_shape[ax] if len(ix) else 0, len(ix), s.chunk_shape[ax])
+            if grid in seen and _run(np.asarray(ix, dtype=np.int64)) is not None:
                 continue
         key, b = _breaks(s, dim)
         if key is not None:

@@ -23,22 +23,23 @@ import warnings
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import xarray as xr
 
-from xinsitu.virtual import (
+from xinsitu.backend import VirtualReferenceError, _where
+from xinsitu.references import (
     INLINE_SCHEME,
     PARSE_THREADS,
-    VirtualReferenceError,
     _as_urls,
     _check_decodable,
     _inline_array,
     _InlineStore,
     _jsonable,
     _registry_for,
-    _where,
+    read_only_bytes_codec,
+    register_codec_class,
 )
 
 #: Packings gribberish 0.30 decodes to exactly ecCodes' values, by edition (measured; see the module doc).
@@ -104,12 +105,10 @@ def decode_message(raw: bytes, shape: tuple[int, ...], missing_value: float | No
 
 
 def _register_codec() -> type:
-    from zarr.abc.codec import ArrayBytesCodec
     from zarr.core.common import parse_named_configuration
-    from zarr.registry import register_codec
 
     @dataclass(frozen=True)
-    class GribCodec(ArrayBytesCodec):
+    class GribCodec(read_only_bytes_codec()):  # type: ignore[misc]
         """Read-only zarr v3 codec: the bytes of one GRIB message -> its field (see :func:`decode_message`).
 
         ``decoder`` is ``"gribberish"`` or ``"eccodes"``; ``missing_value`` the message's
@@ -119,11 +118,12 @@ def _register_codec() -> type:
         decoder: str = "eccodes"
         missing_value: float | None = None
         is_fixed_size = False
+        read_as = "GRIB messages"
 
         @classmethod
         def from_dict(cls, data: dict[str, Any]) -> GribCodec:
             _, cfg = parse_named_configuration(data, CODEC_NAME, require_configuration=False)
-            return cls(**(cfg or {}))
+            return cls(**(cfg or {}))  # type: ignore[arg-type]  # zarr's JSON config: checked by zarr
 
         def to_dict(self) -> dict[str, Any]:
             return {"name": CODEC_NAME, "configuration": {"decoder": self.decoder, "missing_value": self.missing_value}}
@@ -133,21 +133,10 @@ def _register_codec() -> type:
             dtype = chunk_spec.dtype.to_native_dtype()
             return chunk_spec.prototype.nd_buffer.from_ndarray_like(out.astype(dtype, copy=False))
 
-        async def _decode_single(self, chunk_bytes: Any, chunk_spec: Any) -> Any:
-            import asyncio
-
-            return await asyncio.to_thread(self._decode_sync, chunk_bytes, chunk_spec)
-
-        async def _encode_single(self, chunk_array: Any, chunk_spec: Any) -> Any:
-            raise NotImplementedError("GRIB messages are read in place, never written")
-
         def compute_encoded_size(self, input_byte_length: int, chunk_spec: Any) -> int:
             raise NotImplementedError
 
-    GribCodec.__module__ = __name__
-    GribCodec.__qualname__ = "GribCodec"
-    register_codec(CODEC_NAME, GribCodec)
-    return GribCodec
+    return register_codec_class(GribCodec, CODEC_NAME, __name__)
 
 
 try:  # zarr is a dependency; the class is built lazily only so that this module imports fast
@@ -217,12 +206,26 @@ def _check_framing(path: str, msgs: list[tuple[int, int, int, str]], size: int) 
 
 
 # ----------------------------------------------------------------------------- one file
+class _Messages(NamedTuple):
+    """One variable of one file: its dims, shape and attributes as cfgrib gives them, the dims of one
+    message (``geo_ndim``), and where each message lies: ``paths`` (the file's URL, "" where missing)
+    and ``ol`` (offsets and lengths, stacked); ``missing_value`` is what cfgrib turns into NaN."""
+
+    dims: tuple[str, ...]
+    shape: tuple[int, ...]
+    attrs: dict[str, Any]
+    geo_ndim: int
+    paths: np.ndarray
+    ol: np.ndarray
+    missing_value: float | None
+
+
 @dataclass
 class _File:
     url: str
     attrs: dict[str, Any]
     coords: xr.Dataset  # decoded coordinates, as cfgrib's backend gives them
-    data: dict[str, tuple[tuple[str, ...], tuple[int, ...], dict[str, Any], int, np.ndarray, np.ndarray, float | None]]
+    data: dict[str, _Messages]
     packings: dict[str, set[tuple[int, str]]]
 
 
@@ -253,7 +256,7 @@ def _read_file(url: str, cfgrib_kwargs: dict[str, Any]) -> _File:
         raise GribError(f"{path}: cfgrib cannot build a dataset from it ({type(e).__name__}: {e}); pass "
                         "filter_by_keys= (e.g. {'typeOfLevel': 'surface'}) to open one hypercube at a time") from None
     coords: dict[str, xr.Variable] = {}
-    data = {}
+    data: dict[str, _Messages] = {}
     packings: dict[str, set[tuple[int, str]]] = {}
     for name, var in cds.variables.items():
         if not isinstance(var.data, cd.OnDiskArray):
@@ -274,8 +277,8 @@ def _read_file(url: str, cfgrib_kwargs: dict[str, Any]) -> _File:
             packings[name].add(kind[int(mid)])
         paths = np.where(present, url, "").astype(np.dtypes.StringDType())
         mv = oda.missing_value  # what cfgrib turns into NaN
-        data[name] = (tuple(var.dimensions), tuple(oda.shape), dict(var.attributes), oda.geo_ndim,
-                      paths, np.stack([offsets, lengths]), None if mv is None else float(mv))
+        data[name] = _Messages(tuple(var.dimensions), tuple(oda.shape), dict(var.attributes), oda.geo_ndim,
+                               paths, np.stack([offsets, lengths]), None if mv is None else float(mv))
     # decoded the way xarray's cfgrib backend decodes them (times, steps)
     cds_coords = xr.decode_cf(xr.Dataset(coords=coords))
     return _File(url, dict(cds.attributes), cds_coords, data, packings)
@@ -355,9 +358,9 @@ def _data_array(name: str, files: list[_File], concat_dim: str, decoder: str) ->
         raise GribError(f"variable {name!r} is in {_where(files[0].url)} but not in {_where(missing.url)}")
     # where a file's scalar concat_dim becomes a dimension: where other files have it (cfgrib puts an
     # ensemble's ``number`` before ``time``), else first, as xr.concat puts a new dimension
-    pos = next((f.data[name][0].index(concat_dim) for f in files if concat_dim in f.data[name][0]), 0)
+    pos = next((f.data[name].dims.index(concat_dim) for f in files if concat_dim in f.data[name].dims), 0)
     parts = []
-    dims0 = None
+    dims0: tuple[str, ...] | None = None
     for f in files:
         dims, shape, attrs, geo_ndim, paths, ol, mv = f.data[name]
         if len(files) > 1 and concat_dim not in dims:  # a scalar coordinate in each file becomes a dimension
@@ -374,22 +377,23 @@ def _data_array(name: str, files: list[_File], concat_dim: str, decoder: str) ->
             raise GribError(f"variable {name!r} has missingValue {mv} in {_where(f.url)} but {mv0} in "
                             f"{_where(files[0].url)}: one codec cannot decode both")
         parts.append((shape, paths, ol))
+    assert dims0 is not None  # files is never empty
     ax = dims0.index(concat_dim) if concat_dim in dims0 else 0
-    shape = list(shape0)
+    shape_out = list(shape0)
     if len(parts) > 1:
-        shape[ax] = sum(p[0][ax] for p in parts)
+        shape_out[ax] = sum(p[0][ax] for p in parts)
     paths = np.concatenate([p[1] for p in parts], axis=ax) if len(parts) > 1 else parts[0][1]
     ol = np.concatenate([p[2] for p in parts], axis=ax + 1) if len(parts) > 1 else parts[0][2]
-    nh = len(shape) - geo0
-    chunks = (1,) * nh + tuple(shape[nh:])
+    nh = len(shape_out) - geo0
+    chunks = (1,) * nh + tuple(shape_out[nh:])
     attrs = {k: _jsonable(v) for k, v in attrs0.items()}
     md = create_v3_array_metadata(
-        shape=tuple(shape), data_type=np.dtype("float32"), chunk_shape=chunks, fill_value=np.float32("nan"),
+        shape=tuple(shape_out), data_type=np.dtype("float32"), chunk_shape=chunks, fill_value=np.float32("nan"),
         codecs=[{"name": CODEC_NAME, "configuration": {"decoder": decoder, "missing_value": mv0}}],
         attributes=attrs, dimension_names=dims0)
-    grid = tuple(shape[:nh]) + (1,) * geo0
-    manifest = ChunkManifest.from_arrays(paths=paths.reshape(grid), offsets=ol[0].reshape(grid),
-                                         lengths=ol[1].reshape(grid), validate_paths=False)
+    grid = tuple(shape_out[:nh]) + (1,) * geo0
+    manifest = ChunkManifest.from_arrays(paths=paths.reshape(grid), offsets=ol[0].reshape(grid),  # type: ignore[arg-type]
+                                         lengths=ol[1].reshape(grid), validate_paths=False)  # (StringDType paths)
     return ManifestArray(metadata=md, chunkmanifest=manifest)
 
 
@@ -450,7 +454,8 @@ def grib_store(paths: str | os.PathLike | Iterable[str | os.PathLike], *, concat
         if extra:
             raise GribError(f"variable(s) {extra} are in {_where(f.url)} but not in {_where(files[0].url)}; "
                             "pass filter_by_keys= to open the same fields of every file")
-    for name, var in coords.variables.items():
+    for key, var in coords.variables.items():
+        name = str(key)
         url = f"{INLINE_SCHEME}://{token}/{name}"
         arrays[name], inline.objects[name] = _inline_array(name, var, url)
     reg.register(f"{INLINE_SCHEME}://{token}", inline)

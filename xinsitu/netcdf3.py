@@ -222,12 +222,12 @@ def cf_decode(raw: np.ndarray, cf_attrs: dict[str, Any], name: str = "") -> np.n
 def _register_codec() -> type:
     from dataclasses import dataclass as frozen_dataclass
 
-    from zarr.abc.codec import ArrayBytesCodec
     from zarr.core.common import parse_named_configuration
-    from zarr.registry import register_codec
+
+    from xinsitu.references import read_only_bytes_codec, register_codec_class
 
     @frozen_dataclass(frozen=True)
-    class CFBytesCodec(ArrayBytesCodec):
+    class CFBytesCodec(read_only_bytes_codec()):  # type: ignore[misc]
         """Read-only zarr v3 codec: raw NetCDF values (``dtype``, big-endian) -> xarray's CF decoding of them.
 
         ``attrs`` maps each CF attribute xarray applies (``_FillValue``, ``scale_factor``...) to its
@@ -237,6 +237,7 @@ def _register_codec() -> type:
         dtype: str = ">f4"
         attrs: tuple[tuple[str, Any], ...] = ()
         is_fixed_size = True
+        read_as = "NetCDF-3 files"
 
         def __init__(self, dtype: str = ">f4", attrs: Any = ()):
             items = attrs.items() if isinstance(attrs, dict) else attrs
@@ -246,7 +247,7 @@ def _register_codec() -> type:
         @classmethod
         def from_dict(cls, data: dict[str, Any]) -> CFBytesCodec:
             _, cfg = parse_named_configuration(data, CODEC_NAME, require_configuration=True)
-            return cls(**cfg)
+            return cls(**(cfg or {}))  # type: ignore[arg-type]  # zarr's JSON config: checked by zarr
 
         def to_dict(self) -> dict[str, Any]:
             return {"name": CODEC_NAME, "configuration": {"dtype": self.dtype,
@@ -261,21 +262,10 @@ def _register_codec() -> type:
             dtype = chunk_spec.dtype.to_native_dtype()
             return chunk_spec.prototype.nd_buffer.from_ndarray_like(np.ascontiguousarray(out, dtype=dtype))
 
-        async def _decode_single(self, chunk_bytes: Any, chunk_spec: Any) -> Any:
-            import asyncio
-
-            return await asyncio.to_thread(self._decode_sync, chunk_bytes, chunk_spec)
-
-        async def _encode_single(self, chunk_array: Any, chunk_spec: Any) -> Any:
-            raise NotImplementedError("NetCDF-3 files are read in place, never written")
-
         def compute_encoded_size(self, input_byte_length: int, chunk_spec: Any) -> int:
             return input_byte_length // chunk_spec.dtype.to_native_dtype().itemsize * np.dtype(self.dtype).itemsize
 
-    CFBytesCodec.__module__ = __name__
-    CFBytesCodec.__qualname__ = "CFBytesCodec"
-    register_codec(CODEC_NAME, CFBytesCodec)
-    return CFBytesCodec
+    return register_codec_class(CFBytesCodec, CODEC_NAME, __name__)
 
 
 def _register_array_codec() -> type:
@@ -283,7 +273,8 @@ def _register_array_codec() -> type:
     from zarr.core.array_spec import ArraySpec
     from zarr.core.common import parse_named_configuration
     from zarr.core.dtype import parse_data_type
-    from zarr.registry import register_codec
+
+    from xinsitu.references import register_codec_class
 
     class CFArrayCodec(ArrayArrayCodec):
         """Read-only zarr v3 codec: stored values (``dtype``) -> xarray's CF decoding of them, with the CF
@@ -293,6 +284,9 @@ def _register_array_codec() -> type:
         """
 
         is_fixed_size = True
+        dtype: str
+        attrs: tuple[tuple[str, Any], ...]
+        fill_value: Any
 
         def __init__(self, dtype: str = "<i2", attrs: Any = (), fill_value: Any = None):
             items = attrs.items() if isinstance(attrs, dict) else attrs
@@ -309,7 +303,7 @@ def _register_array_codec() -> type:
         @classmethod
         def from_dict(cls, data: dict[str, Any]) -> CFArrayCodec:
             _, cfg = parse_named_configuration(data, ARRAY_CODEC_NAME, require_configuration=True)
-            return cls(**cfg)
+            return cls(**(cfg or {}))  # type: ignore[arg-type]  # zarr's JSON config: checked by zarr
 
         def to_dict(self) -> dict[str, Any]:
             return {"name": ARRAY_CODEC_NAME, "configuration": {
@@ -336,10 +330,7 @@ def _register_array_codec() -> type:
         def compute_encoded_size(self, input_byte_length: int, chunk_spec: Any) -> int:
             return input_byte_length // chunk_spec.dtype.to_native_dtype().itemsize * np.dtype(self.dtype).itemsize
 
-    CFArrayCodec.__module__ = __name__
-    CFArrayCodec.__qualname__ = "CFArrayCodec"
-    register_codec(ARRAY_CODEC_NAME, CFArrayCodec)
-    return CFArrayCodec
+    return register_codec_class(CFArrayCodec, ARRAY_CODEC_NAME, __name__)
 
 
 def _freeze(packed: dict[str, Any]) -> tuple:
@@ -426,7 +417,8 @@ def manifest_store(url: str, read: Callable[[int, int], bytes], size: int, regis
     from virtualizarr.manifests import ChunkManifest, ManifestArray, ManifestGroup, ManifestStore
     from virtualizarr.manifests.utils import create_v3_array_metadata
 
-    from xinsitu.virtual import VirtualReferenceError, _jsonable, _where
+    from xinsitu.backend import VirtualReferenceError, _where
+    from xinsitu.references import _jsonable
 
     try:
         h = read_header(read, size)
@@ -459,6 +451,7 @@ def manifest_store(url: str, read: Callable[[int, int], bytes], size: int, regis
             raise VirtualReferenceError(f"{_where(url)}: variable {v.name!r} ends at byte {end}, past the end of "
                                         f"the file ({size} bytes): the file is truncated")
         dtype, attrs, applied = _decoded_form(v)
+        codecs: list[dict[str, Any]] | None
         if applied:
             codecs = [{"name": CODEC_NAME, "configuration": {
                 "dtype": v.dtype.str, "attrs": {k: _pack(val) for k, val in applied.items()}}}]

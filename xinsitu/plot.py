@@ -103,7 +103,7 @@ def _legend(m: SplitManifest, ax: Axes, gaps: bool, loc: str) -> None:
         handles.append(Patch(facecolor=formatting.split_color(i), label=f"{name} ({_count(n, 'chunk')})"))
     if gaps:
         handles.append(Patch(facecolor="none", edgecolor=formatting.GAP_COLOR, hatch="///", label="left out (gap)"))
-    ax.legend(handles=handles, loc=loc, frameon=False, fontsize="small",
+    ax.legend(handles=handles, loc=loc, frameon=False, fontsize="small",  # type: ignore[call-overload]
               **({"bbox_to_anchor": (1.0, 1.0)} if loc == "upper left" else {}))
 
 

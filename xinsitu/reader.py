@@ -24,7 +24,7 @@ import numpy as np
 from xinsitu import _loop
 from xinsitu.backend import DamagedObjectError, backend_for, fetch_decoded, refetched
 from xinsitu.cache import ChunkCache, ChunkKey
-from xinsitu.decode import ChunkDecoder, ShardLayout, is_remote, is_sharded, store_root
+from xinsitu.codecs import ChunkDecoder, ShardLayout, is_remote, is_sharded, store_root
 from xinsitu.source import VarSource
 
 INDEX_CACHE = 4096  # shard indexes kept (each a few bytes per inner chunk)

@@ -104,7 +104,7 @@ class SourceError(ValueError):
 
 def resolve(ds: xr.Dataset, variables: list[str] | None = None) -> dict[str, VarSource]:
     """Return a ``VarSource`` for each data variable (or the ones named)."""
-    names = list(ds.data_vars) if variables is None else list(variables)
+    names = [str(v) for v in ds.data_vars] if variables is None else list(variables)
     if not names:
         raise ValueError("the Dataset has no data variables")
     missing = [v for v in names if v not in ds.data_vars]
@@ -304,7 +304,7 @@ def _backend_arrays(data: Any) -> list[Any]:
 
 def _how_to_open(ds: xr.Dataset, data: Any) -> str:
     """What to do instead, for a variable xinsitu cannot read as it is opened."""
-    names = [v for v in ds.data_vars if ds[v].variable._data is data]
+    names = [str(v) for v in ds.data_vars if ds[v].variable._data is data]
     kind = _file_kind(ds, names[0], data) if names else None
     if kind == "netcdf":
         return ("it is read from NetCDF/HDF5 files: open them in place with xinsitu.virtual.open_netcdf(paths), "

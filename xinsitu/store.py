@@ -271,7 +271,9 @@ def scrubbed(e: BaseException, secrets: list[str] | tuple[str, ...] = ()) -> Bas
 
 def _chain_text(e: BaseException) -> str:
     """Messages of ``e`` and of every exception it was raised from or during."""
-    out, seen, cur = [], set(), e
+    out: list[str] = []
+    seen: set[int] = set()
+    cur: BaseException | None = e
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
         out.append(str(cur))
@@ -367,7 +369,7 @@ def _read_consolidated(ds: xr.Dataset, zstore: Any, group: str | None, consolida
 def _by_name(ds: xr.Dataset) -> xr.Dataset:
     """``ds`` with its data variables in name order; coordinates, lazy data, encodings, indexes and
     attributes kept."""
-    out = ds[sorted(ds.data_vars)]
+    out = ds[sorted(ds.data_vars, key=str)]
     out = out.assign_coords({k: ds.coords[k] for k in ds.coords if k not in out.coords})
     out.attrs, out.encoding = dict(ds.attrs), dict(ds.encoding)
     out.set_close(ds._close)

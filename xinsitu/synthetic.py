@@ -38,7 +38,8 @@ def era5_like(nt: int = 1460, ny: int = 32, nx: int = 64, seed: int = 0) -> xr.D
     }
     tp = np.clip(2.0 * wave + 0.5 * noise[0], 0, None) * 3.0
     tp[rng.random(tp.shape) < 0.01] = np.nan  # missing observations -> _FillValue
-    data = {k: (("time", "lat", "lon"), v.astype("float32")) for k, v in fields.items()}
+    data: dict[str, tuple[tuple[str, ...], np.ndarray]] = {
+        k: (("time", "lat", "lon"), v.astype("float32")) for k, v in fields.items()}
     data["tp"] = (("time", "lat", "lon"), tp.astype("float32"))
     data["lsm"] = (("lat", "lon"), (np.cos(3 * np.deg2rad(lon))[None, :] * np.cos(la[0]) > 0.2).astype("float32"))
     ds = xr.Dataset(
@@ -68,7 +69,7 @@ def write_era5_like(path: str | os.PathLike, nt: int = 1460, ny: int = 32, nx: i
         e: dict[str, Any] = {"chunks": chunks}
         if shard_time and "time" in ds[v].dims and zarr_format == 3:
             e["shards"] = (shard_time, ny, nx)
-        enc[v] = e
+        enc[str(v)] = e
     enc["tp"].update(packing())
     ds.to_zarr(path, mode="w", zarr_format=zarr_format, encoding=enc, consolidated=True)
     return ds

@@ -13,8 +13,9 @@ Coordinates along the joined dimension (``time``, which xarray-written files eac
 with their own units) are read once, decoded, joined, encoded again and kept inline (in
 memory, a few bytes per step); the data variables stay in the files.
 
-:class:`ManifestBackend` is how xinsitu fetches the chunks of such a store: byte ranges of
-the original files straight through obstore; on object storage the ranges of one file asked
+:class:`xinsitu.backend.ManifestBackend` (I/O, so it lives there) is how xinsitu fetches the
+chunks of such a store: byte ranges of the original files straight
+through obstore; on object storage the ranges of one file asked
 for in the same turn of the event loop go out as one ``get_ranges`` request (obstore merges
 ranges that lie close together), local files are read one range at a time so that reads
 and decodes overlap, and in a forked process (where obstore would hang) with plain file
@@ -24,346 +25,44 @@ an error that names it: a virtual chunk is never read as the fill value.
 
 from __future__ import annotations
 
-import asyncio
-import glob
 import os
 import uuid
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-from urllib.parse import urlparse
 
 import numpy as np
 import xarray as xr
 
-from xinsitu import _loop
-from xinsitu.store import redact_url, scrubbed, secrets_of
+from xinsitu.backend import (  # noqa: F401 - ManifestBackend, is_manifest_store: re-exported, moved to backend
+    ManifestBackend,
+    VirtualReferenceError,
+    _file_error,
+    _path_in_store,
+    _where,
+    is_manifest_store,
+)
+from xinsitu.references import (
+    INLINE_SCHEME,
+    PARSE_THREADS,
+    _as_urls,
+    _check_decodable,
+    _inline_array,
+    _InlineStore,
+    _registry_for,
+)
+from xinsitu.store import secrets_of
 
 #: Attributes that change how xarray decodes a variable: they must agree across files.
 CF_ATTRS = ("scale_factor", "add_offset", "_FillValue", "missing_value", "_Unsigned", "units", "calendar",
             "valid_min", "valid_max", "valid_range", "dtype")
-
-#: ``encoding`` keys of a decoded variable that describe its CF encoding (the rest is zarr's).
-_CF_ENCODING = ("units", "calendar", "dtype", "_FillValue", "missing_value", "scale_factor", "add_offset")
-
-INLINE_SCHEME = "xinsitu-inline"
-
-#: Bytes of one file fetched in one request at most, where ranges are coalesced (remote stores).
-COALESCE_BYTES = 8 * 2**20
-
-#: Files parsed at once when building a store.
-PARSE_THREADS = 8
 
 #: zarr warns each time it reads metadata naming a numcodecs codec (shuffle, zlib: what NetCDF4 files use).
 _NUMCODECS_WARNING = "Numcodecs codecs are not in the Zarr version 3 specification"
 
 _REWRITE_HINT = ("rewrite the files with chunks that tile each file along {dim!r} (e.g. `nccopy -c {dim}/N` "
                  "or xarray's to_netcdf(encoding={{var: {{'chunksizes': ...}}}})), or convert them to Zarr")
-
-
-class VirtualReferenceError(ValueError):
-    """Files that cannot be read in place as one virtual Zarr store; names the file and the variable."""
-
-
-def _where(url: str) -> str:
-    """How a file is named in messages: a local path as a path, a URL without credentials."""
-    return url[len("file://"):] if url.startswith("file://") else redact_url(url)
-
-
-# ----------------------------------------------------------------------------- inline data
-class _InlineStore:
-    """A tiny read-only obspec store over bytes held in memory (joined coordinates); picklable."""
-
-    def __init__(self, objects: dict[str, bytes]):
-        self.objects = dict(objects)
-
-    def _slice(self, path: str, start: int, end: int | None) -> bytes:
-        data = self.objects.get(path)
-        if data is None:
-            raise FileNotFoundError(f"{INLINE_SCHEME} object {path!r} does not exist")
-        return data[start:end]
-
-    def get_range(self, path: str, *, start: int, end: int | None = None, length: int | None = None) -> bytes:
-        return self._slice(path, start, end if end is not None else (start + length if length else None))
-
-    async def get_range_async(self, path: str, *, start: int, end: int | None = None,
-                              length: int | None = None) -> bytes:
-        return self.get_range(path, start=start, end=end, length=length)
-
-    async def get_ranges_async(self, path: str, *, starts: Sequence[int], ends: Sequence[int] | None = None,
-                               lengths: Sequence[int] | None = None) -> list[bytes]:
-        ends = list(ends) if ends is not None else [s + n for s, n in zip(starts, lengths or (), strict=True)]
-        return [self._slice(path, s, e) for s, e in zip(starts, ends, strict=True)]
-
-    def __repr__(self) -> str:
-        return f"_InlineStore({sorted(self.objects)})"
-
-
-# ----------------------------------------------------------------------------- the backend
-def is_manifest_store(zstore: Any) -> bool:
-    """Whether ``zstore`` is a VirtualiZarr ``ManifestStore`` (chunks are byte ranges of other files)."""
-    return type(zstore).__name__ == "ManifestStore" and hasattr(zstore, "_group") and hasattr(zstore, "_registry")
-
-
-def _chunk_coords(ckey: str, encoding: Any, ndim: int) -> tuple[int, ...]:
-    """Chunk grid coordinates from a chunk key ("c/0/1/2", "c.0.1.2" or v2's "0.1.2")."""
-    sep = getattr(encoding, "separator", "/")
-    if getattr(encoding, "name", "default") == "default":
-        if not ckey.startswith("c"):
-            raise KeyError(f"chunk key {ckey!r} does not start with 'c'")
-        ckey = ckey[1:].lstrip(sep)
-    parts = [p for p in ckey.split(sep) if p != ""]
-    if len(parts) != ndim:
-        raise KeyError(f"chunk key {ckey!r} does not have {ndim} coordinates")
-    return tuple(int(p) for p in parts)
-
-
-def _path_in_store(url: str, store: Any) -> str:
-    """The path of ``url`` inside ``store``, exactly as VirtualiZarr's ``ManifestStore.get`` computes it."""
-    path = urlparse(url).path
-    prefix = getattr(store, "prefix", None)
-    if prefix:
-        pre = str(prefix).lstrip("/")
-    elif isinstance(getattr(store, "url", None), str):
-        pre = urlparse(store.url).path.lstrip("/")
-    else:
-        pre = ""
-    return path.lstrip("/").removeprefix(pre).lstrip("/")
-
-
-def _is_obstore(store: Any) -> bool:
-    return type(store).__module__.startswith("obstore")
-
-
-class ManifestBackend:
-    """Fetch chunks of a ``ManifestStore`` as byte ranges of the original files.
-
-    ``get(key)`` takes the zarr key of a chunk (``"t2m/c/0/0/0"``) and returns its bytes,
-    None where the manifest has no entry (zarr's fill value). On object storage, ranges of one
-    file requested in the same turn of the event loop go out as one ``get_ranges`` call (see
-    ``_groups``). The reader's semaphore bounds the ranges in flight (``max_inflight``).
-    """
-
-    def __init__(self, mstore: Any):
-        if not is_manifest_store(mstore):
-            raise TypeError(f"expected a VirtualiZarr ManifestStore, got {type(mstore).__name__}")
-        self.mstore = mstore
-        self._group = mstore._group
-        self._registry = mstore._registry
-        self._arrays: dict[str, tuple[Any, Any]] = {}
-        self._stores: dict[str, tuple[Any, str, list[str]]] = {}
-        self._pending: dict[tuple[int, str], tuple[Any, str, list[tuple[int, int, asyncio.Future]]]] = {}
-        self._flushing = False
-        self._tasks: set[asyncio.Future] = set()
-        self.requests = 0  # get/get_ranges calls made to the file stores
-
-    # -- key -> (url, start, end)
-    def _array(self, apath: str) -> tuple[Any, Any]:
-        got = self._arrays.get(apath)
-        if got is None:
-            node = self._group
-            for part in apath.split("/"):
-                node = node[part]
-            if not hasattr(node, "manifest"):
-                raise KeyError(f"{apath!r} is a group, not an array")
-            got = self._arrays[apath] = (node.manifest, node.metadata.chunk_key_encoding)
-        return got
-
-    def locate(self, key: str) -> tuple[str, int, int] | None:
-        """(file URL, start, end) of the chunk stored under ``key``; None where it has no entry."""
-        apath, ckey = self._split_key(key)
-        manifest, encoding = self._array(apath)
-        coords = _chunk_coords(ckey, encoding, manifest.ndim_chunk_grid)
-        entry = manifest.get_entry(coords)
-        if entry is None:
-            return None
-        start = int(entry["offset"])
-        return str(entry["path"]), start, start + int(entry["length"])
-
-    def _split_key(self, key: str) -> tuple[str, str]:
-        """'grp/t2m/c/0/0' -> ('grp/t2m', 'c/0/0'): the longest prefix that names an array."""
-        parts = key.split("/")
-        node = self._group
-        for i, part in enumerate(parts):
-            arrays = getattr(node, "arrays", {})
-            if part in arrays:
-                return "/".join(parts[: i + 1]), "/".join(parts[i + 1:])
-            groups = getattr(node, "groups", {})
-            if part not in groups:
-                break
-            node = groups[part]
-        raise KeyError(f"no array of the virtual store holds key {key!r}")
-
-    def _store_of(self, url: str) -> tuple[Any, str, list[str]]:
-        got = self._stores.get(url)
-        if got is None:
-            store, _ = self._registry.resolve(url)
-            if store is None:
-                raise VirtualReferenceError(f"no store registered for {_where(url)}")
-            got = self._stores[url] = (store, _path_in_store(url, store), secrets_of(store))
-        return got
-
-    # -- fetching
-    async def get(self, key: str) -> Any:
-        where = self.locate(key)
-        if where is None:
-            return None
-        url, start, end = where
-        store, path, _ = self._store_of(url)
-        loop = asyncio.get_running_loop()
-        if _is_obstore(store) and _loop.in_forked_child():
-            if not url.startswith("file://"):
-                _loop.refuse_after_fork(f"{_where(url)}, referenced by the virtual store,")
-            # obstore would hang here; a local file is read with plain file I/O instead (fork-safe)
-            data = await loop.run_in_executor(None, _read_local, url, start, end)
-            self.requests += 1
-            return _checked(data, url, start, end, key)
-        fut: asyncio.Future = loop.create_future()
-        self._pending.setdefault((id(store), path), (store, url, []))[2].append((start, end, fut))
-        if not self._flushing:
-            self._flushing = True
-            loop.call_soon(self._flush)
-        return _checked(await fut, url, start, end, key)
-
-    def _flush(self) -> None:
-        self._flushing = False
-        pending, self._pending = self._pending, {}
-        for store, url, items in pending.values():
-            for group in _groups(store, items):
-                task = asyncio.ensure_future(self._fetch_file(store, url, group))
-                self._tasks.add(task)  # the loop keeps only weak references to tasks
-                task.add_done_callback(self._tasks.discard)
-
-    async def _fetch_file(self, store: Any, url: str, items: list[tuple[int, int, asyncio.Future]]) -> None:
-        _, path, secrets = self._store_of(url)
-        try:
-            self.requests += 1
-            if len(items) == 1:
-                s, e, _ = items[0]
-                got = [await store.get_range_async(path, start=s, end=e)]
-            else:
-                got = list(await store.get_ranges_async(path, starts=[s for s, _, _ in items],
-                                                        ends=[e for _, e, _ in items]))
-        except asyncio.CancelledError:
-            for _, _, f in items:
-                f.cancel()
-            raise
-        except Exception as e:  # noqa: BLE001 - every waiting chunk gets the error, naming the file
-            err = _file_error(e, url, secrets)
-            for _, _, f in items:
-                if not f.done():
-                    f.set_exception(err)
-            return
-        for (_, _, f), data in zip(items, got, strict=True):
-            if not f.done():
-                f.set_result(data)
-
-
-def _checked(data: Any, url: str, start: int, end: int, key: str) -> Any:
-    if len(data) != end - start:
-        raise OSError(f"{_where(url)}: bytes {start}..{end} of chunk {key!r} came back as {len(data)} "
-                      "bytes; the file is shorter than its references say (changed since they were made?)")
-    return data
-
-
-def _read_local(url: str, start: int, end: int) -> bytes:
-    """Bytes ``start:end`` of a local file (``file://`` URL), by plain file I/O."""
-    from urllib.parse import unquote
-
-    path = unquote(urlparse(url).path)
-    try:
-        with open(path, "rb") as f:
-            f.seek(start)
-            return f.read(end - start)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}, referenced by the virtual store, does not exist "
-                                "(moved or deleted since the references were made?)") from None
-
-
-def _groups(store: Any, items: list[tuple[int, int, asyncio.Future]]) -> list[list[tuple[int, int, asyncio.Future]]]:
-    """The requests that ``items`` (ranges of one file) go out as.
-
-    Remote: ranges together, in file order, up to ``COALESCE_BYTES`` a request (obstore then
-    merges those that lie close): fewer round trips. Local files: one read per range, so that
-    reads and decodes overlap (a local ``get_ranges`` reads its ranges one after the other).
-    """
-    if _is_obstore(store) and type(store).__name__ == "LocalStore":
-        return [[it] for it in items]
-    out: list[list[tuple[int, int, asyncio.Future]]] = []
-    size = COALESCE_BYTES
-    for it in sorted(items, key=lambda x: x[0]):
-        n = it[1] - it[0]
-        if size + n > COALESCE_BYTES:
-            out.append([])
-            size = 0
-        out[-1].append(it)
-        size += n
-    return out
-
-
-def _file_error(e: BaseException, url: str, secrets: list[str]) -> BaseException:
-    where = _where(url)
-    if isinstance(e, FileNotFoundError) or type(e).__name__ == "NotFoundError":
-        return FileNotFoundError(f"{where}, referenced by the virtual store, does not exist "
-                                 "(moved or deleted since the references were made?)")
-    err = scrubbed(e, secrets)
-    return type(err)(f"{where}: {err}")
-
-
-# ----------------------------------------------------------------------------- building a store
-def _as_urls(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[str]:
-    if isinstance(paths, (str, os.PathLike)):
-        s = os.fspath(paths)
-        if "://" not in s and any(c in s for c in "*?["):
-            found = sorted(glob.glob(os.path.expanduser(s)))
-            if not found:
-                raise FileNotFoundError(f"no file matches {s!r}")
-            items: list[str] = found
-        else:
-            items = [s]
-    else:
-        items = [os.fspath(p) for p in paths]
-    if not items:
-        raise ValueError("no files given")
-    urls = []
-    for s in items:
-        if "://" in s:
-            urls.append(s)
-        else:
-            p = os.path.abspath(os.path.expanduser(s))
-            if not os.path.isfile(p):
-                raise FileNotFoundError(f"no file at {p!r}")
-            urls.append("file://" + p)
-    return urls
-
-
-def _registry_for(urls: list[str], registry: Any, store_options: dict[str, Any]) -> Any:
-    from obspec_utils.registry import ObjectStoreRegistry
-
-    if registry is not None:
-        if store_options:
-            raise TypeError(f"store options {sorted(store_options)} apply when no registry= is given")
-        return registry
-    import obstore.store
-
-    from xinsitu.store import make_store
-
-    reg = ObjectStoreRegistry()
-    done: set[str] = set()
-    for u in urls:
-        p = urlparse(u)
-        base = f"{p.scheme}://{p.netloc}"
-        if base in done:
-            continue
-        done.add(base)
-        if p.scheme == "file":
-            if store_options:
-                raise TypeError(f"store options {sorted(store_options)} apply to URLs, not to local files")
-            reg.register("file://", obstore.store.LocalStore())
-        else:
-            reg.register(base, make_store(base, **store_options))
-    return reg
 
 
 def _head(url: str, registry: Any) -> tuple[Any, Any, int]:
@@ -526,7 +225,7 @@ def _concat(name: str, parts: list[tuple[str, Any]], axis: int, concat_dim: str)
                 + _REWRITE_HINT.format(dim=concat_dim))
     ms = [arr.manifest for _, arr in parts]
     manifest = ChunkManifest.from_arrays(
-        paths=np.concatenate([m._paths for m in ms], axis=axis),
+        paths=np.concatenate([m._paths for m in ms], axis=axis),  # type: ignore[arg-type]  # StringDType
         offsets=np.concatenate([m._offsets for m in ms], axis=axis),
         lengths=np.concatenate([m._lengths for m in ms], axis=axis),
         validate_paths=False,
@@ -534,58 +233,6 @@ def _concat(name: str, parts: list[tuple[str, Any]], axis: int, concat_dim: str)
     shape = list(parts[0][1].shape)
     shape[axis] = sum(arr.shape[axis] for _, arr in parts)
     return ManifestArray(metadata=parts[0][1].metadata.update_shape(tuple(shape)), chunkmanifest=manifest)
-
-
-def _jsonable(v: Any) -> Any:
-    if isinstance(v, np.generic):
-        return v.item()
-    if isinstance(v, np.ndarray):
-        return v.tolist()
-    return v
-
-
-def _encode_inline(name: str, var: xr.Variable) -> xr.Variable:
-    """``var`` (decoded) encoded with its first file's CF encoding, or xarray's choice where that is not exact."""
-    enc0 = {k: var.encoding[k] for k in _CF_ENCODING if k in var.encoding}
-    for enc in (enc0, {}):
-        v = xr.Variable(var.dims, var.values, dict(var.attrs), dict(enc))
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error")  # "cannot be serialized faithfully": try the next encoding
-                out = xr.conventions.encode_cf_variable(v, name=name)
-                back = xr.conventions.decode_cf_variable(name, out)
-        except Exception:  # noqa: BLE001
-            continue
-        if back.dtype == var.dtype and np.array_equal(np.asarray(back.values), np.asarray(var.values),
-                                                      equal_nan=var.dtype.kind in "fcmM"):
-            return out
-    raise VirtualReferenceError(f"coordinate {name!r} cannot be encoded exactly once joined across files")
-
-
-def _inline_array(name: str, var: xr.Variable, url: str) -> tuple[Any, bytes]:
-    from virtualizarr.manifests import ChunkManifest, ManifestArray
-    from virtualizarr.manifests.utils import create_v3_array_metadata
-
-    enc = _encode_inline(name, var)
-    values = np.ascontiguousarray(enc.values).reshape(np.shape(enc.values))  # 0-d stays 0-d
-    if values.dtype.kind not in "biuf":
-        raise VirtualReferenceError(f"coordinate {name!r} of dtype {values.dtype} cannot be kept inline")
-    values = values.astype(values.dtype.newbyteorder("<"), copy=False)
-    attrs = {k: _jsonable(v) for k, v in enc.attrs.items()}
-    if "_FillValue" in attrs:  # xarray reads a zarr v3 _FillValue attribute in its own encoding (base64 for floats)
-        from xarray.backends.zarr import FillValueCoder
-
-        attrs["_FillValue"] = FillValueCoder.encode(enc.attrs["_FillValue"], values.dtype)
-    md = create_v3_array_metadata(shape=values.shape, data_type=values.dtype, chunk_shape=values.shape,
-                                  attributes=attrs, dimension_names=enc.dims)
-    grid = (1,) * values.ndim
-    manifest = ChunkManifest.from_arrays(
-        paths=np.full(grid, url, dtype=np.dtypes.StringDType()),
-        offsets=np.zeros(grid, dtype=np.uint64),
-        lengths=np.full(grid, values.nbytes, dtype=np.uint64),
-        validate_paths=False,
-    )
-    return ManifestArray(metadata=md, chunkmanifest=manifest), values.tobytes()
 
 
 def netcdf_store(paths: str | os.PathLike | Iterable[str | os.PathLike], *, concat_dim: str = "time",
@@ -716,18 +363,6 @@ def _order(urls: list[str], coords: list[dict[str, xr.Variable]], concat_dim: st
             raise VirtualReferenceError(f"{_where(urls[a])} and {_where(urls[b])} overlap along "
                                         f"{concat_dim!r}: files must follow each other")
     return order
-
-
-def _check_decodable(store: Any, first_url: str) -> None:
-    """Every array's codecs resolve in zarr (else reading would fail later, less clearly)."""
-    import zarr
-
-    for name in store._group.arrays:
-        try:
-            zarr.open_array(store, path=name, mode="r")
-        except Exception as e:  # noqa: BLE001
-            raise VirtualReferenceError(f"variable {name!r} (from {_where(first_url)}) cannot be read in "
-                                        f"place: zarr cannot build its codecs ({type(e).__name__}: {e})") from None
 
 
 def open_netcdf(paths: str | os.PathLike | Iterable[str | os.PathLike], *, concat_dim: str = "time",

@@ -1,0 +1,149 @@
+"""The fetch backends (``xinsitu.backend``) against real files in a temporary directory: whole
+objects, byte ranges, missing objects, short bodies, the typed seam and the fork policy."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import numpy as np
+import obstore.store
+import pytest
+import zarr
+
+from xinsitu import _loop
+from xinsitu.backend import (
+    Backend,
+    DamagedObjectError,
+    LocalBackend,
+    RangeBackend,
+    _FileBackend,
+    _ObstoreBackend,
+    backend_for,
+    fetch_decoded,
+)
+
+PAYLOAD = bytes(range(256)) * 40  # 10240 bytes, every offset recognisable
+
+
+@pytest.fixture
+def root(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "obj").write_bytes(PAYLOAD)
+    (tmp_path / "small").write_bytes(b"xyz")
+    return str(tmp_path)
+
+
+def _backends(root):
+    return [_ObstoreBackend(obstore.store.LocalStore(prefix=root)), _FileBackend(root)]
+
+
+@pytest.mark.parametrize("kind", ["obstore", "file"])
+def test_whole_objects_ranges_and_missing_objects(root, kind):
+    be = dict(zip(["obstore", "file"], _backends(root), strict=True))[kind]
+    assert isinstance(be, RangeBackend)
+
+    async def go():
+        return (await be.get("a/obj"), await be.get("a/none"), await be.get_range("a/obj", 100, 300),
+                await be.get_suffix("a/obj", 7), await be.get_ranges("a/obj", [5000, 0, 10], [5010, 4, 12]))
+
+    whole, missing, rng, suffix, many = _loop.run(go(), timeout=30)
+    assert bytes(whole) == PAYLOAD
+    assert missing is None
+    assert bytes(rng) == PAYLOAD[100:300]
+    assert bytes(suffix) == PAYLOAD[-7:]
+    assert [bytes(m) for m in many] == [PAYLOAD[5000:5010], PAYLOAD[0:4], PAYLOAD[10:12]]  # in the order asked
+
+
+@pytest.mark.parametrize("kind", ["obstore", "file"])
+def test_ranges_of_a_missing_or_short_object_raise(root, kind):
+    be = dict(zip(["obstore", "file"], _backends(root), strict=True))[kind]
+    with pytest.raises(FileNotFoundError, match="a/none"):
+        _loop.run(be.get_ranges("a/none", [0], [4]), timeout=30)
+    with pytest.raises(DamagedObjectError, match=r"'small': bytes 0-10 asked for, 3 exist"):
+        _loop.run(be.get_ranges("small", [0], [10]), timeout=30)
+
+
+def test_local_backend_reads_in_the_caller_and_forwards_ranges(root):
+    inner = _FileBackend(root)
+    be = LocalBackend(root, inner)
+    assert isinstance(be, RangeBackend)
+    assert be.read("a/obj") == PAYLOAD and be.read("nothing") is None
+    assert bytes(_loop.run(be.get_range("a/obj", 1, 4), timeout=30)) == PAYLOAD[1:4]
+    assert not hasattr(be, "no_such_method")  # explicit methods, nothing forwarded blindly
+
+
+def test_local_backend_leaves_the_decode_threads_when_reads_are_slow(root):
+    be = LocalBackend(root, _FileBackend(root))
+    for _ in range(LocalBackend.WINDOW - 1):
+        be.observe(0.010, 0.001)
+    assert be.fused  # not decided before the window is full
+    be.observe(0.010, 0.001)
+    assert not be.fused
+    for _ in range(LocalBackend.WINDOW):
+        be.observe(0.0001, 0.001)
+    assert be.fused
+
+
+def test_backend_for_a_local_zarr_store_reads_files_directly(tmp_path):
+    path = str(tmp_path / "d.zarr")
+    zarr.create_array(path, shape=(4,), chunks=(2,), dtype="i4")[:] = np.arange(4, dtype="i4")
+    be = backend_for(zarr.storage.LocalStore(path))
+    assert isinstance(be, LocalBackend) and isinstance(be, Backend)
+    assert be.read("zarr.json") is not None
+
+
+def test_fetch_decoded_fetches_again_then_names_the_object(root):
+    be = _FileBackend(root)
+    calls: list[int] = []
+
+    async def fails_once(raw):
+        calls.append(len(raw))
+        if len(calls) == 1:
+            raise ValueError("bad bytes")
+        return len(raw)
+
+    assert _loop.run(fetch_decoded(be, "small", fails_once), timeout=30) == 3
+    assert calls == [3, 3]
+
+    async def never(raw):
+        raise ValueError("still bad")
+
+    with pytest.raises(DamagedObjectError, match=r"'small' failed to decode 2 times.*still bad"):
+        _loop.run(fetch_decoded(be, "small", never, attempts=2), timeout=30)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or sys.platform == "darwin", reason="needs os.fork")
+def test_fork_policy_local_files_read_remote_stores_refused(root):
+    """In a forked child a local obstore directory is read with plain file I/O; a remote store raises
+    ``ForkError`` at once (obstore would hang there)."""
+    _loop.run(asyncio.sleep(0), timeout=10)  # the parent has used its loop
+    remote = obstore.store.HTTPStore.from_url("http://127.0.0.1:9/")
+    zlocal = zarr.storage.ObjectStore(obstore.store.LocalStore(prefix=root), read_only=True)
+    zremote = zarr.storage.ObjectStore(remote, read_only=True)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            be = backend_for(zlocal)
+            ok = isinstance(be, LocalBackend) and isinstance(be.inner, _FileBackend)
+            ok = ok and bytes(_loop.run(be.get("a/obj"), timeout=10)) == PAYLOAD
+            try:
+                backend_for(zremote)
+                msg = "no error"
+            except _loop.ForkError as e:
+                msg = str(e)
+            os.write(w, f"{ok}|{msg}".encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        out = f.read().decode()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    ok, msg = out.split("|", 1)
+    assert ok == "True"
+    assert "127.0.0.1:9" in msg and msg.endswith(_loop.FORK_HELP)

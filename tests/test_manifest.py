@@ -1,0 +1,59 @@
+"""The split record and its compact encodings (``xinsitu.manifest``): runs of block ids, runs of
+equal steps, and the manifest's JSON round trip (hypothesis where the math is)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import xinsitu  # noqa: F401 - registers ds.insitu
+from xinsitu.manifest import Blocks, SplitManifest, decode_steps, encode_steps
+from xinsitu.synthetic import era5_like
+
+id_lists = st.lists(st.integers(0, 200), max_size=60)
+
+
+@given(ids=id_lists)
+def test_blocks_read_like_the_ids_they_stand_for(ids):
+    b = Blocks.from_ids(ids)
+    assert len(b) == len(ids) and list(b) == ids and b == ids
+    np.testing.assert_array_equal(b.ids(), np.asarray(ids, dtype=np.int64))
+    assert b.nruns <= len(ids)
+    if ids:
+        assert b[-1] == ids[-1] and list(b[1:]) == ids[1:]
+
+
+def test_a_contiguous_split_is_one_run():
+    b = Blocks.from_ids(range(10**6))
+    assert b.nruns == 1 and len(b) == 10**6 and Blocks.range(0, 10**6) == b
+
+
+@given(values=st.lists(st.integers(-1000, 1000), max_size=50).map(lambda v: np.cumsum(np.abs(v))))
+def test_steps_round_trip(values):
+    runs = encode_steps(values)
+    np.testing.assert_array_equal(decode_steps(runs, "edges"), values)
+    assert sum(r[2] for r in runs) == len(values)
+
+
+def test_a_regular_grid_is_at_most_two_runs():
+    assert len(encode_steps(np.arange(0, 10**5 * 24, 24))) <= 2
+
+
+@pytest.mark.parametrize("bad", ["x", [[0, 1]], [[0, 1, 0]], [[0, -1, 3]], [[0, True, 2]]])
+def test_malformed_steps_are_refused_naming_the_field(bad):
+    with pytest.raises(ValueError, match="edges"):
+        decode_steps(bad, "edges")
+
+
+def test_a_manifest_round_trips_through_json(tmp_path):
+    ds = era5_like(48, 4, 8).chunk({"time": 6})
+    m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.25, "test": 0.25}, gap=1, seed=5)
+    back = SplitManifest.from_json(m.to_json())
+    assert back.splits == m.splits and back.dims == m.dims and back.sizes == m.sizes
+    assert back.fingerprint == m.fingerprint and back.gap == m.gap and back.seed == m.seed
+    path = tmp_path / "m.json"
+    m.to_json(path)
+    assert SplitManifest.from_json(path).splits == m.splits
+    assert sum(m.positions(k) for k in m.splits) < 48  # gaps leave positions out

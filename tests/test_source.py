@@ -1,0 +1,92 @@
+"""Mapping a Dataset's variables back to where their values live (``xinsitu.source``): Zarr v2 and
+v3 stores (with selections), memory, dask over memory, and the refusals that name the fix."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import xarray as xr
+
+from xinsitu.source import DaskBlocks, SourceError, VarSource, resolve
+
+
+def _ds() -> xr.Dataset:
+    t = np.arange(12, dtype="f4").reshape(12, 1) * 100 + np.arange(8, dtype="f4")
+    return xr.Dataset({"t2m": (("time", "x"), t), "lsm": (("x",), np.arange(8, dtype="i2"))},
+                      coords={"time": np.arange(12), "x": np.arange(8) * 0.5})
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def store(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp(f"v{request.param}") / "s.zarr")
+    _ds().to_zarr(path, zarr_format=request.param, encoding={"t2m": {"chunks": (5, 4)}, "lsm": {"chunks": (3,)}})
+    return path
+
+
+def test_stored_variables_map_to_their_array_and_chunks(store):
+    ds = xr.open_zarr(store, chunks=None)
+    src = resolve(ds)
+    assert set(src) == {"t2m", "lsm"}
+    t = src["t2m"]
+    assert isinstance(t, VarSource) and t.stored
+    assert t.chunk_shape == (5, 4) and t.src_dims == ("time", "x") and t.shape == (12, 8)
+    assert t.dtype == np.float32 and t.values is None
+    np.testing.assert_array_equal(t.chunk_ids("time"), np.arange(12) // 5)
+
+
+def test_a_selection_keeps_positions_in_the_store(store):
+    ds = xr.open_zarr(store, chunks=None).isel(time=slice(3, 11, 2), x=[7, 1])
+    t = resolve(ds, ["t2m"])["t2m"]
+    np.testing.assert_array_equal(t.index[0], [3, 5, 7, 9])
+    np.testing.assert_array_equal(t.index[1], [7, 1])
+    np.testing.assert_array_equal(t.chunk_ids("time"), [0, 1, 1, 1])
+    np.testing.assert_array_equal(t.chunk_ids("x"), [1, 0])
+
+
+def test_a_scalar_selection_drops_the_dim_and_keeps_its_position(store):
+    ds = xr.open_zarr(store, chunks=None).isel(time=6)
+    t = resolve(ds, ["t2m"])["t2m"]
+    assert t.dims == ("x",) and t.src_dims == ("time", "x") and t.index[0] == 6
+
+
+def test_dask_over_zarr_maps_back_through_the_coordinates(store):
+    ds = xr.open_zarr(store).sel(time=[2, 9])  # dask-backed: positions come from the labels
+    t = resolve(ds, ["t2m"])["t2m"]
+    assert t.stored
+    np.testing.assert_array_equal(t.index[0], [2, 9])
+
+
+def test_in_memory_and_dask_over_memory_keep_their_chunks():
+    ds = _ds()
+    mem = resolve(ds, ["t2m"])["t2m"]
+    assert not mem.stored and mem.mem_chunks == ((1,) * 12, (1,) * 8)  # no chunks known: one per position
+    np.testing.assert_array_equal(mem.chunk_ids("time"), np.arange(12))
+    enc = _ds()
+    enc.t2m.encoding["chunks"] = (5, 8)  # e.g. read from a store, then loaded
+    assert resolve(enc, ["t2m"])["t2m"].mem_chunks == ((5, 5, 2), (8,))
+    chunked = resolve(ds.chunk({"time": 5}), ["t2m"])["t2m"]
+    assert isinstance(chunked.values, np.ndarray) and chunked.mem_chunks == ((5, 5, 2), (8,))
+    np.testing.assert_array_equal(chunked.values, ds.t2m.values)
+    np.testing.assert_array_equal(chunked.chunk_ids("time"), [0] * 5 + [1] * 5 + [2] * 2)
+
+
+def test_dask_blocks_compute_only_what_is_asked(tmp_path):
+    path = str(tmp_path / "f.nc")
+    _ds().to_netcdf(path)
+    ds = xr.open_dataset(path, chunks={"time": 4})
+    t = resolve(ds, ["t2m"])["t2m"]
+    assert isinstance(t.values, DaskBlocks) and "f.nc" in t.values.where
+    np.testing.assert_array_equal(t.values[5:7, 2:4], _ds().t2m.values[5:7, 2:4])
+
+
+def test_refusals_name_the_variable_and_the_fix(store):
+    ds = xr.open_zarr(store)
+    with pytest.raises(ValueError, match=r"unknown variable\(s\) \['nope'\]"):
+        resolve(ds, ["nope"])
+    with pytest.raises(ValueError, match="no data variables"):
+        resolve(xr.Dataset())
+    with pytest.raises(SourceError, match=r"'t2m' is computed lazily by dask.*isel/sel"):
+        resolve(ds * 2, ["t2m"])
+    pts = xr.DataArray([1, 2], dims="p")
+    with pytest.raises(SourceError, match=r"vectorised \(pointwise\) indexing .* orthogonal selections"):
+        resolve(xr.open_zarr(store, chunks=None).isel(time=pts, x=pts), ["t2m"])

@@ -1,0 +1,77 @@
+"""Store construction and credential hygiene (``xinsitu.store``): URLs and paths become obstore
+stores, options are passed through or refused by name, and no message quotes a secret."""
+
+from __future__ import annotations
+
+import obstore.store
+import pytest
+
+from xinsitu.store import make_store, redact, redact_url, scrubbed, secrets_in_options, secrets_of
+
+
+def test_a_local_path_becomes_a_local_store(tmp_path):
+    store = make_store(tmp_path)
+    assert isinstance(store, obstore.store.LocalStore)
+    assert str(store.prefix) == str(tmp_path)
+
+
+def test_a_missing_directory_and_options_on_a_path_are_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no zarr store at"):
+        make_store(tmp_path / "nope")
+    with pytest.raises(TypeError, match="apply to URLs, not to a local path"):
+        make_store(tmp_path, client_options={"timeout": "1s"})
+
+
+def test_unknown_scheme_is_refused_without_the_query(tmp_path):
+    with pytest.raises(ValueError, match=r"unsupported URL scheme 'ftp'") as err:
+        make_store("ftp://host/data?sig=SECRET123")
+    assert "SECRET123" not in str(err.value)
+
+
+def test_anonymous_applies_to_object_storage_only():
+    with pytest.raises(TypeError, match="anonymous= applies to object storage URLs"):
+        make_store("memory:///", anonymous=True)
+    store = make_store("s3://bucket/path", anonymous=True, region="us-east-1")
+    assert str(store.config.get("skip_signature")).lower() == "true"
+
+
+def test_http_urls_get_the_default_client_and_retry_options():
+    store = make_store("http://127.0.0.1:9/data.zarr")
+    assert str(store.client_options.get("allow_http")).lower() == "true"
+    assert "timeout" in store.client_options  # DEFAULT_CLIENT_OPTIONS laid under the user's
+
+
+@pytest.mark.parametrize(("url", "want"), [
+    ("https://user:pw@host.example:8443/a/b.zarr?X-Amz-Signature=abc", "https://host.example:8443/a/b.zarr?…"),
+    ("s3://bucket/key", "s3://bucket/key"),
+    ("http://h/p", "http://h/p"),
+])
+def test_redact_url(url, want):
+    assert redact_url(url) == want
+
+
+def test_secrets_in_options_walks_nested_options_and_the_url():
+    found = secrets_in_options("https://u:hunter22@h/p?sig=QUERYSECRET",
+                               {"config": {"aws_secret_access_key": "AKSECRETVALUE", "region": "eu-west-1"},
+                                "client_options": {"default_headers": {"authorization": "Bearer TOKEN12345678"}}})
+    assert {"hunter22", "QUERYSECRET", "AKSECRETVALUE", "TOKEN12345678"} <= set(found)
+    assert "eu-west-1" not in found  # not a credential key
+    assert found == sorted(found, key=len, reverse=True)  # longest first: no partial replacement
+
+
+def test_redact_and_scrubbed_remove_credentials_and_keep_the_kind():
+    text = "GET https://user:pw@h/p?token=T0KEN failed with key AKSECRETVALUE"
+    out = redact(text, ["AKSECRETVALUE"])
+    assert "AKSECRETVALUE" not in out and "T0KEN" not in out and "pw@" not in out
+    err = scrubbed(FileNotFoundError("no object https://h/p?sig=SIGNATURE1\n\nDebug source: SIGNATURE1"))
+    assert isinstance(err, FileNotFoundError) and "SIGNATURE1" not in str(err) and "Debug source" not in str(err)
+
+    class ObstoreThing(Exception):
+        pass
+
+    other = scrubbed(ObstoreThing("boom"))
+    assert isinstance(other, OSError) and str(other) == "ObstoreThing: boom"
+
+
+def test_secrets_of_a_local_store_is_empty(tmp_path):
+    assert secrets_of(obstore.store.LocalStore(prefix=str(tmp_path))) == []

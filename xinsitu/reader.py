@@ -381,7 +381,7 @@ class Reader:
         """The region's shape and the chunks it touches with where each piece goes: pure index math
         on the region alone, so planned once and kept (an epoch reads the same units in a new order,
         every epoch; one-sample-per-chunk archives pay this per chunk otherwise)."""
-        key = (id(src), tuple(sorted(region.items())))
+        key = (id(src), tuple(region.items()))  # callers name dims in one order: no sort
         got = self._region_plans.get(key)
         if got is not None and got[0] is src:  # (an id is reused once its object is gone)
             return got[1]

@@ -82,3 +82,13 @@ def test_read_ahead_with_windows(era5_path):
         for x, y in zip(got, ref, strict=True):
             for v in VARS:
                 assert np.array_equal(x[v], y[v], equal_nan=True)
+
+
+def test_read_ahead_off(era5_path):
+    ds, _, gen = _gen(era5_path)
+    gen.read_ahead = False
+    gen.set_epoch(0)
+    _epoch(gen)
+    assert gen._ahead is None
+    gen.set_epoch(1)
+    assert _same(_epoch(gen), _oracle(ds, gen, 1))

@@ -96,6 +96,10 @@ class BatchGenerator:
         ``xinsitu.ChunkCache``. The same batches in the same order as without.
     """
 
+    #: read the next epoch's first buffer while an epoch ends (iterating the whole epoch); False
+    #: reads every epoch's chunks within it (e.g. to log which chunks each epoch reads)
+    read_ahead = True
+
     def __init__(self, ds: xr.Dataset, manifest: SplitManifest, split: str, *, batch_size: int = 32,
                  shuffle: bool = True, seed: int = 0, window: dict[str, int] | None = None,
                  patch: dict[str, int] | None = None, stride: dict[str, int] | None = None,
@@ -246,7 +250,7 @@ class BatchGenerator:
         loader = self._buffer_loader()
         first, counters_from = self._take_ahead(epoch, start)
         # a whole epoch (not a worker's range of batches): read the next one's first buffer as it ends
-        then = (lambda: self._read_ahead(epoch + 1)) if ahead and stop is None else None
+        then = (lambda: self._read_ahead(epoch + 1)) if ahead and stop is None and self.read_ahead else None
         run = EpochRun(plan, start, loader, self.builder, first=first, counters_from=counters_from, then=then)
         bar = None
         if progress:

@@ -281,6 +281,10 @@ class BatchGenerator:
         loader = self._loader
         if loader is None or self._pid != os.getpid() or self._elastic:
             return
+        if not all(lay.src.stored for lay in self.layouts.values()):
+            # files read through dask (NetCDF, HDF5) hold library locks while read: a read running on
+            # in the background could hold one when a DataLoader forks its workers
+            return
         self._drop_ahead()
         counters = {k: getattr(loader.reader.counters, k) for k in loader.reader.counters.__dataclass_fields__}
 

@@ -47,6 +47,7 @@ def main() -> None:
         cfg = dict(cfg)
         gen = ds.insitu.batches(m, cfg.pop("split", "train"), seed=3, output="xarray", variables=VARIABLES, **cfg)
         assert (gen.rank, gen.world_size) == (rank, world), "rank/world_size must default to torch.distributed's"
+        gen.read_ahead = False  # the key log counts each epoch's reads within it (no next-epoch read ahead)
         for epoch in range(2):
             log = os.path.join(out_dir, f"keys.{c}.{epoch}.{rank}")
             os.environ[ENV] = log

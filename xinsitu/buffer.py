@@ -19,6 +19,7 @@ from xinsitu.plan import EpochPlan
 from xinsitu.reader import Reader
 from xinsitu.sampling import SampleSpace, VarLayout
 
+UNIT_SLOTS = 1 << 17  # units whose slot planning is kept (a few hundred bytes each)
 HALO_BUFFERS = 2  # a buffer passes the chunks a window spills into on to the buffers up to this many later
 
 
@@ -45,6 +46,8 @@ class BufferLoader:
         self._static: dict[str, np.ndarray] | None = None
         self._pool: dict[tuple[tuple[int, ...], np.dtype], list[np.ndarray]] = {}
         self.pool_size = 4
+        self._inverses: dict[str, tuple[int, ...]] = {}
+        self._unit_slots: dict[tuple[int, int, int], tuple[np.ndarray, list[int], np.ndarray]] = {}
 
     # ------------------------------------------------------------------ reading
     async def load_static(self) -> dict[str, np.ndarray]:
@@ -59,21 +62,36 @@ class BufferLoader:
     def _slots(self, plan: EpochPlan, j: int) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
         """Buffer ``j``'s sample starts per slot, and the region each slot holds: its unit from the
         first position (``origin``) to the end of the last window or tile (``end``, halo included)."""
-        sp = self.space
         sl = plan.buffer_pieces(j)
         units, lo, hi = plan.units[sl], plan.lo[sl], plan.hi[sl]
         tables, origins, ends = [], [], []
-        widths = np.array([d.width for d in sp.split_dims], dtype=np.int64)
-        for u, a, b in zip(units, lo, hi, strict=True):
-            st = sp.unit_starts(int(u))[a:b]
+        for u, a, b in zip(units.tolist(), lo.tolist(), hi.tolist(), strict=True):
+            st, o, e = self._unit_slot(u, a, b)
             tables.append(st)
-            coords = np.unravel_index(int(sp.blocks[u]), sp.grid)
-            origins.append([sp.edges[k][c] for k, c in enumerate(coords)])
-            block_end = np.array([sp.edges[k][c + 1] for k, c in enumerate(coords)], dtype=np.int64)
-            ends.append(np.maximum(block_end, (st[:, : self.n_split] + widths).max(axis=0)) if len(st) else block_end)
+            origins.append(o)
+            ends.append(e)
         origin = np.array(origins, dtype=np.int64).reshape(len(units), self.n_split)
         end = np.array(ends, dtype=np.int64).reshape(len(units), self.n_split)
         return tables, origin, end
+
+    def _unit_slot(self, u: int, a: int, b: int) -> tuple[np.ndarray, list[int], np.ndarray]:
+        """Unit ``u``'s sample starts ``a..b``, its first position and the end of its region: index
+        math on the unit alone, kept across buffers and epochs (one-chunk units pay it per chunk)."""
+        key = (u, a, b)
+        got = self._unit_slots.get(key)
+        if got is not None:
+            return got
+        sp = self.space
+        widths = np.array([d.width for d in sp.split_dims], dtype=np.int64)
+        st = sp.unit_starts(u)[a:b]
+        coords = np.unravel_index(int(sp.blocks[u]), sp.grid)
+        origin = [int(sp.edges[k][c]) for k, c in enumerate(coords)]
+        block_end = np.array([sp.edges[k][c + 1] for k, c in enumerate(coords)], dtype=np.int64)
+        end = np.maximum(block_end, (st[:, : self.n_split] + widths).max(axis=0)) if len(st) else block_end
+        if len(self._unit_slots) >= UNIT_SLOTS:
+            self._unit_slots.clear()
+        got = self._unit_slots[key] = (st, origin, end)
+        return got
 
     async def load(self, plan: EpochPlan, j: int, halo: HaloPlan | None = None) -> Buffer:
         """Read every chunk of buffer ``j`` once (all variables, all units concurrently); with ``halo``,
@@ -91,6 +109,9 @@ class BufferLoader:
                                                                                           strict=True)]) \
             if len(units) else np.zeros(0, np.int64)
         perm = plan.buffer_perm(j, len(base_ids))
+        # each slot's region along the split dims (the same for every variable that has them all)
+        ol, el = origin.tolist(), end.tolist()
+        regions = [{d.name: (ol[s][k], el[s][k]) for k, d in enumerate(sp.split_dims)} for s in range(len(units))]
         arrays = {}
         jobs = []
         step = None if halo is None else halo.step(j)
@@ -101,10 +122,12 @@ class BufferLoader:
             buf = self._empty(shape, lay.src.raw_dtype)
             arrays[name] = buf
             reads = []
+            inv = self._inverse(name, lay)
+            mine = regions if all(d.name in lay.src.dims for d in sp.split_dims) else [
+                {d: r for d, r in reg.items() if d in lay.src.dims} for reg in regions]
             for s in range(len(units)):
-                region = {d.name: (int(origin[s, k]), int(end[s, k])) for k, d in enumerate(sp.split_dims)
-                          if d.name in lay.src.dims}
-                view = self._slot_view(lay, buf, s, region)
+                region = mine[s]
+                view = self._slot_view(lay, buf, s, region, inv)
                 if step is None:
                     reads.append((region, view))
                     continue
@@ -146,10 +169,18 @@ class BufferLoader:
                 return int(extent[k])
         return lay.src.shape[ax]
 
+    def _inverse(self, name: str, lay: VarLayout) -> tuple[int, ...]:
+        """The permutation from a variable's buffer layout back to its own dim order (made once)."""
+        got = self._inverses.get(name)
+        if got is None:
+            got = self._inverses[name] = tuple(int(i) for i in np.argsort(lay.order))
+        return got
+
     @staticmethod
-    def _slot_view(lay: VarLayout, buf: np.ndarray, s: int, region: dict[str, tuple[int, int]]) -> np.ndarray:
+    def _slot_view(lay: VarLayout, buf: np.ndarray, s: int, region: dict[str, tuple[int, int]],
+                   inv: tuple[int, ...] | None = None) -> np.ndarray:
         """Slot ``s`` of ``buf`` seen in the variable's dim order, cut to ``region``'s extent."""
-        view = np.transpose(buf[s], np.argsort(lay.order))
+        view = buf[s].transpose(inv if inv is not None else tuple(np.argsort(lay.order)))
         return view[tuple(slice(0, region[d][1] - region[d][0]) if d in region else slice(None)
                           for d in lay.src.dims)]
 
@@ -312,13 +343,13 @@ class HaloPlan:
         self.takers: dict[tuple[int, int], int] = {}
         live: dict[int, tuple[tuple[int, int], int]] = {}  # unit -> (entry, end held)
         for j in buffers:
-            later = {}
+            later: dict[int, int] = {}
             for k in range(j + 1, min(j + ahead + 1, plan.n_buffers)):
                 for u, b in ends[k].items():
                     later[u] = max(later.get(u, 0), b)
             per_slot, taken = [], set()
             for segs in need[j]:
-                out = []
+                out: list[tuple[int, int, Any]] = []
                 for u, a, b in segs:
                     got = live.get(u)
                     if got is not None and got[1] >= b and j - got[0][0] <= ahead:

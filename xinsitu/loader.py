@@ -8,6 +8,7 @@ reads buffers ahead, a prefetch thread gathers batches, the caller takes them.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import warnings
 from typing import Any
@@ -26,6 +27,18 @@ from xinsitu.plan import EpochPlan, epoch_plan, epoch_size, plan_head, plan_qual
 from xinsitu.reader import Reader
 from xinsitu.sampling import check_split, dist_defaults, flag, int_arg, positive_int, sampling
 from xinsitu.state import check_state, make_state
+
+
+async def _settle(task: Any) -> None:
+    """Cancel a read ahead and wait until it has stopped."""
+    task.cancel()
+    await asyncio.wait([task])
+
+
+def _quiet(task: Any) -> None:
+    """Retrieve a read ahead's outcome: one that failed or was dropped is simply not used."""
+    if not task.cancelled():
+        task.exception()
 
 
 class BatchGenerator:
@@ -91,6 +104,10 @@ class BatchGenerator:
         ``xinsitu.ChunkCache``. The same batches in the same order as without.
     """
 
+    #: read the next epoch's first buffer while an epoch ends (iterating the whole epoch); False
+    #: reads every epoch's chunks within it (e.g. to log which chunks each epoch reads)
+    read_ahead = True
+
     def __init__(self, ds: xr.Dataset, manifest: SplitManifest, split: str, *, batch_size: int = 32,
                  shuffle: bool = True, seed: int = 0, window: dict[str, int] | None = None,
                  patch: dict[str, int] | None = None, stride: dict[str, int] | None = None,
@@ -130,6 +147,8 @@ class BatchGenerator:
         self._loader: BufferLoader | None = None
         self._pid = -1
         self._io: dict[str, Any] = {}
+        # the next epoch's first buffer, read while an epoch ends: (pid, epoch, task, counters then)
+        self._ahead: tuple[int, int, Any, dict[str, Any]] | None = None
         self._channels: list[str] | None = None
         # elastic resume: the (world_size, batches) hops of epoch ``_elastic_epoch`` so far (see state.py)
         self._elastic: list[tuple[int, int]] = []
@@ -219,7 +238,7 @@ class BatchGenerator:
 
     def __iter__(self) -> Any:
         start, self._resume_batch = self._resume_batch, 0
-        return self._batches(self.epoch, start, None, self.progress)
+        return self._batches(self.epoch, start, None, self.progress, ahead=True)
 
     def iter_batches(self, start: int = 0, stop: int | None = None, *, progress: bool | None = None) -> Any:
         """Batches ``start..stop-1`` of this rank's current epoch (``stop=None``: to its end), reading
@@ -233,12 +252,16 @@ class BatchGenerator:
         progress = self.progress if progress is None else flag("progress", progress)
         return self._batches(self.epoch, start, stop, progress)
 
-    def _batches(self, epoch: int, start: int, stop: int | None, progress: bool) -> Any:
+    def _batches(self, epoch: int, start: int, stop: int | None, progress: bool, ahead: bool = False) -> Any:
         plan = self.plan(epoch)
         plan = plan_head(plan, plan.n_batches if stop is None else stop)  # blocks past the last batch: unread
         self._live += 1
         self._yielded_at = (epoch, start)
-        run = EpochRun(plan, start, self._buffer_loader(), self.builder)
+        loader = self._buffer_loader()
+        first, counters_from = self._take_ahead(epoch, start)
+        # a whole epoch (not a worker's range of batches): read the next one's first buffer as it ends
+        then = (lambda: self._read_ahead(epoch + 1)) if ahead and stop is None and self.read_ahead else None
+        run = EpochRun(plan, start, loader, self.builder, first=first, counters_from=counters_from, then=then)
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -260,6 +283,53 @@ class BatchGenerator:
             if bar is not None:
                 bar.close()
 
+    def _read_ahead(self, epoch: int) -> None:
+        """On the I/O loop, once every buffer of an epoch is loaded: start reading ``epoch``'s first
+        buffer (it depends only on the seed and the epoch), so that a training loop that goes on
+        with ``set_epoch(epoch)`` finds it read. At most one buffer is held this way; the next
+        iteration takes it where its plan starts with those very samples, else drops it."""
+        loader = self._loader
+        if loader is None or self._pid != os.getpid() or self._elastic:
+            return
+        if not all(lay.src.stored for lay in self.layouts.values()):
+            # files read through dask (NetCDF, HDF5) hold library locks while read: a read running on
+            # in the background could hold one when a DataLoader forks its workers
+            return
+        self._drop_ahead()
+        counters = {k: getattr(loader.reader.counters, k) for k in loader.reader.counters.__dataclass_fields__}
+
+        async def first() -> Any:
+            loop = asyncio.get_running_loop()
+            plan = await loop.run_in_executor(None, self.plan, epoch)  # pure math, off the loop
+            if plan.n_buffers == 0 or loader.halo_plan(plan, 0) is not None:
+                return None  # windows spilling into later buffers: their halo plan starts with the run
+            return await loader.load(plan, 0)
+
+        task = asyncio.ensure_future(first())
+        task.add_done_callback(_quiet)
+        self._ahead = (os.getpid(), epoch, task, counters)
+
+    def _take_ahead(self, epoch: int, start: int) -> tuple[Any, dict[str, Any] | None]:
+        """The first buffer read ahead for this iteration (a task and the counters when it began),
+        or (None, None); one read ahead for another epoch or place is dropped."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None, None
+        pid, e, task, counters = ahead
+        if pid != os.getpid():
+            return None, None
+        if e != epoch or start != 0 or self._live > 1:
+            # dropped, and settled before this iteration reads: its reads neither count in this
+            # epoch's io_stats nor run on beside it
+            _loop.run(_settle(task), timeout=30)
+            return None, None
+        return task, counters
+
+    def _drop_ahead(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == os.getpid():
+            ahead[2].cancel()  # on the I/O loop (called there)
+
     def _warn_missing(self) -> None:
         """Once per epoch: chunks that had no object read as fill values (zarr's rule), but a deleted
         archive or a store answering 404 looks just like that."""
@@ -276,7 +346,7 @@ class BatchGenerator:
         # a pickled generator (e.g. sent to a spawned DataLoader worker) leaves this process's
         # reader and recycled block buffers behind: the new process builds its own
         state = self.__dict__.copy()
-        state.update(_reader=None, _loader=None, _pid=-1, _io={}, _live=0)
+        state.update(_reader=None, _loader=None, _pid=-1, _io={}, _live=0, _ahead=None)
         return state
 
     # ------------------------------------------------------------------ state

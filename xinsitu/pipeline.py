@@ -14,6 +14,7 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -40,12 +41,22 @@ class EpochRun:
     call it, e.g. in a ``finally``); ``report()`` gives the pass's I/O counters and rates.
 
     ``loader`` reads the plan's buffers (through its reader); ``builder`` makes batches of them.
+    ``first``: a task on the I/O loop already loading the first buffer (read while the epoch before
+    ended), used where it holds the very samples, in the order, this plan's first buffer yields
+    (else dropped and the buffer read again), with ``counters_from`` the reader's counters when it
+    began. ``then``: called on the I/O loop once every buffer is loaded (e.g. to start the next
+    epoch's first buffer); the I/O counters of this run stop there.
     """
 
-    def __init__(self, plan: EpochPlan, start: int, loader: BufferLoader, builder: OutputBuilder):
+    def __init__(self, plan: EpochPlan, start: int, loader: BufferLoader, builder: OutputBuilder,
+                 first: asyncio.Task | None = None, counters_from: dict[str, Any] | None = None,
+                 then: Callable[[], None] | None = None):
         self.plan, self.start, self.builder = plan, start, builder
         self.loader = loader
-        self.counters_before = _copy_counters(self.loader.reader.counters)
+        self.counters_before = counters_from if first is not None and counters_from is not None \
+            else _copy_counters(self.loader.reader.counters)
+        self.counters_end: dict[str, Any] | None = None
+        self.then = then
         self.buffers: queue.Queue = queue.Queue()
         self.batches: queue.Queue = queue.Queue(PREFETCH_BATCHES)
         self.stop = threading.Event()
@@ -67,6 +78,9 @@ class EpochRun:
             self.first_buffer = plan.buffers_of(*plan.batch_span(start))[0]
         # chunks that windows spill into, passed from buffer to buffer rather than read twice
         self.halo = self.loader.halo_plan(plan, self.first_buffer)
+        self.first = first if self.halo is None else None
+        if first is not None and self.first is None:
+            self.loop.call_soon_threadsafe(first.cancel)
         self.io_future = _loop.submit(self._produce())
         self.thread = threading.Thread(target=self._assemble, name="xinsitu-prefetch", daemon=True)
         self.thread.start()
@@ -85,6 +99,12 @@ class EpochRun:
                 prev.add_done_callback(self.tasks.discard)
             delivered = True if prev is None else await prev
             if delivered and not self.stop.is_set():
+                self.counters_end = _copy_counters(self.loader.reader.counters)
+                if self.then is not None:
+                    try:
+                        self.then()
+                    except Exception:  # noqa: BLE001 - a read ahead that cannot start is only not made
+                        pass
                 self.buffers.put(_END)
         except asyncio.CancelledError:
             for t in list(self.tasks):  # closed early: stop the reads of buffers nobody will take
@@ -96,11 +116,14 @@ class EpochRun:
     async def _load(self, j: int, prev: asyncio.Task | None) -> bool:
         """Load buffer ``j`` and hand it (or its error) on after buffer ``j - 1``; whether it was delivered."""
         try:
-            buffer: Any = await self.loader.load(self.plan, j, self.halo)
+            buffer: Any = await self._first(j) if j == self.first_buffer and self.first is not None else None
+            if buffer is None:
+                buffer = await self.loader.load(self.plan, j, self.halo)
         except Exception as e:  # noqa: BLE001 - delivered to the caller, in order
             buffer = e
             self.failed = True
-            self.credits.release()  # wake the producer, which may be waiting for a credit, so that it stops
+            if self.credits is not None:
+                self.credits.release()  # wake the producer, which may be waiting for a credit, so that it stops
         else:
             self.n_loaded += 1
             self._deepen()
@@ -110,6 +133,29 @@ class EpochRun:
             return False
         self.buffers.put(buffer)
         return not isinstance(buffer, BaseException)
+
+    async def _first(self, j: int) -> Any:
+        """Buffer ``j`` as read ahead (``first``), or None where it failed or holds other samples."""
+        task, self.first = self.first, None
+        assert task is not None
+        try:
+            buffer = await task
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if not task.cancelled() or (me is not None and me.cancelling()):  # this run is cancelled
+                raise
+            return None  # the read ahead was (e.g. dropped): read the buffer here
+        except Exception:  # noqa: BLE001 - read again below: its error, if it lasts, comes from there
+            return None
+        if buffer is None:
+            return None
+        sl = self.plan.buffer_pieces(j)
+        sizes = self.plan.hi[sl] - self.plan.lo[sl]
+        want = self.plan.buffer_order(j, self.loader.space.offsets)
+        if int(sizes.sum()) != len(buffer.ids) or not np.array_equal(buffer.ids, want):
+            self.loader.recycle(buffer)
+            return None
+        return buffer
 
     def _deepen(self) -> None:
         """Read further ahead where the reader keeps more requests in flight than the buffers being
@@ -239,13 +285,15 @@ class EpochRun:
 
     def close(self) -> None:
         self.stop.set()
+        if self.first is not None:  # never taken: let its read stop
+            self.loop.call_soon_threadsafe(self.first.cancel)
         for _ in range(MAX_READ_AHEAD_BUFFERS + 1):
             self._release()
         self.io_future.cancel()
         self.thread.join(timeout=5)
 
     def report(self) -> dict[str, Any]:
-        c = _copy_counters(self.loader.reader.counters)
+        c = dict(self.counters_end) if self.counters_end is not None else _copy_counters(self.loader.reader.counters)
         for k, v in self.counters_before.items():
             c[k] -= v
         dt = (self.t_end or time.perf_counter()) - self.t0

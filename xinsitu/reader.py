@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 
@@ -48,7 +48,21 @@ _EMPTY = 2**64 - 1  # shard index entry of an inner chunk never written
 #: called with (values, out_sel): a chunk's values within a region and where they lie in it
 PieceHook = Callable[[np.ndarray, list], None]
 #: where one chunk goes: (destination or None, out selection, in-chunk selection, scalar-dim drops, hook or None)
-Target = tuple[np.ndarray | None, list, list, list, PieceHook | None]
+
+
+class Target(NamedTuple):
+    """Where one chunk goes."""
+
+    out: np.ndarray | None  # destination (None: hooks only)
+    out_sel: list  # where the piece lies in the destination
+    in_sel: list  # the piece within the chunk (after ``drop``)
+    drop: list  # scalar-dim selections applied first ([] where none)
+    hook: PieceHook | None
+
+
+#: a region's shape and its pieces: [(chunk coords, out selection, in-chunk selection, drop)]
+_RegionPlan = tuple[tuple[int, ...], list[tuple[tuple[int, ...], list, list, list]]]
+REGION_PLANS = 1 << 17  # region plans kept per reader (a few hundred bytes each)
 
 
 class ChunkReadError(OSError):
@@ -92,7 +106,7 @@ def _range_plan(start: int, stop: int, chunk: int) -> list[tuple[int, Any, Any]]
 def _axis_plan(pos: np.ndarray, chunk: int) -> list[tuple[int, Any, Any]]:
     """For one axis: [(chunk id, out selection, in-chunk selection)], slices where contiguous."""
     cid = pos // chunk
-    out = []
+    out: list[tuple[int, Any, Any]] = []
     brk = np.flatnonzero(np.diff(cid)) + 1
     for a, b in zip(np.concatenate([[0], brk]), np.concatenate([brk, [len(pos)]]), strict=True):
         c = int(cid[a])
@@ -268,10 +282,12 @@ class Reader:
         self.cache = cache
         self._keys: dict[int, ChunkKey | None] = {}
         self._decoders: dict[int, ChunkDecoder] = {}
+        self._layouts: dict[int, ShardLayout] = {}
         self._backends: dict[int, Any] = {}
         self.counters = IOCounters()
         self._index_cache: OrderedDict[str, np.ndarray | None] = OrderedDict()
         self._whole_plans: dict[tuple[int, int], list[tuple[int, Any, Any]]] = {}
+        self._region_plans: dict[tuple[int, tuple], tuple[VarSource, _RegionPlan]] = {}
         self._ranges: dict[tuple[int, int], bool] = {}
         self.on_missing = "fill"  # or "raise": a chunk with no object is an error
         self.last_missing: tuple[str, tuple[int, ...], str] | None = None  # (variable, chunk, key)
@@ -306,6 +322,7 @@ class Reader:
         With ``out`` (any view of the right shape), chunks are decoded straight into it.
         """
         (res,) = await self.read_many(src, [(region, out)])
+        assert res is not None  # no hook: the values land somewhere
         return res
 
     async def read_many(self, src: VarSource, jobs: list[tuple[Any, ...]]) -> list[np.ndarray | None]:
@@ -340,7 +357,8 @@ class Reader:
                             values = await asyncio.get_running_loop().run_in_executor(None, self._values, src,
                                                                                       region)
                         except Exception as e:  # noqa: BLE001 - every failure names its chunk
-                            raise ChunkReadError(src.name, src.chunk_at(region), src.values.where, e) from e
+                            raise ChunkReadError(src.name, src.chunk_at(region), getattr(src.values, "where", "?"),
+                                                 e) from e
                     self.counters.requests += 1  # what io_stats shows, and how far the loader reads ahead
                     self.counters.chunks += 1
                     self.counters.bytes_decoded += values.nbytes
@@ -350,37 +368,18 @@ class Reader:
                     hook(_readonly(np.asarray(values)), [slice(None)] * np.ndim(values))
                 outs.append(out)
                 continue
-            pos = self._positions(src, region)
-            shape = tuple(len(p) for p in pos if not isinstance(p, int))
+            shape, pieces = self._region_plan(src, region)
             if out is None and hook is None:
                 out = np.empty(shape, dtype=src.raw_dtype)
             elif out is not None and out.shape != shape:
                 raise ValueError(f"read of {src.name!r}: destination shape {out.shape} != region shape {shape}")
             outs.append(out)
-            if math.prod(shape) == 0:
-                continue
-            plans = []
-            for ax, (d, p) in enumerate(zip(src.src_dims, pos, strict=True)):
-                cs = src.chunk_shape[ax]
-                if isinstance(p, int):
-                    plans.append([(p // cs, None, p % cs)])
-                elif d in region:
-                    if len(p) and self._is_range(src, ax):  # a slice of a step-1 index: integer math
-                        plans.append(_range_plan(int(p[0]), int(p[-1]) + 1, cs))
-                    else:
-                        plans.append(_axis_plan(p, cs))
-                else:  # a dim read whole: the same plan for every region, computed once
-                    key = (id(src), ax)
-                    if key not in self._whole_plans:
-                        self._whole_plans[key] = _axis_plan(p, cs)
-                    plans.append(self._whole_plans[key])
-            for combo in itertools.product(*plans):
-                coords = tuple(int(c) for c, _, _ in combo)
-                out_sel = [o for _, o, _ in combo if o is not None]
-                in_sel = [i for _, o, i in combo if o is not None]
-                drop = [i if o is None else slice(None) for _, o, i in combo]
-                drop = drop if any(o is None for _, o, _ in combo) else []
-                targets.setdefault(coords, []).append((out, out_sel, in_sel, drop, hook))
+            for coords, out_sel, in_sel, drop in pieces:
+                got = targets.get(coords)
+                if got is None:
+                    targets[coords] = [Target(out, out_sel, in_sel, drop, hook)]
+                else:
+                    got.append(Target(out, out_sel, in_sel, drop, hook))
         if targets and is_sharded(src.array):
             await self._read_shards(src, targets)
             return outs
@@ -393,6 +392,46 @@ class Reader:
             dec, store = self._decoder(src), self._store(src)
             await _all_or_none(self._fetch_into(src, dec, store, c, t) for c, t in targets.items())
         return outs
+
+    def _region_plan(self, src: VarSource, region: dict[str, tuple[int, int]]) -> _RegionPlan:
+        """The region's shape and the chunks it touches with where each piece goes: pure index math
+        on the region alone, so planned once and kept (an epoch reads the same units in a new order,
+        every epoch; one-sample-per-chunk archives pay this per chunk otherwise)."""
+        key = (id(src), tuple(region.items()))  # callers name dims in one order: no sort
+        got = self._region_plans.get(key)
+        if got is not None and got[0] is src:  # (an id is reused once its object is gone)
+            return got[1]
+        pos = self._positions(src, region)
+        shape = tuple(len(p) for p in pos if not isinstance(p, int))
+        pieces: list[tuple[tuple[int, ...], list, list, list]] = []
+        if math.prod(shape) != 0:
+            plans = []
+            for ax, (d, p) in enumerate(zip(src.src_dims, pos, strict=True)):
+                cs = src.chunk_shape[ax]
+                if isinstance(p, int):
+                    plans.append([(p // cs, None, p % cs)])
+                elif d in region:
+                    if len(p) and self._is_range(src, ax):  # a slice of a step-1 index: integer math
+                        plans.append(_range_plan(int(p[0]), int(p[-1]) + 1, cs))
+                    else:
+                        plans.append(_axis_plan(p, cs))
+                else:  # a dim read whole: the same plan for every region, computed once
+                    wk = (id(src), ax)
+                    if wk not in self._whole_plans:
+                        self._whole_plans[wk] = _axis_plan(p, cs)
+                    plans.append(self._whole_plans[wk])
+            for combo in itertools.product(*plans):
+                coords = tuple(int(c) for c, _, _ in combo)
+                out_sel = [o for _, o, _ in combo if o is not None]
+                in_sel = [i for _, o, i in combo if o is not None]
+                drop = [i if o is None else slice(None) for _, o, i in combo]
+                drop = drop if any(o is None for _, o, _ in combo) else []
+                pieces.append((coords, out_sel, in_sel, drop))
+        if len(self._region_plans) >= REGION_PLANS:  # bounded: a new region set (e.g. another split)
+            self._region_plans.clear()
+        plan: _RegionPlan = (shape, pieces)
+        self._region_plans[key] = (src, plan)
+        return plan
 
     @staticmethod
     def _positions(src: VarSource, region: dict[str, tuple[int, int]]) -> list[Any]:
@@ -410,6 +449,7 @@ class Reader:
     def _values(src: VarSource, region: dict[str, tuple[int, int]]) -> np.ndarray:
         """A region of a variable held in memory (or by dask)."""
         sel = tuple(slice(*region[d]) if d in region else slice(None) for d in src.dims)
+        assert src.values is not None  # not stored: held in memory or by dask
         return np.asarray(src.values[sel])
 
     def _is_range(self, src: VarSource, ax: int) -> bool:
@@ -462,7 +502,7 @@ class Reader:
             hits, n_mem, n_disk, misses = _lookup(cache, keys, prefix, object_of, items)
             if hits:
                 await loop.run_in_executor(None, _take, hits)
-        rest = {c: _Keep(t, cache, ck) for c, t, ck in misses}
+        rest: dict[tuple[int, ...], list[Target]] = {c: _Keep(t, cache, ck) for c, t, ck in misses}
         n = n_mem + n_disk
         self.counters.cache_hits += n
         self.counters.cache_disk_hits += n_disk
@@ -484,10 +524,10 @@ class Reader:
         return True
 
     def _layout(self, src: VarSource) -> ShardLayout:
-        key = ("shard", id(src.array))
-        if key not in self._decoders:
-            self._decoders[key] = ShardLayout(src.array)  # type: ignore[assignment]
-        return self._decoders[key]  # type: ignore[return-value]
+        key = id(src.array)
+        if key not in self._layouts:
+            self._layouts[key] = ShardLayout(src.array)
+        return self._layouts[key]
 
     async def _read_shards(self, src: VarSource, targets: dict[tuple[int, ...], list[Target]]) -> None:
         lay = self._layout(src)
@@ -533,13 +573,15 @@ class Reader:
         async with self.inflight:
             try:
                 index = await self._shard_index(lay, store, path)
-                want, starts, ends = [], [], []
+                want: list[list[Target]] = []
+                starts: list[int] = []
+                ends: list[int] = []
                 for coords, t in inner.items():
                     local = tuple(c - s * n for c, s, n in zip(coords, shard, lay.per_shard, strict=True))
-                    off, nb = (None, None) if index is None else (int(index[local][0]), int(index[local][1]))
-                    if off is None:
+                    if index is None:
                         self._missing(src, coords, path)
-                    if off is None or off == _EMPTY:
+                    off, nb = (_EMPTY, 0) if index is None else (int(index[local][0]), int(index[local][1]))
+                    if off == _EMPTY:
                         await loop.run_in_executor(None, _assign_all, dec.fill(), t)
                         continue
                     want.append(t)
@@ -731,11 +773,11 @@ def _decode_put(dec: ChunkDecoder, raw: Any, targets: list[Target]) -> None:
     if view is not None and dec.decode_into(raw, view):
         if keep is not None:
             keep(view)  # copied (where memory has room): the view is the caller's
-        hook = targets[0][4]
+        hook = targets[0].hook
         if hook is not None:
-            hook(_readonly(view), targets[0][1])  # the caller's array
+            hook(_readonly(view), targets[0].out_sel)  # the caller's array
         return
-    if all(t[0] is None for t in targets):  # only hooks: decode into this thread's buffer, no allocation
+    if all(t.out is None for t in targets):  # only hooks: decode into this thread's buffer, no allocation
         buf = _scratch_chunk(dec)
         if dec.decode_into(raw, buf):
             if keep is not None:
@@ -789,7 +831,19 @@ def _lookup(cache: ChunkCache, keys: ChunkKey, prefix: str, object_of: Callable[
 def _take(hits: list[tuple[np.ndarray, list[Target]]]) -> None:
     """Put cached chunks in place (a decode-thread job: one copy per target)."""
     for chunk, t in hits:
+        if len(t) == 1:
+            out, out_sel, in_sel, drop, hook = t[0]
+            if out is not None and hook is None and not drop and _all_slices(out_sel) and _all_slices(in_sel):
+                out[tuple(out_sel)] = chunk[tuple(in_sel)]  # the common case: one plain copy
+                continue
         _assign_all(chunk, t)
+
+
+def _all_slices(sel: list[Any]) -> bool:
+    for s in sel:
+        if not isinstance(s, slice):
+            return False
+    return True
 
 
 def _lookup_take(cache: ChunkCache, keys: ChunkKey, prefix: str, object_of: Callable[[tuple[int, ...]], str],

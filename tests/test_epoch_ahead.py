@@ -1,0 +1,94 @@
+"""The next epoch's first buffer is read while an epoch ends (no wait at an epoch start): the
+epochs that follow are bit for bit those of plain xarray, in order, whether the read ahead is
+taken (``set_epoch(e + 1)``), dropped (another epoch, a resume, a range of batches) or made for
+windows; ``io_stats`` of each epoch counts its own reads. Speed: bench/epochs_bench.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import xinsitu
+
+VARS = ["t2m", "u10"]
+
+
+def _gen(path: str, **kw):
+    ds = xinsitu.open_zarr(path)
+    m = ds.insitu.split("time", fractions={"train": 0.8, "val": 0.2})
+    kw = {"batch_size": 5, "block_chunks": 2, "output": "numpy", "variables": VARS, **kw}
+    return ds, m, ds.insitu.batches(m, "train", **kw)
+
+
+def _oracle(ds, gen, epoch: int) -> list[dict[str, np.ndarray]]:
+    """Epoch ``epoch`` as plain xarray gives it: ``ds.isel`` of each batch's sample ids."""
+    out = []
+    for ids in gen.batch_ids(epoch):
+        pos = np.asarray(ids, dtype=np.int64)  # the train split starts at time 0: id = time position
+        out.append({v: ds[v].isel(time=pos).values for v in VARS})
+    return out
+
+
+def _epoch(gen) -> list[dict[str, np.ndarray]]:
+    return [{k: np.array(v, copy=True) for k, v in b.items()} for b in gen]
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(
+        all(np.array_equal(x[k], y[k], equal_nan=True) for k in y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_read_ahead_taken_gives_the_same_epochs(era5_path, shuffle):
+    ds, _, gen = _gen(era5_path, shuffle=shuffle)
+    for e in range(3):
+        gen.set_epoch(e)
+        got = _epoch(gen)
+        assert gen._ahead is not None and gen._ahead[1] == e + 1  # the next epoch's first buffer is on its way
+        assert _same(got, _oracle(ds, gen, e))
+        st = gen.io_stats
+        assert st["epoch"] == e and st["batches"] == len(got)
+
+
+def test_read_ahead_dropped_for_another_epoch_or_a_resume(era5_path):
+    ds, _, gen = _gen(era5_path)
+    gen.set_epoch(0)
+    _epoch(gen)
+    gen.set_epoch(5)  # not the epoch read ahead (1): dropped, epoch 5 read as it is
+    assert _same(_epoch(gen), _oracle(ds, gen, 5))
+    gen.set_epoch(6)
+    it = iter(gen)
+    next(it)
+    state = gen.state_dict()
+    del it
+    _, _, again = _gen(era5_path)
+    again.set_epoch(0)
+    _epoch(again)  # reads epoch 1's first buffer ahead
+    again.load_state_dict(state)  # ... but the run resumes in epoch 6 after one batch
+    assert _same(_epoch(again), _oracle(ds, gen, 6)[1:])
+    part = list(gen.iter_batches(1, 3))  # a range of batches: no read ahead made or taken
+    assert _same([{k: np.asarray(v) for k, v in b.items()} for b in part], _oracle(ds, gen, 6)[1:3])
+
+
+def test_read_ahead_with_windows(era5_path):
+    """Windows spill into the next unit: the first buffer is read by the run (halo plan), still right."""
+    ds, _, gen = _gen(era5_path, window={"time": 3})
+    for e in range(2):
+        gen.set_epoch(e)
+        got = _epoch(gen)
+        ref = []
+        for ids in gen.batch_ids(e):
+            ref.append({v: np.stack([ds[v].isel(time=slice(int(i), int(i) + 3)).values for i in ids]) for v in VARS})
+        assert len(got) == len(ref)
+        for x, y in zip(got, ref, strict=True):
+            for v in VARS:
+                assert np.array_equal(x[v], y[v], equal_nan=True)
+
+
+def test_read_ahead_off(era5_path):
+    ds, _, gen = _gen(era5_path)
+    gen.read_ahead = False
+    gen.set_epoch(0)
+    _epoch(gen)
+    assert gen._ahead is None
+    gen.set_epoch(1)
+    assert _same(_epoch(gen), _oracle(ds, gen, 1))

@@ -114,14 +114,9 @@ def test_batches_equal_plain_xarray_merge(two, output):
 
 
 @pytest.mark.parametrize("block_chunks", [16, 1])
-def test_static_field_read_once_per_epoch(two, block_chunks, request):
+def test_static_field_read_once_per_epoch(two, block_chunks):
     """lsm (no time dim) comes once per batch without a sample axis, and is read once per epoch."""
     a, b, ct_a, ct_b = two
-    if block_chunks == 1:
-        # BufferLoader.load_static caches the result, not the read in flight: buffers loading at once
-        # each read the static variables (2-3 reads an epoch where several buffers load together)
-        request.applymarker(pytest.mark.xfail(reason="buffer.load_static: concurrent first loads each read "
-                                                     "the static variables", strict=False))
     ds = merged(a, b)
     m = ds.insitu.split("time", fractions={"train": 0.7, "val": 0.3})
     gen = ds.insitu.batches(m, "train", batch_size=4, output="numpy", variables=["t2m", "tp", "lsm"],

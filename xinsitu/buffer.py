@@ -43,7 +43,7 @@ class BufferLoader:
         self.layouts = layouts
         self.reader = reader
         self.n_split = len(space.split_dims)
-        self._static: dict[str, np.ndarray] | None = None
+        self._static: asyncio.Future[dict[str, np.ndarray]] | None = None
         self._pool: dict[tuple[tuple[int, ...], np.dtype], list[np.ndarray]] = {}
         self.pool_size = 4
         self._inverses: dict[str, tuple[int, ...]] = {}
@@ -51,13 +51,18 @@ class BufferLoader:
 
     # ------------------------------------------------------------------ reading
     async def load_static(self) -> dict[str, np.ndarray]:
-        """Variables without a split dim: read whole, once per generator."""
-        if self._static is None:
-            static = {n: lay for n, lay in self.layouts.items() if lay.static}
-            arrs = await asyncio.gather(*(self.reader.read(lay.src, {}) for lay in static.values()))
-            self._static = {n: np.transpose(a, lay.order)[None] for (n, lay), a in zip(static.items(), arrs,
-                                                                                       strict=True)}
-        return self._static
+        """Variables without a split dim: read whole, once per generator (buffers loading at once
+        share the one read in progress)."""
+        done = self._static is not None and self._static.done()
+        if self._static is None or (done and (self._static.cancelled() or self._static.exception() is not None)):
+            self._static = asyncio.ensure_future(self._read_static())
+        # shielded: a buffer load cancelled while waiting leaves the shared read to the others
+        return await asyncio.shield(self._static)
+
+    async def _read_static(self) -> dict[str, np.ndarray]:
+        static = {n: lay for n, lay in self.layouts.items() if lay.static}
+        arrs = await asyncio.gather(*(self.reader.read(lay.src, {}) for lay in static.values()))
+        return {n: np.transpose(a, lay.order)[None] for (n, lay), a in zip(static.items(), arrs, strict=True)}
 
     def _slots(self, plan: EpochPlan, j: int) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
         """Buffer ``j``'s sample starts per slot, and the region each slot holds: its unit from the

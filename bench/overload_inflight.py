@@ -1,6 +1,6 @@
 """Epoch time on an overloaded HTTP store: ``max_inflight=None`` (automatic) against fixed limits.
 
-The server is ``tests.servers.FileServer(overloaded=True)``: a plain ``http.server`` (one
+The server is ``tests.support.servers.FileServer(overloaded=True)``: a plain ``http.server`` (one
 request at a time, HTTP/1.0) with an accept backlog of 5, so a burst of new connections beyond
 it waits for the client's SYN retransmit.
 A fixed small limit never bursts; the automatic one must back off instead of reading the
@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import xinsitu  # noqa: E402
-from tests.servers import Faults, FileServer, write_archive  # noqa: E402
+from tests.support.servers import Faults, FileServer, write_archive  # noqa: E402
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ memory stays flat and connections and threads stay bounded.
     python bench/soak.py                       # 20 epochs, 5 ms latency, a synthetic archive
     python bench/soak.py --epochs 60 --faults 0.03 --max-inflight 16
 
-The file server (``tests/servers.py``) runs in a child process on 127.0.0.1, so every
+The file server (``tests/support/servers.py``) runs in a child process on 127.0.0.1, so every
 thread and socket this process holds is the reader's. After each epoch it records RSS
 (after ``gc.collect()``), and, sampled every 20 ms during the epoch, the most Python
 threads, OS threads and TCP connections to the server this process had. Every epoch must yield each
@@ -86,7 +86,7 @@ class Sampler:
 
 
 def start_server(root: Path, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "tests.servers", str(root), "--latency", str(args.latency),
+    cmd = [sys.executable, "-m", "tests.support.servers", str(root), "--latency", str(args.latency),
            "--lifetime", str(args.lifetime)]
     if args.faults:
         cmd += ["--error-503", str(args.faults), "--reset", str(args.faults), "--truncate", str(args.faults)]

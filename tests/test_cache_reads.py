@@ -255,7 +255,7 @@ def _torch_job(path: str, tmp_path, *args: str, timeout: int = 150) -> dict:
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": "1", "XINSITU_DECODE_THREADS": "2"}
     try:
-        proc = subprocess.run([sys.executable, "-m", "tests.torch_job", path, str(out), *args], cwd=ROOT,
+        proc = subprocess.run([sys.executable, "-m", "tests.support.torch_job", path, str(out), *args], cwd=ROOT,
                               env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:  # a hang is a failure, reported with what it printed
         pytest.fail(f"DataLoader job hung (killed after {timeout}s): {(e.stderr or b'')[-3000:]!r}")
@@ -285,7 +285,7 @@ def test_dataloader_workers_with_a_cache(era5_path, tmp_path, method, cache):
 def test_http_store_memory_and_disk_tiers(tmp_path, sharded):
     """A remote store (keys without a file to stat: looked up on the I/O loop for a memory tier, in a
     decode thread for a disk tier): cached epochs equal uncached ones and send no request."""
-    from tests.servers import FileServer
+    from tests.support.servers import FileServer
 
     path = tmp_path / "era5.zarr"
     write_era5_like(str(path), nt=64, ny=4, nx=6, chunk_time=8, shard_time=32 if sharded else None)

@@ -396,7 +396,7 @@ def test_dataloader_workers(era5_path, tmp_path, method, how):
 
 def test_dataloader_fork_remote_fails_at_once(era5_path, tmp_path):
     pytest.importorskip("torch")
-    from tests.servers import FileServer
+    from tests.support.servers import FileServer
 
     with FileServer(Path(era5_path).parent) as srv:
         base = srv.url

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import xinsitu
-from tests.dist_worker import CONFIGS, VARIABLES
+from tests.support.dist_worker import CONFIGS, VARIABLES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,7 +29,7 @@ pytest.importorskip("torch.distributed")
 def _torchrun(archive: str, out_dir: str, nproc: int) -> dict:
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
     cmd = [torchrun, "--standalone", "--nnodes=1", f"--nproc_per_node={nproc}",
-           os.path.join(ROOT, "tests", "dist_worker.py"), archive, out_dir]
+           os.path.join(ROOT, "tests", "support", "dist_worker.py"), archive, out_dir]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": "1", "XINSITU_DECODE_THREADS": "2"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)

@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 import xarray as xr
 
-from tests.resume_check import run_test_save_load_state
+from tests.support.resume_check import run_test_save_load_state
 from tests.test_sampling import run_epoch
 
 pytest.importorskip("virtualizarr", reason="the virtual extra is not installed")
@@ -364,7 +364,7 @@ def test_forked_child_reads_grib(one_file):
     messages with plain file I/O and decodes them: the same epoch, no hang."""
     import multiprocessing as mp
 
-    from tests.resume_check import record
+    from tests.support.resume_check import record
     from tests.test_virtual import _epoch_in_child
 
     ds = open_grib(one_file)

@@ -74,7 +74,7 @@ def test_session_reads_its_snapshot(repo, how, shift):
 
 
 def test_resume_on_a_session(repo):
-    from tests.resume_check import run_test_save_load_state
+    from tests.support.resume_check import run_test_save_load_state
 
     ds = xinsitu.open_zarr(_session(repo, "first").store)
     m = ds.insitu.split("time", fractions={"train": 0.8, "val": 0.2})

@@ -12,7 +12,7 @@ import pytest
 import zarr
 
 import xinsitu
-from tests.servers import Faults, FileServer, assert_same_epoch, epoch_numpy, write_archive
+from tests.support.servers import Faults, FileServer, assert_same_epoch, epoch_numpy, write_archive
 
 KW = {"batch_size": 10, "block_chunks": 3, "output": "numpy", "seed": 3}
 CHUNKS = r"/(t2m|u10|v10|z500|tp|lsm)/c/"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import xinsitu
-from tests.resume_check import epoch_records
+from tests.support.resume_check import epoch_records
 
 
 def _make(ds, m):

@@ -14,7 +14,7 @@ import pytest
 import xarray as xr
 
 import xinsitu
-from tests.servers import Faults, FileServer, write_archive
+from tests.support.servers import Faults, FileServer, write_archive
 
 KEY = "z500/c/2/0/0"  # time steps 16..23
 

@@ -17,7 +17,7 @@ import pytest
 import xarray as xr
 
 import xinsitu
-from tests.servers import Faults, FileServer, MotoS3, assert_same_epoch, epoch_numpy, write_archive
+from tests.support.servers import Faults, FileServer, MotoS3, assert_same_epoch, epoch_numpy, write_archive
 from xinsitu.store import DEFAULT_CLIENT_OPTIONS, DEFAULT_RETRY_CONFIG, make_store
 
 BUCKET = "era5-bucket"

@@ -12,9 +12,9 @@ import sys
 import pytest
 
 import xinsitu
-from tests.resume_check import epoch_records, record, run_test_save_load_state
-from tests.train_job import EPOCHS
-from tests.train_job import make_gen as job_gen
+from tests.support.resume_check import epoch_records, record, run_test_save_load_state
+from tests.support.train_job import EPOCHS
+from tests.support.train_job import make_gen as job_gen
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -148,7 +148,7 @@ def test_bad_position_raises(era5_path, field, value, match):
 
 def _job(args: list[str], **kw) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.Popen([sys.executable, "-m", "tests.train_job", *args], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "tests.support.train_job", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 

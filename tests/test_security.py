@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 import xinsitu
-from tests.servers import Faults, FileServer, MotoS3, write_archive
+from tests.support.servers import Faults, FileServer, MotoS3, write_archive
 from xinsitu.store import make_store
 
 # distinctive fake credentials: any of them found in a text is a leak

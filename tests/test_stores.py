@@ -136,7 +136,7 @@ def test_slow_local_disk_reads_through_obstore(era5_path, monkeypatch):
     many in flight; the epoch is the same, sample for sample, as the one read from memory."""
     import time as _time
 
-    from tests.servers import assert_same_epoch, epoch_numpy
+    from tests.support.servers import assert_same_epoch, epoch_numpy
     from xinsitu.backend import LocalBackend
 
     ref_ds = xr.open_zarr(era5_path).load()

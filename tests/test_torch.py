@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import xinsitu
-from tests.keylog import ENV, chunk_reads
-from tests.resume_check import epoch_records
+from tests.support.keylog import ENV, chunk_reads
+from tests.support.resume_check import epoch_records
 from xinsitu.plan import worker_batches
 
 torch = pytest.importorskip("torch")
@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIABLES = ["t2m", "tp"]
-JOB = dict(batch_size=5, block_chunks=2, seed=0)  # tests/torch_job.py's defaults
+JOB = dict(batch_size=5, block_chunks=2, seed=0)  # tests/support/torch_job.py's defaults
 
 
 def _gen(path: str, **kw):
@@ -36,8 +36,8 @@ def _gen(path: str, **kw):
 
 
 def _reference(path: str, epoch: int = 0) -> list[dict]:
-    """What the job's generator yields serially (num_workers=0), as tests/torch_job.py records it."""
-    from tests.torch_job import record
+    """What the job's generator yields serially (num_workers=0), as tests/support/torch_job.py records it."""
+    from tests.support.torch_job import record
 
     gen = _gen(path)
     gen.set_epoch(epoch)
@@ -59,7 +59,7 @@ def _job(path: str, tmp_path, *args: str, timeout: int = 150, keylog: bool = Fal
     if keylog:
         env[ENV] = str(tmp_path / "keys")
     try:
-        proc = subprocess.run([sys.executable, "-m", "tests.torch_job", path, str(out), *args], cwd=ROOT,
+        proc = subprocess.run([sys.executable, "-m", "tests.support.torch_job", path, str(out), *args], cwd=ROOT,
                               env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:  # a hang is a failure, reported with what it printed
         pytest.fail(f"DataLoader job hung (killed after {timeout}s): {(e.stderr or b'')[-3000:]!r}")
@@ -216,7 +216,7 @@ def test_fork_remote_fails_at_once(era5_path, tmp_path):
     the fix, at the worker's first step, never a hang."""
     from pathlib import Path
 
-    from tests.servers import FileServer
+    from tests.support.servers import FileServer
 
     with FileServer(Path(era5_path).parent) as srv:
         base = srv.url

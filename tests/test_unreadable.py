@@ -3,7 +3,7 @@ the chunk and the key — never an endless wait — on a split with more shuffle
 the read-ahead holds (more than 48 chunks with the default ``block_chunks=16``), in
 process and in DataLoader workers (the error reaches the parent).
 
-Every epoch runs in a subprocess under a timeout (tests/fault_job.py): a hang fails the
+Every epoch runs in a subprocess under a timeout (tests/support/fault_job.py): a hang fails the
 test instead of freezing the suite.
 """
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.fault_job import make_gen
-from tests.servers import Faults, FileServer, write_archive
+from tests.support.fault_job import make_gen
+from tests.support.servers import Faults, FileServer, write_archive
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VAR = "z500"
@@ -56,7 +56,7 @@ def _job(tmp_path: Path, url: str, *args: str, timeout: int = 120) -> dict:
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": "1", "XINSITU_DECODE_THREADS": "2"}
     # a session of its own: on a timeout the whole group goes, workers a hang left behind included
-    proc = subprocess.Popen([sys.executable, "-m", "tests.fault_job", url, str(out), *args], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "tests.support.fault_job", url, str(out), *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _, stderr = proc.communicate(timeout=timeout)

@@ -16,7 +16,7 @@ import pytest
 import xarray as xr
 
 import xinsitu
-from tests.resume_check import record, run_test_save_load_state
+from tests.support.resume_check import record, run_test_save_load_state
 from tests.test_sampling import run_epoch
 from xinsitu.synthetic import era5_like, packing
 
@@ -190,7 +190,7 @@ def test_backend_reads_the_referenced_ranges(days):
 def test_files_over_http(days, ref):
     """Remote files (here plain HTTP): references resolve through obstore; chunks of one file asked for
     together go out as one request (obstore merges nearby ranges), not one per chunk."""
-    from tests.servers import FileServer
+    from tests.support.servers import FileServer
 
     root = os.path.dirname(days[0])
     with FileServer(root) as srv:

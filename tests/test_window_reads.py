@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import xinsitu
-from tests.servers import write_archive
+from tests.support.servers import write_archive
 from tests.test_sampling import run_epoch
 
 NVAR = 5  # t2m, u10, v10, z500, tp along time (lsm is static: read once per generator)

@@ -1,7 +1,7 @@
 """A small training job for the resume tests: it checkpoints the generator's state after
 every batch and logs every batch it trains on. Run by tests/test_resume.py::
 
-    python -m tests.train_job ARCHIVE WORKDIR [--resume] [--hang-after I]
+    python -m tests.support.train_job ARCHIVE WORKDIR [--resume] [--hang-after I]
 
 ``--hang-after I``: after the checkpoint of batch I (epoch 0), print ``CKPT I`` and wait
 (the prefetch keeps reading) until the test kills the process with SIGKILL.
@@ -38,7 +38,7 @@ def main() -> None:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--hang-after", type=int, default=-1)
     args = p.parse_args()
-    from tests.resume_check import record
+    from tests.support.resume_check import record
 
     ckpt = os.path.join(args.workdir, "ckpt.json")
     log = open(os.path.join(args.workdir, "resumed.jsonl" if args.resume else "first.jsonl"), "a")

@@ -7,7 +7,7 @@ ends, after ``max_lifetime_s`` seconds, or (file server) after ``max_requests`` 
 Faults are drawn from a seeded hash of (seed, path, attempt), so the same run injects the
 same faults whatever the timing.
 
-Run ``python -m tests.servers ROOT [--latency S] [--lifetime S]`` to serve a folder from a
+Run ``python -m tests.support.servers ROOT [--latency S] [--lifetime S]`` to serve a folder from a
 separate process; it prints its URL on the first line (used by ``bench/soak.py``).
 """
 

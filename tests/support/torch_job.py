@@ -3,7 +3,7 @@ write what came out (each batch's sample timestamps and a digest of its values) 
 
 Run by tests/test_torch.py under a timeout (a hang fails the test, never freezes CI)::
 
-    python -m tests.torch_job ARCHIVE OUT.json --workers 2 --method spawn [--open xr] ...
+    python -m tests.support.torch_job ARCHIVE OUT.json --workers 2 --method spawn [--open xr] ...
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def open_archive(path: str, how: str) -> Any:
     if how == "nc":  # a NetCDF file read through dask (xinsitu computes the dask chunks it needs)
         return xr.open_dataset(path, chunks={"time": 8})
     if how == "keylog":
-        from tests.keylog import KeyLogStore
+        from tests.support.keylog import KeyLogStore
 
         return xr.open_zarr(KeyLogStore(path, read_only=True), chunks=None)
     raise SystemExit(f"unknown --open {how}")

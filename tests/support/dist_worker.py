@@ -35,7 +35,7 @@ def main() -> None:
     import xarray as xr
 
     import xinsitu  # noqa: F401  (the accessor)
-    from tests.keylog import ENV, KeyLogStore, chunk_reads
+    from tests.support.keylog import ENV, KeyLogStore, chunk_reads
 
     archive, out_dir = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))

@@ -5,7 +5,7 @@ it names).
 
 Run by tests/test_unreadable.py under a timeout (a hang fails the test, never freezes CI)::
 
-    python -m tests.fault_job ARCHIVE OUT.json [--workers 2 --method fork] [--open xr] [--options JSON]
+    python -m tests.support.fault_job ARCHIVE OUT.json [--workers 2 --method fork] [--open xr] [--options JSON]
 """
 
 from __future__ import annotations

@@ -183,7 +183,7 @@ class ShardLayout:
 
     def __init__(self, array: Any):
         aa = array.async_array if hasattr(array, "async_array") else array
-        codecs = getattr(aa.metadata, "codecs", ())
+        codecs: Any = getattr(aa.metadata, "codecs", ())
         codec = codecs[0] if len(codecs) == 1 else None
         needed = ("_shard_index_size", "_decode_shard_index", "_get_chunk_spec", "codec_pipeline", "chunk_shape")
         if codec is None or not all(hasattr(codec, n) for n in needed):

@@ -111,7 +111,7 @@ class BatchGenerator:
     def __init__(self, ds: xr.Dataset, manifest: SplitManifest, split: str, *, batch_size: int = 32,
                  shuffle: bool = True, seed: int = 0, window: dict[str, int] | None = None,
                  patch: dict[str, int] | None = None, stride: dict[str, int] | None = None,
-                 over: str | list[str] | None = None, variables: list[str] | None = None,
+                 over: str | list[str] | None = None, variables: str | list[str] | None = None,
                  output: str = "xarray", stack: bool | list[str] = False, normalize: Any = None, device: Any = None,
                  block_chunks: int = 16, max_inflight: int | None = None, drop_last: bool = False,
                  rank: int | None = None, world_size: int | None = None, progress: bool = False,

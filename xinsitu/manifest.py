@@ -15,7 +15,7 @@ import json
 import os
 import weakref
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,7 +164,10 @@ def steps_of(values: Any) -> list[list[int]]:
     key = id(values)
     hit = _STEPS.get(key)
     if hit is None or hit[0]() is not values:
-        hit = (weakref.ref(values, lambda _, k=key: _STEPS.pop(k, None)), encode_steps(values))
+        def forget(_: Any, k: int = key) -> None:
+            _STEPS.pop(k, None)
+
+        hit = (weakref.ref(values, forget), encode_steps(values))
         _STEPS[key] = hit
     return [list(r) for r in hit[1]]  # a copy: the caller may edit it
 
@@ -473,7 +476,7 @@ class SplitManifest:
 
 
 def fingerprint_of(dims: list[str], sizes: dict[str, int], edges: dict[str, Any],
-                   coords: dict[str, list[Any]]) -> str:
+                   coords: Mapping[str, list[Any] | None]) -> str:
     """Hash of the split dims' geometry (lengths, chunk grid as runs of equal steps, first/last
     labels): O(runs of the grid), a few hundred bytes hashed for a regular grid of any length."""
     blob = json.dumps({"version": 2, "dims": list(dims), "sizes": {d: sizes[d] for d in dims},
@@ -483,7 +486,7 @@ def fingerprint_of(dims: list[str], sizes: dict[str, int], edges: dict[str, Any]
 
 
 def fingerprint_v1(dims: list[str], sizes: dict[str, int], edges: dict[str, Any],
-                   coords: dict[str, list[Any]]) -> str:
+                   coords: Mapping[str, list[Any] | None]) -> str:
     """The fingerprint format-version-1 manifests carry (every edge listed), checked on load."""
     blob = json.dumps({"dims": list(dims), "sizes": {d: sizes[d] for d in dims},
                        "edges": {d: [int(x) for x in edges[d]] for d in dims},
@@ -498,7 +501,9 @@ def _validated_fields(d: dict[str, Any], version: int) -> dict[str, Any]:
         if not ok:
             raise ValueError("manifest " + msg)
 
-    dims, sizes, edges_in = d.get("dims"), d.get("sizes"), d.get("edges")
+    dims: Any = d.get("dims")
+    sizes: Any = d.get("sizes")
+    edges_in: Any = d.get("edges")
     need(isinstance(dims, list) and bool(dims) and all(isinstance(x, str) for x in dims)
          and len(set(dims)) == len(dims), f"'dims' must be a non-empty list of distinct names, got {dims!r}")
     need(isinstance(sizes, dict) and all(x in sizes and _is_int(sizes[x]) and sizes[x] >= 0 for x in dims),
@@ -519,7 +524,7 @@ def _validated_fields(d: dict[str, Any], version: int) -> dict[str, Any]:
         edges[x] = e
     grid = tuple(len(edges[x]) - 1 for x in dims)
     n = int(np.prod(grid))
-    splits_in = d.get("splits")
+    splits_in: Any = d.get("splits")
     need(isinstance(splits_in, dict) and bool(splits_in) and all(isinstance(k, str) and k for k in splits_in),
          "'splits' must be a non-empty dict of split name -> chunk blocks")
     owner = None

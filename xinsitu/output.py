@@ -8,7 +8,7 @@ any structure (tuples, nested dicts); the device copy then moves every array in 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import xarray as xr
@@ -113,7 +113,7 @@ class OutputBuilder:
             self._direct = self._sample_shape() if ok else False
         if self._direct is False:
             return None
-        arr = _aligned_empty((n, len(self.layouts), *self._direct), self.dtype)
+        arr = _aligned_empty((n, len(self.layouts), *cast(tuple[int, ...], self._direct)), self.dtype)
         return arr, {name: arr[:, c] for c, name in enumerate(self.layouts)}
 
     def _sample_shape(self) -> tuple[int, ...]:

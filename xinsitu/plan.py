@@ -293,7 +293,10 @@ class RemainderPlan(EpochPlan):
 def _deal(seq: Pieces, world_size: int, rank: int, batch_size: int, drop_last: bool) -> tuple[Pieces, int]:
     """This rank's share of ``seq`` (cut as ``rank_share`` cuts), and how many samples it yields."""
     pos, lo, hi, n = rank_share(seq.counts, world_size, rank, batch_size, drop_last)
-    units, los, his, picks = [], [], [], []
+    units: list[int] = []
+    los: list[int] = []
+    his: list[int] = []
+    picks: list[np.ndarray | None] = []
     for p, a, b in zip(pos.tolist(), lo.tolist(), hi.tolist(), strict=True):
         pick = seq.picks[p]
         if pick is None:
@@ -333,7 +336,10 @@ def _plan_of(share: Pieces, n: int, *, world_size: int, rank: int, **cfg: object
 def _remaining(plan: EpochPlan, done: int) -> Pieces:
     """The samples of ``plan``'s pieces that are not among the first ``done`` it yields, in piece order."""
     off = plan.buffer_offsets
-    units, los, his, picks = [], [], [], []
+    units: list[int] = []
+    los: list[int] = []
+    his: list[int] = []
+    picks: list[np.ndarray | None] = []
     for j in range(plan.n_buffers):
         if off[j + 1] <= done:
             continue  # yielded whole
@@ -367,7 +373,10 @@ def _tail(seq: Pieces, start: int) -> Pieces:
     """The samples of ``seq`` from position ``start`` on (those ``rank_share`` gave no rank)."""
     cum = np.concatenate([[0], np.cumsum(seq.counts)])
     i = int(np.searchsorted(cum, start, side="right")) - 1
-    units, los, his, picks = [], [], [], []
+    units: list[int] = []
+    los: list[int] = []
+    his: list[int] = []
+    picks: list[np.ndarray | None] = []
     for p in range(max(i, 0), len(seq.picks)):
         skip = max(start - int(cum[p]), 0)
         if skip >= seq.counts[p]:

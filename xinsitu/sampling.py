@@ -16,7 +16,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import xarray as xr
@@ -355,7 +355,7 @@ def sampling(ds: xr.Dataset, manifest: SplitManifest, split: str, *, window: Any
     check_split(manifest, split)
     names = variable_names(variables, ds)
     if names is None:
-        names = [v for v in ds.data_vars if any(d in ds[v].dims for d in manifest.dims)]
+        names = cast(list[str], [v for v in ds.data_vars if any(d in ds[v].dims for d in manifest.dims)])
     sources = resolve(ds, names)
     geometry = geometry_of(sources)
     _check_manifest(ds, manifest, geometry, sources, stacklevel + 1)
@@ -397,7 +397,7 @@ def _masked(space: SampleSpace, manifest: SplitManifest, split: str, key: dict[s
 def _check_manifest(ds: xr.Dataset, m: SplitManifest, g: Geometry, sources: dict[str, VarSource],
                     stacklevel: int) -> None:
     m.check_grid(g.sizes, g.edges, g.dims)  # its own grid or a refinement of it
-    m.check_labels({d: coord_span(ds, d) for d in m.dims if coord_span(ds, d) is not None})
+    m.check_labels(cast(dict[str, list[Any]], {d: coord_span(ds, d) for d in m.dims if coord_span(ds, d) is not None}))
     snap = snapshot_of_sources(sources)
     if m.snapshot is not None and snap is not None and snap != m.snapshot:
         warnings.warn(f"manifest was made on snapshot {m.snapshot}, this dataset is snapshot {snap}: "

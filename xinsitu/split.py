@@ -182,11 +182,11 @@ def make_split(ds: Any, geometry: Geometry, dim: str | list[str], *, fractions: 
         if contiguous:
             if len(dims) != 1:
                 raise ValueError("contiguous=True needs a single split dim; use contiguous=False for several")
-            splits = contiguous_split(grid[0], fractions, int(gap))
+            chosen: dict[str, Any] = contiguous_split(grid[0], fractions, int(gap))
         else:
             if seed is None:
                 raise ValueError("contiguous=False draws chunks at random and needs an integer seed")
-            splits = random_split(grid, fractions, int(gap), int(seed))
+            chosen = random_split(grid, fractions, int(gap), int(seed))
         method = "fractions"
     else:
         if not isinstance(ranges, dict) or not ranges:
@@ -195,13 +195,14 @@ def make_split(ds: Any, geometry: Geometry, dim: str | list[str], *, fractions: 
             raise ValueError("ranges= works on a single split dim")
         # a dim without a coordinate is labelled by its positions
         index = ds.indexes[dims[0]] if dims[0] in ds.indexes else pd.RangeIndex(geometry.sizes[dims[0]])
-        splits = range_split(geometry.edges[dims[0]], index, ranges, int(gap), dims[0])
+        chosen = range_split(geometry.edges[dims[0]], index, ranges, int(gap), dims[0])
         method = "ranges"
     edges = {d: geometry.edges[d] for d in dims}
     sizes = {d: int(geometry.sizes[d]) for d in dims}
-    splits = {k: Blocks.from_ids(v) for k, v in splits.items()}
+    splits = {k: Blocks.from_ids(v) for k, v in chosen.items()}
     labels: dict[str, dict[str, list[Any]]] = {}
     for name, blocks in splits.items():
+        idx: tuple[np.ndarray, ...]
         if len(dims) == 1:  # O(runs)
             lo, hi = blocks.bounds()
             idx = (np.array([lo, hi]),)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, cast
 
 from xinsitu.plan import segment_plan
 
@@ -102,6 +102,6 @@ def check_state(gen: Any, state: dict[str, Any], elastic: bool = False) -> None:
     # the saved run's plan (every rank of it yields as many batches)
     n = segment_plan(gen.space, [tuple(h) for h in hops], seed=gen.seed, epoch=state["epoch"], shuffle=gen.shuffle,
                      batch_size=gen.batch_size, block_chunks=gen.block_chunks, drop_last=gen.drop_last, rank=0,
-                     world_size=saved_world if elastic else gen.world_size).n_batches
+                     world_size=cast(int, saved_world) if elastic else gen.world_size).n_batches
     if state["batch"] > n:
         raise ValueError(f"state batch {state['batch']} is past the end of epoch {state['epoch']} ({n} batches)")

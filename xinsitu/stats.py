@@ -238,7 +238,7 @@ class StatsPass:
         (statistics per level, not pooled over levels).
     """
 
-    def __init__(self, ds: xr.Dataset, manifest: SplitManifest, split: str, variables: list[str] | None = None,
+    def __init__(self, ds: xr.Dataset, manifest: SplitManifest, split: str, variables: str | list[str] | None = None,
                  *, block_chunks: int = 16, max_inflight: int | None = None, reader: Reader | None = None,
                  cache: Any = None, stack: list[str] | None = None):
         # no window/patch/over: the samples are exactly the split's positions; the manifest, the variables
@@ -411,7 +411,7 @@ class StatsPass:
         return out
 
 
-def compute_stats(ds: xr.Dataset, manifest: SplitManifest, split: str, variables: list[str] | None = None, *,
+def compute_stats(ds: xr.Dataset, manifest: SplitManifest, split: str, variables: str | list[str] | None = None, *,
                   block_chunks: int = 16, max_inflight: int | None = None, cache: Any = None,
                   stack: list[str] | None = None) -> dict[str, Any]:
     """Normalisation statistics of one split, from one streaming pass over its chunks.

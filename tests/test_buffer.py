@@ -63,7 +63,8 @@ def _check_all(loader, plan, ds, names, window=None):
 
 
 def test_load_gather_equals_isel(path):
-    ds, gen = _gen(path)
+    ds, gen = _gen(path, variables=["a", "b", "s"])  # s: no split dim, read once into a static slot
+    assert gen.layouts["s"].static and not gen.layouts["a"].static
     plan = gen.plan()
     assert plan.n_buffers > 2  # several buffers: recycling is exercised
     loader = BufferLoader(gen.space, gen.layouts, Reader())

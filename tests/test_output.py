@@ -1,0 +1,108 @@
+"""xinsitu.output.OutputBuilder: CF decoding as xarray does it, stacking, dtypes and dims."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import xarray as xr
+import zarr
+
+import xinsitu
+from xinsitu.output import OutputBuilder
+
+NT = 12
+
+
+@pytest.fixture
+def path(tmp_path) -> str:
+    rng = np.random.default_rng(3)
+    p = rng.uniform(0, 10, (NT, 2, 3))
+    p[0, 0, 0] = np.nan  # written as _FillValue
+    ds = xr.Dataset(
+        {"a": (("time", "y", "x"), rng.standard_normal((NT, 2, 3)).astype("float32")),
+         "b": (("time", "y", "x"), rng.standard_normal((NT, 2, 3))),
+         "p": (("time", "y", "x"), p),
+         "s": (("y", "x"), np.arange(6, dtype="float32").reshape(2, 3))},
+        coords={"time": pd.date_range("2002-01-01", periods=NT, freq="D"), "y": [10.0, 20.0], "x": [1, 2, 3]})
+    out = str(tmp_path / "o.zarr")
+    ds.to_zarr(out, zarr_format=3, consolidated=False, encoding={
+        "a": {"chunks": (4, 2, 3)}, "b": {"chunks": (4, 2, 3)},
+        "p": {"chunks": (4, 2, 3), "dtype": "int16", "scale_factor": 0.01, "add_offset": 5.0, "_FillValue": -32768}})
+    return out
+
+
+def _builder(path, variables, output="numpy", stack=False, **kw):
+    ds = xinsitu.open_zarr(path)
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    gen = ds.insitu.batches(m, "train", batch_size=4, variables=variables, output="numpy")
+    return ds, OutputBuilder(ds, gen.space, gen.layouts, output, stack, **kw)
+
+
+def test_cf_decode_equals_xarray(path):
+    ds, b = _builder(path, ["p"])
+    raw = zarr.open_array(path, path="p")[...]
+    assert raw.dtype == np.dtype("int16")
+    got = b.decode({"p": raw})["p"]
+    exp = xr.open_zarr(path, chunks=None).p.values
+    assert got.dtype == exp.dtype
+    assert np.isnan(got[0, 0, 0])
+    np.testing.assert_array_equal(got, exp)  # NaN where NaN, bit for bit elsewhere
+
+
+def test_stacked_channel_order_and_dtype(path):
+    ds, b = _builder(path, ["b", "a"], stack=True)
+    assert [c.name for c in b.channels] == list(b.layouts) == ["b", "a"]
+    assert b.dtype == np.dtype("float64")  # float32 and float64 stack as float64
+    va = ds.a.values[:4].astype("float32")
+    vb = ds.b.values[:4]
+    arr = b.stacked({"b": vb, "a": va})
+    assert arr.shape == (4, 2, 2, 3) and arr.dtype == np.dtype("float64")
+    np.testing.assert_array_equal(arr[:, 0], vb)
+    np.testing.assert_array_equal(arr[:, 1], va.astype("float64"))
+
+
+def test_stacked_broadcasts_static_variable(path):
+    ds, b = _builder(path, ["a", "s"], stack=True)
+    assert b.dtype == np.dtype("float32")
+    va = ds.a.values[:3]
+    vs = ds.s.values
+    arr = b.stacked({"a": va, "s": vs})
+    assert arr.shape == (3, 2, 2, 3)
+    np.testing.assert_array_equal(arr[:, 0], va)
+    for k in range(3):
+        np.testing.assert_array_equal(arr[k, 1], vs)
+
+
+def test_dims_of(path):
+    _, b = _builder(path, ["a", "s"])
+    assert b.dims_of("a") == ("sample", "y", "x")
+    assert b.dims_of("s") == ("y", "x")
+    _, w = _builder(path, ["a"])
+    assert not w.stack and w.channels == []
+
+
+def test_build_xarray_equals_isel(path):
+    ds, b = _builder(path, ["a", "p", "s"], output="xarray")
+    starts = np.array([[7], [2], [2], [11]])
+    idx = starts[:, 0]
+    raw = {n: zarr.open_array(path, path=n)[...] for n in ("a", "p")}
+    batch = b.build({"a": raw["a"][idx], "p": raw["p"][idx], "s": ds.s.values}, starts)
+    ref = xr.open_zarr(path, chunks=None)[["a", "p", "s"]].isel(time=xr.DataArray(idx, dims="sample"))
+    xr.testing.assert_identical(batch, ref.transpose("sample", ...).load())
+
+
+def test_bad_arguments(path):
+    with pytest.raises(ValueError, match="output must be one of"):
+        _builder(path, ["a"], output="pandas")
+    with pytest.raises(TypeError, match="transform"):
+        _builder(path, ["a"], transform=3)
+    with pytest.raises(ValueError, match="device="):
+        _builder(path, ["a"], output="numpy", device="cpu")
+
+
+def test_transform_applied_in_finish(path):
+    _, b = _builder(path, ["a"], transform=lambda batch: {k: v * 2 for k, v in batch.items()})
+    x = np.ones((2, 2, 3), dtype="float32")
+    out = b.build({"a": x}, np.array([[0], [1]]))
+    np.testing.assert_array_equal(out["a"], x * 2)

@@ -1,0 +1,24 @@
+"""The package type-checks: ``mypy xinsitu`` (configured in pyproject.toml) reports no error, and
+``py.typed`` ships, so users' type checkers read the annotations."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_py_typed_ships() -> None:
+    assert (ROOT / "xinsitu" / "py.typed").is_file()
+    assert "py.typed" in (ROOT / "pyproject.toml").read_text()
+
+
+def test_mypy_is_clean() -> None:
+    pytest.importorskip("mypy", reason="mypy is in the dev extra")
+    proc = subprocess.run([sys.executable, "-m", "mypy", "xinsitu"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

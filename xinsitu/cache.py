@@ -486,12 +486,9 @@ class ChunkCache:
 
         Looks in memory, then on disk; a disk hit is kept in memory where it fits.
         """
-        self._after_fork()
-        with self._lock:
-            arr = self._mem.get(key)
-            if arr is not None:
-                self._stats.hits += 1
-                return arr
+        arr = self.peek(key)
+        if arr is not None:
+            return arr
         if self.disk is not None:
             arr = self._disk_get(key)
             if arr is not None:

@@ -43,6 +43,9 @@ AUTO_HEALTHY = 1.6
 #: ... a window counts as the best (its limit a floor for halving) with this many times the most
 #: completions per second seen before
 AUTO_BETTER = 1.1
+#: ... seconds between probes past the limit at which the store last queued (each probe of an
+#: overloaded store can cost a SYN retransmit, ~1 s)
+AUTO_PROBE_S = 5.0
 _EMPTY = 2**64 - 1  # shard index entry of an inner chunk never written
 
 #: called with (values, out_sel): a chunk's values within a region and where they lie in it
@@ -170,6 +173,8 @@ class InflightLimit:
         self._slow_start = True
         self._best_rate = 0.0  # most completions per second of a window so far (remote)
         self._best_limit = AUTO_REMOTE[0]  # ... and the limit it had (halving stops at half of it)
+        self._trouble = 0  # the limit at which the store last queued or failed (0: never)
+        self._probed = 0.0  # when growth last went to or past it
         self._t0 = 0.0  # when this window's first request went out
         self._n = 0  # completions in this window
         self._sum = 0.0  # their latencies
@@ -242,6 +247,11 @@ class InflightLimit:
             self._decrease()
         elif mean <= AUTO_HEALTHY * base:  # no queueing seen: more requests, more throughput
             grown = 2 * self.limit if self._slow_start else self.limit + max(1, self.limit // 8)
+            if self._trouble and grown >= self._trouble:  # where the store queued before: probe rarely
+                if now - self._probed < AUTO_PROBE_S:
+                    grown = min(grown, max(self.limit, self._trouble - 1))
+                else:
+                    self._probed = now
             self._resize(max(AUTO_REMOTE[0], min(self._cap(), AUTO_REMOTE[1], grown)))
 
     def failed(self) -> None:
@@ -254,6 +264,7 @@ class InflightLimit:
         # never far below the limit of the best window: a burst of slow answers (this machine busy)
         # halves it once or twice, not down to the bottom
         self._slow_start = False
+        self._trouble, self._probed = self.limit, time.perf_counter()
         self._resize(max(AUTO_REMOTE[0], self._best_limit // 2, self.limit // 2))
 
     def _resize(self, n: int) -> None:

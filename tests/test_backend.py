@@ -12,6 +12,7 @@ import obstore.store
 import pytest
 import zarr
 
+from tests.support.forked import in_fork
 from xinsitu import _loop
 from xinsitu.backend import (
     Backend,
@@ -122,28 +123,12 @@ def test_fork_policy_local_files_read_remote_stores_refused(root):
     remote = obstore.store.HTTPStore.from_url("http://127.0.0.1:9/")
     zlocal = zarr.storage.ObjectStore(obstore.store.LocalStore(prefix=root), read_only=True)
     zremote = zarr.storage.ObjectStore(remote, read_only=True)
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            be = backend_for(zlocal)
-            ok = isinstance(be, LocalBackend) and isinstance(be.inner, _FileBackend)
-            ok = ok and bytes(_loop.run(be.get("a/obj"), timeout=10)) == PAYLOAD
-            try:
-                backend_for(zremote)
-                msg = "no error"
-            except _loop.ForkError as e:
-                msg = str(e)
-            os.write(w, f"{ok}|{msg}".encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        out = f.read().decode()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    ok, msg = out.split("|", 1)
-    assert ok == "True"
+
+    def check() -> bool:
+        be = backend_for(zlocal)
+        return (isinstance(be, LocalBackend) and isinstance(be.inner, _FileBackend)
+                and bytes(_loop.run(be.get("a/obj"), timeout=10)) == PAYLOAD)
+
+    ok, msg = in_fork(check, lambda: backend_for(zremote))
+    assert ok
     assert "127.0.0.1:9" in msg and msg.endswith(_loop.FORK_HELP)

@@ -10,6 +10,7 @@ import threading
 
 import pytest
 
+from tests.support.forked import in_fork
 from xinsitu import _loop
 
 
@@ -107,26 +108,7 @@ def test_refuse_after_fork_is_silent_in_the_parent():
 @pytest.mark.skipif(not hasattr(os, "fork") or sys.platform == "darwin", reason="needs os.fork")
 def test_a_forked_child_gets_its_own_loop_and_the_fork_policy():
     _loop.get_loop()  # the parent's loop and thread exist before the fork
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: report, then leave without running the parent's atexit handlers
-        code = 1
-        try:
-            ok = _loop.in_forked_child() and _loop.run(asyncio.sleep(0, result=3), timeout=10) == 3
-            try:
-                _loop.refuse_after_fork("store X")
-                msg = "no error"
-            except _loop.ForkError as e:
-                msg = str(e)
-            os.write(w, f"{ok}|{msg}".encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        out = f.read().decode()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    ok, msg = out.split("|", 1)
-    assert ok == "True"
+    ok, msg = in_fork(lambda: _loop.in_forked_child() and _loop.run(asyncio.sleep(0, result=3), timeout=10) == 3,
+                      lambda: _loop.refuse_after_fork("store X"))
+    assert ok
     assert msg.startswith("store X cannot be read in this forked process") and msg.endswith(_loop.FORK_HELP)

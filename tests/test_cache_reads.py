@@ -17,6 +17,7 @@ import pytest
 import zarr
 
 import xinsitu
+from tests.test_torch import _job  # the DataLoader job in a subprocess, under a timeout
 from xinsitu.cache import ChunkCache
 from xinsitu.synthetic import write_era5_like
 
@@ -250,20 +251,6 @@ def test_a_forked_child_keeps_the_parent_s_memory_tier(era5_path):
     assert out["stats"]["cache_hits"] == out["stats"]["chunks"] > 0 and out["stats"]["requests"] == 0
 
 
-def _torch_job(path: str, tmp_path, *args: str, timeout: int = 150) -> dict:
-    out = tmp_path / "out.json"
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1", "XINSITU_DECODE_THREADS": "2"}
-    try:
-        proc = subprocess.run([sys.executable, "-m", "tests.support.torch_job", path, str(out), *args], cwd=ROOT,
-                              env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:  # a hang is a failure, reported with what it printed
-        pytest.fail(f"DataLoader job hung (killed after {timeout}s): {(e.stderr or b'')[-3000:]!r}")
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    with open(out) as f:
-        return json.load(f)
-
-
 @pytest.mark.parametrize("method, cache", [("fork", "memory"), ("spawn", "memory"), ("fork", "disk"),
                                            ("spawn", "disk")])
 def test_dataloader_workers_with_a_cache(era5_path, tmp_path, method, cache):
@@ -272,8 +259,8 @@ def test_dataloader_workers_with_a_cache(era5_path, tmp_path, method, cache):
     pytest.importorskip("torch")
     spec = "memory" if cache == "memory" else str(tmp_path / "c")
     args = ("--open", "xinsitu", "--method", method, "--workers", "2", "--epochs", "2", "--persistent", "--warm")
-    ref = _torch_job(era5_path, tmp_path, *args)
-    got = _torch_job(era5_path, tmp_path, *args, "--cache", spec)
+    ref = _job(era5_path, tmp_path, *args)
+    got = _job(era5_path, tmp_path, *args, "--cache", spec)
     assert "error" not in got, got.get("traceback")
     assert got["epochs"] == ref["epochs"] and got["len"] == ref["len"]
     if cache == "disk":

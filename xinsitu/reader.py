@@ -91,10 +91,6 @@ class IOCounters:
     cache_disk_hits: int = 0  # ... of which its disk tier had
     cache_misses: int = 0  # chunks of cached arrays it did not have (fetched, then kept)
 
-    def add(self, other: IOCounters) -> None:
-        for k in self.__dataclass_fields__:
-            setattr(self, k, getattr(self, k) + getattr(other, k))
-
 
 # ----------------------------------------------------------------------------- selection
 def _range_plan(start: int, stop: int, chunk: int) -> list[tuple[int, Any, Any]]:

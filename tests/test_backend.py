@@ -77,6 +77,7 @@ def test_local_backend_reads_in_the_caller_and_forwards_ranges(root):
 
 def test_local_backend_leaves_the_decode_threads_when_reads_are_slow(root):
     be = LocalBackend(root, _FileBackend(root))
+    assert be.fused  # a local file system: read in the decode threads
     for _ in range(LocalBackend.WINDOW - 1):
         be.observe(0.010, 0.001)
     assert be.fused  # not decided before the window is full
@@ -84,7 +85,7 @@ def test_local_backend_leaves_the_decode_threads_when_reads_are_slow(root):
     assert not be.fused
     for _ in range(LocalBackend.WINDOW):
         be.observe(0.0001, 0.001)
-    assert be.fused
+    assert not be.fused  # for good: no more reads are timed in the decode threads
 
 
 def test_backend_for_a_local_zarr_store_reads_files_directly(tmp_path):

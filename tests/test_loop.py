@@ -112,3 +112,51 @@ def test_a_forked_child_gets_its_own_loop_and_the_fork_policy():
                       lambda: _loop.refuse_after_fork("store X"))
     assert ok
     assert msg.startswith("store X cannot be read in this forked process") and msg.endswith(_loop.FORK_HELP)
+
+
+_EXIT_CHILD = r"""
+import atexit, sys, time, warnings
+warnings.filterwarnings("ignore")
+left = {}
+# registered before xinsitu is imported, so it runs after xinsitu's own exit handler (LIFO)
+atexit.register(lambda: print("native left at exit:", left["loop"]._native, round(time.monotonic() - left["t"], 2),
+                              flush=True))
+import xinsitu
+from xinsitu import _loop
+left["loop"] = _loop
+ds = xinsitu.open_zarr(sys.argv[1])
+m = ds.insitu.split("time", fractions={"train": 0.8, "val": 0.2})
+gen = ds.insitu.batches(m, "train", batch_size=2, output="numpy", max_inflight=16, shuffle=False)
+it = iter(gen)  # held to the end: never closed
+next(it)  # the first buffer holds time 0..15; later buffers are being read (through obstore) as the script ends
+left["t"] = time.monotonic()
+"""
+
+
+@pytest.mark.parametrize("how", ["slow", "hang"])
+def test_exit_waits_for_reads_in_flight_then_ends(tmp_path, how):
+    """A script that ends while reads are in flight exits cleanly: the exit handler cancels them and
+    waits until obstore's runtime threads are done with Python. (A runtime thread that takes the GIL
+    once the interpreter finalizes is ended by ``pthread_exit``, which aborts the process: SIGABRT,
+    exit code 134, at the end of a training script that finished its work.) A server that never
+    answers does not hold the exit up past ``EXIT_WAIT_S``."""
+    import subprocess
+
+    import zarr
+
+    from tests.support.servers import Faults, FileServer, write_archive
+
+    write_archive(tmp_path / "a.zarr", nt=64, ny=4, nx=4, chunk_time=1)
+    zarr.consolidate_metadata(str(tmp_path / "a.zarr"))
+    script = tmp_path / "child.py"
+    script.write_text(_EXIT_CHILD)
+    with FileServer(tmp_path) as srv:
+        srv.faults = Faults(latency=0.3) if how == "slow" else Faults(hang=1.0, pattern=r"/c/(1[6-9]|[2-9]\d)/")
+        p = subprocess.run([sys.executable, str(script), srv.url + "/a.zarr"], capture_output=True, text=True,
+                           timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert p.returncode == 0, p.stderr[-2000:]
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("native left at exit:")]
+    assert line, p.stdout
+    left, took = line[0].split(":")[1].split()
+    assert int(left) == 0
+    assert float(took) < _loop.EXIT_WAIT_S + 30  # bounded (generously: a loaded machine), never a hang

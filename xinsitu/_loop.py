@@ -28,7 +28,7 @@ import atexit
 import concurrent.futures
 import os
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -40,12 +40,15 @@ RUN_TIMEOUT = 3600.0
 #: Longer than obstore's own whole-request limit (``xinsitu.store.DEFAULT_CLIENT_OPTIONS``), so
 #: obstore's retries come first; this bounds every backend, zarr stores and Icechunk included.
 REQUEST_TIMEOUT = 360.0
+#: seconds the interpreter's exit waits at most for reads still in flight (see ``_shutdown``)
+EXIT_WAIT_S = 5.0
 
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
 _thread: threading.Thread | None = None
 _pool: ThreadPoolExecutor | None = None
 _forked = False
+_native = 0  # calls into a Rust runtime (obstore) awaited on the loop now: waited for at exit
 
 
 def decode_threads() -> int:
@@ -133,6 +136,23 @@ def call_soon(callback: Callable[..., object], *args: Any) -> None:
     get_loop().call_soon_threadsafe(callback, *args)
 
 
+async def native(awaitable: Awaitable[T]) -> T:
+    """``await awaitable``, counted as a call into a Rust runtime (obstore) until it comes back.
+
+    Such a call ends by taking the GIL from one of the runtime's own threads to hand over its
+    result (or to see that it was cancelled). After the interpreter began to finalize, a thread
+    taking the GIL is ended with ``pthread_exit``, which aborts a Rust thread: the whole process
+    dies with SIGABRT at exit. ``_shutdown`` therefore waits (bounded) for the count to reach zero
+    before the interpreter finalizes.
+    """
+    global _native
+    _native += 1
+    try:
+        return await awaitable
+    finally:
+        _native -= 1
+
+
 def in_forked_child() -> bool:
     """True in a process made by ``fork`` after xinsitu was imported (obstore unusable there)."""
     return _forked
@@ -176,9 +196,34 @@ def _after_fork_in_child() -> None:
     _forked = True
 
 
+async def _drain(wait_s: float) -> None:
+    """Cancel every task on the loop, then wait until no call into a Rust runtime is left (cancelled
+    ones report back too), at most ``wait_s`` seconds in all."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=wait_s)
+    while _native and loop.time() < deadline:
+        await asyncio.sleep(0.005)
+    if tasks:  # a cancelled call's runtime thread takes the GIL once more, right after: let it
+        await asyncio.sleep(0.05)
+
+
 def _shutdown() -> None:
+    """At exit (before the interpreter finalizes): stop the reads still under way -- e.g. the next
+    epoch's first buffer, read ahead -- and wait for the Rust runtime's threads to be done with
+    Python (see ``native``), then stop the loop."""
     loop, pool = _loop, _pool
     if loop is not None and not loop.is_closed():
+        if loop.is_running() and _thread is not None and _thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(_drain(EXIT_WAIT_S), loop).result(EXIT_WAIT_S + 1.0)
+            except BaseException:  # noqa: BLE001 - exiting: nothing left to report to
+                pass
         loop.call_soon_threadsafe(loop.stop)
     if pool is not None:
         pool.shutdown(wait=False, cancel_futures=True)

@@ -5,9 +5,11 @@ of one machine.
 The reader asks the cache between "which chunk of which array" and "fetch + decode": a hit
 is the decoded chunk (the store's dtype and chunk shape, before CF decoding), so fetching
 and decoding are skipped. Keys (``ChunkKey``) name the store, the array, the chunk, a hash
-of the array's metadata, the Icechunk snapshot where there is one and, for chunk files of
-a local directory, the file's size, modification time and inode: an archive that changed
-never serves stale chunks.
+of the array's metadata and the Icechunk snapshot where there is one. The disk tier, which
+outlives the process, also keys each chunk file of a local directory by its size,
+modification time and inode (``ChunkKey.key``): an archive that changed never serves stale
+chunks from it. The memory tier takes the archive as the process found it (as an open
+Dataset does) and needs no ``stat`` per lookup (``ChunkKey.memory_key``).
 
 Why the tiers keep what they admitted instead of evicting the least recently used: a
 shuffled epoch touches every chunk once, in a new order. Under LRU, a split larger than the
@@ -37,7 +39,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -207,7 +209,7 @@ class ChunkKey:
         For a store that is a local directory: its path, so that ``key`` can stat chunk files.
     """
 
-    __slots__ = ("store_id", "array_path", "metadata_hash", "snapshot", "local_root", "_prefix")
+    __slots__ = ("store_id", "array_path", "metadata_hash", "snapshot", "local_root", "ident", "_prefix")
 
     def __init__(self, store_id: str, array_path: str, metadata: bytes | str | dict[str, Any],
                  snapshot: str | None = None, local_root: str | os.PathLike[str] | None = None):
@@ -218,6 +220,15 @@ class ChunkKey:
         self.local_root = None if local_root is None else os.fspath(local_root)
         parts = ("xinsitu-chunk-v1", self.store_id, self.array_path, self.metadata_hash, snapshot or "")
         self._prefix = hashlib.blake2b("\0".join(parts).encode(), digest_size=16)
+        self.ident = self._prefix.hexdigest()  # names the array's data: what the memory tier's keys start with
+
+    def memory_key(self, chunk: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
+        """The memory tier's key of chunk ``chunk``: ``(ident, chunk)``, a dict lookup without hashing
+        or ``stat`` (0.2 against 5-6 us for ``key`` of a local chunk file). The memory tier lives as
+        long as the process and, like an open Dataset, takes the archive as it found it; the disk
+        tier, which outlives it, keys each local file by its size, modification time and inode.
+        """
+        return (self.ident, chunk)
 
     def key(self, chunk: tuple[int, ...], local_file: str | os.PathLike[str] | None = None) -> str:
         """The key of chunk ``chunk`` (grid coordinates; for sharded arrays, the inner chunk's).
@@ -447,7 +458,7 @@ class ChunkCache:
         self._lock = threading.Lock()
         self._evicting = threading.Lock()
         self._pid = os.getpid()
-        self._mem: dict[str, np.ndarray] = {}
+        self._mem: dict[Hashable, np.ndarray] = {}
         self._stats = CacheStats()
         self._tmp_ids = itertools.count()
         self._shards: set[str] = set()
@@ -481,16 +492,18 @@ class ChunkCache:
             self._pid = os.getpid()
 
     # ------------------------------------------------------------------ public
-    def get(self, key: str) -> np.ndarray | None:
+    def get(self, key: Hashable, disk_key: str | None = None) -> np.ndarray | None:
         """The chunk stored under ``key`` (read-only, not a copy), or None.
 
-        Looks in memory, then on disk; a disk hit is kept in memory where it fits.
+        Looks in memory, then on disk (under ``disk_key``, or ``key`` where it is a string from
+        ``ChunkKey.key``); a disk hit is kept in memory where it fits.
         """
         arr = self.peek(key)
         if arr is not None:
             return arr
-        if self.disk is not None:
-            arr = self._disk_get(key)
+        dk = self._disk_key(key, disk_key)
+        if dk is not None:
+            arr = self._disk_get(dk)
             if arr is not None:
                 with self._lock:
                     self._stats.disk_hits += 1
@@ -500,7 +513,7 @@ class ChunkCache:
             self._stats.misses += 1
         return None
 
-    def peek(self, key: str) -> np.ndarray | None:
+    def peek(self, key: Hashable) -> np.ndarray | None:
         """The chunk under ``key`` if the memory tier holds it (a hit), else None -- without looking on
         disk and without counting a miss: never blocks, so an event loop may call it, and a miss then
         goes to ``get`` in a thread.
@@ -512,22 +525,38 @@ class ChunkCache:
                 self._stats.hits += 1
             return arr
 
-    def put(self, key: str, array: np.ndarray, *, copy: bool = True) -> None:
+    def peek_many(self, keys: list[Hashable], count_misses: bool = False) -> list[np.ndarray | None]:
+        """``peek`` of several keys under one lock: the chunks the memory tier holds, None for the others
+        (counted as misses with ``count_misses``: where no disk tier will be asked)."""
+        self._after_fork()
+        mem = self._mem
+        with self._lock:
+            got = [mem.get(k) for k in keys]
+            n_miss = sum(g is None for g in got)
+            self._stats.hits += len(got) - n_miss
+            if count_misses:
+                self._stats.misses += n_miss
+        return got
+
+    def put(self, key: Hashable, array: np.ndarray, *, copy: bool = True, disk_key: str | None = None) -> None:
         """Keep a decoded chunk under ``key``: in memory while the budget has room, and on disk.
 
         Parameters
         ----------
         key
-            From ``ChunkKey.key``.
+            From ``ChunkKey.key`` (kept in both tiers), or ``ChunkKey.memory_key`` with ``disk_key``.
         array
             The decoded chunk.
         copy
             False hands ``array`` over: the cache keeps it as it is and makes it read-only (for
             a chunk the caller decoded into an array of its own and no longer writes to).
+        disk_key
+            The disk tier's key (``ChunkKey.key``) where ``key`` is a memory key.
         """
         self._after_fork()
-        if self.disk is not None:
-            self._path(key)  # a key that cannot name a file is refused before either tier keeps it
+        dk = self._disk_key(key, disk_key)
+        if dk is not None:
+            self._path(dk)  # a key that cannot name a file is refused before either tier keeps it
         arr = np.asarray(array)
         with self._lock:
             self._stats.puts += 1
@@ -539,14 +568,22 @@ class ChunkCache:
             kept.flags.writeable = False
             with self._lock:
                 self._admit(key, kept)
-        if self.disk is not None and not known:
-            self._disk_put(key, arr)
+        if dk is not None and not known:
+            self._disk_put(dk, arr)
 
-    def __contains__(self, key: str) -> bool:
+    def _disk_key(self, key: Hashable, disk_key: str | None) -> str | None:
+        """The disk tier's key for an entry, None without a disk tier (or without a key it can use)."""
+        if self.disk is None:
+            return None
+        if disk_key is not None:
+            return disk_key
+        return key if isinstance(key, str) else None
+
+    def __contains__(self, key: Hashable) -> bool:
         with self._lock:
             if key in self._mem:
                 return True
-        return self.disk is not None and os.path.exists(self._path(key))
+        return self.disk is not None and isinstance(key, str) and os.path.exists(self._path(key))
 
     def clear(self) -> None:
         """Empty both tiers: the memory tier of this process and every entry of the disk directory
@@ -607,7 +644,7 @@ class ChunkCache:
         return mem, f"{used} of {bound}"
 
     # ------------------------------------------------------------------ memory tier
-    def _admit(self, key: str, arr: np.ndarray) -> None:
+    def _admit(self, key: Hashable, arr: np.ndarray) -> None:
         """Keep ``arr`` in memory if it fits (the lock is held); nothing is evicted."""
         if key in self._mem or self._stats.memory_bytes + arr.nbytes > self.memory_budget:
             return

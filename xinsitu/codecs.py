@@ -7,6 +7,7 @@ a zarr release that moves things breaks one module, loudly.
 from __future__ import annotations
 
 import asyncio
+import math
 import sys
 from typing import Any
 
@@ -36,6 +37,7 @@ class ChunkDecoder:
             self.metadata.get_chunk_spec((0,) * len(aa.shape), aa.config, prototype=_prototype())
         self.shape = tuple(self.spec.shape)  # stored object shape (a whole shard, for sharded arrays)
         self.dtype = np.dtype(self.spec.dtype.to_native_dtype())
+        self.nbytes = math.prod(self.shape) * self.dtype.itemsize  # of one decoded chunk
         self.fill_value = np.asarray(self.spec.fill_value, dtype=self.dtype) if self.spec.fill_value is not None \
             else np.zeros((), self.dtype)
         self._sync = self._sync_chain()

@@ -66,6 +66,8 @@ class Target(NamedTuple):
 #: a region's shape and its pieces: [(chunk coords, out selection, in-chunk selection, drop)]
 _RegionPlan = tuple[tuple[int, ...], list[tuple[tuple[int, ...], list, list, list]]]
 REGION_PLANS = 1 << 17  # region plans kept per reader (a few hundred bytes each)
+#: cache hits of one read copied in place on the I/O loop up to this many bytes (more: in a decode thread)
+INLINE_COPY_BYTES = 1 << 20
 
 
 class ChunkReadError(OSError):
@@ -486,12 +488,13 @@ class Reader:
         """Put the chunks the cache has in place; return the others (to fetch), each tagged so that
         the decode thread hands it to the cache once decoded (``_Keep``).
 
-        Hits take no request, no in-flight slot and no task per chunk: the lookups and the copies of
-        one read are one decode-thread job. Where nothing blocks (a remote store's keys, a memory
-        tier) the lookups are made here on the I/O loop, and the job only copies; a local chunk
-        file's key needs a ``stat`` and a disk tier reads files, so there the job looks up too (a
-        ``stat`` on the loop would wait for the GIL back after each call). ``object_of(coords)`` is
-        the store key holding chunk ``coords`` (its shard's, for a sharded array).
+        Hits take no request, no in-flight slot and no task per chunk. The memory tier is looked up
+        here, on the I/O loop, all chunks of the read under one lock (its keys need no hashing and no
+        ``stat``: ``ChunkKey.memory_key``); its hits are copied in place here too where they are a
+        few plain copies (``INLINE_COPY_BYTES``), else in one decode-thread job. What memory lacks is
+        looked up on disk in one decode-thread job (a local chunk file's disk key needs a ``stat``,
+        an entry a file read), which also copies what it finds. ``object_of(coords)`` is the store
+        key holding chunk ``coords`` (its shard's, for a sharded array).
         """
         keys = self._chunk_keys(src)
         if keys is None:
@@ -499,23 +502,39 @@ class Reader:
         cache = self.cache
         assert cache is not None
         dec = dec or self._decoder(src)
-        prefix = f"{src.array.path}/" if src.array.path else ""
+        ident = keys.ident
         items = list(targets.items())
+        mkeys: list[Any] = [(ident, c) for c, _ in items]
+        disk = cache.disk is not None
+        got = cache.peek_many(mkeys, count_misses=not disk)
+        hits: list[tuple[np.ndarray, list[Target]]] = []
+        missing: list[tuple[tuple[int, ...], list[Target], Any]] = []
+        for (c, t), mk, arr in zip(items, mkeys, got, strict=True):
+            if arr is None:
+                missing.append((c, t, mk))
+            else:
+                hits.append((arr, t))
         loop = asyncio.get_running_loop()
-        if keys.local_root is not None or cache.disk is not None:
-            n_mem, n_disk, misses = await loop.run_in_executor(None, _lookup_take, cache, keys, prefix,
-                                                               object_of, items)
+        n_disk = 0
+        rest: dict[tuple[int, ...], list[Target]] = {}
+        if disk and missing:
+            prefix = f"{src.array.path}/" if src.array.path else ""
+            n_disk, misses = await loop.run_in_executor(None, _disk_lookup_take, cache, keys, prefix, object_of,
+                                                        missing)
+            rest = {c: _Keep(t, cache, mk, dk) for c, t, mk, dk in misses}
         else:
-            hits, n_mem, n_disk, misses = _lookup(cache, keys, prefix, object_of, items)
-            if hits:
+            rest = {c: _Keep(t, cache, mk, None) for c, t, mk in missing}
+        if hits:
+            if _plain(hits) and len(hits) * dec.nbytes <= INLINE_COPY_BYTES:
+                _take(hits)
+            else:
                 await loop.run_in_executor(None, _take, hits)
-        rest: dict[tuple[int, ...], list[Target]] = {c: _Keep(t, cache, ck) for c, t, ck in misses}
-        n = n_mem + n_disk
+        n = len(hits) + n_disk
         self.counters.cache_hits += n
         self.counters.cache_disk_hits += n_disk
         self.counters.cache_misses += len(rest)
         self.counters.chunks += n
-        self.counters.bytes_decoded += n * math.prod(dec.shape) * dec.dtype.itemsize
+        self.counters.bytes_decoded += n * dec.nbytes
         return rest
 
     # ------------------------------------------------------------------ sharded arrays
@@ -622,7 +641,7 @@ class Reader:
             except Exception as e:  # noqa: BLE001 - every failure names its shard
                 _reraise(src, shard, path, e)
         self.counters.chunks += len(inner)
-        self.counters.bytes_decoded += len(inner) * math.prod(dec.shape) * dec.dtype.itemsize
+        self.counters.bytes_decoded += len(inner) * dec.nbytes
 
     async def _fetch_into(self, src: VarSource, dec: ChunkDecoder, store: Any, coords: tuple[int, ...],
                           targets: list[Target]) -> None:
@@ -667,7 +686,7 @@ class Reader:
             except Exception as e:  # noqa: BLE001 - every failure names its chunk
                 _reraise(src, coords, path, e)
         self.counters.chunks += 1
-        self.counters.bytes_decoded += math.prod(dec.shape) * dec.dtype.itemsize
+        self.counters.bytes_decoded += dec.nbytes
 
     async def _read_with_zarr(self, src: VarSource, pos: list[Any]) -> np.ndarray:
         """Sharded arrays: zarr reads the inner chunks it needs (range requests into shards)."""
@@ -798,45 +817,51 @@ def _decode_put(dec: ChunkDecoder, raw: Any, targets: list[Target]) -> None:
 
 
 class _Keep(list):
-    """A chunk's targets, and the cache key it is kept under once decoded (see ``Reader._serve_cached``)."""
+    """A chunk's targets, and the cache keys it is kept under once decoded (see ``Reader._serve_cached``)."""
 
-    __slots__ = ("cache", "key")
+    __slots__ = ("cache", "key", "disk_key")
 
-    def __init__(self, targets: list[Target], cache: ChunkCache, key: str):
+    def __init__(self, targets: list[Target], cache: ChunkCache, key: Any, disk_key: str | None):
         super().__init__(targets)
-        self.cache, self.key = cache, key
+        self.cache, self.key, self.disk_key = cache, key, disk_key
 
     def keep(self, chunk: np.ndarray, copy: bool = True) -> None:
         try:
-            self.cache.put(self.key, chunk, copy=copy)
+            self.cache.put(self.key, chunk, copy=copy, disk_key=self.disk_key)
         except (OSError, MemoryError):  # a chunk the cache cannot keep is still read: never a failed read
             pass
 
 
-_Lookup = tuple[list[tuple[np.ndarray, list[Target]]], int, int, list[tuple[tuple[int, ...], list[Target], str]]]
-
-
-def _lookup(cache: ChunkCache, keys: ChunkKey, prefix: str, object_of: Callable[[tuple[int, ...]], str],
-            items: list[tuple[tuple[int, ...], list[Target]]]) -> _Lookup:
-    """Look up chunks in the cache: (hits as (chunk, targets), memory hits, disk hits, misses as
-    (coords, targets, key)). Blocks where keys stat local files or the cache reads its disk tier."""
-    hits, misses, n_disk = [], [], 0
-    disk = cache.disk is not None
-    for coords, t in items:
-        ck = keys.key(coords, keys.file_of(prefix + object_of(coords)))
-        got = cache.peek(ck) if disk else cache.get(ck)  # ``get`` counts the miss; with a disk tier, below
-        if got is None and disk:
-            got = cache.get(ck)
-            n_disk += got is not None
+def _disk_lookup_take(cache: ChunkCache, keys: ChunkKey, prefix: str, object_of: Callable[[tuple[int, ...]], str],
+                      missing: list[tuple[tuple[int, ...], list[Target], Any]]) -> tuple[int, list[Any]]:
+    """Look up on disk the chunks memory lacks and put those found in place (a decode-thread job: keys
+    of local chunk files ``stat`` them, entries are files): (disk hits, misses as (coords, targets,
+    memory key, disk key))."""
+    found, misses = [], []
+    for coords, t, mk in missing:
+        dk = keys.key(coords, keys.file_of(prefix + object_of(coords)))
+        got = cache.get(mk, disk_key=dk)
         if got is None:
-            misses.append((coords, t, ck))
+            misses.append((coords, t, mk, dk))
         else:
-            hits.append((got, t))
-    return hits, len(hits) - n_disk, n_disk, misses
+            found.append((got, t))
+    _take(found)
+    return len(found), misses
+
+
+def _plain(hits: list[tuple[np.ndarray, list[Target]]]) -> bool:
+    """Whether every hit is one plain copy into one destination (no hook, slices only)."""
+    for _, t in hits:
+        if len(t) != 1:
+            return False
+        out, out_sel, in_sel, drop, hook = t[0]
+        if out is None or hook is not None or drop or not _all_slices(out_sel) or not _all_slices(in_sel):
+            return False
+    return True
 
 
 def _take(hits: list[tuple[np.ndarray, list[Target]]]) -> None:
-    """Put cached chunks in place (a decode-thread job: one copy per target)."""
+    """Put cached chunks in place (one copy per target)."""
     for chunk, t in hits:
         if len(t) == 1:
             out, out_sel, in_sel, drop, hook = t[0]
@@ -851,14 +876,6 @@ def _all_slices(sel: list[Any]) -> bool:
         if not isinstance(s, slice):
             return False
     return True
-
-
-def _lookup_take(cache: ChunkCache, keys: ChunkKey, prefix: str, object_of: Callable[[tuple[int, ...]], str],
-                 items: list[tuple[tuple[int, ...], list[Target]]]) -> tuple[int, int, list]:
-    """``_lookup`` and ``_take`` in one decode-thread job: (memory hits, disk hits, misses)."""
-    hits, n_mem, n_disk, misses = _lookup(cache, keys, prefix, object_of, items)
-    _take(hits)
-    return n_mem, n_disk, misses
 
 
 def _read_decode_assign(store: Any, path: str, dec: ChunkDecoder,

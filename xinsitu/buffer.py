@@ -48,6 +48,7 @@ class BufferLoader:
         self.pool_size = 4
         self._inverses: dict[str, tuple[int, ...]] = {}
         self._unit_slots: dict[tuple[int, int, int], tuple[np.ndarray, list[int], np.ndarray]] = {}
+        self._whole: dict[tuple[str, int, int, int], tuple[int, ...] | None] = {}
 
     # ------------------------------------------------------------------ reading
     async def load_static(self) -> dict[str, np.ndarray]:
@@ -118,8 +119,9 @@ class BufferLoader:
         ol, el = origin.tolist(), end.tolist()
         regions = [{d.name: (ol[s][k], el[s][k]) for k, d in enumerate(sp.split_dims)} for s in range(len(units))]
         arrays = {}
-        jobs = []
+        jobs: list[Any] = []
         step = None if halo is None else halo.step(j)
+        keys = list(zip(units.tolist(), lo.tolist(), hi.tolist(), strict=True))  # what makes a slot's region
         for name, lay in self.layouts.items():
             if lay.static:
                 continue
@@ -130,6 +132,11 @@ class BufferLoader:
             inv = self._inverse(name, lay)
             mine = regions if all(d.name in lay.src.dims for d in sp.split_dims) else [
                 {d: r for d, r in reg.items() if d in lay.src.dims} for reg in regions]
+            whole = self._whole_chunks(name, lay, shape, inv, keys, mine) if step is None and self.reader.cache \
+                else None
+            if whole is not None:  # each slot is one whole chunk: cached ones are copied in all at once
+                jobs.append(self._cached_then_read(lay, whole, buf, mine))
+                continue
             for s in range(len(units)):
                 region = mine[s]
                 view = self._slot_view(lay, buf, s, region, inv)
@@ -158,6 +165,35 @@ class BufferLoader:
             step.done()
         arrays.update(await self.load_static())
         return Buffer(j, base_ids[perm], base_slot[perm], base_starts[perm], origin, arrays)
+
+    def _whole_chunks(self, name: str, lay: VarLayout, shape: list[int], inv: tuple[int, ...],
+                      keys: list[tuple[int, int, int]],
+                      regions: list[dict[str, tuple[int, int]]]) -> list[tuple[int, ...]] | None:
+        """The chunk each slot of a variable's buffer is, whole, where every slot is exactly one chunk
+        in the chunk's own layout (``Reader.whole_chunk``), else None. Kept per (variable, unit, samples)."""
+        if inv != tuple(range(len(inv))) or tuple(shape[1:]) != tuple(lay.src.chunk_shape):
+            return None
+        known = self._whole
+        coords: list[tuple[int, ...]] = []
+        for k, region in zip(keys, regions, strict=True):
+            key = (name, *k)
+            if key in known:
+                c = known[key]
+            else:
+                c = known[key] = self.reader.whole_chunk(lay.src, region)
+            if c is None:
+                return None
+            coords.append(c)
+        if len(known) >= UNIT_SLOTS:
+            known.clear()
+        return coords
+
+    async def _cached_then_read(self, lay: VarLayout, coords: list[tuple[int, ...]], buf: np.ndarray,
+                                regions: list[dict[str, tuple[int, int]]]) -> None:
+        """Whole-chunk slots: what the cache holds in one copy, the rest read as usual."""
+        rest = await self.reader.take_cached(lay.src, coords, buf)
+        if rest:
+            await self.reader.read_many(lay.src, [(regions[s], buf[s]) for s in rest])
 
     def halo_plan(self, plan: EpochPlan, first: int, ahead: int = HALO_BUFFERS) -> HaloPlan | None:
         """Where windows or tiles spill over a split dim into the next unit: which buffer passes which

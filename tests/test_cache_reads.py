@@ -86,21 +86,23 @@ def test_cached_epochs_equal_uncached(era5_path, tmp_path, tier):
 @pytest.mark.parametrize("budget", ["all", "half"])
 def test_whole_chunk_slots_are_copied_from_the_cache_at_once(tmp_path, monkeypatch, chunk_time, budget):
     """Where each slot of a buffer is one whole chunk (one sample per chunk, or time chunks holding
-    whole maps), cached chunks go in with one copy per variable and buffer (``Reader.take_cached``)
-    and the chunks the cache lacks are read as usual: the epochs are the uncached ones, bit for bit,
-    also when only some of a buffer's chunks are held."""
+    whole maps), batches are gathered straight from the cache's slab where it holds every chunk of
+    the buffer; else the chunks it holds go in with one copy per variable and buffer
+    (``Reader.take_cached``) and those it lacks are read as usual: the epochs are the uncached ones,
+    bit for bit, also when only some of a buffer's chunks are held."""
     from xinsitu.reader import Reader
 
     path = str(tmp_path / "a.zarr")
     write_era5_like(path, nt=61, ny=3, nx=4, chunk_time=chunk_time)  # the last chunk partial where chunk_time=3
     ref = _epochs(_gen(path, block_chunks=4))
-    served = []
+    served, slabs = [], []
     real = Reader.take_cached
 
     async def spy(self, src, coords, out):
-        rest = await real(self, src, coords, out)
+        rest, slab = await real(self, src, coords, out)
         served.append(len(coords) - len(rest))
-        return rest
+        slabs.append(slab is not None)
+        return rest, slab
 
     monkeypatch.setattr(Reader, "take_cached", spy)
     split = _split_bytes(_gen(path, block_chunks=4))
@@ -109,11 +111,16 @@ def test_whole_chunk_slots_are_copied_from_the_cache_at_once(tmp_path, monkeypat
     gen.read_ahead = False  # else the next epoch's first buffer is read (and counted) before the clear
     assert _same(_epochs(gen), ref)
     served.clear()
+    slabs.clear()
     _epochs(gen, (3,))
     st = gen.io_stats
     assert 0 < sum(served) <= st["cache_hits"]
-    if chunk_time == 1:  # every slot is a whole chunk: every hit went in through the one copy
+    if chunk_time == 1:  # every slot is a whole chunk: every hit went in through the fast path
         assert sum(served) == st["cache_hits"]
+    if budget == "all":  # the cache holds every chunk, in one slab per variable: gathered from it, no copy
+        assert all(slabs)
+    else:
+        assert not all(slabs)
     if budget == "all":
         assert st["cache_hits"] == st["chunks"] and st["requests"] == 0
     else:

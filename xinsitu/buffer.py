@@ -10,7 +10,7 @@ whole variable in a single slot, read once.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -33,6 +33,8 @@ class Buffer:
     starts: np.ndarray  # (n, sampled dims) start positions (yield order)
     origin: np.ndarray  # (slots, split dims) first position held by each slot
     arrays: dict[str, np.ndarray]
+    # variables gathered straight from a cache slab: arrays[name] is the slab, rows[name] its row per slot
+    rows: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 class BufferLoader:
@@ -122,6 +124,7 @@ class BufferLoader:
         jobs: list[Any] = []
         step = None if halo is None else halo.step(j)
         keys = list(zip(units.tolist(), lo.tolist(), hi.tolist(), strict=True))  # what makes a slot's region
+        slabbed: list[tuple[str, int]] = []  # (variable, its job) where the cache may hold every chunk
         for name, lay in self.layouts.items():
             if lay.static:
                 continue
@@ -134,7 +137,8 @@ class BufferLoader:
                 {d: r for d, r in reg.items() if d in lay.src.dims} for reg in regions]
             whole = self._whole_chunks(name, lay, shape, inv, keys, mine) if step is None and self.reader.cache \
                 else None
-            if whole is not None:  # each slot is one whole chunk: cached ones are copied in all at once
+            if whole is not None:  # each slot is one whole chunk: gathered from the cache's slab, or read
+                slabbed.append((name, len(jobs)))
                 jobs.append(self._cached_then_read(lay, whole, buf, mine))
                 continue
             for s in range(len(units)):
@@ -153,8 +157,13 @@ class BufferLoader:
                     step.held.setdefault(key, {})[name] = held
                     reads.append(({sp.split_dims[0].name: (a, b)}, np.transpose(held, np.argsort(lay.order))))
             jobs.append(self.reader.read_many(lay.src, reads))
+        rows: dict[str, np.ndarray] = {}
         try:
-            await asyncio.gather(*jobs)
+            done = await asyncio.gather(*jobs)
+            for name, k in slabbed:
+                if done[k] is not None:
+                    self._give_back(arrays[name])
+                    arrays[name], rows[name] = done[k]
             if step is not None:
                 await step.take(arrays, origin)
         except BaseException as e:
@@ -164,7 +173,7 @@ class BufferLoader:
         if step is not None:
             step.done()
         arrays.update(await self.load_static())
-        return Buffer(j, base_ids[perm], base_slot[perm], base_starts[perm], origin, arrays)
+        return Buffer(j, base_ids[perm], base_slot[perm], base_starts[perm], origin, arrays, rows)
 
     def _whole_chunks(self, name: str, lay: VarLayout, shape: list[int], inv: tuple[int, ...],
                       keys: list[tuple[int, int, int]],
@@ -189,11 +198,13 @@ class BufferLoader:
         return coords
 
     async def _cached_then_read(self, lay: VarLayout, coords: list[tuple[int, ...]], buf: np.ndarray,
-                                regions: list[dict[str, tuple[int, int]]]) -> None:
-        """Whole-chunk slots: what the cache holds in one copy, the rest read as usual."""
-        rest = await self.reader.take_cached(lay.src, coords, buf)
+                                regions: list[dict[str, tuple[int, int]]]) -> tuple[np.ndarray, np.ndarray] | None:
+        """Whole-chunk slots: ``(slab, rows)`` where the cache holds them all in one slab (nothing is
+        copied); else what it holds copied into ``buf`` at once, the rest read as usual, and None."""
+        rest, slab = await self.reader.take_cached(lay.src, coords, buf)
         if rest:
             await self.reader.read_many(lay.src, [(regions[s], buf[s]) for s in rest])
+        return slab
 
     def halo_plan(self, plan: EpochPlan, first: int, ahead: int = HALO_BUFFERS) -> HaloPlan | None:
         """Where windows or tiles spill over a split dim into the next unit: which buffer passes which
@@ -235,10 +246,13 @@ class BufferLoader:
     def recycle(self, buffer: Buffer) -> None:
         """Give a buffer's arrays back once no batch will be gathered from it again."""
         for name, arr in buffer.arrays.items():
-            if not self.layouts[name].static:
-                free = self._pool.setdefault((arr.shape, arr.dtype), [])
-                if len(free) < self.pool_size:
-                    free.append(arr)
+            if not self.layouts[name].static and name not in buffer.rows:  # a slab is the cache's
+                self._give_back(arr)
+
+    def _give_back(self, arr: np.ndarray) -> None:
+        free = self._pool.setdefault((arr.shape, arr.dtype), [])
+        if len(free) < self.pool_size:
+            free.append(arr)
 
     # ------------------------------------------------------------------ gathering
     def gather(self, buffer: Buffer, rows: np.ndarray,
@@ -253,11 +267,14 @@ class BufferLoader:
             if not lay.has_sample_axis:
                 out[name] = buf[0].transpose(np.argsort(lay.order))
                 continue
-            out[name] = self._gather_var(lay, buf, slot, st, buffer.origin, None if into is None else into[name])
+            out[name] = self._gather_var(lay, buf, slot, st, buffer.origin, None if into is None else into[name],
+                                         buffer.rows.get(name))
         return out
 
     def _gather_var(self, lay: VarLayout, buf: np.ndarray, slot: np.ndarray, st: np.ndarray,
-                    origin: np.ndarray, into: np.ndarray | None = None) -> np.ndarray:
+                    origin: np.ndarray, into: np.ndarray | None = None,
+                    rows: np.ndarray | None = None) -> np.ndarray:
+        """``rows``: ``buf`` is a cache slab and slot ``s`` is its row ``rows[s]``."""
         sp = self.space
         n = len(slot)
         kept = [k for k in lay.sampled if sp.dims[k].keep]
@@ -267,6 +284,8 @@ class BufferLoader:
         for k in lay.sampled:
             pos = st[:, k] - (origin[slot_idx, k] if sp.dims[k].split else 0)
             local.append(pos)
+        if rows is not None:  # slots are rows of a cache slab
+            slot_idx = rows[slot_idx]
         # fast path: one position-only sampled dim first in a contiguous buffer -> a single np.take
         if len(lay.sampled) == 1 and nk == 0 and buf.flags.c_contiguous:
             flat = buf.reshape(buf.shape[0] * buf.shape[1], *buf.shape[2:])

@@ -458,7 +458,9 @@ class ChunkCache:
         self._lock = threading.Lock()
         self._evicting = threading.Lock()
         self._pid = os.getpid()
-        self._mem: dict[Hashable, np.ndarray] = {}
+        self._mem: dict[Hashable, np.ndarray] = {}  # key -> the chunk (a read-only row of a slab)
+        self._rows: dict[Hashable, tuple[np.ndarray, int]] = {}  # key -> (slab, row)
+        self._slabs: dict[tuple[tuple[int, ...], str], list[Any]] = {}  # (shape, dtype) -> [slab, rows used]
         self._stats = CacheStats()
         self._tmp_ids = itertools.count()
         self._shards: set[str] = set()
@@ -507,8 +509,8 @@ class ChunkCache:
             if arr is not None:
                 with self._lock:
                     self._stats.disk_hits += 1
-                    self._admit(key, arr)
-                return arr
+                kept = self._keep(key, arr)
+                return arr if kept is None else kept
         with self._lock:
             self._stats.misses += 1
         return None
@@ -538,6 +540,17 @@ class ChunkCache:
                 self._stats.misses += n_miss
         return got
 
+    def locate_many(self, keys: list[Hashable]) -> list[tuple[np.ndarray, int] | None]:
+        """Where the memory tier holds each chunk: ``(slab, row)`` -- the chunk is ``slab[row]``, and
+        chunks of one shape and dtype share slabs, so a batch can be gathered from many of them in one
+        ``np.take`` -- or None (not counted as a miss). Rows are never reused while a slab lives."""
+        self._after_fork()
+        rows = self._rows
+        with self._lock:
+            got = [rows.get(k) for k in keys]
+            self._stats.hits += sum(g is not None for g in got)
+        return got
+
     def put(self, key: Hashable, array: np.ndarray, *, copy: bool = True, disk_key: str | None = None) -> None:
         """Keep a decoded chunk under ``key``: in memory while the budget has room, and on disk.
 
@@ -548,8 +561,8 @@ class ChunkCache:
         array
             The decoded chunk.
         copy
-            False hands ``array`` over: the cache keeps it as it is and makes it read-only (for
-            a chunk the caller decoded into an array of its own and no longer writes to).
+            Kept for callers that hand an array over (False): the memory tier copies every chunk
+            into a row of its slabs either way.
         disk_key
             The disk tier's key (``ChunkKey.key``) where ``key`` is a memory key.
         """
@@ -561,13 +574,8 @@ class ChunkCache:
         with self._lock:
             self._stats.puts += 1
             known = key in self._mem
-            room = not known and self._stats.memory_bytes + arr.nbytes <= self.memory_budget
-        if room:
-            kept = np.array(arr, order="C", copy=True) if copy or not arr.flags.c_contiguous \
-                else arr
-            kept.flags.writeable = False
-            with self._lock:
-                self._admit(key, kept)
+        if not known:
+            self._keep(key, arr)
         if dk is not None and not known:
             self._disk_put(dk, arr)
 
@@ -591,6 +599,8 @@ class ChunkCache:
         self._after_fork()
         with self._lock:
             self._mem.clear()
+            self._rows.clear()
+            self._slabs.clear()  # new slabs from now on: buffers may still gather from the old ones
             self._stats.memory_bytes = self._stats.memory_entries = 0
         if self.disk is None:
             return
@@ -644,13 +654,52 @@ class ChunkCache:
         return mem, f"{used} of {bound}"
 
     # ------------------------------------------------------------------ memory tier
-    def _admit(self, key: Hashable, arr: np.ndarray) -> None:
-        """Keep ``arr`` in memory if it fits (the lock is held); nothing is evicted."""
-        if key in self._mem or self._stats.memory_bytes + arr.nbytes > self.memory_budget:
-            return
-        self._mem[key] = arr
-        self._stats.memory_bytes += arr.nbytes
-        self._stats.memory_entries += 1
+    def _keep(self, key: Hashable, arr: np.ndarray) -> np.ndarray | None:
+        """Copy ``arr`` into a free row of a slab where the budget has room (else None); nothing is
+        evicted. The row is taken under the lock and filled outside it; the key is published once
+        the row holds the chunk."""
+        with self._lock:
+            if key in self._mem:
+                return self._mem[key]
+            place = self._reserve(arr)
+        if place is None:
+            return None
+        slab, row = place
+        slab[row] = arr
+        view = slab[row]
+        view.flags.writeable = False
+        with self._lock:
+            if key in self._mem:  # another thread kept it meanwhile: this row stays unused
+                return self._mem[key]
+            self._mem[key] = view
+            self._rows[key] = place
+            self._stats.memory_entries += 1
+        return view
+
+    def _reserve(self, arr: np.ndarray) -> tuple[np.ndarray, int] | None:
+        """A free row for a chunk like ``arr`` (the lock is held), counted against the budget; None
+        where the budget has no room. A new slab holds as many rows as the rest of the budget: its
+        pages are only backed once written, so its size costs address space, not memory."""
+        n = arr.nbytes
+        if self._stats.memory_bytes + n > self.memory_budget:
+            return None
+        cls = (arr.shape, arr.dtype.str)
+        got = self._slabs.get(cls)
+        if got is None or got[1] >= len(got[0]):
+            rows = max(1, (self.memory_budget - self._stats.memory_bytes) // max(n, 1))
+            while True:
+                try:
+                    got = [np.empty((rows, *arr.shape), arr.dtype), 0]
+                    break
+                except MemoryError:  # no address space that large (strict overcommit): smaller slabs
+                    if rows == 1:
+                        return None
+                    rows = max(1, rows // 4)
+            self._slabs[cls] = got
+        slab, row = got[0], got[1]
+        got[1] += 1
+        self._stats.memory_bytes += n
+        return slab, row
 
     # ------------------------------------------------------------------ disk tier
     def _path(self, key: str) -> str:

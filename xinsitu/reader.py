@@ -559,41 +559,51 @@ class Reader:
         self._whole[key] = coords
         return coords
 
-    async def take_cached(self, src: VarSource, coords: list[tuple[int, ...]], out: np.ndarray) -> list[int]:
-        """Put the whole chunks ``coords`` the memory tier holds in ``out[i]`` (``out``: one chunk per
-        row, each of the chunk's shape) and return the rows it lacks, for ``read_many``.
+    async def take_cached(self, src: VarSource, coords: list[tuple[int, ...]],
+                          out: np.ndarray) -> tuple[list[int], tuple[np.ndarray, np.ndarray] | None]:
+        """The whole chunks ``coords`` from the memory tier, for a buffer whose row ``i`` is chunk
+        ``coords[i]`` (``out``: one chunk per row, each of the chunk's shape): ``(rows it lacks, for
+        read_many; slab)``.
 
-        The fast path of cached epochs: one lookup for all, no plan or target per chunk, and where
-        every chunk is there one copy of them all (``np.concatenate``) -- on the I/O loop when small,
-        else in a decode thread.
+        The fast path of cached epochs: one lookup for all, no plan or target per chunk. Where the
+        tier holds every chunk in one slab, nothing is copied: ``slab`` is ``(the slab, its row of
+        each chunk)`` and the batches are gathered from it (``out`` is left as it is). Else the
+        chunks it holds are copied into ``out`` (all at once where it holds all), on the I/O loop
+        when small, else in a decode thread, and ``slab`` is None.
         """
+        everything = list(range(len(coords)))
         keys = self._chunk_keys(src) if self.cache is not None and self.cache.memory_budget else None
         if keys is None:
-            return list(range(len(coords)))
+            return everything, None
         ident = keys.ident
-        got = self.cache.peek_many([(ident, c) for c in coords])  # type: ignore[union-attr]
-        rows = [i for i, g in enumerate(got) if g is not None]
-        if not rows:
-            return list(range(len(coords)))
+        places = self.cache.locate_many([(ident, c) for c in coords])  # type: ignore[union-attr]
+        held = [i for i, p in enumerate(places) if p is not None]
+        if not held:
+            return everything, None
         dec = self._decoder(src)
-        if len(rows) == len(coords) and out.flags.c_contiguous:
-            flat = out.reshape((-1,) + out.shape[2:])
-
-            def copy() -> None:
-                np.concatenate(got, axis=0, out=flat)  # type: ignore[arg-type]
-        else:
-            def copy() -> None:
-                for i in rows:
-                    out[i] = got[i]
-        if len(rows) * dec.nbytes <= INLINE_COPY_BYTES:
-            copy()
-        else:
-            await asyncio.get_running_loop().run_in_executor(None, copy)
-        n = len(rows)
+        n = len(held)
         self.counters.cache_hits += n
         self.counters.chunks += n
         self.counters.bytes_decoded += n * dec.nbytes
-        return [i for i, g in enumerate(got) if g is None]
+        if n == len(coords):
+            slab = places[0][0]  # type: ignore[index]
+            if all(p[0] is slab for p in places):  # type: ignore[index]
+                return [], (slab, np.array([p[1] for p in places], dtype=np.int64))  # type: ignore[index]
+        chunks = [None if p is None else p[0][p[1]] for p in places]
+        if n == len(coords) and out.flags.c_contiguous:
+            flat = out.reshape((-1,) + out.shape[2:])
+
+            def copy() -> None:
+                np.concatenate(chunks, axis=0, out=flat)  # type: ignore[arg-type]
+        else:
+            def copy() -> None:
+                for i in held:
+                    out[i] = chunks[i]
+        if n * dec.nbytes <= INLINE_COPY_BYTES:
+            copy()
+        else:
+            await asyncio.get_running_loop().run_in_executor(None, copy)
+        return [i for i, p in enumerate(places) if p is None], None
 
     # ------------------------------------------------------------------ sharded arrays
     def _native_shards(self, src: VarSource) -> bool:

@@ -135,8 +135,7 @@ class BufferLoader:
             inv = self._inverse(name, lay)
             mine = regions if all(d.name in lay.src.dims for d in sp.split_dims) else [
                 {d: r for d, r in reg.items() if d in lay.src.dims} for reg in regions]
-            whole = self._whole_chunks(name, lay, shape, inv, keys, mine) if step is None and self.reader.cache \
-                else None
+            whole = self._whole_chunks(name, lay, shape, inv, keys, mine) if step is None else None
             if whole is not None:  # each slot is one whole chunk: gathered from the cache's slab, or read
                 slabbed.append((name, len(jobs)))
                 jobs.append(self._cached_then_read(lay, whole, buf, mine))
@@ -200,9 +199,10 @@ class BufferLoader:
     async def _cached_then_read(self, lay: VarLayout, coords: list[tuple[int, ...]], buf: np.ndarray,
                                 regions: list[dict[str, tuple[int, int]]]) -> tuple[np.ndarray, np.ndarray] | None:
         """Whole-chunk slots: ``(slab, rows)`` where the cache holds them all in one slab (nothing is
-        copied); else what it holds copied into ``buf`` at once, the rest read as usual, and None."""
+        copied); else what it holds copied into ``buf`` at once, the rest decoded straight into their
+        slots (local files: ``Reader.read_whole``) or read as usual, and None."""
         rest, slab = await self.reader.take_cached(lay.src, coords, buf)
-        if rest:
+        if rest and not await self.reader.read_whole(lay.src, [coords[s] for s in rest], [buf[s] for s in rest]):
             await self.reader.read_many(lay.src, [(regions[s], buf[s]) for s in rest])
         return slab
 

@@ -551,6 +551,11 @@ class ChunkCache:
             self._stats.hits += sum(g is not None for g in got)
         return got
 
+    def count_misses(self, n: int) -> None:
+        """Count ``n`` lookups that found nothing (made by ``locate_many``, which counts only hits)."""
+        with self._lock:
+            self._stats.misses += n
+
     def put(self, key: Hashable, array: np.ndarray, *, copy: bool = True, disk_key: str | None = None) -> None:
         """Keep a decoded chunk under ``key``: in memory while the budget has room, and on disk.
 

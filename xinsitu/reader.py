@@ -297,7 +297,6 @@ class Reader:
         self._index_cache: OrderedDict[str, np.ndarray | None] = OrderedDict()
         self._whole_plans: dict[tuple[int, int], list[tuple[int, Any, Any]]] = {}
         self._region_plans: dict[tuple[int, tuple], tuple[VarSource, _RegionPlan]] = {}
-        self._whole: dict[tuple[int, tuple], tuple[int, ...] | None] = {}
         self._ranges: dict[tuple[int, int], bool] = {}
         self.on_missing = "fill"  # or "raise": a chunk with no object is an error
         self.last_missing: tuple[str, tuple[int, ...], str] | None = None  # (variable, chunk, key)
@@ -400,8 +399,43 @@ class Reader:
             await self._fetch_into(src, self._decoder(src), self._store(src), c, t)
         elif targets:
             dec, store = self._decoder(src), self._store(src)
-            await _all_or_none(self._fetch_into(src, dec, store, c, t) for c, t in targets.items())
+            if getattr(store, "fused", False) and dec.sync:  # local files: a few jobs, not one per chunk
+                await self._read_local(src, dec, store, list(targets.items()))
+            else:
+                await _all_or_none(self._fetch_into(src, dec, store, c, t) for c, t in targets.items())
         return outs
+
+    async def _read_local(self, src: VarSource, dec: ChunkDecoder, store: Any,
+                          items: list[tuple[tuple[int, ...], list[Target]]],
+                          keep: tuple[ChunkCache, str] | None = None) -> None:
+        """Local chunk files read and decoded in one job per decode thread (each reads, decodes and puts
+        in place its share in turn): per chunk no task, no executor hand-off and no wake-up of the
+        loop, which for one-sample-per-chunk archives cost more than the decode itself."""
+        prefix = f"{src.array.path}/" if src.array.path else ""
+        loop = asyncio.get_running_loop()
+        k = max(1, min(len(items), self.inflight.threads))
+        shares = [items[i::k] for i in range(k)]
+
+        async def job(share: list[tuple[tuple[int, ...], list[Target]]]) -> list[tuple[Any, ...]]:
+            async with self.inflight:
+                return await loop.run_in_executor(None, _read_decode_assign_many, store, prefix, dec, src.name, share,
+                                                  keep)
+
+        done = await asyncio.gather(*(job(sh) for sh in shares))
+        for rows in done:
+            for coords, path, read_s, nbytes, took in rows:
+                self.counters.requests += 1
+                if nbytes is None:
+                    try:
+                        self._missing(src, coords, path)
+                    except Exception as e:  # noqa: BLE001 - missing="raise": named like every failure
+                        _reraise(src, coords, path, e)
+                self.counters.bytes_read += nbytes or 0
+                self.counters.decode_s += took
+                self.inflight.observe(read_s, took)
+                store.observe(read_s, took)
+                self.counters.chunks += 1
+                self.counters.bytes_decoded += dec.nbytes
 
     def _region_plan(self, src: VarSource, region: dict[str, tuple[int, int]]) -> _RegionPlan:
         """The region's shape and the chunks it touches with where each piece goes: pure index math
@@ -539,25 +573,46 @@ class Reader:
         return rest
 
     def whole_chunk(self, src: VarSource, region: dict[str, tuple[int, int]]) -> tuple[int, ...] | None:
-        """The grid coordinates of the one chunk ``region`` is exactly (all of it and nothing else), else
-        None: then ``take_cached`` can put that chunk in place whole. Kept with the region's plan."""
-        key = (id(src), tuple(region.items()))
-        got = self._whole.get(key, False)
-        if got is not False and self._region_plans.get(key, (None,))[0] is src:
-            return got  # type: ignore[return-value]
+        """The grid coordinates of the one chunk ``region`` is exactly (all of it and nothing else, in
+        order), else None: then the chunk can be decoded straight into, or copied whole into, a
+        destination of its shape. Integer math on the selection, no region plan."""
         if not src.stored or is_sharded(src.array):
             return None
-        shape, pieces = self._region_plan(src, region)
-        coords = None
-        if len(pieces) == 1 and shape == self._decoder(src).shape:
-            c, out_sel, in_sel, drop = pieces[0]
-            if not drop and all(isinstance(x, slice) and (x.start or 0) == 0 and x.stop == n
-                                for x, n in zip(in_sel, shape, strict=True)):
-                coords = c
-        if len(self._whole) >= REGION_PLANS:
-            self._whole.clear()
-        self._whole[key] = coords
-        return coords
+        coords = []
+        for ax, (d, ix) in enumerate(zip(src.src_dims, src.index, strict=True)):
+            cs = src.chunk_shape[ax]
+            if isinstance(ix, int) or not len(ix) or not self._is_range(src, ax):
+                return None
+            a, b = region[d] if d in region else (0, len(ix))
+            if not 0 <= a < b <= len(ix) or b - a != cs:
+                return None
+            p0 = int(ix[a])
+            if p0 % cs:
+                return None
+            coords.append(p0 // cs)
+        return tuple(coords)
+
+    async def read_whole(self, src: VarSource, coords: list[tuple[int, ...]], outs: list[np.ndarray]) -> bool:
+        """Read whole chunks ``coords`` straight into ``outs`` (each of the chunk's shape): for chunk
+        files of a local directory, one job per decode thread, no plan or target per chunk; chunks
+        the memory tier should keep are kept. False (nothing read) where this path does not apply
+        (a remote store, a codec chain that cannot decode into place, a disk tier): use ``read_many``."""
+        dec, store = self._decoder(src), self._store(src)
+        if not (getattr(store, "fused", False) and dec.sync):
+            return False
+        keep = None
+        if self.cache is not None:
+            keys = self._chunk_keys(src)
+            if keys is not None:
+                if self.cache.disk is not None:
+                    return False
+                keep = (self.cache, keys.ident)
+                self.cache.count_misses(len(coords))  # ``take_cached`` looked them up first
+                self.counters.cache_misses += len(coords)
+        items = [(c, [Target(o, [slice(None)] * o.ndim, [slice(None)] * o.ndim, [], None)])
+                 for c, o in zip(coords, outs, strict=True)]
+        await self._read_local(src, dec, store, items, keep)
+        return True
 
     async def take_cached(self, src: VarSource, coords: list[tuple[int, ...]],
                           out: np.ndarray) -> tuple[list[int], tuple[np.ndarray, np.ndarray] | None]:
@@ -962,6 +1017,28 @@ def _read_decode_assign(store: Any, path: str, dec: ChunkDecoder,
         raise DamagedObjectError(f"object {path!r} failed to decode (corrupt in the store?): "
                                  f"{type(e).__name__}: {e}") from e
     return t1 - t0, len(raw), time.perf_counter() - t1
+
+
+def _read_decode_assign_many(store: Any, prefix: str, dec: ChunkDecoder, name: str,
+                             share: list[tuple[tuple[int, ...], list[Target]]],
+                             keep: tuple[ChunkCache, str] | None = None) -> list[tuple[Any, ...]]:
+    """``_read_decode_assign`` for several chunks in turn: (coords, key, seconds reading, bytes or None,
+    seconds decoding) per chunk; a chunk that fails raises ``ChunkReadError`` naming it. With ``keep``
+    (a cache and the array's ``ChunkKey.ident``), each chunk read whole into its one target is kept."""
+    out = []
+    for coords, targets in share:
+        path = prefix + dec.key(coords)
+        try:
+            read_s, nbytes, took = _read_decode_assign(store, path, dec, targets)
+        except Exception as e:  # noqa: BLE001 - every failure names its chunk
+            raise ChunkReadError(name, coords, path, e) from e
+        if keep is not None and nbytes is not None:  # a chunk with no object is not cached
+            try:
+                keep[0].put((keep[1], coords), targets[0].out)  # type: ignore[arg-type]
+            except (OSError, MemoryError):  # a chunk the cache cannot keep is still read
+                pass
+        out.append((coords, path, read_s, nbytes, took))
+    return out
 
 
 def _decode_assign(dec: ChunkDecoder, raw: Any, targets: list[Target]) -> float:

@@ -25,6 +25,15 @@ import time
 sys.path.insert(0, "/work/shared/bench")
 
 
+def rss_mb() -> int:
+    """Resident memory now (MB): what a step keeps, next to the peak (ru_maxrss) it reached."""
+    try:
+        with open("/proc/self/statm") as f:
+            return round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6)
+    except OSError:
+        return -1
+
+
 def make(path: str, steps: int) -> None:
     try:
         from scale import make as shared_make  # the shared script's archive, when it is there
@@ -55,7 +64,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1_000_000)
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "xinsitu-scale"))
     ap.add_argument("--no-random", action="store_true", help="skip the contiguous=False split")
-    ap.add_argument("--rss-steps", action="store_true", help="also report the peak RSS after each step")
+    ap.add_argument("--rss-steps", action="store_true",
+                    help="also report the peak RSS after each step (_peak_mb) and the RSS then (_rss_mb)")
     ap.add_argument("--time-unit", default=None,
                     help="decode the time axis to datetime64 of this unit (e.g. 's'): an hourly axis of 10^7 "
                          "steps from 1940 ends past 2262, where xarray's default (ns) falls back to 10^7 cftime "
@@ -75,6 +85,7 @@ def main() -> None:
         out[name + "_cpu_s"] = round(time.process_time() - c0, 4)  # the machine may be shared
         if a.rss_steps:
             out[name + "_peak_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3)
+            out[name + "_rss_mb"] = rss_mb()
         return r
 
     kw = {}

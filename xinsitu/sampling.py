@@ -173,7 +173,7 @@ class EqualOffsets:
 
     def __getitem__(self, i: Any) -> Any:
         a, k = _index(i, self.n_units + 1)
-        return np.int64(k * self.size) if a is None else a * self.size
+        return a * self.size if a is not None else np.int64(cast(int, k) * self.size)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         a = np.arange(self.n_units + 1, dtype=np.int64) * self.size

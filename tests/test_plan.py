@@ -165,7 +165,8 @@ def test_a_regular_split_holds_no_per_unit_array():
                    world_size=1024)
     assert len(p.units) == 7812 and p.n_samples == 7812
     assert np.array_equal(p.units, _shuffle.units_at(np.arange(7812), 8 * n // 10, 0, 3))
-    per_unit = [k for k, v in vars(space).items() if isinstance(v, np.ndarray) and v.size >= n // 2 and v.strides != (0,)]
+    per_unit = [k for k, v in vars(space).items()
+                if isinstance(v, np.ndarray) and v.size >= n // 2 and v.strides != (0,)]
     assert not per_unit, f"per-unit arrays held: {per_unit}"
 
 

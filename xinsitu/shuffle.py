@@ -24,6 +24,8 @@ def unit_order(n_units: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray
 
 # ---------------------------------------------------------------------- index shuffle
 _ROUNDS = 8  # Feistel rounds (4 of each kind); 3-4 make a pseudo-random permutation, 8 for a margin
+_SMALL = 1 << 12  # up to this many units, the order is a sort by a keyed hash (a Feistel network of few bits
+# is far from uniform: n = 5 in 2^3 was, and cycle walking in a wider domain takes long walks)
 _CHUNK = 1 << 18  # positions evaluated at once: bounds the temporaries of a whole order to a few MB
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)  # splitmix64's finaliser
 
@@ -63,15 +65,19 @@ def units_at(positions: np.ndarray, n_units: int, seed: int, epoch: int) -> np.n
     evaluated where asked (as grain's ``index_shuffle``), so a rank of 1,024 computes only its
     share of 10^7 units. A Feistel network permutes ``[0, 2^k)``, the smallest power of two
     holding ``n_units`` (at most twice as many); a value past ``n_units`` is permuted again until
-    it falls inside (cycle walking), which keeps the map a bijection of ``[0, n_units)``."""
+    it falls inside (cycle walking), which keeps the map a bijection of ``[0, n_units)``. Up to
+    ``_SMALL`` units (microseconds for all of them) the units are sorted by a keyed hash instead."""
     pos = np.asarray(positions, dtype=np.int64).reshape(-1)
     if pos.size and (int(pos.min()) < 0 or int(pos.max()) >= n_units):
         raise IndexError(f"positions must lie in [0, {n_units})")
     if n_units <= 1 or not pos.size:
         return pos.copy()
-    bits = max(2, int(n_units - 1).bit_length())
-    hi_bits, lo_bits = bits - bits // 2, bits // 2
     keys = _round_keys(seed, epoch)
+    if n_units <= _SMALL:
+        order = np.argsort(_mix(_mix(np.arange(n_units, dtype=np.uint64), keys[0]), keys[1]), kind="stable")
+        return order.astype(np.int64)[pos]
+    bits = int(n_units - 1).bit_length()
+    hi_bits, lo_bits = bits - bits // 2, bits // 2
     out = np.empty(pos.size, dtype=np.int64)
     n = np.uint64(n_units)
     for a in range(0, pos.size, _CHUNK):

@@ -7,7 +7,8 @@ open, geometry (first and second call, and on a derived Dataset), split (0.8/0.1
 gap=1), ``batches(...)``, ``len(gen)``, ``state_dict()``, ``repr(gen)``, the first batch,
 ``repr`` of the manifest and geometry, the manifest's JSON (size, write and load), a
 random ``contiguous=False`` split's JSON size, planning rank 0 of 1,024 (``len`` of a
-generator with ``world_size=1024``), and the peak RSS. Prints one JSON line.
+generator with ``world_size=1024``, then its plan) on both splits, and the peak RSS
+(``--rss-steps``: after each step, with the RSS then). Prints one JSON line.
 
     python bench/scale_bench.py --steps 1000000
     python bench/scale_bench.py --steps 10000000 --dir ../scale-data
@@ -126,6 +127,11 @@ def main() -> None:
         step("to_json_random", lambda: mr.to_json(js))
         out["manifest_random_bytes"] = os.path.getsize(js)
         step("from_json_random", lambda: SplitManifest.from_json(js))
+        # a scattered split (runs of random length): the same planning, over ~10^6 runs
+        gr = step("batches_random_rank0_of_1024", lambda: ds.insitu.batches(mr, "train", batch_size=32,
+                                                                            output="numpy", rank=0, world_size=1024))
+        step("plan_random_rank0_of_1024", lambda: gr.plan())
+        out["random_runs"] = int(mr.splits["train"].nruns)
         out["peak_rss_with_random_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3)
     print(json.dumps(out))
 

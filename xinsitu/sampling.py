@@ -326,19 +326,31 @@ class SampleSpace:
     @cached_property
     def _all_size(self) -> int | None:
         """Samples per unit, valid or not, where every unit holds as many and that is known from the
-        chunk edges alone (one split dim sampled at every position, blocks of one length): no
-        per-unit array is made, in O(runs) memory. None otherwise."""
+        chunk edges alone (one split dim sampled at every position, blocks of one length but perhaps
+        the grid's last): no per-unit array is made, the edges are read a bounded slice at a time.
+        None otherwise (then ``unit_size`` compares the counts)."""
         if not self._one_position or not len(self.blocks):
             return None
-        e, runs, size = self.edges[0], self.blocks.runs, None
-        for a, b in zip(runs.starts.tolist(), runs.stops.tolist(), strict=True):
-            for c in range(a, b, 1 << 20):  # a bounded slice of the edges at a time
-                d = np.diff(e[c:min(b, c + (1 << 20)) + 1])
-                if size is None:
-                    size = int(d[0])
-                if int(d.min()) != size or int(d.max()) != size:
-                    return None
-        return None if size is None else size * self._free_n
+        e, runs = self.edges[0], self.blocks.runs
+        n_blocks = len(e) - 1
+        last = int(e[n_blocks] - e[n_blocks - 1])
+        body: int | None = None
+        for c in range(0, n_blocks - 1, 1 << 20):  # every block but the last: one length?
+            d = np.diff(e[c:min(n_blocks - 1, c + (1 << 20)) + 1])
+            lo, hi = int(d.min()), int(d.max())
+            if lo != hi or (body is not None and lo != body):
+                return None
+            body = lo
+        has_last = bool(((runs.starts <= n_blocks - 1) & (runs.stops > n_blocks - 1)).any())
+        if body is None or body == last:  # one block, or all of one length
+            size = last
+        elif not has_last:
+            size = body
+        elif len(self.blocks) == 1:
+            size = last
+        else:
+            return None
+        return size * self._free_n
 
     @cached_property
     def unit_size(self) -> int | None:

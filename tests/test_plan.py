@@ -283,3 +283,17 @@ def test_range_plan_equals_axis_plan(start, n, chunk):
     got = _range_plan(start, start + n, chunk)
     ref = _axis_plan(np.arange(start, start + n, dtype=np.int64), chunk)
     assert [(c, o, i) for c, o, i in got] == [(c, o, i) for c, o, i in ref]
+
+
+@given(spaces(), configs, world_sizes)
+def test_buffer_offsets_of_equal_pieces_by_arithmetic(space, cfg, world_size):
+    """Pieces of one size (stride-0 ``lo``/``hi``) have their blocks' offsets by arithmetic: the same
+    as summing the pieces of each block; ``buffers_of`` finds each position's block."""
+    for p in plans(space, world_size, **cfg):
+        sizes = np.asarray(p.hi - p.lo)
+        want = np.concatenate([[0], np.cumsum([sizes[p.buffer_pieces(j)].sum()
+                                               for j in range(-(-len(sizes) // p.block_chunks))])]).astype(np.int64)
+        assert np.array_equal(p.buffer_offsets, want)
+        for a in range(int(want[-1])):
+            (j,) = p.buffers_of(a, a + 1)
+            assert want[j] <= a < want[j + 1]

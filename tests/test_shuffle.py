@@ -179,3 +179,15 @@ def test_units_at_draws_orders_alike(n):
     freq = np.array(list(seen.values()))
     # chi-square per degree of freedom: 1 +- sqrt(2 / dof) by chance; refused 5 of those above
     assert ((freq - seeds / k) ** 2 / (seeds / k)).sum() / (k - 1) < 1 + 5 * (2 / (k - 1)) ** 0.5
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 10_000), seed=seeds, epoch=epochs, data=st.data())
+def test_units_at_a_range_is_units_at_its_positions(n, seed, epoch, data):
+    from xinsitu.shuffle import units_at
+
+    a = data.draw(st.integers(0, n))
+    b = data.draw(st.integers(a, n))
+    np.testing.assert_array_equal(units_at(range(a, b), n, seed, epoch), units_at(np.arange(a, b), n, seed, epoch))
+    with pytest.raises(IndexError):
+        units_at(range(a, n + 1), n, seed, epoch)

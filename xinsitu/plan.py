@@ -9,7 +9,6 @@ int64 numpy arrays, never on per-sample Python objects.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -49,8 +48,12 @@ class EpochPlan:
     @cached_property
     def buffer_offsets(self) -> np.ndarray:
         """Position in this rank's sequence where each block starts (len = blocks + 1)."""
+        n, bc = len(self.units), self.block_chunks
+        if n and self.lo.strides == (0,) and self.hi.strides == (0,):  # pieces of one size: by arithmetic
+            ends = np.minimum(np.arange(0, n + bc, bc, dtype=np.int64)[: -(-n // bc) + 1], n)
+            return ends * int(self.hi[0] - self.lo[0])
         sizes = self.hi - self.lo
-        per_block = np.add.reduceat(sizes, np.arange(0, len(sizes), self.block_chunks)) if len(sizes) else sizes
+        per_block = np.add.reduceat(sizes, np.arange(0, len(sizes), bc)) if len(sizes) else sizes
         return np.concatenate([[0], np.cumsum(per_block)]).astype(np.int64)
 
     @property
@@ -86,12 +89,8 @@ class EpochPlan:
 
     def buffers_of(self, a: int, b: int) -> range:
         """Blocks holding sequence positions ``[a, b)``."""
-        off = self._offsets_list
-        return range(bisect.bisect_right(off, a) - 1, bisect.bisect_right(off, b - 1))
-
-    @cached_property
-    def _offsets_list(self) -> list[int]:
-        return self.buffer_offsets.tolist()
+        first, stop = np.searchsorted(self.buffer_offsets, [a, b - 1], side="right")
+        return range(int(first) - 1, int(stop))
 
     def all_ids(self, offsets: Offsets) -> np.ndarray:
         """Every yielded sample id in order (for tests and inspection; O(samples))."""
@@ -232,7 +231,12 @@ def epoch_plan(space: SampleSpace, *, seed: int, epoch: int, shuffle: bool, batc
         n_units = space.n_units
         pos, lo, hi, n = rank_share(np.broadcast_to(np.int64(size), (n_units,)), world_size, rank, batch_size,
                                     drop_last)
-        units = _shuffle.units_at(pos, n_units, seed, epoch) if shuffle else pos
+        if shuffle and len(pos) and int(pos[-1] - pos[0]) == len(pos) - 1:  # a run of positions (one rank: all)
+            run = range(int(pos[0]), int(pos[0]) + len(pos))
+            del pos  # made a slice at a time, not as an array of positions first
+            units = _shuffle.units_at(run, n_units, seed, epoch)
+        else:
+            units = _shuffle.units_at(pos, n_units, seed, epoch) if shuffle else pos
     else:
         order = unit_order(space, seed=seed, epoch=epoch, shuffle=shuffle, block_chunks=block_chunks)
         pos, lo, hi, n = rank_share(space.counts[order], world_size, rank, batch_size, drop_last)

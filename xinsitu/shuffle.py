@@ -59,29 +59,41 @@ def _feistel(x: np.ndarray, hi_bits: int, lo_bits: int, keys: np.ndarray) -> np.
     return (hi << shift) | lo
 
 
-def units_at(positions: np.ndarray, n_units: int, seed: int, epoch: int) -> np.ndarray:
+def units_at(positions: np.ndarray | range, n_units: int, seed: int, epoch: int) -> np.ndarray:
     """Unit at each of ``positions`` (ints in ``[0, n_units)``) of the shuffled order of
     ``(seed, epoch)``, without ordering the other units: a keyed bijection of ``[0, n_units)``
     evaluated where asked (as grain's ``index_shuffle``), so a rank of 1,024 computes only its
     share of 10^7 units. A Feistel network permutes ``[0, 2^k)``, the smallest power of two
     holding ``n_units`` (at most twice as many); a value past ``n_units`` is permuted again until
     it falls inside (cycle walking), which keeps the map a bijection of ``[0, n_units)``. Up to
-    ``_SMALL`` units (microseconds for all of them) the units are sorted by a keyed hash instead."""
-    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
-    if pos.size and (int(pos.min()) < 0 or int(pos.max()) >= n_units):
-        raise IndexError(f"positions must lie in [0, {n_units})")
-    if n_units <= 1 or not pos.size:
-        return pos.copy()
+    ``_SMALL`` units (microseconds for all of them) the units are sorted by a keyed hash instead.
+    ``positions`` may be a ``range`` of step 1: no array of them is made then (one rank: 10^7)."""
+    if isinstance(positions, range) and positions.step == 1:
+        start, size = positions.start, len(positions)
+        pos = None
+        if size and (start < 0 or positions.stop > n_units):
+            raise IndexError(f"positions must lie in [0, {n_units})")
+    else:
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        start, size = 0, pos.size
+        if size and (int(pos.min()) < 0 or int(pos.max()) >= n_units):
+            raise IndexError(f"positions must lie in [0, {n_units})")
+
+    def part(a: int, b: int) -> np.ndarray:  # positions [a, b) of the ones asked for
+        return np.arange(start + a, start + b, dtype=np.int64) if pos is None else pos[a:b]
+
+    if n_units <= 1 or not size:
+        return part(0, size).copy()
     keys = _round_keys(seed, epoch)
     if n_units <= _SMALL:
         order = np.argsort(_mix(_mix(np.arange(n_units, dtype=np.uint64), keys[0]), keys[1]), kind="stable")
-        return order.astype(np.int64)[pos]
+        return order.astype(np.int64)[part(0, size)]
     bits = int(n_units - 1).bit_length()
     hi_bits, lo_bits = bits - bits // 2, bits // 2
-    out = np.empty(pos.size, dtype=np.int64)
+    out = np.empty(size, dtype=np.int64)
     n = np.uint64(n_units)
-    for a in range(0, pos.size, _CHUNK):
-        x = _feistel(pos[a:a + _CHUNK].astype(np.uint64), hi_bits, lo_bits, keys)
+    for a in range(0, size, _CHUNK):
+        x = _feistel(part(a, min(size, a + _CHUNK)).astype(np.uint64), hi_bits, lo_bits, keys)
         out_of = np.flatnonzero(x >= n)
         while out_of.size:  # cycle walking: each step leaves [0, n_units) at most half the time
             y = _feistel(x[out_of], hi_bits, lo_bits, keys)

@@ -307,3 +307,20 @@ def test_unit_blocks_index_like_the_ids(ids, data):
         assert np.array_equal(ub[a:b], ids[a:b])
     with pytest.raises(IndexError):
         ub[len(ids)]
+
+
+def test_a_space_of_equal_units_pickles_small():
+    """A worker's copy of a space of 10^6 equal units carries no per-unit array: a few kB."""
+    import pickle
+
+    from xinsitu.sampling import SampleDim, SampleSpace
+
+    n = 1_000_000
+    big = SampleSpace([SampleDim("t", 3 * n, split=True), SampleDim("o", 2)],
+                      {"t": np.arange(3 * n + 1, dtype=np.int64)[:: 3]}, np.arange(n))
+    assert big.unit_size == 6 and big.counts.strides == (0,) and big.n_samples == 6 * n
+    blob = pickle.dumps(big)
+    assert len(blob) < 8 * n + 100_000  # the edges (8 MB) and nothing per unit on top
+    back = pickle.loads(blob)
+    assert back.unit_size == 6 and back.counts.strides == (0,) and back.n_samples == 6 * n
+    assert np.array_equal(back.locate(np.array([0, 6 * n - 1]))[0], [0, n - 1])

@@ -244,6 +244,16 @@ class SampleSpace:
             raise ValueError(f"validity mask holds {self.valid.size} samples, the split has "
                              f"{int(self.all_offsets[-1])} of this shape: it was made for other samples")
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (a DataLoader worker's copy) without the stride-0 counts of equal units: pickling
+        would write them out in full (80 MB at 10^7); they are made again, without memory, on use."""
+        state = self.__dict__.copy()
+        for k in ("counts", "all_counts"):
+            v = state.get(k)
+            if isinstance(v, np.ndarray) and v.ndim == 1 and v.strides == (0,):
+                del state[k]
+        return state
+
     @property
     def n_units(self) -> int:
         return len(self.blocks)

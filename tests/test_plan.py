@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xinsitu.plan import EpochPlan, epoch_plan, plan_head, rank_share, worker_batches
-from xinsitu.sampling import SampleDim, SampleSpace
+from xinsitu import shuffle as _shuffle
+from xinsitu.plan import EpochPlan, epoch_plan, plan_head, rank_share, unit_order, worker_batches
+from xinsitu.sampling import EqualOffsets, SampleDim, SampleSpace
 
 settings.register_profile("xinsitu", max_examples=150, deadline=None, derandomize=True)
 settings.load_profile("xinsitu")
@@ -17,8 +18,19 @@ settings.load_profile("xinsitu")
 
 @st.composite
 def spaces(draw: st.DrawFn) -> SampleSpace:
-    """A split of a random chunk grid (one or two split dims), with windows and ``over`` dims."""
-    if draw(st.booleans()):
+    """A split of a random chunk grid (one or two split dims), with windows and ``over`` dims; a third
+    of them regular (chunks of one size, as ``unit_size`` and the O(share) plan need)."""
+    kind = draw(st.integers(0, 2))
+    if kind == 2:
+        size, n = draw(st.integers(1, 4)), draw(st.integers(1, 40))
+        edges = np.arange(n + 1, dtype=np.int64) * size
+        blocks = draw(st.lists(st.integers(0, n - 1), min_size=1, unique=True).map(sorted))
+        width = draw(st.sampled_from([1, 1, 2]))
+        dims = [SampleDim("t", int(edges[-1]), width, 1, keep=width > 1, split=True)]
+        if draw(st.booleans()):
+            dims.append(SampleDim("o", draw(st.integers(1, 3))))
+        return SampleSpace(dims, {"t": edges}, np.array(blocks))
+    if kind == 1:
         chunks = draw(st.lists(st.integers(1, 6), min_size=1, max_size=12))
         edges = np.concatenate([[0], np.cumsum(chunks)])
         blocks = draw(st.lists(st.integers(0, len(chunks) - 1), min_size=1, unique=True).map(sorted))
@@ -104,12 +116,72 @@ def test_rank_share_bounds(counts, world_size, batch_size, drop_last):
     assert 0 <= counts.sum() - sum(n for *_, n in shares) < world_size * batch_size or counts.sum() == 0
 
 
+@given(st.integers(1, 60), st.integers(1, 9), world_sizes | st.integers(6, 80), st.integers(1, 9), st.booleans())
+def test_rank_share_of_equal_units_is_the_arithmetic_cut(n_units, size, world_size, batch_size, drop_last):
+    """Equal counts given as a stride-0 array are cut by arithmetic on positions (O(share)); the cut
+    is the one of the same counts given as a plain array (prefix sums), for every rank -- including
+    many ranks over few units, where cuts fall inside units."""
+    plain = np.full(n_units, size, dtype=np.int64)
+    equal = np.broadcast_to(np.int64(size), (n_units,))
+    for r in range(world_size):
+        want, got = rank_share(plain, world_size, r, batch_size, drop_last), rank_share(equal, world_size, r,
+                                                                                       batch_size, drop_last)
+        for w, g in zip(want[:3], got[:3], strict=True):
+            assert g.dtype == np.int64 and np.array_equal(w, g)
+        assert want[3] == got[3]
+
+
+def _plan_of_whole_order(space: SampleSpace, *, rank: int, world_size: int, **cfg) -> EpochPlan:
+    """The plan as made before the O(share) path: the whole unit order, its counts, then the cut."""
+    order = unit_order(space, seed=cfg["seed"], epoch=cfg["epoch"], shuffle=cfg["shuffle"],
+                       block_chunks=cfg["block_chunks"])
+    pos, lo, hi, n = rank_share(np.array(space.counts)[order], world_size, rank, cfg["batch_size"],
+                                cfg["drop_last"])
+    return EpochPlan(units=order[pos], lo=lo, hi=hi, n_samples=n, rank=rank, world_size=world_size, **cfg)
+
+
+@given(spaces(), configs, world_sizes | st.integers(6, 50), st.data())
+def test_the_share_of_equal_units_is_the_share_of_the_whole_order(space, cfg, world_size, data):
+    """Where units are of equal size a rank orders only its share (``shuffle.units_at`` at its
+    positions): the plan is the one of ordering every unit and cutting."""
+    rank = data.draw(st.integers(0, world_size - 1))
+    got = epoch_plan(space, rank=rank, world_size=world_size, **cfg)
+    want = _plan_of_whole_order(space, rank=rank, world_size=world_size, **cfg)
+    for f in ("units", "lo", "hi"):
+        assert np.array_equal(getattr(got, f), getattr(want, f)), f
+    assert got.n_samples == want.n_samples and got.n_batches == want.n_batches
+
+
+def test_a_regular_split_holds_no_per_unit_array():
+    """10^7 one-step chunk blocks in one run: counts, offsets and block ids are arithmetic, and rank 0
+    of 1,024 plans its 1/1024 share without an array of every unit."""
+    n = 10_000_000
+    space = SampleSpace([SampleDim("t", n, split=True)], {"t": np.arange(n + 1, dtype=np.int64)},
+                        _blocks_range(0, 8 * n // 10))
+    assert space.unit_size == 1 and space.counts.strides == (0,) and isinstance(space.offsets, EqualOffsets)
+    assert space.n_samples == 8 * n // 10 and space.blocks[123] == 123
+    assert [a.tolist() for a in space.locate(np.array([0, 5, 7_999_999]))] == [[0, 5, 7_999_999], [0, 0, 0]]
+    p = epoch_plan(space, seed=0, epoch=3, shuffle=True, batch_size=32, block_chunks=16, drop_last=False, rank=0,
+                   world_size=1024)
+    assert len(p.units) == 7812 and p.n_samples == 7812
+    assert np.array_equal(p.units, _shuffle.units_at(np.arange(7812), 8 * n // 10, 0, 3))
+    per_unit = [k for k, v in vars(space).items()
+                if isinstance(v, np.ndarray) and v.size >= n // 2 and v.strides != (0,)]
+    assert not per_unit, f"per-unit arrays held: {per_unit}"
+
+
+def _blocks_range(a: int, b: int):
+    from xinsitu.manifest import Blocks
+
+    return Blocks.range(a, b)
+
+
 @given(spaces(), configs, world_sizes, st.data())
 def test_order_is_a_pure_function(space, cfg, world_size, data):
     rank = data.draw(st.integers(0, world_size - 1))
     a = epoch_plan(space, rank=rank, world_size=world_size, **cfg)
     again = SampleSpace(space.dims, {d.name: e for d, e in zip(space.split_dims, space.edges, strict=True)},
-                        space.blocks.copy())  # rebuilt from scratch, as in another process
+                        np.asarray(space.blocks))  # rebuilt from scratch, as in another process
     b = epoch_plan(again, rank=rank, world_size=world_size, **cfg)
     assert np.array_equal(a.all_ids(space.offsets), b.all_ids(again.offsets))
     for f in ("units", "lo", "hi"):
@@ -211,3 +283,17 @@ def test_range_plan_equals_axis_plan(start, n, chunk):
     got = _range_plan(start, start + n, chunk)
     ref = _axis_plan(np.arange(start, start + n, dtype=np.int64), chunk)
     assert [(c, o, i) for c, o, i in got] == [(c, o, i) for c, o, i in ref]
+
+
+@given(spaces(), configs, world_sizes)
+def test_buffer_offsets_of_equal_pieces_by_arithmetic(space, cfg, world_size):
+    """Pieces of one size (stride-0 ``lo``/``hi``) have their blocks' offsets by arithmetic: the same
+    as summing the pieces of each block; ``buffers_of`` finds each position's block."""
+    for p in plans(space, world_size, **cfg):
+        sizes = np.asarray(p.hi - p.lo)
+        want = np.concatenate([[0], np.cumsum([sizes[p.buffer_pieces(j)].sum()
+                                               for j in range(-(-len(sizes) // p.block_chunks))])]).astype(np.int64)
+        assert np.array_equal(p.buffer_offsets, want)
+        for a in range(int(want[-1])):
+            (j,) = p.buffers_of(a, a + 1)
+            assert want[j] <= a < want[j + 1]

@@ -258,3 +258,69 @@ def test_sample_random_access(era5_path):
     ref = ds[list(s.data_vars)].isel(time=slice(first + 5, first + 8)).load()
     np.testing.assert_array_equal(s.t2m.values, ref.t2m.values)
     np.testing.assert_array_equal(s.time.values, ref.time.values)
+
+
+def test_unit_size_is_known_from_the_grid_without_per_unit_arrays():
+    """Equal units (a regular grid, the last block perhaps shorter and then not in the split) have
+    stride-0 counts and arithmetic offsets; a split holding the short last block, or an irregular
+    grid, is counted per unit and agrees with it."""
+    from xinsitu.sampling import EqualOffsets, SampleDim, SampleSpace
+
+    def space(edges, blocks, over=1):
+        dims = [SampleDim("t", int(edges[-1]), split=True)] + ([SampleDim("o", over)] if over > 1 else [])
+        return SampleSpace(dims, {"t": np.asarray(edges)}, np.asarray(blocks))
+
+    regular = space([0, 3, 6, 9, 11], [0, 2], over=2)  # blocks of 3, the last of 2 not in the split
+    assert regular.unit_size == 6 and regular.counts.strides == (0,) and isinstance(regular.offsets, EqualOffsets)
+    assert regular.counts.tolist() == [6, 6] and np.asarray(regular.offsets).tolist() == [0, 6, 12]
+    with_last = space([0, 3, 6, 9, 11], [1, 3])
+    assert with_last.unit_size is None and with_last.counts.tolist() == [3, 2]
+    assert np.asarray(with_last.offsets).tolist() == [0, 3, 5]
+    only_last = space([0, 3, 6, 9, 11], [3])
+    assert only_last.unit_size == 2 and only_last.n_samples == 2
+    irregular = space([0, 1, 3, 4, 6], [1, 3])  # blocks of 1, 2, 1, 2: the split's two are of 2
+    assert irregular.unit_size == 2 and irregular.counts.strides != (0,) and irregular.counts.tolist() == [2, 2]
+    for sp in (regular, with_last, only_last, irregular):
+        ids = np.arange(sp.n_samples)
+        unit, local = sp.locate(ids)
+        assert np.array_equal(np.asarray(sp.offsets)[unit] + local, ids)
+        assert np.array_equal(np.asarray(sp.blocks), sp.blocks[np.arange(len(sp.blocks))])
+
+
+@given(st.lists(st.integers(0, 200), min_size=0, max_size=60, unique=True), st.data())
+@settings(max_examples=60, deadline=None)
+def test_unit_blocks_index_like_the_ids(ids, data):
+    """A split's block ids read from its runs (``UnitBlocks``): int, negative, slice and array indexing
+    give what indexing the array of ids gives; out of range raises IndexError."""
+    from xinsitu.manifest import Blocks
+    from xinsitu.sampling import UnitBlocks
+
+    ids = np.array(data.draw(st.permutations(ids)), dtype=np.int64)
+    ub = UnitBlocks(Blocks.from_ids(ids))
+    assert len(ub) == len(ids) and np.array_equal(np.asarray(ub), ids) and list(ub) == ids.tolist()
+    if len(ids):
+        i = data.draw(st.integers(-len(ids), len(ids) - 1))
+        assert ub[i] == ids[i] and isinstance(ub[i], int)
+        pick = np.array(data.draw(st.lists(st.integers(-len(ids), len(ids) - 1), max_size=20)), dtype=np.int64)
+        assert np.array_equal(ub[pick], ids[pick])
+        a, b = sorted(data.draw(st.lists(st.integers(-len(ids) - 2, len(ids) + 2), min_size=2, max_size=2)))
+        assert np.array_equal(ub[a:b], ids[a:b])
+    with pytest.raises(IndexError):
+        ub[len(ids)]
+
+
+def test_a_space_of_equal_units_pickles_small():
+    """A worker's copy of a space of 10^6 equal units carries no per-unit array: a few kB."""
+    import pickle
+
+    from xinsitu.sampling import SampleDim, SampleSpace
+
+    n = 1_000_000
+    big = SampleSpace([SampleDim("t", 3 * n, split=True), SampleDim("o", 2)],
+                      {"t": np.arange(3 * n + 1, dtype=np.int64)[:: 3]}, np.arange(n))
+    assert big.unit_size == 6 and big.counts.strides == (0,) and big.n_samples == 6 * n
+    blob = pickle.dumps(big)
+    assert len(blob) < 8 * n + 100_000  # the edges (8 MB) and nothing per unit on top
+    back = pickle.loads(blob)
+    assert back.unit_size == 6 and back.counts.strides == (0,) and back.n_samples == 6 * n
+    assert np.array_equal(back.locate(np.array([0, 6 * n - 1]))[0], [0, n - 1])

@@ -88,3 +88,26 @@ def test_a_batch_past_the_end_is_refused(ds, m):
     state = dict(gen.state_dict(), batch=len(gen) + 1)
     with pytest.raises(ValueError, match="past the end of epoch 0"):
         _gen(ds, m).load_state_dict(state)
+
+
+def test_a_state_of_the_earlier_shuffled_order_is_refused(ds, m):
+    """Version 1 states were saved under another shuffled unit order (a NumPy permutation of every
+    unit): resuming one would yield other samples than the saved run had left, so it is refused."""
+    from xinsitu.state import STATE_VERSION
+
+    assert STATE_VERSION == 2
+    state = {**_gen(ds, m).state_dict(), "version": 1, "batch": 2}
+    with pytest.raises(ValueError, match=r"saved by an older xinsitu \(state version 1.*cannot resume that order"):
+        _gen(ds, m).load_state_dict(state)
+    with pytest.raises(ValueError, match="older xinsitu"):
+        _gen(ds, m).load_state_dict({k: v for k, v in state.items() if k != "version"})
+
+
+def test_a_state_of_an_earlier_version_resumes_where_the_order_is_unchanged(ds, m):
+    """Unshuffled epochs are in split order in every version: their version 1 state still resumes."""
+    gen = _gen(ds, m, shuffle=False)
+    state = {**gen.state_dict(), "version": 1, "batch": 2}
+    again = _gen(ds, m, shuffle=False)
+    again.load_state_dict(state)
+    assert again.state_dict()["batch"] == 2
+    np.testing.assert_array_equal(np.concatenate(again.batch_ids()), np.concatenate(gen.batch_ids()))

@@ -9,7 +9,6 @@ int64 numpy arrays, never on per-sample Python objects.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -19,7 +18,7 @@ import numpy as np
 from xinsitu import shuffle as _shuffle
 
 if TYPE_CHECKING:
-    from xinsitu.sampling import SampleSpace
+    from xinsitu.sampling import Offsets, SampleSpace
 
 
 # ---------------------------------------------------------------------- epoch plan
@@ -49,8 +48,12 @@ class EpochPlan:
     @cached_property
     def buffer_offsets(self) -> np.ndarray:
         """Position in this rank's sequence where each block starts (len = blocks + 1)."""
+        n, bc = len(self.units), self.block_chunks
+        if n and self.lo.strides == (0,) and self.hi.strides == (0,):  # pieces of one size: by arithmetic
+            ends = np.minimum(np.arange(0, n + bc, bc, dtype=np.int64)[: -(-n // bc) + 1], n)
+            return ends * int(self.hi[0] - self.lo[0])
         sizes = self.hi - self.lo
-        per_block = np.add.reduceat(sizes, np.arange(0, len(sizes), self.block_chunks)) if len(sizes) else sizes
+        per_block = np.add.reduceat(sizes, np.arange(0, len(sizes), bc)) if len(sizes) else sizes
         return np.concatenate([[0], np.cumsum(per_block)]).astype(np.int64)
 
     @property
@@ -71,7 +74,7 @@ class EpochPlan:
             return np.arange(n, dtype=np.int64)
         return _shuffle.buffer_permutation(n, self.seed, self.epoch, self.world_size, self.rank, j)
 
-    def buffer_order(self, j: int, offsets: np.ndarray) -> np.ndarray:
+    def buffer_order(self, j: int, offsets: Offsets) -> np.ndarray:
         """Global sample ids of block ``j`` in the order they are yielded."""
         sl = self.buffer_pieces(j)
         base = offsets[self.units[sl]] + self.lo[sl]
@@ -86,14 +89,10 @@ class EpochPlan:
 
     def buffers_of(self, a: int, b: int) -> range:
         """Blocks holding sequence positions ``[a, b)``."""
-        off = self._offsets_list
-        return range(bisect.bisect_right(off, a) - 1, bisect.bisect_right(off, b - 1))
+        first, stop = np.searchsorted(self.buffer_offsets, [a, b - 1], side="right")
+        return range(int(first) - 1, int(stop))
 
-    @cached_property
-    def _offsets_list(self) -> list[int]:
-        return self.buffer_offsets.tolist()
-
-    def all_ids(self, offsets: np.ndarray) -> np.ndarray:
+    def all_ids(self, offsets: Offsets) -> np.ndarray:
         """Every yielded sample id in order (for tests and inspection; O(samples))."""
         if not self.n_buffers:
             return np.zeros(0, np.int64)
@@ -111,6 +110,8 @@ def rank_share(counts: np.ndarray, world_size: int, rank: int, batch_size: int,
     """
     counts = np.asarray(counts, dtype=np.int64)
     n_units = len(counts)
+    if n_units and counts.strides == (0,) and int(counts[0]) > 0:  # one count shared by every unit
+        return _equal_share(n_units, int(counts[0]), world_size, rank, batch_size, drop_last)
     cum = np.concatenate([[0], np.cumsum(counts)])
     total = int(cum[-1])
     idx = np.arange(n_units, dtype=np.int64)
@@ -143,18 +144,59 @@ def rank_share(counts: np.ndarray, world_size: int, rank: int, batch_size: int,
     return units[keep], lo[keep], hi[keep], n
 
 
+def _equal_share(n_units: int, size: int, world_size: int, rank: int, batch_size: int,
+                 drop_last: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """``rank_share`` of ``n_units`` units of ``size`` samples each (``size > 0``), by arithmetic on
+    unit positions: O(this rank's share) in time and memory, whatever ``n_units`` (the same cut:
+    the prefix sums are ``k * size``). ``lo``/``hi`` of whole units are read-only arrays of stride 0."""
+    total = n_units * size
+
+    def whole(a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        return np.broadcast_to(np.int64(0), (b - a,)), np.broadcast_to(np.int64(size), (b - a,))
+
+    if world_size == 1:
+        n = total if not drop_last else total - total % batch_size
+        return (np.arange(n_units, dtype=np.int64), *whole(0, n_units), n)
+    ideal = np.arange(world_size + 1) * total / world_size
+    # searchsorted(k * size, ideal): the first k with k * size >= ideal (compared as numpy does, in float64)
+    pos = np.clip(np.ceil(ideal / size).astype(np.int64), 0, n_units)
+    pos = np.where((pos * size).astype(np.float64) < ideal, pos + 1, pos)
+    pos = np.where((pos > 0) & (((pos - 1) * size).astype(np.float64) >= ideal), pos - 1, pos)
+    pos = np.clip(pos, 0, n_units)
+    prev = np.clip(pos - 1, 0, n_units)
+    pos = np.where(np.abs(prev * size - ideal) <= np.abs(pos * size - ideal), prev, pos)
+    pos[0], pos[-1] = 0, n_units
+    pos = np.maximum.accumulate(pos)
+    per_rank = (pos[1:] - pos[:-1]) * size
+    n_each = _equalise(per_rank, batch_size, drop_last)
+    if int((per_rank - n_each).sum()) < world_size * batch_size:
+        a, b = int(pos[rank]), int(pos[rank + 1])
+        return (np.arange(a, b, dtype=np.int64), *whole(a, b), int(n_each[rank]))
+    q = total // world_size
+    lo_s, hi_s = rank * q, (rank + 1) * q
+    a = min(lo_s // size, n_units)  # the unit holding sample lo_s
+    b = min(-(-hi_s // size), n_units)
+    units = np.arange(a, b, dtype=np.int64)
+    lo = np.maximum(lo_s - units * size, 0)
+    hi = np.minimum(hi_s - units * size, size)
+    keep = hi > lo
+    n = q if not drop_last else q - q % batch_size
+    return units[keep], lo[keep], hi[keep], n
+
+
 def epoch_size(space: SampleSpace, *, world_size: int, rank: int, batch_size: int,
                drop_last: bool) -> tuple[int, int] | None:
     """``(samples, units)`` of one rank's epoch where the unit order cannot change them (one rank,
     or units of equal size: any regular grid), without ordering the units (no permutation of
     10^7 units for ``len``); None where it can (ask ``epoch_plan``). Equals
     ``(plan.n_samples, len(plan.units))`` of ``epoch_plan`` with the same arguments."""
-    counts = space.counts
     if world_size == 1:
         total = space.n_samples
-        return (total - total % batch_size if drop_last else total), len(counts)
-    if len(counts) and bool((counts == counts[0]).all()):  # every order has the same prefix sums
-        pos, _, _, n = rank_share(counts, world_size, rank, batch_size, drop_last)
+        return (total - total % batch_size if drop_last else total), space.n_units
+    size = space.unit_size
+    if size is not None:  # every order has the same prefix sums
+        pos, _, _, n = rank_share(np.broadcast_to(np.int64(size), (space.n_units,)), world_size, rank, batch_size,
+                                  drop_last)
         return n, len(pos)
     return None
 
@@ -171,16 +213,35 @@ def _equalise(per_rank: np.ndarray, batch_size: int, drop_last: bool) -> np.ndar
 def unit_order(space: SampleSpace, *, seed: int, epoch: int, shuffle: bool, block_chunks: int) -> np.ndarray:
     """The epoch's order of the split's units, before ranks take their shares."""
     if shuffle and space.spills:  # neighbours share a block or follow each other: chunks read once
-        return _shuffle.neighbour_order(len(space.counts), block_chunks, seed, epoch)
-    return _shuffle.unit_order(len(space.counts), seed, epoch, shuffle)
+        return _shuffle.neighbour_order(space.n_units, block_chunks, seed, epoch)
+    return _shuffle.unit_order(space.n_units, seed, epoch, shuffle)
 
 
 def epoch_plan(space: SampleSpace, *, seed: int, epoch: int, shuffle: bool, batch_size: int,
                block_chunks: int, drop_last: bool, rank: int, world_size: int) -> EpochPlan:
-    """The plan of one rank for one epoch (pure: depends on its arguments only)."""
-    order = unit_order(space, seed=seed, epoch=epoch, shuffle=shuffle, block_chunks=block_chunks)
-    pos, lo, hi, n = rank_share(space.counts[order], world_size, rank, batch_size, drop_last)
-    return EpochPlan(units=order[pos], lo=lo, hi=hi, block_chunks=block_chunks, n_samples=n,
+    """The plan of one rank for one epoch (pure: depends on its arguments only).
+
+    Where units are of equal size (``space.unit_size``: any regular grid without a validity mask)
+    and the order is a plain shuffle (no windows spilling into the next unit), the rank's cut is
+    arithmetic over positions of the epoch's unit order and only its positions' units are
+    computed (``shuffle.units_at``): O(share), not O(units). Else the whole order is made and cut;
+    both give the same plan."""
+    size = space.unit_size
+    if size and not (shuffle and space.spills):
+        n_units = space.n_units
+        pos, lo, hi, n = rank_share(np.broadcast_to(np.int64(size), (n_units,)), world_size, rank, batch_size,
+                                    drop_last)
+        if shuffle and len(pos) and int(pos[-1] - pos[0]) == len(pos) - 1:  # a run of positions (one rank: all)
+            run = range(int(pos[0]), int(pos[0]) + len(pos))
+            del pos  # made a slice at a time, not as an array of positions first
+            units = _shuffle.units_at(run, n_units, seed, epoch)
+        else:
+            units = _shuffle.units_at(pos, n_units, seed, epoch) if shuffle else pos
+    else:
+        order = unit_order(space, seed=seed, epoch=epoch, shuffle=shuffle, block_chunks=block_chunks)
+        pos, lo, hi, n = rank_share(space.counts[order], world_size, rank, batch_size, drop_last)
+        units = order[pos]
+    return EpochPlan(units=units, lo=lo, hi=hi, block_chunks=block_chunks, n_samples=n,
                      batch_size=batch_size, drop_last=drop_last, shuffle=shuffle, seed=seed, epoch=epoch,
                      rank=rank, world_size=world_size)
 

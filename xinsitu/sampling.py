@@ -22,7 +22,7 @@ import numpy as np
 import xarray as xr
 
 from xinsitu.geometry import Geometry, geometry_of
-from xinsitu.manifest import MASK_SAMPLING, SplitManifest, coord_span, decode_mask
+from xinsitu.manifest import MASK_SAMPLING, Blocks, SplitManifest, coord_span, decode_mask
 from xinsitu.snapshot import snapshot_of_sources
 from xinsitu.source import VarSource, resolve
 
@@ -97,6 +97,102 @@ def dist_defaults(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return rank, world_size
 
 
+# ---------------------------------------------------------------------- per-unit arrays by arithmetic
+def _index(i: Any, n: int) -> tuple[np.ndarray | None, int | None]:
+    """``i`` (an int, a slice or an int array) as positions in ``[0, n)``: ``(array, None)`` or
+    ``(None, int)``; ``IndexError`` outside, negative positions counted from the end (as numpy)."""
+    if isinstance(i, slice):
+        return np.arange(*i.indices(n), dtype=np.int64), None
+    if isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_)):
+        k = int(i) + (n if i < 0 else 0)
+        if not 0 <= k < n:
+            raise IndexError(f"index {int(i)} is out of bounds for {n} units")
+        return None, k
+    a = np.asarray(i)
+    if a.dtype == bool:
+        raise TypeError("boolean indexing is not supported here; use np.asarray first")
+    a = a.astype(np.int64, copy=False)
+    if a.size and (int(a.min()) < -n or int(a.max()) >= n):
+        raise IndexError(f"index out of bounds for {n} units")
+    return np.where(a < 0, a + n, a), None
+
+
+class UnitBlocks:
+    """The block id of each unit of a split (unit ``k``: its ``k``-th block), read from the
+    manifest's runs (:class:`~xinsitu.manifest.Blocks`): indexing (an int, a slice or an int
+    array) is arithmetic on the runs, so a split of 10^7 chunk blocks in one run holds two
+    numbers, not 80 MB of ids. ``np.asarray`` (or ``ids()``) gives them all."""
+
+    def __init__(self, runs: Blocks):
+        self.runs = runs
+        lengths = runs.stops - runs.starts
+        self._ends = np.cumsum(lengths)  # O(runs)
+        self._first = self._ends - lengths
+
+    def __len__(self) -> int:
+        return len(self.runs)
+
+    def __getitem__(self, i: Any) -> Any:
+        a, k = _index(i, len(self))
+        if a is None:
+            a = np.array([k], dtype=np.int64)
+        if self.runs.nruns == 1:
+            out = self.runs.starts[0] + a
+        else:
+            r = np.searchsorted(self._ends, a, side="right")
+            out = self.runs.starts[r] + (a - self._first[r])
+        return int(out[0]) if k is not None else out
+
+    def __iter__(self) -> Any:
+        return iter(self.runs)
+
+    def ids(self) -> np.ndarray:
+        return self.runs.ids()
+
+    def copy(self) -> np.ndarray:
+        return self.ids()
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        a = self.ids()
+        return a if dtype is None else a.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"UnitBlocks({self.runs!r})"
+
+
+class EqualOffsets:
+    """Global id of each unit's first sample where every unit holds ``size`` samples: ``k * size``
+    for ``k`` in ``[0, n_units]`` (as ``SampleSpace.offsets`` is), by arithmetic. Indexing as an
+    int64 array's; ``np.asarray`` makes the array."""
+
+    def __init__(self, n_units: int, size: int):
+        self.n_units, self.size = int(n_units), int(size)
+
+    def __len__(self) -> int:
+        return self.n_units + 1
+
+    def __getitem__(self, i: Any) -> Any:
+        a, k = _index(i, self.n_units + 1)
+        return a * self.size if a is not None else np.int64(cast(int, k) * self.size)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        a = np.arange(self.n_units + 1, dtype=np.int64) * self.size
+        return a if dtype is None else a.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"EqualOffsets({self.n_units} units of {self.size})"
+
+
+#: per-unit sample offsets: an array, or arithmetic where units are of equal size
+Offsets = np.ndarray | EqualOffsets
+
+
+def _equal(n: int, size: int) -> np.ndarray:
+    """``n`` equal counts as a read-only int64 array of stride 0 (no memory, whatever ``n``);
+    ``plan.rank_share`` cuts such counts by arithmetic."""
+    return np.broadcast_to(np.int64(size), (n,))
+
+
 # ---------------------------------------------------------------------- the sample space
 @dataclass(frozen=True)
 class SampleDim:
@@ -120,7 +216,8 @@ class SampleSpace:
     ----------
     dims : sampled dims, split dims first (in the manifest's order)
     edges : per split dim, the chunk-block edges (len = blocks + 1)
-    blocks : flat block ids of the split (C order over the split dims), in split order
+    blocks : flat block ids of the split (C order over the split dims), in split order: an array or
+        the manifest's runs (``Blocks``); held as runs (``UnitBlocks``)
     valid : optional bool mask over the split's samples (``ds.insitu.validity``): the space then
         holds only the valid ones. ``counts``, ``offsets``, ``locate`` and ``unit_starts`` all
         speak of valid samples (a unit's local index k is its k-th valid sample), so plans,
@@ -128,7 +225,7 @@ class SampleSpace:
     valid_digest : the mask's digest (part of a generator state)
     """
 
-    def __init__(self, dims: list[SampleDim], edges: dict[str, np.ndarray], blocks: np.ndarray,
+    def __init__(self, dims: list[SampleDim], edges: dict[str, np.ndarray], blocks: np.ndarray | Blocks | UnitBlocks,
                  valid: np.ndarray | None = None, valid_digest: str | None = None):
         self.dims = list(dims)
         self.split_dims = [d for d in self.dims if d.split]
@@ -137,7 +234,8 @@ class SampleSpace:
             raise ValueError("split dims must come first")
         self.edges = [np.asarray(edges[d.name], dtype=np.int64) for d in self.split_dims]
         self.grid = tuple(len(e) - 1 for e in self.edges)
-        self.blocks = np.asarray(blocks, dtype=np.int64)
+        runs = blocks.runs if isinstance(blocks, UnitBlocks) else Blocks.from_ids(blocks)
+        self.blocks = UnitBlocks(runs)
         self._free_starts = [d.starts() for d in self.free_dims]
         self._free_n = int(np.prod([len(s) for s in self._free_starts])) if self.free_dims else 1
         self.valid = None if valid is None else np.asarray(valid, dtype=bool).ravel()
@@ -146,12 +244,31 @@ class SampleSpace:
             raise ValueError(f"validity mask holds {self.valid.size} samples, the split has "
                              f"{int(self.all_offsets[-1])} of this shape: it was made for other samples")
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (a DataLoader worker's copy) without the stride-0 counts of equal units: pickling
+        would write them out in full (80 MB at 10^7); they are made again, without memory, on use."""
+        state = self.__dict__.copy()
+        for k in ("counts", "all_counts"):
+            v = state.get(k)
+            if isinstance(v, np.ndarray) and v.ndim == 1 and v.strides == (0,):
+                del state[k]
+        return state
+
+    @property
+    def n_units(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def _one_position(self) -> bool:
+        """One split dim sampled at every position: a unit's samples are its block's positions."""
+        return len(self.split_dims) == 1 and self.split_dims[0].width == 1 and self.split_dims[0].stride == 1
+
     @cached_property
     def _cs(self) -> np.ndarray:
         """n-d prefix sums of the membership grid: box queries in O(2^k). Made on first use (windows,
         tiles, several split dims): a split of 10^7 one-position units never needs them."""
         mask = np.zeros(int(np.prod(self.grid)), dtype=bool)
-        mask[self.blocks] = True
+        mask[self.blocks.ids()] = True
         cs = mask.reshape(self.grid).astype(np.int64)
         for ax in range(cs.ndim):
             cs = np.cumsum(cs, axis=ax)
@@ -187,7 +304,7 @@ class SampleSpace:
 
     def split_starts(self, unit: int) -> np.ndarray:
         """Valid start positions along the split dims in unit ``unit`` (rows in C order)."""
-        if len(self.split_dims) == 1 and self.split_dims[0].width == 1 and self.split_dims[0].stride == 1:
+        if self._one_position:
             # every position of the block is a sample (as ``counts`` says): no mesh, no box test per unit
             e, c = self.edges[0], int(self.blocks[unit])
             return np.arange(e[c], e[c + 1], dtype=np.int64)[:, None]
@@ -217,26 +334,70 @@ class SampleSpace:
 
     # ------------------------------------------------------------------ counts
     @cached_property
+    def _all_size(self) -> int | None:
+        """Samples per unit, valid or not, where every unit holds as many and that is known from the
+        chunk edges alone (one split dim sampled at every position, blocks of one length but perhaps
+        the grid's last): no per-unit array is made, the edges are read a bounded slice at a time.
+        None otherwise (then ``unit_size`` compares the counts)."""
+        if not self._one_position or not len(self.blocks):
+            return None
+        e, runs = self.edges[0], self.blocks.runs
+        n_blocks = len(e) - 1
+        last = int(e[n_blocks] - e[n_blocks - 1])
+        body: int | None = None
+        for c in range(0, n_blocks - 1, 1 << 20):  # every block but the last: one length?
+            d = np.diff(e[c:min(n_blocks - 1, c + (1 << 20)) + 1])
+            lo, hi = int(d.min()), int(d.max())
+            if lo != hi or (body is not None and lo != body):
+                return None
+            body = lo
+        has_last = bool(((runs.starts <= n_blocks - 1) & (runs.stops > n_blocks - 1)).any())
+        if body is None or body == last:  # one block, or all of one length
+            size = last
+        elif not has_last:
+            size = body
+        elif len(self.blocks) == 1:
+            size = last
+        else:
+            return None
+        return size * self._free_n
+
+    @cached_property
+    def unit_size(self) -> int | None:
+        """Samples per unit where every unit holds as many (any regular chunk grid without a
+        validity mask: known without per-unit arrays), else None. Plans then cut and order
+        units by arithmetic (``plan.epoch_plan``)."""
+        if self.valid is None and self._all_size is not None:
+            return self._all_size
+        c = self.counts
+        return int(c[0]) if len(c) and bool((c == c[0]).all()) else None
+
+    @cached_property
     def counts(self) -> np.ndarray:
-        """Samples per unit (int64, in split order): valid samples where a mask is set."""
+        """Samples per unit (int64, in split order): valid samples where a mask is set. Where units
+        are of equal size, a read-only array of stride 0 (no memory)."""
         if self.valid is None:
             return self.all_counts
         # valid samples before each unit's first sample: one cumsum, no loop over units
-        before = np.concatenate([[0], np.cumsum(self.valid, dtype=np.int64)])[self.all_offsets]
+        before = np.concatenate([[0], np.cumsum(self.valid, dtype=np.int64)])[np.asarray(self.all_offsets)]
         return np.diff(before).astype(np.int64)
 
     @cached_property
-    def all_offsets(self) -> np.ndarray:
+    def all_offsets(self) -> Offsets:
         """Global id of each unit's first sample, valid or not (the mask's numbering)."""
-        if self.valid is None and "offsets" in self.__dict__:
+        if self.valid is None:
             return self.offsets
+        if self._all_size is not None:
+            return EqualOffsets(len(self.blocks), self._all_size)
         return np.concatenate([[0], np.cumsum(self.all_counts)]).astype(np.int64)
 
     @cached_property
     def all_counts(self) -> np.ndarray:
-        """Samples per unit, valid or not (int64, in split order)."""
-        if len(self.split_dims) == 1 and self.split_dims[0].width == 1 and self.split_dims[0].stride == 1:
-            sizes = np.diff(self.edges[0])[self.blocks]  # every position of a block is a sample
+        """Samples per unit, valid or not (int64, in split order; stride 0 where they are equal)."""
+        if self._all_size is not None:
+            return _equal(len(self.blocks), self._all_size)
+        if self._one_position:
+            sizes = np.diff(self.edges[0])[self.blocks.ids()]  # every position of a block is a sample
         elif len(self.split_dims) == 1:
             d, e = self.split_dims[0], self.edges[0]
             s = d.starts()
@@ -244,7 +405,7 @@ class SampleSpace:
             last = np.searchsorted(e, s + d.width - 1, side="right") - 1
             ok = self._box_full([first], [last])
             per_block = np.bincount(first[ok], minlength=self.grid[0])
-            sizes = per_block[self.blocks]
+            sizes = per_block[self.blocks.ids()]
         else:
             sizes = np.array([len(self.split_starts(u)) for u in range(len(self.blocks))], dtype=np.int64)
         sizes = sizes.astype(np.int64, copy=False)  # no copy of 10^7 counts that are int64 already
@@ -260,8 +421,11 @@ class SampleSpace:
         return bool(np.any(np.searchsorted(e, s, side="right") != np.searchsorted(e, s + d.width - 1, side="right")))
 
     @cached_property
-    def offsets(self) -> np.ndarray:
-        """Global id of each unit's first sample (len = units + 1)."""
+    def offsets(self) -> Offsets:
+        """Global id of each unit's first sample (len = units + 1): ``EqualOffsets`` (arithmetic)
+        where units are of equal size."""
+        if self.unit_size is not None:
+            return EqualOffsets(len(self.blocks), self.unit_size)
         return np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
 
     @property
@@ -273,8 +437,11 @@ class SampleSpace:
         ids = np.asarray(ids, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= self.n_samples):
             raise IndexError(f"sample index out of range for a split of {self.n_samples} samples")
-        unit = np.searchsorted(self.offsets, ids, side="right") - 1
-        return unit, ids - self.offsets[unit]
+        if self.unit_size:
+            return ids // self.unit_size, ids % self.unit_size
+        offsets = cast(np.ndarray, self.offsets)
+        unit = np.searchsorted(offsets, ids, side="right") - 1
+        return unit, ids - offsets[unit]
 
 
 @dataclass
@@ -359,6 +526,9 @@ def sampling(ds: xr.Dataset, manifest: SplitManifest, split: str, *, window: Any
     sources = resolve(ds, names)
     geometry = geometry_of(sources)
     _check_manifest(ds, manifest, geometry, sources, stacklevel + 1)
+    for d in manifest.dims:  # edges of as many blocks as the manifest's: checked equal, so keep one array of them
+        if len(geometry.edges[d]) == len(manifest.edges[d]):  # (not two: 80 MB each at 10^7 chunks)
+            geometry.edges[d] = manifest.edges[d]
     space = _sample_space(manifest, split, geometry, window, patch, stride, over)
     if valid_only and split in manifest.validity:
         space = _masked(space, manifest, split, sampling_key(window, patch, stride, over, geometry.sizes))
@@ -434,4 +604,4 @@ def _sample_space(manifest: SplitManifest, split: str, geometry: Geometry, windo
     for d in over:
         dims.append(SampleDim(d, sizes[d]))
     return SampleSpace(dims, geometry.edges | {d: np.asarray(manifest.edges[d]) for d in manifest.dims},
-                       manifest.blocks(split))
+                       manifest.splits[split])  # its runs: no array of the split's block ids

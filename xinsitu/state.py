@@ -17,7 +17,10 @@ from typing import Any, cast
 
 from xinsitu.plan import segment_plan
 
-STATE_VERSION = 1
+#: 2: a shuffled epoch visits the units in the order of ``shuffle.units_at`` (a keyed bijection
+#: evaluated per position, so a rank computes only its share); version 1 states were saved with
+#: the earlier order (a NumPy permutation of every unit), which this xinsitu no longer makes
+STATE_VERSION = 2
 
 # what must match for the saved position to mean the same batches
 _DEFINING = ("split", "manifest", "seed", "batch_size", "shuffle", "block_chunks", "drop_last",
@@ -67,6 +70,19 @@ def _hops(gen: Any, epoch: int) -> list[list[int]]:
     return [[int(w), int(b)] for w, b in getattr(gen, "_elastic", [])]
 
 
+def _check_order_version(gen: Any, state: dict[str, Any]) -> None:
+    """Refuse a state saved before the current unit order where the order it resumes has changed
+    (a shuffled epoch without windows that spill into the next unit); an unshuffled epoch, or the
+    neighbour order of spilling windows, are what they were, so such a state resumes."""
+    version = state.get("version", 1)
+    if version >= STATE_VERSION or not gen.shuffle or gen.space.spills:
+        return
+    raise ValueError(f"state was saved by an older xinsitu (state version {version}, this is {STATE_VERSION}): "
+                     "its shuffled epochs visit chunk blocks in another order, so this xinsitu cannot resume "
+                     "that order; start the epoch again (the saved epoch is "
+                     f"{state['epoch']}: gen.set_epoch({state['epoch']})), or resume with the xinsitu that saved it")
+
+
 def check_state(gen: Any, state: dict[str, Any], elastic: bool = False) -> None:
     """Raise ``ValueError`` naming every field where ``state`` was made differently.
 
@@ -85,6 +101,7 @@ def check_state(gen: Any, state: dict[str, Any], elastic: bool = False) -> None:
             isinstance(h, list) and len(h) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in h)
             and h[0] >= 1 and h[1] >= 0 for h in hops):
         raise ValueError(f"state elastic must be a list of [world_size, batches] pairs, got {hops!r}")
+    _check_order_version(gen, state)
     saved_world = state.get("world_size")
     if elastic and (not isinstance(saved_world, int) or isinstance(saved_world, bool) or saved_world < 1):
         raise ValueError(f"state world_size must be a positive integer, got {saved_world!r}")

@@ -405,9 +405,8 @@ class Reader:
                 await _all_or_none(self._fetch_into(src, dec, store, c, t) for c, t in targets.items())
         return outs
 
-    async def _read_local(self, src: VarSource, dec: ChunkDecoder, store: Any,
-                          items: list[tuple[tuple[int, ...], list[Target]]],
-                          keep: tuple[ChunkCache, str] | None = None) -> None:
+    async def _read_local(self, src: VarSource, dec: ChunkDecoder, store: Any, items: list[tuple[tuple[int, ...], Any]],
+                          keep: tuple[ChunkCache, str] | None = None, job_of: Callable[..., Any] | None = None) -> None:
         """Local chunk files read and decoded in one job per decode thread (each reads, decodes and puts
         in place its share in turn): per chunk no task, no executor hand-off and no wake-up of the
         loop, which for one-sample-per-chunk archives cost more than the decode itself."""
@@ -416,10 +415,11 @@ class Reader:
         k = max(1, min(len(items), self.inflight.threads))
         shares = [items[i::k] for i in range(k)]
 
-        async def job(share: list[tuple[tuple[int, ...], list[Target]]]) -> list[tuple[Any, ...]]:
+        work = job_of or _read_decode_assign_many
+
+        async def job(share: list[tuple[tuple[int, ...], Any]]) -> list[tuple[Any, ...]]:
             async with self.inflight:
-                return await loop.run_in_executor(None, _read_decode_assign_many, store, prefix, dec, src.name, share,
-                                                  keep)
+                return await loop.run_in_executor(None, work, store, prefix, dec, src.name, share, keep)
 
         done = await asyncio.gather(*(job(sh) for sh in shares))
         for rows in done:
@@ -609,9 +609,7 @@ class Reader:
                 keep = (self.cache, keys.ident)
                 self.cache.count_misses(len(coords))  # ``take_cached`` looked them up first
                 self.counters.cache_misses += len(coords)
-        items = [(c, [Target(o, [slice(None)] * o.ndim, [slice(None)] * o.ndim, [], None)])
-                 for c, o in zip(coords, outs, strict=True)]
-        await self._read_local(src, dec, store, items, keep)
+        await self._read_local(src, dec, store, list(zip(coords, outs, strict=True)), keep, _read_whole_many)
         return True
 
     async def take_cached(self, src: VarSource, coords: list[tuple[int, ...]],
@@ -1023,8 +1021,8 @@ def _read_decode_assign_many(store: Any, prefix: str, dec: ChunkDecoder, name: s
                              share: list[tuple[tuple[int, ...], list[Target]]],
                              keep: tuple[ChunkCache, str] | None = None) -> list[tuple[Any, ...]]:
     """``_read_decode_assign`` for several chunks in turn: (coords, key, seconds reading, bytes or None,
-    seconds decoding) per chunk; a chunk that fails raises ``ChunkReadError`` naming it. With ``keep``
-    (a cache and the array's ``ChunkKey.ident``), each chunk read whole into its one target is kept."""
+    seconds decoding) per chunk; a chunk that fails raises ``ChunkReadError`` naming it (``keep``: for
+    ``_read_whole_many``'s signature; these chunks are kept by their targets, ``_Keep``)."""
     out = []
     for coords, targets in share:
         path = prefix + dec.key(coords)
@@ -1032,13 +1030,40 @@ def _read_decode_assign_many(store: Any, prefix: str, dec: ChunkDecoder, name: s
             read_s, nbytes, took = _read_decode_assign(store, path, dec, targets)
         except Exception as e:  # noqa: BLE001 - every failure names its chunk
             raise ChunkReadError(name, coords, path, e) from e
-        if keep is not None and nbytes is not None:  # a chunk with no object is not cached
-            try:
-                keep[0].put((keep[1], coords), targets[0].out)  # type: ignore[arg-type]
-            except (OSError, MemoryError):  # a chunk the cache cannot keep is still read
-                pass
         out.append((coords, path, read_s, nbytes, took))
     return out
+
+
+def _read_whole_many(store: Any, prefix: str, dec: ChunkDecoder, name: str,
+                     share: list[tuple[tuple[int, ...], np.ndarray]],
+                     keep: tuple[ChunkCache, str] | None = None) -> list[tuple[Any, ...]]:
+    """``_read_decode_assign_many`` for whole chunks, each decoded straight into its own destination."""
+    rows = []
+    for coords, out in share:
+        path = prefix + dec.key(coords)
+        t0 = time.perf_counter()
+        try:
+            raw = store.read(path)
+        except Exception as e:  # noqa: BLE001 - every failure names its chunk
+            raise ChunkReadError(name, coords, path, e) from e
+        t1 = time.perf_counter()
+        if raw is None:
+            out[...] = dec.fill()
+        else:
+            try:
+                if not dec.decode_into(raw, out):
+                    out[...] = dec.decode_sync(raw)
+            except Exception as e:  # noqa: BLE001 - a file reads the same bytes again: no second try
+                err = DamagedObjectError(f"object {path!r} failed to decode (corrupt in the store?): "
+                                         f"{type(e).__name__}: {e}")
+                raise ChunkReadError(name, coords, path, err) from e
+            if keep is not None:  # a chunk with no object is not cached
+                try:
+                    keep[0].put((keep[1], coords), out)
+                except (OSError, MemoryError):  # a chunk the cache cannot keep is still read
+                    pass
+        rows.append((coords, path, t1 - t0, None if raw is None else len(raw), time.perf_counter() - t1))
+    return rows
 
 
 def _decode_assign(dec: ChunkDecoder, raw: Any, targets: list[Target]) -> float:

@@ -32,17 +32,23 @@ INDEX_CACHE = 4096  # shard indexes kept (each a few bytes per inner chunk)
 AUTO_INFLIGHT = (64, 256)
 #: ... to this many times what keeps the decode threads busy while each request waits
 AUTO_HEADROOM = 2.0
-#: stores across a network: bounds of the latency-driven limit (it starts at the bottom)
+#: stores across a network: bounds of the throughput-driven limit (it starts at the bottom)
 AUTO_REMOTE = (4, 256)
 #: ... completions per window at least (a window is also at least half the limit)
 AUTO_WINDOW = 4
-#: ... a window's mean latency past this many times the quickest window's: halve the limit
+#: ... a window's mean latency past this many times the quickest window's: the store queues
 AUTO_INFLATED = 3.0
-#: ... and within this many times it: grow the limit
+#: ... and within this many times it: no queueing (grow the limit)
 AUTO_HEALTHY = 1.6
-#: ... a window counts as the best (its limit a floor for halving) with this many times the most
-#: completions per second seen before
-AUTO_BETTER = 1.1
+#: ... a window's completions per second past this many times the most seen before: more
+#: requests bought throughput (grow the limit, whatever the latency; its limit becomes the best)
+AUTO_BETTER = 1.15
+#: ... that many windows in a row that bought no throughput and saw the latency rise: the
+#: requests past the limit that gave the most only queue (go back to it)
+AUTO_STRIKES = 2
+#: ... a window whose slowest answer came within this many times its quickest (no request
+#: queued behind another) while the latency stays healthy: slow start quadruples, not doubles
+AUTO_FLAT = 1.5
 #: ... seconds between probes past the limit at which the store last queued (each probe of an
 #: overloaded store can cost a SYN retransmit, ~1 s)
 AUTO_PROBE_S = 5.0
@@ -146,17 +152,24 @@ class InflightLimit:
     first batch).
 
     A store across a network (``expect_remote``) may be overloaded, where more requests only
-    queue up: its limit follows the latency the way TCP Vegas does, in windows of completed
-    requests. It starts at ``AUTO_REMOTE[0]`` and doubles per window while the latency stays near
-    the quickest window seen (slow start), then grows by an eighth per window (additive
-    increase); where the latency inflates past ``AUTO_INFLATED`` times the quickest window, or a
-    request fails or times out, it halves (multiplicative decrease), never below half the limit
-    that gave the most completions per second (a store that only queues gains nothing from more
-    requests, so that is the bottom; a busy client, whose own cores inflate the latency it
-    measures, does not fall below what it had gained) nor below
-    ``AUTO_REMOTE[0]`` -- so it is never much slower than a fixed small limit on a store that
-    queues, and reaches the top for a far, healthy one (latency that does not grow with load).
-    Little's law bounds it from above.
+    queue up, or far, where only many requests at once fill the decode threads; and the client's
+    own cores (decoding, gathering -- on a small machine also the server's) inflate the latency
+    it measures as they saturate, so latency alone takes a busy client for a store that queues.
+    The limit follows what each window of completed requests (those sent since the limit last
+    changed, at least ``AUTO_WINDOW``, at least half the limit) bought: it starts at
+    ``AUTO_REMOTE[0]`` and, in slow start, doubles per window -- quadruples while the answers
+    come back equally quick (the slowest within ``AUTO_FLAT`` times the quickest: none waited
+    behind another) and the latency stays near the quickest window's (``AUTO_HEALTHY``) -- as
+    long as the latency stays near it or the completions per second grew past ``AUTO_BETTER``
+    times the most seen (more requests, more throughput, whatever the latency). Past that it
+    grows by an eighth per window on the same test (additive increase). A window that bought no
+    throughput and saw the latency rise, at a limit past the one that gave the most completions
+    per second, goes back to that limit: a store that only queues gains nothing from more
+    requests, so it stays at the bottom, and a busy client keeps what it gained. A request that
+    fails or times out halves the limit, never below half that best limit nor below
+    ``AUTO_REMOTE[0]``. So it is never much slower than a fixed small limit on a store that
+    queues, reaches the top for a far, healthy one, and sits near the knee of the throughput
+    curve where the client's cores are the bound. Little's law bounds it from above.
     """
 
     def __init__(self, fixed: int | None, threads: int):
@@ -167,16 +180,23 @@ class InflightLimit:
         self.decode_s: float | None = None
         self.remote = False
         self.history: list[tuple[int, float]] = []  # (limit, mean latency) at each window's end (remote)
+        self.clock: Callable[[], float] = time.perf_counter  # (a test drives it with simulated time)
         self._base: float | None = None  # quickest window's mean latency (remote)
         self._slow_start = True
         self._best_rate = 0.0  # most completions per second of a window so far (remote)
-        self._best_limit = AUTO_REMOTE[0]  # ... and the limit it had (halving stops at half of it)
+        self._best_limit = AUTO_REMOTE[0]  # ... and the limit it had
+        self._last_rate = math.inf  # the last window's
+        self._strikes = 0  # windows in a row that bought nothing and saw the latency rise
         self._trouble = 0  # the limit at which the store last queued or failed (0: never)
         self._probed = 0.0  # when growth last went to or past it
-        self._t0 = 0.0  # when this window's first request went out
-        self._n = 0  # completions in this window
+        self._since = 0.0  # when the limit last changed: requests sent before do not count
+        self._settled: float | None = 0.0  # ... nor those sent before its first answer came
+        self._n = 0  # answers in this window (to requests sent since the limit last changed)
         self._sum = 0.0  # their latencies
+        self._lo = math.inf  # ... the quickest
+        self._hi = 0.0  # ... and the slowest
         self._waiting: dict[Any, float] = {}  # task -> when its request went out, until its bytes came
+        self._sent: dict[Any, float] = {}  # task -> when it took its slot, until it gives it back
         self._sem: asyncio.Semaphore | None = None
         self._owed = 0  # permits to keep back as requests end (the limit shrank)
 
@@ -187,21 +207,24 @@ class InflightLimit:
 
     async def __aenter__(self) -> None:
         await self.semaphore().acquire()
-        self._waiting[asyncio.current_task()] = time.perf_counter()
+        task, now = asyncio.current_task(), self.clock()
+        self._waiting[task] = self._sent[task] = now
 
     def arrived(self) -> None:
         """The current task's request has its bytes (what it waits for next is not the store)."""
         self._waiting.pop(asyncio.current_task(), None)
 
     async def __aexit__(self, *exc: Any) -> None:
-        self._waiting.pop(asyncio.current_task(), None)
+        task = asyncio.current_task()
+        self._waiting.pop(task, None)
+        self._sent.pop(task, None)
         if self._owed:
             self._owed -= 1
         else:
             self.semaphore().release()
 
     def expect_remote(self) -> None:
-        """The store is across a network: its limit follows latency (see the class)."""
+        """The store is across a network: its limit follows throughput and latency (see the class)."""
         if self.fixed is None and not self.remote:
             self.remote = True
             self._resize(AUTO_REMOTE[0])
@@ -212,6 +235,15 @@ class InflightLimit:
             return AUTO_INFLIGHT[1]
         want = AUTO_HEADROOM * self.threads * self.latency_s / max(self.decode_s, 1e-6)
         return max(AUTO_INFLIGHT[0], min(AUTO_INFLIGHT[1], math.ceil(want)))
+
+    def _sent_at(self, latency_s: float, decode_s: float, now: float) -> float:
+        """When the current task's request went out (outside a task: ``now`` less its latency and decode)."""
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:  # no running loop
+            task = None
+        sent = self._sent.get(task) if task is not None else None
+        return now - latency_s - decode_s if sent is None else sent
 
     def observe(self, latency_s: float, decode_s: float) -> None:
         """One request's wait for its bytes and its decode time (on the I/O loop)."""
@@ -224,9 +256,16 @@ class InflightLimit:
             if target > self.limit or target < 0.75 * self.limit:  # shrink only on a clear change
                 self._resize(target)
             return
-        now = time.perf_counter()
-        if self._n == 0:
-            self._t0 = now - latency_s  # the window opens with its first request
+        now = self.clock()
+        sent = self._sent_at(latency_s, decode_s, now)
+        if sent < self._since:  # sent under the limit before: its latency is not this limit's
+            return
+        # answers equally quick (a burst sent at once, none queued behind another) or not
+        self._lo, self._hi = min(self._lo, latency_s), max(self._hi, latency_s)
+        if self._settled is None:  # the first answer sent under this limit: the queues it meets
+            self._settled = now  # are this limit's from now on (those before still ramp up)
+        if sent < self._settled:
+            return
         self._n += 1
         self._sum += latency_s
         if self._n < max(AUTO_WINDOW, self.limit // 2):
@@ -235,38 +274,67 @@ class InflightLimit:
         # dropped connection delays) come back last, after quicker ones have filled the window
         oldest = now - min(self._waiting.values()) if self._waiting else 0.0
         mean = max(self._sum / self._n, oldest)
-        rate = self._n / max(now - self._t0, 1e-6)
-        self._n, self._sum = 0, 0.0
+        self._window(now, mean, max(self._hi, oldest) <= AUTO_FLAT * self._lo)
+
+    def _window(self, now: float, mean: float, flat: bool) -> None:
+        """A window's end: grow, hold, or go back (see the class)."""
+        self._n, self._sum, self._lo, self._hi = 0, 0.0, math.inf, 0.0
         self.history.append((self.limit, mean))
         base = self._base = mean if self._base is None else min(self._base, mean)
-        if rate > AUTO_BETTER * self._best_rate:  # more requests bought more throughput
+        # completions per second by Little's law (requests in flight / latency): counted answers
+        # come in bursts as the loader asks for whole buffers; a store that only queues answers
+        # twice the requests twice as late
+        rate = self.limit / mean
+        gained = rate > AUTO_BETTER * self._best_rate  # more requests bought more throughput
+        last, self._last_rate = self._last_rate, rate
+        if gained:
             self._best_rate, self._best_limit = rate, self.limit
-        if mean > AUTO_INFLATED * base:  # the store queues: fewer requests finish no later
-            self._decrease()
-        elif mean <= AUTO_HEALTHY * base:  # no queueing seen: more requests, more throughput
-            grown = 2 * self.limit if self._slow_start else self.limit + max(1, self.limit // 8)
+        healthy = mean <= AUTO_HEALTHY * base
+        if healthy or gained:
+            self._strikes = 0
+            if self._slow_start:  # faster while nothing queues, or the last step doubled the rate
+                grown = self.limit * (8 if healthy and flat else 4 if rate >= 2 * last else 2)
+            else:
+                grown = self.limit + max(1, self.limit // 8)
             if self._trouble and grown >= self._trouble:  # where the store queued before: probe rarely
                 if now - self._probed < AUTO_PROBE_S:
                     grown = min(grown, max(self.limit, self._trouble - 1))
                 else:
                     self._probed = now
             self._resize(max(AUTO_REMOTE[0], min(self._cap(), AUTO_REMOTE[1], grown)))
+            return
+        # the latency rose and throughput did not: the knee is behind (once may be this machine
+        # busy for a moment -- its cores, not the store -- so twice in a row)
+        self._strikes += 1
+        if self._strikes < AUTO_STRIKES:
+            return
+        self._slow_start = False
+        if self.limit > self._best_limit:  # requests past the best limit only queue: back to it
+            self._trouble, self._probed = self.limit, now
+            self._resize(max(AUTO_REMOTE[0], self._best_limit))
+        elif self.limit < self._best_limit and mean <= AUTO_INFLATED * base:
+            # below the best limit (after a failure) and no longer queueing: grow back
+            self._resize(self.limit + max(1, self.limit // 8))
 
     def failed(self) -> None:
         """A request failed or timed out: fewer in flight (a store under load fails first)."""
         if self.fixed is None and self.remote:
-            self._n, self._sum = 0, 0.0  # the next window starts now
             self._decrease()
 
     def _decrease(self) -> None:
-        # never far below the limit of the best window: a burst of slow answers (this machine busy)
-        # halves it once or twice, not down to the bottom
+        # never far below the limit of the best window: a burst of failures halves it once or
+        # twice, not down to the bottom
         self._slow_start = False
-        self._trouble, self._probed = self.limit, time.perf_counter()
+        self._trouble, self._probed = self.limit, self.clock()
         self._resize(max(AUTO_REMOTE[0], self._best_limit // 2, self.limit // 2))
 
     def _resize(self, n: int) -> None:
+        if n == self.limit:
+            return
         grow, self.limit = n - self.limit, n
+        # the next window counts only requests sent once this limit's first answer came
+        self._since, self._settled = self.clock(), None
+        self._n, self._sum, self._lo, self._hi = 0, 0.0, math.inf, 0.0
         if self._sem is None:
             return
         if grow < 0:

@@ -462,19 +462,20 @@ class Reader:
             return outs
         if targets and self.cache is not None:
             targets = await self._serve_cached(src, targets, self._decoder(src).key)
-        if len(targets) == 1:  # one chunk (a chunk-aligned unit): no task of its own
+        if not targets:
+            return outs
+        dec, store = self._decoder(src), self._store(src)
+        if getattr(store, "fused", False) and dec.sync:  # local files: a few jobs, not one per chunk
+            await self._read_local(src, dec, store, list(targets.items()))
+        elif len(targets) == 1:  # one chunk (a chunk-aligned unit): no task of its own
             ((c, t),) = targets.items()
-            await self._fetch_into(src, self._decoder(src), self._store(src), c, t)
-        elif targets:
-            dec, store = self._decoder(src), self._store(src)
-            if getattr(store, "fused", False) and dec.sync:  # local files: a few jobs, not one per chunk
-                await self._read_local(src, dec, store, list(targets.items()))
-            else:
-                await _all_or_none(self._fetch_into(src, dec, store, c, t) for c, t in targets.items())
+            await self._fetch_into(src, dec, store, c, t)
+        else:
+            await _all_or_none(self._fetch_into(src, dec, store, c, t) for c, t in targets.items())
         return outs
 
     async def _read_local(self, src: VarSource, dec: ChunkDecoder, store: Any, items: list[tuple[tuple[int, ...], Any]],
-                          keep: tuple[ChunkCache, str] | None = None, job_of: Callable[..., Any] | None = None) -> None:
+                          keep: tuple[ChunkCache, str] | None = None) -> None:
         """Local chunk files read and decoded in one job per decode thread (each reads, decodes and puts
         in place its share in turn): per chunk no task, no executor hand-off and no wake-up of the
         loop, which for one-sample-per-chunk archives cost more than the decode itself."""
@@ -483,11 +484,10 @@ class Reader:
         k = max(1, min(len(items), self.inflight.threads))
         shares = [items[i::k] for i in range(k)]
 
-        work = job_of or _read_decode_assign_many
-
         async def job(share: list[tuple[tuple[int, ...], Any]]) -> list[tuple[Any, ...]]:
             async with self.inflight:
-                return await loop.run_in_executor(None, work, store, prefix, dec, src.name, share, keep)
+                return await loop.run_in_executor(None, _read_decode_assign_many, store, prefix, dec, src.name, share,
+                                                  keep)
 
         done = await asyncio.gather(*(job(sh) for sh in shares))
         for rows in done:
@@ -677,7 +677,7 @@ class Reader:
                 keep = (self.cache, keys.ident)
                 self.cache.count_misses(len(coords))  # ``take_cached`` looked them up first
                 self.counters.cache_misses += len(coords)
-        await self._read_local(src, dec, store, list(zip(coords, outs, strict=True)), keep, _read_whole_many)
+        await self._read_local(src, dec, store, list(zip(coords, outs, strict=True)), keep)
         return True
 
     async def take_cached(self, src: VarSource, coords: list[tuple[int, ...]],
@@ -859,19 +859,9 @@ class Reader:
         async with self.inflight:
             t_start = time.perf_counter()
             try:
-                if getattr(store, "fused", False) and dec.sync:  # a local file: read where it is decoded
-                    read_s, nbytes, took = await loop.run_in_executor(None, _read_decode_assign, store, path, dec,
-                                                                      targets)
-                    self.counters.requests += 1
-                    if nbytes is None:
-                        self._missing(src, coords, path)
-                    self.counters.bytes_read += nbytes or 0
-                    self.counters.decode_s += took
-                    self.inflight.observe(read_s, took)
-                    store.observe(read_s, took)
-                else:
-                    # fetched again when the bytes fail to decode or no answer comes in time
-                    await fetch_decoded(store, path, use, on_retry=self.inflight.failed)
+                # fetched again when the bytes fail to decode or no answer comes in time (local files
+                # that read in the decode threads go through ``_read_local`` instead)
+                await fetch_decoded(store, path, use, on_retry=self.inflight.failed)
             except Exception as e:  # noqa: BLE001 - every failure names its chunk
                 _reraise(src, coords, path, e)
         self.counters.chunks += 1
@@ -1068,17 +1058,24 @@ def _all_slices(sel: list[Any]) -> bool:
 
 
 def _read_decode_assign(store: Any, path: str, dec: ChunkDecoder,
-                        targets: list[Target]) -> tuple[float, int | None, float]:
+                        targets: list[Target] | np.ndarray) -> tuple[float, int | None, float]:
     """Read a local file (``LocalBackend``), decode it and put it in place, in one decode-thread job:
-    (seconds reading, bytes read or None where there is no file, seconds decoding)."""
+    (seconds reading, bytes read or None where there is no file, seconds decoding). ``targets`` may
+    be an array of the chunk's shape instead: the chunk is decoded straight into it."""
     t0 = time.perf_counter()
     raw = store.read(path)
     t1 = time.perf_counter()
     if raw is None:
-        _assign_all(dec.fill(), targets)
+        if isinstance(targets, np.ndarray):
+            targets[...] = dec.fill()
+        else:
+            _assign_all(dec.fill(), targets)
         return t1 - t0, None, time.perf_counter() - t1
     try:
-        _decode_put(dec, raw, targets)
+        if not isinstance(targets, np.ndarray):
+            _decode_put(dec, raw, targets)
+        elif not dec.decode_into(raw, targets):
+            targets[...] = dec.decode_sync(raw)
     except Exception as e:  # noqa: BLE001 - a file reads the same bytes again: no second try
         raise DamagedObjectError(f"object {path!r} failed to decode (corrupt in the store?): "
                                  f"{type(e).__name__}: {e}") from e
@@ -1086,11 +1083,12 @@ def _read_decode_assign(store: Any, path: str, dec: ChunkDecoder,
 
 
 def _read_decode_assign_many(store: Any, prefix: str, dec: ChunkDecoder, name: str,
-                             share: list[tuple[tuple[int, ...], list[Target]]],
+                             share: list[tuple[tuple[int, ...], Any]],
                              keep: tuple[ChunkCache, str] | None = None) -> list[tuple[Any, ...]]:
     """``_read_decode_assign`` for several chunks in turn: (coords, key, seconds reading, bytes or None,
-    seconds decoding) per chunk; a chunk that fails raises ``ChunkReadError`` naming it (``keep``: for
-    ``_read_whole_many``'s signature; these chunks are kept by their targets, ``_Keep``)."""
+    seconds decoding) per chunk; a chunk that fails raises ``ChunkReadError`` naming it. With ``keep``
+    (a cache and the array's ``ChunkKey.ident``; chunks decoded into arrays of their own), each chunk
+    read is kept (chunks of targets are kept by them: ``_Keep``)."""
     out = []
     for coords, targets in share:
         path = prefix + dec.key(coords)
@@ -1098,40 +1096,13 @@ def _read_decode_assign_many(store: Any, prefix: str, dec: ChunkDecoder, name: s
             read_s, nbytes, took = _read_decode_assign(store, path, dec, targets)
         except Exception as e:  # noqa: BLE001 - every failure names its chunk
             raise ChunkReadError(name, coords, path, e) from e
+        if keep is not None and nbytes is not None:  # a chunk with no object is not cached
+            try:
+                keep[0].put((keep[1], coords), targets)
+            except (OSError, MemoryError):  # a chunk the cache cannot keep is still read
+                pass
         out.append((coords, path, read_s, nbytes, took))
     return out
-
-
-def _read_whole_many(store: Any, prefix: str, dec: ChunkDecoder, name: str,
-                     share: list[tuple[tuple[int, ...], np.ndarray]],
-                     keep: tuple[ChunkCache, str] | None = None) -> list[tuple[Any, ...]]:
-    """``_read_decode_assign_many`` for whole chunks, each decoded straight into its own destination."""
-    rows = []
-    for coords, out in share:
-        path = prefix + dec.key(coords)
-        t0 = time.perf_counter()
-        try:
-            raw = store.read(path)
-        except Exception as e:  # noqa: BLE001 - every failure names its chunk
-            raise ChunkReadError(name, coords, path, e) from e
-        t1 = time.perf_counter()
-        if raw is None:
-            out[...] = dec.fill()
-        else:
-            try:
-                if not dec.decode_into(raw, out):
-                    out[...] = dec.decode_sync(raw)
-            except Exception as e:  # noqa: BLE001 - a file reads the same bytes again: no second try
-                err = DamagedObjectError(f"object {path!r} failed to decode (corrupt in the store?): "
-                                         f"{type(e).__name__}: {e}")
-                raise ChunkReadError(name, coords, path, err) from e
-            if keep is not None:  # a chunk with no object is not cached
-                try:
-                    keep[0].put((keep[1], coords), out)
-                except (OSError, MemoryError):  # a chunk the cache cannot keep is still read
-                    pass
-        rows.append((coords, path, t1 - t0, None if raw is None else len(raw), time.perf_counter() - t1))
-    return rows
 
 
 def _decode_assign(dec: ChunkDecoder, raw: Any, targets: list[Target]) -> float:

@@ -186,12 +186,12 @@ def test_inflight_limit_follows_littles_law():
     for _ in range(30):
         far.observe(latency_s=0.1, decode_s=0.0005)  # 100 ms away: 800 wanted, never past the cap
     assert far.limit == AUTO_INFLIGHT[1]
-    near = InflightLimit(None, threads=2)
-    near.expect_remote()  # a store across a network starts low (it may be overloaded) ...
+    from tests.test_io_robust import _remote, _simulate  # a remote limit runs on simulated time there
+
+    near = _remote()  # a store across a network starts low (it may be overloaded) ...
     assert near.limit == AUTO_REMOTE[0]
-    for _ in range(40):
-        near.observe(latency_s=0.001, decode_s=0.0005)  # ... and Little's law bounds it when it answers in 1 ms
-    assert near.limit == AUTO_INFLIGHT[0]
+    seen = _simulate(near, lambda k: 0.001, 400)  # ... and Little's law bounds it when it answers in 1 ms
+    assert seen[-1] == AUTO_INFLIGHT[0] and max(seen) == AUTO_INFLIGHT[0]
     fixed = InflightLimit(5, threads=2)
     fixed.observe(latency_s=1.0, decode_s=0.001)
     assert fixed.limit == 5

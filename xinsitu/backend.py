@@ -257,6 +257,7 @@ class LocalBackend:
 
     def __init__(self, root: str, inner: RangeBackend):
         self.root = root
+        self._prefix = os.path.join(root, "")  # the root and a separator: a key's file is _prefix + key
         self.inner = inner
         self.fs_type = fs_type(root)
         self.fused = not network_fs(self.fs_type)  # read in the decode thread
@@ -268,7 +269,7 @@ class LocalBackend:
         ``os.read`` of the file's size, not ``open().read()``: no buffered reader, no guessing
         of the size (11 against 14 us for a 27 kB file from the page cache)."""
         try:
-            fd = os.open(os.path.join(self.root, key), os.O_RDONLY)
+            fd = os.open(self._prefix + key, os.O_RDONLY)
         except FileNotFoundError:
             return None
         try:

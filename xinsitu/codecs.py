@@ -20,6 +20,15 @@ def _prototype() -> Any:
     return default_buffer_prototype()
 
 
+def _zstd_decompress() -> Any:
+    """numcodecs' ``zstd.decompress(source, dest)``, or None where it is not there."""
+    try:
+        from numcodecs.zstd import decompress
+    except ImportError:
+        return None
+    return decompress
+
+
 class ChunkDecoder:
     """Turn the bytes of one stored object of a zarr array into a numpy array.
 
@@ -43,6 +52,7 @@ class ChunkDecoder:
         self._sync = self._sync_chain()
         self._into = self._into_chain()
         self._direct = self._direct_codec()
+        self._zstd = _zstd_decompress() if type(self._direct).__name__ == "Zstd" else None
 
     def _sync_chain(self) -> list[tuple[Any, Any]] | None:
         """[(codec, spec)] in decode order when every codec decodes synchronously, else None."""
@@ -95,7 +105,10 @@ class ChunkDecoder:
         if self._direct is None or out.dtype != self.dtype or not out.flags.c_contiguous \
                 or out.shape != self.shape:
             return False
-        self._direct.decode(raw, out=out)
+        if self._zstd is not None:  # what Zstd.decode(raw, out=out) calls, without its argument checks
+            self._zstd(raw, out)
+        else:
+            self._direct.decode(raw, out=out)
         return True
 
     @property

@@ -366,6 +366,7 @@ class Reader:
         self._whole_plans: dict[tuple[int, int], list[tuple[int, Any, Any]]] = {}
         self._region_plans: dict[tuple[int, tuple], tuple[VarSource, _RegionPlan]] = {}
         self._ranges: dict[tuple[int, int], bool] = {}
+        self._whole_axes: dict[int, tuple[VarSource, list[tuple[str, Any, int, int]] | None]] = {}
         self.on_missing = "fill"  # or "raise": a chunk with no object is an error
         self.last_missing: tuple[str, tuple[int, ...], str] | None = None  # (variable, chunk, key)
 
@@ -490,20 +491,26 @@ class Reader:
                                                   keep)
 
         done = await asyncio.gather(*(job(sh) for sh in shares))
+        counters = self.counters
         for rows in done:
+            read_sum = took_sum = 0.0
             for coords, path, read_s, nbytes, took in rows:
-                self.counters.requests += 1
                 if nbytes is None:
                     try:
                         self._missing(src, coords, path)
                     except Exception as e:  # noqa: BLE001 - missing="raise": named like every failure
                         _reraise(src, coords, path, e)
-                self.counters.bytes_read += nbytes or 0
-                self.counters.decode_s += took
-                self.inflight.observe(read_s, took)
+                counters.bytes_read += nbytes or 0
+                read_sum += read_s
+                took_sum += took
                 store.observe(read_s, took)
-                self.counters.chunks += 1
-                self.counters.bytes_decoded += dec.nbytes
+            n = len(rows)
+            counters.requests += n
+            counters.chunks += n
+            counters.decode_s += took_sum
+            counters.bytes_decoded += n * dec.nbytes
+            if n:
+                self.inflight.observe(read_sum / n, took_sum / n)
 
     def _region_plan(self, src: VarSource, region: dict[str, tuple[int, int]]) -> _RegionPlan:
         """The region's shape and the chunks it touches with where each piece goes: pure index math
@@ -644,21 +651,31 @@ class Reader:
         """The grid coordinates of the one chunk ``region`` is exactly (all of it and nothing else, in
         order), else None: then the chunk can be decoded straight into, or copied whole into, a
         destination of its shape. Integer math on the selection, no region plan."""
-        if not src.stored or is_sharded(src.array):
-            return None
+        axes = self._whole_axes.get(id(src))
+        if axes is None or axes[0] is not src:
+            axes = self._whole_axes[id(src)] = (src, self._axes_of(src))
         coords = []
-        for ax, (d, ix) in enumerate(zip(src.src_dims, src.index, strict=True)):
-            cs = src.chunk_shape[ax]
-            if isinstance(ix, int) or not len(ix) or not self._is_range(src, ax):
-                return None
-            a, b = region[d] if d in region else (0, len(ix))
-            if not 0 <= a < b <= len(ix) or b - a != cs:
+        for d, ix, n, cs in axes[1] or ():
+            a, b = region[d] if d in region else (0, n)
+            if b - a != cs or not 0 <= a < b <= n:
                 return None
             p0 = int(ix[a])
             if p0 % cs:
                 return None
             coords.append(p0 // cs)
-        return tuple(coords)
+        return tuple(coords) if axes[1] is not None else None
+
+    def _axes_of(self, src: VarSource) -> list[tuple[str, Any, int, int]] | None:
+        """(dim, positions, their count, chunk length) per stored dim where every dim selects a run of
+        positions (``whole_chunk`` can apply), else None."""
+        if not src.stored or is_sharded(src.array):
+            return None
+        out = []
+        for ax, (d, ix) in enumerate(zip(src.src_dims, src.index, strict=True)):
+            if isinstance(ix, int) or not len(ix) or not self._is_range(src, ax):
+                return None
+            out.append((d, ix, len(ix), src.chunk_shape[ax]))
+        return out
 
     async def read_whole(self, src: VarSource, coords: list[tuple[int, ...]], outs: list[np.ndarray]) -> bool:
         """Read whole chunks ``coords`` straight into ``outs`` (each of the chunk's shape): for chunk

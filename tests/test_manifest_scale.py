@@ -246,11 +246,11 @@ def test_geometry_of_a_regular_grid_needs_no_per_chunk_array(era5_path):
 
 
 def test_geometry_is_computed_once_per_dataset(era5_path, monkeypatch):
-    import xinsitu.accessor as acc
+    import xinsitu.geometry as geo
 
     calls = []
-    real = acc.geometry_of
-    monkeypatch.setattr(acc, "geometry_of", lambda s: calls.append(1) or real(s))
+    real = geo.geometry_of
+    monkeypatch.setattr(geo, "geometry_of", lambda s: calls.append(1) or real(s))
     ds = xinsitu.open_zarr(era5_path)
     g = ds.insitu.geometry
     assert ds.insitu.geometry is g and ds.insitu.chunks == {"time": CT, "lat": 6, "lon": 10}

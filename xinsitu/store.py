@@ -13,6 +13,7 @@ import inspect
 import json
 import os
 import re
+import warnings
 from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -441,8 +442,10 @@ def _decoded_times(var: xr.Variable) -> Any:
     big = np.iinfo(np.int64)
     if lo == big.min:  # xarray's NaT marker
         return None
-    ends = np.asarray(func(np.array([lo, hi], dtype=np.int64)))  # xarray's decoding of the extremes
-    if ends.dtype.kind != "M":
+    with warnings.catch_warnings(record=True) as said:  # xarray's decoding of the extremes; where it has
+        warnings.simplefilter("always")  # anything to say (cftime...), xarray decodes the axis and says it
+        ends = np.asarray(func(np.array([lo, hi], dtype=np.int64)))
+    if said or ends.dtype.kind != "M":
         return None  # cftime objects (out of range, another calendar): xarray's
     res, count = np.datetime_data(ends.dtype)
     if count != 1 or res not in _NP_NS or _NS_PER[unit] % _NP_NS[res]:

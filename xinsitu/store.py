@@ -402,7 +402,9 @@ def _decoded_times(var: xr.Variable) -> Any:
         from xarray.coding.times import decode_cf_datetime
     except ImportError:  # pragma: no cover - another xarray
         return None
-    node, func, full = var._data, None, False
+    node: Any = var._data
+    func: Any = None
+    full = False
     for _ in range(16):
         kind = type(node).__name__
         if kind in ("MemoryCachedArray", "CopyOnWriteArray"):
@@ -422,7 +424,7 @@ def _decoded_times(var: xr.Variable) -> Any:
     else:
         return None
     kw = getattr(func, "keywords", None)
-    if (getattr(func, "func", None) is not decode_cf_datetime or getattr(func, "args", ()) or not kw
+    if (getattr(func, "func", None) is not decode_cf_datetime or getattr(func, "args", None) or not kw
             or set(kw) != {"units", "calendar", "use_cftime", "time_unit"} or kw["use_cftime"]):
         return None
     m = re.fullmatch(r"\s*(\w+)\s+since\s+.+", str(kw["units"]), flags=re.IGNORECASE | re.DOTALL)

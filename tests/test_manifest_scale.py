@@ -403,3 +403,19 @@ def test_regular_edges_are_one_shared_array():
         e = regular_edges(start, length, c)
         assert np.array_equal(e, np.concatenate([[0], brk, [length]])) and not e.flags.writeable
         assert regular_edges(start + c, length, c) is e  # the same grid: the same array while one is alive
+
+
+def test_one_edges_array_per_grid_and_one_position_index(era5_path):
+    """The Dataset's geometry, a derived Dataset's, a generator's and a manifest loaded from JSON
+    share one edges array; the generator reuses the Dataset's sources (no second position index)."""
+    ds = xinsitu.open_zarr(era5_path)
+    g = ds.insitu.geometry
+    assert ds[["t2m"]].insitu.geometry.edges["time"] is g.edges["time"]
+    m = SplitManifest.from_json(ds.insitu.split("time", fractions=FR).to_json())
+    assert m.edges["time"] is not g.edges["time"]
+    gen = ds.insitu.batches(m, "train", batch_size=4, output="numpy")
+    assert m.edges["time"] is g.edges["time"]  # the manifest took the Dataset's (equal) array
+    from xinsitu.geometry import dataset_geometry
+
+    sources, _ = dataset_geometry(ds)
+    assert gen.sources["t2m"] is sources["t2m"]

@@ -246,11 +246,11 @@ def test_geometry_of_a_regular_grid_needs_no_per_chunk_array(era5_path):
 
 
 def test_geometry_is_computed_once_per_dataset(era5_path, monkeypatch):
-    import xinsitu.accessor as acc
+    import xinsitu.geometry as geo
 
     calls = []
-    real = acc.geometry_of
-    monkeypatch.setattr(acc, "geometry_of", lambda s: calls.append(1) or real(s))
+    real = geo.geometry_of
+    monkeypatch.setattr(geo, "geometry_of", lambda s: calls.append(1) or real(s))
     ds = xinsitu.open_zarr(era5_path)
     g = ds.insitu.geometry
     assert ds.insitu.geometry is g and ds.insitu.chunks == {"time": CT, "lat": 6, "lon": 10}
@@ -363,3 +363,59 @@ def test_len_and_repr_match_the_plan(era5_path):
         p = gen.plan()
         assert n == p.n_batches and f"{p.n_batches} x 4 samples" in text
         assert f"quality {gen.shuffle_quality(50):.2f}" in text and repr(gen) == text
+
+
+# ----------------------------------------------------------------------------- steps in bounded passes
+def _encode_steps_whole(values):
+    """``encode_steps`` as it was, in one pass over the whole array (the reference)."""
+    v = np.asarray(values, dtype=np.int64)
+    if len(v) < 2:
+        return [[int(x), 0, 1] for x in v]
+    d = np.diff(v)
+    starts = np.concatenate([[0], np.flatnonzero(d[1:] != d[:-1]) + 1])
+    counts = np.diff(np.concatenate([starts, [len(v)]]))
+    steps = np.concatenate([d, [0]])[starts]
+    return np.stack([v[starts], steps, counts], axis=1).tolist()
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps=st.lists(st.integers(0, 3), max_size=40), block=st.integers(1, 6))
+def test_steps_in_blocks_are_the_steps_of_the_whole(steps, block):
+    import xinsitu.manifest as man
+
+    v = np.cumsum([0, *steps]).astype(np.int64)
+    old = man._STEP_BLOCK
+    man._STEP_BLOCK = block  # runs that cross block boundaries
+    try:
+        runs = man.encode_steps(v)
+    finally:
+        man._STEP_BLOCK = old
+    assert runs == _encode_steps_whole(v)
+    assert np.array_equal(man.decode_steps(runs, "edges"), v)
+
+
+def test_regular_edges_are_one_shared_array():
+    from xinsitu.geometry import regular_edges
+
+    for start, length, c in [(0, 100, 7), (3, 100, 7), (7, 98, 7), (5, 1, 7), (0, 0, 3), (2, 5, 1)]:
+        ids = (np.arange(start, start + length)) // c
+        brk = np.flatnonzero(ids[1:] != ids[:-1]) + 1
+        e = regular_edges(start, length, c)
+        assert np.array_equal(e, np.concatenate([[0], brk, [length]])) and not e.flags.writeable
+        assert regular_edges(start + c, length, c) is e  # the same grid: the same array while one is alive
+
+
+def test_one_edges_array_per_grid_and_one_position_index(era5_path):
+    """The Dataset's geometry, a derived Dataset's, a generator's and a manifest loaded from JSON
+    share one edges array; the generator reuses the Dataset's sources (no second position index)."""
+    ds = xinsitu.open_zarr(era5_path)
+    g = ds.insitu.geometry
+    assert ds[["t2m"]].insitu.geometry.edges["time"] is g.edges["time"]
+    m = SplitManifest.from_json(ds.insitu.split("time", fractions=FR).to_json())
+    assert m.edges["time"] is not g.edges["time"]
+    gen = ds.insitu.batches(m, "train", batch_size=4, output="numpy")
+    assert m.edges["time"] is g.edges["time"]  # the manifest took the Dataset's (equal) array
+    from xinsitu.geometry import dataset_geometry
+
+    sources, _ = dataset_geometry(ds)
+    assert gen.sources["t2m"] is sources["t2m"]

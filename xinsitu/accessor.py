@@ -11,10 +11,9 @@ import numpy as np
 import xarray as xr
 
 from xinsitu.cache import ChunkCache
-from xinsitu.geometry import Geometry, geometry_of
+from xinsitu.geometry import Geometry, dataset_geometry
 from xinsitu.loader import BatchGenerator
 from xinsitu.manifest import SplitManifest
-from xinsitu.source import resolve
 from xinsitu.split import make_split
 
 if TYPE_CHECKING:
@@ -27,21 +26,15 @@ class InsituAccessor:
 
     def __init__(self, ds: xr.Dataset):
         self._ds = ds
-        self._geometry: tuple[list[Any], Geometry] | None = None
 
     @property
     def geometry(self) -> Geometry:
         """Chunk geometry of the data variables, from metadata alone.
 
-        Computed once per Dataset (xarray keeps one accessor per Dataset object), again only
-        when its data variables change (added, replaced, loaded in place).
+        Computed once per Dataset, again only when its data variables change (added, replaced,
+        loaded in place); ``batches``, ``stats`` and ``validity`` share it (``geometry.dataset_geometry``).
         """
-        key = [(k, v, v._data) for k, v in ((k, self._ds.variables[k]) for k in self._ds.data_vars)]
-        cached = self._geometry
-        if cached is None or len(cached[0]) != len(key) or any(
-                a[0] != b[0] or a[1] is not b[1] or a[2] is not b[2] for a, b in zip(cached[0], key, strict=True)):
-            self._geometry = cached = (key, geometry_of(resolve(self._ds)))
-        return cached[1]
+        return dataset_geometry(self._ds)[1]
 
     @property
     def chunks(self) -> dict[str, int | tuple[int, ...]]:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import xarray as xr
 
 from xinsitu import formatting
-from xinsitu.source import _ARANGES, VarSource
+from xinsitu.source import _ARANGES, DaskBlocks, VarSource, resolve
 
 
 @dataclass(frozen=True)
@@ -137,29 +140,63 @@ def _breaks(src: VarSource, dim: str) -> tuple[tuple[int, ...] | None, np.ndarra
     return None, (np.flatnonzero(ids[1:] != ids[:-1]) + 1).astype(np.int64)
 
 
+_EDGES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def regular_edges(start: int, length: int, c: int) -> np.ndarray:
+    """Chunk edges ``0, .., length`` of ``length`` positions from stored position ``start`` on chunks of ``c``.
+
+    One allocation (no breaks-then-concatenate temporaries), read-only, and shared while alive:
+    every geometry on that grid (a derived Dataset's, the generator's) holds the same array
+    (10^7 chunks: one 80 MB array, not one per geometry).
+    """
+    key = (start % c, length, c)
+    e = _EDGES.get(key)
+    if e is None:
+        first = (-start) % c or c
+        m = len(range(first, length, c))
+        e = np.arange(m + 2, dtype=np.int64)  # then k*c + first - c in place: 0, first, first + c, ..., length
+        e *= c
+        e += first - c
+        e[0], e[-1] = 0, length
+        e.setflags(write=False)
+        _EDGES[key] = e
+    return e
+
+
 def common_edges(sources: dict[str, VarSource], dim: str) -> np.ndarray:
     """Positions where every variable with ``dim`` starts a chunk (plus 0 and the length).
 
-    O(variables) for variables on one regular grid, O(chunks) for differing regular grids.
+    O(variables) for variables on one regular grid (the shared ``regular_edges``), O(chunks)
+    for differing regular grids.
     """
     have = [s for s in sources.values() if dim in s.dims]
     if not have:
         raise ValueError(f"no data variable has dim {dim!r}")
     n = have[0].shape[have[0].dims.index(dim)]
     brk: np.ndarray | None = None
-    seen: set[tuple[int, ...]] = set()
+    grids: dict[tuple[int, int, int], int] = {}  # arithmetic grids: (start mod c, length, c) -> start
     for s in have:
-        if s.stored:  # the same arithmetic grid as a variable already counted adds nothing
+        if s.stored:
             ax = s.src_dims.index(dim)
-            ix = s.index[ax]
-            grid = (int(ix[0]) % s.chunk_shape[ax] if len(ix) else 0, len(ix), s.chunk_shape[ax])
-            if grid in seen and _run(np.asarray(ix, dtype=np.int64)) is not None:
+            ix = np.asarray(s.index[ax], dtype=np.int64)
+            a = _run(ix)
+            if a is not None:  # the same arithmetic grid as a variable already counted adds nothing
+                c = s.chunk_shape[ax]
+                grids.setdefault((a % c, len(ix), c), a)
                 continue
-        key, b = _breaks(s, dim)
-        if key is not None:
-            seen.add(key)
+        b = _breaks(s, dim)[1]
         brk = b if brk is None else np.intersect1d(brk, b, assume_unique=True)
-    return np.concatenate([[0], brk, [n]]).astype(np.int64)
+    if brk is None and len(grids) == 1:
+        ((_, length, c), a), = grids.items()
+        return regular_edges(a, length, c)
+    for (_, length, c), a in grids.items():
+        b = np.arange((-a) % c or c, length, c, dtype=np.int64)
+        brk = b if brk is None else np.intersect1d(brk, b, assume_unique=True)
+    assert brk is not None
+    out = np.empty(len(brk) + 2, dtype=np.int64)
+    out[0], out[1:-1], out[-1] = 0, brk, n
+    return out
 
 
 def geometry_of(sources: dict[str, VarSource]) -> Geometry:
@@ -177,3 +214,62 @@ def geometry_of(sources: dict[str, VarSource]) -> Geometry:
         edges[d] = common_edges(sources, d)
         edges[d].setflags(write=False)  # shared with the manifests split on it
     return Geometry(variables, dims, sizes, edges)
+
+
+# --------------------------------------------------------------------------- once per Dataset
+#: per Dataset (by id, dropped when it is collected): its data variables (what the entry is valid
+#: for), the sources kept and the geometry of all its data variables
+_BY_DATASET: dict[int, tuple[weakref.ref, list[tuple[Any, Any, Any]], dict[str, VarSource], Geometry]] = {}
+
+
+def _data_key(ds: xr.Dataset) -> list[tuple[Any, Any, Any]]:
+    return [(k, v, v._data) for k, v in ((k, ds.variables[k]) for k in ds.data_vars)]
+
+
+def _same(a: list[tuple[Any, Any, Any]], b: list[tuple[Any, Any, Any]]) -> bool:
+    return len(a) == len(b) and all(x[0] == y[0] and x[1] is y[1] and x[2] is y[2] for x, y in zip(a, b, strict=True))
+
+
+def _keepable(src: VarSource, ds: xr.Dataset) -> bool:
+    """Whether keeping ``src`` with the Dataset holds nothing the Dataset does not hold already (a
+    stored array's positions, a dask wrapper, the variable's own numpy values; not a computed copy)."""
+    return src.stored or isinstance(src.values, DaskBlocks) or src.values is ds.variables[src.name]._data
+
+
+def _forgetter(key: int) -> Any:
+    def forget(ref: weakref.ref) -> None:  # (an id is reused once its Dataset is gone: drop only its own)
+        hit = _BY_DATASET.get(key)
+        if hit is not None and hit[0] is ref:
+            del _BY_DATASET[key]
+    return forget
+
+
+def dataset_geometry(ds: xr.Dataset, names: list[str] | None = None) -> tuple[dict[str, VarSource], Geometry]:
+    """Sources and geometry of ``names`` (default: every data variable) of ``ds``, computed once per Dataset.
+
+    The sources and geometry of all its data variables are kept with the Dataset (again only when
+    its data variables change: added, replaced, loaded in place), so ``ds.insitu.geometry``, a split
+    and every generator share them: one position index per dim (the views of ``source._arange``),
+    one edges array per grid. ``names`` in the Dataset's order of all of them gets that geometry;
+    other ``names`` one of their own, made of the kept sources (O(variables) on a regular grid).
+    """
+    key = _data_key(ds)
+    hit = _BY_DATASET.get(id(ds))
+    fresh = hit is not None and hit[0]() is ds and _same(hit[1], key)
+    every = [k for k, _, _ in key]
+    if not fresh and (names is None or list(names) == every):
+        sources = resolve(ds)
+        geometry = geometry_of(sources)
+        kept = {n: s for n, s in sources.items() if _keepable(s, ds)}
+        _BY_DATASET[id(ds)] = (weakref.ref(ds, _forgetter(id(ds))), key, kept, geometry)
+        return sources, geometry
+    if not fresh:
+        sources = resolve(ds, names)
+        return sources, geometry_of(sources)
+    assert hit is not None
+    kept = hit[2]
+    want = every if names is None else list(names)
+    redo = [n for n in want if n not in kept]
+    got = resolve(ds, redo) if redo else {}  # (raises as resolve does for names not in the Dataset)
+    sources = {n: kept[n] if n in kept else got[n] for n in want}
+    return sources, (hit[3] if want == every else geometry_of(sources))

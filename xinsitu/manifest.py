@@ -140,16 +140,24 @@ class Blocks(Sequence):
         return np.stack([self.starts, self.stops], axis=1).tolist()
 
 
+#: positions per pass of ``encode_steps`` (its temporaries are a few of these, not of the array)
+_STEP_BLOCK = 1 << 20
+
+
 def encode_steps(values: np.ndarray) -> list[list[int]]:
     """An increasing int array as runs of equal steps ``[first, step, count]`` (a regular chunk
-    grid of any length is two runs)."""
+    grid of any length is two runs). In bounded passes: no temporary the size of ``values``."""
     v = np.asarray(values, dtype=np.int64)
-    if len(v) < 2:
+    n = len(v)
+    if n < 2:
         return [[int(x), 0, 1] for x in v]
-    d = np.diff(v)
-    starts = np.concatenate([[0], np.flatnonzero(d[1:] != d[:-1]) + 1])
-    counts = np.diff(np.concatenate([starts, [len(v)]]))
-    steps = np.concatenate([d, [0]])[starts]
+    parts = [np.zeros(1, np.int64)]  # where the step d[k] = v[k+1] - v[k] changes (k in 1..n-2), by blocks of k
+    for i in range(0, n - 2, _STEP_BLOCK):
+        d = np.diff(v[i:i + _STEP_BLOCK + 2])
+        parts.append(np.flatnonzero(d[1:] != d[:-1]) + (i + 1))
+    starts = np.concatenate(parts)
+    counts = np.diff(np.append(starts, n))
+    steps = v[starts + 1] - v[starts]  # (every start is at most n - 2)
     return np.stack([v[starts], steps, counts], axis=1).tolist()
 
 
@@ -179,9 +187,16 @@ def decode_steps(runs: Any, what: str) -> np.ndarray:
         raise ValueError(f"{what} must be a list of [first, step, count] integer triples")
     if any(r[2] < 1 or r[1] < 0 for r in runs):
         raise ValueError(f"{what}: each [first, step, count] needs count >= 1 and step >= 0")
-    if len(runs) < 1000:
-        parts = [np.arange(a, a + s * n, s, dtype=np.int64) if s else np.full(n, a, np.int64) for a, s, n in runs]
-        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    if len(runs) < 1000:  # one array, each run filled in place (a, s, s, ... summed): no temporary of its size
+        out = np.empty(sum(n for _, _, n in runs), dtype=np.int64)
+        i = 0
+        for a, s, n in runs:
+            seg = out[i:i + n]
+            seg.fill(s)
+            seg[0] = a
+            np.cumsum(seg, out=seg)
+            i += n
+        return out
     r = np.asarray(runs, dtype=np.int64)
     pos = np.arange(int(r[:, 2].sum()), dtype=np.int64) - np.repeat(np.cumsum(r[:, 2]) - r[:, 2], r[:, 2])
     return np.repeat(r[:, 0], r[:, 2]) + np.repeat(r[:, 1], r[:, 2]) * pos

@@ -21,10 +21,10 @@ from typing import Any, cast
 import numpy as np
 import xarray as xr
 
-from xinsitu.geometry import Geometry, geometry_of
+from xinsitu.geometry import Geometry, dataset_geometry
 from xinsitu.manifest import MASK_SAMPLING, Blocks, SplitManifest, coord_span, decode_mask
 from xinsitu.snapshot import snapshot_of_sources
-from xinsitu.source import VarSource, resolve
+from xinsitu.source import VarSource
 
 
 # ---------------------------------------------------------------------- option checks
@@ -523,12 +523,15 @@ def sampling(ds: xr.Dataset, manifest: SplitManifest, split: str, *, window: Any
     names = variable_names(variables, ds)
     if names is None:
         names = cast(list[str], [v for v in ds.data_vars if any(d in ds[v].dims for d in manifest.dims)])
-    sources = resolve(ds, names)
-    geometry = geometry_of(sources)
+    sources, geometry = dataset_geometry(ds, names)  # the Dataset's own where it has them (no second index)
     _check_manifest(ds, manifest, geometry, sources, stacklevel + 1)
-    for d in manifest.dims:  # edges of as many blocks as the manifest's: checked equal, so keep one array of them
-        if len(geometry.edges[d]) == len(manifest.edges[d]):  # (not two: 80 MB each at 10^7 chunks)
-            geometry.edges[d] = manifest.edges[d]
+    for d in manifest.dims:  # edges of as many blocks as the manifest's are checked equal: keep one array of them
+        mine, theirs = geometry.edges[d], manifest.edges[d]  # (not two: 80 MB each at 10^7 chunks, e.g. a
+        if mine is not theirs and len(mine) == len(theirs):  # manifest from JSON); the Dataset's geometry keeps
+            if mine.flags.writeable:  # its own, so the manifest takes it (read-only, equal)
+                geometry = Geometry(geometry.variables, geometry.dims, geometry.sizes, geometry.edges | {d: theirs})
+            else:
+                manifest.edges[d] = mine
     space = _sample_space(manifest, split, geometry, window, patch, stride, over)
     if valid_only and split in manifest.validity:
         space = _masked(space, manifest, split, sampling_key(window, patch, stride, over, geometry.sizes))

@@ -13,10 +13,13 @@ import inspect
 import json
 import os
 import re
+import warnings
 from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
+import numpy as np
+import pandas as pd
 import xarray as xr
 
 _SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss", "adl", "http", "https", "file", "memory")
@@ -334,8 +337,7 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
     if isinstance(store, (str, os.PathLike)) and consolidated is not False and _plain_http(os.fspath(store)):
         _needs_consolidated(obs, group, where, secrets)
     try:
-        ds = xr.open_zarr(zstore, chunks=None, consolidated=consolidated, group=group,
-                          decode_times=decode_times)
+        ds = _open_xr(zstore, consolidated, group, decode_times)
         # without consolidated metadata the arrays are listed in no fixed order (an Icechunk
         # repository's differs from process to process): sort them, so channels never permute
         return ds if _read_consolidated(ds, zstore, group, consolidated) else _by_name(ds)
@@ -351,6 +353,115 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
         if type(e).__module__.startswith("obstore") or redact(text, secrets) != text:
             raise scrubbed(e, secrets) from None
         raise
+
+
+def _open_xr(zstore: Any, consolidated: bool | None, group: str | None, decode_times: Any) -> xr.Dataset:
+    """``xr.open_zarr(zstore, chunks=None, ...)``, the same Dataset, with integer CF time axes decoded
+    in place (``_decoded_times``): xarray's own decoding of a 10^7-step axis makes several
+    temporaries of its size (~400 MB at its peak); this one reads it and decodes it in place."""
+    kw = dict(chunks=None, consolidated=consolidated, group=group, decode_times=decode_times)
+    if decode_times is False:
+        return xr.open_zarr(zstore, **kw)
+    try:  # xarray's indexes are made below, as xarray makes them (``_maybe_create_default_indexes``)
+        ds = xr.open_zarr(zstore, create_default_indexes=False, **kw)
+    except TypeError as e:
+        if "create_default_indexes" not in str(e):
+            raise
+        return xr.open_zarr(zstore, **kw)  # an xarray without create_default_indexes
+    to_index = {name: c.variable for name, c in ds.coords.items() if c.dims == (name,) and name not in ds.xindexes}
+    if not to_index:
+        return ds
+    for name, var in to_index.items():
+        values = _decoded_times(var)
+        if values is not None:  # as an index already (pandas would copy an array: 80 MB at 10^7 steps)
+            to_index[name] = xr.IndexVariable(var.dims, pd.Index(values, copy=False, name=name), attrs=var.attrs,
+                                              encoding=var.encoding)
+    out = ds.assign_coords(xr.Coordinates(to_index))
+    out.set_close(ds._close)
+    return out
+
+
+#: CF time units (as xarray reads them: lower case, plural) -> nanoseconds
+_NS_PER = {"nanoseconds": 1, "microseconds": 10**3, "milliseconds": 10**6, "seconds": 10**9, "minutes": 60 * 10**9,
+           "hours": 3600 * 10**9, "days": 86400 * 10**9}
+_NP_NS = {"ns": 1, "us": 10**3, "ms": 10**6, "s": 10**9, "m": 60 * 10**9, "h": 3600 * 10**9, "D": 86400 * 10**9}
+
+
+def _decoded_times(var: xr.Variable) -> Any:
+    """The values xarray decodes ``var`` to (a 1-D stored integer CF time axis), decoded in place
+    in one pass, or None: then xarray decodes it as it does.
+
+    Only where xarray's decoding is ``origin + value × unit`` of the stored integers, and nothing
+    else: its lazy wrappers are exactly xarray's CF time decoding over a whole zarr array (no mask,
+    scale or other coder; a ``datetime64`` result, not ``cftime``), the values hold no NaT marker,
+    and xarray's own decoding of the first and last value (the extremes, which decide whether
+    xarray decodes with pandas or falls back to ``cftime``) gives the result's dtype and origin:
+    every value is then ``origin + value × (unit / result unit)``, checked at both extremes.
+    """
+    try:
+        from xarray.coding.times import decode_cf_datetime
+    except ImportError:  # pragma: no cover - another xarray
+        return None
+    node: Any = var._data
+    func: Any = None
+    full = False
+    for _ in range(16):
+        kind = type(node).__name__
+        if kind in ("MemoryCachedArray", "CopyOnWriteArray"):
+            node = node.array
+        elif kind == "_ElementwiseFunctionArray" and func is None:
+            func = node.func
+            node = node.array
+        elif kind == "LazilyIndexedArray" and not full:
+            key = node.key.tuple
+            if len(key) != 1 or key[0] != slice(None):
+                return None
+            full, node = True, node.array
+        elif kind == "ZarrArrayWrapper":
+            break
+        else:
+            return None
+    else:
+        return None
+    kw = getattr(func, "keywords", None)
+    if (getattr(func, "func", None) is not decode_cf_datetime or getattr(func, "args", None) or not kw
+            or set(kw) != {"units", "calendar", "use_cftime", "time_unit"} or kw["use_cftime"]):
+        return None
+    m = re.fullmatch(r"\s*(\w+)\s+since\s+.+", str(kw["units"]), flags=re.IGNORECASE | re.DOTALL)
+    unit = m.group(1).lower() if m else ""
+    unit = unit if unit.endswith("s") else unit + "s"
+    zarray = node._array
+    raw_dtype = np.dtype(zarray.dtype)
+    if unit not in _NS_PER or zarray.ndim != 1 or not (raw_dtype.kind == "i" or (raw_dtype.kind == "u"
+                                                                                    and raw_dtype.itemsize < 8)):
+        return None
+    raw = np.asarray(zarray[...])
+    if raw.size == 0:
+        return None
+    if raw.dtype != np.int64 or not raw.flags.writeable or not raw.flags.c_contiguous:
+        raw = raw.astype(np.int64)  # (a fresh array of ours: decoded in place below)
+    lo, hi = int(raw.min()), int(raw.max())
+    big = np.iinfo(np.int64)
+    if lo == big.min:  # xarray's NaT marker
+        return None
+    with warnings.catch_warnings(record=True) as said:  # xarray's decoding of the extremes; where it has
+        warnings.simplefilter("always")  # anything to say (cftime...), xarray decodes the axis and says it
+        ends = np.asarray(func(np.array([lo, hi], dtype=np.int64)))
+    if said or ends.dtype.kind != "M":
+        return None  # cftime objects (out of range, another calendar): xarray's
+    res, count = np.datetime_data(ends.dtype)
+    if count != 1 or res not in _NP_NS or _NS_PER[unit] % _NP_NS[res]:
+        return None
+    f = _NS_PER[unit] // _NP_NS[res]
+    e0, e1 = (int(x) for x in ends.view(np.int64))
+    origin = e0 - lo * f
+    if e1 != hi * f + origin or not big.min < lo * f <= big.max or not big.min < hi * f <= big.max or e0 == big.min:
+        return None
+    if f != 1:
+        np.multiply(raw, f, out=raw)
+    if origin:
+        np.add(raw, origin, out=raw)
+    return raw.view(ends.dtype)
 
 
 def _read_consolidated(ds: xr.Dataset, zstore: Any, group: str | None, consolidated: bool | None) -> bool:

@@ -65,7 +65,7 @@ def _codec_names(array: object) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _run(ix: np.ndarray) -> int | None:
+def run_start(ix: np.ndarray) -> int | None:
     """First position where ``ix`` is the consecutive run ``a, a+1, ..., a+len-1``, else None.
 
     An untouched or sliced stored dim is such a run: its chunk grid is then arithmetic and
@@ -85,7 +85,7 @@ def _run(ix: np.ndarray) -> int | None:
 
 def _chunks_touched(ix: np.ndarray, c: int) -> int:
     """Distinct chunks (of length ``c``) the positions ``ix`` fall in."""
-    a = _run(ix)
+    a = run_start(ix)
     if a is not None:
         return 0 if len(ix) == 0 else (a + len(ix) - 1) // c - a // c + 1
     ids = ix // c
@@ -133,7 +133,7 @@ def _breaks(src: VarSource, dim: str) -> tuple[tuple[int, ...] | None, np.ndarra
     ax = src.src_dims.index(dim)
     ix = np.asarray(src.index[ax], dtype=np.int64)
     c = src.chunk_shape[ax]
-    a = _run(ix)
+    a = run_start(ix)
     if a is not None:
         return (a % c, len(ix), c), np.arange((-a) % c or c, len(ix), c, dtype=np.int64)
     ids = ix // c
@@ -180,7 +180,7 @@ def common_edges(sources: dict[str, VarSource], dim: str) -> np.ndarray:
         if s.stored:
             ax = s.src_dims.index(dim)
             ix = np.asarray(s.index[ax], dtype=np.int64)
-            a = _run(ix)
+            a = run_start(ix)
             if a is not None:  # the same arithmetic grid as a variable already counted adds nothing
                 c = s.chunk_shape[ax]
                 grids.setdefault((a % c, len(ix), c), a)

@@ -477,7 +477,7 @@ class Reader:
         return outs
 
     async def _read_local(self, src: VarSource, dec: ChunkDecoder, store: Any, items: list[tuple[tuple[int, ...], Any]],
-                          keep: tuple[ChunkCache, str] | None = None) -> None:
+                          keep: tuple[ChunkCache, ChunkKey] | None = None) -> None:
         """Local chunk files read and decoded in one job per decode thread (each reads, decodes and puts
         in place its share in turn): per chunk no task, no executor hand-off and no wake-up of the
         loop, which for one-sample-per-chunk archives cost more than the decode itself."""
@@ -613,9 +613,8 @@ class Reader:
         cache = self.cache
         assert cache is not None
         dec = dec or self._decoder(src)
-        ident = keys.ident
         items = list(targets.items())
-        mkeys: list[Any] = [(ident, c) for c, _ in items]
+        mkeys: list[Any] = [keys.memory_key(c) for c, _ in items]
         disk = cache.disk is not None
         got = cache.peek_many(mkeys, count_misses=not disk)
         hits: list[tuple[np.ndarray, list[Target]]] = []
@@ -692,7 +691,7 @@ class Reader:
             if keys is not None:
                 if self.cache.disk is not None:
                     return False
-                keep = (self.cache, keys.ident)
+                keep = (self.cache, keys)
                 self.cache.count_misses(len(coords))  # ``take_cached`` looked them up first
                 self.counters.cache_misses += len(coords)
         await self._read_local(src, dec, store, list(zip(coords, outs, strict=True)), keep)
@@ -714,8 +713,7 @@ class Reader:
         keys = self._chunk_keys(src) if self.cache is not None and self.cache.memory_budget else None
         if keys is None:
             return everything, None
-        ident = keys.ident
-        places = self.cache.locate_many([(ident, c) for c in coords])  # type: ignore[union-attr]
+        places = self.cache.locate_many([keys.memory_key(c) for c in coords])  # type: ignore[union-attr]
         held = [i for i, p in enumerate(places) if p is not None]
         if not held:
             return everything, None
@@ -1102,10 +1100,10 @@ def _read_decode_assign(store: Any, path: str, dec: ChunkDecoder,
 
 def _read_decode_assign_many(store: Any, prefix: str, dec: ChunkDecoder, name: str,
                              share: list[tuple[tuple[int, ...], Any]],
-                             keep: tuple[ChunkCache, str] | None = None) -> list[tuple[Any, ...]]:
+                             keep: tuple[ChunkCache, ChunkKey] | None = None) -> list[tuple[Any, ...]]:
     """``_read_decode_assign`` for several chunks in turn: (coords, key, seconds reading, bytes or None,
     seconds decoding) per chunk; a chunk that fails raises ``ChunkReadError`` naming it. With ``keep``
-    (a cache and the array's ``ChunkKey.ident``; chunks decoded into arrays of their own), each chunk
+    (a cache and the array's ``ChunkKey``; chunks decoded into arrays of their own), each chunk
     read is kept (chunks of targets are kept by them: ``_Keep``)."""
     out = []
     for coords, targets in share:
@@ -1116,7 +1114,7 @@ def _read_decode_assign_many(store: Any, prefix: str, dec: ChunkDecoder, name: s
             raise ChunkReadError(name, coords, path, e) from e
         if keep is not None and nbytes is not None:  # a chunk with no object is not cached
             try:
-                keep[0].put((keep[1], coords), targets)
+                keep[0].put(keep[1].memory_key(coords), targets)
             except (OSError, MemoryError):  # a chunk the cache cannot keep is still read
                 pass
         out.append((coords, path, read_s, nbytes, took))

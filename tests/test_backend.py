@@ -75,6 +75,38 @@ def test_local_backend_reads_in_the_caller_and_forwards_ranges(root):
     assert not hasattr(be, "no_such_method")  # explicit methods, nothing forwarded blindly
 
 
+def test_local_backend_reads_into_the_threads_scratch(root, tmp_path, monkeypatch):
+    """With a scratch, a file is read into the calling thread's own buffer (no new bytes per chunk):
+    each view holds the file read, a larger file takes a larger buffer while older views stay intact,
+    and a file that grows between ``fstat`` and the read is still read whole."""
+    from xinsitu.backend import ReadScratch
+
+    be = LocalBackend(root, _FileBackend(root))
+    scratch = ReadScratch()
+    small = be.read("small", scratch)
+    assert isinstance(small, memoryview) and bytes(small) == b"xyz"
+    buf = scratch.buf
+    big = be.read("a/obj", scratch)
+    assert bytes(big) == PAYLOAD and scratch.buf is not buf and bytes(small) == b"xyz"  # grown: a new one
+    again = be.read("small", scratch)
+    assert bytes(again) == b"xyz" and scratch.buf is not buf and be.read("nothing", scratch) is None
+
+    grows = tmp_path / "grows"
+    grows.write_bytes(b"a" * 10)
+    real_fstat = os.fstat
+
+    def fstat_then_grow(fd):  # the file gets longer right after its size is taken
+        st = real_fstat(fd)
+        with open(grows, "ab") as f:
+            f.write(b"b" * 5000)
+        return st
+
+    monkeypatch.setattr(os, "fstat", fstat_then_grow)
+    got = LocalBackend(str(tmp_path), _FileBackend(str(tmp_path))).read("grows", scratch)
+    monkeypatch.undo()
+    assert bytes(got) == b"a" * 10 + b"b" * 5000
+
+
 def test_local_backend_leaves_the_decode_threads_when_reads_are_slow(root):
     be = LocalBackend(root, _FileBackend(root))
     assert be.fused  # a local file system: read in the decode threads

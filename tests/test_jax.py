@@ -109,13 +109,21 @@ def test_jax_transform_sees_numpy_first(ds_m):
 def test_jax_stacked_cpu_zero_copy(ds_m):
     """A stacked batch is allocated aligned, so jax on the CPU aliases it rather than copying."""
     ds, m = ds_m
-    from xinsitu.output import JAX_ALIGN, _aligned_empty
+    from xinsitu.output import JAX_ALIGN, BatchArrays
 
-    a = _aligned_empty((3, 5, 7), np.float32)
+    arrays = BatchArrays()
+    a = arrays.empty((3, 5, 7), np.float32)
     assert a.ctypes.data % JAX_ALIGN == 0 and a.shape == (3, 5, 7) and a.flags.c_contiguous
     a[:] = 1.5
     b = jax.device_put(a, jax.devices("cpu")[0])
     assert b.unsafe_buffer_pointer() == a.ctypes.data
+    # the jax array aliases the batch's memory: it must never be handed out again while b lives
+    at = a.ctypes.data
+    del a
+    again = arrays.empty((3, 5, 7), np.float32)
+    assert again.ctypes.data != at
+    again[:] = -1.0
+    np.testing.assert_array_equal(np.asarray(b), np.full((3, 5, 7), 1.5, np.float32))
     gen = ds.insitu.batches(m, "train", batch_size=4, output="jax", stack=True, variables=["t2m", "u10"],
                             device=jax.devices("cpu")[0])
     assert isinstance(next(iter(gen)), jax.Array)

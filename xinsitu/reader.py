@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, NoReturn
 import numpy as np
 
 from xinsitu import _loop
-from xinsitu.backend import DamagedObjectError, backend_for, fetch_decoded, refetched
+from xinsitu.backend import DamagedObjectError, ReadScratch, backend_for, fetch_decoded, refetched
 from xinsitu.cache import ChunkCache, ChunkKey
 from xinsitu.geometry import run_start
 from xinsitu.codecs import ChunkDecoder, ShardLayout, is_remote, is_sharded, store_root
@@ -1073,13 +1073,18 @@ def _all_slices(sel: list[Any]) -> bool:
     return True
 
 
+#: the decode threads' read buffers: a chunk's bytes are decoded, and copied where they are kept,
+#: before the thread reads its next one
+_SCRATCH = ReadScratch()
+
+
 def _read_decode_assign(store: Any, path: str, dec: ChunkDecoder,
                         targets: list[Target] | np.ndarray) -> tuple[float, int | None, float]:
     """Read a local file (``LocalBackend``), decode it and put it in place, in one decode-thread job:
     (seconds reading, bytes read or None where there is no file, seconds decoding). ``targets`` may
     be an array of the chunk's shape instead: the chunk is decoded straight into it."""
     t0 = time.perf_counter()
-    raw = store.read(path)
+    raw = store.read(path, _SCRATCH)
     t1 = time.perf_counter()
     if raw is None:
         if isinstance(targets, np.ndarray):

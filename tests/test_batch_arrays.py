@@ -1,0 +1,116 @@
+"""Stacked batches are gathered into memory handed out before (``output.BatchArrays``), once nothing
+holds it any more: a batch the user keeps, or anything made from it, is never written again.
+Oracle: plain xarray, with every batch of the epoch held at once."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import xinsitu
+from xinsitu.output import BatchArrays
+
+VARS = ["t2m", "u10", "v10"]
+
+
+def test_an_array_nothing_holds_is_handed_out_again():
+    arrays = BatchArrays()
+    assert BatchArrays._IDLE is not None  # this interpreter counts references as we check them
+    a = arrays.empty((4, 3, 5), np.float32)
+    at = a.ctypes.data
+    del a
+    b = arrays.empty((4, 3, 5), np.float32)
+    assert b.ctypes.data == at
+    other = arrays.empty((4, 3, 6), np.float32)  # another size: memory of its own
+    assert other.ctypes.data != at
+
+
+@pytest.mark.parametrize("keep", ["array", "view", "channel", "copy_of_base", "torch", "memoryview"])
+def test_an_array_something_holds_is_never_handed_out(keep):
+    arrays = BatchArrays()
+    a = arrays.empty((4, 3, 5), np.float32)
+    a[:] = 7.0
+    if keep == "array":
+        held = a
+    elif keep == "view":
+        held = a[1:3]
+    elif keep == "channel":
+        held = a[:, 2]
+    elif keep == "copy_of_base":
+        held = a.reshape(12, 5)
+    elif keep == "torch":
+        torch = pytest.importorskip("torch")
+        held = torch.from_numpy(a)
+    else:
+        held = memoryview(a)
+    del a
+    gc.collect()
+    for _ in range(BatchArrays.KEEP + 2):
+        b = arrays.empty((4, 3, 5), np.float32)
+        b[:] = -1.0
+    assert np.all(np.asarray(held) == 7.0)
+
+
+def test_many_threads_never_share_an_array():
+    import threading
+
+    arrays = BatchArrays()
+    seen: list[tuple[int, np.ndarray]] = []
+    lock = threading.Lock()
+
+    def work(k: int) -> None:
+        for _ in range(200):
+            a = arrays.empty((64,), np.float64)
+            a[:] = k
+            with lock:
+                seen.append((k, a))
+            assert np.all(a == k)
+            with lock:
+                seen.pop()
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+@pytest.mark.parametrize("output", ["numpy", "torch"])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_stacked_batches_held_all_at_once_match_xarray(era5_path, output, shuffle):
+    if output == "torch":
+        pytest.importorskip("torch")
+    ds = xinsitu.open_zarr(era5_path)
+    m = ds.insitu.split("time", fractions={"train": 0.75, "val": 0.25})
+    kw = dict(batch_size=7, shuffle=shuffle, seed=3, block_chunks=2, variables=VARS)
+    gen = ds.insitu.batches(m, "train", output=output, stack=True, **kw)
+    ref = ds.insitu.batches(m, "train", output="xarray", **kw)
+    for epoch in range(2):  # the second epoch reuses the first's memory where it may
+        gen.set_epoch(epoch)
+        ref.set_epoch(epoch)
+        held = list(gen)  # every batch alive at once: none may be gathered into again
+        refs = list(ref)
+        assert len(held) == len(refs) > BatchArrays.KEEP
+        for got, xb in zip(held, refs, strict=True):
+            exp = np.stack([ds[v].sel(time=xb.time).values for v in VARS], axis=1)
+            got = got.numpy() if output == "torch" else got
+            np.testing.assert_array_equal(got, exp)
+        del held
+
+
+def test_stacked_batches_dropped_one_by_one_reuse_memory(era5_path):
+    ds = xinsitu.open_zarr(era5_path)
+    m = ds.insitu.split("time", fractions={"train": 0.75, "val": 0.25})
+    kw = dict(batch_size=7, shuffle=True, seed=3, block_chunks=2, variables=VARS)
+    gen = ds.insitu.batches(m, "train", output="numpy", stack=True, **kw)
+    ref = ds.insitu.batches(m, "train", output="xarray", **kw)
+    addresses = set()
+    n = 0
+    for got, xb in zip(gen, ref, strict=True):
+        addresses.add(got.ctypes.data)
+        exp = np.stack([ds[v].sel(time=xb.time).values for v in VARS], axis=1)
+        np.testing.assert_array_equal(got, exp)
+        n += 1
+    assert len(addresses) <= BatchArrays.KEEP < n  # a handful of arrays served the whole epoch

@@ -53,6 +53,15 @@ def test_an_array_something_holds_is_never_handed_out(keep):
     assert np.all(np.asarray(held) == 7.0)
 
 
+def test_pickled_starts_empty():  # generators go to spawned DataLoader workers by pickle
+    import pickle
+
+    arrays = BatchArrays()
+    a = arrays.empty((3,), np.float32)
+    copy = pickle.loads(pickle.dumps(arrays))
+    assert isinstance(copy, BatchArrays) and not copy._held and a.shape == (3,)
+
+
 def test_many_threads_never_share_an_array():
     import threading
 

@@ -300,6 +300,9 @@ class BatchArrays:
         self._held: deque[np.ndarray] = deque(maxlen=self.KEEP)
         self._lock = threading.Lock()  # one array to one caller, where several threads gather
 
+    def __reduce__(self) -> tuple[Any, ...]:  # a copy (a worker process's) starts with none held
+        return (BatchArrays, ())
+
     def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         dtype = np.dtype(dtype)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize

@@ -29,6 +29,8 @@ _END = object()
 READ_AHEAD_BUFFERS = 3
 #: ... and at most this many where the store is far (enough buffers loading to fill ``max_inflight``)
 MAX_READ_AHEAD_BUFFERS = 6
+#: ... or enough to hold this many decoded bytes (small buffers)
+READ_AHEAD_BYTES = 32 << 20
 #: finished batches waiting for the caller
 PREFETCH_BATCHES = 2
 WAIT_STEP_S = 0.05  # queue waits are this long at most, then check that the other side still runs
@@ -158,14 +160,18 @@ class EpochRun:
         return buffer
 
     def _deepen(self) -> None:
-        """Read further ahead where the reader keeps more requests in flight than the buffers being
-        loaded hold (a far store, see ``InflightLimit``): one buffer gathered from, and enough
-        loading to fill the limit, at most ``MAX_READ_AHEAD_BUFFERS``."""
+        """Read further ahead where the buffers being loaded hold fewer requests than the reader keeps
+        in flight (a far store, see ``InflightLimit``), or fewer bytes than ``READ_AHEAD_BYTES`` (small
+        buffers, e.g. of one-sample-per-chunk archives: a few ms of decoding each, which leaves the
+        decode threads idle between buffers): one buffer gathered from, and enough loading to fill
+        both, at most ``MAX_READ_AHEAD_BUFFERS``."""
         reader = self.loader.reader
         per_buffer = (reader.counters.requests - self.counters_before["requests"]) / self.n_loaded
         if not per_buffer:  # every chunk came from the cache: no request to keep in flight, no need to read ahead
             return
-        want = min(MAX_READ_AHEAD_BUFFERS, 1 + math.ceil(reader.inflight.limit / max(per_buffer, 1.0)))
+        bytes_per_buffer = (reader.counters.bytes_decoded - self.counters_before["bytes_decoded"]) / self.n_loaded
+        want = min(MAX_READ_AHEAD_BUFFERS, 1 + max(math.ceil(reader.inflight.limit / max(per_buffer, 1.0)),
+                                                   math.ceil(READ_AHEAD_BYTES / max(bytes_per_buffer, 1.0))))
         while self.depth < want and self.credits is not None:
             self.depth += 1
             self.credits.release()

@@ -369,6 +369,8 @@ class Reader:
         self._ranges: dict[tuple[int, int], bool] = {}
         self._whole_axes: dict[int, tuple[VarSource, list[tuple[str, Any, int, int]] | None]] = {}
         self.on_missing = "fill"  # or "raise": a chunk with no object is an error
+        #: local reads asked for in this turn of the loop, sent to the decode threads together
+        self._local_batch: list[tuple[Any, ...]] | None = None
         self.last_missing: tuple[str, tuple[int, ...], str] | None = None  # (variable, chunk, key)
 
     def _missing(self, src: VarSource, coords: tuple[int, ...], path: str) -> None:
@@ -478,40 +480,75 @@ class Reader:
 
     async def _read_local(self, src: VarSource, dec: ChunkDecoder, store: Any, items: list[tuple[tuple[int, ...], Any]],
                           keep: tuple[ChunkCache, ChunkKey] | None = None) -> None:
-        """Local chunk files read and decoded in one job per decode thread (each reads, decodes and puts
-        in place its share in turn): per chunk no task, no executor hand-off and no wake-up of the
-        loop, which for one-sample-per-chunk archives cost more than the decode itself."""
+        """Local chunk files read and decoded by the decode threads, each reading, decoding and putting
+        in place its share in turn: per chunk no task, no executor hand-off and no wake-up of the
+        loop, which for one-sample-per-chunk archives cost more than the decode itself. The reads
+        asked for in one turn of the loop (every variable of a buffer) go out together, in one job per
+        decode thread (``_flush_local``): each wake-up of another thread is a futex call, and in a
+        virtual machine an interrupt to another CPU."""
         prefix = f"{src.array.path}/" if src.array.path else ""
         loop = asyncio.get_running_loop()
-        k = max(1, min(len(items), self.inflight.threads))
-        shares = [items[i::k] for i in range(k)]
-
-        async def job(share: list[tuple[tuple[int, ...], Any]]) -> list[tuple[Any, ...]]:
-            async with self.inflight:
-                return await loop.run_in_executor(None, _read_decode_assign_many, store, prefix, dec, src.name, share,
-                                                  keep)
-
-        done = await asyncio.gather(*(job(sh) for sh in shares))
+        done: asyncio.Future = loop.create_future()
+        if self._local_batch is None:
+            self._local_batch = []
+            loop.call_soon(self._flush_local)
+        self._local_batch.append((store, prefix, dec, src.name, items, keep, done))
+        rows = await done
         counters = self.counters
-        for rows in done:
-            read_sum = took_sum = 0.0
-            for coords, path, read_s, nbytes, took in rows:
-                if nbytes is None:
-                    try:
-                        self._missing(src, coords, path)
-                    except Exception as e:  # noqa: BLE001 - missing="raise": named like every failure
-                        _reraise(src, coords, path, e)
-                counters.bytes_read += nbytes or 0
-                read_sum += read_s
-                took_sum += took
-                store.observe(read_s, took)
-            n = len(rows)
-            counters.requests += n
-            counters.chunks += n
-            counters.decode_s += took_sum
-            counters.bytes_decoded += n * dec.nbytes
-            if n:
-                self.inflight.observe(read_sum / n, took_sum / n)
+        read_sum = took_sum = 0.0
+        for coords, path, read_s, nbytes, took in rows:
+            if nbytes is None:
+                try:
+                    self._missing(src, coords, path)
+                except Exception as e:  # noqa: BLE001 - missing="raise": named like every failure
+                    _reraise(src, coords, path, e)
+            counters.bytes_read += nbytes or 0
+            read_sum += read_s
+            took_sum += took
+            store.observe(read_s, took)
+        n = len(rows)
+        counters.requests += n
+        counters.chunks += n
+        counters.decode_s += took_sum
+        counters.bytes_decoded += n * dec.nbytes
+        if n:
+            self.inflight.observe(read_sum / n, took_sum / n)
+
+    def _flush_local(self) -> None:
+        """Hand the reads gathered this turn to the decode threads: one job per thread, each taking
+        every ``k``-th chunk of every read (straight into the decode pool's queue, not through the
+        in-flight limit: the pool's threads bound these jobs)."""
+        batch, self._local_batch = self._local_batch or [], None
+        total = sum(len(items) for *_, items, _, _ in batch)
+        k = max(1, min(total, self.inflight.threads))
+        parts = [[(r, store, prefix, dec, name, items[i::k], keep)
+                  for r, (store, prefix, dec, name, items, keep, _) in enumerate(batch) if items[i::k]]
+                 for i in range(k)]
+        loop = asyncio.get_running_loop()
+        jobs = [loop.run_in_executor(None, _local_job, part) for part in parts]
+
+        def finish(fut: asyncio.Future) -> None:
+            rows: list[list[tuple[Any, ...]]] = [[] for _ in batch]
+            errors: list[BaseException | None] = [None] * len(batch)
+            if fut.cancelled() or fut.exception() is not None:  # (a job itself does not raise)
+                err = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
+                errors = [err] * len(batch)
+            else:
+                for results in fut.result():
+                    for r, got in results:
+                        if isinstance(got, BaseException):
+                            errors[r] = errors[r] or got
+                        else:
+                            rows[r].extend(got)
+            for r, (*_, done) in enumerate(batch):
+                if done.done():  # its caller was cancelled
+                    continue
+                if errors[r] is not None:
+                    done.set_exception(errors[r])
+                else:
+                    done.set_result(rows[r])
+
+        asyncio.gather(*jobs).add_done_callback(finish)
 
     def _region_plan(self, src: VarSource, region: dict[str, tuple[int, int]]) -> _RegionPlan:
         """The region's shape and the chunks it touches with where each piece goes: pure index math
@@ -1123,6 +1160,19 @@ def _read_decode_assign_many(store: Any, prefix: str, dec: ChunkDecoder, name: s
             except (OSError, MemoryError):  # a chunk the cache cannot keep is still read
                 pass
         out.append((coords, path, read_s, nbytes, took))
+    return out
+
+
+def _local_job(parts: list[tuple[Any, ...]]) -> list[tuple[int, Any]]:
+    """One decode thread's share of several local reads (``Reader._flush_local``): per read, its
+    index and its rows (``_read_decode_assign_many``), or the error of its first chunk that failed;
+    a failed read does not keep this thread from the others."""
+    out: list[tuple[int, Any]] = []
+    for r, store, prefix, dec, name, share, keep in parts:
+        try:
+            out.append((r, _read_decode_assign_many(store, prefix, dec, name, share, keep)))
+        except Exception as e:  # noqa: BLE001 - handed to the read's caller
+            out.append((r, e))
     return out
 
 

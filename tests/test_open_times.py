@@ -320,6 +320,15 @@ def test_axes_out_of_the_ns_range_are_decoded_to_seconds(tmp_path, spy, case, de
     _assert_same(_reopened(ours, tmp_path, "o.zarr"), _reopened(ref, tmp_path, "r.zarr"))
 
 
+def test_use_cftime_gives_xarrays_default(tmp_path, spy):
+    """How to get xarray's default back (as documented): ``use_cftime=True``, the same cftime objects."""
+    path = _write(tmp_path / "t.zarr", _past_2262(), HOURS)
+    default, _ = _reference(path)
+    ours, w_ours = _ours(path, decode_times=xr.coders.CFDatetimeCoder(use_cftime=True))
+    assert spy == [False] and w_ours == []
+    _assert_same(ours, default)
+
+
 def test_past_2262_in_zarr_v2(tmp_path, spy):
     path = _write(tmp_path / "v2.zarr", _past_2262(), HOURS, fill_value=None, zarr_format=2)
     ref, _ = _reference(path, decode_times=xr.coders.CFDatetimeCoder(time_unit="s"))

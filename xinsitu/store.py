@@ -301,7 +301,11 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
         session's ``store``...).
     consolidated : use consolidated metadata (None: if present). Needed over plain HTTP.
     group : path of the group inside the store.
-    decode_times : passed to xarray.
+    decode_times : passed to xarray. One departure from xarray's default (True): an integer time
+        axis xarray would leave as ``cftime`` objects only because its dates are out of
+        ``datetime64[ns]``'s range (an hourly axis past 2262) is decoded to ``datetime64[s]``, as
+        ``xr.coders.CFDatetimeCoder(time_unit="s")`` decodes it; for ``cftime`` objects pass
+        ``xr.coders.CFDatetimeCoder(use_cftime=True)``.
     **store_options : obstore options, for URLs only: credentials and other per-store
         config (``access_key_id``, ``secret_access_key``, ``session_token``, ``endpoint``,
         ``region``, ``skip_signature``...; ``anonymous=True`` is ``skip_signature=True``),

@@ -9,11 +9,15 @@ timeout, and transient faults are retried with backoff (see ``DEFAULT_CLIENT_OPT
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import json
 import os
 import re
+import sys
 import warnings
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -297,7 +301,11 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
         session's ``store``...).
     consolidated : use consolidated metadata (None: if present). Needed over plain HTTP.
     group : path of the group inside the store.
-    decode_times : passed to xarray.
+    decode_times : passed to xarray. One departure from xarray's default (True): an integer time
+        axis xarray would leave as ``cftime`` objects only because its dates are out of
+        ``datetime64[ns]``'s range (an hourly axis past 2262) is decoded to ``datetime64[s]``, as
+        ``xr.coders.CFDatetimeCoder(time_unit="s")`` decodes it; for ``cftime`` objects pass
+        ``xr.coders.CFDatetimeCoder(use_cftime=True)``.
     **store_options : obstore options, for URLs only: credentials and other per-store
         config (``access_key_id``, ``secret_access_key``, ``session_token``, ``endpoint``,
         ``region``, ``skip_signature``...; ``anonymous=True`` is ``skip_signature=True``),
@@ -358,27 +366,69 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
 def _open_xr(zstore: Any, consolidated: bool | None, group: str | None, decode_times: Any) -> xr.Dataset:
     """``xr.open_zarr(zstore, chunks=None, ...)``, the same Dataset, with integer CF time axes decoded
     in place (``_decoded_times``): xarray's own decoding of a 10^7-step axis makes several
-    temporaries of its size (~400 MB at its peak); this one reads it and decodes it in place."""
+    temporaries of its size (~400 MB at its peak); this one reads it and decodes it in place.
+
+    One departure, under xarray's default decoding only (``decode_times`` True or None: no coder of
+    the user's): an axis xarray would leave as ``cftime`` objects only because its dates are out of
+    ``datetime64[ns]``'s range is decoded to what ``CFDatetimeCoder(time_unit="s")`` gives
+    (``datetime64[s]``); the warnings of the open are held (``_held``) until then, and given again
+    but for xarray's about that fallback, which would then be false."""
     kw = dict(chunks=None, consolidated=consolidated, group=group, decode_times=decode_times)
     if decode_times is False:
         return xr.open_zarr(zstore, **kw)
+    said: list[warnings.WarningMessage] | None = [] if decode_times is True or decode_times is None else None
     try:  # xarray's indexes are made below, as xarray makes them (``_maybe_create_default_indexes``)
-        ds = xr.open_zarr(zstore, create_default_indexes=False, **kw)
-    except TypeError as e:
-        if "create_default_indexes" not in str(e):
+        with _held(said):
+            ds = xr.open_zarr(zstore, create_default_indexes=False, **kw)
+    except Exception as e:
+        _reemit(said)
+        if not isinstance(e, TypeError) or "create_default_indexes" not in str(e):
             raise
         return xr.open_zarr(zstore, **kw)  # an xarray without create_default_indexes
     to_index = {name: c.variable for name, c in ds.coords.items() if c.dims == (name,) and name not in ds.xindexes}
+    try:
+        for name, var in to_index.items():
+            values = _decoded_times(var, said)
+            if values is not None:  # as an index already (pandas would copy an array: 80 MB at 10^7 steps)
+                to_index[name] = xr.IndexVariable(var.dims, pd.Index(values, copy=False, name=name),
+                                                  attrs=var.attrs, encoding=var.encoding)
+    finally:
+        _reemit(said)
     if not to_index:
         return ds
-    for name, var in to_index.items():
-        values = _decoded_times(var)
-        if values is not None:  # as an index already (pandas would copy an array: 80 MB at 10^7 steps)
-            to_index[name] = xr.IndexVariable(var.dims, pd.Index(values, copy=False, name=name), attrs=var.attrs,
-                                              encoding=var.encoding)
     out = ds.assign_coords(xr.Coordinates(to_index))
     out.set_close(ds._close)
     return out
+
+
+@contextlib.contextmanager
+def _held(said: list[warnings.WarningMessage] | None) -> Iterator[None]:
+    """Warnings given in the block are recorded into ``said`` (all of them, whatever the filters),
+    for ``_reemit``; with ``said`` None, the block is left alone."""
+    if said is None:
+        yield
+        return
+    with warnings.catch_warnings(record=True) as log:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            said.extend(log)
+
+
+def _reemit(said: list[warnings.WarningMessage] | None) -> None:
+    """The warnings ``_held`` recorded, given again as they were first given (text, category, place,
+    the module's registry there): the filters in force then apply as they would have. Empties ``said``."""
+    if not said:
+        return
+    where = {getattr(m, "__file__", None): m for m in list(sys.modules.values())}
+    for w in said:
+        g = getattr(where.get(w.filename), "__dict__", None)
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno,
+                               module=g.get("__name__") if g is not None else None,
+                               registry=g.setdefault("__warningregistry__", {}) if g is not None else None,
+                               source=w.source)
+    said.clear()
 
 
 #: CF time units (as xarray reads them: lower case, plural) -> nanoseconds
@@ -387,7 +437,7 @@ _NS_PER = {"nanoseconds": 1, "microseconds": 10**3, "milliseconds": 10**6, "seco
 _NP_NS = {"ns": 1, "us": 10**3, "ms": 10**6, "s": 10**9, "m": 60 * 10**9, "h": 3600 * 10**9, "D": 86400 * 10**9}
 
 
-def _decoded_times(var: xr.Variable) -> Any:
+def _decoded_times(var: xr.Variable, said: list[warnings.WarningMessage] | None = None) -> Any:
     """The values xarray decodes ``var`` to (a 1-D stored integer CF time axis), decoded in place
     in one pass, or None: then xarray decodes it as it does.
 
@@ -397,6 +447,14 @@ def _decoded_times(var: xr.Variable) -> Any:
     and xarray's own decoding of the first and last value (the extremes, which decide whether
     xarray decodes with pandas or falls back to ``cftime``) gives the result's dtype and origin:
     every value is then ``origin + value × (unit / result unit)``, checked at both extremes.
+
+    ``said`` (the warnings of xarray's open, held; given under xarray's default decoding only):
+    where that decoding (``time_unit="ns"``, ``use_cftime`` None) falls back to ``cftime`` only
+    because the dates are out of ``datetime64[ns]``'s range (its one warning says that and nothing
+    else does), and xarray's decoding of the extremes with ``time_unit="s"`` gives a ``datetime64``
+    without a word, the axis is decoded to that (what ``CFDatetimeCoder(time_unit="s")`` gives), and
+    the warnings xarray's open gave for this axis (its check of the first and last value) are taken
+    out of ``said``: they would be false.
     """
     try:
         from xarray.coding.times import decode_cf_datetime
@@ -444,24 +502,63 @@ def _decoded_times(var: xr.Variable) -> Any:
     big = np.iinfo(np.int64)
     if lo == big.min:  # xarray's NaT marker
         return None
-    with warnings.catch_warnings(record=True) as said:  # xarray's decoding of the extremes; where it has
-        warnings.simplefilter("always")  # anything to say (cftime...), xarray decodes the axis and says it
-        ends = np.asarray(func(np.array([lo, hi], dtype=np.int64)))
-    if said or ends.dtype.kind != "M":
-        return None  # cftime objects (out of range, another calendar): xarray's
+    ends, told = _decoded_ends(func, lo, hi)  # xarray's decoding of the extremes
+    at_open: list[warnings.WarningMessage] = []
+    if told or ends.dtype.kind != "M":  # cftime objects (out of range, another calendar), or a word to say
+        if (said is None or kw["time_unit"] != "ns" or kw["use_cftime"] is not None or ends.dtype.kind != "O"
+                or not told or not all(_out_of_ns_range(w) for w in told)):
+            return None  # xarray's
+        coarser = functools.partial(decode_cf_datetime, units=kw["units"], calendar=kw["calendar"],
+                                    use_cftime=None, time_unit="s")
+        ends, told = _decoded_ends(coarser, lo, hi)
+        if told or ends.dtype.kind != "M":
+            return None
+        _, at_open = _decoded_ends(func, int(raw[0]), int(raw[-1]))  # xarray's check when opening
     res, count = np.datetime_data(ends.dtype)
     if count != 1 or res not in _NP_NS or _NS_PER[unit] % _NP_NS[res]:
         return None
     f = _NS_PER[unit] // _NP_NS[res]
     e0, e1 = (int(x) for x in ends.view(np.int64))
     origin = e0 - lo * f
-    if e1 != hi * f + origin or not big.min < lo * f <= big.max or not big.min < hi * f <= big.max or e0 == big.min:
+    if e1 != hi * f + origin or e0 == big.min:
         return None
+    # every value is origin + value × f, between e0 and e1; where origin or value × f is out of
+    # int64's range (an origin before 1677 in ns), as e0 + (value - lo) × f
+    shift = 0 if big.min < origin <= big.max and big.min < lo * f and hi * f <= big.max else lo
+    if not (big.min < lo - shift and hi - shift <= big.max and big.min < (lo - shift) * f
+            and (hi - shift) * f <= big.max and big.min < origin + shift * f <= big.max):
+        return None
+    held = said if said is not None else []  # (said is a list where at_open is not empty)
+    for w in at_open:  # each taken out of the held warnings once
+        for i, o in enumerate(held):
+            if o.category is w.category and str(o.message) == str(w.message):
+                del held[i]
+                break
+    if shift:
+        np.subtract(raw, shift, out=raw)
     if f != 1:
         np.multiply(raw, f, out=raw)
-    if origin:
-        np.add(raw, origin, out=raw)
+    if origin + shift * f:
+        np.add(raw, origin + shift * f, out=raw)
     return raw.view(ends.dtype)
+
+
+def _decoded_ends(func: Any, lo: int, hi: int) -> tuple[np.ndarray, list[warnings.WarningMessage]]:
+    """``func`` (xarray's CF time decoding) of ``[lo, hi]``, and the warnings it gave."""
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        ends = np.asarray(func(np.array([lo, hi], dtype=np.int64)))
+    return ends, list(told)
+
+
+def _out_of_ns_range(w: warnings.WarningMessage) -> bool:
+    """Whether ``w`` is xarray's warning that it keeps ``cftime`` objects because the dates are out of
+    ``datetime64[ns]``'s range (and for no other reason)."""
+    from xarray.coding.common import SerializationWarning
+
+    text = str(w.message)
+    return (issubclass(w.category, SerializationWarning) and "datetime64[ns]" in text
+            and "out of range" in text and "reform" not in text)
 
 
 def _read_consolidated(ds: xr.Dataset, zstore: Any, group: str | None, consolidated: bool | None) -> bool:

@@ -176,7 +176,8 @@ def test_slow_local_disk_reads_through_obstore(era5_path, monkeypatch):
     ref = epoch_numpy(ref_ds.insitu.batches(m, "train", **kw))
 
     fast_read = LocalBackend.read
-    monkeypatch.setattr(LocalBackend, "read", lambda self, key: (_time.sleep(6e-3), fast_read(self, key))[1])
+    monkeypatch.setattr(LocalBackend, "read",
+                        lambda self, key, scratch=None: (_time.sleep(6e-3), fast_read(self, key, scratch))[1])
     monkeypatch.setattr(LocalBackend, "WINDOW", 8)  # this small archive has fewer chunks than a whole window
     gen = xinsitu.open_zarr(era5_path).insitu.batches(m, "train", **kw)
     gen.read_ahead = False  # the next epoch's first buffer, read while this one ends, would be counted mid-flight

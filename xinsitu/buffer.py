@@ -56,11 +56,13 @@ class BufferLoader:
     async def load_static(self) -> dict[str, np.ndarray]:
         """Variables without a split dim: read whole, once per generator (buffers loading at once
         share the one read in progress)."""
-        done = self._static is not None and self._static.done()
-        if self._static is None or (done and (self._static.cancelled() or self._static.exception() is not None)):
-            self._static = asyncio.ensure_future(self._read_static())
+        got = self._static
+        if got is not None and got.done() and not got.cancelled() and got.exception() is None:
+            return got.result()  # read already: no shield (a future and callbacks) per buffer
+        if got is None or got.done():
+            got = self._static = asyncio.ensure_future(self._read_static())
         # shielded: a buffer load cancelled while waiting leaves the shared read to the others
-        return await asyncio.shield(self._static)
+        return await asyncio.shield(got)
 
     async def _read_static(self) -> dict[str, np.ndarray]:
         static = {n: lay for n, lay in self.layouts.items() if lay.static}

@@ -525,7 +525,13 @@ class Reader:
                   for r, (store, prefix, dec, name, items, keep, _) in enumerate(batch) if items[i::k]]
                  for i in range(k)]
         loop = asyncio.get_running_loop()
-        jobs = [loop.run_in_executor(None, _local_job, part) for part in parts]
+        try:
+            jobs = [loop.run_in_executor(None, _local_job, part) for part in parts]
+        except BaseException as e:  # (a pool shut down at exit): every read of the batch fails with it
+            for *_, done in batch:
+                if not done.done():
+                    done.set_exception(e)
+            return
 
         def finish(fut: asyncio.Future) -> None:
             rows: list[list[tuple[Any, ...]]] = [[] for _ in batch]

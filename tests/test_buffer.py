@@ -90,3 +90,29 @@ def test_gather_subset_rows_and_into(path):
     ref = _expect(ds, ["a"], buf.starts[rows])
     np.testing.assert_array_equal(into["a"], ref["a"].transpose("sample", ...).values)
     assert got["a"] is into["a"] or np.shares_memory(got["a"], into["a"])
+
+
+@pytest.mark.parametrize("equal", [True, False])
+def test_slots_and_ids_match_the_per_slot_definition(equal):
+    """A buffer's slot and global id per sample, computed for all slots at once, equal the definition:
+    slot ``s`` holds samples ``lo..hi`` of its unit, whose ids start at the unit's offset."""
+    from types import SimpleNamespace
+
+    from xinsitu.buffer import _slots_and_ids
+    from xinsitu.sampling import EqualOffsets
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        n_units = int(rng.integers(1, 40))
+        sizes = np.full(n_units, 7) if equal else rng.integers(1, 9, n_units)
+        offsets = EqualOffsets(n_units, 7) if equal else np.concatenate([[0], np.cumsum(sizes)])
+        k = int(rng.integers(0, 12))
+        units = rng.choice(n_units, size=min(k, n_units), replace=False)
+        lo = np.array([rng.integers(0, sizes[u]) for u in units], dtype=np.int64)
+        hi = np.array([rng.integers(a + 1, sizes[u] + 1) for a, u in zip(lo, units)], dtype=np.int64)
+        slot, ids = _slots_and_ids(SimpleNamespace(offsets=offsets), units, lo, hi)
+        exp_slot = np.concatenate([np.full(b - a, s) for s, (a, b) in enumerate(zip(lo, hi))] or [np.zeros(0)])
+        exp_ids = np.concatenate([int(offsets[int(u)]) + np.arange(a, b) for u, a, b in zip(units, lo, hi)]
+                                 or [np.zeros(0)])
+        np.testing.assert_array_equal(slot, exp_slot)
+        np.testing.assert_array_equal(ids, exp_ids)

@@ -111,13 +111,9 @@ class BufferLoader:
         sl = plan.buffer_pieces(j)
         units, lo, hi = plan.units[sl], plan.lo[sl], plan.hi[sl]
         tables, origin, end = self._slots(plan, j)
-        slots = [np.full(len(st), s, dtype=np.int64) for s, st in enumerate(tables)]
         extent = (end - origin).max(axis=0) if len(units) else np.zeros(self.n_split, np.int64)
         base_starts = np.concatenate(tables) if tables else np.zeros((0, len(sp.dims)), np.int64)
-        base_slot = np.concatenate(slots) if slots else np.zeros(0, np.int64)
-        base_ids = np.concatenate([plan_ids(sp, int(u), int(a), int(b)) for u, a, b in zip(units, lo, hi,
-                                                                                          strict=True)]) \
-            if len(units) else np.zeros(0, np.int64)
+        base_slot, base_ids = _slots_and_ids(sp, units, lo, hi)
         perm = plan.buffer_perm(j, len(base_ids))
         # each slot's region along the split dims (the same for every variable that has them all)
         ol, el = origin.tolist(), end.tolist()
@@ -453,5 +449,14 @@ class HaloPlan:
         return len(self.takers)
 
 
-def plan_ids(space: SampleSpace, unit: int, lo: int, hi: int) -> np.ndarray:
-    return space.offsets[unit] + np.arange(lo, hi, dtype=np.int64)
+def _slots_and_ids(space: SampleSpace, units: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray,
+                                                                                                   np.ndarray]:
+    """Per sample of a buffer (slots in order, samples ``lo..hi`` of each slot's unit): its slot, and its
+    global sample id (the unit's offset + its position in the unit), without a pass per slot."""
+    sizes = (hi - lo).astype(np.int64)
+    slot = np.repeat(np.arange(len(units), dtype=np.int64), sizes)
+    if not len(slot):
+        return slot, np.zeros(0, np.int64)
+    first = np.asarray(space.offsets[units], dtype=np.int64) + lo  # each slot's first sample id
+    within = np.arange(len(slot), dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    return slot, np.repeat(first, sizes) + within

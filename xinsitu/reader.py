@@ -10,6 +10,7 @@ cache, with or without putting it in place (``read_many``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import math
 import threading
@@ -17,7 +18,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn, TypeVar
 
 import numpy as np
 
@@ -27,6 +28,8 @@ from xinsitu.cache import ChunkCache, ChunkKey
 from xinsitu.geometry import run_start
 from xinsitu.codecs import ChunkDecoder, ShardLayout, is_remote, is_sharded, store_root
 from xinsitu.source import VarSource
+
+T = TypeVar("T")
 
 INDEX_CACHE = 4096  # shard indexes kept (each a few bytes per inner chunk)
 #: ``max_inflight=None``: bounds of the requests in flight (see ``InflightLimit``)
@@ -369,8 +372,8 @@ class Reader:
         self._ranges: dict[tuple[int, int], bool] = {}
         self._whole_axes: dict[int, tuple[VarSource, list[tuple[str, Any, int, int]] | None]] = {}
         self.on_missing = "fill"  # or "raise": a chunk with no object is an error
-        #: local reads asked for in this turn of the loop, sent to the decode threads together
-        self._local_batch: list[tuple[Any, ...]] | None = None
+        #: decode-thread work asked for in one turn of the loop, sent to the threads together
+        self._turn = TurnBatch(self.inflight.threads)
         self.last_missing: tuple[str, tuple[int, ...], str] | None = None  # (variable, chunk, key)
 
     def _missing(self, src: VarSource, coords: tuple[int, ...], path: str) -> None:
@@ -484,16 +487,12 @@ class Reader:
         in place its share in turn: per chunk no task, no executor hand-off and no wake-up of the
         loop, which for one-sample-per-chunk archives cost more than the decode itself. The reads
         asked for in one turn of the loop (every variable of a buffer) go out together, in one job per
-        decode thread (``_flush_local``): each wake-up of another thread is a futex call, and in a
-        virtual machine an interrupt to another CPU."""
+        decode thread (``TurnBatch``)."""
         prefix = f"{src.array.path}/" if src.array.path else ""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
-        if self._local_batch is None:
-            self._local_batch = []
-            loop.call_soon(self._flush_local)
-        self._local_batch.append((store, prefix, dec, src.name, items, keep, done))
-        rows = await done
+        k = max(1, min(len(items), self.inflight.threads))
+        parts = await asyncio.gather(*(self._turn.run(_read_decode_assign_many, store, prefix, dec, src.name,
+                                                      items[i::k], keep) for i in range(k)))
+        rows = [row for part in parts for row in part]
         counters = self.counters
         read_sum = took_sum = 0.0
         for coords, path, read_s, nbytes, took in rows:
@@ -513,48 +512,6 @@ class Reader:
         counters.bytes_decoded += n * dec.nbytes
         if n:
             self.inflight.observe(read_sum / n, took_sum / n)
-
-    def _flush_local(self) -> None:
-        """Hand the reads gathered this turn to the decode threads: one job per thread, each taking
-        every ``k``-th chunk of every read (straight into the decode pool's queue, not through the
-        in-flight limit: the pool's threads bound these jobs)."""
-        batch, self._local_batch = self._local_batch or [], None
-        total = sum(len(items) for *_, items, _, _ in batch)
-        k = max(1, min(total, self.inflight.threads))
-        parts = [[(r, store, prefix, dec, name, items[i::k], keep)
-                  for r, (store, prefix, dec, name, items, keep, _) in enumerate(batch) if items[i::k]]
-                 for i in range(k)]
-        loop = asyncio.get_running_loop()
-        try:
-            jobs = [loop.run_in_executor(None, _local_job, part) for part in parts]
-        except BaseException as e:  # (a pool shut down at exit): every read of the batch fails with it
-            for *_, done in batch:
-                if not done.done():
-                    done.set_exception(e)
-            return
-
-        def finish(fut: asyncio.Future) -> None:
-            rows: list[list[tuple[Any, ...]]] = [[] for _ in batch]
-            errors: list[BaseException | None] = [None] * len(batch)
-            if fut.cancelled() or fut.exception() is not None:  # (a job itself does not raise)
-                err = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
-                errors = [err] * len(batch)
-            else:
-                for results in fut.result():
-                    for r, got in results:
-                        if isinstance(got, BaseException):
-                            errors[r] = errors[r] or got
-                        else:
-                            rows[r].extend(got)
-            for r, (*_, done) in enumerate(batch):
-                if done.done():  # its caller was cancelled
-                    continue
-                if errors[r] is not None:
-                    done.set_exception(errors[r])
-                else:
-                    done.set_result(rows[r])
-
-        asyncio.gather(*jobs).add_done_callback(finish)
 
     def _region_plan(self, src: VarSource, region: dict[str, tuple[int, int]]) -> _RegionPlan:
         """The region's shape and the chunks it touches with where each piece goes: pure index math
@@ -907,7 +864,7 @@ class Reader:
                 waited = time.perf_counter() - t_start
                 self.counters.bytes_read += len(raw)
                 if dec.sync:  # timed inside the thread: waiting for a free thread is not decoding
-                    took = await loop.run_in_executor(None, _decode_assign, dec, raw, targets)
+                    took = await self._turn.run(_decode_assign, dec, raw, targets)
                 else:
                     t0 = time.perf_counter()
                     _assign_all(await dec.decode(raw), targets)
@@ -1169,17 +1126,64 @@ def _read_decode_assign_many(store: Any, prefix: str, dec: ChunkDecoder, name: s
     return out
 
 
-def _local_job(parts: list[tuple[Any, ...]]) -> list[tuple[int, Any]]:
-    """One decode thread's share of several local reads (``Reader._flush_local``): per read, its
-    index and its rows (``_read_decode_assign_many``), or the error of its first chunk that failed;
-    a failed read does not keep this thread from the others."""
-    out: list[tuple[int, Any]] = []
-    for r, store, prefix, dec, name, share, keep in parts:
+class TurnBatch:
+    """Calls for the decode threads, gathered over one turn of the I/O loop and sent as one job per
+    thread (each runs its calls in turn), instead of one executor hand-off per call. Every hand-off
+    wakes another thread, and its end wakes the loop: a futex call each, and in a virtual machine an
+    interrupt to another CPU; for chunks of a few kB that cost more than decoding them. ``run`` is
+    awaited like ``loop.run_in_executor``: the call's result, or its exception."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self._calls: list[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future]] | None = None
+
+    def run(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        if self._calls is None:
+            self._calls = []
+            loop.call_soon(self._flush, loop)
+        self._calls.append((fn, args, fut))
+        return fut
+
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        calls, self._calls = self._calls or [], None
+        k = max(1, min(len(calls), self.threads))
+        for i in range(k):
+            share = calls[i::k]
+            try:
+                job = loop.run_in_executor(None, _run_calls, [(fn, args) for fn, args, _ in share])
+            except BaseException as e:  # (a pool shut down at exit): these calls fail with it
+                job = loop.create_future()
+                job.set_exception(e)
+            job.add_done_callback(functools.partial(_settle, [fut for *_, fut in share]))
+
+
+def _run_calls(calls: list[tuple[Callable[..., Any], tuple[Any, ...]]]) -> list[tuple[bool, Any]]:
+    """One decode thread's job of a ``TurnBatch``: each call's (ok, result or exception); one that
+    fails does not keep the others from running."""
+    out: list[tuple[bool, Any]] = []
+    for fn, args in calls:
         try:
-            out.append((r, _read_decode_assign_many(store, prefix, dec, name, share, keep)))
-        except Exception as e:  # noqa: BLE001 - handed to the read's caller
-            out.append((r, e))
+            out.append((True, fn(*args)))
+        except Exception as e:  # noqa: BLE001 - handed to the call's awaiter
+            out.append((False, e))
     return out
+
+
+def _settle(futs: list[asyncio.Future], job: asyncio.Future) -> None:
+    if job.cancelled() or job.exception() is not None:
+        err = job.exception() if not job.cancelled() else asyncio.CancelledError()
+        results: list[tuple[bool, Any]] = [(False, err)] * len(futs)
+    else:
+        results = job.result()
+    for fut, (ok, val) in zip(futs, results, strict=True):
+        if fut.done():  # its awaiter was cancelled
+            continue
+        if ok:
+            fut.set_result(val)
+        else:
+            fut.set_exception(val)
 
 
 def _decode_assign(dec: ChunkDecoder, raw: Any, targets: list[Target]) -> float:

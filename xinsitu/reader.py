@@ -1172,11 +1172,13 @@ def _run_calls(calls: list[tuple[Callable[..., Any], tuple[Any, ...]]]) -> list[
 
 
 def _settle(futs: list[asyncio.Future], job: asyncio.Future) -> None:
-    if job.cancelled() or job.exception() is not None:
-        err = job.exception() if not job.cancelled() else asyncio.CancelledError()
-        results: list[tuple[bool, Any]] = [(False, err)] * len(futs)
-    else:
-        results = job.result()
+    """Hand each call of a ``TurnBatch`` job its result or exception, once the job ended."""
+    if job.cancelled():
+        for fut in futs:
+            fut.cancel()
+        return
+    err = job.exception()
+    results: list[tuple[bool, Any]] = [(False, err)] * len(futs) if err is not None else job.result()
     for fut, (ok, val) in zip(futs, results, strict=True):
         if fut.done():  # its awaiter was cancelled
             continue

@@ -93,12 +93,11 @@ def test_gather_subset_rows_and_into(path):
 
 
 @pytest.mark.parametrize("equal", [True, False])
-def test_slots_and_ids_match_the_per_slot_definition(equal):
-    """A buffer's slot and global id per sample, computed for all slots at once, equal the definition:
-    slot ``s`` holds samples ``lo..hi`` of its unit, whose ids start at the unit's offset."""
-    from types import SimpleNamespace
-
-    from xinsitu.buffer import _slots_and_ids
+def test_piece_ids_match_the_per_piece_definition(equal):
+    """Pieces' global sample ids, computed for all pieces at once (``plan.piece_ids``: a buffer's ids,
+    and the order an epoch yields), equal the definition: piece ``s`` is samples ``lo..hi`` of its
+    unit, whose ids start at the unit's offset."""
+    from xinsitu.plan import piece_ids
     from xinsitu.sampling import EqualOffsets
 
     rng = np.random.default_rng(0)
@@ -110,9 +109,6 @@ def test_slots_and_ids_match_the_per_slot_definition(equal):
         units = rng.choice(n_units, size=min(k, n_units), replace=False)
         lo = np.array([rng.integers(0, sizes[u]) for u in units], dtype=np.int64)
         hi = np.array([rng.integers(a + 1, sizes[u] + 1) for a, u in zip(lo, units)], dtype=np.int64)
-        slot, ids = _slots_and_ids(SimpleNamespace(offsets=offsets), units, lo, hi)
-        exp_slot = np.concatenate([np.full(b - a, s) for s, (a, b) in enumerate(zip(lo, hi))] or [np.zeros(0)])
-        exp_ids = np.concatenate([int(offsets[int(u)]) + np.arange(a, b) for u, a, b in zip(units, lo, hi)]
-                                 or [np.zeros(0)])
-        np.testing.assert_array_equal(slot, exp_slot)
-        np.testing.assert_array_equal(ids, exp_ids)
+        exp = np.concatenate([int(offsets[int(u)]) + np.arange(a, b) for u, a, b in zip(units, lo, hi)]
+                             or [np.zeros(0)])
+        np.testing.assert_array_equal(piece_ids(offsets, units, lo, hi), exp)

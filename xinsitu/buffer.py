@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from xinsitu.plan import EpochPlan
+from xinsitu.plan import EpochPlan, piece_ids
 from xinsitu.reader import Reader
 from xinsitu.sampling import SampleSpace, VarLayout
 
@@ -113,7 +113,8 @@ class BufferLoader:
         tables, origin, end = self._slots(plan, j)
         extent = (end - origin).max(axis=0) if len(units) else np.zeros(self.n_split, np.int64)
         base_starts = np.concatenate(tables) if tables else np.zeros((0, len(sp.dims)), np.int64)
-        base_slot, base_ids = _slots_and_ids(sp, units, lo, hi)
+        base_slot = np.repeat(np.arange(len(units), dtype=np.int64), hi - lo)
+        base_ids = piece_ids(sp.offsets, units, lo, hi)
         perm = plan.buffer_perm(j, len(base_ids))
         # each slot's region along the split dims (the same for every variable that has them all)
         ol, el = origin.tolist(), end.tolist()
@@ -447,16 +448,3 @@ class HaloPlan:
     @property
     def n_entries(self) -> int:
         return len(self.takers)
-
-
-def _slots_and_ids(space: SampleSpace, units: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray,
-                                                                                                   np.ndarray]:
-    """Per sample of a buffer (slots in order, samples ``lo..hi`` of each slot's unit): its slot, and its
-    global sample id (the unit's offset + its position in the unit), without a pass per slot."""
-    sizes = (hi - lo).astype(np.int64)
-    slot = np.repeat(np.arange(len(units), dtype=np.int64), sizes)
-    if not len(slot):
-        return slot, np.zeros(0, np.int64)
-    first = np.asarray(space.offsets[units], dtype=np.int64) + lo  # each slot's first sample id
-    within = np.arange(len(slot), dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-    return slot, np.repeat(first, sizes) + within

@@ -21,6 +21,16 @@ if TYPE_CHECKING:
     from xinsitu.sampling import Offsets, SampleSpace
 
 
+def piece_ids(offsets: Offsets, units: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Global sample ids of pieces (samples ``lo..hi`` of each unit, pieces in order): each unit's
+    offset + the sample's position in it, without a pass per piece."""
+    sizes = np.asarray(hi - lo, dtype=np.int64)
+    if not len(sizes):
+        return np.zeros(0, np.int64)
+    first = np.asarray(offsets[units], dtype=np.int64) + lo  # each piece's first sample id
+    return np.repeat(first - (np.cumsum(sizes) - sizes), sizes) + np.arange(int(sizes.sum()), dtype=np.int64)
+
+
 # ---------------------------------------------------------------------- epoch plan
 @dataclass(frozen=True)
 class EpochPlan:
@@ -77,9 +87,7 @@ class EpochPlan:
     def buffer_order(self, j: int, offsets: Offsets) -> np.ndarray:
         """Global sample ids of block ``j`` in the order they are yielded."""
         sl = self.buffer_pieces(j)
-        base = offsets[self.units[sl]] + self.lo[sl]
-        sizes = self.hi[sl] - self.lo[sl]
-        ids = np.repeat(base - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes) + np.arange(sizes.sum())
+        ids = piece_ids(offsets, self.units[sl], self.lo[sl], self.hi[sl])
         return ids[self.buffer_perm(j, len(ids))]
 
     def batch_span(self, i: int) -> tuple[int, int]:

@@ -410,7 +410,8 @@ async def bounded(request: Callable[[], Awaitable[T]], key: str, on_retry: Calla
         if i and on_retry is not None:
             on_retry()
         try:
-            return await asyncio.wait_for(request(), limit)
+            async with asyncio.timeout(limit):  # (not wait_for: no task of its own per request)
+                return await request()
         except TimeoutError as e:
             if not isinstance(e.__cause__, asyncio.CancelledError):
                 raise  # the store's own timeout, after its own retries: not ours to repeat

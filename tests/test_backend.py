@@ -1,5 +1,6 @@
-"""The fetch backends (``xinsitu.backend``) against real files in a temporary directory: whole
-objects, byte ranges, missing objects, short bodies, the typed seam and the fork policy."""
+"""The fetch backends (``xinsitu.backend``) against real files in a temporary directory, and over
+a real HTTP server on 127.0.0.1: whole objects, byte ranges, missing and empty objects, short
+bodies, servers that ignore ranges, the typed seam and the fork policy."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import zarr
 
 from tests.support.forked import in_fork
+from tests.support.servers import Faults, FileServer
 from xinsitu import _loop
 from xinsitu.backend import (
     Backend,
@@ -146,6 +148,54 @@ def test_fetch_decoded_fetches_again_then_names_the_object(root):
 
     with pytest.raises(DamagedObjectError, match=r"'small' failed to decode 2 times.*still bad"):
         _loop.run(fetch_decoded(be, "small", never, attempts=2), timeout=30)
+
+
+def _http(srv):
+    return _ObstoreBackend(obstore.store.HTTPStore.from_url(srv.url, client_options={"allow_http": True}))
+
+
+def test_whole_objects_over_http_are_one_ranged_request(root, tmp_path):
+    """A whole object is one request for an open byte range (one call into obstore); an empty object,
+    which no range fits (416), and a missing one come back as they are."""
+    (tmp_path / "empty").write_bytes(b"")
+    with FileServer(root) as srv:
+        be = _http(srv)
+        assert bytes(_loop.run(be.get("a/obj"), timeout=30)) == PAYLOAD
+        assert (srv.requests, srv.ranged) == (1, 1)
+        assert bytes(_loop.run(be.get("small"), timeout=30)) == b"xyz"
+        assert bytes(_loop.run(be.get("empty"), timeout=30)) == b""
+        assert _loop.run(be.get("a/none"), timeout=30) is None
+        assert bytes(_loop.run(be.get_range("a/obj", 100, 300), timeout=30)) == PAYLOAD[100:300]
+        assert be._open_ranges  # an empty object is no reason to stop asking for ranges
+
+
+def test_a_server_that_ignores_ranges_is_asked_for_whole_objects(root):
+    """A server that answers a range with 200 and the whole object (``http.server``, some proxies):
+    the first whole object is fetched again without a range, the next ones at once without."""
+    with FileServer(root, Faults(full=1.0, max_per_key=None)) as srv:
+        be = _http(srv)
+        assert bytes(_loop.run(be.get("a/obj"), timeout=30)) == PAYLOAD
+        first = srv.requests
+        assert first == 2 and not be._open_ranges
+        assert bytes(_loop.run(be.get("small"), timeout=30)) == b"xyz"
+        assert srv.requests == first + 1
+
+
+def test_a_short_whole_object_over_http_fails_to_decode_and_is_fetched_again(root):
+    """A body cut short where HTTP cannot see it (``Content-Length`` rewritten) comes back short from
+    the open range: the decode fails, and ``fetch_decoded`` fetches it again."""
+    with FileServer(root, Faults(short=1.0, max_per_key=1)) as srv:
+        be = _http(srv)
+        seen: list[int] = []
+
+        async def decode(raw):
+            seen.append(len(raw))
+            if len(raw) != len(PAYLOAD):
+                raise ValueError("truncated frame")
+            return bytes(raw)
+
+        assert _loop.run(fetch_decoded(be, "a/obj", decode), timeout=60) == PAYLOAD
+        assert seen == [len(PAYLOAD) // 2, len(PAYLOAD)]
 
 
 @pytest.mark.skipif(not hasattr(os, "fork") or sys.platform == "darwin", reason="needs os.fork")

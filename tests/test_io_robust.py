@@ -221,6 +221,12 @@ def test_loop_run_has_a_timeout():
         _loop.run(asyncio.sleep(30), timeout=0.2)
     assert _loop.run(asyncio.sleep(0, result=7), timeout=5) == 7
 
+    async def own():
+        raise TimeoutError("the coroutine's own")
+
+    with pytest.raises(TimeoutError, match="the coroutine's own"):  # not taken for the wait's
+        _loop.run(own(), timeout=5)
+
 
 # ----------------------------------------------------------------------------- 12. bit flips
 @pytest.fixture(scope="module")

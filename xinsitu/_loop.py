@@ -114,7 +114,9 @@ def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
     fut = asyncio.run_coroutine_threadsafe(coro, loop)
     try:
         return fut.result(timeout=limit)
-    except concurrent.futures.TimeoutError:
+    except concurrent.futures.TimeoutError:  # (the builtin TimeoutError: also what ``coro`` may raise)
+        if fut.done():  # coro's own TimeoutError (or it ended just now): its outcome, as it is
+            return fut.result()
         fut.cancel()
         raise TimeoutError(f"xinsitu: no result within {limit:g} s (timeout=, XINSITU_TIMEOUT)") from None
     except BaseException:

@@ -23,7 +23,9 @@ from xinsitu.backend import (
     RangeBackend,
     _FileBackend,
     _ObstoreBackend,
+    _deadlines_here,
     backend_for,
+    bounded,
     fetch_decoded,
 )
 
@@ -148,6 +150,105 @@ def test_fetch_decoded_fetches_again_then_names_the_object(root):
 
     with pytest.raises(DamagedObjectError, match=r"'small' failed to decode 2 times.*still bad"):
         _loop.run(fetch_decoded(be, "small", never, attempts=2), timeout=30)
+
+
+def test_bounded_gives_each_try_its_limit_then_names_the_object(monkeypatch):
+    """A request that never answers is cancelled after the limit (at most an eighth late) and made
+    again, ``attempts`` times, then ``TimeoutError`` names the object; one that answers on its second
+    try returns; the store's own ``TimeoutError`` is not repeated; nothing stays watched."""
+    import time
+
+    monkeypatch.setenv("XINSITU_REQUEST_TIMEOUT", "0.2")
+    tries: list[float] = []
+    retries: list[int] = []
+
+    async def never():
+        tries.append(time.perf_counter())
+        await asyncio.sleep(3600)
+
+    t0 = time.perf_counter()
+    with pytest.raises(TimeoutError, match=r"object 'k/0': no answer within 0.2 s, 3 times"):
+        _loop.run(bounded(never, "k/0", on_retry=lambda: retries.append(1)), timeout=30)
+    took = time.perf_counter() - t0
+    assert len(tries) == 3 and retries == [1, 1]
+    assert 0.6 <= took < 0.6 * 1.125 + 2.0, took  # (generous above: a loaded machine)
+    gaps = np.diff(tries)
+    assert (gaps >= 0.2).all(), gaps
+
+    n = [0]
+
+    async def second():
+        n[0] += 1
+        if n[0] == 1:
+            await asyncio.sleep(3600)
+        return "bytes"
+
+    assert _loop.run(bounded(second, "k/1"), timeout=30) == "bytes" and n[0] == 2
+
+    async def store_gave_up():
+        n[0] += 1
+        raise TimeoutError("the store's own timeout")
+
+    n[0] = 0
+    with pytest.raises(TimeoutError, match="the store's own"):
+        _loop.run(bounded(store_gave_up, "k/2"), timeout=30)
+    assert n[0] == 1
+
+    async def watched():
+        return len(_deadlines_here().watches)
+
+    assert _loop.run(watched(), timeout=30) == 0
+
+
+def test_bounded_lets_a_cancellation_from_outside_through(monkeypatch):
+    """Cancelling the task that waits raises ``CancelledError`` at once (no retry, no ``TimeoutError``),
+    also where it meets the deadline's own cancellation; many requests with their own limits end
+    each by its own."""
+    monkeypatch.setenv("XINSITU_REQUEST_TIMEOUT", "30")
+    started = []
+
+    async def slow():
+        started.append(1)
+        await asyncio.sleep(3600)
+
+    async def outside():
+        t = asyncio.ensure_future(bounded(slow, "k/3"))
+        await asyncio.sleep(0.05)
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        return len(started), len(_deadlines_here().watches)
+
+    assert _loop.run(outside(), timeout=30) == (1, 0)
+
+    async def both():  # the deadline passes and the task is cancelled in the same turn of the loop
+        started.clear()
+        d = _deadlines_here()
+        t = asyncio.ensure_future(bounded(slow, "k/4"))
+        await asyncio.sleep(0.05)
+        for w in d.watches:
+            w.deadline = 0.0
+        d._sweep()
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        return len(started), len(d.watches)
+
+    assert _loop.run(both(), timeout=30) == (1, 0)
+
+    async def mixed():
+        async def one(limit):
+            os.environ["XINSITU_REQUEST_TIMEOUT"] = str(limit)
+            t0 = asyncio.get_running_loop().time()
+            try:
+                await bounded(slow, f"k/{limit}", attempts=1)
+            except TimeoutError:
+                return asyncio.get_running_loop().time() - t0
+
+        return await asyncio.gather(one(0.6), one(0.1), one(0.3))
+
+    long, short, mid = _loop.run(mixed(), timeout=30)
+    assert 0.1 <= short < 0.3 and 0.3 <= mid < 0.6 and long >= 0.6, (short, mid, long)
 
 
 def _http(srv):

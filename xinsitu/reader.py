@@ -678,12 +678,13 @@ class Reader:
         return out
 
     async def read_whole(self, src: VarSource, coords: list[tuple[int, ...]], outs: list[np.ndarray]) -> bool:
-        """Read whole chunks ``coords`` straight into ``outs`` (each of the chunk's shape): for chunk
-        files of a local directory, one job per decode thread, no plan or target per chunk; chunks
-        the memory tier should keep are kept. False (nothing read) where this path does not apply
-        (a remote store, a codec chain that cannot decode into place, a disk tier): use ``read_many``."""
+        """Read whole chunks ``coords`` straight into ``outs`` (each of the chunk's shape), with no
+        region plan or target per chunk: chunk files of a local directory in one job per decode
+        thread, objects of other stores each fetched and then decoded in place (``_fetch_whole``);
+        chunks the memory tier should keep are kept. False (nothing read) where this path does not
+        apply (a codec chain decoded on the loop, a sharded array, a disk tier): use ``read_many``."""
         dec, store = self._decoder(src), self._store(src)
-        if not (getattr(store, "fused", False) and dec.sync):
+        if not dec.sync or is_sharded(src.array):
             return False
         keep = None
         if self.cache is not None:
@@ -694,8 +695,42 @@ class Reader:
                 keep = (self.cache, keys)
                 self.cache.count_misses(len(coords))  # ``take_cached`` looked them up first
                 self.counters.cache_misses += len(coords)
-        await self._read_local(src, dec, store, list(zip(coords, outs, strict=True)), keep)
+        items = list(zip(coords, outs, strict=True))
+        if getattr(store, "fused", False):
+            await self._read_local(src, dec, store, items, keep)
+        elif len(items) == 1:  # one chunk: no task of its own
+            await self._fetch_whole(src, dec, store, *items[0], keep)
+        else:
+            await _all_or_none(self._fetch_whole(src, dec, store, c, out, keep) for c, out in items)
         return True
+
+    async def _fetch_whole(self, src: VarSource, dec: ChunkDecoder, store: Any, coords: tuple[int, ...],
+                           out: np.ndarray, keep: tuple[ChunkCache, ChunkKey] | None) -> None:
+        """Fetch one whole chunk and decode it straight into ``out`` (``_fetch_into`` without targets)."""
+        key = dec.key(coords)
+        path = f"{src.array.path}/{key}" if src.array.path else key
+
+        async def use(raw: Any) -> None:
+            self.counters.requests += 1
+            self.inflight.arrived()
+            if raw is None:
+                self._missing(src, coords, path)
+                await self._turn.run(_fill, dec, out)
+                return
+            waited = time.perf_counter() - t_start
+            self.counters.bytes_read += len(raw)
+            took = await self._turn.run(_decode_whole, dec, raw, out, keep, coords)
+            self.counters.decode_s += took
+            self.inflight.observe(waited, took)
+
+        async with self.inflight:
+            t_start = time.perf_counter()
+            try:
+                await fetch_decoded(store, path, use, on_retry=self.inflight.failed)
+            except Exception as e:  # noqa: BLE001 - every failure names its chunk
+                _reraise(src, coords, path, e)
+        self.counters.chunks += 1
+        self.counters.bytes_decoded += dec.nbytes
 
     async def take_cached(self, src: VarSource, coords: list[tuple[int, ...]],
                           out: np.ndarray) -> tuple[list[int], tuple[np.ndarray, np.ndarray] | None]:
@@ -1186,6 +1221,25 @@ def _settle(futs: list[asyncio.Future], job: asyncio.Future) -> None:
             fut.set_result(val)
         else:
             fut.set_exception(val)
+
+
+def _decode_whole(dec: ChunkDecoder, raw: Any, out: np.ndarray, keep: tuple[ChunkCache, ChunkKey] | None,
+                  coords: tuple[int, ...]) -> float:
+    """Decode a whole chunk straight into ``out`` and keep it where the memory tier should; returns
+    the seconds spent (measured in the decode thread)."""
+    t0 = time.perf_counter()
+    if not dec.decode_into(raw, out):
+        out[...] = dec.decode_sync(raw)
+    if keep is not None:
+        try:
+            keep[0].put(keep[1].memory_key(coords), out)
+        except (OSError, MemoryError):  # a chunk the cache cannot keep is still read
+            pass
+    return time.perf_counter() - t0
+
+
+def _fill(dec: ChunkDecoder, out: np.ndarray) -> None:
+    out[...] = dec.fill()
 
 
 def _decode_assign(dec: ChunkDecoder, raw: Any, targets: list[Target]) -> float:

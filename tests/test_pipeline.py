@@ -95,3 +95,43 @@ def test_load_error_reaches_consumer(path):
     for i, b in got:
         np.testing.assert_array_equal(b["a"], ds.a.values[3 * i:3 * i + 3])
     assert not run.thread.is_alive()
+
+
+class _Credits:
+    def __init__(self):
+        self.released = 0
+
+    def release(self):
+        self.released += 1
+
+
+@pytest.mark.parametrize(("far", "requests", "mb", "limit", "depth"), [
+    (True, 64, 2.1, 256, 9),  # one sample per chunk over HTTP: twice the limit's requests, past 6 buffers
+    (False, 64, 2.1, 256, 6),  # the same buffers of a local store (or a fixed limit's): 6 at most
+    (True, 64, 50.0, 256, 6),  # large buffers of a far store: 6 at most
+    (True, 64, 2.1, 4096, 30),  # ... small ones while they hold 64 MB at most
+    (False, 64, 2.1, 8, 6),  # small buffers of a local store: 32 MB of them, 6 at most
+    (False, 16, 50.0, 4, 3),  # large buffers of a local store: as deep as it was
+])
+def test_read_ahead_fills_the_inflight_limit_within_its_bytes(far, requests, mb, limit, depth):
+    """How many buffers an epoch keeps loading or loaded (``EpochRun._deepen``), from what the buffers
+    read so far took: enough to keep twice the reader's in-flight limit of requests, where buffers
+    are small and the store far past ``MAX_READ_AHEAD_BUFFERS`` while they hold
+    ``FAR_READ_AHEAD_BYTES`` at most; never shallower than it was."""
+    from xinsitu import pipeline
+
+    reader = Reader()
+    reader.inflight.limit, reader.inflight.far = limit, far
+    run = object.__new__(EpochRun)
+    run.loader = type("L", (), {"reader": reader})()
+    run.counters_before = {"requests": 0, "bytes_decoded": 0}
+    run.n_loaded, run.depth, run.credits = 4, pipeline.READ_AHEAD_BUFFERS, _Credits()
+    reader.counters.requests = 4 * requests
+    reader.counters.bytes_decoded = int(4 * mb * 2**20)
+    run._deepen()
+    assert run.depth == depth
+    assert run.credits.released == depth - pipeline.READ_AHEAD_BUFFERS
+    reader.counters.requests = 0  # every chunk from the cache: nothing to keep in flight
+    run.depth, run.credits = pipeline.READ_AHEAD_BUFFERS, _Credits()
+    run._deepen()
+    assert run.depth == pipeline.READ_AHEAD_BUFFERS

@@ -31,6 +31,9 @@ READ_AHEAD_BUFFERS = 3
 MAX_READ_AHEAD_BUFFERS = 6
 #: ... or enough to hold this many decoded bytes (small buffers)
 READ_AHEAD_BYTES = 32 << 20
+#: ... and past ``MAX_READ_AHEAD_BUFFERS`` small buffers of a far store, while they hold at most this
+#: many bytes: the requests of one-sample-per-chunk archives fill ``max_inflight`` only that way
+FAR_READ_AHEAD_BYTES = 64 << 20
 #: finished batches waiting for the caller
 PREFETCH_BATCHES = 2
 WAIT_STEP_S = 0.05  # queue waits are this long at most, then check that the other side still runs
@@ -164,14 +167,21 @@ class EpochRun:
         in flight (a far store, see ``InflightLimit``), or fewer bytes than ``READ_AHEAD_BYTES`` (small
         buffers, e.g. of one-sample-per-chunk archives: a few ms of decoding each, which leaves the
         decode threads idle between buffers): one buffer gathered from, and enough loading to fill
-        both, at most ``MAX_READ_AHEAD_BUFFERS``."""
+        both, at most ``MAX_READ_AHEAD_BUFFERS``. The requests' count is doubled: buffers read but
+        not yet gathered from hold none. Small buffers of a far store may go past that bound while
+        all of them hold at most ``FAR_READ_AHEAD_BYTES``."""
         reader = self.loader.reader
         per_buffer = (reader.counters.requests - self.counters_before["requests"]) / self.n_loaded
         if not per_buffer:  # every chunk came from the cache: no request to keep in flight, no need to read ahead
             return
-        bytes_per_buffer = (reader.counters.bytes_decoded - self.counters_before["bytes_decoded"]) / self.n_loaded
-        want = min(MAX_READ_AHEAD_BUFFERS, 1 + max(math.ceil(reader.inflight.limit / max(per_buffer, 1.0)),
-                                                   math.ceil(READ_AHEAD_BYTES / max(bytes_per_buffer, 1.0))))
+        bytes_per_buffer = max(1.0, (reader.counters.bytes_decoded - self.counters_before["bytes_decoded"])
+                               / self.n_loaded)
+        by_bytes = min(MAX_READ_AHEAD_BUFFERS, 1 + math.ceil(READ_AHEAD_BYTES / bytes_per_buffer))
+        most = MAX_READ_AHEAD_BUFFERS
+        if reader.inflight.far:
+            most = max(most, int(FAR_READ_AHEAD_BYTES // bytes_per_buffer))
+        by_requests = min(most, 1 + math.ceil(2 * reader.inflight.limit / max(per_buffer, 1.0)))
+        want = max(by_bytes, by_requests)
         while self.depth < want and self.credits is not None:
             self.depth += 1
             self.credits.release()

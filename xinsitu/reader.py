@@ -182,7 +182,8 @@ class InflightLimit:
         self.threads = threads
         self.latency_s: float | None = None
         self.decode_s: float | None = None
-        self.remote = False
+        self.remote = False  # the limit follows a far store's throughput (``expect_remote``, auto only)
+        self.far = False  # the store is across a network (whatever the limit)
         self.history: list[tuple[int, float]] = []  # (limit, mean latency) at each window's end (remote)
         self.clock: Callable[[], float] = time.perf_counter  # (a test drives it with simulated time)
         self._base: float | None = None  # quickest window's mean latency (remote)
@@ -229,6 +230,7 @@ class InflightLimit:
 
     def expect_remote(self) -> None:
         """The store is across a network: its limit follows throughput and latency (see the class)."""
+        self.far = True
         if self.fixed is None and not self.remote:
             self.remote = True
             self._resize(AUTO_REMOTE[0])

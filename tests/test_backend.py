@@ -23,7 +23,7 @@ from xinsitu.backend import (
     RangeBackend,
     _FileBackend,
     _ObstoreBackend,
-    _deadlines_here,
+    deadlines_here,
     backend_for,
     bounded,
     fetch_decoded,
@@ -195,7 +195,7 @@ def test_bounded_gives_each_try_its_limit_then_names_the_object(monkeypatch):
     assert n[0] == 1
 
     async def watched():
-        return len(_deadlines_here().watches)
+        return len(deadlines_here().watches)
 
     assert _loop.run(watched(), timeout=30) == 0
 
@@ -217,13 +217,13 @@ def test_bounded_lets_a_cancellation_from_outside_through(monkeypatch):
         t.cancel()
         with pytest.raises(asyncio.CancelledError):
             await t
-        return len(started), len(_deadlines_here().watches)
+        return len(started), len(deadlines_here().watches)
 
     assert _loop.run(outside(), timeout=30) == (1, 0)
 
     async def both():  # the deadline passes and the task is cancelled in the same turn of the loop
         started.clear()
-        d = _deadlines_here()
+        d = deadlines_here()
         t = asyncio.ensure_future(bounded(slow, "k/4"))
         await asyncio.sleep(0.05)
         for w in d.watches:

@@ -155,6 +155,18 @@ async def native(awaitable: Awaitable[T]) -> T:
         _native -= 1
 
 
+def native_future(fut: asyncio.Future) -> None:
+    """Count ``fut``, a call into a Rust runtime not awaited (see ``native``), until it ends."""
+    global _native
+    _native += 1
+    fut.add_done_callback(_native_ended)
+
+
+def _native_ended(_: asyncio.Future) -> None:
+    global _native
+    _native -= 1
+
+
 def in_forked_child() -> bool:
     """True in a process made by ``fork`` after xinsitu was imported (obstore unusable there)."""
     return _forked

@@ -139,15 +139,45 @@ class _ObstoreBackend:
                 return None
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # noqa: BLE001 - sorted below; obstore already retried what was transient
-                if type(e).__name__ == "NotSupportedError" and "Range request not supported" in str(e):
-                    self._open_ranges = False
-                elif not _range_refused(e):
-                    err = scrubbed(e, self._secrets)
-                    if type(e).__name__ == "NotSupportedError":
-                        err = NotImplementedError(str(err))
+            except Exception as e:  # noqa: BLE001 - sorted by whole_error; obstore already retried what was transient
+                err = self.whole_error(e)
+                if err is not None:
                     raise err from None
         return await self._fetch(key)
+
+    def whole_error(self, e: BaseException) -> BaseException | None:
+        """What a whole-object read that failed with ``e`` raises (scrubbed of secrets), or None where
+        the range was refused and the object is fetched without one (``_fetch``)."""
+        if type(e).__name__ == "NotSupportedError" and "Range request not supported" in str(e):
+            self._open_ranges = False  # a server that ignores ranges: whole objects without one from now on
+            return None
+        if _range_refused(e):
+            return None
+        err = scrubbed(e, self._secrets)
+        if type(e).__name__ == "NotSupportedError":
+            err = NotImplementedError(str(err))
+        return err
+
+    async def start_whole(self, key: str) -> asyncio.Future | None:
+        """Start fetching the whole object ``key`` as ``get`` does (one open byte range) and return its
+        future at once, without waiting for it: its bytes, or the error obstore raised
+        (``FileNotFoundError`` where the object does not exist; ``whole_error`` says what to raise
+        for the others, or that ``get`` would fetch it another way). None where this store takes
+        the long way (``get``) for every object: it ignores ranges."""
+        if not self._open_ranges:
+            return None
+        import obstore
+
+        limit = _process_limit()
+        await limit.acquire()
+        try:
+            fut = asyncio.ensure_future(obstore.get_range_async(self.store, key, start=0, end=OPEN_END))
+        except BaseException:
+            limit.release()
+            raise
+        _loop.native_future(fut)
+        fut.add_done_callback(lambda _: limit.release())
+        return fut
 
     async def _fetch(self, key: str, options: dict[str, Any] | None = None) -> Any:
         """The bytes of ``key`` (or of a range of it), None where it does not exist."""
@@ -446,7 +476,7 @@ class _Watch:
 
     __slots__ = ("deadline", "slack", "task", "cancelling", "fired")
 
-    def __init__(self, deadline: float, slack: float, task: asyncio.Task, cancelling: int):
+    def __init__(self, deadline: float, slack: float, task: asyncio.Future, cancelling: int):
         self.deadline, self.slack, self.task, self.cancelling = deadline, slack, task, cancelling
         self.fired = False
 
@@ -469,8 +499,11 @@ class Deadlines:
         self._timer: asyncio.TimerHandle | None = None
         self._due = float("inf")
 
-    def watch(self, task: asyncio.Task, limit: float) -> _Watch:
-        w = _Watch(self.loop.time() + limit, limit * self.SLACK, task, task.cancelling())
+    def watch(self, task: asyncio.Future, limit: float) -> _Watch:
+        """Cancel ``task`` (a task, or a future: a request not awaited) once ``limit`` seconds passed,
+        unless ``unwatch`` came first; the watch's ``fired`` tells."""
+        cancelling = task.cancelling() if isinstance(task, asyncio.Task) else 0
+        w = _Watch(self.loop.time() + limit, limit * self.SLACK, task, cancelling)
         self.watches[w] = None
         if w.deadline + w.slack < self._due:
             self._arm(w.deadline + w.slack)
@@ -501,7 +534,7 @@ class Deadlines:
 _deadlines: tuple[Any, Deadlines] | None = None
 
 
-def _deadlines_here() -> Deadlines:
+def deadlines_here() -> Deadlines:
     """The running loop's ``Deadlines`` (a new one after ``fork``, or on another loop)."""
     global _deadlines
     loop = asyncio.get_running_loop()
@@ -511,9 +544,9 @@ def _deadlines_here() -> Deadlines:
 
 
 async def bounded(request: Callable[[], Awaitable[T]], key: str, on_retry: Callable[[], None] | None = None,
-                  attempts: int = FETCH_ATTEMPTS) -> T:
+                  attempts: int = FETCH_ATTEMPTS, tried: int = 0) -> T:
     """``await request()``, each try given ``_loop.request_timeout()`` seconds (``Deadlines``),
-    ``attempts`` tries.
+    ``attempts`` tries (``tried`` of them already made, and timed out, by the caller).
 
     A request that gets no answer (a server that accepts and never replies, a stalled body the
     HTTP client does not time out) is cancelled and made again; after ``attempts`` it raises
@@ -524,8 +557,8 @@ async def bounded(request: Callable[[], Awaitable[T]], key: str, on_retry: Calla
     task = asyncio.current_task()
     if task is None:
         raise RuntimeError("bounded() runs in a task")
-    deadlines = _deadlines_here()
-    for i in range(attempts):
+    deadlines = deadlines_here()
+    for i in range(min(tried, attempts - 1), attempts):
         if i and on_retry is not None:
             on_retry()
         w = deadlines.watch(task, limit)
@@ -546,26 +579,31 @@ async def bounded(request: Callable[[], Awaitable[T]], key: str, on_retry: Calla
 
 
 async def fetch_decoded(backend: Backend, key: str, use: Callable[[Any], Awaitable[T]],
-                        attempts: int = FETCH_ATTEMPTS, on_retry: Callable[[], None] | None = None) -> T:
+                        attempts: int = FETCH_ATTEMPTS, on_retry: Callable[[], None] | None = None,
+                        first: BaseException | None = None) -> T:
     """Fetch ``key`` and return ``await use(raw)`` (``raw`` None where the object is missing).
 
     ``use`` decodes the bytes (and puts them in place). Where it fails, the object is
     fetched again, ``attempts`` fetches in all: a transfer damaged where the HTTP layer
     cannot see it heals (a checksum that does not match included), an object corrupt in the
     store raises ``DamagedObjectError``. Each fetch is bounded in time (``bounded``).
-    ``on_retry`` is called before each fetch made again.
+    ``on_retry`` is called before each fetch made again. ``first``: how a first fetch the caller
+    made itself failed (bytes that failed to decode, or ``TimeoutError``: no answer in time),
+    counted among the ``attempts``.
     """
-    return await refetched(lambda: backend.get(key), key, use, attempts, on_retry)
+    return await refetched(lambda: backend.get(key), key, use, attempts, on_retry, first)
 
 
 async def refetched(fetch: Callable[[], Awaitable[Any]], key: str, use: Callable[[Any], Awaitable[T]],
-                    attempts: int = FETCH_ATTEMPTS, on_retry: Callable[[], None] | None = None) -> T:
+                    attempts: int = FETCH_ATTEMPTS, on_retry: Callable[[], None] | None = None,
+                    first: BaseException | None = None) -> T:
     """``await use(await fetch())``, fetched again where ``use`` fails (see ``fetch_decoded``)."""
-    last: BaseException | None = None
-    for i in range(attempts):
+    timed_out = isinstance(first, TimeoutError)
+    last: BaseException | None = None if timed_out else first
+    for i in range(1 if last is not None else 0, attempts):
         if i and on_retry is not None:
             on_retry()
-        raw = await bounded(fetch, key, on_retry)
+        raw = await bounded(fetch, key, on_retry, tried=int(timed_out and i == 0))
         if raw is None:
             return await use(None)
         try:

@@ -23,9 +23,9 @@ from xinsitu.backend import (
     RangeBackend,
     _FileBackend,
     _ObstoreBackend,
-    deadlines_here,
     backend_for,
     bounded,
+    deadlines_here,
     fetch_decoded,
 )
 

@@ -108,7 +108,7 @@ def test_piece_ids_match_the_per_piece_definition(equal):
         k = int(rng.integers(0, 12))
         units = rng.choice(n_units, size=min(k, n_units), replace=False)
         lo = np.array([rng.integers(0, sizes[u]) for u in units], dtype=np.int64)
-        hi = np.array([rng.integers(a + 1, sizes[u] + 1) for a, u in zip(lo, units)], dtype=np.int64)
-        exp = np.concatenate([int(offsets[int(u)]) + np.arange(a, b) for u, a, b in zip(units, lo, hi)]
+        hi = np.array([rng.integers(a + 1, sizes[u] + 1) for a, u in zip(lo, units, strict=True)], dtype=np.int64)
+        exp = np.concatenate([int(offsets[int(u)]) + np.arange(a, b) for u, a, b in zip(units, lo, hi, strict=True)]
                              or [np.zeros(0)])
         np.testing.assert_array_equal(piece_ids(offsets, units, lo, hi), exp)

@@ -108,16 +108,17 @@ class _Credits:
 @pytest.mark.parametrize(("far", "requests", "mb", "limit", "depth"), [
     (True, 64, 2.1, 256, 9),  # one sample per chunk over HTTP: twice the limit's requests, past 6 buffers
     (False, 64, 2.1, 256, 6),  # the same buffers of a local store (or a fixed limit's): 6 at most
-    (True, 64, 50.0, 256, 6),  # large buffers of a far store: 6 at most
+    (True, 64, 50.0, 256, 5),  # large buffers of a far store: the limit's requests, 6 at most
     (True, 64, 2.1, 4096, 30),  # ... small ones while they hold 64 MB at most
     (False, 64, 2.1, 8, 6),  # small buffers of a local store: 32 MB of them, 6 at most
     (False, 16, 50.0, 4, 3),  # large buffers of a local store: as deep as it was
 ])
 def test_read_ahead_fills_the_inflight_limit_within_its_bytes(far, requests, mb, limit, depth):
     """How many buffers an epoch keeps loading or loaded (``EpochRun._deepen``), from what the buffers
-    read so far took: enough to keep twice the reader's in-flight limit of requests, where buffers
-    are small and the store far past ``MAX_READ_AHEAD_BUFFERS`` while they hold
-    ``FAR_READ_AHEAD_BYTES`` at most; never shallower than it was."""
+    read so far took: enough for the reader's in-flight limit of requests, or for
+    ``READ_AHEAD_BYTES``, ``MAX_READ_AHEAD_BUFFERS`` at most; small buffers of a far store enough for
+    twice the limit's requests, while they hold ``FAR_READ_AHEAD_BYTES`` at most; never shallower
+    than it was."""
     from xinsitu import pipeline
 
     reader = Reader()

@@ -6,9 +6,11 @@ decodes them, while reading costs less than decoding (``LocalBackend``).
 A backend is typed by :class:`Backend`: one coroutine, ``get(key) -> bytes | None`` (None:
 the object does not exist, which zarr reads as the fill value); a :class:`RangeBackend` also
 fetches byte ranges (what the reader needs for the inner chunks of shards). ``fetch_decoded``
-wraps ``get`` for the reader: it fetches again when the bytes fail to decode.
-``ManifestBackend`` fetches the chunks of a VirtualiZarr store (byte ranges of NetCDF/GRIB
-files; see the end of this module).
+wraps ``get`` for the reader: it fetches again when the bytes fail to decode, and bounds
+each try in time (``bounded``, with one timer per loop for all requests: ``Deadlines``).
+obstore's backend also starts a whole-object request without awaiting it (``start_whole``),
+for the reader's callback path of small whole chunks. ``ManifestBackend`` fetches the chunks
+of a VirtualiZarr store (byte ranges of NetCDF/GRIB files; see the end of this module).
 
 What is retried where:
 

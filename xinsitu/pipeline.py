@@ -167,21 +167,21 @@ class EpochRun:
         in flight (a far store, see ``InflightLimit``), or fewer bytes than ``READ_AHEAD_BYTES`` (small
         buffers, e.g. of one-sample-per-chunk archives: a few ms of decoding each, which leaves the
         decode threads idle between buffers): one buffer gathered from, and enough loading to fill
-        both, at most ``MAX_READ_AHEAD_BUFFERS``. The requests' count is doubled: buffers read but
-        not yet gathered from hold none. Small buffers of a far store may go past that bound while
-        all of them hold at most ``FAR_READ_AHEAD_BYTES``."""
+        both, at most ``MAX_READ_AHEAD_BUFFERS``. Small buffers of a far store go further, while they
+        hold at most ``FAR_READ_AHEAD_BYTES``: as many as hold twice the in-flight limit's requests
+        (buffers read but not yet gathered from hold none; with one sample per chunk over HTTP, that
+        is what keeps the limit's requests in flight)."""
         reader = self.loader.reader
         per_buffer = (reader.counters.requests - self.counters_before["requests"]) / self.n_loaded
         if not per_buffer:  # every chunk came from the cache: no request to keep in flight, no need to read ahead
             return
         bytes_per_buffer = max(1.0, (reader.counters.bytes_decoded - self.counters_before["bytes_decoded"])
                                / self.n_loaded)
-        by_bytes = min(MAX_READ_AHEAD_BUFFERS, 1 + math.ceil(READ_AHEAD_BYTES / bytes_per_buffer))
-        most = MAX_READ_AHEAD_BUFFERS
+        limit = reader.inflight.limit
+        want = min(MAX_READ_AHEAD_BUFFERS, 1 + max(math.ceil(limit / per_buffer),
+                                                   math.ceil(READ_AHEAD_BYTES / bytes_per_buffer)))
         if reader.inflight.far:
-            most = max(most, int(FAR_READ_AHEAD_BYTES // bytes_per_buffer))
-        by_requests = min(most, 1 + math.ceil(2 * reader.inflight.limit / max(per_buffer, 1.0)))
-        want = max(by_bytes, by_requests)
+            want = max(want, min(int(FAR_READ_AHEAD_BYTES // bytes_per_buffer), 1 + math.ceil(2 * limit / per_buffer)))
         while self.depth < want and self.credits is not None:
             self.depth += 1
             self.credits.release()

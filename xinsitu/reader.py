@@ -4,7 +4,10 @@
 A region is a range of positions along some dims of a variable (its other dims whole);
 reading it fetches each chunk it touches exactly once. A read may also hand each chunk's
 piece of the region to a callback in the decode thread, while the piece is still in
-cache, with or without putting it in place (``read_many``).
+cache, with or without putting it in place (``read_many``). Where each slot of a buffer is
+one whole chunk, chunks are decoded straight into their slots (``read_whole``): local files in
+one job per decode thread, obstore's objects by callbacks with no task per chunk
+(``_WholeFetches``).
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ import numpy as np
 from xinsitu import _loop
 from xinsitu.backend import DamagedObjectError, ReadScratch, backend_for, deadlines_here, fetch_decoded, refetched
 from xinsitu.cache import ChunkCache, ChunkKey
-from xinsitu.geometry import run_start
 from xinsitu.codecs import ChunkDecoder, ShardLayout, is_remote, is_sharded, store_root
+from xinsitu.geometry import run_start
 from xinsitu.source import VarSource
 
 T = TypeVar("T")

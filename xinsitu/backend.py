@@ -131,12 +131,10 @@ class _ObstoreBackend:
         object (416), a server that answers ranges with the whole object -- this falls back to
         the two calls, and for good after a server that ignores ranges.
         """
-        import obstore
-
-        if self._open_ranges:
+        fut = await self.start_whole(key)
+        if fut is not None:
             try:
-                async with _process_limit():
-                    return await _loop.native(obstore.get_range_async(self.store, key, start=0, end=OPEN_END))
+                return await fut
             except FileNotFoundError:
                 return None
             except asyncio.CancelledError:

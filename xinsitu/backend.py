@@ -153,6 +153,11 @@ class _ObstoreBackend:
             return None
         if _range_refused(e):
             return None
+        return self._raised(e)
+
+    def _raised(self, e: BaseException) -> BaseException:
+        """The error to raise for obstore's ``e``: scrubbed of secrets, ``NotImplementedError`` for an
+        operation the store does not support."""
         err = scrubbed(e, self._secrets)
         if type(e).__name__ == "NotSupportedError":
             err = NotImplementedError(str(err))
@@ -200,9 +205,7 @@ class _ObstoreBackend:
                     # the server (or a proxy) answered a Range request -- ours, or obstore's own to resume
                     # a cut transfer -- with 200 and the whole object: take the range from the whole
                     return await self._whole_then_slice(key, options)
-                err = scrubbed(e, self._secrets)
-                if type(e).__name__ == "NotSupportedError":
-                    err = NotImplementedError(str(err))
+                err = self._raised(e)
             if err is not None:  # raised outside the handler: the original stays off the traceback
                 raise err
             lo, hi = resp.range

@@ -1069,9 +1069,9 @@ class _WholeFetches:
             reader.counters.bytes_read += len(raw)
             job = reader._turn.run(_decode_whole, self.dec, raw, out, self.keep, coords)
         self.pending.add(job)
-        job.add_done_callback(functools.partial(self._decoded, coords, out, slot, waited))
+        job.add_done_callback(functools.partial(self._decoded, coords, out, path, slot, waited))
 
-    def _decoded(self, coords: tuple[int, ...], out: np.ndarray, slot: Any, waited: float | None,
+    def _decoded(self, coords: tuple[int, ...], out: np.ndarray, path: str, slot: Any, waited: float | None,
                  job: asyncio.Future) -> None:
         self.pending.discard(job)
         reader, inflight = self.reader, self.reader.inflight
@@ -1082,7 +1082,7 @@ class _WholeFetches:
         if err is not None:
             inflight.give(slot)
             if waited is None:  # filling failed: nothing to fetch again
-                self._fail(ChunkReadError(self.src.name, coords, self.prefix + self.dec.key(coords), err))
+                self._fail(ChunkReadError(self.src.name, coords, path, err))
             else:
                 self._long(coords, out, err)  # fetched again there, this fetch counted
             return
@@ -1310,15 +1310,15 @@ def _read_decode_assign(store: Any, path: str, dec: ChunkDecoder,
     t1 = time.perf_counter()
     if raw is None:
         if isinstance(targets, np.ndarray):
-            targets[...] = dec.fill()
+            _fill(dec, targets)
         else:
             _assign_all(dec.fill(), targets)
         return t1 - t0, None, time.perf_counter() - t1
     try:
-        if not isinstance(targets, np.ndarray):
+        if isinstance(targets, np.ndarray):
+            _decode_into(dec, raw, targets)
+        else:
             _decode_put(dec, raw, targets)
-        elif not dec.decode_into(raw, targets):
-            targets[...] = dec.decode_sync(raw)
     except Exception as e:  # noqa: BLE001 - a file reads the same bytes again: no second try
         raise DamagedObjectError(f"object {path!r} failed to decode (corrupt in the store?): "
                                  f"{type(e).__name__}: {e}") from e
@@ -1340,10 +1340,7 @@ def _read_decode_assign_many(store: Any, prefix: str, dec: ChunkDecoder, name: s
         except Exception as e:  # noqa: BLE001 - every failure names its chunk
             raise ChunkReadError(name, coords, path, e) from e
         if keep is not None and nbytes is not None:  # a chunk with no object is not cached
-            try:
-                keep[0].put(keep[1].memory_key(coords), targets)
-            except (OSError, MemoryError):  # a chunk the cache cannot keep is still read
-                pass
+            _keep_whole(keep, coords, targets)
         out.append((coords, path, read_s, nbytes, took))
     return out
 
@@ -1415,14 +1412,24 @@ def _decode_whole(dec: ChunkDecoder, raw: Any, out: np.ndarray, keep: tuple[Chun
     """Decode a whole chunk straight into ``out`` and keep it where the memory tier should; returns
     the seconds spent (measured in the decode thread)."""
     t0 = time.perf_counter()
+    _decode_into(dec, raw, out)
+    if keep is not None:
+        _keep_whole(keep, coords, out)
+    return time.perf_counter() - t0
+
+
+def _decode_into(dec: ChunkDecoder, raw: Any, out: np.ndarray) -> None:
+    """Decode a whole chunk into ``out``, in place where the codec chain can."""
     if not dec.decode_into(raw, out):
         out[...] = dec.decode_sync(raw)
-    if keep is not None:
-        try:
-            keep[0].put(keep[1].memory_key(coords), out)
-        except (OSError, MemoryError):  # a chunk the cache cannot keep is still read
-            pass
-    return time.perf_counter() - t0
+
+
+def _keep_whole(keep: tuple[ChunkCache, ChunkKey], coords: tuple[int, ...], chunk: np.ndarray) -> None:
+    """Hand a whole chunk, decoded into the caller's array, to the memory tier (it copies it)."""
+    try:
+        keep[0].put(keep[1].memory_key(coords), chunk)
+    except (OSError, MemoryError):  # a chunk the cache cannot keep is still read
+        pass
 
 
 def _fill(dec: ChunkDecoder, out: np.ndarray) -> None:

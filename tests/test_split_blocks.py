@@ -12,6 +12,7 @@ import xarray as xr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import xinsitu
 from tests.test_sampling import grid_ds, run_epoch, write
 from tests.test_stats import assert_stats_close, numpy_stats
 from xinsitu.manifest import SplitManifest, decode_mask
@@ -198,16 +199,17 @@ def test_repeated_over_and_split_dims_are_refused(whole):
         whole.insitu.split(["lat", "lat"], fractions={"a": 1.0})
 
 
-def test_fractions_take_any_real_number(whole):
-    ref = whole.insitu.split("time", fractions={"train": 0.75, "val": 0.25}, block={"time": 2})
+def test_fractions_take_any_real_number(era5_path):
+    ds = xinsitu.open_zarr(era5_path)
+    ref = ds.insitu.split("time", fractions={"train": 0.75, "val": 0.25})
     for fr in ({"train": np.float32(0.75), "val": np.float32(0.25)}, {"train": np.float64(0.75), "val": 0.25},
                {"train": 3 / 4, "val": np.float16(0.25)}):
-        assert whole.insitu.split("time", fractions=fr, block={"time": 2}).splits == ref.splits
-    one = whole.insitu.split("time", fractions={"all": np.int64(1)}, block={"time": 2})
+        assert ds.insitu.split("time", fractions=fr).splits == ref.splits
+    one = ds.insitu.split("time", fractions={"all": np.int64(1)})
     assert len(one.splits["all"]) == ref.grid[0]
     for bad in ("0.5", True, np.bool_(True), None, [0.5]):
         with pytest.raises(TypeError, match=r"fractions\['train'\]"):
-            whole.insitu.split("time", fractions={"train": bad, "val": 0.5})
+            ds.insitu.split("time", fractions={"train": bad, "val": 0.5})
 
 
 def test_in_memory_dataset_splits_in_blocks():

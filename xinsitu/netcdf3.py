@@ -4,10 +4,17 @@ A NetCDF-3 file is a header then the variables' values, uncompressed and big-end
 order the header gives: each fixed-size variable contiguous from its ``begin`` offset, then the
 records, each record holding one slab of every record variable (variables along the unlimited
 dimension are interleaved). So every record of every record variable is its own byte range,
-``begin + i * recsize``: one chunk per record along the unlimited dimension. Fixed-size
-variables along the dimension the files are joined on are chunked the same way (one step a
-chunk, so that files of different lengths join); other fixed-size variables are one chunk, or
-one chunk per index of their first dimension where they are large.
+``begin + i * recsize``: one chunk per record along the unlimited dimension. A fixed-size
+variable is stored contiguously in C order, so one index of its first dimension is one
+contiguous slab, ``begin + i * slab``: every fixed-size data variable is addressed in such slabs,
+one index of its first dimension a chunk (as records are), so it can be split along that
+dimension like a chunked array (e.g. ERA-Interim's u, v, z on month x level x lat x lon, split
+along month) and files of different lengths join along it. One index, not several: a slab of
+several would need the dimension's length to be a multiple of it (an edge chunk is read whole),
+a split could only cut between slabs, and all variables along the dimension share the one grid
+of the record variables; a slab is one field (the variable's other dimensions), the unit a
+record variable reads anyway. Coordinate variables (``x(x)``) stay one chunk, or one per index
+where they are large or along the join dimension: xarray reads them whole when it opens the files.
 
 Values are decoded as xarray decodes them (``_FillValue``, ``missing_value``, ``scale_factor``,
 ``add_offset``, ``_Unsigned``) by the :class:`CFBytesCodec` zarr codec (``"xinsitu.cf_bytes"``),
@@ -439,7 +446,8 @@ def manifest_store(url: str, read: Callable[[int, int], bytes], size: int, regis
             raise VirtualReferenceError(
                 f"{_where(url)}: variable {v.name!r} holds characters (NC_CHAR), which this reader does not "
                 f"reference in place; leave it out with drop_variables=[{v.name!r}]")
-        step = v.dims and (v.record or v.dims[0] == concat_dim or v.slab > WHOLE_CHUNK_BYTES)
+        coordinate = v.dims == (v.name,)  # x(x): read whole by xarray on open
+        step = v.dims and (v.record or v.dims[0] == concat_dim or not coordinate or v.slab > WHOLE_CHUNK_BYTES)
         n0 = v.shape[0] if step else 1
         chunk = (1, *v.shape[1:]) if step else v.shape
         nbytes = int(np.prod(chunk, dtype=np.int64)) * v.dtype.itemsize

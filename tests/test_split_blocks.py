@@ -52,7 +52,8 @@ def test_one_split_on_a_dim_in_one_chunk(whole):
 
 
 # ---------------------------------------------------------------- blocks finer than chunks
-@pytest.mark.parametrize("kw", [{}, {"over": "time"}, {"patch": {"lat": 4, "lon": 2}, "over": "time"},
+@pytest.mark.parametrize("kw", [{}, {"over": "time"}, {"over": "time", "cache": True},
+                                {"patch": {"lat": 4, "lon": 2}, "over": "time"},
                                 {"patch": {"lat": 3, "lon": 3}, "stride": {"lat": 1, "lon": 2}, "window": {"time": 2}}])
 def test_spatial_hold_out_in_blocks(whole, kw):
     m = whole.insitu.split(["lat", "lon"], fractions={"train": 0.7, "val": 0.3}, contiguous=False, seed=3,
@@ -62,8 +63,10 @@ def test_spatial_hold_out_in_blocks(whole, kw):
     total = 0
     for i, split in enumerate(m.splits):
         gen = whole.insitu.batches(m, split, batch_size=7, output="numpy", block_chunks=2, seed=5, **kw)
-        ids = run_epoch(whole, gen)  # every batch bit-identical to xarray
-        assert np.array_equal(np.sort(ids), np.arange(gen.n_samples))  # exactly once
+        for epoch in range(2 if "cache" in kw else 1):  # the second epoch from the cache
+            gen.set_epoch(epoch)
+            ids = run_epoch(whole, gen)  # every batch bit-identical to xarray
+            assert np.array_equal(np.sort(ids), np.arange(gen.n_samples))  # exactly once
         # every sample lies in blocks of its own split only
         sp = gen.space
         w = [d.width for d in sp.split_dims]
@@ -220,3 +223,27 @@ def test_in_memory_dataset_splits_in_blocks():
     gen = ds.insitu.batches(m, "val", batch_size=3, output="numpy", variables=["a"])
     assert np.array_equal(np.sort(run_epoch(ds, gen)), np.arange(4))
     assert gen.sample(0).time.values == ds.time.values[16]
+
+
+def test_spatial_hold_out_on_a_grib_file(tmp_path):
+    """Issue 29: split(["latitude", "longitude"], contiguous=False) on a GRIB file (one field per chunk) is
+    refused naming block=; with block= every epoch equals cfgrib's values, exactly once."""
+    pytest.importorskip("virtualizarr", reason="the virtual extra is not installed")
+    pytest.importorskip("eccodes", reason="the grib extra is not installed")
+    pytest.importorskip("cfgrib", reason="the grib extra is not installed")
+    from tests.test_grib import STEPS, TIMES, cfgrib, fields, with_history
+    from xinsitu.grib import write_grib
+    from xinsitu.virtual import open_grib
+
+    f = write_grib(tmp_path / "an.grib", fields(), TIMES, STEPS, edition=2)
+    ds = open_grib(f)
+    ref = with_history(cfgrib(f), ds)
+    with pytest.raises(ValueError, match="block=") as e:
+        ds.insitu.split(["latitude", "longitude"], fractions={"train": 0.8, "val": 0.2}, contiguous=False)
+    assert "concat_dim=" in str(e.value) and "re-chunk" not in str(e.value)
+    m = ds.insitu.split(["latitude", "longitude"], fractions={"train": 0.8, "val": 0.2}, contiguous=False, seed=1,
+                        block={"latitude": 2, "longitude": 3})
+    for split in m.splits:
+        gen = ds.insitu.batches(m, split, batch_size=5, over=["time", "step"], output="numpy", block_chunks=3)
+        assert np.array_equal(np.sort(run_epoch(ref, gen)), np.arange(gen.n_samples))
+        assert gen.n_samples == m.positions(split) * len(TIMES) * len(STEPS)

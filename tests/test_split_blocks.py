@@ -137,6 +137,7 @@ def test_manifest_with_blocks_round_trips_and_is_checked(whole, tmp_path):
     assert "blocks of 5" in m._repr_html_()
     gen = whole.insitu.batches(back, "val", batch_size=4, output="numpy")
     assert np.array_equal(np.sort(run_epoch(whole, gen)), np.arange(gen.n_samples))
+    assert "each chunk read once" not in repr(gen)  # a chunk holds several blocks: read once per buffer
     d = m.to_dict()
     d["block"] = {"lat": 6, "lon": 4}  # edges are blocks of 5
     with pytest.raises(ValueError, match="block"):

@@ -561,7 +561,8 @@ def _generator_sections(gen: BatchGenerator, drawing: bool = False) -> list[Sect
                    f"quality {plan_quality(p, gen.space, gen.batch_size, 50):.2f} (1.0 ~ global)")
     else:
         shuffle = f"off: chunk blocks in split order (epoch {gen.epoch})"
-    once = "" if any(d.width > 1 for d in gen.space.split_dims) else ", each chunk read once"
+    once = ("" if any(d.width > 1 for d in gen.space.split_dims) or gen.manifest.block  # blocks: per buffer
+            else ", each chunk read once")
     info = [("batches", batches), ("samples", samples),
             ("reads / epoch", f"{n_units} chunk blocks x {nvar} variable{'s' if nvar != 1 else ''}, "
                               f"~{fmt_bytes(_epoch_bytes(gen, p, n_units))} decoded{once}"),

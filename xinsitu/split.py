@@ -146,7 +146,8 @@ def range_split(edges: np.ndarray, index: pd.Index, ranges: dict[str, slice], ga
         last = int(np.searchsorted(edges, b, side="right")) - 1  # blocks ending at or before b
         if last <= first:
             raise ValueError(f"range for split {name!r} covers no whole chunk of {dim!r} "
-                             f"(chunks are {int(edges[1] - edges[0])} long)")
+                             f"(chunks are {int(edges[1] - edges[0])} long; block={{{dim!r}: n}} splits in "
+                             "blocks of n positions instead)")
         spans.append((name, first, last))
         out[name] = Blocks.range(first, last)
     ordered = sorted(spans, key=lambda s: s[1])

@@ -12,6 +12,8 @@ import re
 import numpy as np
 import pytest
 import xarray as xr
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.test_sampling import run_epoch
 from xinsitu.synthetic import era5_like, packing
@@ -226,3 +228,32 @@ def test_fixed_size_variables_split_along_their_first_dim(tmp_path, fmt):
                          block={"lat": 2, "lon": 5})
     gen = ds.insitu.batches(sp, "val", batch_size=5, output="numpy", over="month", variables=["v", "lsm"])
     assert np.array_equal(np.sort(run_epoch(ref, gen)), np.arange(gen.n_samples))
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 3 * 10**6))
+def test_slab_steps_divide_and_bound_the_references(n):
+    from xinsitu.netcdf3 import MAX_SLABS, slab_steps
+
+    s = slab_steps(n)
+    assert n % s == 0 and n // s <= MAX_SLABS  # full slabs, a bounded number of them
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    assert all(n // d > MAX_SLABS for d in small + [n // d for d in small] if d < s)  # the fewest indices a slab
+
+
+def test_long_first_dim_in_slabs_of_several(tmp_path, monkeypatch):
+    """A first dim longer than MAX_SLABS: slabs of the smallest divisor that bounds them, shared by every
+    variable along it; splits cut between slabs and values still equal xarray's."""
+    import xinsitu.netcdf3 as nc3mod
+
+    monkeypatch.setattr(nc3mod, "MAX_SLABS", 5)
+    f = str(tmp_path / "ei.nc")
+    src = era_interim_like().assign(tm=("month", np.arange(12.0)))
+    src.to_netcdf(f, format="NETCDF3_CLASSIC", engine="netcdf4")
+    ds, ref = open_netcdf(f), xr.open_dataset(f).load()
+    xr.testing.assert_identical(ds.load(), ref)
+    assert ds.u.encoding["chunks"] == (3, 3, NY, NX) and ds.tm.encoding["chunks"] == (3,)
+    m = ds.insitu.split("month", fractions={"train": 0.5, "val": 0.5})
+    assert np.array_equal(m.edges["month"], [0, 3, 6, 9, 12])
+    gen = ds.insitu.batches(m, "val", batch_size=4, output="numpy", over="level", seed=2)
+    assert np.array_equal(np.sort(run_epoch(ref, gen)), np.arange(6 * 3))

@@ -248,3 +248,17 @@ def test_spatial_hold_out_on_a_grib_file(tmp_path):
         gen = ds.insitu.batches(m, split, batch_size=5, over=["time", "step"], output="numpy", block_chunks=3)
         assert np.array_equal(np.sort(run_epoch(ref, gen)), np.arange(gen.n_samples))
         assert gen.n_samples == m.positions(split) * len(TIMES) * len(STEPS)
+
+
+def test_resume_with_blocks(whole):
+    """Exact resume (state through JSON) of a shuffled epoch on a block split, patches spilling over blocks."""
+    from tests.support.resume_check import run_test_save_load_state
+
+    m = whole.insitu.split(["lat", "lon"], fractions={"train": 0.7, "val": 0.3}, contiguous=False, seed=2,
+                           block={"lat": 3, "lon": 2})
+
+    def make():
+        return whole.insitu.batches(m, "train", batch_size=5, over="time", patch={"lat": 2, "lon": 2},
+                                    stride={"lat": 1}, output="numpy", block_chunks=2, seed=4)
+
+    run_test_save_load_state(make, len(make()) // 2, epochs=2)

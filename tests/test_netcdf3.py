@@ -12,6 +12,8 @@ import re
 import numpy as np
 import pytest
 import xarray as xr
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.test_sampling import run_epoch
 from xinsitu.synthetic import era5_like, packing
@@ -181,3 +183,77 @@ def test_characters_refused_naming_the_variable(tmp_path):
         open_netcdf(f)
     ok = open_netcdf(f, drop_variables=["station"])
     xr.testing.assert_identical(ok.load(), xr.open_dataset(f).drop_vars("station").load())
+
+
+def era_interim_like(nm: int = 12, nl: int = 3, ny: int = NY, nx: int = NX, seed: int = 0) -> xr.Dataset:
+    """u, v, z on month x level x lat x lon (as the ERA-Interim monthly means), and a land-sea mask."""
+    rng = np.random.default_rng(seed)
+    shape = (nm, nl, ny, nx)
+    dims = ("month", "level", "lat", "lon")
+    return xr.Dataset(
+        {"u": (dims, rng.normal(0, 10, shape).astype("f4")), "v": (dims, rng.normal(0, 10, shape).astype("f4")),
+         "z": (dims, rng.normal(5e4, 1e3, shape).astype("f8")),
+         "lsm": (("lat", "lon"), (rng.random((ny, nx)) > 0.5).astype("f4"))},
+        coords={"month": np.arange(1, nm + 1, dtype="i4"), "level": np.array([500, 700, 850][:nl], dtype="i4"),
+                "lat": np.linspace(60, -60, ny), "lon": np.arange(nx) * 36.0})
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fixed_size_variables_split_along_their_first_dim(tmp_path, fmt):
+    """Contiguous fixed-size variables are addressed in slabs of one index of their first dim (month, not the
+    join dim): splits along month work as on a chunked array, values equal xr.open_dataset bit for bit."""
+    f = str(tmp_path / "ei.nc")
+    src = era_interim_like()
+    src["u"].encoding.update(packing() | {"dtype": "int16"})  # packed, as ERA-Interim's files are
+    src.to_netcdf(f, format=fmt, engine="netcdf4")
+    with open(f, "rb") as fh:
+        h = parse_header(fh.read(1 << 16))
+    assert h.record_dim is None  # every variable fixed-size, stored contiguously
+    ds, ref = open_netcdf(f), xr.open_dataset(f).load()
+    xr.testing.assert_identical(ds.load(), ref)
+    assert ds.u.encoding["chunks"] == (1, 3, NY, NX) and ds.lsm.encoding["chunks"] == (1, NX)
+    assert ds.insitu.geometry.nblocks("month") == 12
+    m = ds.insitu.split("month", fractions={"train": 0.5, "val": 0.25, "test": 0.25}, gap=1)
+    assert [list(b) for b in m.splits.values()] == [[0, 1, 2, 3, 4], [6, 7, 8], [10, 11]]
+    for split in m.splits:
+        for kw in ({}, {"window": {"month": 2}, "over": "level"}):
+            gen = ds.insitu.batches(m, split, batch_size=2, output="xarray", block_chunks=2, seed=1, **kw)
+            seen = run_epoch(ref, gen, "xarray")
+            assert np.array_equal(np.sort(seen), np.arange(gen.n_samples))
+    one = ds.insitu.split("level", fractions={"train": 1.0})  # one chunk along level: one split needs no block
+    gen = ds.insitu.batches(one, "train", batch_size=4, output="numpy", over="month", variables=["u", "z"])
+    assert np.array_equal(np.sort(run_epoch(ref, gen)), np.arange(3 * 12))
+    # a spatial hold-out on the one-chunk fields: in blocks
+    sp = ds.insitu.split(["lat", "lon"], fractions={"train": 0.5, "val": 0.5}, contiguous=False, seed=2,
+                         block={"lat": 2, "lon": 5})
+    gen = ds.insitu.batches(sp, "val", batch_size=5, output="numpy", over="month", variables=["v", "lsm"])
+    assert np.array_equal(np.sort(run_epoch(ref, gen)), np.arange(gen.n_samples))
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 3 * 10**6))
+def test_slab_steps_divide_and_bound_the_references(n):
+    from xinsitu.netcdf3 import MAX_SLABS, slab_steps
+
+    s = slab_steps(n)
+    assert n % s == 0 and n // s <= MAX_SLABS  # full slabs, a bounded number of them
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    assert all(n // d > MAX_SLABS for d in small + [n // d for d in small] if d < s)  # the fewest indices a slab
+
+
+def test_long_first_dim_in_slabs_of_several(tmp_path, monkeypatch):
+    """A first dim longer than MAX_SLABS: slabs of the smallest divisor that bounds them, shared by every
+    variable along it; splits cut between slabs and values still equal xarray's."""
+    import xinsitu.netcdf3 as nc3mod
+
+    monkeypatch.setattr(nc3mod, "MAX_SLABS", 5)
+    f = str(tmp_path / "ei.nc")
+    src = era_interim_like().assign(tm=("month", np.arange(12.0)))
+    src.to_netcdf(f, format="NETCDF3_CLASSIC", engine="netcdf4")
+    ds, ref = open_netcdf(f), xr.open_dataset(f).load()
+    xr.testing.assert_identical(ds.load(), ref)
+    assert ds.u.encoding["chunks"] == (3, 3, NY, NX) and ds.tm.encoding["chunks"] == (3,)
+    m = ds.insitu.split("month", fractions={"train": 0.5, "val": 0.5})
+    assert np.array_equal(m.edges["month"], [0, 3, 6, 9, 12])
+    gen = ds.insitu.batches(m, "val", batch_size=4, output="numpy", over="level", seed=2)
+    assert np.array_equal(np.sort(run_epoch(ref, gen)), np.arange(6 * 3))

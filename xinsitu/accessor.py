@@ -43,16 +43,19 @@ class InsituAccessor:
 
     def split(self, dim: str | list[str], *, fractions: dict[str, float] | None = None,
               ranges: dict[str, slice] | None = None, gap: int = 0, contiguous: bool | None = None,
-              seed: int | None = 0) -> SplitManifest:
-        """Split along ``dim`` (or several dims) on the chunk grid.
+              seed: int | None = 0, block: dict[str, int] | None = None) -> SplitManifest:
+        """Split along ``dim`` (or several dims) on the chunk grid, or on blocks of positions (``block=``).
 
         Parameters
         ----------
         dim : str or list of str
             The dim(s) to split; every chunk (chunk block, for several dims) goes to exactly
-            one split.
+            one split. A dim held in a single chunk needs ``block=`` (or, for files holding one
+            step each, ``concat_dim=`` of ``xinsitu.virtual.open_netcdf``/``open_grib``), except
+            for one split (``fractions={"train": 1.0}``).
         fractions : dict of str to float, optional
-            ``{name: fraction}`` summing to 1, applied to the whole chunks left after gaps.
+            ``{name: fraction}`` summing to 1 (any real numbers, numpy scalars included),
+            applied to the whole chunks (blocks) left after gaps.
         ranges : dict of str to slice, optional
             ``{name: slice(start_label, stop_label)}`` (``.sel`` semantics), rounded inward to
             chunk edges. Give exactly one of ``fractions`` and ``ranges``.
@@ -63,10 +66,22 @@ class InsituAccessor:
             random by fraction (default for several dims).
         seed : int, default 0
             Seed of the random assignment.
+        block : dict of str to int, optional
+            ``{dim: n}``: along ``dim`` the split blocks are runs of ``n`` positions instead of
+            whole chunks (e.g. a spatial hold-out on GRIB or NetCDF files whose fields are one
+            chunk each). Every block belongs to one split and every sample to the split of its
+            blocks (a window or tile touching another split's block or a gap is left out), so a
+            chunk may be read by several splits, a sample never. ``fractions``, ``gap``,
+            ``contiguous``, ``seed`` and ``ranges`` then count blocks.
 
         Returns
         -------
         SplitManifest
+
+        Examples
+        --------
+        >>> m = ds.insitu.split(["latitude", "longitude"], fractions={"train": .8, "val": .2},
+        ...                     contiguous=False, block={"latitude": 8, "longitude": 8})  # doctest: +SKIP
         """
         if not (isinstance(dim, str) or (isinstance(dim, (list, tuple)) and dim
                                          and all(isinstance(d, str) for d in dim))):
@@ -85,7 +100,7 @@ class InsituAccessor:
             if seed < 0:
                 raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         return make_split(self._ds, self.geometry, dim, fractions=fractions, ranges=ranges, gap=gap,
-                          contiguous=contiguous, seed=seed)
+                          contiguous=contiguous, seed=seed, block=block)
 
     def batches(self, manifest: SplitManifest, split: str, *, batch_size: int = 32, shuffle: bool = True,
                 seed: int = 0, window: dict[str, int] | None = None, patch: dict[str, int] | None = None,

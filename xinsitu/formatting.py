@@ -417,11 +417,16 @@ def _fmt_shape(shape: tuple[int, ...] | None) -> str:
 # -- SplitManifest
 def manifest_summary(m: SplitManifest) -> str:
     """``SplitManifest.summary()``: a few plain lines."""
-    lines = [f"split on {', '.join(m.dims)} ({' x '.join(map(str, m.grid))} chunk blocks, "
+    lines = [f"split on {', '.join(m.dims)} ({' x '.join(map(str, m.grid))} chunk blocks{_blocks_of(m)}, "
              f"method={m.method}, gap={m.gap}, seed={m.seed})"]
     for k, v in _manifest_rows(m):
         lines.append(f"  {k}: " + "  ".join(v))
     return "\n".join(lines)
+
+
+def _blocks_of(m: SplitManifest) -> str:
+    """Where a split dim is cut in blocks of positions (``split(..., block=)``): "; blocks of n along d"."""
+    return "".join(f"; blocks of {n} along {d}" for d, n in m.block.items())
 
 
 def _manifest_rows(m: SplitManifest) -> list[tuple[str, tuple[str, ...]]]:
@@ -435,7 +440,7 @@ def _manifest_rows(m: SplitManifest) -> list[tuple[str, tuple[str, ...]]]:
 def _manifest_headline(m: SplitManifest) -> str:
     how = ("ranges" if m.method == "ranges" else
            "contiguous fractions" if m.contiguous else f"random fractions (seed {m.seed})")
-    return (f"on {' x '.join(m.dims)}: {' x '.join(map(str, m.grid))} chunk blocks, {how}, "
+    return (f"on {' x '.join(m.dims)}: {' x '.join(map(str, m.grid))} chunk blocks{_blocks_of(m)}, {how}, "
             f"gap {m.gap}")
 
 
@@ -471,8 +476,8 @@ def _manifest_sections(m: SplitManifest, drawing: bool = False) -> list[Section]
     elif owner is not None:
         picture = grid(owner, m.edges[m.dims[0]], m.edges[m.dims[1]], list(m.splits),
                        dims=(m.dims[0], m.dims[1]), spans=spans)
-    info = [("dims", ", ".join(f"{d} ({m.sizes[d]}, {len(m.edges[d]) - 1} chunk blocks)"
-                               for d in m.dims)),
+    info = [("dims", ", ".join(f"{d} ({m.sizes[d]}, {len(m.edges[d]) - 1} "
+                               + (f"blocks of {m.block[d]})" if d in m.block else "chunk blocks)") for d in m.dims)),
             ("method", m.method + ("" if m.method == "ranges" else
                                    ", contiguous" if m.contiguous else ", random")),
             ("gap", f"{m.gap} chunk block{'s' if m.gap != 1 else ''}"), ("seed", str(m.seed)),
@@ -556,7 +561,8 @@ def _generator_sections(gen: BatchGenerator, drawing: bool = False) -> list[Sect
                    f"quality {plan_quality(p, gen.space, gen.batch_size, 50):.2f} (1.0 ~ global)")
     else:
         shuffle = f"off: chunk blocks in split order (epoch {gen.epoch})"
-    once = "" if any(d.width > 1 for d in gen.space.split_dims) else ", each chunk read once"
+    once = ("" if any(d.width > 1 for d in gen.space.split_dims) or gen.manifest.block  # blocks: per buffer
+            else ", each chunk read once")
     info = [("batches", batches), ("samples", samples),
             ("reads / epoch", f"{n_units} chunk blocks x {nvar} variable{'s' if nvar != 1 else ''}, "
                               f"~{fmt_bytes(_epoch_bytes(gen, p, n_units))} decoded{once}"),

@@ -300,6 +300,9 @@ class SplitManifest:
     extra: dict[str, Any] = field(default_factory=dict)
     #: split name -> valid-sample mask record (``ds.insitu.validity``; see ``encode_mask``)
     validity: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: split dim -> positions per block, where the blocks along it are runs of that many positions
+    #: (``split(..., block=)``) instead of the chunk grid: any chunking of that dim can then be read
+    block: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         edges = {}
@@ -320,7 +323,7 @@ class SplitManifest:
                 and list(self.splits) == list(other.splits)
                 and all(self.splits[k] == other.splits[k] for k in self.splits))
         rest = ("dims", "sizes", "labels", "seed", "gap", "contiguous", "method", "fingerprint", "snapshot",
-                "stats", "version", "extra", "validity")
+                "stats", "version", "extra", "validity", "block")
         return same and all(getattr(self, k) == getattr(other, k) for k in rest)
 
     __hash__ = None  # type: ignore[assignment]
@@ -376,12 +379,15 @@ class SplitManifest:
 
     def check_grid(self, sizes: dict[str, int], edges: dict[str, np.ndarray], chunks: dict[str, Any]) -> None:
         """Raise ``ValueError`` unless a dataset with these split-dim ``sizes`` and chunk ``edges``
-        has the manifest's chunk grid or refines it (every manifest edge is an edge there)."""
+        has the manifest's chunk grid or refines it (every manifest edge is an edge there). Along a dim
+        split in blocks of positions (``block``) only the length must match: blocks need no chunk edge."""
         for d in self.dims:
             if d not in sizes:
                 raise ValueError(f"manifest splits dim {d!r}, which the selected variables do not have")
             if sizes[d] != self.sizes[d]:
                 raise ValueError(f"manifest was made on {d!r} of length {self.sizes[d]}, this dataset has {sizes[d]}")
+            if d in self.block:
+                continue
             mine, theirs = self.edges[d], np.asarray(edges[d], dtype=np.int64)
             if len(mine) == len(theirs):
                 ok = bool(np.array_equal(mine, theirs))
@@ -415,6 +421,7 @@ class SplitManifest:
             "seed": self.seed, "gap": self.gap, "contiguous": self.contiguous, "method": self.method,
             "fingerprint": self.fingerprint, "snapshot": self.snapshot, "stats": self.stats,
             "extra": self.extra, **({"validity": self.validity} if self.validity else {}),
+            **({"block": self.block} if self.block else {}),
         }
 
     def to_json(self, path: str | os.PathLike | None = None) -> str:
@@ -590,6 +597,14 @@ def _validated_fields(d: dict[str, Any], version: int) -> dict[str, Any]:
     out["validity"] = dict(validity)
     coords = out.get("extra", {}).get("coords", {})
     need(isinstance(coords, dict), "'extra.coords' must be a dict of dim -> [first, last]")
+    block = d.get("block", {})
+    need(isinstance(block, dict) and all(k in dims and _is_int(n) and n >= 1 for k, n in block.items()),
+         f"'block' must map split dims of {dims} to positive integers, got {block!r}")
+    for k, n in block.items():
+        e = edges[k]
+        need(len(e) == -(-sizes[k] // n) + 1 and bool((e[:-1] == np.arange(len(e) - 1) * n).all()),
+             f"'edges' of {k!r} are not blocks of block[{k!r}] = {n} positions")
+    out["block"] = dict(block)
     return out
 
 

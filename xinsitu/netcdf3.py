@@ -4,10 +4,20 @@ A NetCDF-3 file is a header then the variables' values, uncompressed and big-end
 order the header gives: each fixed-size variable contiguous from its ``begin`` offset, then the
 records, each record holding one slab of every record variable (variables along the unlimited
 dimension are interleaved). So every record of every record variable is its own byte range,
-``begin + i * recsize``: one chunk per record along the unlimited dimension. Fixed-size
-variables along the dimension the files are joined on are chunked the same way (one step a
-chunk, so that files of different lengths join); other fixed-size variables are one chunk, or
-one chunk per index of their first dimension where they are large.
+``begin + i * recsize``: one chunk per record along the unlimited dimension. A fixed-size
+variable is stored contiguously in C order, so one index of its first dimension is one
+contiguous slab, ``begin + i * slab``: every fixed-size data variable is addressed in such slabs,
+one index of its first dimension a chunk (as records are), so it can be split along that
+dimension like a chunked array (e.g. ERA-Interim's u, v, z on month x level x lat x lon, split
+along month) and files of different lengths join along it. One index, not several: a slab of
+several would need the dimension's length to be a multiple of it (an edge chunk is read whole),
+a split could only cut between slabs, and all variables along the dimension share the one grid
+of the record variables; a slab is one field (the variable's other dimensions), the unit a
+record variable reads anyway. Only a first dimension longer than ``MAX_SLABS`` (not the join
+dimension) gets slabs of several indices (``slab_steps``: the fewest that keep the references
+bounded, e.g. 10^7 observations of a 1-d variable). Coordinate variables (``x(x)``) stay one
+chunk, or one per index where they are large or along the join dimension: xarray reads them
+whole when it opens the files.
 
 Values are decoded as xarray decodes them (``_FillValue``, ``missing_value``, ``scale_factor``,
 ``add_offset``, ``_Unsigned``) by the :class:`CFBytesCodec` zarr codec (``"xinsitu.cf_bytes"``),
@@ -40,14 +50,29 @@ NC_TYPES = {1: np.dtype("i1"), 2: np.dtype("S1"), 3: np.dtype(">i2"), 4: np.dtyp
 #: Attributes xarray's CF decoder applies to values (the rest are kept as attributes).
 CF_VALUE_ATTRS = ("_FillValue", "missing_value", "scale_factor", "add_offset", "_Unsigned")
 
-#: A fixed-size variable (not along the join dimension) larger than this is chunked along its first dimension.
+#: A coordinate variable (not along the join dimension) larger than this is chunked along its first dimension.
 WHOLE_CHUNK_BYTES = 64 * 2**20
+#: A fixed-size variable (not along the join dimension) is cut into at most this many slabs along its first
+#: dimension (``slab_steps``): a 1-d variable of 10^7 observations is not 10^7 references of 4 bytes.
+MAX_SLABS = 4096
 
 CODEC_NAME = "xinsitu.cf_bytes"
 ARRAY_CODEC_NAME = "xinsitu.cf"
 
 _NC_DIMENSION, _NC_VARIABLE, _NC_ATTRIBUTE = 10, 11, 12
 _STREAMING = 0xFFFFFFFF
+
+
+def slab_steps(n: int) -> int:
+    """Indices of the first dimension per chunk of a fixed-size variable of length ``n`` along it: 1 where
+    ``n <= MAX_SLABS``, else the smallest divisor of ``n`` that leaves at most ``MAX_SLABS`` chunks (a divisor:
+    an edge chunk is read whole, so every slab must be full). It depends on ``n`` alone, so every variable
+    along a dimension gets the same grid."""
+    if n <= MAX_SLABS:
+        return 1
+    want = -(-n // MAX_SLABS)
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return min(d for d in small + [n // d for d in small] if d >= want)
 
 
 def is_netcdf3(head: bytes) -> bool:
@@ -439,9 +464,11 @@ def manifest_store(url: str, read: Callable[[int, int], bytes], size: int, regis
             raise VirtualReferenceError(
                 f"{_where(url)}: variable {v.name!r} holds characters (NC_CHAR), which this reader does not "
                 f"reference in place; leave it out with drop_variables=[{v.name!r}]")
-        step = v.dims and (v.record or v.dims[0] == concat_dim or v.slab > WHOLE_CHUNK_BYTES)
-        n0 = v.shape[0] if step else 1
-        chunk = (1, *v.shape[1:]) if step else v.shape
+        coordinate = v.dims == (v.name,)  # x(x): read whole by xarray on open
+        step = v.dims and (v.record or v.dims[0] == concat_dim or not coordinate or v.slab > WHOLE_CHUNK_BYTES)
+        per = 1 if not step or v.record or v.dims[0] == concat_dim else slab_steps(v.shape[0])
+        n0 = v.shape[0] // per if step else 1
+        chunk = (per, *v.shape[1:]) if step else v.shape
         nbytes = int(np.prod(chunk, dtype=np.int64)) * v.dtype.itemsize
         stride = h.recsize if v.record else nbytes
         grid = (n0,) + (1,) * (len(v.shape) - 1) if v.shape else ()

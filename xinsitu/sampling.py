@@ -527,8 +527,8 @@ def sampling(ds: xr.Dataset, manifest: SplitManifest, split: str, *, window: Any
     _check_manifest(ds, manifest, geometry, sources, stacklevel + 1)
     for d in manifest.dims:  # edges of as many blocks as the manifest's are checked equal: keep one array of them
         mine, theirs = geometry.edges[d], manifest.edges[d]  # (not two: 80 MB each at 10^7 chunks, e.g. a
-        if mine is not theirs and len(mine) == len(theirs):  # manifest from JSON); the Dataset's geometry keeps
-            if mine.flags.writeable:  # its own, so the manifest takes it (read-only, equal)
+        if mine is not theirs and len(mine) == len(theirs) and d not in manifest.block:  # manifest from JSON);
+            if mine.flags.writeable:  # the Dataset's geometry keeps its own, so the manifest takes it (equal)
                 geometry = Geometry(geometry.variables, geometry.dims, geometry.sizes, geometry.edges | {d: theirs})
             else:
                 manifest.edges[d] = mine
@@ -547,7 +547,21 @@ def sampling_key(window: Any, patch: Any, stride: Any, over: Any, sizes: dict[st
                              dim_map("stride", stride, sizes))
     return {"window": dict(sorted(window.items())), "patch": dict(sorted(patch.items())),
             "stride": {d: stride.get(d, patch[d]) for d in sorted(patch)},
-            "over": [over] if isinstance(over, str) else list(over or [])}
+            "over": over_dims(over)}
+
+
+def over_dims(over: Any) -> list[str]:
+    """``over=`` as a list of dim names: a name, or a list of distinct names (a dim named twice would
+    count its positions twice); ``TypeError``/``ValueError`` naming ``over``."""
+    if over is None:
+        return []
+    names = [over] if isinstance(over, str) else over
+    if not isinstance(names, (list, tuple)) or not all(isinstance(d, str) for d in names):
+        raise TypeError(f"over must be a dim name or a list of dim names, got {type(over).__name__} {over!r}")
+    twice = sorted({d for d in names if names.count(d) > 1})
+    if twice:
+        raise ValueError(f"over names {twice} more than once ({list(names)}): name each dim once")
+    return list(names)
 
 
 def _masked(space: SampleSpace, manifest: SplitManifest, split: str, key: dict[str, Any]) -> SampleSpace:
@@ -583,7 +597,7 @@ def _sample_space(manifest: SplitManifest, split: str, geometry: Geometry, windo
     window = dim_map("window", window, sizes)
     patch = dim_map("patch", patch, sizes)
     stride = dim_map("stride", stride, sizes)
-    over = [over] if isinstance(over, str) else list(over or [])
+    over = over_dims(over)
     both = set(window) & set(patch)
     if both:
         raise ValueError(f"dims {sorted(both)} are in both window and patch")

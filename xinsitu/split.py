@@ -9,12 +9,13 @@ in ``xinsitu.manifest`` (re-exported here).
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from xinsitu.geometry import Geometry
+from xinsitu.geometry import Geometry, regular_edges
 from xinsitu.manifest import Blocks, SplitManifest, coord_span, fingerprint_of, json_label
 
 __all__ = ["SplitManifest", "check_fractions", "contiguous_split", "largest_remainder", "make_split",
@@ -34,19 +35,27 @@ def largest_remainder(fractions: dict[str, float], total: int) -> dict[str, int]
     return counts
 
 
-def check_fractions(fractions: dict[str, float]) -> None:
+def check_fractions(fractions: dict[str, float]) -> dict[str, float]:
+    """``fractions`` checked, as plain floats: any real number (numpy scalars included) is taken;
+    a string or a bool raises ``TypeError`` naming ``fractions``."""
     if not isinstance(fractions, dict) or not fractions:
         raise ValueError("fractions must be a non-empty dict of split name -> fraction")
+    out: dict[str, float] = {}
     for k, f in fractions.items():
         if not isinstance(k, str) or not k:
             raise ValueError(f"split names must be non-empty strings, got {k!r}")
-        if not isinstance(f, (int, float)) or isinstance(f, bool) or not math.isfinite(f):
-            raise ValueError(f"fraction for split {k!r} must be a number, got {f!r}")
+        if not isinstance(f, numbers.Real) or isinstance(f, (bool, np.bool_)):
+            raise TypeError(f"fractions[{k!r}] must be a number, got {type(f).__name__} {f!r}")
+        f = float(f)
+        if not math.isfinite(f):
+            raise ValueError(f"fractions[{k!r}] must be a finite number, got {f!r}")
         if f < 0:
             raise ValueError(f"fraction for split {k!r} is negative ({f})")
-    total = sum(fractions.values())
+        out[k] = f
+    total = sum(out.values())
     if not math.isclose(total, 1.0, rel_tol=0, abs_tol=1e-6):
         raise ValueError(f"fractions must sum to 1, they sum to {total:g}: {fractions}")
+    return out
 
 
 def contiguous_split(nblocks: int, fractions: dict[str, float], gap: int) -> dict[str, Blocks]:
@@ -137,7 +146,8 @@ def range_split(edges: np.ndarray, index: pd.Index, ranges: dict[str, slice], ga
         last = int(np.searchsorted(edges, b, side="right")) - 1  # blocks ending at or before b
         if last <= first:
             raise ValueError(f"range for split {name!r} covers no whole chunk of {dim!r} "
-                             f"(chunks are {int(edges[1] - edges[0])} long)")
+                             f"(chunks are {int(edges[1] - edges[0])} long; block={{{dim!r}: n}} splits in "
+                             "blocks of n positions instead)")
         spans.append((name, first, last))
         out[name] = Blocks.range(first, last)
     ordered = sorted(spans, key=lambda s: s[1])
@@ -149,36 +159,77 @@ def range_split(edges: np.ndarray, index: pd.Index, ranges: dict[str, slice], ga
     return out
 
 
+def check_block(block: Any, dims: list[str], sizes: dict[str, int]) -> dict[str, int]:
+    """``block=`` as ``{dim: positions per block}`` for split dims: ``TypeError``/``ValueError`` naming ``block``."""
+    if block is None:
+        return {}
+    if not isinstance(block, dict):
+        raise TypeError(f"block must be a dict of split dim -> positions per block, got {type(block).__name__} "
+                        f"{block!r}")
+    out = {}
+    for d, n in block.items():
+        if d not in dims:
+            raise ValueError(f"block: {d!r} is not a split dim (the split dims are {dims})")
+        if not isinstance(n, (int, np.integer)) or isinstance(n, (bool, np.bool_)):
+            raise TypeError(f"block[{d!r}] must be a whole number of positions, got {type(n).__name__} {n!r}")
+        if not 1 <= n <= sizes[d]:
+            raise ValueError(f"block[{d!r}] must be between 1 and the length of {d!r} ({sizes[d]}), got {n!r}")
+        out[d] = int(n)
+    return out
+
+
+def block_edges(size: int, n: int) -> np.ndarray:
+    """Edges ``0, n, 2n, .., size`` of blocks of ``n`` positions (the last one may be shorter), read-only."""
+    return regular_edges(0, size, n)
+
+
+def _unsplittable(geometry: Geometry, d: str) -> ValueError:
+    """The error for a split dim held in a single chunk: split it in blocks, or join files along it."""
+    whole = [v for v, g in geometry.variables.items()
+             if d in g.dims and g.chunks[g.dims.index(d)] >= g.shape[g.dims.index(d)]]
+    n = geometry.sizes[d]
+    return ValueError(
+        f"dim {d!r} is held in one chunk of {n}"
+        + (f" (variables {whole} hold it in a single chunk)" if whole else
+           f" (the variables' chunks of {geometry.dims[d]} share no edge inside it)")
+        + f", so its chunks cannot go to several splits: pass block={{{d!r}: n}} to split it in blocks of n "
+        f"positions instead (a chunk is then read by several splits, a sample never), or, for files that hold "
+        f"one step each, open them with xinsitu.virtual.open_netcdf(files, concat_dim={d!r}) "
+        f"(or open_grib(..., concat_dim={d!r})) so that each file is a chunk along {d!r}; "
+        "one split (fractions={'train': 1.0}) needs neither")
+
+
 def make_split(ds: Any, geometry: Geometry, dim: str | list[str], *, fractions: dict[str, float] | None = None,
                ranges: dict[str, slice] | None = None, gap: int = 0, contiguous: bool | None = None,
-               seed: int | None = 0) -> SplitManifest:
-    """Split ``ds`` (with ``geometry``) along ``dim`` into a ``SplitManifest``; see ``Dataset.insitu.split``."""
+               seed: int | None = 0, block: dict[str, int] | None = None) -> SplitManifest:
+    """Split ``ds`` (with ``geometry``) along ``dim`` into a ``SplitManifest``; see ``Dataset.insitu.split``.
+
+    ``block={d: n}``: the blocks along ``d`` are runs of ``n`` positions instead of the chunk grid's."""
     dims = [dim] if isinstance(dim, str) else list(dim)
     if not dims or not all(isinstance(d, str) for d in dims):
         raise ValueError(f"dim must be a dim name or a list of names, got {dim!r}")
     if len(set(dims)) != len(dims):
-        raise ValueError(f"dim lists a dimension twice: {dims}")
+        twice = sorted({d for d in dims if dims.count(d) > 1})
+        raise ValueError(f"dim lists {twice} more than once ({dims}): name each split dim once")
     for d in dims:
         if d not in geometry.sizes:
             have = sorted(geometry.sizes)
             raise ValueError(f"unknown dim {d!r}: the data variables have dims {have}")
-        if geometry.nblocks(d) < 2:
-            whole = [v for v, g in geometry.variables.items() if d in g.dims
-                     and g.chunks[g.dims.index(d)] >= g.shape[g.dims.index(d)]]
-            raise ValueError(f"dim {d!r} is not chunked (one chunk of {geometry.sizes[d]}"
-                             + (f"; variables {whole} hold it in a single chunk" if whole else
-                                f"; the variables' chunks of {geometry.dims[d]} share no edge inside it")
-                             + f"): a split needs at least one chunk per split; re-chunk the archive along "
-                             f"{d!r} or select variables chunked along it")
+    block = check_block(block, dims, geometry.sizes)
+    edges = {d: block_edges(geometry.sizes[d], block[d]) if d in block else geometry.edges[d] for d in dims}
+    nsplits = len(fractions) if isinstance(fractions, dict) else len(ranges) if isinstance(ranges, dict) else 2
+    for d in dims:
+        if len(edges[d]) - 1 < 2 and d not in block and nsplits > 1:
+            raise _unsplittable(geometry, d)
     if not isinstance(gap, (int, np.integer)) or isinstance(gap, bool) or gap < 0:
         raise ValueError(f"gap must be a non-negative whole number of chunks, got {gap!r}")
     if (fractions is None) == (ranges is None):
         raise ValueError("give exactly one of fractions= or ranges=")
     if contiguous is None:
         contiguous = len(dims) == 1
-    grid = tuple(geometry.nblocks(d) for d in dims)
+    grid = tuple(len(edges[d]) - 1 for d in dims)
     if fractions is not None:
-        check_fractions(fractions)
+        fractions = check_fractions(fractions)
         if contiguous:
             if len(dims) != 1:
                 raise ValueError("contiguous=True needs a single split dim; use contiguous=False for several")
@@ -195,9 +246,8 @@ def make_split(ds: Any, geometry: Geometry, dim: str | list[str], *, fractions: 
             raise ValueError("ranges= works on a single split dim")
         # a dim without a coordinate is labelled by its positions
         index = ds.indexes[dims[0]] if dims[0] in ds.indexes else pd.RangeIndex(geometry.sizes[dims[0]])
-        chosen = range_split(geometry.edges[dims[0]], index, ranges, int(gap), dims[0])
+        chosen = range_split(edges[dims[0]], index, ranges, int(gap), dims[0])
         method = "ranges"
-    edges = {d: geometry.edges[d] for d in dims}
     sizes = {d: int(geometry.sizes[d]) for d in dims}
     splits = {k: Blocks.from_ids(v) for k, v in chosen.items()}
     labels: dict[str, dict[str, list[Any]]] = {}
@@ -222,4 +272,4 @@ def make_split(ds: Any, geometry: Geometry, dim: str | list[str], *, fractions: 
                          splits=splits,
                          labels=labels, seed=None if seed is None else int(seed), gap=int(gap),
                          contiguous=bool(contiguous), method=method, fingerprint=fp,
-                         snapshot=snapshot_of(ds), extra={"coords": coords})
+                         snapshot=snapshot_of(ds), extra={"coords": coords}, block=block)

@@ -124,10 +124,15 @@ class InsituAccessor:
         output : {"xarray", "dataarray", "numpy", "torch", "cupy", "jax"}, default "xarray"
         stack : bool or list of str, default False
             One array per batch with the variables as channels (see ``BatchGenerator.channels``);
-            a list of dims (e.g. ``["level"]``) also folds those dims, which every variable must
-            have, into channels ``{var}_{label}`` (variable then label).
+            a dim the other variables lack becomes one channel per label, ``{var}_{label}``: with
+            ``variables=["z", "t2m", "u", "v"]`` (levels beside a surface field) ``stack=True``
+            gives the usual weather-model input ``(B, C, H, W)``. A list of dims (e.g.
+            ``["level"]``) folds those dims into channels even where every variable has them; a
+            selected variable lacking them is one channel ``{var}``. Variable then label order.
         normalize : dict, optional
-            Statistics from :meth:`stats` (``manifest.stats``): ``(x - mean) / std`` per channel.
+            Statistics from :meth:`stats` (``manifest.stats``): ``(x - mean) / std`` per channel,
+            applied by channel name whatever the order of ``variables=`` (a channel the statistics
+            lack raises, naming it; values must be numbers).
         device : str, torch.device or jax.Device, optional
             Where torch tensors go (e.g. ``"cuda:0"``); for ``output="jax"`` a jax device
             (default: jax's default device).
@@ -186,8 +191,9 @@ class InsituAccessor:
         cache : as for :meth:`batches`; pass the ``ChunkCache`` the training epochs use, and this
             pass fills it.
         stack : list of str, optional
-            Dims to make channels of in every variable, as ``stack=["level"]`` of :meth:`batches`:
-            statistics per label (per-level mean/std) rather than pooled over the dim.
+            Dims to make channels of, as ``stack=["level"]`` of :meth:`batches`: statistics per
+            label (per-level mean/std, a list in label order) rather than pooled over the dim; a
+            variable lacking the dim (a surface field) keeps one number per key.
 
         Returns
         -------
@@ -249,7 +255,7 @@ class InsituAccessor:
     def dataset(self, manifest: SplitManifest, split: str, *, window: dict[str, int] | None = None,
                 patch: dict[str, int] | None = None, stride: dict[str, int] | None = None,
                 over: str | list[str] | None = None, variables: str | list[str] | None = None,
-                output: str = "numpy", stack: bool = False, normalize: dict[str, Any] | None = None,
+                output: str = "numpy", stack: bool | list[str] = False, normalize: dict[str, Any] | None = None,
                 cache: bool | str | os.PathLike[str] | ChunkCache | None = None,
                 max_inflight: int | None = None, missing: str = "fill") -> InsituDataset:
         """A map-style dataset over the samples of ``split``, for a DataLoader with your own sampler.
@@ -282,8 +288,9 @@ class InsituAccessor:
         output : {"numpy", "torch", "xarray", "dataarray", "cupy"}, default "numpy"
             The kind of ``d[i]`` and of a batch; "numpy" or "torch" for the default ``collate_fn``
             (xarray outputs need ``collate_fn=xinsitu.dataset.collate``).
-        stack : bool, default False
-            One array per sample with the variables as channels (``d.channels``).
+        stack : bool or list of str, default False
+            One array per sample with the variables as channels (``d.channels``), as for
+            :meth:`batches` (``["level"]`` folds that dim into ``{var}_{label}`` channels).
         normalize : dict, optional
             Statistics from :meth:`stats` (``manifest.stats``): ``(x - mean) / std`` per channel.
         cache : bool, str, os.PathLike or xinsitu.ChunkCache, optional

@@ -144,8 +144,9 @@ class InsituDataset:
     output : {"xarray", "dataarray", "numpy", "torch", "cupy"}, default "numpy"
         The kind of ``d[i]`` and of a batch (``d.batch``); "numpy" or "torch" for a DataLoader
         with the default ``collate_fn``.
-    stack : bool, default False
-        One array with the variables as channels (``d.channels`` names them).
+    stack : bool or list of str, default False
+        One array with the variables as channels (``d.channels`` names them), as for
+        ``ds.insitu.batches`` (``["level"]`` folds that dim into ``{var}_{label}`` channels).
     cache : bool, str, os.PathLike or xinsitu.ChunkCache, optional
         Keep decoded chunks across calls (and, with a directory, across runs), as for
         ``ds.insitu.batches``; a random sampler then reads each chunk once per run.

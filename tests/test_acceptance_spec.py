@@ -767,11 +767,14 @@ def test_normalize_applies(ds3):
 
 
 def test_normalize_other_channel_order(ds3):
+    """SPEC §1: statistics are keyed by channel name, applied whatever the order of variables=."""
     m = ds3.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
-    ds3.insitu.stats(m, "train", variables=["t2m", "tp"])
-    with pytest.raises(ValueError):
-        ds3.insitu.batches(m, "val", batch_size=4, variables=["tp", "t2m"], normalize=m.stats, stack=True,
-                           output="numpy")
+    st = ds3.insitu.stats(m, "train", variables=["t2m", "tp"])
+    gen = ds3.insitu.batches(m, "val", batch_size=4, variables=["tp", "t2m"], normalize=m.stats, stack=True,
+                             output="numpy", shuffle=False)
+    b = next(iter(gen))
+    raw = ds3.t2m.isel(time=slice(20, 24)).values
+    np.testing.assert_allclose(b[:, 1], (raw - st["t2m"]["mean"]) / st["t2m"]["std"], rtol=1e-5, atol=1e-5)
 
 
 def test_resume_exact(ds3):

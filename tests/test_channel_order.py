@@ -24,7 +24,13 @@ CHILD = textwrap.dedent("""
     warnings.simplefilter("ignore")
     import xinsitu
     where = sys.argv[1]
-    if where.startswith("icechunk:"):
+    if where.startswith("xr:"):  # plain xarray: the accessor sorts the channels (SPEC §1)
+        import xarray as xr
+        ds = xr.open_zarr(where[3:])
+    elif where.startswith("xrds:"):
+        import xarray as xr
+        ds = xr.open_dataset(where[5:], engine="zarr", chunks=None).isel(t=slice(0, 12))
+    elif where.startswith("icechunk:"):
         import icechunk
         repo = icechunk.Repository.open(icechunk.local_filesystem_storage(where[len("icechunk:"):]))
         ds = xinsitu.open_zarr(repo.readonly_session(branch="main").store)
@@ -45,10 +51,10 @@ def _dataset() -> xr.Dataset:
                       coords={"t": np.arange(16)})
 
 
-def _runs(where: str) -> list[dict]:
+def _runs(where: str, processes: int = PROCESSES) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p))
     out = []
-    for seed in range(PROCESSES):
+    for seed in range(processes):
         env["PYTHONHASHSEED"] = str(seed)
         res = subprocess.run([sys.executable, "-c", CHILD, where], env=env, capture_output=True, text=True,
                              timeout=120, check=False)
@@ -69,6 +75,40 @@ def test_unconsolidated_v3_store_has_one_order(tmp_path):
     path = str(tmp_path / "u.zarr")
     _dataset().to_zarr(path, zarr_format=3, consolidated=False, encoding={n: {"chunks": (4, 3)} for n in NAMES})
     _assert_same_sorted(_runs(path))
+
+
+@pytest.mark.parametrize("how", ["xr", "xrds"])
+def test_unconsolidated_store_through_xarray_has_one_order(tmp_path, how):
+    """xr.open_zarr / xr.open_dataset(engine="zarr") list an unconsolidated store's arrays in no fixed
+    order; the accessor sorts them by name for the channels, statistics and state (SPEC §1)."""
+    path = str(tmp_path / "u.zarr")
+    _dataset().to_zarr(path, zarr_format=3, consolidated=False, encoding={n: {"chunks": (4, 3)} for n in NAMES})
+    runs = _runs(f"{how}:{path}", 3)
+    assert any(r["data_vars"] != sorted(NAMES) for r in runs)  # xarray's own order: the store's listing
+    for r in runs:
+        assert r["channels"] == r["stats"] == r["state"] == sorted(NAMES)
+        assert r["batch"] == runs[0]["batch"]
+
+
+def test_accessor_sorts_only_a_listed_order(tmp_path):
+    """The order is sorted where it is a store's listing (the Dataset still holds the backend that read
+    the group without consolidated metadata); variables= and a user's own selection order are kept."""
+    path = str(tmp_path / "u.zarr")
+    _dataset().to_zarr(path, zarr_format=3, consolidated=False, encoding={n: {"chunks": (4, 3)} for n in NAMES})
+    ds = xr.open_zarr(path, chunks=None)
+    m = ds.insitu.split("t", fractions={"train": 0.5, "val": 0.5})
+    kw = dict(batch_size=4, output="numpy", stack=True, shuffle=False)
+    assert ds.insitu.batches(m, "train", **kw).channels == sorted(NAMES)
+    assert ds.isel(x=[0, 2]).insitu.batches(m, "train", **kw).channels == sorted(NAMES)
+    assert ds.insitu.dataset(m, "train", stack=True).channels == sorted(NAMES)
+    batch = next(iter(ds.insitu.batches(m, "train", **kw)))
+    np.testing.assert_array_equal(batch[:, :, 0], [[NAMES.index(n) for n in sorted(NAMES)]] * 4)
+    assert ds.insitu.batches(m, "train", variables=["zeta", "alpha"], **kw).channels == ["zeta", "alpha"]
+    assert ds[["zeta", "mid", "alpha"]].insitu.batches(m, "train", **kw).channels == ["zeta", "mid", "alpha"]
+    cons = str(tmp_path / "c.zarr")
+    _dataset().to_zarr(cons, zarr_format=3, consolidated=True, encoding={n: {"chunks": (4, 3)} for n in NAMES})
+    ds = xr.open_zarr(cons, chunks=None)
+    assert ds.insitu.batches(m, "train", **kw).channels == list(ds.data_vars)
 
 
 def test_icechunk_repository_has_one_order(tmp_path):

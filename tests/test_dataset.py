@@ -433,6 +433,36 @@ def test_index_errors(era5):
     assert np.array_equal(got[0]["t2m"], d[4]["t2m"]) and np.array_equal(d[torch.tensor(2)]["t2m"], d[2]["t2m"])
 
 
+@pytest.mark.parametrize("bad", [2**64 - 1, 2**64 - 48, 2**63, 2**64, 2**70, -2**63, -2**64 - 1, -2**70,
+                                 np.uint64(2**64 - 1), np.uint64(2**64 - 48), np.uint64(2**63)])
+def test_huge_indices_never_wrap(era5, bad):
+    """An integer of any size or type out of range is an IndexError: never cast to int64 first (where
+    2**64 - 1 became -1, the last sample, and a uint64 2**64 - n sample 0)."""
+    ds, m = era5
+    d = InsituDataset(ds, m, "train")
+    with pytest.raises(IndexError, match="out of range"):
+        d[bad]
+    with pytest.raises(IndexError, match="out of range"):
+        d.__getitems__([0, bad])
+    with pytest.raises(IndexError, match="out of range"):
+        d.batch([bad, 1])
+    if isinstance(bad, np.integer) or 0 <= bad < 2**64:
+        with pytest.raises(IndexError, match="out of range"):
+            d.batch(np.array([bad, 1], dtype=np.uint64))
+
+
+def test_in_range_indices_of_any_integer_type(era5):
+    ds, m = era5
+    d = InsituDataset(ds, m, "train")
+    n = len(d)
+    last = d[n - 1]["t2m"]
+    for i in (np.uint64(n - 1), np.int64(-1), -1, np.uint8(n - 1) if n <= 256 else n - 1):
+        assert np.array_equal(d[i]["t2m"], last)
+    got = d.batch(np.array([n - 1, 0], dtype=np.uint64))["t2m"]
+    assert np.array_equal(got[0], last) and np.array_equal(got[1], d[0]["t2m"])
+    assert np.array_equal(d.batch([-1, 2**3])["t2m"][0], last)
+
+
 def test_argument_errors(era5):
     ds, m = era5
     cases = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import xarray as xr
@@ -18,6 +18,23 @@ from xinsitu.split import make_split
 
 if TYPE_CHECKING:
     from xinsitu.dataset import InsituDataset
+
+
+def listed_unordered(ds: xr.Dataset) -> bool:
+    """Whether ``ds``'s data variables are in the order a Zarr store listed its arrays without
+    consolidated metadata (an order that changes from process to process; every Icechunk repository).
+
+    True for a Dataset that still holds the xarray Zarr backend that opened it (``xr.open_zarr``,
+    ``xr.open_dataset(engine="zarr")``, ``xinsitu.open_zarr``, and what ``isel``/``sel``/``drop_vars``
+    make of them: they keep the backend, and the listed order) where that backend read the group
+    without consolidated metadata. A Dataset whose variables someone put in order (``ds[["t2m",
+    "z"]]``, ``xr.merge``, one built in memory) holds no backend: its order is the user's, kept.
+    """
+    backend = getattr(getattr(ds, "_close", None), "__self__", None)
+    if type(backend).__name__ != "ZarrStore":
+        return False
+    meta = getattr(getattr(backend, "zarr_group", None), "metadata", None)
+    return meta is not None and getattr(meta, "consolidated_metadata", False) is None
 
 
 @xr.register_dataset_accessor("insitu")
@@ -35,6 +52,16 @@ class InsituAccessor:
         loaded in place); ``batches``, ``stats`` and ``validity`` share it (``geometry.dataset_geometry``).
         """
         return dataset_geometry(self._ds)[1]
+
+    def _variables(self, manifest: Any, variables: str | list[str] | None) -> str | list[str] | None:
+        """``variables=``, or where it is not given and the Dataset's variable order is a store's listing
+        without consolidated metadata (``listed_unordered``), the default variables sorted by name
+        (SPEC §1: the channel order must not change from run to run)."""
+        if variables is not None or not isinstance(manifest, SplitManifest) or not listed_unordered(self._ds):
+            return variables
+        dims = set(manifest.dims)
+        names = [v for v in sorted(self._ds.data_vars, key=str) if dims & set(self._ds[v].dims)]
+        return cast(list[str], names) or None
 
     @property
     def chunks(self) -> dict[str, int | tuple[int, ...]]:
@@ -163,8 +190,9 @@ class InsituAccessor:
         BatchGenerator
         """
         return BatchGenerator(self._ds, manifest, split, batch_size=batch_size, shuffle=shuffle, seed=seed,
-                              window=window, patch=patch, stride=stride, over=over, variables=variables,
-                              output=output, stack=stack, normalize=normalize, device=device,
+                              window=window, patch=patch, stride=stride, over=over,
+                              variables=self._variables(manifest, variables), output=output, stack=stack,
+                              normalize=normalize, device=device,
                               block_chunks=block_chunks, max_inflight=max_inflight, drop_last=drop_last,
                               rank=rank, world_size=world_size, progress=progress, missing=missing, cache=cache,
                               transform=transform)
@@ -203,8 +231,8 @@ class InsituAccessor:
         """
         from xinsitu.stats import compute_stats
 
-        st = compute_stats(self._ds, manifest, split, variables, block_chunks=block_chunks,
-                           max_inflight=max_inflight, cache=cache, stack=stack)
+        st = compute_stats(self._ds, manifest, split, self._variables(manifest, variables),
+                           block_chunks=block_chunks, max_inflight=max_inflight, cache=cache, stack=stack)
         manifest.set_stats(st)
         return st
 
@@ -248,9 +276,9 @@ class InsituAccessor:
         """
         from xinsitu.validity import compute_validity
 
-        return compute_validity(self._ds, manifest, split, where, variables, window=window, patch=patch,
-                                stride=stride, over=over, block_chunks=block_chunks, max_inflight=max_inflight,
-                                cache=cache)
+        return compute_validity(self._ds, manifest, split, where, self._variables(manifest, variables),
+                                window=window, patch=patch, stride=stride, over=over, block_chunks=block_chunks,
+                                max_inflight=max_inflight, cache=cache)
 
     def dataset(self, manifest: SplitManifest, split: str, *, window: dict[str, int] | None = None,
                 patch: dict[str, int] | None = None, stride: dict[str, int] | None = None,
@@ -309,7 +337,8 @@ class InsituAccessor:
         from xinsitu.dataset import InsituDataset
 
         return InsituDataset(self._ds, manifest, split, window=window, patch=patch, stride=stride, over=over,
-                             variables=variables, output=output, stack=stack, normalize=normalize, cache=cache,
+                             variables=self._variables(manifest, variables), output=output, stack=stack,
+                             normalize=normalize, cache=cache,
                              max_inflight=max_inflight, missing=missing)
 
     def sample(self, manifest: SplitManifest, split: str, i: int, *, window: dict[str, int] | None = None,
@@ -334,6 +363,6 @@ class InsituAccessor:
         xr.Dataset
         """
         gen = BatchGenerator(self._ds, manifest, split, shuffle=False, batch_size=1, window=window, patch=patch,
-                             stride=stride, over=over, variables=variables, normalize=normalize,
-                             rank=0, world_size=1)
+                             stride=stride, over=over, variables=self._variables(manifest, variables),
+                             normalize=normalize, rank=0, world_size=1)
         return gen.sample(i)

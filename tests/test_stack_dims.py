@@ -112,6 +112,9 @@ def test_normalize_with_pooled_stats_refused(ds_m):
     pooled = ds.insitu.stats(m, "train", variables=["u", "v", "z"])
     with pytest.raises(ValueError, match=r"stack=\['level'\]"):
         ds.insitu.batches(m, "train", output="numpy", stack=["level"], variables=["u", "v", "z"], normalize=pooled)
+    # stack=True with a surface variable beside u: u's levels are channels, the pooled statistics have none
+    with pytest.raises(ValueError, match=r"no statistics for channel\(s\) \['u_500', 'u_700', 'u_850'\]"):
+        ds.insitu.batches(m, "train", output="numpy", stack=True, variables=["u", "t2m"], normalize=pooled)
 
 
 def test_normalize_by_channel_name(ds_m):
@@ -132,7 +135,7 @@ def test_normalize_by_channel_name(ds_m):
     np.testing.assert_array_equal(x, ref[:, [5, 3]])
     # a channel the statistics lack
     some = ds.insitu.stats(m, "train", variables=["u", "z"], stack=["level"])
-    with pytest.raises(ValueError, match=r"no statistics for channel.*'v_500'"):
+    with pytest.raises(ValueError, match=r"no statistics for .*'v_500'"):
         ds.insitu.batches(m, "val", variables=["z", "v"], normalize=some, **kw)
     fewer = ds.isel(level=[0, 1])
     st2 = fewer.insitu.stats(m, "train", variables=["u"], stack=["level"])
@@ -300,3 +303,19 @@ def test_surface_variables_beside_levels_map_style_and_state(ds_m):
     b = ds.insitu.batches(m, "train", batch_size=4, output="numpy", stack=["level"], variables=["t2m", "z", "u", "v"])
     with pytest.raises(ValueError, match=r"channel order.*'z_500'.*'t2m'.*here.*'t2m', 'z_500'"):
         b.load_state_dict(a.state_dict())
+
+
+def test_weather_input_doc_example_runs(tmp_path, monkeypatch, capsys):
+    """docs/how-to/level-channels.md opens with a runnable example of the weather-model input."""
+    import re
+    import tempfile
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "how-to" / "level-channels.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    exec(compile(code, "level-channels.md", "exec"), {"__name__": "doc"})
+    out = capsys.readouterr().out.splitlines()
+    levels = [500, 700, 850]
+    assert out == [str([f"z_{lev}" for lev in levels] + ["t2m"] + [f"{v}_{lev}" for v in "uv" for lev in levels]),
+                   "(8, 10, 8, 16)"]

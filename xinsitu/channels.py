@@ -252,6 +252,13 @@ def normalizer(stats: dict[str, Any], layouts: dict[str, VarLayout], kept: tuple
                              f"{have}); compute them for these variables: "
                              f"ds.insitu.stats(m, split, variables={list(layouts)})")
         extra = list(entry.get("dims", inferred[n]))
+        pooled = [d for d in inferred[n] if d not in extra]
+        if pooled and ds is not None:  # one mean for all labels of a dim that is channels here: those have none
+            mine = _names(ds, n, inferred[n], lay)
+            again = f"variables={list(layouts)}" + (f", stack={list(fold)}" if fold else "")
+            raise ValueError(f"normalize: no statistics for channel(s) {mine}: the statistics of {n!r} are pooled "
+                             f"over {pooled} (channels {entry.get('channels', [n])}); compute them for these "
+                             f"channels: ds.insitu.stats(m, split, {again})")
         out_dims = ("sample", *lay.out_dims) if lay.has_sample_axis else lay.src.dims
         missing = [d for d in extra if d not in out_dims]
         if missing:

@@ -18,7 +18,6 @@ import xarray as xr
 
 from xinsitu.channels import (
     cf_decoder,
-    channel_names,
     check_fold,
     fold_dims,
     identity,
@@ -54,15 +53,6 @@ class OutputBuilder:
         self.channels, self.base_dims = plan_channels(ds, layouts, kept, self.fold) if self.stack else ([], ())
         # (x - mean) / std per channel after CF decoding; m.stats from ds.insitu.stats, or a dict like it,
         # applied by channel name (whatever the order of variables=)
-        if normalize is not None and self.fold and isinstance(normalize, dict):
-            names = channel_names(ds, layouts, kept, self.fold)
-            saved = normalize.get("channels")
-            if isinstance(saved, list) and not set(names) <= set(saved):
-                # statistics pooled over the folded dim would normalise every label alike
-                lost = [c for c in names if c not in saved]
-                raise ValueError(f"normalize: no statistics for channel(s) {lost} of these batches (stack="
-                                 f"{list(self.fold)}); the statistics have {saved}; compute them per channel: "
-                                 f"ds.insitu.stats(m, split, stack={list(self.fold)})")
         self.normalizer = normalizer(normalize, layouts, kept, self.fold, ds) if normalize is not None else None
         dtypes = [lay.src.dtype for lay in layouts.values()]
         if self.normalizer is not None:

@@ -463,6 +463,45 @@ def test_in_range_indices_of_any_integer_type(era5):
     assert np.array_equal(d.batch([-1, 2**3])["t2m"][0], last)
 
 
+def test_hypothesis_index_range_like_python(era5):
+    """Property: any integer, of any size, as a Python int, a numpy scalar or in an int64/uint64 array,
+    selects what ``range(n)[i]`` selects, or raises IndexError where that does."""
+    ds, m = era5
+    d = InsituDataset(ds, m, "train")
+    n = len(d)
+
+    def expect(i: int) -> int | None:
+        try:
+            return range(n)[i]
+        except IndexError:
+            return None
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.one_of(st.integers(-3 * n, 3 * n), st.integers(-2**70, 2**70),
+                              st.sampled_from([2**63 - 1, 2**63, 2**64 - 1, 2**64, -2**63, -2**63 - 1])),
+                    min_size=1, max_size=4))
+    def check(ids: list[int]) -> None:
+        want = [expect(i) for i in ids]
+        kinds: list = [ids]
+        if all(-2**63 <= i < 2**63 for i in ids):
+            kinds.append(np.array(ids, dtype=np.int64))
+        if all(0 <= i < 2**64 for i in ids):
+            kinds.append(np.array(ids, dtype=np.uint64))
+            kinds.append([np.uint64(i) for i in ids])
+        for idx in kinds:
+            if None in want:
+                with pytest.raises(IndexError, match="out of range"):
+                    d._ids(idx, "indices")
+            else:
+                assert d._ids(idx, "indices").tolist() == want
+        for i, w in zip(ids, want, strict=True):
+            if w is None:
+                with pytest.raises(IndexError, match="out of range"):
+                    d._ids([i], "index")
+
+    check()
+
+
 def test_argument_errors(era5):
     ds, m = era5
     cases = [

@@ -157,7 +157,7 @@ def channel_plan(ds: xr.Dataset, layouts: dict[str, VarLayout],
     """Per variable, its channel names and its extra (channel) dims, as ``plan_channels`` has them.
 
     Variables that cannot be stacked together (no shared dims) are one channel each (unless dims
-    are folded: ``fold``, i.e. ``stack=["level"]``, makes channels of them in every variable).
+    are folded: ``fold``, i.e. ``stack=["level"]``, makes channels of them in every variable that has them).
     """
     extras = _base_and_extra(layouts, (), fold)[1]
     if any(extra is None for extra in extras.values()):

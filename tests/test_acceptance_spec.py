@@ -693,18 +693,22 @@ def _batches_params():
 
 
 def test_stack_level_list(ds3):
-    if "stack" not in _batches_params():
-        pytest.xfail("no stack=")
+    assert "stack" in _batches_params()
     m = ds3.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
-    try:
-        gen = ds3.insitu.batches(m, "train", batch_size=4, output="numpy", stack=["level"],
-                                 variables=["u", "z"], shuffle=False)
-    except (TypeError, ValueError) as e:
-        pytest.xfail(f"SPEC §4 stack=['level'] not supported: {e}")
+    gen = ds3.insitu.batches(m, "train", batch_size=4, output="numpy", stack=["level"],
+                             variables=["u", "z"], shuffle=False)
     assert gen.channels == ["u_850", "u_500", "u_250", "z_850", "z_500", "z_250"]
     b = next(iter(gen))
     arr = b if isinstance(b, np.ndarray) else b[next(iter(b))]
     assert arr.shape == (4, 6, NLAT, NLON)
+    # a surface variable beside them is one channel `{var}` (the usual weather-model input)
+    gen = ds3.insitu.batches(m, "train", batch_size=4, output="numpy", stack=["level"],
+                             variables=["z", "t2m", "u"], shuffle=False)
+    assert gen.channels == ["z_850", "z_500", "z_250", "t2m", "u_850", "u_500", "u_250"]
+    b = next(iter(gen))
+    assert b.shape == (4, 7, NLAT, NLON)
+    np.testing.assert_array_equal(b[:, 3], ds3.t2m.isel(time=slice(0, 4)).values)
+    np.testing.assert_array_equal(b[:, 1], ds3.z.sel(level=500).isel(time=slice(0, 4)).values)
 
 
 def test_output_jax(ds3):
@@ -763,11 +767,14 @@ def test_normalize_applies(ds3):
 
 
 def test_normalize_other_channel_order(ds3):
+    """SPEC §1: statistics are keyed by channel name, applied whatever the order of variables=."""
     m = ds3.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
-    ds3.insitu.stats(m, "train", variables=["t2m", "tp"])
-    with pytest.raises(ValueError):
-        ds3.insitu.batches(m, "val", batch_size=4, variables=["tp", "t2m"], normalize=m.stats, stack=True,
-                           output="numpy")
+    st = ds3.insitu.stats(m, "train", variables=["t2m", "tp"])
+    gen = ds3.insitu.batches(m, "val", batch_size=4, variables=["tp", "t2m"], normalize=m.stats, stack=True,
+                             output="numpy", shuffle=False)
+    b = next(iter(gen))
+    raw = ds3.t2m.isel(time=slice(20, 24)).values
+    np.testing.assert_allclose(b[:, 1], (raw - st["t2m"]["mean"]) / st["t2m"]["std"], rtol=1e-5, atol=1e-5)
 
 
 def test_resume_exact(ds3):
@@ -1042,5 +1049,11 @@ def test_state_other_channel_order_names_both(ds3):
 
 def test_stats_stack_level_keyword(ds3):
     params = inspect.signature(_accessor_cls().stats).parameters
-    if "stack" not in params:
-        pytest.xfail("SPEC §4: ds.insitu.stats(m, split, stack=['level']) has no stack keyword")
+    assert "stack" in params
+    m = ds3.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    st = ds3.insitu.stats(m, "train", variables=["z", "t2m"], stack=["level"])
+    assert st["channels"] == ["z_850", "z_500", "z_250", "t2m"]
+    assert len(st["z"]["mean"]) == 3 and isinstance(st["t2m"]["mean"], float)
+    gen = ds3.insitu.batches(m, "train", batch_size=4, output="numpy", stack=["level"], variables=["t2m", "z"],
+                             normalize=st)
+    assert next(iter(gen)).shape == (4, 4, NLAT, NLON)

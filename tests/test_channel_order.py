@@ -24,7 +24,13 @@ CHILD = textwrap.dedent("""
     warnings.simplefilter("ignore")
     import xinsitu
     where = sys.argv[1]
-    if where.startswith("icechunk:"):
+    if where.startswith("xr:"):  # plain xarray: the accessor sorts the channels (SPEC §1)
+        import xarray as xr
+        ds = xr.open_zarr(where[3:])
+    elif where.startswith("xrds:"):
+        import xarray as xr
+        ds = xr.open_dataset(where[5:], engine="zarr", chunks=None).isel(t=slice(0, 12))
+    elif where.startswith("icechunk:"):
         import icechunk
         repo = icechunk.Repository.open(icechunk.local_filesystem_storage(where[len("icechunk:"):]))
         ds = xinsitu.open_zarr(repo.readonly_session(branch="main").store)
@@ -45,10 +51,10 @@ def _dataset() -> xr.Dataset:
                       coords={"t": np.arange(16)})
 
 
-def _runs(where: str) -> list[dict]:
+def _runs(where: str, processes: int = PROCESSES) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p))
     out = []
-    for seed in range(PROCESSES):
+    for seed in range(processes):
         env["PYTHONHASHSEED"] = str(seed)
         res = subprocess.run([sys.executable, "-c", CHILD, where], env=env, capture_output=True, text=True,
                              timeout=120, check=False)
@@ -69,6 +75,40 @@ def test_unconsolidated_v3_store_has_one_order(tmp_path):
     path = str(tmp_path / "u.zarr")
     _dataset().to_zarr(path, zarr_format=3, consolidated=False, encoding={n: {"chunks": (4, 3)} for n in NAMES})
     _assert_same_sorted(_runs(path))
+
+
+@pytest.mark.parametrize("how", ["xr", "xrds"])
+def test_unconsolidated_store_through_xarray_has_one_order(tmp_path, how):
+    """xr.open_zarr / xr.open_dataset(engine="zarr") list an unconsolidated store's arrays in no fixed
+    order; the accessor sorts them by name for the channels, statistics and state (SPEC §1)."""
+    path = str(tmp_path / "u.zarr")
+    _dataset().to_zarr(path, zarr_format=3, consolidated=False, encoding={n: {"chunks": (4, 3)} for n in NAMES})
+    runs = _runs(f"{how}:{path}", 3)
+    assert any(r["data_vars"] != sorted(NAMES) for r in runs)  # xarray's own order: the store's listing
+    for r in runs:
+        assert r["channels"] == r["stats"] == r["state"] == sorted(NAMES)
+        assert r["batch"] == runs[0]["batch"]
+
+
+def test_accessor_sorts_only_a_listed_order(tmp_path):
+    """The order is sorted where it is a store's listing (the Dataset still holds the backend that read
+    the group without consolidated metadata); variables= and a user's own selection order are kept."""
+    path = str(tmp_path / "u.zarr")
+    _dataset().to_zarr(path, zarr_format=3, consolidated=False, encoding={n: {"chunks": (4, 3)} for n in NAMES})
+    ds = xr.open_zarr(path, chunks=None)
+    m = ds.insitu.split("t", fractions={"train": 0.5, "val": 0.5})
+    kw = dict(batch_size=4, output="numpy", stack=True, shuffle=False)
+    assert ds.insitu.batches(m, "train", **kw).channels == sorted(NAMES)
+    assert ds.isel(x=[0, 2]).insitu.batches(m, "train", **kw).channels == sorted(NAMES)
+    assert ds.insitu.dataset(m, "train", stack=True).channels == sorted(NAMES)
+    batch = next(iter(ds.insitu.batches(m, "train", **kw)))
+    np.testing.assert_array_equal(batch[:, :, 0], [[NAMES.index(n) for n in sorted(NAMES)]] * 4)
+    assert ds.insitu.batches(m, "train", variables=["zeta", "alpha"], **kw).channels == ["zeta", "alpha"]
+    assert ds[["zeta", "mid", "alpha"]].insitu.batches(m, "train", **kw).channels == ["zeta", "mid", "alpha"]
+    cons = str(tmp_path / "c.zarr")
+    _dataset().to_zarr(cons, zarr_format=3, consolidated=True, encoding={n: {"chunks": (4, 3)} for n in NAMES})
+    ds = xr.open_zarr(cons, chunks=None)
+    assert ds.insitu.batches(m, "train", **kw).channels == list(ds.data_vars)
 
 
 def test_icechunk_repository_has_one_order(tmp_path):
@@ -130,33 +170,49 @@ def test_state_records_channel_order(small):
     assert np.array_equal(next(iter(same)), next(it))
 
 
-def test_normalize_records_channel_order(small):
+def test_normalize_applies_statistics_by_channel_name(small):
+    """SPEC §1: m.stats is keyed by channel name; normalize= applies it whatever the order of variables=."""
     m = small.insitu.split("t", fractions={"train": 0.5, "val": 0.5})
     st = small.insitu.stats(m, "train", variables=["a", "b", "c"])
     assert st["channels"] == ["a", "b", "c"]
-    with pytest.raises(ValueError, match=r"\['a', 'b', 'c'\].*\['b', 'a'\]"):
-        small.insitu.batches(m, "val", variables=["b", "a"], normalize=st, stack=True)
-    with pytest.raises(ValueError, match="order"):
-        small.insitu.batches(m, "val", variables=["c", "a"], normalize=st, output="numpy")
-    # the same order, or a part of it in that order: fine
-    ref = small.insitu.batches(m, "val", variables=["a", "c"], normalize=st, output="numpy", shuffle=False)
-    small.insitu.batches(m, "val", variables=["b"], normalize=st)
-    # statistics without recorded channels (older ones, or hand-written) apply by variable name
+    raw = {v: small[v].isel(t=slice(8, 16)).values for v in "abc"}
+    exp = {v: (raw[v] - np.float32(st[v]["mean"])) / np.float32(st[v]["std"]) for v in "abc"}
+    gen = small.insitu.batches(m, "val", variables=["c", "a"], normalize=st, stack=True, output="numpy",
+                               shuffle=False, batch_size=8)
+    assert gen.channels == ["c", "a"]
+    got = next(iter(gen))
+    np.testing.assert_array_equal(got[:, 0], exp["c"])
+    np.testing.assert_array_equal(got[:, 1], exp["a"])
+    got = next(iter(small.insitu.batches(m, "val", variables=["b", "a"], normalize=st, output="numpy",
+                                         shuffle=False, batch_size=8)))
+    for v in "ab":
+        np.testing.assert_array_equal(got[v], exp[v])
+    # a variable the statistics lack raises, naming it
+    part = small.insitu.stats(m, "train", variables=["a", "b"])
+    with pytest.raises(ValueError, match=r"no statistics for variable 'c'"):
+        small.insitu.batches(m, "val", variables=["c", "a"], normalize=part, stack=True)
+    # statistics without recorded channels (older ones, or hand-written) apply by variable name too
     old = {k: v for k, v in st.items() if k not in ("channels", "variables")}
-    gen = small.insitu.batches(m, "val", variables=["c", "a"], normalize=old, output="numpy", shuffle=False)
-    got, exp = next(iter(gen)), next(iter(ref))
-    for v in ("a", "c"):
-        assert np.array_equal(got[v], exp[v])
-        raw = small[v].isel(t=slice(8, 16)).values
-        assert np.allclose(got[v], (raw - st[v]["mean"]) / st[v]["std"], rtol=1e-5)
+    old = {k: {kk: vv for kk, vv in v.items() if kk != "channels"} if isinstance(v, dict) else v
+           for k, v in old.items()}
+    got = next(iter(small.insitu.batches(m, "val", variables=["c", "a"], normalize=old, output="numpy",
+                                         shuffle=False, batch_size=8)))
+    for v in "ac":
+        np.testing.assert_array_equal(got[v], exp[v])
 
 
-def test_level_order_of_stats_is_checked(small):
-    """A variable with an extra dim: its labels are channels, reordering them is refused too."""
-    ds = small.assign(z=(("t", "level", "x"), np.stack([small.a.values, small.b.values], axis=1)))
+def test_level_order_of_stats_by_name(small):
+    """A variable with an extra dim: its labels are channels; labels in another order (or fewer of
+    them) take the statistics of their own names."""
+    ds = small.assign(z=(("t", "level", "x"), np.stack([small.a.values, 10 * small.b.values], axis=1)))
     ds = ds.assign_coords(level=[500, 850])
     m = ds.insitu.split("t", fractions={"train": 0.5, "val": 0.5})
     st = ds.insitu.stats(m, "train", variables=["a", "z"])
     assert st["channels"] == ["a", "z_500", "z_850"]
-    with pytest.raises(ValueError, match="order"):
-        ds.isel(level=[1, 0]).insitu.batches(m, "val", variables=["a", "z"], normalize=st, stack=True)
+    kw = dict(variables=["a", "z"], normalize=st, stack=True, output="numpy", shuffle=False, batch_size=8)
+    ref = next(iter(ds.insitu.batches(m, "val", **kw)))
+    flip = ds.isel(level=[1, 0]).insitu.batches(m, "val", **kw)
+    assert flip.channels == ["a", "z_850", "z_500"]
+    np.testing.assert_array_equal(next(iter(flip)), ref[:, [0, 2, 1]])
+    one = ds.sel(level=[850]).insitu.batches(m, "val", **kw)
+    np.testing.assert_array_equal(next(iter(one)), ref[:, [0, 2]])

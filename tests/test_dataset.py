@@ -433,6 +433,75 @@ def test_index_errors(era5):
     assert np.array_equal(got[0]["t2m"], d[4]["t2m"]) and np.array_equal(d[torch.tensor(2)]["t2m"], d[2]["t2m"])
 
 
+@pytest.mark.parametrize("bad", [2**64 - 1, 2**64 - 48, 2**63, 2**64, 2**70, -2**63, -2**64 - 1, -2**70,
+                                 np.uint64(2**64 - 1), np.uint64(2**64 - 48), np.uint64(2**63)])
+def test_huge_indices_never_wrap(era5, bad):
+    """An integer of any size or type out of range is an IndexError: never cast to int64 first (where
+    2**64 - 1 became -1, the last sample, and a uint64 2**64 - n sample 0)."""
+    ds, m = era5
+    d = InsituDataset(ds, m, "train")
+    with pytest.raises(IndexError, match="out of range"):
+        d[bad]
+    with pytest.raises(IndexError, match="out of range"):
+        d.__getitems__([0, bad])
+    with pytest.raises(IndexError, match="out of range"):
+        d.batch([bad, 1])
+    if isinstance(bad, np.integer) or 0 <= bad < 2**64:
+        with pytest.raises(IndexError, match="out of range"):
+            d.batch(np.array([bad, 1], dtype=np.uint64))
+
+
+def test_in_range_indices_of_any_integer_type(era5):
+    ds, m = era5
+    d = InsituDataset(ds, m, "train")
+    n = len(d)
+    last = d[n - 1]["t2m"]
+    for i in (np.uint64(n - 1), np.int64(-1), -1, np.uint8(n - 1) if n <= 256 else n - 1):
+        assert np.array_equal(d[i]["t2m"], last)
+    got = d.batch(np.array([n - 1, 0], dtype=np.uint64))["t2m"]
+    assert np.array_equal(got[0], last) and np.array_equal(got[1], d[0]["t2m"])
+    assert np.array_equal(d.batch([-1, 2**3])["t2m"][0], last)
+
+
+def test_hypothesis_index_range_like_python(era5):
+    """Property: any integer, of any size, as a Python int, a numpy scalar or in an int64/uint64 array,
+    selects what ``range(n)[i]`` selects, or raises IndexError where that does."""
+    ds, m = era5
+    d = InsituDataset(ds, m, "train")
+    n = len(d)
+
+    def expect(i: int) -> int | None:
+        try:
+            return range(n)[i]
+        except IndexError:
+            return None
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.one_of(st.integers(-3 * n, 3 * n), st.integers(-2**70, 2**70),
+                              st.sampled_from([2**63 - 1, 2**63, 2**64 - 1, 2**64, -2**63, -2**63 - 1])),
+                    min_size=1, max_size=4))
+    def check(ids: list[int]) -> None:
+        want = [expect(i) for i in ids]
+        kinds: list = [ids]
+        if all(-2**63 <= i < 2**63 for i in ids):
+            kinds.append(np.array(ids, dtype=np.int64))
+        if all(0 <= i < 2**64 for i in ids):
+            kinds.append(np.array(ids, dtype=np.uint64))
+            kinds.append([np.uint64(i) for i in ids])
+        for idx in kinds:
+            if None in want:
+                with pytest.raises(IndexError, match="out of range"):
+                    d._ids(idx, "indices")
+            else:
+                assert d._ids(idx, "indices").tolist() == want
+        for i, w in zip(ids, want, strict=True):
+            if w is None:
+                with pytest.raises(IndexError, match="out of range"):
+                    d._ids([i], "index")
+
+    check()
+
+
 def test_argument_errors(era5):
     ds, m = era5
     cases = [

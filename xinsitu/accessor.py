@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import xarray as xr
@@ -18,6 +18,23 @@ from xinsitu.split import make_split
 
 if TYPE_CHECKING:
     from xinsitu.dataset import InsituDataset
+
+
+def listed_unordered(ds: xr.Dataset) -> bool:
+    """Whether ``ds``'s data variables are in the order a Zarr store listed its arrays without
+    consolidated metadata (an order that changes from process to process; every Icechunk repository).
+
+    True for a Dataset that still holds the xarray Zarr backend that opened it (``xr.open_zarr``,
+    ``xr.open_dataset(engine="zarr")``, ``xinsitu.open_zarr``, and what ``isel``/``sel``/``drop_vars``
+    make of them: they keep the backend, and the listed order) where that backend read the group
+    without consolidated metadata. A Dataset whose variables someone put in order (``ds[["t2m",
+    "z"]]``, ``xr.merge``, one built in memory) holds no backend: its order is the user's, kept.
+    """
+    backend = getattr(getattr(ds, "_close", None), "__self__", None)
+    if type(backend).__name__ != "ZarrStore":
+        return False
+    meta = getattr(getattr(backend, "zarr_group", None), "metadata", None)
+    return meta is not None and getattr(meta, "consolidated_metadata", False) is None
 
 
 @xr.register_dataset_accessor("insitu")
@@ -35,6 +52,16 @@ class InsituAccessor:
         loaded in place); ``batches``, ``stats`` and ``validity`` share it (``geometry.dataset_geometry``).
         """
         return dataset_geometry(self._ds)[1]
+
+    def _variables(self, manifest: Any, variables: str | list[str] | None) -> str | list[str] | None:
+        """``variables=``, or where it is not given and the Dataset's variable order is a store's listing
+        without consolidated metadata (``listed_unordered``), the default variables sorted by name
+        (SPEC §1: the channel order must not change from run to run)."""
+        if variables is not None or not isinstance(manifest, SplitManifest) or not listed_unordered(self._ds):
+            return variables
+        dims = set(manifest.dims)
+        names = [v for v in sorted(self._ds.data_vars, key=str) if dims & set(self._ds[v].dims)]
+        return cast(list[str], names) or None
 
     @property
     def chunks(self) -> dict[str, int | tuple[int, ...]]:
@@ -139,10 +166,15 @@ class InsituAccessor:
         output : {"xarray", "dataarray", "numpy", "torch", "cupy", "jax"}, default "xarray"
         stack : bool or list of str, default False
             One array per batch with the variables as channels (see ``BatchGenerator.channels``);
-            a list of dims (e.g. ``["level"]``) also folds those dims, which every variable must
-            have, into channels ``{var}_{label}`` (variable then label).
+            a dim the other variables lack becomes one channel per label, ``{var}_{label}``: with
+            ``variables=["z", "t2m", "u", "v"]`` (levels beside a surface field) ``stack=True``
+            gives the usual weather-model input ``(B, C, H, W)``. A list of dims (e.g.
+            ``["level"]``) folds those dims into channels even where every variable has them; a
+            selected variable lacking them is one channel ``{var}``. Variable then label order.
         normalize : dict, optional
-            Statistics from :meth:`stats` (``manifest.stats``): ``(x - mean) / std`` per channel.
+            Statistics from :meth:`stats` (``manifest.stats``): ``(x - mean) / std`` per channel,
+            applied by channel name whatever the order of ``variables=`` (a channel the statistics
+            lack raises, naming it; values must be numbers).
         device : str, torch.device or jax.Device, optional
             Where torch tensors go (e.g. ``"cuda:0"``); for ``output="jax"`` a jax device
             (default: jax's default device).
@@ -173,8 +205,9 @@ class InsituAccessor:
         BatchGenerator
         """
         return BatchGenerator(self._ds, manifest, split, batch_size=batch_size, shuffle=shuffle, seed=seed,
-                              window=window, patch=patch, stride=stride, over=over, variables=variables,
-                              output=output, stack=stack, normalize=normalize, device=device,
+                              window=window, patch=patch, stride=stride, over=over,
+                              variables=self._variables(manifest, variables), output=output, stack=stack,
+                              normalize=normalize, device=device,
                               block_chunks=block_chunks, max_inflight=max_inflight, drop_last=drop_last,
                               rank=rank, world_size=world_size, progress=progress, missing=missing, cache=cache,
                               transform=transform)
@@ -201,8 +234,9 @@ class InsituAccessor:
         cache : as for :meth:`batches`; pass the ``ChunkCache`` the training epochs use, and this
             pass fills it.
         stack : list of str, optional
-            Dims to make channels of in every variable, as ``stack=["level"]`` of :meth:`batches`:
-            statistics per label (per-level mean/std) rather than pooled over the dim.
+            Dims to make channels of, as ``stack=["level"]`` of :meth:`batches`: statistics per
+            label (per-level mean/std, a list in label order) rather than pooled over the dim; a
+            variable lacking the dim (a surface field) keeps one number per key.
 
         Returns
         -------
@@ -212,8 +246,8 @@ class InsituAccessor:
         """
         from xinsitu.stats import compute_stats
 
-        st = compute_stats(self._ds, manifest, split, variables, block_chunks=block_chunks,
-                           max_inflight=max_inflight, cache=cache, stack=stack)
+        st = compute_stats(self._ds, manifest, split, self._variables(manifest, variables),
+                           block_chunks=block_chunks, max_inflight=max_inflight, cache=cache, stack=stack)
         manifest.set_stats(st)
         return st
 
@@ -257,14 +291,14 @@ class InsituAccessor:
         """
         from xinsitu.validity import compute_validity
 
-        return compute_validity(self._ds, manifest, split, where, variables, window=window, patch=patch,
-                                stride=stride, over=over, block_chunks=block_chunks, max_inflight=max_inflight,
-                                cache=cache)
+        return compute_validity(self._ds, manifest, split, where, self._variables(manifest, variables),
+                                window=window, patch=patch, stride=stride, over=over, block_chunks=block_chunks,
+                                max_inflight=max_inflight, cache=cache)
 
     def dataset(self, manifest: SplitManifest, split: str, *, window: dict[str, int] | None = None,
                 patch: dict[str, int] | None = None, stride: dict[str, int] | None = None,
                 over: str | list[str] | None = None, variables: str | list[str] | None = None,
-                output: str = "numpy", stack: bool = False, normalize: dict[str, Any] | None = None,
+                output: str = "numpy", stack: bool | list[str] = False, normalize: dict[str, Any] | None = None,
                 cache: bool | str | os.PathLike[str] | ChunkCache | None = None,
                 max_inflight: int | None = None, missing: str = "fill") -> InsituDataset:
         """A map-style dataset over the samples of ``split``, for a DataLoader with your own sampler.
@@ -297,8 +331,9 @@ class InsituAccessor:
         output : {"numpy", "torch", "xarray", "dataarray", "cupy"}, default "numpy"
             The kind of ``d[i]`` and of a batch; "numpy" or "torch" for the default ``collate_fn``
             (xarray outputs need ``collate_fn=xinsitu.dataset.collate``).
-        stack : bool, default False
-            One array per sample with the variables as channels (``d.channels``).
+        stack : bool or list of str, default False
+            One array per sample with the variables as channels (``d.channels``), as for
+            :meth:`batches` (``["level"]`` folds that dim into ``{var}_{label}`` channels).
         normalize : dict, optional
             Statistics from :meth:`stats` (``manifest.stats``): ``(x - mean) / std`` per channel.
         cache : bool, str, os.PathLike or xinsitu.ChunkCache, optional
@@ -317,7 +352,8 @@ class InsituAccessor:
         from xinsitu.dataset import InsituDataset
 
         return InsituDataset(self._ds, manifest, split, window=window, patch=patch, stride=stride, over=over,
-                             variables=variables, output=output, stack=stack, normalize=normalize, cache=cache,
+                             variables=self._variables(manifest, variables), output=output, stack=stack,
+                             normalize=normalize, cache=cache,
                              max_inflight=max_inflight, missing=missing)
 
     def sample(self, manifest: SplitManifest, split: str, i: int, *, window: dict[str, int] | None = None,
@@ -342,6 +378,6 @@ class InsituAccessor:
         xr.Dataset
         """
         gen = BatchGenerator(self._ds, manifest, split, shuffle=False, batch_size=1, window=window, patch=patch,
-                             stride=stride, over=over, variables=variables, normalize=normalize,
-                             rank=0, world_size=1)
+                             stride=stride, over=over, variables=self._variables(manifest, variables),
+                             normalize=normalize, rank=0, world_size=1)
         return gen.sample(i)

@@ -4,7 +4,10 @@ Layer 1 (no I/O). One rule names the channels of a set of variables, for stacked
 for the stats record and for normalisation alike: the *base* dims are the shortest
 variable's output dims (window/patch dims aside); each variable is one channel, or, where
 it has dims beyond the base (its *extra* dims), one ``{var}_{label}`` channel per label
-of them. Variables lacking a base dim cannot be stacked together.
+of them. Variables lacking a base dim cannot be stacked together. ``stack=["level"]``
+(``fold``) makes a dim channels even where every variable has it; a variable lacking it
+(``t2m`` beside ``z``, ``u``, ``v``) is one channel ``{var}``. Statistics are keyed by these
+channel names, and ``normalizer`` applies them by name.
 
 CF decoding re-applies a variable's encoding to raw values exactly as xarray decodes
 them; ``decodes_to_itself`` tells where that is the identity (a pass saved per chunk).
@@ -83,15 +86,16 @@ def fold_dims(stack: Any) -> tuple[str, ...]:
 
 
 def check_fold(layouts: dict[str, VarLayout], fold: tuple[str, ...], kept: tuple[str, ...] = ()) -> None:
-    """Refuse ``stack=[dims]`` (``fold``) naming a dim that some selected variable lacks, or a
-    window/patch dim (those are sample axes)."""
+    """Refuse ``stack=[dims]`` (``fold``) naming a window/patch dim (those are sample axes) or a dim
+    that no selected variable has. A variable lacking a folded dim (``t2m`` beside ``z`` on levels)
+    is one channel, named ``{var}``."""
     for d in fold:
         if d in kept:
             raise ValueError(f"stack: {d!r} is a window/patch dim (a sample axis), it cannot become channels")
-        for n, lay in layouts.items():
-            if d not in lay.out_dims:
-                raise ValueError(f"stack: variable {n!r} has no dim {d!r} to fold into channels (its batch dims "
-                                 f"are {lay.out_dims}); stack=[dims] needs the dims on every selected variable")
+        if not any(d in lay.out_dims for lay in layouts.values()):
+            dims = {n: lay.out_dims for n, lay in layouts.items()}
+            raise ValueError(f"stack: no selected variable has dim {d!r} to fold into channels (their batch "
+                             f"dims: {dims})")
 
 
 def _base_and_extra(layouts: dict[str, VarLayout], kept: tuple[str, ...] = (),
@@ -119,7 +123,7 @@ def plan_channels(ds: xr.Dataset, layouts: dict[str, VarLayout], kept: tuple[str
     """Channels in order (variables in order; an extra dim expands into ``{var}_{label}``) and the
     dims every channel shares (after the sample axis). Window/patch dims (``kept``) are sample axes,
     never channels: a variable lacking them (a static one) is broadcast along them. Dims in
-    ``fold`` (``stack=["level"]``) are channels of every variable (``{var}_{label}``)."""
+    ``fold`` (``stack=["level"]``) are channels (``{var}_{label}``) of every variable that has them."""
     base, extras = _base_and_extra(layouts, kept, fold)
     channels: list[Channel] = []
     for n, extra in extras.items():
@@ -153,7 +157,7 @@ def channel_plan(ds: xr.Dataset, layouts: dict[str, VarLayout],
     """Per variable, its channel names and its extra (channel) dims, as ``plan_channels`` has them.
 
     Variables that cannot be stacked together (no shared dims) are one channel each (unless dims
-    are folded: ``fold``, i.e. ``stack=["level"]``, makes channels of them in every variable).
+    are folded: ``fold``, i.e. ``stack=["level"]``, makes channels of them in every variable that has them).
     """
     extras = _base_and_extra(layouts, (), fold)[1]
     if any(extra is None for extra in extras.values()):
@@ -174,24 +178,6 @@ def channel_names(ds: xr.Dataset, layouts: dict[str, VarLayout], kept: tuple[str
         return [c.name for c in plan_channels(ds, layouts, kept, fold)[0]]
     except ValueError:
         return list(layouts)
-
-
-def check_channel_order(stats: dict[str, Any], channels: list[str]) -> None:
-    """Refuse statistics recorded with another channel order than ``channels`` (the generator's).
-
-    The channels both have must come in the same order (statistics of more variables, or a
-    generator of fewer, are fine). Statistics without recorded channels (older ones, or written
-    by hand) are applied by variable name.
-    """
-    saved = stats.get("channels")
-    if not isinstance(saved, list):
-        return
-    shared = set(saved) & set(channels)
-    a, b = [c for c in saved if c in shared], [c for c in channels if c in shared]
-    if a != b:
-        raise ValueError(f"normalize: the statistics were computed with channels in the order {saved}, these "
-                         f"batches have {channels}: a model trained on one would get permuted inputs; pass "
-                         "variables= in the statistics' order (or recompute the statistics)")
 
 
 # ----------------------------------------------------------------------------- normalising
@@ -226,23 +212,31 @@ class Normalizer:
 
 
 def normalizer(stats: dict[str, Any], layouts: dict[str, VarLayout], kept: tuple[str, ...] = (),
-               fold: tuple[str, ...] = ()) -> Normalizer:
+               fold: tuple[str, ...] = (), ds: xr.Dataset | None = None) -> Normalizer:
     """A :class:`Normalizer` applying ``stats`` (from :func:`compute_stats`) to these variables.
+
+    Statistics are keyed by channel name: where an entry records its ``"channels"`` (every
+    ``compute_stats`` record does) and ``ds`` gives the labels, each channel of the batches takes
+    the values of the statistics' channel of the same name, whatever the order of the variables
+    or of the labels (``ds.isel(level=[2, 0])``); a channel the statistics lack raises, naming it.
 
     Parameters
     ----------
     stats : ``{var: {"mean": ..., "std": ...}, ...}`` (a ``compute_stats`` record, e.g. ``m.stats``,
         or a hand-written dict of the same shape). A variable with an extra dim needs a list per
         key, in channel order (C order over the entry's ``"dims"``, the extra dims; default: the
-        dims the other variables lack, as in ``plan_channels``).
+        dims the other variables lack, as in ``plan_channels``). Values are numbers (or None).
     layouts : the generator's variable layouts (``gen.layouts``).
     kept : the window/patch dims of the generator's samples (never channel dims).
-    fold : dims folded into channels in every variable (``stack=["level"]``).
+    fold : dims folded into channels (``stack=["level"]``).
+    ds : the generator's Dataset: its labels name the channels (without it, lists apply by position).
 
     Raises
     ------
     ValueError
-        When a variable has no statistics, or its number of channels differs.
+        When a variable or channel has no statistics, or a variable's number of channels differs.
+    TypeError
+        When ``stats`` is not a dict, or a mean/std is not a number.
     """
     if not isinstance(stats, dict):
         raise TypeError(f"normalize= takes a stats dict (e.g. m.stats from ds.insitu.stats), got "
@@ -253,16 +247,39 @@ def normalizer(stats: dict[str, Any], layouts: dict[str, VarLayout], kept: tuple
         entry = stats.get(n)
         if not isinstance(entry, dict) or "mean" not in entry or "std" not in entry:
             have = [k for k in stats if k not in RESERVED]
-            raise ValueError(f"normalize: no statistics for variable {n!r} (the stats have {have}); compute "
-                             f"them for these variables: ds.insitu.stats(m, split, variables={list(layouts)})")
+            mine = _names(ds, n, inferred[n], lay) if ds is not None else [n]
+            raise ValueError(f"normalize: no statistics for variable {n!r} (channel(s) {mine}; the stats have "
+                             f"{have}); compute them for these variables: "
+                             f"ds.insitu.stats(m, split, variables={list(layouts)})")
         extra = list(entry.get("dims", inferred[n]))
+        pooled = [d for d in inferred[n] if d not in extra]
+        if pooled and ds is not None:  # one mean for all labels of a dim that is channels here: those have none
+            mine = _names(ds, n, inferred[n], lay)
+            again = f"variables={list(layouts)}" + (f", stack={list(fold)}" if fold else "")
+            raise ValueError(f"normalize: no statistics for channel(s) {mine}: the statistics of {n!r} are pooled "
+                             f"over {pooled} (channels {entry.get('channels', [n])}); compute them for these "
+                             f"channels: ds.insitu.stats(m, split, {again})")
         out_dims = ("sample", *lay.out_dims) if lay.has_sample_axis else lay.src.dims
         missing = [d for d in extra if d not in out_dims]
         if missing:
             raise ValueError(f"normalize: the statistics of {n!r} are per {extra}, but its batches have dims "
                              f"{out_dims} (was a dim selected away after computing the statistics?)")
         sizes = [lay.src.shape[lay.src.dims.index(d)] for d in extra]
-        mean, std = (_channel_values(n, entry[k], k, sizes) for k in ("mean", "std"))
+        saved = entry.get("channels")
+        if ds is not None and isinstance(saved, list) and all(isinstance(c, str) for c in saved):
+            # by channel name: the statistics' channel of the same name, wherever it is
+            mean, std = (_channel_values(n, entry[k], k, [len(saved)] if extra else []) for k in ("mean", "std"))
+            mine = _names(ds, n, extra, lay)
+            where = {c: i for i, c in enumerate(saved)}
+            lost = [c for c in mine if c not in where]
+            if lost:
+                raise ValueError(f"normalize: no statistics for channel(s) {lost} (variable {n!r}; its statistics "
+                                 f"have channels {saved}); compute them for these channels (same variables, "
+                                 "labels and stack=)")
+            take = [where[c] for c in mine]
+            mean, std = mean[take], std[take]
+        else:
+            mean, std = (_channel_values(n, entry[k], k, sizes) for k in ("mean", "std"))
         shape = [1] * len(out_dims)
         for d, size in zip(extra, sizes, strict=True):
             shape[out_dims.index(d)] = size
@@ -275,10 +292,27 @@ def normalizer(stats: dict[str, Any], layouts: dict[str, VarLayout], kept: tuple
     return Normalizer(params)
 
 
+def _names(ds: xr.Dataset, n: str, extra: list[str], lay: VarLayout) -> list[str]:
+    """The channel names of variable ``n`` along its channel dims ``extra`` (C order), as ``plan_channels``
+    names them: ``n``, or ``{n}_{label}``."""
+    if not extra:
+        return [n]
+    sizes = [lay.src.shape[lay.src.dims.index(d)] for d in extra]
+    labels = [_labels(ds, d, s) for d, s in zip(extra, sizes, strict=True)]
+    return [f"{n}_" + "_".join(str(labels[k][i]) for k, i in enumerate(idx)) for idx in np.ndindex(*sizes)]
+
+
 def _channel_values(name: str, v: Any, key: str, sizes: list[int]) -> np.ndarray:
     n = int(np.prod(sizes)) if sizes else 1
-    arr = np.array([np.nan if x is None else x for x in (v if isinstance(v, (list, tuple)) else [v])],
-                   dtype=np.float64)
+    if isinstance(v, np.ndarray) and v.dtype.kind in "iuf":
+        v = v.ravel().tolist()
+    vals = list(v) if isinstance(v, (list, tuple)) else [v]
+    for x in vals:
+        if x is not None and (isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer,
+                                                                                       np.floating))):
+            raise TypeError(f"normalize: the {key!r} of {name!r} must be numbers (or None), got "
+                            f"{type(x).__name__} {x!r}")
+    arr = np.array([np.nan if x is None else x for x in vals], dtype=np.float64)
     if sizes and arr.size != n:
         raise ValueError(f"normalize: {name!r} has {n} channels but its {key!r} has {arr.size} value(s)")
     if not sizes and arr.size != 1:

@@ -144,8 +144,9 @@ class InsituDataset:
     output : {"xarray", "dataarray", "numpy", "torch", "cupy"}, default "numpy"
         The kind of ``d[i]`` and of a batch (``d.batch``); "numpy" or "torch" for a DataLoader
         with the default ``collate_fn``.
-    stack : bool, default False
-        One array with the variables as channels (``d.channels`` names them).
+    stack : bool or list of str, default False
+        One array with the variables as channels (``d.channels`` names them), as for
+        ``ds.insitu.batches`` (``["level"]`` folds that dim into ``{var}_{label}`` channels).
     cache : bool, str, os.PathLike or xinsitu.ChunkCache, optional
         Keep decoded chunks across calls (and, with a directory, across runs), as for
         ``ds.insitu.batches``; a random sampler then reads each chunk once per run.
@@ -271,23 +272,34 @@ class InsituDataset:
         return self._read(self._ids(indices, "indices"))
 
     def _ids(self, indices: Any, name: str) -> np.ndarray:
-        """``indices`` as an int64 array in ``[0, len)`` (negatives wrapped)."""
+        """``indices`` as an int64 array in ``[0, len)`` (negatives wrapped, as Python does). The range is
+        checked on the values given, before any cast: ``2**64 - 1`` (or a uint64) never wraps round."""
         if isinstance(indices, (str, bytes, dict)) or np.ndim(indices) == 0 and not isinstance(indices, list):
             raise TypeError(f"{name} must be a sequence of integers, got {type(indices).__name__} {indices!r}")
+        if isinstance(indices, (list, tuple, range)):
+            # one by one, as Python ints: numpy would make [0, 2**64 - 1] float64, and [2**70] objects
+            return self._in_range([_index(name, v) for v in indices])
         a = np.asarray(indices)
         if a.ndim != 1:
             raise TypeError(f"{name} must be a 1-d sequence of integers, got shape {a.shape}")
+        if a.dtype.kind == "O" or (a.size == 0 and a.dtype.kind == "f"):
+            return self._in_range([_index(name, v) for v in a.tolist()])
         if a.dtype.kind not in "iu":
-            if a.dtype.kind == "O" or (a.size == 0 and a.dtype.kind == "f"):
-                a = np.array([_index(name, v) for v in a.tolist()], dtype=np.int64)
-            else:
-                raise TypeError(f"{name} must be integers, got dtype {a.dtype}")
+            raise TypeError(f"{name} must be integers, got dtype {a.dtype}")
         n = len(self)
-        ids = a.astype(np.int64)
-        bad = (ids < -n) | (ids >= n)
+        bad = (a >= n) if a.dtype.kind == "u" else (a < -n) | (a >= n)  # uint64 compared as it is, never cast
         if bad.any():
-            raise IndexError(f"sample index {int(a[np.argmax(bad)])} is out of range: split {self.split!r} has "
-                             f"{n} samples")
+            self._in_range([int(a[np.argmax(bad)])])
+        ids = a.astype(np.int64)
+        return np.where(ids < 0, ids + n, ids)
+
+    def _in_range(self, vals: list[int]) -> np.ndarray:
+        """Python ints checked against ``[-len, len)``, as an int64 array in ``[0, len)``."""
+        n = len(self)
+        for v in vals:
+            if not -n <= v < n:
+                raise IndexError(f"sample index {v} is out of range: split {self.split!r} has {n} samples")
+        ids = np.array(vals, dtype=np.int64)
         return np.where(ids < 0, ids + n, ids)
 
     # ------------------------------------------------------------------ reading

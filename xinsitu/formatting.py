@@ -433,7 +433,7 @@ def _manifest_rows(m: SplitManifest) -> list[tuple[str, tuple[str, ...]]]:
     rows: list[tuple[str, tuple[str, ...]]] = []
     for name, blocks in m.splits.items():
         rng = "; ".join(f"{d} {lab[0]} .. {lab[1]}" for d, lab in m.labels.get(name, {}).items())
-        rows.append((name, (f"{len(blocks)} chunks", f"{m.positions(name)} positions", rng)))
+        rows.append((name, (f"{len(blocks)} chunk blocks", f"{m.positions(name)} positions", rng)))
     return rows
 
 

@@ -71,11 +71,15 @@ class BatchGenerator:
         Default: the data variables on the split dim(s).
     output : {"xarray", "dataarray", "numpy", "torch", "cupy", "jax"}, default "xarray"
     stack : bool or list of str, default False
-        One ``(sample, channel, ...)`` array per batch (see ``channels``). A list of dims
-        (e.g. ``["level"]``) also folds those dims, which every variable must have, into
-        channels ``{var}_{label}`` (variable then label).
+        One ``(sample, channel, ...)`` array per batch (see ``channels``): variables as
+        channels, a dim the other variables lack (``level`` beside surface fields) as one channel
+        per label, ``{var}_{label}``: with ``variables=["z", "t2m", "u", "v"]`` the usual
+        weather-model input ``(B, C, H, W)``. A list of dims (e.g. ``["level"]``) folds those
+        dims into channels ``{var}_{label}`` even where every variable has them; a selected
+        variable lacking them (``t2m``) is one channel ``{var}``. Variable then label order.
     normalize : dict, optional
-        Statistics from ``ds.insitu.stats`` (``m.stats``): ``(x - mean) / std`` per channel.
+        Statistics from ``ds.insitu.stats`` (``m.stats``): ``(x - mean) / std`` per channel,
+        applied by channel name (any order of ``variables=``).
     device : str, torch.device or jax.Device, optional
         Where torch tensors go (e.g. ``"cuda:0"``); for ``output="jax"`` a jax device
         (default: jax's default device).

@@ -18,8 +18,6 @@ import xarray as xr
 
 from xinsitu.channels import (
     cf_decoder,
-    channel_names,
-    check_channel_order,
     check_fold,
     fold_dims,
     identity,
@@ -53,17 +51,9 @@ class OutputBuilder:
         kept = tuple(d.name for d in space.dims if d.keep)  # window/patch dims: sample axes, never channels
         check_fold(layouts, self.fold, kept)
         self.channels, self.base_dims = plan_channels(ds, layouts, kept, self.fold) if self.stack else ([], ())
-        # (x - mean) / std per channel after CF decoding; m.stats from ds.insitu.stats, or a dict like it
-        self.normalizer = normalizer(normalize, layouts, kept, self.fold) if normalize is not None else None
-        if normalize is not None:
-            names = channel_names(ds, layouts, kept, self.fold)
-            check_channel_order(normalize, names)
-            saved = normalize.get("channels")
-            if self.fold and isinstance(saved, list) and not set(names) <= set(saved):
-                # statistics pooled over the folded dim would normalise every label alike
-                raise ValueError(f"normalize: these batches have channels {names} (stack={list(self.fold)}), "
-                                 f"the statistics have {saved}; compute them per channel: "
-                                 f"ds.insitu.stats(m, split, stack={list(self.fold)})")
+        # (x - mean) / std per channel after CF decoding; m.stats from ds.insitu.stats, or a dict like it,
+        # applied by channel name (whatever the order of variables=)
+        self.normalizer = normalizer(normalize, layouts, kept, self.fold, ds) if normalize is not None else None
         dtypes = [lay.src.dtype for lay in layouts.values()]
         if self.normalizer is not None:
             dtypes = [self.normalizer.dtype(d) for d in dtypes]

@@ -234,8 +234,8 @@ class StatsPass:
     reader : the ``Reader`` to read through (default: a new one); its ``counters`` show the cost.
     cache : a chunk cache for the new reader, as ``cache=`` of ``ds.insitu.batches`` (e.g. the one the
         training epochs use next: the statistics pass fills it).
-    stack : dims to fold into channels in every variable, as ``stack=["level"]`` of ``batches``
-        (statistics per level, not pooled over levels).
+    stack : dims to fold into channels, as ``stack=["level"]`` of ``batches`` (statistics per level,
+        not pooled over levels; a variable lacking the dim, e.g. ``t2m``, is one channel).
     """
 
     def __init__(self, ds: xr.Dataset, manifest: SplitManifest, split: str, variables: str | list[str] | None = None,
@@ -426,8 +426,9 @@ def compute_stats(ds: xr.Dataset, manifest: SplitManifest, split: str, variables
     max_inflight : chunk reads in flight at once.
     cache : ``True``, ``"memory"``, a directory or an ``xinsitu.ChunkCache``: chunks it holds are not
         read again, and the chunks read are kept (pass the same ``ChunkCache`` to ``batches``).
-    stack : dims every variable has to make channels of, as ``stack=["level"]`` of ``batches``: then
-        each variable gets a list in label order (per-level mean/std), the channels the batches have.
+    stack : dims to make channels of, as ``stack=["level"]`` of ``batches``: then each variable with
+        the dim gets a list in label order (per-level mean/std), and one without it (a surface field
+        such as ``t2m``) a number: the channels the batches have.
 
     Returns
     -------

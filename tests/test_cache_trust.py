@@ -198,10 +198,9 @@ def test_entries_are_private_whatever_the_umask(tmp_path, umask):
     assert all(m == (0o700 if os.path.isdir(p) else 0o600) for p, m in modes.items()), modes
 
 
-def test_links_are_never_followed_and_nothing_else_deleted(tmp_path):
-    """Shard directories replaced by links to an outside directory: nothing is written or read there.
-    The entries' directory a link: refused. The cache root a link to a home directory with files of
-    the user's own under names like the cache's: neither a run's scan nor ``clear()`` deletes them."""
+def test_shard_directories_replaced_by_links_are_not_followed(tmp_path):
+    """Shard directories replaced by links to an outside directory: nothing is written or read there
+    (the campaign saw 12 entries written into the outside directory)."""
     outside = tmp_path / "outside"
     outside.mkdir()
     disk = tmp_path / "c"
@@ -216,12 +215,24 @@ def test_links_are_never_followed_and_nothing_else_deleted(tmp_path):
     for k in keys:  # what the cache found is left alone: the links, and what they point to
         assert os.path.islink(disk / _SUBDIR / k[:2])
 
+
+def test_the_entries_directory_as_a_link_is_refused(tmp_path):
+    """``<cache>/xinsitu-chunks-v1`` a link: refused, naming it, before anything is written there."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
     linked = tmp_path / "linked"
     linked.mkdir()
     os.symlink(outside, linked / _SUBDIR)
     with pytest.raises(ValueError, match="not a link"):
         ChunkCache(disk=linked)
+    assert os.listdir(outside) == []
 
+
+def test_nothing_the_cache_did_not_write_is_deleted(tmp_path):
+    """The cache root a link to a home directory that holds files of the user's own under names like
+    the cache's (an hour old): neither a run's scans (a full tier scans at every put) nor ``clear()``
+    deletes them; the campaign saw ``notes.tmp`` and ``results.chunk`` deleted."""
+    keys = [f"{i:02x}" * 16 for i in range(12)]
     home = tmp_path / "home"
     mine = home / _SUBDIR / "ab"
     mine.mkdir(parents=True)
@@ -230,11 +241,14 @@ def test_links_are_never_followed_and_nothing_else_deleted(tmp_path):
         (mine / name).write_text("mine")
         os.utime(mine / name, (hour_ago, hour_ago))
     os.symlink(home, tmp_path / "root-link")
-    c = ChunkCache(memory=0, disk=tmp_path / "root-link", disk_size=10)  # full: every put scans and evicts
+    c = ChunkCache(memory=0, disk=tmp_path / "root-link", disk_size=600)  # fills: puts scan and evict
     for k in keys:
         c.put(k, np.arange(4.0))
+    assert c.stats.disk_writes > 0 and c.stats.not_admitted > 0  # the tier was full: scanned at its puts
+    assert sorted(os.listdir(mine)) == [".notes.1.2.3.tmp", "notes.tmp", "results.chunk"]
     c.clear()
     assert sorted(os.listdir(mine)) == [".notes.1.2.3.tmp", "notes.tmp", "results.chunk"]
+    assert c.get(keys[0]) is None
 
 
 _FIFO_JOB = """

@@ -7,8 +7,10 @@ is the decoded chunk (the store's dtype and chunk shape, before CF decoding), so
 and decoding are skipped. Keys (``ChunkKey``) name the store, the array, the chunk, a hash
 of the array's metadata and the Icechunk snapshot where there is one. The disk tier, which
 outlives the process, also keys each chunk file of a local directory by its size,
-modification time and inode (``ChunkKey.key``): an archive that changed never serves stale
-chunks from it. The memory tier takes the archive as the process found it (as an open
+modification time and inode, and each object of a remote store by its version (ETag, or size
+and modification time: ``ChunkKey.versions``, ``ChunkCache.disk_keys``): an archive that
+changed never serves stale chunks from it (unless the cache is declared ``immutable``).
+The memory tier takes the archive as the process found it (as an open
 Dataset does) and needs no ``stat`` per lookup (``ChunkKey.memory_key``).
 
 Why the tiers keep what they admitted instead of evicting the least recently used: a
@@ -25,6 +27,12 @@ the same directory and renamed into place, so a reader never sees a partial entr
 after ``kill -9`` mid-write; a header (length, dtype, shape, checksum) catches the rest
 (a torn write after a power loss, a truncated copy), and a bad entry is a miss and is
 deleted.
+
+The disk tier trusts no one else: a directory another user owns or can write (unless sticky)
+is refused, its own directories are 0700 and entries 0600, entries are reached from an open
+descriptor without following any link, a special file is a miss, and only files named as the
+cache names them are ever deleted. What it cannot read or write is counted
+(``CacheStats.disk_errors``) and warned of once.
 """
 
 from __future__ import annotations
@@ -206,7 +214,8 @@ class ChunkKey:
     A key is a 32-character hex digest (BLAKE2b) of the store's identity, the array's path,
     a hash of its metadata, the Icechunk snapshot (where there is one), the chunk's grid
     coordinates and, for a chunk file of a local directory, its size, modification time and
-    inode. It is the same in every process (no Python ``hash``) and never contains
+    inode (for an object of a remote store, its version: ``versions``). It is the same in
+    every process (no Python ``hash``) and never contains
     credentials (only a digest of the identity is kept).
 
     Parameters
@@ -222,6 +231,10 @@ class ChunkKey:
         The Icechunk snapshot id, or None.
     local_root
         For a store that is a local directory: its path, so that ``key`` can stat chunk files.
+    remote
+        For a remote store: the obstore store its objects' versions are asked of (``versions``).
+    needs_version
+        Whether disk keys must name each object's version (a remote store without snapshots).
     """
 
     __slots__ = ("store_id", "array_path", "metadata_hash", "snapshot", "local_root", "ident", "_prefix",
@@ -540,7 +553,8 @@ class ChunkCache:
         evict each chunk before its next use.
     disk
         A directory for the disk tier (an NVMe drive, ideally), or None. Entries go under
-        ``<disk>/xinsitu-chunks-v1/``; nothing else in the directory is touched.
+        ``<disk>/xinsitu-chunks-v1/``; nothing else in the directory is touched. It must be
+        yours (or root's) and writable by no other user unless sticky: else ``ValueError``.
     disk_size
         The disk tier's size bound (bytes or a string). None: it grows while the file system
         keeps ``DISK_FREE_SHARE`` of its size free (at least ``DISK_FREE_MIN``). When over,

@@ -154,6 +154,20 @@ def test_a_directory_others_can_write_is_refused(tmp_path):
     os.chown(planted / _SUBDIR, NOBODY, NOBODY)
     with pytest.raises(ValueError, match=f"{_SUBDIR}.*owned by another user"):
         ChunkCache(disk=planted)
+    shared_group = tmp_path / "group"  # a group that is not this user's alone: its members could write
+    shared_group.mkdir()
+    os.chmod(shared_group, 0o775)
+    os.chown(shared_group, -1, NOBODY)
+    with pytest.raises(ValueError, match="group.*written by other users"):
+        ChunkCache(disk=shared_group)
+    from xinsitu.cache import _private_group
+
+    if _private_group(os.getegid()):  # a umask of 002 with user private groups: the user's own dirs are 0775
+        upg = tmp_path / "upg"
+        upg.mkdir()
+        os.chmod(upg, 0o775)
+        os.chown(upg, -1, os.getegid())
+        ChunkCache(disk=upg).put("cd" * 16, np.arange(3.0))
     sticky = tmp_path / "sticky"  # like /tmp: others write, but cannot touch what is not theirs
     sticky.mkdir()
     os.chmod(sticky, 0o1777)

@@ -1187,9 +1187,25 @@ def _untrusted(st: os.stat_result, own: bool) -> str | None:
     me = os.geteuid()
     if st.st_uid != me and (own or st.st_uid != 0):
         return f"is owned by another user (uid {st.st_uid})"
-    if st.st_mode & 0o022 and (own or not st.st_mode & stat.S_ISVTX):
+    others = st.st_mode & (0o002 if not own and _private_group(st.st_gid) else 0o022)
+    if others and (own or not st.st_mode & stat.S_ISVTX):
         return f"can be written by other users (mode {stat.S_IMODE(st.st_mode):04o})"
     return None
+
+
+def _private_group(gid: int) -> bool:
+    """Whether group ``gid`` is this user's alone (a user private group, as a umask of 002 gives each
+    user's directories): no other user has it, as a member or as their primary group."""
+    try:
+        import grp
+        import pwd
+
+        me = pwd.getpwuid(os.geteuid()).pw_name
+        if gid != os.getegid() or set(grp.getgrgid(gid).gr_mem) - {me}:
+            return False
+        return all(u.pw_name == me for u in pwd.getpwall() if u.pw_gid == gid)
+    except (ImportError, KeyError, OSError):
+        return False
 
 
 def _open_dir(parent: int, name: str, create: bool) -> int | None:

@@ -723,7 +723,10 @@ class ChunkCache:
         if not known:
             self._keep(key, arr)
         if dk is not None and not known:
-            self._disk_put(dk, arr)
+            try:
+                self._disk_put(dk, arr)
+            except OSError as e:  # a scan or the free space that failed (the directory gone?): counted, warned
+                self._disk_error(e, "keep a chunk")
 
     def disk_keys(self, keys: ChunkKey, chunks: list[tuple[tuple[int, ...], str]]) -> list[str | None]:
         """The disk tier's keys (``ChunkKey.key``) of chunks ``(coords, object key in the store)`` of one

@@ -610,9 +610,11 @@ class ChunkCache:
         self._checksum_kind, self._checksum = _checksummer()
         self._warned = False
         self._top = -1  # a descriptor of <disk>/xinsitu-chunks-v1: entries are reached from it, never by path
+        self._shard_fds: dict[str, int] = {}  # shard directory -> its descriptor (``_shard``)
+        self._uid = os.geteuid()
         if self.disk is not None:
             self._top = _open_disk(self.disk)
-            weakref.finalize(self, os.close, self._top)
+            weakref.finalize(self, _close_all, self._top, self._shard_fds)
 
     # ------------------------------------------------------------------ pickling (configuration only)
     def __getstate__(self) -> dict[str, Any]:
@@ -773,8 +775,6 @@ class ChunkCache:
             return stat.S_ISREG(os.stat(key + _SUFFIX, dir_fd=sfd, follow_symlinks=False).st_mode)
         except OSError:
             return False
-        finally:
-            os.close(sfd)
 
     def clear(self) -> None:
         """Empty both tiers: the memory tier of this process and every entry of the disk directory
@@ -892,10 +892,21 @@ class ChunkCache:
         return os.path.join(self.disk, _SUBDIR, key[:2], key + _SUFFIX)
 
     def _shard(self, name: str, create: bool) -> int | None:
-        """A new descriptor of shard directory ``name`` (the caller closes it), reached from the tier's
-        own descriptor without following a link; made (0700) where ``create``; None where it is not
+        """A descriptor of shard directory ``name``, reached from the tier's own descriptor without
+        following a link, made (0700) where ``create``, and kept open for the cache's life (the
+        cache's, not the caller's to close: a lookup then costs one ``open``); None where it is not
         there. Raises ``OSError`` for a link, a file, or a directory of another user."""
-        return _open_dir(self._top, name, create)
+        fd = self._shard_fds.get(name)
+        if fd is not None:
+            return fd
+        fd = _open_dir(self._top, name, create)
+        if fd is None:
+            return None
+        with self._lock:
+            kept = self._shard_fds.setdefault(name, fd)
+        if kept != fd:  # another thread opened it meanwhile
+            os.close(fd)
+        return kept
 
     def _unlink(self, shard: str, name: str) -> bool:
         """Delete entry (or temporary file) ``name`` of shard ``shard``; False where it is gone already."""
@@ -903,12 +914,7 @@ class ChunkCache:
             sfd = self._shard(shard, create=False)
         except OSError:
             return False
-        if sfd is None:
-            return False
-        try:
-            return _unlink(name, sfd)
-        finally:
-            os.close(sfd)
+        return sfd is not None and _unlink(name, sfd)
 
     def _disk_error(self, e: BaseException, doing: str) -> None:
         """Count a failure of the disk tier (``stats.disk_errors``) and warn of the first one: the chunk
@@ -932,45 +938,42 @@ class ChunkCache:
         if sfd is None:  # not cached
             return None
         try:
-            try:
-                fd = os.open(name, _READ_FLAGS, dir_fd=sfd)  # a FIFO opens at once (O_NONBLOCK), a link not at all
-            except OSError:  # FileNotFoundError above all: not cached, or evicted meanwhile
-                return None
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                    return None  # a special file (FIFO, device) or another user's file: a miss, left alone
-                with open(fd, "rb", buffering=0, closefd=False) as f:  # unbuffered: straight into the array
-                    got = self._read_entry(f, key)
-                if got is not None and got[1] < self._since_ns:  # mark it used during this run (eviction order)
-                    try:
-                        os.utime(fd)
-                    except OSError:
-                        pass
-            except OSError:
-                got = None
-            finally:
-                os.close(fd)
-            if got is None:  # a bad entry: never served, and deleted so that it is written again
-                with self._lock:
-                    self._stats.corrupt += 1
-                _unlink(name, sfd)
-                return None
+            fd = os.open(name, _READ_FLAGS, dir_fd=sfd)  # a FIFO opens at once (O_NONBLOCK), a link not at all
+        except OSError:  # FileNotFoundError above all: not cached, or evicted meanwhile
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != self._uid:
+                return None  # a special file (FIFO, device) or another user's file: a miss, left alone
+            with open(fd, "rb", buffering=0, closefd=False) as f:  # unbuffered: straight into the array
+                got = self._read_entry(f, key, st)
+            if got is not None and got[1] < self._since_ns:  # mark it used during this run (eviction order)
+                try:
+                    os.utime(fd)
+                except OSError:
+                    pass
+        except OSError:
+            got = None
         finally:
-            os.close(sfd)
+            os.close(fd)
+        if got is None:  # a bad entry: never served, and deleted so that it is written again
+            with self._lock:
+                self._stats.corrupt += 1
+            _unlink(name, sfd)
+            return None
         arr = got[0]
         arr.flags.writeable = False
         return arr
 
     @staticmethod
-    def _read_entry(f: Any, key: str) -> tuple[np.ndarray, int] | None:
+    def _read_entry(f: Any, key: str, st: os.stat_result | None = None) -> tuple[np.ndarray, int] | None:
         """(the chunk, its last use time) of an open entry file, or None where anything in it is wrong.
 
         A small first read (header, metadata, the payload's start), then the rest straight into
         the chunk's array: from a device, the small read starts the kernel's readahead and the
         whole took 0.6 ms for a 786 kB entry, one large read 1.1 ms (a 2-core VM, virtio disk).
         """
-        st = os.fstat(f.fileno())
+        st = os.fstat(f.fileno()) if st is None else st  # (the caller's, where it has one)
         first = f.read(_PEEK)
         if len(first) < _HEADER.size:
             return None
@@ -1039,8 +1042,6 @@ class ChunkCache:
             _unlink(tmp, sfd)
             self._disk_error(e, f"write entry {key!r}")
             return
-        finally:
-            os.close(sfd)
         n = len(head) + len(meta) + payload.nbytes
         with self._lock:
             self._stats.disk_writes += 1
@@ -1132,31 +1133,41 @@ class ChunkCache:
             except OSError as e:
                 self._disk_error(e, f"open its directory {shard!r}")
                 continue
+            # a new descriptor, with its own offset (processes forked from this one share the kept one), open
+            # while the entries are stat'ed (they name their directory by it)
+            own = -1
             try:
-                it = list(os.scandir(sfd))
+                own = os.open(".", _DIR_FLAGS, dir_fd=sfd)
+                it = list(os.scandir(own))
             except OSError as err:  # unreadable (permissions): counted and warned, the other shards still serve
                 self._disk_error(err, f"list its directory {shard!r}")
                 it = []
             try:
-                for ent in it:
-                    try:
-                        st = ent.stat(follow_symlinks=False)
-                    except FileNotFoundError:  # evicted or renamed meanwhile by another process
-                        continue
-                    if not stat.S_ISREG(st.st_mode):
-                        continue
-                    if _TMP_NAME.fullmatch(ent.name) and ent.name[1:3] == shard:
-                        if include_tmp:
-                            out.append((st.st_mtime_ns, st.st_size, shard, ent.name))
-                        elif st.st_mtime_ns < stale:
-                            _unlink(ent.name, sfd)
-                        else:  # a write under way: never evicted
-                            out.append((self._since_ns, st.st_size, shard, ent.name))
-                    elif _ENTRY.fullmatch(ent.name) and ent.name[:2] == shard:
-                        out.append((st.st_mtime_ns, st.st_size, shard, ent.name))
+                self._scan_shard(shard, sfd, it, include_tmp, stale, out)
             finally:
-                os.close(sfd)
+                if own >= 0:
+                    os.close(own)
         return out
+
+    def _scan_shard(self, shard: str, sfd: int, it: list[os.DirEntry], include_tmp: bool, stale: int,
+                    out: list[tuple[int, int, str, str]]) -> None:
+        """``_entries`` of one shard directory (``sfd``) whose entries are ``it``."""
+        for ent in it:
+            try:
+                st = ent.stat(follow_symlinks=False)
+            except FileNotFoundError:  # evicted or renamed meanwhile by another process
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            if _TMP_NAME.fullmatch(ent.name) and ent.name[1:3] == shard:
+                if include_tmp:
+                    out.append((st.st_mtime_ns, st.st_size, shard, ent.name))
+                elif st.st_mtime_ns < stale:
+                    _unlink(ent.name, sfd)
+                else:  # a write under way: never evicted
+                    out.append((self._since_ns, st.st_size, shard, ent.name))
+            elif _ENTRY.fullmatch(ent.name) and ent.name[:2] == shard:
+                out.append((st.st_mtime_ns, st.st_size, shard, ent.name))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -1171,6 +1182,15 @@ def _layout(raw: bytes) -> tuple[np.dtype, tuple[int, ...], int] | None:
     if dtype.hasobject or any(n < 0 for n in shape):
         return None
     return dtype, shape, int(np.prod(shape)) * dtype.itemsize
+
+
+def _close_all(top: int, shards: dict[str, int]) -> None:
+    """Close a disk tier's descriptors (its cache is gone)."""
+    for fd in [top, *shards.values()]:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def _unlink(name: str, dir_fd: int) -> bool:

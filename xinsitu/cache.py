@@ -7,8 +7,10 @@ is the decoded chunk (the store's dtype and chunk shape, before CF decoding), so
 and decoding are skipped. Keys (``ChunkKey``) name the store, the array, the chunk, a hash
 of the array's metadata and the Icechunk snapshot where there is one. The disk tier, which
 outlives the process, also keys each chunk file of a local directory by its size,
-modification time and inode (``ChunkKey.key``): an archive that changed never serves stale
-chunks from it. The memory tier takes the archive as the process found it (as an open
+modification time and inode, and each object of a remote store by its version (ETag, or size
+and modification time: ``ChunkKey.versions``, ``ChunkCache.disk_keys``): an archive that
+changed never serves stale chunks from it (unless the cache is declared ``immutable``).
+The memory tier takes the archive as the process found it (as an open
 Dataset does) and needs no ``stat`` per lookup (``ChunkKey.memory_key``).
 
 Why the tiers keep what they admitted instead of evicting the least recently used: a
@@ -25,19 +27,30 @@ the same directory and renamed into place, so a reader never sees a partial entr
 after ``kill -9`` mid-write; a header (length, dtype, shape, checksum) catches the rest
 (a torn write after a power loss, a truncated copy), and a bad entry is a miss and is
 deleted.
+
+The disk tier trusts no one else: a directory another user owns or can write (unless sticky)
+is refused, its own directories are 0700 and entries 0600, entries are reached from an open
+descriptor without following any link, a special file is a miss, and only files named as the
+cache names them are ever deleted. What it cannot read or write is counted
+(``CacheStats.disk_errors``) and warned of once.
 """
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import functools
 import hashlib
 import itertools
 import json
 import os
 import re
+import stat
 import struct
 import threading
 import time
+import warnings
+import weakref
 import zlib
 from collections.abc import Callable, Hashable
 from dataclasses import asdict, dataclass, fields
@@ -45,6 +58,8 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
+
+from xinsitu.snapshot import snapshot_of_store
 
 #: ``memory="auto"``: this share of the memory available when the cache is made ...
 AUTO_MEMORY_SHARE = 0.25
@@ -76,6 +91,14 @@ _PEEK = 4096  # the first read of an entry: header and metadata (well under this
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _HEX = re.compile(r"[0-9a-f]{8,128}")
+_SHARD = re.compile(r"[0-9a-f]{2}")
+_ENTRY = re.compile(r"[0-9a-f]{8,128}\.chunk")
+_TMP_NAME = re.compile(r"\.[0-9a-f]{8,128}\.[0-9]+\.[0-9]+\.[0-9]+\.tmp")
+_O_DIRECTORY, _O_NOFOLLOW = getattr(os, "O_DIRECTORY", 0), getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC, _O_NONBLOCK = getattr(os, "O_CLOEXEC", 0), getattr(os, "O_NONBLOCK", 0)
+_DIR_FLAGS = os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | _O_NOFOLLOW | _O_NONBLOCK | _O_CLOEXEC
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
@@ -191,7 +214,8 @@ class ChunkKey:
     A key is a 32-character hex digest (BLAKE2b) of the store's identity, the array's path,
     a hash of its metadata, the Icechunk snapshot (where there is one), the chunk's grid
     coordinates and, for a chunk file of a local directory, its size, modification time and
-    inode. It is the same in every process (no Python ``hash``) and never contains
+    inode (for an object of a remote store, its version: ``versions``). It is the same in
+    every process (no Python ``hash``) and never contains
     credentials (only a digest of the identity is kept).
 
     Parameters
@@ -207,12 +231,18 @@ class ChunkKey:
         The Icechunk snapshot id, or None.
     local_root
         For a store that is a local directory: its path, so that ``key`` can stat chunk files.
+    remote
+        For a remote store: the obstore store its objects' versions are asked of (``versions``).
+    needs_version
+        Whether disk keys must name each object's version (a remote store without snapshots).
     """
 
-    __slots__ = ("store_id", "array_path", "metadata_hash", "snapshot", "local_root", "ident", "_prefix")
+    __slots__ = ("store_id", "array_path", "metadata_hash", "snapshot", "local_root", "ident", "_prefix",
+                 "remote", "needs_version", "_versions", "_listed", "_vlock")
 
     def __init__(self, store_id: str, array_path: str, metadata: bytes | str | dict[str, Any],
-                 snapshot: str | None = None, local_root: str | os.PathLike[str] | None = None):
+                 snapshot: str | None = None, local_root: str | os.PathLike[str] | None = None, *,
+                 remote: Any = None, needs_version: bool = False):
         self.store_id = str(store_id)
         self.array_path = str(array_path)
         self.metadata_hash = hashlib.blake2b(_metadata_bytes(metadata), digest_size=16).hexdigest()
@@ -221,6 +251,12 @@ class ChunkKey:
         parts = ("xinsitu-chunk-v1", self.store_id, self.array_path, self.metadata_hash, snapshot or "")
         self._prefix = hashlib.blake2b("\0".join(parts).encode(), digest_size=16)
         self.ident = self._prefix.hexdigest()  # names the array's data: what the memory tier's keys start with
+        #: an archive whose objects may be rewritten in place (object storage, HTTP): its disk keys name
+        #: each object's version (``versions``), asked of ``remote`` (an obstore store; None: cannot be asked)
+        self.remote, self.needs_version = remote, bool(needs_version)
+        self._versions: dict[str, str] = {}  # object key -> its version, as this process found it
+        self._listed = False
+        self._vlock = threading.Lock()
 
     def memory_key(self, chunk: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
         """The memory tier's key of chunk ``chunk``: ``(ident, chunk)``, a dict lookup without hashing
@@ -230,7 +266,8 @@ class ChunkKey:
         """
         return (self.ident, chunk)
 
-    def key(self, chunk: tuple[int, ...], local_file: str | os.PathLike[str] | None = None) -> str:
+    def key(self, chunk: tuple[int, ...], local_file: str | os.PathLike[str] | None = None,
+            version: str | None = None) -> str:
         """The key of chunk ``chunk`` (grid coordinates; for sharded arrays, the inner chunk's).
 
         Parameters
@@ -240,6 +277,9 @@ class ChunkKey:
         local_file
             The chunk's file, for a store that is a local directory: its size, modification time
             and inode become part of the key (a missing file too), so a rewritten file is a miss.
+        version
+            The version of the chunk's object in a remote store (``versions``): part of the key, so
+            a rewritten object is a miss.
 
         Returns
         -------
@@ -254,7 +294,36 @@ class ChunkKey:
                 h.update(f"\0{st.st_size},{st.st_mtime_ns},{st.st_ino}".encode())
             except FileNotFoundError:
                 h.update(b"\0missing")
+        if version is not None:
+            h.update(("\0version " + version).encode())
         return h.hexdigest()
+
+    def versions(self, object_keys: list[str]) -> tuple[list[str | None], int]:
+        """The current versions of objects ``object_keys`` of the remote store (see ``object_versions``),
+        each asked once per ``ChunkKey`` (the archive as this process found it, like the memory tier):
+        (versions, None where the store could not tell; requests made).
+
+        The first call lists the array's prefix, one request per 1000 objects (stores that cannot
+        list, such as HTTP, are asked one ``HEAD`` per object instead)."""
+        n = 0
+        memo = self._versions
+        with self._vlock:  # one listing per array: the other threads wait for it (bounded by its requests)
+            if not self._listed and self.remote is not None and type(self.remote).__name__ != "HTTPStore":
+                self._listed = True  # once, whatever comes of it
+                try:
+                    listed, n = object_versions(self.remote, prefix=self.array_path)
+                except Exception:  # noqa: BLE001 - a store that cannot list (no permission): asked per object below
+                    n = 1
+                else:  # what the listing lacks has no object (it reads as the fill value)
+                    memo.update(listed)
+                    for k in object_keys:
+                        memo.setdefault(k, MISSING)
+            need = [k for k in dict.fromkeys(object_keys) if k not in memo]
+        if need and self.remote is not None:
+            got, asked = object_versions(self.remote, need)
+            n += asked
+            memo.update(got)
+        return [memo.get(k) for k in object_keys], n
 
     def file_of(self, object_key: str) -> str | None:
         """The local file of store object ``object_key`` (e.g. ``"t2m/c/3/0/0"``), None for a remote store."""
@@ -279,14 +348,18 @@ class ChunkKey:
         if ident is None:
             return None
         store_id, root = ident
+        remote = None
         if type(store).__name__ == "IcechunkStore":
-            snapshot = snapshot or _icechunk_snapshot(store)
+            snapshot = snapshot or snapshot_of_store(store)
             if snapshot is None:
                 return None
+        elif root is None and type(store).__name__ == "ObjectStore":
+            remote = store.store
         meta = aa.metadata.to_dict()
         meta.pop("attributes", None)  # attributes do not change the stored bytes (CF decoding comes later)
         path = getattr(array, "path", "") or ""
-        return cls(store_id, path, meta, snapshot=snapshot, local_root=root)
+        return cls(store_id, path, meta, snapshot=snapshot, local_root=root, remote=remote,
+                   needs_version=root is None and snapshot is None)
 
     def __repr__(self) -> str:
         return f"ChunkKey(array_path={self.array_path!r}, metadata={self.metadata_hash[:8]}, snapshot={self.snapshot})"
@@ -311,6 +384,77 @@ def chunk_key(store_id: str, array_path: str, chunk: tuple[int, ...], metadata: 
         32 hex characters, the same in every process.
     """
     return ChunkKey(store_id, array_path, metadata, snapshot).key(chunk, local_file)
+
+
+#: the version of an object the store does not have (its chunk reads as the fill value)
+MISSING = "missing"
+#: ``HEAD`` requests in flight at once when versions are asked one object at a time
+HEAD_CONCURRENCY = 16
+
+
+def _version_of(meta: Any) -> str:
+    """An object's version from obstore's ``ObjectMeta``: its ETag and size, else its size and
+    modification time."""
+    size = meta.get("size")
+    if meta.get("e_tag"):
+        return f"etag {meta['e_tag']} {size}"
+    modified = meta.get("last_modified")
+    return f"modified {modified.isoformat() if modified is not None else '?'} {size}"
+
+
+def object_versions(store: Any, object_keys: list[str] | None = None, *,
+                    prefix: str | None = None) -> tuple[dict[str, str], int]:
+    """The current versions (ETag and size, else size and modification time) of objects of an
+    obstore store: ``({object key: version}, requests made)``.
+
+    Parameters
+    ----------
+    store
+        An obstore store (``S3Store``, ``HTTPStore`` ...).
+    object_keys
+        Objects to ask one ``HEAD`` each (``HEAD_CONCURRENCY`` at once); one the store lacks is
+        ``MISSING``, one it could not tell about (an error) is left out.
+    prefix
+        Instead: list every object under ``prefix`` (one request per 1000 objects); raises where the
+        store cannot list.
+    """
+    import obstore
+
+    if prefix is not None:
+        out: dict[str, str] = {}
+        for batch in obstore.list(store, prefix=prefix or None, chunk_size=1000):
+            for meta in batch:
+                out[meta["path"]] = _version_of(meta)
+        return out, max(1, -(-len(out) // 1000))
+    keys = list(dict.fromkeys(object_keys or ()))
+
+    def one_sync(k: str) -> str | None:
+        try:
+            return _version_of(obstore.head(store, k))
+        except FileNotFoundError:
+            return MISSING
+        except Exception:  # noqa: BLE001 - not known: the chunk is not kept on disk (and its read reports the error)
+            return None
+
+    try:
+        asyncio.get_running_loop()
+        got = [one_sync(k) for k in keys]  # called on an event loop: one at a time
+    except RuntimeError:
+        async def one(k: str, sem: asyncio.Semaphore) -> str | None:
+            async with sem:
+                try:
+                    return _version_of(await obstore.head_async(store, k))
+                except FileNotFoundError:
+                    return MISSING
+                except Exception:  # noqa: BLE001 - as above
+                    return None
+
+        async def every() -> list[str | None]:
+            sem = asyncio.Semaphore(HEAD_CONCURRENCY)
+            return list(await asyncio.gather(*(one(k, sem) for k in keys)))
+
+        got = asyncio.run(every())
+    return {k: v for k, v in zip(keys, got, strict=True) if v is not None}, len(keys)
 
 
 def _strip_url(url: str) -> str:
@@ -364,17 +508,6 @@ def store_identity(store: Any) -> tuple[str, str | None] | None:
     return None
 
 
-def _icechunk_snapshot(store: Any) -> str | None:
-    """The snapshot id of an Icechunk store's session; None for uncommitted changes (no snapshot yet)."""
-    session = getattr(store, "session", None)
-    try:
-        if session is None or (not session.read_only and session.has_uncommitted_changes):
-            return None
-        return str(session.snapshot_id)
-    except Exception:  # noqa: BLE001 - a closed or foreign session: nothing to key on
-        return None
-
-
 # --------------------------------------------------------------------------------------------- cache
 @dataclass
 class CacheStats:
@@ -392,6 +525,7 @@ class CacheStats:
     corrupt: int = 0  # bad entries found (a miss, and deleted)
     disk_errors: int = 0  # writes that failed (disk full, permissions): the chunk is simply not kept
     not_admitted: int = 0  # puts the full disk tier turned away (everything in it was used during this run)
+    version_requests: int = 0  # requests asking a remote store its objects' versions (ETags), for disk keys
 
     def __sub__(self, other: CacheStats) -> CacheStats:
         gauges = ("memory_bytes", "memory_entries", "disk_bytes")
@@ -419,7 +553,8 @@ class ChunkCache:
         evict each chunk before its next use.
     disk
         A directory for the disk tier (an NVMe drive, ideally), or None. Entries go under
-        ``<disk>/xinsitu-chunks-v1/``; nothing else in the directory is touched.
+        ``<disk>/xinsitu-chunks-v1/``; nothing else in the directory is touched. It must be
+        yours (or root's) and writable by no other user unless sticky: else ``ValueError``.
     disk_size
         The disk tier's size bound (bytes or a string). None: it grows while the file system
         keeps ``DISK_FREE_SHARE`` of its size free (at least ``DISK_FREE_MIN``). When over,
@@ -430,6 +565,11 @@ class ChunkCache:
         Flush each disk entry to the device before it is renamed into place. Not needed for a
         killed process (the page cache keeps what was written); it guards against a power
         loss, which the checksum also catches.
+    immutable
+        Declare that the remote archives read through this cache are never rewritten in place:
+        disk entries of object storage and HTTP are then keyed without the objects' versions
+        (no listing or ``HEAD`` request). By default (False) each remote object's version (ETag,
+        or size and modification time) is part of its disk key, so a rewritten object is a miss.
 
     Notes
     -----
@@ -439,7 +579,7 @@ class ChunkCache:
     """
 
     def __init__(self, memory: int | str | bool | None = "auto", disk: str | os.PathLike[str] | None = None,
-                 disk_size: int | str | None = None, *, fsync: bool = False):
+                 disk_size: int | str | None = None, *, fsync: bool = False, immutable: bool = False):
         if memory is True or memory == "auto":
             self.memory_budget = auto_memory_budget()
         elif memory is None or memory is False:
@@ -451,6 +591,7 @@ class ChunkCache:
         if disk_size is not None and disk is None:
             raise ValueError("disk_size= needs disk= (a directory for the disk tier)")
         self.fsync = bool(fsync)
+        self.immutable = bool(immutable)
         self._since_ns = time.time_ns()  # the run began: entries used since are not evicted
         self._setup()
 
@@ -463,26 +604,28 @@ class ChunkCache:
         self._slabs: dict[tuple[tuple[int, ...], str], list[Any]] = {}  # (shape, dtype) -> [slab, rows used]
         self._stats = CacheStats()
         self._tmp_ids = itertools.count()
-        self._shards: set[str] = set()
         self._scanned = False
         self._written_since_scan = 0
         self._full_since = -float("inf")  # when a put last found the disk tier full (time.monotonic)
         self._checksum_kind, self._checksum = _checksummer()
+        self._warned = False
+        self._top = -1  # a descriptor of <disk>/xinsitu-chunks-v1: entries are reached from it, never by path
+        self._shard_fds: dict[str, int] = {}  # shard directory -> its descriptor (``_shard``)
+        self._uid = os.geteuid()
         if self.disk is not None:
-            try:
-                os.makedirs(os.path.join(self.disk, _SUBDIR), exist_ok=True)
-            except OSError as e:
-                raise ValueError(f"cannot use {self.disk!r} as the cache's disk tier: {e}") from e
+            self._top = _open_disk(self.disk)
+            weakref.finalize(self, _close_all, self._top, self._shard_fds)
 
     # ------------------------------------------------------------------ pickling (configuration only)
     def __getstate__(self) -> dict[str, Any]:
         return {"memory": self.memory_budget, "disk": self.disk, "disk_size": self.disk_size,
-                "fsync": self.fsync, "since_ns": self._since_ns}
+                "fsync": self.fsync, "since_ns": self._since_ns, "immutable": self.immutable}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.memory_budget = state["memory"]
         self.disk, self.disk_size, self.fsync = state["disk"], state["disk_size"], state["fsync"]
         self._since_ns = state["since_ns"]
+        self.immutable = state.get("immutable", False)
         self._setup()
 
     def _after_fork(self) -> None:
@@ -582,7 +725,30 @@ class ChunkCache:
         if not known:
             self._keep(key, arr)
         if dk is not None and not known:
-            self._disk_put(dk, arr)
+            try:
+                self._disk_put(dk, arr)
+            except OSError as e:  # a scan or the free space that failed (the directory gone?): counted, warned
+                self._disk_error(e, "keep a chunk")
+
+    def disk_keys(self, keys: ChunkKey, chunks: list[tuple[tuple[int, ...], str]]) -> list[str | None]:
+        """The disk tier's keys (``ChunkKey.key``) of chunks ``(coords, object key in the store)`` of one
+        array; None for a chunk the disk tier must not serve or keep (no disk tier, or a remote
+        object whose version the store did not tell). A local file's key names its size,
+        modification time and inode; a remote object's its version (``ChunkKey.versions``: a
+        listing of the array or one ``HEAD`` per object, once per ``ChunkKey``) unless the cache
+        is ``immutable``.
+        """
+        if self.disk is None:
+            return [None] * len(chunks)
+        if not keys.needs_version or self.immutable:
+            return [keys.key(c, keys.file_of(k)) for c, k in chunks]
+        if keys.remote is None:  # a remote store that cannot be asked (fsspec): memory tier only
+            return [None] * len(chunks)
+        versions, n = keys.versions([k for _, k in chunks])
+        if n:
+            with self._lock:
+                self._stats.version_requests += n
+        return [None if v is None else keys.key(c, version=v) for (c, _), v in zip(chunks, versions, strict=True)]
 
     def _disk_key(self, key: Hashable, disk_key: str | None) -> str | None:
         """The disk tier's key for an entry, None without a disk tier (or without a key it can use)."""
@@ -596,7 +762,19 @@ class ChunkCache:
         with self._lock:
             if key in self._mem:
                 return True
-        return self.disk is not None and isinstance(key, str) and os.path.exists(self._path(key))
+        if self.disk is None or not isinstance(key, str):
+            return False
+        self._path(key)
+        try:
+            sfd = self._shard(key[:2], create=False)
+        except OSError:
+            return False
+        if sfd is None:
+            return False
+        try:
+            return stat.S_ISREG(os.stat(key + _SUFFIX, dir_fd=sfd, follow_symlinks=False).st_mode)
+        except OSError:
+            return False
 
     def clear(self) -> None:
         """Empty both tiers: the memory tier of this process and every entry of the disk directory
@@ -609,9 +787,9 @@ class ChunkCache:
             self._stats.memory_bytes = self._stats.memory_entries = 0
         if self.disk is None:
             return
-        with self._evicting:
-            for entry in self._entries(include_tmp=True):
-                _unlink(entry[2])
+        with self._evicting:  # only files this cache writes (their names say so): nothing else is deleted
+            for _, _, shard, name in self._entries(include_tmp=True):
+                self._unlink(shard, name)
             with self._lock:
                 self._stats.disk_bytes = 0
                 self._written_since_scan = 0
@@ -713,36 +891,89 @@ class ChunkCache:
             raise ValueError(f"a disk cache key is a hex digest (ChunkKey.key), not {key!r}")
         return os.path.join(self.disk, _SUBDIR, key[:2], key + _SUFFIX)
 
-    def _disk_get(self, key: str) -> np.ndarray | None:
-        path = self._path(key)
+    def _shard(self, name: str, create: bool) -> int | None:
+        """A descriptor of shard directory ``name``, reached from the tier's own descriptor without
+        following a link, made (0700) where ``create``, and kept open for the cache's life (the
+        cache's, not the caller's to close: a lookup then costs one ``open``); None where it is not
+        there. Raises ``OSError`` for a link, a file, or a directory of another user."""
+        fd = self._shard_fds.get(name)
+        if fd is not None:
+            return fd
+        fd = _open_dir(self._top, name, create)
+        if fd is None:
+            return None
+        with self._lock:
+            kept = self._shard_fds.setdefault(name, fd)
+        if kept != fd:  # another thread opened it meanwhile
+            os.close(fd)
+        return kept
+
+    def _unlink(self, shard: str, name: str) -> bool:
+        """Delete entry (or temporary file) ``name`` of shard ``shard``; False where it is gone already."""
         try:
-            with open(path, "rb", buffering=0) as f:  # unbuffered: the payload is read straight into the array
-                got = self._read_entry(f, key)
+            sfd = self._shard(shard, create=False)
+        except OSError:
+            return False
+        return sfd is not None and _unlink(name, sfd)
+
+    def _disk_error(self, e: BaseException, doing: str) -> None:
+        """Count a failure of the disk tier (``stats.disk_errors``) and warn of the first one: the chunk
+        is read from the store instead, never a failed read, never silent."""
+        with self._lock:
+            self._stats.disk_errors += 1
+            first, self._warned = not self._warned, True
+        if first:
+            warnings.warn(f"the chunk cache's disk tier {self.disk!r} failed to {doing}: {type(e).__name__}: {e}; "
+                          "such chunks are read from the store (cache.stats.disk_errors counts them; warned once)",
+                          RuntimeWarning, stacklevel=3)
+
+    def _disk_get(self, key: str) -> np.ndarray | None:
+        self._path(key)  # a key that cannot name a file is refused
+        name = key + _SUFFIX
+        try:
+            sfd = self._shard(key[:2], create=False)
+        except OSError as e:
+            self._disk_error(e, f"open its directory {key[:2]!r}")
+            return None
+        if sfd is None:  # not cached
+            return None
+        try:
+            fd = os.open(name, _READ_FLAGS, dir_fd=sfd)  # a FIFO opens at once (O_NONBLOCK), a link not at all
         except OSError:  # FileNotFoundError above all: not cached, or evicted meanwhile
             return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != self._uid:
+                return None  # a special file (FIFO, device) or another user's file: a miss, left alone
+            with open(fd, "rb", buffering=0, closefd=False) as f:  # unbuffered: straight into the array
+                got = self._read_entry(f, key, st)
+            if got is not None and got[1] < self._since_ns:  # mark it used during this run (eviction order)
+                try:
+                    os.utime(fd)
+                except OSError:
+                    pass
+        except OSError:
+            got = None
+        finally:
+            os.close(fd)
         if got is None:  # a bad entry: never served, and deleted so that it is written again
             with self._lock:
                 self._stats.corrupt += 1
-            _unlink(path)
+            _unlink(name, sfd)
             return None
-        arr, used_ns = got
-        if used_ns < self._since_ns:  # mark it used during this run (once: eviction orders by it)
-            try:
-                os.utime(path)
-            except OSError:
-                pass
+        arr = got[0]
         arr.flags.writeable = False
         return arr
 
     @staticmethod
-    def _read_entry(f: Any, key: str) -> tuple[np.ndarray, int] | None:
+    def _read_entry(f: Any, key: str, st: os.stat_result | None = None) -> tuple[np.ndarray, int] | None:
         """(the chunk, its last use time) of an open entry file, or None where anything in it is wrong.
 
         A small first read (header, metadata, the payload's start), then the rest straight into
         the chunk's array: from a device, the small read starts the kernel's readahead and the
         whole took 0.6 ms for a 786 kB entry, one large read 1.1 ms (a 2-core VM, virtio disk).
         """
-        st = os.fstat(f.fileno())
+        st = os.fstat(f.fileno()) if st is None else st  # (the caller's, where it has one)
         first = f.read(_PEEK)
         if len(first) < _HEADER.size:
             return None
@@ -787,25 +1018,29 @@ class ChunkCache:
         payload = data.reshape(-1).view(np.uint8)
         checksum = self._checksum(payload, self._checksum(meta, 0))
         head = _HEADER.pack(_MAGIC, _VERSION, self._checksum_kind, len(meta), payload.nbytes, checksum)
-        path = self._path(key)
-        shard = os.path.dirname(path)
-        tmp = os.path.join(shard, f".{key}.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_ids)}{_TMP}")
+        self._path(key)
+        tmp = f".{key}.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_ids)}{_TMP}"
         try:
-            if shard not in self._shards:
-                os.makedirs(shard, exist_ok=True)
-                self._shards.add(shard)
-            with open(tmp, "xb") as f:
+            sfd = self._shard(key[:2], create=True)
+            assert sfd is not None
+        except OSError as e:
+            self._disk_error(e, f"open its directory {key[:2]!r}")
+            return
+        try:
+            fd = os.open(tmp, _WRITE_FLAGS, 0o600, dir_fd=sfd)
+            with open(fd, "wb") as f:
+                os.fchmod(fd, 0o600)  # whatever the umask: the chunks are as private as the cache
                 f.write(head)
                 f.write(meta)
                 f.write(payload.data)
                 if self.fsync:
                     f.flush()
                     os.fsync(f.fileno())
-            os.replace(tmp, path)  # atomic: readers see the old entry, the new one, or none
-        except OSError:
-            _unlink(tmp)
-            with self._lock:
-                self._stats.disk_errors += 1
+            # atomic: readers see the old entry, the new one, or none
+            os.replace(tmp, key + _SUFFIX, src_dir_fd=sfd, dst_dir_fd=sfd)
+        except OSError as e:
+            _unlink(tmp, sfd)
+            self._disk_error(e, f"write entry {key!r}")
             return
         n = len(head) + len(meta) + payload.nbytes
         with self._lock:
@@ -858,7 +1093,7 @@ class ChunkCache:
 
     def _evict(self, room: int = 0) -> None:
         entries = self._entries(include_tmp=False)
-        used = sum(size for _, size, _ in entries)
+        used = sum(e[1] for e in entries)
         with self._lock:
             self._stats.disk_bytes = used
             self._written_since_scan = 0
@@ -869,48 +1104,70 @@ class ChunkCache:
             return
         target = DISK_LOW_WATER * limit - room
         evicted = 0
-        for mtime_ns, size, path in sorted(entries):
+        for mtime_ns, size, shard, name in sorted(entries):
             if used <= target or mtime_ns >= self._since_ns:
                 break  # what is left was used during this run: kept (pinned)
-            if _unlink(path):
+            if self._unlink(shard, name):
                 evicted += 1
             used -= size  # gone either way: another process may have evicted it first
         with self._lock:
             self._stats.disk_bytes = used
             self._stats.disk_evictions += evicted
 
-    def _entries(self, include_tmp: bool) -> list[tuple[int, int, str]]:
-        """(use time, size, path) of every entry; temporary files left by killed writers are deleted
-        (or listed, with ``include_tmp``) and count towards the size while they are young."""
-        assert self.disk is not None
-        out: list[tuple[int, int, str]] = []
-        top = os.path.join(self.disk, _SUBDIR)
+    def _entries(self, include_tmp: bool) -> list[tuple[int, int, str, str]]:
+        """(use time, size, shard, name) of every entry; temporary files left by killed writers are deleted
+        (or listed, with ``include_tmp``) and count towards the size while they are young. Only regular
+        files named as this cache names them count (and are ever deleted); links are not followed."""
+        out: list[tuple[int, int, str, str]] = []
         stale = time.time_ns() - int(STALE_TMP_S * 1e9)
+        top = os.open(".", _DIR_FLAGS, dir_fd=self._top)  # its own offset: processes forked from this one scan too
         try:
-            shards = [d.path for d in os.scandir(top) if d.is_dir(follow_symlinks=False)]
-        except FileNotFoundError:
-            return out
+            shards = [d.name for d in os.scandir(top) if _SHARD.fullmatch(d.name) and d.is_dir(follow_symlinks=False)]
+        finally:
+            os.close(top)
         for shard in shards:
             try:
-                it = list(os.scandir(shard))
-            except FileNotFoundError:
+                sfd = self._shard(shard, create=False)
+                if sfd is None:
+                    continue
+            except OSError as e:
+                self._disk_error(e, f"open its directory {shard!r}")
                 continue
-            for e in it:
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except FileNotFoundError:  # evicted or renamed meanwhile by another process
-                    continue
-                if e.name.endswith(_TMP):
-                    if include_tmp:
-                        out.append((st.st_mtime_ns, st.st_size, e.path))
-                    elif st.st_mtime_ns < stale:
-                        _unlink(e.path)
-                    else:
-                        out.append((self._since_ns, st.st_size, e.path))  # a write under way: never evicted
-                    continue
-                if e.name.endswith(_SUFFIX):
-                    out.append((st.st_mtime_ns, st.st_size, e.path))
+            # a new descriptor, with its own offset (processes forked from this one share the kept one), open
+            # while the entries are stat'ed (they name their directory by it)
+            own = -1
+            try:
+                own = os.open(".", _DIR_FLAGS, dir_fd=sfd)
+                it = list(os.scandir(own))
+            except OSError as err:  # unreadable (permissions): counted and warned, the other shards still serve
+                self._disk_error(err, f"list its directory {shard!r}")
+                it = []
+            try:
+                self._scan_shard(shard, sfd, it, include_tmp, stale, out)
+            finally:
+                if own >= 0:
+                    os.close(own)
         return out
+
+    def _scan_shard(self, shard: str, sfd: int, it: list[os.DirEntry], include_tmp: bool, stale: int,
+                    out: list[tuple[int, int, str, str]]) -> None:
+        """``_entries`` of one shard directory (``sfd``) whose entries are ``it``."""
+        for ent in it:
+            try:
+                st = ent.stat(follow_symlinks=False)
+            except FileNotFoundError:  # evicted or renamed meanwhile by another process
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            if _TMP_NAME.fullmatch(ent.name) and ent.name[1:3] == shard:
+                if include_tmp:
+                    out.append((st.st_mtime_ns, st.st_size, shard, ent.name))
+                elif st.st_mtime_ns < stale:
+                    _unlink(ent.name, sfd)
+                else:  # a write under way: never evicted
+                    out.append((self._since_ns, st.st_size, shard, ent.name))
+            elif _ENTRY.fullmatch(ent.name) and ent.name[:2] == shard:
+                out.append((st.st_mtime_ns, st.st_size, shard, ent.name))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -927,15 +1184,108 @@ def _layout(raw: bytes) -> tuple[np.dtype, tuple[int, ...], int] | None:
     return dtype, shape, int(np.prod(shape)) * dtype.itemsize
 
 
-def _unlink(path: str) -> bool:
-    """Delete ``path``; False where it is gone already (another process evicted it)."""
+def _close_all(top: int, shards: dict[str, int]) -> None:
+    """Close a disk tier's descriptors (its cache is gone)."""
+    for fd in [top, *shards.values()]:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _unlink(name: str, dir_fd: int) -> bool:
+    """Delete ``name`` of directory ``dir_fd`` (a link itself, never its target); False where it is gone
+    already (another process evicted it)."""
     try:
-        os.unlink(path)
+        os.unlink(name, dir_fd=dir_fd)
         return True
-    except FileNotFoundError:
-        return False
     except OSError:
         return False
+
+
+def _untrusted(st: os.stat_result, own: bool) -> str | None:
+    """Why a directory cannot hold the cache's entries (another user could plant or read them), or None.
+    ``own``: it must be this user's (the cache's own directories); else root's will do, and a
+    directory others can write is fine where it is sticky (such as /tmp)."""
+    me = os.geteuid()
+    if st.st_uid != me and (own or st.st_uid != 0):
+        return f"is owned by another user (uid {st.st_uid})"
+    others = st.st_mode & (0o002 if not own and _private_group(st.st_gid) else 0o022)
+    if others and (own or not st.st_mode & stat.S_ISVTX):
+        return f"can be written by other users (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def _private_group(gid: int) -> bool:
+    """Whether group ``gid`` is this user's alone (a user private group, as a umask of 002 gives each
+    user's directories): no other user has it, as a member or as their primary group."""
+    try:
+        import grp
+        import pwd
+
+        me = pwd.getpwuid(os.geteuid()).pw_name
+        if gid != os.getegid() or set(grp.getgrgid(gid).gr_mem) - {me}:
+            return False
+        return all(u.pw_name == me for u in pwd.getpwall() if u.pw_gid == gid)
+    except (ImportError, KeyError, OSError):
+        return False
+
+
+def _open_dir(parent: int, name: str, create: bool) -> int | None:
+    """A descriptor of directory ``name`` under ``parent``, without following a link, checked to be this
+    user's and made private (0700, whatever the umask); made where ``create`` (else None where it is
+    not there). Raises ``OSError`` for a link, a file or another user's directory."""
+    try:
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+        except FileNotFoundError:
+            if not create:
+                return None
+            try:
+                os.mkdir(name, 0o700, dir_fd=parent)
+            except FileExistsError:  # another process made it meanwhile
+                pass
+            fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(os.lstat(name, dir_fd=parent).st_mode):
+            raise PermissionError(f"{name!r} is a symbolic link (never followed)") from e
+        raise
+    try:
+        st = os.fstat(fd)
+        why = _untrusted(st, own=True) if st.st_uid != os.geteuid() else None
+        if why is not None:
+            raise PermissionError(f"{name!r} {why}")
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.fchmod(fd, 0o700)  # this user's: made private (a cache of an older version, a umask)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_disk(disk: str) -> int:
+    """A descriptor of ``<disk>/xinsitu-chunks-v1`` (made, private), after checking that no other user can
+    plant entries there or read them. Raises ``ValueError`` naming the directory where it cannot be used."""
+    try:
+        os.makedirs(disk, mode=0o700, exist_ok=True)
+        link = os.lstat(disk)
+        root = os.open(disk, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+    except OSError as e:
+        raise ValueError(f"cannot use {disk!r} as the cache's disk tier: {e}") from e
+    try:
+        why = _untrusted(os.fstat(root), own=False)
+        if why is None and stat.S_ISLNK(link.st_mode) and link.st_uid not in (os.geteuid(), 0):
+            why = f"is a symbolic link of another user (uid {link.st_uid})"
+        if why is not None:
+            raise ValueError(f"refusing {disk!r} as the cache's disk tier: it {why}, who could plant entries; "
+                             "use a directory of your own that only you can write")
+        try:
+            return _open_dir(root, _SUBDIR, create=True)  # type: ignore[return-value]
+        except OSError as e:
+            raise ValueError(f"refusing {os.path.join(disk, _SUBDIR)!r} as the cache's disk tier: it must be a "
+                             f"directory of your own, not a link ({type(e).__name__}: {e})") from e
+    finally:
+        os.close(root)
 
 
 def resolve_cache(cache: bool | str | os.PathLike[str] | ChunkCache | None) -> ChunkCache | None:

@@ -1255,8 +1255,8 @@ def _disk_lookup_take(cache: ChunkCache, keys: ChunkKey, prefix: str, object_of:
     of local chunk files ``stat`` them, entries are files): (disk hits, misses as (coords, targets,
     memory key, disk key))."""
     found, misses = [], []
-    for coords, t, mk in missing:
-        dk = keys.key(coords, keys.file_of(prefix + object_of(coords)))
+    dks = cache.disk_keys(keys, [(coords, prefix + object_of(coords)) for coords, _, _ in missing])
+    for (coords, t, mk), dk in zip(missing, dks, strict=True):
         got = cache.get(mk, disk_key=dk)
         if got is None:
             misses.append((coords, t, mk, dk))

@@ -240,6 +240,33 @@ def test_no_dask_no_fsspec_on_the_read_path(http, manifest):
     assert res == {"n": manifest.positions("train"), "backend": "_ObstoreBackend"}
 
 
+@pytest.mark.parametrize("consolidated", [None, False, True])
+def test_open_on_a_server_that_never_answers_is_bounded_and_named(archive, consolidated):
+    """The metadata reads of an open get the request timeout of chunk reads: a server that accepts
+    and never answers gives a TimeoutError naming the object and XINSITU_REQUEST_TIMEOUT, after
+    3 tries of 0.5 s (obstore alone waited ~241 s a key). The open runs in a process of its own,
+    killed at 60 s: a regression fails, it does not hang the suite."""
+    script = textwrap.dedent(f"""
+        import sys, time, xinsitu
+        t = time.monotonic()
+        try:
+            xinsitu.open_zarr(sys.argv[1], consolidated={consolidated!r})
+        except TimeoutError as e:
+            print("TimeoutError:", e)
+        print("took", time.monotonic() - t)
+    """)
+    with FileServer(Path(archive).parent, Faults(hang=1.0, max_per_key=None), max_lifetime_s=90) as srv:
+        url = f"{srv.url}/era5.zarr"
+        out = subprocess.run([sys.executable, "-c", script, url], capture_output=True, text=True,
+                             timeout=60, cwd=Path(__file__).parent.parent,
+                             env={**os.environ, "XINSITU_REQUEST_TIMEOUT": "0.5"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = out.stdout
+    assert "TimeoutError: metadata object 'zarr.json'" in said and url in said, said
+    assert "no answer within 0.5 s, 3 times" in said and "XINSITU_REQUEST_TIMEOUT" in said, said
+    assert float(said.split("took")[-1]) < 30, said
+
+
 # ----------------------------------------------------------------------------- options
 def test_store_options_pass_through_over_defaults(s3):
     st = make_store(f"s3://{BUCKET}/data", endpoint=s3.endpoint, region="eu-west-3", access_key_id="AKIAX",

@@ -9,6 +9,7 @@ timeout, and transient faults are retried with backoff (see ``DEFAULT_CLIENT_OPT
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import inspect
@@ -17,14 +18,18 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
 import pandas as pd
 import xarray as xr
+
+from xinsitu import _loop
+
+T = TypeVar("T")
 
 _SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss", "adl", "http", "https", "file", "memory")
 _REMOTE = ("s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss", "adl", "http", "https")
@@ -596,11 +601,14 @@ def _needs_consolidated(obs: Any, group: str | None, where: str, secrets: list[s
 
     prefix = f"{group.strip('/')}/" if group else ""
 
-    def read(key: str) -> bytes | None:
+    async def get(key: str) -> bytes | None:
         try:
-            return bytes(obstore.get(obs, prefix + key).bytes())
+            return bytes(await (await obstore.get_async(obs, key)).bytes_async())
         except FileNotFoundError:
             return None
+
+    def read(key: str) -> bytes | None:
+        return _loop.run(bounded_request(lambda: get(prefix + key), f"metadata object {prefix + key!r} at {where}"))
 
     try:
         v3 = read("zarr.json")
@@ -610,6 +618,8 @@ def _needs_consolidated(obs: Any, group: str | None, where: str, secrets: list[s
                 return  # an array is reported by the open itself
         elif read(".zgroup") is None or read(".zmetadata") is not None:
             return  # no group here (the open says so), or a consolidated v2 group
+    except TimeoutError:
+        raise
     except Exception:  # noqa: BLE001 - unreadable: the open reports it, naming the key
         return
     raise ValueError(f"{where}: no consolidated metadata (no 'consolidated_metadata' in zarr.json, no "
@@ -663,11 +673,15 @@ def _checked_store() -> Any:
 
         class ObjectStore(zarr.storage.ObjectStore):  # same name: code that checks the kind keeps working
             async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+                def fetch() -> Any:
+                    return super(ObjectStore, self).get(key, prototype, byte_range)
+
+                what = f"object {key!r} of {_store_name(self.store)}"
                 if byte_range is not None or not key.endswith(_METADATA):
-                    return await super().get(key, prototype, byte_range)
+                    return await bounded_request(fetch, what)
                 err: Exception | None = None
                 for _ in range(FETCH_ATTEMPTS):
-                    buf = await super().get(key, prototype, byte_range)
+                    buf = await bounded_request(fetch, "metadata " + what)
                     if buf is None:
                         return None
                     try:
@@ -678,10 +692,38 @@ def _checked_store() -> Any:
                 raise ValueError(f"metadata object {key!r} is not valid JSON, {FETCH_ATTEMPTS} fetches in a row "
                                  f"(damaged in the store?): {type(err).__name__}: {err}")
 
+            async def exists(self, key: str) -> bool:
+                return await bounded_request(lambda: super(ObjectStore, self).exists(key),
+                                             f"object {key!r} of {_store_name(self.store)}")
+
         ObjectStore.__module__ = __name__
         ObjectStore.__qualname__ = "_CheckedObjectStore"
         _checked = ObjectStore
     return _checked
+
+
+def _store_name(obs: Any) -> str:
+    """An obstore store as messages name it: its URL without credentials, else its type."""
+    url = getattr(obs, "url", None)
+    return redact_url(str(url)) if url else type(obs).__name__
+
+
+async def bounded_request(fetch: Callable[[], Awaitable[T]], what: str) -> T:
+    """``await fetch()``, each try given ``XINSITU_REQUEST_TIMEOUT`` seconds (``_loop.request_timeout``),
+    ``FETCH_ATTEMPTS`` tries: the bound of chunk reads (``xinsitu.backend.bounded``) on the metadata
+    reads of an open (a server that accepts and never answers). Then ``TimeoutError`` naming ``what``.
+    A ``TimeoutError`` of the store's own is raised as it is."""
+    limit = _loop.request_timeout()
+    for _ in range(FETCH_ATTEMPTS):
+        cm = asyncio.timeout(limit)
+        try:
+            async with cm:
+                return await fetch()
+        except TimeoutError:
+            if not cm.expired():
+                raise
+    raise TimeoutError(f"{what}: no answer within {limit:g} s, {FETCH_ATTEMPTS} times (set XINSITU_REQUEST_TIMEOUT "
+                       "to a number of seconds to wait longer, or fewer)")
 
 
 def __getattr__(name: str) -> Any:  # pickles name the checked store class by this attribute

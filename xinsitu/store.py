@@ -332,6 +332,7 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
     >>> ds = xinsitu.open_zarr("s3://public-bucket/era5.zarr", anonymous=True)  # doctest: +SKIP
     """
 
+    _check_open_arguments(consolidated, group, decode_times)
     secrets: list[str] = []
     if isinstance(store, (str, os.PathLike)):
         url = os.fspath(store)
@@ -366,6 +367,19 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
         if type(e).__module__.startswith("obstore") or redact(text, secrets) != text:
             raise scrubbed(e, secrets) from None
         raise
+
+
+def _check_open_arguments(consolidated: Any, group: Any, decode_times: Any) -> None:
+    """TypeError naming the argument where ``open_zarr`` is given a value xarray would misread
+    (a string for a flag, a number for a group)."""
+    if group is not None and not isinstance(group, str):
+        raise TypeError(f"group must be a str (a path inside the store) or None, got {type(group).__name__}: {group!r}")
+    if consolidated is not None and not isinstance(consolidated, bool):
+        raise TypeError(f"consolidated must be True, False or None, got {type(consolidated).__name__}: "
+                        f"{consolidated!r}")
+    if isinstance(decode_times, (str, bytes, int, float, complex)) and not isinstance(decode_times, bool):
+        raise TypeError(f"decode_times must be True, False, None or a coder such as "
+                        f"xr.coders.CFDatetimeCoder(...), got {type(decode_times).__name__}: {decode_times!r}")
 
 
 def _open_xr(zstore: Any, consolidated: bool | None, group: str | None, decode_times: Any) -> xr.Dataset:

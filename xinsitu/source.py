@@ -11,6 +11,7 @@ selection back to its Zarr store.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -406,10 +407,18 @@ def _resolve_dask(ds: xr.Dataset, name: str, data: Any, base: dict) -> VarSource
     return _stored(base, var, zarray, src_dims, index)
 
 
+#: xarray's warning where ``consolidated=None`` finds no consolidated metadata: about the user's own
+#: open, not xinsitu's reopen of the same store (given once already, where the user opened it)
+CONSOLIDATED_WARNING = "Failed to open Zarr store with consolidated metadata"
+
+
 def _open_source(zarray: Any) -> xr.Dataset:
-    """Re-open the group holding ``zarray`` lazily (no dask) to read its index coordinates."""
+    """Re-open the group holding ``zarray`` lazily (no dask) to read its index coordinates; xarray's
+    warning that the store has no consolidated metadata is not given again here."""
     path = zarray.path.rsplit("/", 1)[0] if "/" in zarray.path else ""
-    return xr.open_zarr(zarray.store, group=path or None, chunks=None, consolidated=None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=CONSOLIDATED_WARNING, category=RuntimeWarning)
+        return xr.open_zarr(zarray.store, group=path or None, chunks=None, consolidated=None)
 
 
 def _positions(labels: Any, source: xr.Dataset, dim: str, name: str) -> np.ndarray:

@@ -20,7 +20,7 @@ import sys
 import warnings
 from collections.abc import Awaitable, Callable, Iterator
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
@@ -28,6 +28,18 @@ import pandas as pd
 import xarray as xr
 
 from xinsitu import _loop
+from xinsitu.xr_adapter import (
+    CACHING,
+    ELEMENTWISE,
+    LAZY,
+    closer,
+    decode_cf_datetime,
+    is_zarr_wrapper,
+    lazy_key,
+    variable_data,
+    zarr_array_of,
+    zarr_group_of,
+)
 
 T = TypeVar("T")
 
@@ -416,7 +428,7 @@ def _open_xr(zstore: Any, consolidated: bool | None, group: str | None, decode_t
     if not to_index:
         return ds
     out = ds.assign_coords(xr.Coordinates(to_index))
-    out.set_close(ds._close)
+    out.set_close(closer(ds))
     return out
 
 
@@ -475,39 +487,37 @@ def _decoded_times(var: xr.Variable, said: list[warnings.WarningMessage] | None 
     the warnings xarray's open gave for this axis (its check of the first and last value) are taken
     out of ``said``: they would be false.
     """
-    try:
-        from xarray.coding.times import decode_cf_datetime
-    except ImportError:  # pragma: no cover - another xarray
+    decode: Any = decode_cf_datetime
+    if decode is None:  # pragma: no cover - another xarray
         return None
-    node: Any = var._data
+    node: Any = variable_data(var)
     func: Any = None
     full = False
     for _ in range(16):
-        kind = type(node).__name__
-        if kind in ("MemoryCachedArray", "CopyOnWriteArray"):
+        if isinstance(node, CACHING):
             node = node.array
-        elif kind == "_ElementwiseFunctionArray" and func is None:
+        elif isinstance(node, ELEMENTWISE) and func is None:
             func = node.func
             node = node.array
-        elif kind == "LazilyIndexedArray" and not full:
-            key = node.key.tuple
+        elif isinstance(node, LAZY) and not full:
+            key = lazy_key(node)
             if len(key) != 1 or key[0] != slice(None):
                 return None
             full, node = True, node.array
-        elif kind == "ZarrArrayWrapper":
+        elif is_zarr_wrapper(node):
             break
         else:
             return None
     else:
         return None
     kw = getattr(func, "keywords", None)
-    if (getattr(func, "func", None) is not decode_cf_datetime or getattr(func, "args", None) or not kw
+    if (getattr(func, "func", None) is not decode or getattr(func, "args", None) or not kw
             or set(kw) != {"units", "calendar", "use_cftime", "time_unit"} or kw["use_cftime"]):
         return None
     m = re.fullmatch(r"\s*(\w+)\s+since\s+.+", str(kw["units"]), flags=re.IGNORECASE | re.DOTALL)
     unit = m.group(1).lower() if m else ""
     unit = unit if unit.endswith("s") else unit + "s"
-    zarray = node._array
+    zarray = zarr_array_of(node)
     raw_dtype = np.dtype(zarray.dtype)
     if unit not in _NS_PER or zarray.ndim != 1 or not (raw_dtype.kind == "i" or (raw_dtype.kind == "u"
                                                                                     and raw_dtype.itemsize < 8)):
@@ -527,7 +537,7 @@ def _decoded_times(var: xr.Variable, said: list[warnings.WarningMessage] | None 
         if (said is None or kw["time_unit"] != "ns" or kw["use_cftime"] is not None or ends.dtype.kind != "O"
                 or not told or not all(_out_of_ns_range(w) for w in told)):
             return None  # xarray's
-        coarser = functools.partial(decode_cf_datetime, units=kw["units"], calendar=kw["calendar"],
+        coarser = functools.partial(cast(Callable[..., Any], decode), units=kw["units"], calendar=kw["calendar"],
                                     use_cftime=None, time_unit="s")
         ends, told = _decoded_ends(coarser, lo, hi)
         if told or ends.dtype.kind != "M":
@@ -573,10 +583,8 @@ def _decoded_ends(func: Any, lo: int, hi: int) -> tuple[np.ndarray, list[warning
 def _out_of_ns_range(w: warnings.WarningMessage) -> bool:
     """Whether ``w`` is xarray's warning that it keeps ``cftime`` objects because the dates are out of
     ``datetime64[ns]``'s range (and for no other reason)."""
-    from xarray.coding.common import SerializationWarning
-
     text = str(w.message)
-    return (issubclass(w.category, SerializationWarning) and "datetime64[ns]" in text
+    return (issubclass(w.category, xr.SerializationWarning) and "datetime64[ns]" in text
             and "out of range" in text and "reform" not in text)
 
 
@@ -584,8 +592,7 @@ def _read_consolidated(ds: xr.Dataset, zstore: Any, group: str | None, consolida
     """Whether ``xr.open_zarr`` listed the arrays from consolidated metadata (a fixed order)."""
     if consolidated is False:
         return False
-    backend = getattr(getattr(ds, "_close", None), "__self__", None)  # xarray's ZarrStore
-    zgroup = getattr(backend, "zarr_group", None)
+    zgroup = zarr_group_of(ds)
     if zgroup is None:  # another xarray: ask zarr (one metadata read)
         import zarr
 
@@ -599,7 +606,7 @@ def _by_name(ds: xr.Dataset) -> xr.Dataset:
     out = ds[sorted(ds.data_vars, key=str)]
     out = out.assign_coords({k: ds.coords[k] for k in ds.coords if k not in out.coords})
     out.attrs, out.encoding = dict(ds.attrs), dict(ds.encoding)
-    out.set_close(ds._close)
+    out.set_close(closer(ds))
     return out
 
 

@@ -334,6 +334,15 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
     xr.Dataset
         Lazily indexed (numpy-backed on access, no dask); ``ds.insitu`` reads it in place.
 
+    Raises
+    ------
+    TypeError
+        ``group`` not a str, ``consolidated`` not a bool or None, ``decode_times`` a string or a
+        number (the message names the argument).
+    TimeoutError
+        A metadata object got no answer within ``XINSITU_REQUEST_TIMEOUT`` seconds, three times
+        (the message names the object and the store).
+
     Examples
     --------
     >>> ds = xinsitu.open_zarr("s3://bucket/era5.zarr", region="us-east-1")  # doctest: +SKIP

@@ -465,14 +465,22 @@ class _ZarrBackend:
 
     def __init__(self, zstore: Any):
         self.zstore = zstore
-        self.home = _home_loop(zstore)
+        self._home: tuple[int, asyncio.AbstractEventLoop | None] = (os.getpid(), _home_loop(zstore))
+
+    @property
+    def home(self) -> asyncio.AbstractEventLoop | None:
+        """zarr's loop in this process (zarr makes a new one after ``fork``), for an fsspec store; else None."""
+        if self._home[0] != os.getpid():
+            self._home = (os.getpid(), _home_loop(self.zstore))
+        return self._home[1]
 
     async def get(self, key: str) -> Any:
         err: BaseException | None = None
         try:
-            if self.home is not None and self.home is not asyncio.get_running_loop():
+            home = self.home
+            if home is not None and home is not asyncio.get_running_loop():
                 return await asyncio.wrap_future(
-                    asyncio.run_coroutine_threadsafe(zarr_store_get(self.zstore, key), self.home))
+                    asyncio.run_coroutine_threadsafe(zarr_store_get(self.zstore, key), home))
             return await zarr_store_get(self.zstore, key)
         except asyncio.CancelledError:
             raise

@@ -412,6 +412,10 @@ def _resolve_dask(ds: xr.Dataset, name: str, data: Any, base: dict) -> VarSource
     return _stored(base, var, zarray, src_dims, index)
 
 
+#: what the store of a reopen is read through: ``xinsitu.store`` (the I/O layer) sets it to a wrapper that
+#: bounds each request (``XINSITU_REQUEST_TIMEOUT``) when it is imported; as it is otherwise
+reopen_store: Any = None
+
 #: xarray's warning where ``consolidated=None`` finds no consolidated metadata: about the user's own
 #: open, not xinsitu's reopen of the same store (given once already, where the user opened it)
 CONSOLIDATED_WARNING = "Failed to open Zarr store with consolidated metadata"
@@ -423,7 +427,8 @@ def _open_source(zarray: Any) -> xr.Dataset:
     path = zarray.path.rsplit("/", 1)[0] if "/" in zarray.path else ""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=CONSOLIDATED_WARNING, category=RuntimeWarning)
-        return xr.open_zarr(zarray.store, group=path or None, chunks=None, consolidated=None)
+        store = zarray.store if reopen_store is None else reopen_store(zarray.store)
+        return xr.open_zarr(store, group=path or None, chunks=None, consolidated=None)
 
 
 def _positions(labels: Any, source: xr.Dataset, dim: str, name: str) -> np.ndarray:

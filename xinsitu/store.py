@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 
-from xinsitu import _loop
+from xinsitu import _loop, source
 from xinsitu.xr_adapter import (
     CACHING,
     ELEMENTWISE,
@@ -755,6 +755,27 @@ async def bounded_request(fetch: Callable[[], Awaitable[T]], what: str) -> T:
     raise TimeoutError(f"{what}: no answer within {limit:g} s, {FETCH_ATTEMPTS} times (set XINSITU_REQUEST_TIMEOUT "
                        "to a number of seconds to wait longer, or fewer)")
 
+
+def bounded_store(zstore: Any) -> Any:
+    """``zstore`` with each ``get`` and ``exists`` bounded as ``bounded_request`` bounds them (the
+    checked obstore store of ``open_zarr`` is bounded already and is returned as it is)."""
+    if isinstance(zstore, _checked_store()):
+        return zstore
+    import zarr.storage
+
+    class BoundedStore(zarr.storage.WrapperStore):
+        async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+            return await bounded_request(lambda: self._store.get(key, prototype, byte_range),
+                                         f"object {key!r} of {type(self._store).__name__}")
+
+        async def exists(self, key: str) -> bool:
+            return await bounded_request(lambda: self._store.exists(key),
+                                         f"object {key!r} of {type(self._store).__name__}")
+
+    return BoundedStore(zstore)
+
+
+source.reopen_store = bounded_store  # xinsitu's reopen of a dask-backed Dataset's store (layer 1)
 
 def __getattr__(name: str) -> Any:  # pickles name the checked store class by this attribute
     if name == "_CheckedObjectStore":

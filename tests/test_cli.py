@@ -145,3 +145,85 @@ def test_inspect_says_whether_chunks_carry_checksums(tmp_path: Path) -> None:
     assert "carry one (crc32c)" in crc
     got = json.loads(run("inspect", str(tmp_path / "crc.zarr"), "--json").stdout)
     assert got["checksums"] == {"a": "crc32c"}
+
+
+def _netcdf_files(tmp_path: Path) -> dict[str, list[str]]:
+    """A NetCDF classic file (CDF-1), a 64-bit offset one (CDF-2), and two NetCDF4 files of one year."""
+    pytest.importorskip("virtualizarr", reason="the virtual extra is not installed")
+    pytest.importorskip("netCDF4", reason="writing NetCDF files needs netCDF4")
+    from xinsitu.synthetic import era5_like
+
+    ds = era5_like(24, 4, 6)
+    out: dict[str, list[str]] = {}
+    for fmt in ("NETCDF3_CLASSIC", "NETCDF3_64BIT"):
+        f = str(tmp_path / f"{fmt}.nc")
+        ds.to_netcdf(f, format=fmt, engine="netcdf4", unlimited_dims=["time"])
+        out[fmt] = [f]
+    enc = {v: {"chunksizes": (4, 4, 6)} for v in ds.data_vars if "time" in ds[v].dims}
+    out["NETCDF4"] = []
+    for i in (0, 1):
+        f = str(tmp_path / f"part{i}.nc4")
+        ds.isel(time=slice(12 * i, 12 * i + 12)).to_netcdf(f, format="NETCDF4", engine="netcdf4", encoding=enc)
+        out["NETCDF4"].append(f)
+    return out
+
+
+def test_inspect_opens_netcdf_files_in_place(tmp_path: Path) -> None:
+    files = _netcdf_files(tmp_path)
+    for fmt in ("NETCDF3_CLASSIC", "NETCDF3_64BIT"):
+        out = run("inspect", files[fmt][0]).stdout
+        assert "<xinsitu.Geometry>" in out and "t2m" in out and "Suggested split:" in out, out
+        assert f"ds = xinsitu.virtual.open_netcdf({files[fmt][0]!r})" in out
+    glob_ = str(tmp_path / "part*.nc4")
+    for args in ([glob_], files["NETCDF4"]):  # a quoted glob, and the files one by one
+        got = json.loads(run("inspect", *args, "--json").stdout)
+        assert got["geometry"]["dims"]["time"] == {"length": 24, "chunk": 4, "blocks": 6}
+        assert got["code"] is not None
+    out = run("inspect", glob_).stdout
+    assert f"ds = xinsitu.virtual.open_netcdf({files['NETCDF4']!r})" in out
+
+
+def test_inspect_opens_grib_files_in_place(tmp_path: Path) -> None:
+    pytest.importorskip("virtualizarr", reason="the virtual extra is not installed")
+    pytest.importorskip("eccodes", reason="the grib extra is not installed")
+    pytest.importorskip("cfgrib", reason="the grib extra is not installed")
+    import pandas as pd
+
+    from xinsitu.grib import write_grib
+
+    rng = np.random.default_rng(0)
+    f = write_grib(tmp_path / "an.grib", {"2t": 280 + rng.standard_normal((6, 1, 5, 8))},
+                   pd.date_range("2020-01-01", periods=6, freq="12h"), [0])
+    out = run("inspect", f).stdout
+    assert "<xinsitu.Geometry>" in out and "t2m" in out, out
+    assert f"ds = xinsitu.virtual.open_grib({f!r})" in out
+
+
+def test_inspect_on_another_file_names_the_functions(tmp_path: Path) -> None:
+    f = tmp_path / "notes.txt"
+    f.write_text("not an archive")
+    p = run("inspect", str(f), ok=False)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert "xinsitu.virtual.open_netcdf" in p.stderr and "xinsitu.virtual.open_grib" in p.stderr, p.stderr
+    assert "notes.txt" in p.stderr
+
+
+def test_inspect_says_one_line_on_consolidated_metadata_and_takes_the_option(tmp_path: Path) -> None:
+    """Without consolidated metadata: one line naming --consolidated, not xarray's paragraph (which a
+    process run with warnings shown would print); --consolidated false: nothing."""
+    path = str(tmp_path / "u.zarr")
+    write_era5_like(path, nt=16, ny=2, nx=3, chunk_time=4)
+    meta = json.loads((Path(path) / "zarr.json").read_text())
+    assert meta.pop("consolidated_metadata", None) is not None  # taken away
+    (Path(path) / "zarr.json").write_text(json.dumps(meta))
+
+    def said(*args: str) -> str:
+        p = subprocess.run([sys.executable, "-W", "default", "-m", "xinsitu", "inspect", path, *args],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        return p.stderr
+
+    err = said()
+    assert "Failed to open Zarr store with consolidated metadata" not in err, err
+    assert "--consolidated false" in err
+    assert "consolidated" not in said("--consolidated", "false")

@@ -17,7 +17,7 @@ PKG = Path(__file__).resolve().parent.parent / "xinsitu"
 LAYERS = {
     # 1 -- metadata and pure math
     "source": 1, "geometry": 1, "manifest": 1, "split": 1, "sampling": 1, "shuffle": 1, "plan": 1,
-    "channels": 1, "state": 1, "snapshot": 1,
+    "channels": 1, "state": 1, "snapshot": 1, "xr_adapter": 1,
     # ``formatting`` (every repr) and ``plot`` (the manifest's drawing) are presentation, listed under
     # "surface" in issue 17, but they sit here: they are pure string (or matplotlib) building that takes
     # the objects duck-typed (their types only under TYPE_CHECKING), and the layer-1 records call them

@@ -240,6 +240,63 @@ def test_no_dask_no_fsspec_on_the_read_path(http, manifest):
     assert res == {"n": manifest.positions("train"), "backend": "_ObstoreBackend"}
 
 
+@pytest.mark.parametrize("consolidated", [None, False, True])
+def test_open_on_a_server_that_never_answers_is_bounded_and_named(archive, consolidated):
+    """The metadata reads of an open get the request timeout of chunk reads: a server that accepts
+    and never answers gives a TimeoutError naming the object and XINSITU_REQUEST_TIMEOUT, after
+    3 tries of 0.5 s (obstore alone waited ~241 s a key). The open runs in a process of its own,
+    killed at 60 s: a regression fails, it does not hang the suite."""
+    script = textwrap.dedent(f"""
+        import sys, time, xinsitu
+        t = time.monotonic()
+        try:
+            xinsitu.open_zarr(sys.argv[1], consolidated={consolidated!r})
+        except TimeoutError as e:
+            print("TimeoutError:", e)
+        print("took", time.monotonic() - t)
+    """)
+    with FileServer(Path(archive).parent, Faults(hang=1.0, max_per_key=None), max_lifetime_s=90) as srv:
+        url = f"{srv.url}/era5.zarr"
+        out = subprocess.run([sys.executable, "-c", script, url], capture_output=True, text=True,
+                             timeout=60, cwd=Path(__file__).parent.parent,
+                             env={**os.environ, "XINSITU_REQUEST_TIMEOUT": "0.5"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = out.stdout
+    assert "TimeoutError: metadata object 'zarr.json'" in said and url in said, said
+    assert "no answer within 0.5 s, 3 times" in said and "XINSITU_REQUEST_TIMEOUT" in said, said
+    assert float(said.split("took")[-1]) < 30, said
+
+
+def test_the_reopen_of_a_dask_selection_is_bounded_too(archive):
+    """xinsitu's own reopen of the store behind ``xr.open_zarr(URL)`` (fsspec, dask) to map a
+    selection's labels: bounded like every metadata read once the server stops answering. In a
+    process of its own (it starts the server itself), killed at 60 s: a regression fails."""
+    pytest.importorskip("fsspec")
+    pytest.importorskip("aiohttp")
+    script = textwrap.dedent(f"""
+        import sys, time
+        import xarray as xr
+        from tests.support.servers import Faults, FileServer
+        from xinsitu.source import resolve
+        with FileServer({str(Path(archive).parent)!r}, max_lifetime_s=90) as srv:
+            ds = xr.open_zarr(srv.url + "/era5.zarr").isel(time=[3, 40])
+            ds = ds.sel(time=ds.time.values)
+            srv.faults = Faults(hang=1.0, max_per_key=None)
+            t = time.monotonic()
+            try:
+                resolve(ds, ["t2m"])
+            except TimeoutError as e:
+                print("TimeoutError:", e)
+            print("took", time.monotonic() - t)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).parent.parent, env={**os.environ, "XINSITU_REQUEST_TIMEOUT": "0.5"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = out.stdout
+    assert "TimeoutError: object 'zarr.json' of FsspecStore: no answer within 0.5 s, 3 times" in said, said
+    assert float(said.split("took")[-1]) < 30, said
+
+
 # ----------------------------------------------------------------------------- options
 def test_store_options_pass_through_over_defaults(s3):
     st = make_store(f"s3://{BUCKET}/data", endpoint=s3.endpoint, region="eu-west-3", access_key_id="AKIAX",

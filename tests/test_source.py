@@ -3,6 +3,8 @@ v3 stores (with selections), memory, dask over memory, and the refusals that nam
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import xarray as xr
@@ -90,3 +92,17 @@ def test_refusals_name_the_variable_and_the_fix(store):
     pts = xr.DataArray([1, 2], dims="p")
     with pytest.raises(SourceError, match=r"vectorised \(pointwise\) indexing .* orthogonal selections"):
         resolve(xr.open_zarr(store, chunks=None).isel(time=pts, x=pts), ["t2m"])
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_the_reopen_of_a_dask_selection_says_nothing_about_consolidated_metadata(tmp_path, fmt):
+    """The user opened with consolidated=False: xinsitu's own reopen (the coordinates of a dask-backed
+    selection) gives no "Failed to open Zarr store with consolidated metadata" warning."""
+    path = str(tmp_path / "u.zarr")
+    _ds().to_zarr(path, zarr_format=fmt, consolidated=False, encoding={"t2m": {"chunks": (5, 4)}})
+    ds = xr.open_zarr(path, consolidated=False).sel(time=[2, 9])
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        t = resolve(ds, ["t2m"])["t2m"]
+    np.testing.assert_array_equal(t.index[0], [2, 9])
+    assert [str(w.message)[:60] for w in said if "consolidated" in str(w.message)] == []

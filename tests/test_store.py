@@ -6,6 +6,7 @@ from __future__ import annotations
 import obstore.store
 import pytest
 
+import xinsitu
 from xinsitu.store import make_store, redact, redact_url, scrubbed, secrets_in_options, secrets_of
 
 
@@ -75,3 +76,12 @@ def test_redact_and_scrubbed_remove_credentials_and_keep_the_kind():
 
 def test_secrets_of_a_local_store_is_empty(tmp_path):
     assert secrets_of(obstore.store.LocalStore(prefix=str(tmp_path))) == []
+
+
+@pytest.mark.parametrize("kw, name", [({"group": 123}, "group"), ({"group": b"g"}, "group"),
+                                      ({"consolidated": "yes"}, "consolidated"), ({"consolidated": 1}, "consolidated"),
+                                      ({"decode_times": "x"}, "decode_times"), ({"decode_times": 0}, "decode_times")])
+def test_open_zarr_refuses_arguments_of_the_wrong_type(era5_path, kw, name):
+    with pytest.raises(TypeError, match=f"^{name} must be"):
+        xinsitu.open_zarr(era5_path, **kw)
+

@@ -16,16 +16,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import glob
 import itertools
 import json
+import os
 import sys
 import time
+import warnings
 from typing import Any
 
 import numpy as np
 
 from xinsitu import __version__
 from xinsitu import formatting as _repr
+from xinsitu.source import CONSOLIDATED_WARNING
 
 DEFAULT_FRACTIONS = {"train": 0.8, "val": 0.1, "test": 0.1}
 
@@ -43,6 +47,14 @@ def _option(text: str) -> tuple[str, Any]:
         return key, int(value)
     except ValueError:
         return key, value
+
+
+def _flag(text: str) -> bool:
+    """``true``/``false`` -> bool."""
+    low = text.lower()
+    if low not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return low == "true"
 
 
 def _fractions(text: str) -> dict[str, float]:
@@ -69,7 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True, metavar="{inspect,bench}")
 
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("url", help="archive URL (s3://, gs://, az://, http(s)://, file://) or local path")
+    common.add_argument("url", nargs="+", metavar="URL",
+                        help="archive URL (s3://, gs://, az://, http(s)://, file://) or local path; or NetCDF "
+                        "(classic, NetCDF4) or GRIB files read in place (one or more, or a quoted glob such as "
+                        "'data/*.nc')")
+    common.add_argument("--consolidated", type=_flag, default=None, metavar="{true,false}",
+                        help="use the store's consolidated metadata (default: if present); false skips looking "
+                        "for it")
     common.add_argument("-o", "--option", dest="options", action="append", type=_option, default=[],
                         metavar="KEY=VALUE", help="store option for obstore, e.g. region=us-east-1 or "
                         "skip_signature=true (repeatable)")
@@ -123,10 +141,82 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+#: leading bytes of the files ``inspect``/``bench`` open in place: NetCDF classic (CDF-1, CDF-2), NetCDF4
+#: (HDF5), GRIB
+_SIGNATURES = {b"CDF\x01": "netcdf", b"CDF\x02": "netcdf", b"\x89HDF": "netcdf", b"GRIB": "grib"}
+_OPENERS = {"netcdf": "xinsitu.virtual.open_netcdf", "grib": "xinsitu.virtual.open_grib"}
+
+
+def file_kind(path: str) -> str | None:
+    """``"netcdf"`` or ``"grib"`` by the file's signature, None for anything else (a directory, a URL,
+    another file)."""
+    if "://" in path or not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return _SIGNATURES.get(head)
+
+
+def _paths(urls: list[str]) -> list[str]:
+    """Local glob patterns expanded (sorted); URLs and existing paths as given."""
+    out: list[str] = []
+    for u in urls:
+        if "://" not in u and not os.path.exists(u) and glob.has_magic(u):
+            found = sorted(glob.glob(os.path.expanduser(u)))
+            if not found:
+                raise FileNotFoundError(f"no file matches {u!r}")
+            out += found
+        else:
+            out.append(u)
+    return out
+
+
 def _open(args: argparse.Namespace) -> Any:
+    """The Dataset ``args.url`` names (a Zarr archive, or NetCDF/GRIB files opened in place); sets
+    ``args.code``, the line of Python that opens it."""
     import xinsitu
 
-    return xinsitu.open_zarr(args.url, group=args.group, **dict(args.options))
+    paths = _paths(args.url)
+    kinds = {p: file_kind(p) for p in paths}
+    kind = next(iter(set(kinds.values()))) if len(set(kinds.values())) == 1 else None
+    if kind is not None:
+        name = _OPENERS[kind]
+        arg = paths[0] if len(paths) == 1 else paths
+        args.code = f"ds = {name}({arg!r})"
+        import xinsitu.virtual
+
+        if kind == "grib":
+            if args.group:
+                raise TypeError("--group applies to Zarr archives and NetCDF files, not to GRIB files")
+            return xinsitu.virtual.open_grib(paths, **dict(args.options))
+        return xinsitu.virtual.open_netcdf(paths, group=args.group, **dict(args.options))
+    if len(paths) > 1:
+        raise ValueError(f"several paths given ({', '.join(map(repr, paths[:3]))}{', ...' if len(paths) > 3 else ''})"
+                         f" but they are not all NetCDF or all GRIB files ({_kinds_text(kinds)}): give one Zarr "
+                         "archive, or NetCDF or GRIB files")
+    url = paths[0]
+    if "://" not in url and os.path.isfile(url):
+        raise ValueError(f"{url!r} is a file, not a Zarr archive, and not a NetCDF (classic or NetCDF4/HDF5) or "
+                         "GRIB file by its first bytes: open NetCDF files with xinsitu.virtual.open_netcdf(paths), "
+                         "GRIB files with xinsitu.virtual.open_grib(paths), a Zarr archive (a directory) with "
+                         "xinsitu.open_zarr(path)")
+    args.code = f"ds = xinsitu.open_zarr({url!r}" + ("" if args.consolidated is None else
+                                                      f", consolidated={args.consolidated}") + ")"
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        ds = xinsitu.open_zarr(url, group=args.group, consolidated=args.consolidated, **dict(args.options))
+    for w in said:  # xarray's long advice on consolidated metadata becomes one line that names the option
+        if CONSOLIDATED_WARNING in str(w.message):
+            print(f"xinsitu {args.command}: note: no consolidated metadata (the open read each array's metadata); "
+                  "--consolidated false skips looking for it, zarr.consolidate_metadata(store) writes it",
+                  file=sys.stderr)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    return ds
+
+
+def _kinds_text(kinds: dict[str, str | None]) -> str:
+    return ", ".join(f"{os.path.basename(p)}: {k or 'neither'}" for p, k in list(kinds.items())[:4])
 
 
 # ----------------------------------------------------------------------------- split
@@ -274,7 +364,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print()
     print("In Python:")
     print("    import xinsitu")
-    print(f"    ds = xinsitu.open_zarr({args.url!r})")
+    print(f"    {args.code}")
     print(f"    {code}")
     return 0
 

@@ -11,6 +11,7 @@ import xarray as xr
 
 from xinsitu import formatting
 from xinsitu.source import _ARANGES, DaskBlocks, VarSource, resolve
+from xinsitu.xr_adapter import variable_data
 
 
 @dataclass(frozen=True)
@@ -223,7 +224,7 @@ _BY_DATASET: dict[int, tuple[weakref.ref, list[tuple[Any, Any, Any]], dict[str, 
 
 
 def _data_key(ds: xr.Dataset) -> list[tuple[Any, Any, Any]]:
-    return [(k, v, v._data) for k, v in ((k, ds.variables[k]) for k in ds.data_vars)]
+    return [(k, v, variable_data(v)) for k, v in ((k, ds.variables[k]) for k in ds.data_vars)]
 
 
 def _same(a: list[tuple[Any, Any, Any]], b: list[tuple[Any, Any, Any]]) -> bool:
@@ -233,7 +234,7 @@ def _same(a: list[tuple[Any, Any, Any]], b: list[tuple[Any, Any, Any]]) -> bool:
 def _keepable(src: VarSource, ds: xr.Dataset) -> bool:
     """Whether keeping ``src`` with the Dataset holds nothing the Dataset does not hold already (a
     stored array's positions, a dask wrapper, the variable's own numpy values; not a computed copy)."""
-    return src.stored or isinstance(src.values, DaskBlocks) or src.values is ds.variables[src.name]._data
+    return src.stored or isinstance(src.values, DaskBlocks) or src.values is variable_data(ds.variables[src.name])
 
 
 def _forgetter(key: int) -> Any:

@@ -153,7 +153,7 @@ def _inline_array(name: str, var: xr.Variable, url: str) -> tuple[Any, bytes]:
     values = values.astype(values.dtype.newbyteorder("<"), copy=False)
     attrs = {k: _jsonable(v) for k, v in enc.attrs.items()}
     if "_FillValue" in attrs:  # xarray reads a zarr v3 _FillValue attribute in its own encoding (base64 for floats)
-        from xarray.backends.zarr import FillValueCoder
+        from xinsitu.xr_adapter import FillValueCoder
 
         attrs["_FillValue"] = FillValueCoder.encode(enc.attrs["_FillValue"], values.dtype)
     md = create_v3_array_metadata(shape=values.shape, data_type=values.dtype, chunk_shape=values.shape,

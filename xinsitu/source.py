@@ -11,6 +11,7 @@ selection back to its Zarr store.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,15 @@ import numpy as np
 import xarray as xr
 
 from xinsitu.channels import CF_KEYS
+from xinsitu.xr_adapter import (
+    IN_MEMORY,
+    LAZY,
+    LAZY_VECTORIZED,
+    is_zarr_wrapper,
+    lazy_key,
+    variable_data,
+    zarr_array_of,
+)
 
 #: dask layer names that only select, arrange or re-chunk the values they read (no arithmetic):
 #: ``concatenate-`` is how ``xr.open_mfdataset`` puts its files together.
@@ -115,7 +125,7 @@ def resolve(ds: xr.Dataset, variables: list[str] | None = None) -> dict[str, Var
 
 def _resolve_var(ds: xr.Dataset, name: str) -> VarSource:
     var = ds[name].variable
-    data = var._data
+    data = variable_data(var)
     base = dict(name=name, dims=tuple(var.dims), shape=tuple(var.shape), dtype=np.dtype(var.dtype))
     if _is_dask(data):
         return _resolve_dask(ds, name, data, base)
@@ -159,13 +169,11 @@ def _is_dask(data: Any) -> bool:
 
 def _in_memory(data: Any) -> bool:
     """Whether xarray's wrappers around ``data`` end in values already in memory."""
-    from xarray.core import indexing
-
-    node = data
+    node: Any = data
     for _ in range(64):
-        if isinstance(node, np.ndarray | indexing.NumpyIndexingAdapter | indexing.PandasIndexingAdapter):
+        if isinstance(node, (np.ndarray, *IN_MEMORY)):
             return True
-        if isinstance(node, indexing.LazilyIndexedArray | indexing.LazilyVectorizedIndexedArray):
+        if isinstance(node, LAZY + LAZY_VECTORIZED):
             return False
         node = getattr(node, "array", None)
         if node is None:
@@ -188,22 +196,20 @@ def _memory_chunks(var: xr.Variable) -> tuple[tuple[int, ...], ...]:
 
 def _unwrap_lazy(data: Any) -> tuple[Any, list]:
     """Walk xarray's lazy wrappers down to the zarr array; return it and the keys, outermost first."""
-    from xarray.core import indexing
-
     keys: list = []
-    node = data
+    node: Any = data
     for _ in range(64):
-        if isinstance(node, indexing.LazilyVectorizedIndexedArray):
+        if isinstance(node, LAZY_VECTORIZED):
             raise SourceError(
                 "vectorised (pointwise) indexing of a stored variable cannot be mapped back to its chunks; "
                 "use orthogonal selections (isel/sel with slices, lists or scalars)"
             )
-        if isinstance(node, indexing.LazilyIndexedArray):
-            keys.append(node.key.tuple)
+        if isinstance(node, LAZY):
+            keys.append(lazy_key(node))
             node = node.array
             continue
-        if type(node).__name__ == "ZarrArrayWrapper":
-            return node._array, keys
+        if is_zarr_wrapper(node):
+            return zarr_array_of(node), keys
         inner = getattr(node, "array", None)
         if inner is None:
             return None, keys
@@ -304,7 +310,7 @@ def _backend_arrays(data: Any) -> list[Any]:
 
 def _how_to_open(ds: xr.Dataset, data: Any) -> str:
     """What to do instead, for a variable xinsitu cannot read as it is opened."""
-    names = [str(v) for v in ds.data_vars if ds[v].variable._data is data]
+    names = [str(v) for v in ds.data_vars if variable_data(ds[v].variable) is data]
     kind = _file_kind(ds, names[0], data) if names else None
     if kind == "netcdf":
         return ("it is read from NetCDF/HDF5 files: open them in place with xinsitu.virtual.open_netcdf(paths), "
@@ -406,10 +412,23 @@ def _resolve_dask(ds: xr.Dataset, name: str, data: Any, base: dict) -> VarSource
     return _stored(base, var, zarray, src_dims, index)
 
 
+#: what the store of a reopen is read through: ``xinsitu.store`` (the I/O layer) sets it to a wrapper that
+#: bounds each request (``XINSITU_REQUEST_TIMEOUT``) when it is imported; as it is otherwise
+reopen_store: Any = None
+
+#: xarray's warning where ``consolidated=None`` finds no consolidated metadata: about the user's own
+#: open, not xinsitu's reopen of the same store (given once already, where the user opened it)
+CONSOLIDATED_WARNING = "Failed to open Zarr store with consolidated metadata"
+
+
 def _open_source(zarray: Any) -> xr.Dataset:
-    """Re-open the group holding ``zarray`` lazily (no dask) to read its index coordinates."""
+    """Re-open the group holding ``zarray`` lazily (no dask) to read its index coordinates; xarray's
+    warning that the store has no consolidated metadata is not given again here."""
     path = zarray.path.rsplit("/", 1)[0] if "/" in zarray.path else ""
-    return xr.open_zarr(zarray.store, group=path or None, chunks=None, consolidated=None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=CONSOLIDATED_WARNING, category=RuntimeWarning)
+        store = zarray.store if reopen_store is None else reopen_store(zarray.store)
+        return xr.open_zarr(store, group=path or None, chunks=None, consolidated=None)
 
 
 def _positions(labels: Any, source: xr.Dataset, dim: str, name: str) -> np.ndarray:

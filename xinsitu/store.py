@@ -9,6 +9,7 @@ timeout, and transient faults are retried with backoff (see ``DEFAULT_CLIENT_OPT
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import inspect
@@ -17,14 +18,30 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar, cast
 from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
 import pandas as pd
 import xarray as xr
+
+from xinsitu import _loop, source
+from xinsitu.xr_adapter import (
+    CACHING,
+    ELEMENTWISE,
+    LAZY,
+    closer,
+    decode_cf_datetime,
+    is_zarr_wrapper,
+    lazy_key,
+    variable_data,
+    zarr_array_of,
+    zarr_group_of,
+)
+
+T = TypeVar("T")
 
 _SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss", "adl", "http", "https", "file", "memory")
 _REMOTE = ("s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss", "adl", "http", "https")
@@ -317,6 +334,15 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
     xr.Dataset
         Lazily indexed (numpy-backed on access, no dask); ``ds.insitu`` reads it in place.
 
+    Raises
+    ------
+    TypeError
+        ``group`` not a str, ``consolidated`` not a bool or None, ``decode_times`` a string or a
+        number (the message names the argument).
+    TimeoutError
+        A metadata object got no answer within ``XINSITU_REQUEST_TIMEOUT`` seconds, three times
+        (the message names the object and the store).
+
     Examples
     --------
     >>> ds = xinsitu.open_zarr("s3://bucket/era5.zarr", region="us-east-1")  # doctest: +SKIP
@@ -327,6 +353,7 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
     >>> ds = xinsitu.open_zarr("s3://public-bucket/era5.zarr", anonymous=True)  # doctest: +SKIP
     """
 
+    _check_open_arguments(consolidated, group, decode_times)
     secrets: list[str] = []
     if isinstance(store, (str, os.PathLike)):
         url = os.fspath(store)
@@ -363,6 +390,19 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
         raise
 
 
+def _check_open_arguments(consolidated: Any, group: Any, decode_times: Any) -> None:
+    """TypeError naming the argument where ``open_zarr`` is given a value xarray would misread
+    (a string for a flag, a number for a group)."""
+    if group is not None and not isinstance(group, str):
+        raise TypeError(f"group must be a str (a path inside the store) or None, got {type(group).__name__}: {group!r}")
+    if consolidated is not None and not isinstance(consolidated, bool):
+        raise TypeError(f"consolidated must be True, False or None, got {type(consolidated).__name__}: "
+                        f"{consolidated!r}")
+    if isinstance(decode_times, (str, bytes, int, float, complex)) and not isinstance(decode_times, bool):
+        raise TypeError(f"decode_times must be True, False, None or a coder such as "
+                        f"xr.coders.CFDatetimeCoder(...), got {type(decode_times).__name__}: {decode_times!r}")
+
+
 def _open_xr(zstore: Any, consolidated: bool | None, group: str | None, decode_times: Any) -> xr.Dataset:
     """``xr.open_zarr(zstore, chunks=None, ...)``, the same Dataset, with integer CF time axes decoded
     in place (``_decoded_times``): xarray's own decoding of a 10^7-step axis makes several
@@ -397,7 +437,7 @@ def _open_xr(zstore: Any, consolidated: bool | None, group: str | None, decode_t
     if not to_index:
         return ds
     out = ds.assign_coords(xr.Coordinates(to_index))
-    out.set_close(ds._close)
+    out.set_close(closer(ds))
     return out
 
 
@@ -456,39 +496,37 @@ def _decoded_times(var: xr.Variable, said: list[warnings.WarningMessage] | None 
     the warnings xarray's open gave for this axis (its check of the first and last value) are taken
     out of ``said``: they would be false.
     """
-    try:
-        from xarray.coding.times import decode_cf_datetime
-    except ImportError:  # pragma: no cover - another xarray
+    decode: Any = decode_cf_datetime
+    if decode is None:  # pragma: no cover - another xarray
         return None
-    node: Any = var._data
+    node: Any = variable_data(var)
     func: Any = None
     full = False
     for _ in range(16):
-        kind = type(node).__name__
-        if kind in ("MemoryCachedArray", "CopyOnWriteArray"):
+        if isinstance(node, CACHING):
             node = node.array
-        elif kind == "_ElementwiseFunctionArray" and func is None:
+        elif isinstance(node, ELEMENTWISE) and func is None:
             func = node.func
             node = node.array
-        elif kind == "LazilyIndexedArray" and not full:
-            key = node.key.tuple
+        elif isinstance(node, LAZY) and not full:
+            key = lazy_key(node)
             if len(key) != 1 or key[0] != slice(None):
                 return None
             full, node = True, node.array
-        elif kind == "ZarrArrayWrapper":
+        elif is_zarr_wrapper(node):
             break
         else:
             return None
     else:
         return None
     kw = getattr(func, "keywords", None)
-    if (getattr(func, "func", None) is not decode_cf_datetime or getattr(func, "args", None) or not kw
+    if (getattr(func, "func", None) is not decode or getattr(func, "args", None) or not kw
             or set(kw) != {"units", "calendar", "use_cftime", "time_unit"} or kw["use_cftime"]):
         return None
     m = re.fullmatch(r"\s*(\w+)\s+since\s+.+", str(kw["units"]), flags=re.IGNORECASE | re.DOTALL)
     unit = m.group(1).lower() if m else ""
     unit = unit if unit.endswith("s") else unit + "s"
-    zarray = node._array
+    zarray = zarr_array_of(node)
     raw_dtype = np.dtype(zarray.dtype)
     if unit not in _NS_PER or zarray.ndim != 1 or not (raw_dtype.kind == "i" or (raw_dtype.kind == "u"
                                                                                     and raw_dtype.itemsize < 8)):
@@ -508,7 +546,7 @@ def _decoded_times(var: xr.Variable, said: list[warnings.WarningMessage] | None 
         if (said is None or kw["time_unit"] != "ns" or kw["use_cftime"] is not None or ends.dtype.kind != "O"
                 or not told or not all(_out_of_ns_range(w) for w in told)):
             return None  # xarray's
-        coarser = functools.partial(decode_cf_datetime, units=kw["units"], calendar=kw["calendar"],
+        coarser = functools.partial(cast(Callable[..., Any], decode), units=kw["units"], calendar=kw["calendar"],
                                     use_cftime=None, time_unit="s")
         ends, told = _decoded_ends(coarser, lo, hi)
         if told or ends.dtype.kind != "M":
@@ -554,10 +592,8 @@ def _decoded_ends(func: Any, lo: int, hi: int) -> tuple[np.ndarray, list[warning
 def _out_of_ns_range(w: warnings.WarningMessage) -> bool:
     """Whether ``w`` is xarray's warning that it keeps ``cftime`` objects because the dates are out of
     ``datetime64[ns]``'s range (and for no other reason)."""
-    from xarray.coding.common import SerializationWarning
-
     text = str(w.message)
-    return (issubclass(w.category, SerializationWarning) and "datetime64[ns]" in text
+    return (issubclass(w.category, xr.SerializationWarning) and "datetime64[ns]" in text
             and "out of range" in text and "reform" not in text)
 
 
@@ -565,8 +601,7 @@ def _read_consolidated(ds: xr.Dataset, zstore: Any, group: str | None, consolida
     """Whether ``xr.open_zarr`` listed the arrays from consolidated metadata (a fixed order)."""
     if consolidated is False:
         return False
-    backend = getattr(getattr(ds, "_close", None), "__self__", None)  # xarray's ZarrStore
-    zgroup = getattr(backend, "zarr_group", None)
+    zgroup = zarr_group_of(ds)
     if zgroup is None:  # another xarray: ask zarr (one metadata read)
         import zarr
 
@@ -580,7 +615,7 @@ def _by_name(ds: xr.Dataset) -> xr.Dataset:
     out = ds[sorted(ds.data_vars, key=str)]
     out = out.assign_coords({k: ds.coords[k] for k in ds.coords if k not in out.coords})
     out.attrs, out.encoding = dict(ds.attrs), dict(ds.encoding)
-    out.set_close(ds._close)
+    out.set_close(closer(ds))
     return out
 
 
@@ -596,11 +631,14 @@ def _needs_consolidated(obs: Any, group: str | None, where: str, secrets: list[s
 
     prefix = f"{group.strip('/')}/" if group else ""
 
-    def read(key: str) -> bytes | None:
+    async def get(key: str) -> bytes | None:
         try:
-            return bytes(obstore.get(obs, prefix + key).bytes())
+            return bytes(await (await obstore.get_async(obs, key)).bytes_async())
         except FileNotFoundError:
             return None
+
+    def read(key: str) -> bytes | None:
+        return _loop.run(bounded_request(lambda: get(prefix + key), f"metadata object {prefix + key!r} at {where}"))
 
     try:
         v3 = read("zarr.json")
@@ -610,6 +648,8 @@ def _needs_consolidated(obs: Any, group: str | None, where: str, secrets: list[s
                 return  # an array is reported by the open itself
         elif read(".zgroup") is None or read(".zmetadata") is not None:
             return  # no group here (the open says so), or a consolidated v2 group
+    except TimeoutError:
+        raise
     except Exception:  # noqa: BLE001 - unreadable: the open reports it, naming the key
         return
     raise ValueError(f"{where}: no consolidated metadata (no 'consolidated_metadata' in zarr.json, no "
@@ -663,11 +703,15 @@ def _checked_store() -> Any:
 
         class ObjectStore(zarr.storage.ObjectStore):  # same name: code that checks the kind keeps working
             async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+                def fetch() -> Any:
+                    return super(ObjectStore, self).get(key, prototype, byte_range)
+
+                what = f"object {key!r} of {_store_name(self.store)}"
                 if byte_range is not None or not key.endswith(_METADATA):
-                    return await super().get(key, prototype, byte_range)
+                    return await bounded_request(fetch, what)
                 err: Exception | None = None
                 for _ in range(FETCH_ATTEMPTS):
-                    buf = await super().get(key, prototype, byte_range)
+                    buf = await bounded_request(fetch, "metadata " + what)
                     if buf is None:
                         return None
                     try:
@@ -678,11 +722,60 @@ def _checked_store() -> Any:
                 raise ValueError(f"metadata object {key!r} is not valid JSON, {FETCH_ATTEMPTS} fetches in a row "
                                  f"(damaged in the store?): {type(err).__name__}: {err}")
 
+            async def exists(self, key: str) -> bool:
+                return await bounded_request(lambda: super(ObjectStore, self).exists(key),
+                                             f"object {key!r} of {_store_name(self.store)}")
+
         ObjectStore.__module__ = __name__
         ObjectStore.__qualname__ = "_CheckedObjectStore"
         _checked = ObjectStore
     return _checked
 
+
+def _store_name(obs: Any) -> str:
+    """An obstore store as messages name it: its URL without credentials, else its type."""
+    url = getattr(obs, "url", None)
+    return redact_url(str(url)) if url else type(obs).__name__
+
+
+async def bounded_request(fetch: Callable[[], Awaitable[T]], what: str) -> T:
+    """``await fetch()``, each try given ``XINSITU_REQUEST_TIMEOUT`` seconds (``_loop.request_timeout``),
+    ``FETCH_ATTEMPTS`` tries: the bound of chunk reads (``xinsitu.backend.bounded``) on the metadata
+    reads of an open (a server that accepts and never answers). Then ``TimeoutError`` naming ``what``.
+    A ``TimeoutError`` of the store's own is raised as it is."""
+    limit = _loop.request_timeout()
+    for _ in range(FETCH_ATTEMPTS):
+        cm = asyncio.timeout(limit)
+        try:
+            async with cm:
+                return await fetch()
+        except TimeoutError:
+            if not cm.expired():
+                raise
+    raise TimeoutError(f"{what}: no answer within {limit:g} s, {FETCH_ATTEMPTS} times (set XINSITU_REQUEST_TIMEOUT "
+                       "to a number of seconds to wait longer, or fewer)")
+
+
+def bounded_store(zstore: Any) -> Any:
+    """``zstore`` with each ``get`` and ``exists`` bounded as ``bounded_request`` bounds them (the
+    checked obstore store of ``open_zarr`` is bounded already and is returned as it is)."""
+    if isinstance(zstore, _checked_store()):
+        return zstore
+    import zarr.storage
+
+    class BoundedStore(zarr.storage.WrapperStore):
+        async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+            return await bounded_request(lambda: self._store.get(key, prototype, byte_range),
+                                         f"object {key!r} of {type(self._store).__name__}")
+
+        async def exists(self, key: str) -> bool:
+            return await bounded_request(lambda: self._store.exists(key),
+                                         f"object {key!r} of {type(self._store).__name__}")
+
+    return BoundedStore(zstore)
+
+
+source.reopen_store = bounded_store  # xinsitu's reopen of a dask-backed Dataset's store (layer 1)
 
 def __getattr__(name: str) -> Any:  # pickles name the checked store class by this attribute
     if name == "_CheckedObjectStore":

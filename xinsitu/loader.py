@@ -272,7 +272,7 @@ class BatchGenerator:
                 self._yielded_at = (epoch, i + 1)  # the state of the last batch handed out (as grain keeps it)
                 if bar is not None:
                     bar.update(1)
-                yield batch
+                yield self.builder.hand_out(batch)  # a CUDA batch: safe on the caller's current stream
         finally:
             run.close()
             self._io = run.report()

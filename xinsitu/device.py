@@ -1,0 +1,370 @@
+"""Host-to-device copies that overlap the caller's work (SPEC §4 "GPU").
+
+A :class:`DeviceMover` owns a small ring of reused page-locked (pinned) staging buffers, one side
+stream and an event per batch. For each batch (in the prefetch thread) it
+
+1. takes the next slot of the ring -- and, where that slot's last copy has not completed yet,
+   waits for its event (a staging buffer is overwritten only after its copy completed);
+2. copies every array of the batch into the slot (host to host, in the prefetch thread);
+3. enqueues the host-to-device copies on its own stream, into fresh device memory, and records
+   the batch's event after them.
+
+When the batch is handed to the caller (:meth:`DeviceMover.hand_out`, on the caller's thread),
+the caller's *current* stream waits on that event (no host wait), and the device memory is tied
+to that stream (torch's ``record_stream``), so the allocator does not give it to a later copy
+while the caller's work may still read it. The copy of the next batch thus overlaps the caller's
+step; the batch is safe on the caller's stream.
+
+Everything device-specific sits behind a small *device API* (:class:`TorchCuda`, :class:`CupyCuda`,
+and :class:`StandInDevice` -- numpy arrays, with streams whose copies run only when an event
+after them is waited on -- so that the reuse rules are tested without a GPU).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+#: slots of the staging ring: the batch being copied, one the caller may still be waiting on, one spare
+RING_SLOTS = 3
+#: byte offset alignment of the arrays inside a staging buffer
+ALIGN = 256
+#: numpy kinds a device array can hold (bool, ints, floats, complex); others stay as they are
+NUMERIC_KINDS = "biufc"
+
+
+def gpu_extra_hint() -> str:
+    """The install line named by every error of a GPU option asked for without its packages."""
+    return "pip install 'xinsitu[gpu-cu12]' (CUDA 12) or 'xinsitu[gpu-cu13]' (CUDA 13)"
+
+
+# ---------------------------------------------------------------------------------------------- stand-in
+class _StandInStream:
+    """A stream of the stand-in device: enqueued copies run in order, only when flushed."""
+
+    def __init__(self, name: str, log: list[tuple[str, ...]]):
+        self.name, self.log = name, log
+        self.ops: list[Any] = []  # callables, run in order
+
+    def flush(self, upto: int | None = None) -> None:
+        n = len(self.ops) if upto is None else upto
+        for op in self.ops[:n]:
+            op()
+        del self.ops[:n]
+
+    def wait_event(self, event: _StandInEvent) -> None:
+        self.log.append(("wait", self.name, str(event.serial)))
+        event.synchronize(log=False)  # the work of this stream after the wait sees the copy done
+
+
+class _StandInEvent:
+    def __init__(self, serial: int, log: list[tuple[str, ...]]):
+        self.serial, self.log = serial, log
+        self.stream: _StandInStream | None = None
+        self.mark = 0  # ops of the stream enqueued before the event
+        self.done = True
+
+    def record(self, stream: _StandInStream) -> None:
+        self.stream, self.mark, self.done = stream, len(stream.ops), False
+        self.log.append(("record", stream.name, str(self.serial)))
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self, log: bool = True) -> None:
+        if not self.done and self.stream is not None:
+            if log:
+                self.log.append(("synchronize", str(self.serial)))
+            self.stream.flush(self.mark)
+            self.done = True
+
+
+class StandInDevice:
+    """The device API with numpy standing in for device memory (no GPU needed).
+
+    A copy enqueued on a stream runs only when an event recorded after it is synchronized or waited
+    on (or :meth:`complete` runs the stream): a staging buffer overwritten before its copy ran would
+    show as wrong values. ``log`` records the order of records, waits and synchronizations."""
+
+    kind = "stand-in"
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, ...]] = []
+        self.pinned_allocs = 0
+        self.current = _StandInStream("caller", self.log)
+        self._serial = 0
+        self.streams: list[_StandInStream] = []
+
+    def pinned(self, nbytes: int) -> np.ndarray:
+        self.pinned_allocs += 1
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def host_view(self, buf: np.ndarray) -> np.ndarray:
+        return buf
+
+    def stream(self) -> _StandInStream:
+        s = _StandInStream(f"side{len(self.streams)}", self.log)
+        self.streams.append(s)
+        return s
+
+    def event(self) -> _StandInEvent:
+        self._serial += 1
+        return _StandInEvent(self._serial, self.log)
+
+    def leaf(self, x: Any) -> np.ndarray | None:
+        return x if isinstance(x, np.ndarray) and x.dtype.kind in NUMERIC_KINDS else None
+
+    def to_device(self, staged: np.ndarray, stream: _StandInStream) -> np.ndarray:
+        out = np.empty_like(staged)
+        out[...] = -1 if out.dtype.kind in "iuf" else 0  # not the value: a copy that never ran shows
+
+        def op(src: np.ndarray = staged, dst: np.ndarray = out) -> None:
+            dst[...] = src
+
+        stream.ops.append(op)
+        return out
+
+    def hand_out(self, event: _StandInEvent, arrays: list[Any]) -> None:
+        self.current.wait_event(event)
+
+    def complete(self) -> None:
+        """Run every enqueued copy (the device caught up)."""
+        for s in self.streams:
+            s.flush()
+
+
+# ---------------------------------------------------------------------------------------------- real devices
+class TorchCuda:
+    """The device API of torch on a CUDA device."""
+
+    kind = "torch"
+
+    def __init__(self, device: Any):
+        import torch
+
+        self.torch = torch
+        self.device = torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def pinned(self, nbytes: int) -> Any:
+        return self.torch.empty(nbytes, dtype=self.torch.uint8, pin_memory=True)
+
+    def host_view(self, buf: Any) -> np.ndarray:
+        return buf.numpy()
+
+    def stream(self) -> Any:
+        return self.torch.cuda.Stream(self.device)
+
+    def event(self) -> Any:
+        return self.torch.cuda.Event()
+
+    def leaf(self, x: Any) -> Any:
+        torch = self.torch
+        if isinstance(x, torch.Tensor):
+            return x.detach() if x.device.type == "cpu" else None
+        if isinstance(x, np.ndarray) and x.dtype.kind in NUMERIC_KINDS:
+            return x
+        return None
+
+    def stage(self, buf: Any, off: int, leaf: Any) -> Any:
+        if isinstance(leaf, np.ndarray):
+            host = buf.numpy()[off:off + leaf.nbytes].view(leaf.dtype).reshape(leaf.shape)
+            np.copyto(host, leaf)
+            return self.torch.from_numpy(host)  # inside the pinned buffer: the copy is asynchronous
+        view = buf[off:off + leaf.nbytes].view(leaf.dtype).view(leaf.shape)
+        view.copy_(leaf)
+        return view
+
+    def to_device(self, staged: Any, stream: Any) -> Any:
+        with self.torch.cuda.stream(stream):
+            return staged.to(self.device, non_blocking=True)
+
+    def hand_out(self, event: Any, arrays: list[Any]) -> None:
+        cur = self.torch.cuda.current_stream(self.device)
+        cur.wait_event(event)
+        for a in arrays:
+            a.record_stream(cur)  # its memory is not reused before the caller's work on it is done
+
+
+class CupyCuda:
+    """The device API of CuPy on its current device. CuPy has no ``record_stream``: the copies of a
+    batch wait (on the side stream) for an event the caller's stream recorded when the batch before
+    was handed out, so memory the caller freed is rewritten only after the work it enqueued."""
+
+    kind = "cupy"
+
+    def __init__(self) -> None:
+        import cupy
+
+        self.cupy = cupy
+        self.freed_mark: Any = None
+
+    def pinned(self, nbytes: int) -> Any:
+        mem = self.cupy.cuda.alloc_pinned_memory(nbytes)
+        return np.frombuffer(mem, dtype=np.uint8, count=nbytes)
+
+    def host_view(self, buf: np.ndarray) -> np.ndarray:
+        return buf
+
+    def stream(self) -> Any:
+        return self.cupy.cuda.Stream(non_blocking=True)
+
+    def event(self) -> Any:
+        return self.cupy.cuda.Event(block=False, disable_timing=True)
+
+    def leaf(self, x: Any) -> np.ndarray | None:
+        return x if isinstance(x, np.ndarray) and x.dtype.kind in NUMERIC_KINDS else None
+
+    def to_device(self, staged: np.ndarray, stream: Any) -> Any:
+        mark = self.freed_mark
+        if mark is not None:
+            stream.wait_event(mark)
+        with stream:
+            out = self.cupy.empty(staged.shape, staged.dtype)
+            out.set(staged, stream=stream)
+        return out
+
+    def hand_out(self, event: Any, arrays: list[Any]) -> None:
+        cur = self.cupy.cuda.get_current_stream()
+        cur.wait_event(event)
+        mark = self.cupy.cuda.Event(block=False, disable_timing=True)
+        mark.record(cur)
+        self.freed_mark = mark
+
+
+# ---------------------------------------------------------------------------------------------- the ring
+@dataclass
+class _Slot:
+    buf: Any = None
+    nbytes: int = 0
+    event: Any = None
+
+
+@dataclass
+class MoverStats:
+    batches: int = 0
+    pinned_allocs: int = 0
+    waits: int = 0  # a slot's copy had not completed when the slot came round again
+    slot_of: list[int] = field(default_factory=list)  # slot used by each batch (kept for the last 64)
+
+
+class DeviceMover:
+    """Moves every array of a batch (any structure of dicts, lists and tuples) to the device through
+    a ring of ``slots`` reused pinned staging buffers, on its own stream; see the module docstring.
+
+    ``move`` runs in the prefetch thread, ``hand_out`` on the caller's thread as the batch is handed
+    out. A batch never handed out (an epoch closed early) is forgotten after ``slots`` more batches."""
+
+    def __init__(self, api: Any, slots: int = RING_SLOTS):
+        if not isinstance(slots, int) or slots < 2:
+            raise ValueError(f"slots must be an integer >= 2 (one being copied, one being filled), got {slots!r}")
+        self.api = api
+        self.slots = [_Slot() for _ in range(slots)]
+        self.next = 0
+        self.stream: Any = None
+        self.stats = MoverStats()
+        self._pending: dict[int, tuple[Any, list[Any]]] = {}  # id(batch) -> (event, device arrays)
+        self._order: list[int] = []
+        self._lock = threading.Lock()
+
+    def __reduce__(self) -> tuple[Any, ...]:  # a worker process's copy starts with no CUDA state
+        return (DeviceMover, (self.api, len(self.slots)))
+
+    def move(self, batch: Any) -> Any:
+        """``batch`` with every array moved to the device (others left as they are)."""
+        api = self.api
+        leaves: list[Any] = []
+
+        def collect(x: Any) -> Any:
+            leaf = api.leaf(x)
+            if leaf is None:
+                return x
+            leaves.append(leaf)
+            return _Leaf(len(leaves) - 1)
+
+        shape = tree_map(batch, collect)
+        if not leaves:
+            return batch
+        with self._lock:  # one slot to one batch, where several threads finish batches
+            if self.stream is None:
+                self.stream = api.stream()
+            k = self.next
+            self.next = (k + 1) % len(self.slots)
+            slot = self.slots[k]
+            if slot.event is not None and not slot.event.query():
+                self.stats.waits += 1
+                slot.event.synchronize()  # the staging buffer's last copy must have completed
+            offs, total = [], 0
+            for leaf in leaves:
+                offs.append(total)
+                total += -(-int(leaf.nbytes) // ALIGN) * ALIGN
+            if slot.buf is None or slot.nbytes < total:
+                slot.buf, slot.nbytes = api.pinned(max(total, ALIGN)), max(total, ALIGN)
+                self.stats.pinned_allocs += 1
+            outs = [api.to_device(self._stage(slot.buf, off, leaf), self.stream)
+                    for off, leaf in zip(offs, leaves, strict=True)]
+            ev = api.event()
+            ev.record(self.stream)
+            slot.event = ev
+            self.stats.batches += 1
+            self.stats.slot_of = (self.stats.slot_of + [k])[-64:]
+            moved = tree_map(shape, lambda x: outs[x.i] if isinstance(x, _Leaf) else x)
+            self._pending[id(moved)] = (ev, outs)
+            self._order.append(id(moved))
+            while len(self._order) > 2 * len(self.slots) + 8:  # never handed out: forget
+                self._pending.pop(self._order.pop(0), None)
+        return moved
+
+    def _stage(self, buf: Any, off: int, leaf: Any) -> Any:
+        stage = getattr(self.api, "stage", None)
+        if stage is not None:
+            return stage(buf, off, leaf)
+        host = self.api.host_view(buf)
+        view = host[off:off + leaf.nbytes].view(leaf.dtype).reshape(leaf.shape)
+        np.copyto(view, leaf)
+        return view
+
+    def hand_out(self, batch: Any) -> Any:
+        """On the caller's thread: its current stream waits for ``batch``'s copies."""
+        with self._lock:
+            got = self._pending.pop(id(batch), None)
+            if got is not None:
+                self._order.remove(id(batch))
+        if got is not None:
+            self.api.hand_out(*got)
+        return batch
+
+
+def tree_map(x: Any, fn: Any) -> Any:
+    """``fn`` on every leaf of nested dicts, lists and tuples (named tuples kept)."""
+    if isinstance(x, dict):
+        return {k: tree_map(v, fn) for k, v in x.items()}
+    if isinstance(x, tuple):
+        items = [tree_map(v, fn) for v in x]
+        return type(x)(*items) if hasattr(x, "_fields") else tuple(items)
+    if isinstance(x, list):
+        return [tree_map(v, fn) for v in x]
+    return fn(x)
+
+
+class _Leaf:
+    __slots__ = ("i",)
+
+    def __init__(self, i: int):
+        self.i = i
+
+
+def device_api(output: str, device: Any) -> Any:
+    """The device API of ``output``/``device`` where batches go to a CUDA device, else None."""
+    if output == "cupy":
+        return CupyCuda()
+    if output == "torch" and device is not None:
+        import torch
+
+        if torch.device(device).type == "cuda":
+            return TorchCuda(device)
+    return None

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import xinsitu
-from xinsitu.device import DeviceMover, StandInDevice, gpu_extra_hint
 from tests.support.gpu import CUDA
+from xinsitu.device import DeviceMover, StandInDevice
+from xinsitu.gpu_decode import gpu_extra_hint
 
 
 @pytest.fixture

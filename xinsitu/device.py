@@ -36,11 +36,6 @@ ALIGN = 256
 NUMERIC_KINDS = "biufc"
 
 
-def gpu_extra_hint() -> str:
-    """The install line named by every error of a GPU option asked for without its packages."""
-    return "pip install 'xinsitu[gpu-cu12]' (CUDA 12) or 'xinsitu[gpu-cu13]' (CUDA 13)"
-
-
 # ---------------------------------------------------------------------------------------------- stand-in
 class _StandInStream:
     """A stream of the stand-in device: enqueued copies run in order, only when flushed."""

@@ -370,7 +370,9 @@ def _check_cupy() -> None:
     try:
         import cupy
     except ImportError:
-        raise RuntimeError("output='cupy' needs CuPy: pip install 'xinsitu[gpu]' on a machine with CUDA") from None
+        from xinsitu.gpu_decode import gpu_extra_hint
+
+        raise RuntimeError(f"output='cupy' needs CuPy: {gpu_extra_hint()}, on a machine with CUDA") from None
     try:
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # noqa: BLE001 - no driver, no device

@@ -105,8 +105,8 @@ def test_pinned_buffer_reused_across_batches(tmp_path):
     chain = gpu_chain(a)
     chunks = [r for _, r in raw_chunks(a, path)]
     dec = StandInDecoder(chain)
-    for k in range(4):
-        dests = [np.empty(chain.shape, chain.dtype) for _ in chunks]
+    for _ in range(4):
+        dests = [np.empty(chain.shape, chain.dtype) for _c in chunks]
         dec.decode_many(chunks, dests)
     assert dec.packer.allocs == 1 and dec.transfers == 4 and dec.decode_calls == 4
 

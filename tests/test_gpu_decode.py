@@ -237,3 +237,37 @@ def test_nvcomp_decoder_bit_identical_to_zarr(tmp_path, name):
         inner = tuple(slice(0, k) for k in n)
         assert np.array_equal(cupy.asnumpy(d)[inner].view("u4"), e[inner].view("u4"))
     assert dec.transfers == 1
+
+
+# ------------------------------------------------------------------ decode= on the generator
+@pytest.fixture
+def ds_m(era5_path):
+    import xinsitu
+
+    ds = xinsitu.open_zarr(era5_path)
+    return ds, ds.insitu.split("time", fractions={"train": 0.8, "val": 0.2})
+
+
+@pytest.mark.parametrize("bad,exc", [(True, TypeError), ("GPU", ValueError)])
+def test_batches_decode_validated(ds_m, bad, exc):
+    ds, m = ds_m
+    with pytest.raises(exc, match="decode must be one of"):
+        ds.insitu.batches(m, "train", output="numpy", decode=bad)
+
+
+@pytest.mark.parametrize("kw,why", [(dict(output="numpy"), "output='numpy'"),
+                                    (dict(output="torch", device="cpu"), "device='cpu'")])
+def test_batches_decode_gpu_without_cuda_device_raises(ds_m, kw, why):
+    ds, m = ds_m
+    with pytest.raises(ValueError, match=f"decode='gpu' needs batches on a CUDA device.*{why}"):
+        ds.insitu.batches(m, "train", decode="gpu", **kw)
+
+
+def test_batches_repr_says_the_decode_path(ds_m):
+    ds, m = ds_m
+    gen = ds.insitu.batches(m, "train", output="numpy", variables=["t2m", "u10"])
+    assert gen.decode == "auto" and set(gen.decode_paths) == {"t2m", "u10"}
+    assert not any(c.gpu for c in gen.decode_paths.values())
+    assert "decode" in repr(gen) and "cpu (no CUDA device: output='numpy'" in repr(gen)
+    gen = ds.insitu.batches(m, "train", output="numpy", variables=["t2m"], decode="cpu")
+    assert "cpu (decode='cpu')" in repr(gen)

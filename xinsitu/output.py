@@ -94,6 +94,19 @@ class OutputBuilder:
         api = device_api(output, self.device)
         self.mover: DeviceMover | None = DeviceMover(api) if api is not None else None
 
+    def cuda_target(self) -> str | None:
+        """None where batches go to a CUDA device (so chunks may decode there), else why not."""
+        if self.output == "cupy" or self.mover is not None:
+            return None
+        if self.output == "jax":
+            import jax
+
+            dev = self.device if self.device is not None else jax.devices()[0]
+            return None if dev.platform == "gpu" else f"the jax device {dev} is not a GPU"
+        if self.output == "torch" and self.device is not None:
+            return f"device={self.device!r}"
+        return f"output={self.output!r}" + ("" if self.output in ("torch", "jax") else " (host arrays)")
+
     def _check_device(self, device: Any) -> None:
         import torch
 

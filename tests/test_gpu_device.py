@@ -152,3 +152,15 @@ def test_real_device_ring_bit_identical(ds_m, stack, kind):
         else:
             assert all(np.array_equal(host(g[k]), r[k], equal_nan=True) for k in r)
     assert gen.builder.mover.stats.pinned_allocs <= 3
+
+
+def test_cupy_output_without_cupy_names_the_extra(ds_m):
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("CuPy is installed here")
+    ds, m = ds_m
+    with pytest.raises(RuntimeError, match=r"output='cupy' needs CuPy: pip install 'xinsitu\[gpu-cu12\]'"):
+        ds.insitu.batches(m, "train", output="cupy")

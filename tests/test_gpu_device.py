@@ -87,6 +87,26 @@ def test_bigger_batch_grows_a_slot():
     assert dev.pinned_allocs == 3  # two slots, one grown
 
 
+class OwnArraysDevice(StandInDevice):
+    """A device API that gives the caller arrays of its own at hand-out (as CuPy's does)."""
+
+    def hand_out(self, event, arrays):
+        super().hand_out(event, arrays)
+        return [a.copy() for a in arrays]
+
+
+def test_caller_gets_arrays_of_its_own_in_the_same_structure():
+    dev = OwnArraysDevice()
+    mover = DeviceMover(dev)
+    src = ({"x": np.arange(3.0)}, [np.ones(2, "i4"), "keep"])
+    moved = mover.move(src)
+    out = mover.hand_out(moved)
+    assert out is not moved and isinstance(out, tuple) and out[1][1] == "keep"
+    assert out[0]["x"] is not moved[0]["x"] and out[0]["x"].tolist() == [0, 1, 2]
+    assert out[1][0].dtype == np.int32 and out[1][0].tolist() == [1, 1]
+    assert mover.hand_out(out) is out  # not one of ours: handed on as it is
+
+
 @pytest.mark.parametrize("slots", [1, 0, "2"])
 def test_slots_validated(slots):
     with pytest.raises(ValueError, match="slots"):

@@ -11,8 +11,9 @@ stream and an event per batch. For each batch (in the prefetch thread) it
 
 When the batch is handed to the caller (:meth:`DeviceMover.hand_out`, on the caller's thread),
 the caller's *current* stream waits on that event (no host wait), and the device memory is tied
-to that stream (torch's ``record_stream``), so the allocator does not give it to a later copy
-while the caller's work may still read it. The copy of the next batch thus overlaps the caller's
+to that stream (torch's ``record_stream``; CuPy, which has none, gets arrays of the caller's stream,
+see :class:`CupyCuda`), so the allocator does not give it to a later copy while the caller's work
+may still read it. The copy of the next batch thus overlaps the caller's
 step; the batch is safe on the caller's stream.
 
 Everything device-specific sits behind a small *device API* (:class:`TorchCuda`, :class:`CupyCuda`,
@@ -122,8 +123,9 @@ class StandInDevice:
         stream.ops.append(op)
         return out
 
-    def hand_out(self, event: _StandInEvent, arrays: list[Any]) -> None:
+    def hand_out(self, event: _StandInEvent, arrays: list[Any]) -> list[Any] | None:
         self.current.wait_event(event)
+        return None
 
     def complete(self) -> None:
         """Run every enqueued copy (the device caught up)."""
@@ -186,9 +188,13 @@ class TorchCuda:
 
 
 class CupyCuda:
-    """The device API of CuPy on its current device. CuPy has no ``record_stream``: the copies of a
-    batch wait (on the side stream) for an event the caller's stream recorded when the batch before
-    was handed out, so memory the caller freed is rewritten only after the work it enqueued."""
+    """The device API of CuPy on its current device.
+
+    CuPy's memory pool has no ``record_stream``: memory a batch was copied into on xinsitu's stream
+    could be given to the next copy while the caller's stream still reads it. So the caller gets
+    arrays of its own: at hand-out, on the caller's current stream, the batch is copied device to
+    device (a few microseconds) into arrays allocated there -- ordinary CuPy arrays of that stream --
+    and the copies on xinsitu's stream are kept until that copy completed (an event tells)."""
 
     kind = "cupy"
 
@@ -196,7 +202,7 @@ class CupyCuda:
         import cupy
 
         self.cupy = cupy
-        self.freed_mark: Any = None
+        self._held: list[tuple[list[Any], Any]] = []  # (arrays on our stream, event: copied out)
 
     def pinned(self, nbytes: int) -> Any:
         mem = self.cupy.cuda.alloc_pinned_memory(nbytes)
@@ -215,20 +221,26 @@ class CupyCuda:
         return x if isinstance(x, np.ndarray) and x.dtype.kind in NUMERIC_KINDS else None
 
     def to_device(self, staged: np.ndarray, stream: Any) -> Any:
-        mark = self.freed_mark
-        if mark is not None:
-            stream.wait_event(mark)
         with stream:
             out = self.cupy.empty(staged.shape, staged.dtype)
             out.set(staged, stream=stream)
         return out
 
-    def hand_out(self, event: Any, arrays: list[Any]) -> None:
-        cur = self.cupy.cuda.get_current_stream()
+    def hand_out(self, event: Any, arrays: list[Any]) -> list[Any]:
+        cupy = self.cupy
+        cur = cupy.cuda.get_current_stream()
         cur.wait_event(event)
-        mark = self.cupy.cuda.Event(block=False, disable_timing=True)
-        mark.record(cur)
-        self.freed_mark = mark
+        mine = []
+        for a in arrays:
+            b = cupy.empty(a.shape, a.dtype)  # on the caller's current stream (this thread's)
+            if a.nbytes:
+                b.data.copy_from_device_async(a.data, a.nbytes, stream=cur)
+            mine.append(b)
+        done = self.event()
+        done.record(cur)
+        self._held = [(h, e) for h, e in self._held if not e.query()]  # copied out: their memory may go
+        self._held.append((arrays, done))
+        return mine
 
 
 # ---------------------------------------------------------------------------------------------- the ring
@@ -262,7 +274,8 @@ class DeviceMover:
         self.next = 0
         self.stream: Any = None
         self.stats = MoverStats()
-        self._pending: dict[int, tuple[Any, list[Any]]] = {}  # id(batch) -> (event, device arrays)
+        # id(batch) -> (event, device arrays, the batch's structure with _Leaf placeholders)
+        self._pending: dict[int, tuple[Any, list[Any], Any]] = {}
         self._order: list[int] = []
         self._lock = threading.Lock()
 
@@ -308,7 +321,7 @@ class DeviceMover:
             self.stats.batches += 1
             self.stats.slot_of = (self.stats.slot_of + [k])[-64:]
             moved = tree_map(shape, lambda x: outs[x.i] if isinstance(x, _Leaf) else x)
-            self._pending[id(moved)] = (ev, outs)
+            self._pending[id(moved)] = (ev, outs, shape)
             self._order.append(id(moved))
             while len(self._order) > 2 * len(self.slots) + 8:  # never handed out: forget
                 self._pending.pop(self._order.pop(0), None)
@@ -324,14 +337,19 @@ class DeviceMover:
         return view
 
     def hand_out(self, batch: Any) -> Any:
-        """On the caller's thread: its current stream waits for ``batch``'s copies."""
+        """On the caller's thread: its current stream waits for ``batch``'s copies (the batch, or the
+        same structure with the arrays the device API gave the caller instead)."""
         with self._lock:
             got = self._pending.pop(id(batch), None)
             if got is not None:
                 self._order.remove(id(batch))
-        if got is not None:
-            self.api.hand_out(*got)
-        return batch
+        if got is None:
+            return batch
+        event, outs, shape = got
+        mine = self.api.hand_out(event, outs)
+        if mine is None:
+            return batch
+        return tree_map(shape, lambda x: mine[x.i] if isinstance(x, _Leaf) else x)
 
 
 def tree_map(x: Any, fn: Any) -> Any:

@@ -184,3 +184,21 @@ def test_cupy_output_without_cupy_names_the_extra(ds_m):
     ds, m = ds_m
     with pytest.raises(RuntimeError, match=r"output='cupy' needs CuPy: pip install 'xinsitu\[gpu-cu12\]'"):
         ds.insitu.batches(m, "train", output="cupy")
+
+
+def test_mover_pickles_without_its_state():
+    import pickle
+
+    mover = DeviceMover(StandInDevice(), slots=4)
+    mover.hand_out(mover.move(np.ones(3)))
+    copy = pickle.loads(pickle.dumps(mover))
+    assert len(copy.slots) == 4 and copy.stats.batches == 0 and copy.stream is None
+
+
+def test_torch_cuda_api_pickles_without_cuda():
+    import pickle
+
+    from xinsitu.device import TorchCuda
+
+    api = pickle.loads(pickle.dumps(TorchCuda("cuda:1")))  # no CUDA needed to make or move it
+    assert str(api.device) == "cuda:1"

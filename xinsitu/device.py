@@ -147,6 +147,9 @@ class TorchCuda:
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
 
+    def __reduce__(self) -> tuple[Any, ...]:  # a worker process makes its own (no module, no CUDA state)
+        return (TorchCuda, (str(self.device),))
+
     def pinned(self, nbytes: int) -> Any:
         return self.torch.empty(nbytes, dtype=self.torch.uint8, pin_memory=True)
 
@@ -203,6 +206,9 @@ class CupyCuda:
 
         self.cupy = cupy
         self._held: list[tuple[list[Any], Any]] = []  # (arrays on our stream, event: copied out)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # a worker process makes its own
+        return (CupyCuda, ())
 
     def pinned(self, nbytes: int) -> Any:
         mem = self.cupy.cuda.alloc_pinned_memory(nbytes)

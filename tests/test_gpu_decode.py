@@ -12,8 +12,6 @@ import numcodecs
 import numpy as np
 import pytest
 import zarr
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, GzipCodec, TransposeCodec, ZstdCodec
 
 from tests.support.gpu import CUDA
@@ -273,21 +271,3 @@ def test_batches_repr_says_the_decode_path(ds_m):
     assert "decode" in repr(gen) and "cpu (no CUDA device: output='numpy'" in repr(gen)
     gen = ds.insitu.batches(m, "train", output="numpy", variables=["t2m"], decode="cpu")
     assert "cpu (decode='cpu')" in repr(gen)
-
-
-# ------------------------------------------------------------------ packing: index math
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.binary(min_size=0, max_size=80), min_size=1, max_size=12))
-def test_packed_spans_aligned_disjoint_in_order_and_exact(parts):
-    from xinsitu.gpu_decode import ALIGN, _Packer
-
-    packer = _Packer(lambda n: np.zeros(n, dtype=np.uint8))
-    host, spans = packer.pack([memoryview(p) for p in parts])
-    assert [n for _, n in spans] == [len(p) for p in parts]
-    assert all(off % ALIGN == 0 for off, _ in spans)
-    ends = [off + n for off, n in spans]
-    assert all(ends[i] <= spans[i + 1][0] for i in range(len(spans) - 1))  # disjoint, in order
-    assert ends[-1] <= host.nbytes
-    assert all(bytes(host[o:o + n]) == p for (o, n), p in zip(spans, parts, strict=True))

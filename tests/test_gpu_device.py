@@ -9,8 +9,6 @@ import collections
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import xinsitu
 from tests.support.gpu import CUDA
@@ -204,24 +202,3 @@ def test_torch_cuda_api_pickles_without_cuda():
 
     api = pickle.loads(pickle.dumps(TorchCuda("cuda:1")))  # no CUDA needed to make or move it
     assert str(api.device) == "cuda:1"
-
-
-@settings(max_examples=60, deadline=None)
-@given(slots=st.integers(2, 5), sizes=st.lists(st.integers(0, 50), min_size=1, max_size=15),
-       lag=st.integers(0, 6))
-def test_ring_property_values_intact_whatever_the_caller_lag(slots, sizes, lag):
-    """Batches of any sizes, handed out ``lag`` batches late: slots go round in order, every value
-    arrives intact, and pinned buffers are only allocated for a slot's first use or growth."""
-    dev = StandInDevice()
-    mover = DeviceMover(dev, slots=slots)
-    srcs = [np.arange(n, dtype="f8") + 1000 * i for i, n in enumerate(sizes)]
-    moved, out = [], []
-    for s in srcs:
-        moved.append(mover.move({"x": s}))
-        if len(moved) > lag:
-            out.append(mover.hand_out(moved[len(out)]))
-    while len(out) < len(moved):
-        out.append(mover.hand_out(moved[len(out)]))
-    assert mover.stats.slot_of == [i % slots for i in range(len(srcs))][-64:]
-    assert all(np.array_equal(o["x"], s) for o, s in zip(out, srcs, strict=True))
-    assert dev.pinned_allocs <= len(srcs)

@@ -54,6 +54,47 @@ def test_staging_buffer_reused_only_after_its_copy_completed():
         np.testing.assert_array_equal(m, batches[i])
 
 
+def test_pinned_batch_memory_copied_straight_and_not_reused_before_its_copy():
+    """A batch gathered into the mover's page-locked memory (BatchArrays(alloc=mover.host_alloc)) is
+    copied from there without staging, and BatchArrays does not hand that memory out again until its
+    copy completed (the mover holds it till then)."""
+    from xinsitu.output import BatchArrays
+
+    dev = StandInDevice()
+    mover = DeviceMover(dev, slots=2)
+    arrays = BatchArrays(alloc=mover.host_alloc)
+    a = arrays.empty((4, 5), "f4")
+    a[...] = 7
+    moved = mover.move(a)
+    first = a.ctypes.data
+    del a
+    b = arrays.empty((4, 5), "f4")  # a's copy has not run: its memory is still held
+    assert b.ctypes.data != first
+    b[...] = -3
+    moved_b = mover.move(b)
+    assert mover.stats.direct == 2 and mover.stats.pinned_allocs == 0 and mover.stats.host_allocs == 2
+    assert mover.hand_out(moved).tolist() == np.full((4, 5), 7, "f4").tolist()
+    assert mover.hand_out(moved_b).tolist() == np.full((4, 5), -3, "f4").tolist()
+    del b
+    c = arrays.empty((4, 5), "f4")
+    c[...] = 1
+    assert mover.hand_out(mover.move(c)).tolist() == np.ones((4, 5), "f4").tolist()
+    del c
+    arrays.empty((4, 5), "f4")  # the completed copies' memory was given back as the ring turned
+    assert mover.stats.host_allocs == 2
+
+
+def test_non_contiguous_or_foreign_arrays_are_staged():
+    dev = StandInDevice()
+    mover = DeviceMover(dev)
+    pinned = mover.host_alloc(400).view("f4")
+    pinned[:] = np.arange(100)
+    out = mover.hand_out(mover.move({"strided": pinned[::2], "foreign": np.arange(3.0), "in": pinned[:10]}))
+    assert out["strided"].tolist() == list(range(0, 100, 2)) and out["foreign"].tolist() == [0, 1, 2]
+    assert out["in"].tolist() == list(range(10))
+    assert mover.stats.direct == 1 and mover.stats.pinned_allocs == 1
+
+
 def test_caller_waits_on_the_batch_event_not_the_host():
     dev = StandInDevice()
     mover = DeviceMover(dev)
@@ -122,7 +163,8 @@ def test_generator_through_stand_in_device_bit_identical(ds_m, stack):
     ref = [b.copy() if stack else {k: v.copy() for k, v in b.items()} for b in ds.insitu.batches(m, "train", **kw)]
     gen = ds.insitu.batches(m, "train", **kw)
     dev = StandInDevice()
-    gen.builder.mover = DeviceMover(dev)
+    gen.builder.mover = mover = DeviceMover(dev)
+    gen.builder.arrays.alloc = mover.host_alloc  # as OutputBuilder wires a real device
     n = 0
     for r, g in zip(ref, gen, strict=True):
         if stack:
@@ -131,7 +173,11 @@ def test_generator_through_stand_in_device_bit_identical(ds_m, stack):
             assert r.keys() == g.keys() and all(np.array_equal(r[k], g[k], equal_nan=True) for k in r)
         n += 1
     assert sum(e[0] == "wait" for e in dev.log) == n
-    assert dev.pinned_allocs <= 3
+    if stack:  # gathered straight into page-locked memory: copied from there, no staging copy
+        assert mover.stats.direct == n and mover.stats.pinned_allocs == 0
+        assert mover.stats.host_allocs <= 6  # BatchArrays took its memory back as copies completed
+    else:
+        assert mover.stats.pinned_allocs <= 3
 
 
 def test_gpu_extra_hint_names_both_extras():

@@ -24,6 +24,7 @@ after them is waited on -- so that the reuse rules are tested without a GPU).
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +114,12 @@ class StandInDevice:
     def leaf(self, x: Any) -> np.ndarray | None:
         return x if isinstance(x, np.ndarray) and x.dtype.kind in NUMERIC_KINDS else None
 
+    def span(self, leaf: np.ndarray) -> tuple[int, bool]:
+        return int(leaf.ctypes.data), bool(leaf.flags.c_contiguous)
+
+    def direct(self, leaf: np.ndarray) -> np.ndarray:
+        return leaf
+
     def to_device(self, staged: np.ndarray, stream: _StandInStream) -> np.ndarray:
         out = np.empty_like(staged)
         out[...] = -1 if out.dtype.kind in "iuf" else 0  # not the value: a copy that never ran shows
@@ -179,6 +186,14 @@ class TorchCuda:
         view.copy_(leaf)
         return view
 
+    def span(self, leaf: Any) -> tuple[int, bool]:
+        if isinstance(leaf, np.ndarray):
+            return int(leaf.ctypes.data), bool(leaf.flags.c_contiguous)
+        return int(leaf.data_ptr()), bool(leaf.is_contiguous())
+
+    def direct(self, leaf: Any) -> Any:
+        return self.torch.from_numpy(leaf) if isinstance(leaf, np.ndarray) else leaf
+
     def to_device(self, staged: Any, stream: Any) -> Any:
         with self.torch.cuda.stream(stream):
             return staged.to(self.device, non_blocking=True)
@@ -226,6 +241,12 @@ class CupyCuda:
     def leaf(self, x: Any) -> np.ndarray | None:
         return x if isinstance(x, np.ndarray) and x.dtype.kind in NUMERIC_KINDS else None
 
+    def span(self, leaf: np.ndarray) -> tuple[int, bool]:
+        return int(leaf.ctypes.data), bool(leaf.flags.c_contiguous)
+
+    def direct(self, leaf: np.ndarray) -> np.ndarray:
+        return leaf
+
     def to_device(self, staged: np.ndarray, stream: Any) -> Any:
         with stream:
             out = self.cupy.empty(staged.shape, staged.dtype)
@@ -255,6 +276,7 @@ class _Slot:
     buf: Any = None
     nbytes: int = 0
     event: Any = None
+    refs: list[Any] = field(default_factory=list)  # pinned host arrays copied from directly: held till done
 
 
 @dataclass
@@ -262,6 +284,8 @@ class MoverStats:
     batches: int = 0
     pinned_allocs: int = 0
     waits: int = 0  # a slot's copy had not completed when the slot came round again
+    direct: int = 0  # arrays copied straight from pinned memory of ``host_alloc`` (no staging copy)
+    host_allocs: int = 0
     slot_of: list[int] = field(default_factory=list)  # slot used by each batch (kept for the last 64)
 
 
@@ -283,6 +307,7 @@ class DeviceMover:
         # id(batch) -> (event, device arrays, the batch's structure with _Leaf placeholders)
         self._pending: dict[int, tuple[Any, list[Any], Any]] = {}
         self._order: list[int] = []
+        self._regions: list[tuple[int, int, Any]] = []  # (start, end, weakref) of host_alloc's memory
         self._lock = threading.Lock()
 
     def __reduce__(self) -> tuple[Any, ...]:  # a worker process's copy starts with no CUDA state
@@ -312,15 +337,25 @@ class DeviceMover:
             if slot.event is not None and not slot.event.query():
                 self.stats.waits += 1
                 slot.event.synchronize()  # the staging buffer's last copy must have completed
+            slot.refs = []
+            self._release()
+            direct = [self._pinned(leaf) for leaf in leaves]
             offs, total = [], 0
-            for leaf in leaves:
+            for leaf, d in zip(leaves, direct, strict=True):
                 offs.append(total)
-                total += -(-int(leaf.nbytes) // ALIGN) * ALIGN
-            if slot.buf is None or slot.nbytes < total:
+                if not d:
+                    total += -(-int(leaf.nbytes) // ALIGN) * ALIGN
+            if not all(direct) and (slot.buf is None or slot.nbytes < total):
                 slot.buf, slot.nbytes = api.pinned(max(total, ALIGN)), max(total, ALIGN)
                 self.stats.pinned_allocs += 1
-            outs = [api.to_device(self._stage(slot.buf, off, leaf), self.stream)
-                    for off, leaf in zip(offs, leaves, strict=True)]
+            outs = []
+            for off, leaf, d in zip(offs, leaves, direct, strict=True):
+                if d:  # already page-locked (gathered into host_alloc's memory): no staging copy
+                    outs.append(api.to_device(api.direct(leaf), self.stream))
+                    slot.refs.append(leaf)  # not reused (BatchArrays counts references) before the copy
+                    self.stats.direct += 1
+                else:
+                    outs.append(api.to_device(self._stage(slot.buf, off, leaf), self.stream))
             ev = api.event()
             ev.record(self.stream)
             slot.event = ev
@@ -332,6 +367,34 @@ class DeviceMover:
             while len(self._order) > 2 * len(self.slots) + 8:  # never handed out: forget
                 self._pending.pop(self._order.pop(0), None)
         return moved
+
+    def _release(self) -> None:
+        """Pinned arrays whose copies completed go back to their owner (the lock held)."""
+        for slot in self.slots:
+            if slot.refs and slot.event is not None and slot.event.query():
+                slot.refs = []
+
+    def host_alloc(self, nbytes: int) -> np.ndarray:
+        """Page-locked host memory (a uint8 numpy array) for batches to be gathered into: arrays in it
+        are copied to the device straight, without the staging copy (``BatchArrays(alloc=...)``)."""
+        buf = self.api.pinned(nbytes)
+        host = self.api.host_view(buf)
+        start = int(host.ctypes.data)
+        with self._lock:
+            self._regions = [r for r in self._regions if r[2]() is not None]
+            self._regions.append((start, start + int(host.nbytes), weakref.ref(host)))
+            self.stats.host_allocs += 1
+        return host
+
+    def _pinned(self, leaf: Any) -> bool:
+        """Whether ``leaf`` is contiguous and lies in memory of ``host_alloc`` (still alive)."""
+        if not self._regions:
+            return False
+        ptr, contiguous = self.api.span(leaf)
+        if not contiguous:
+            return False
+        end = ptr + int(leaf.nbytes)
+        return any(a <= ptr and end <= b and r() is not None for a, b, r in self._regions)
 
     def _stage(self, buf: Any, off: int, leaf: Any) -> Any:
         stage = getattr(self.api, "stage", None)
@@ -349,6 +412,7 @@ class DeviceMover:
             got = self._pending.pop(id(batch), None)
             if got is not None:
                 self._order.remove(id(batch))
+            self._release()
         if got is None:
             return batch
         event, outs, shape = got

@@ -93,6 +93,8 @@ class OutputBuilder:
         # a CUDA device: batches go through a ring of reused pinned buffers on xinsitu's own stream
         api = device_api(output, self.device)
         self.mover: DeviceMover | None = DeviceMover(api) if api is not None else None
+        if self.mover is not None:  # stacked batches are gathered into page-locked memory: no staging copy
+            self.arrays.alloc = self.mover.host_alloc
 
     def cuda_target(self) -> str | None:
         """None where batches go to a CUDA device (so chunks may decode there), else why not."""
@@ -322,7 +324,8 @@ class BatchArrays:
     KEEP = 6
     _IDLE = _calibrate()
 
-    def __init__(self) -> None:
+    def __init__(self, alloc: Any = None) -> None:
+        self.alloc = alloc  # fn(nbytes) -> uint8 array (page-locked memory for a device copy), else np.empty
         self._held: deque[np.ndarray] = deque(maxlen=self.KEEP)
         self._lock = threading.Lock()  # one array to one caller, where several threads gather
 
@@ -346,7 +349,7 @@ class BatchArrays:
                         del held[i]
                         held.append(raw)  # the newest: older ones are dropped first
                         return raw
-            raw = np.empty(size, dtype=np.uint8)
+            raw = np.empty(size, dtype=np.uint8) if self.alloc is None else self.alloc(size)
             held.append(raw)
             return raw
 

@@ -9,6 +9,10 @@ stream and an event per batch. For each batch (in the prefetch thread) it
 3. enqueues the host-to-device copies on its own stream, into fresh device memory, and records
    the batch's event after them.
 
+A batch already in page-locked memory of :meth:`DeviceMover.host_alloc` (stacked batches are
+gathered there: ``BatchArrays(alloc=mover.host_alloc)``) skips step 2: it is copied from where it
+lies, and the mover holds that memory until its copy completed.
+
 When the batch is handed to the caller (:meth:`DeviceMover.hand_out`, on the caller's thread),
 the caller's *current* stream waits on that event (no host wait), and the device memory is tied
 to that stream (torch's ``record_stream``; CuPy, which has none, gets arrays of the caller's stream,

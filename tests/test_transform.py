@@ -175,6 +175,19 @@ def test_transform_non_numeric_arrays_stay_as_they_are(ds_m):
     assert isinstance(got["names"], np.ndarray) and got["step"] == 3
 
 
+def test_transform_output_jax_takes_numpy_and_cpu_tensors(ds_m):
+    jax = pytest.importorskip("jax")
+    ds, m = ds_m
+
+    def mixed(b):
+        return {"x": np.asarray(b["t2m"]), "t": torch.ones(2, dtype=torch.float32), "name": np.array(["a"])}
+
+    got = next(iter(ds.insitu.batches(m, "train", batch_size=4, output="jax", variables=["t2m"], transform=mixed)))
+    assert isinstance(got["x"], jax.Array) and isinstance(got["t"], jax.Array)
+    assert np.array_equal(np.asarray(got["t"]), np.ones(2, "f4"))
+    assert isinstance(got["name"], np.ndarray)  # not numbers: handed on as it is
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_transform_numpy_arrays_arrive_on_cuda(ds_m):

@@ -42,6 +42,20 @@ ALIGN = 256
 NUMERIC_KINDS = "biufc"
 
 
+def host_numpy(x: Any) -> np.ndarray | None:
+    """``x`` as a numpy array where it is a numeric numpy array or a CPU torch tensor numpy can hold
+    (what a transform may return), else None."""
+    if isinstance(x, np.ndarray):
+        return x if x.dtype.kind in NUMERIC_KINDS else None
+    t = type(x)
+    if t.__name__ == "Tensor" and t.__module__.startswith("torch") and x.device.type == "cpu":
+        try:
+            return x.detach().numpy()
+        except (TypeError, RuntimeError):  # e.g. bfloat16: no numpy dtype
+            return None
+    return None
+
+
 # ---------------------------------------------------------------------------------------------- stand-in
 class _StandInStream:
     """A stream of the stand-in device: enqueued copies run in order, only when flushed."""
@@ -243,7 +257,7 @@ class CupyCuda:
         return self.cupy.cuda.Event(block=False, disable_timing=True)
 
     def leaf(self, x: Any) -> np.ndarray | None:
-        return x if isinstance(x, np.ndarray) and x.dtype.kind in NUMERIC_KINDS else None
+        return host_numpy(x)  # CPU torch tensors of a transform become CuPy arrays too
 
     def span(self, leaf: np.ndarray) -> tuple[int, bool]:
         return int(leaf.ctypes.data), bool(leaf.flags.c_contiguous)

@@ -27,7 +27,7 @@ from xinsitu.channels import (
     normalizer,
     plan_channels,
 )
-from xinsitu.device import NUMERIC_KINDS, DeviceMover, device_api
+from xinsitu.device import NUMERIC_KINDS, DeviceMover, device_api, host_numpy
 from xinsitu.device import tree_map as _tree_map
 from xinsitu.sampling import SampleSpace, VarLayout
 
@@ -277,10 +277,13 @@ class OutputBuilder:
         return t.to(torch.device(self.device))
 
     def _to_jax(self, a: Any) -> Any:
-        """A numpy array as a ``jax.Array`` on the builder's device; anything else as it is.
-        ``jax.device_put`` onto a CPU device aliases suitably aligned host memory (no copy)."""
-        if not isinstance(a, np.ndarray):
+        """A numeric numpy array (or CPU torch tensor, from a transform) as a ``jax.Array`` on the
+        builder's device; anything else as it is. ``jax.device_put`` onto a CPU device aliases
+        suitably aligned host memory (no copy)."""
+        host = host_numpy(a)
+        if host is None:
             return a
+        a = host
         import jax
 
         _check_jax_dtype("an array of the transformed batch", a.dtype)

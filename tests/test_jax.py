@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
 import xinsitu
 
+# on a GPU, jax would take 75% of its memory at first use, leaving too little for the example's own
+# process (test_train_jax_example_runs): allocate as needed instead (read when jax's backend starts)
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 jax = pytest.importorskip("jax", reason="output='jax' needs jax (pip install 'xinsitu[jax]')")
 
 
@@ -140,15 +145,17 @@ def test_jax_map_style_dataset(ds_m, x64):
 
 
 def test_train_jax_example_runs(tmp_path):
-    """examples/train_jax.py trains on a small synthetic archive (written in tmp_path) and learns."""
-    import os
+    """examples/train_jax.py trains on a small synthetic archive (written in tmp_path) and learns; on a GPU,
+    beside this process's jax, in GPU memory of its own."""
     import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "examples" / "train_jax.py"
+    # its own share of a GPU: no preallocation, and at most a third of the memory whatever this process holds
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.33"}
     p = subprocess.run([sys.executable, "-W", "ignore", str(script), "--nt", "400", "--epochs", "2"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300, env=os.environ.copy())
+                       capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     losses = [float(line.rsplit("val loss ", 1)[1]) for line in p.stdout.splitlines() if "val loss" in line]
     assert len(losses) == 2 and all(np.isfinite(losses)), p.stdout

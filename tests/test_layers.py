@@ -24,9 +24,10 @@ LAYERS = {
     # from ``__repr__``/``SplitManifest.plot``: in layer 4 those calls would point upward.
     "formatting": 1, "plot": 1,
     # 2 -- I/O
-    "_loop": 2, "store": 2, "backend": 2, "codecs": 2, "reader": 2, "cache": 2,
+    "_loop": 2, "store": 2, "backend": 2, "codecs": 2, "reader": 2, "cache": 2, "gpu_decode": 2,
+    "device_cache": 2,
     # 3 -- batches
-    "buffer": 3, "output": 3, "pipeline": 3, "loader": 3, "stats": 3, "dataset": 3, "validity": 3,
+    "buffer": 3, "device": 3, "output": 3, "pipeline": 3, "loader": 3, "stats": 3, "dataset": 3, "validity": 3,
     # ``torch`` (the IterableDataset over a generator, public generator methods only) is listed under
     # "surface" in issue 17, but ``BatchGenerator.to_torch()`` (public API) makes it: an adapter of the
     # batches layer, importing nothing above it.

@@ -140,6 +140,68 @@ def test_transform_in_spawned_dataloader_workers(ds_m):
     assert n == m.positions("train")
 
 
+def to_xy(batch):
+    """docs/how-to/transform.md's collate: numpy arrays out of the (torch) batch."""
+    x = np.stack([batch["t2m"], batch["u10"]], axis=1)
+    return {"inputs": {"x": x, "lsm": np.asarray(batch["u10"])[:, :1]}}, np.asarray(batch["t2m"])[:, None]
+
+
+def test_transform_numpy_arrays_become_tensors_on_the_device(ds_m):
+    """SPEC §4 Other outputs: the device= copy moves every array the transform returned, numpy arrays
+    becoming tensors of the output kind (not left behind as numpy on the host)."""
+    ds, m = ds_m
+    kw = dict(batch_size=6, seed=4, block_chunks=2, variables=["t2m", "u10"])
+    ref = [to_xy(b) for b in ds.insitu.batches(m, "train", output="numpy", **kw)]
+    gen = ds.insitu.batches(m, "train", output="torch", device="cpu", transform=to_xy, **kw)
+    n = 0
+    for (rin, ry), (inputs, y) in zip(ref, gen, strict=True):
+        for got, exp in ((inputs["inputs"]["x"], rin["inputs"]["x"]), (inputs["inputs"]["lsm"], rin["inputs"]["lsm"]),
+                         (y, ry)):
+            assert isinstance(got, torch.Tensor) and got.device.type == "cpu"
+            assert np.array_equal(got.numpy(), exp, equal_nan=True)
+        n += 1
+    assert n == len(ref) > 0
+
+
+def test_transform_non_numeric_arrays_stay_as_they_are(ds_m):
+    ds, m = ds_m
+
+    def with_time(b):
+        return {"t2m": np.asarray(b["t2m"]), "names": np.array(["t2m"]), "step": 3}
+
+    got = next(iter(ds.insitu.batches(m, "train", batch_size=4, output="torch", device="cpu", variables=["t2m"],
+                                      transform=with_time)))
+    assert isinstance(got["t2m"], torch.Tensor)
+    assert isinstance(got["names"], np.ndarray) and got["step"] == 3
+
+
+def test_transform_output_jax_takes_numpy_and_cpu_tensors(ds_m):
+    jax = pytest.importorskip("jax")
+    ds, m = ds_m
+
+    def mixed(b):
+        return {"x": np.asarray(b["t2m"]), "t": torch.ones(2, dtype=torch.float32), "name": np.array(["a"])}
+
+    got = next(iter(ds.insitu.batches(m, "train", batch_size=4, output="jax", variables=["t2m"], transform=mixed)))
+    assert isinstance(got["x"], jax.Array) and isinstance(got["t"], jax.Array)
+    assert np.array_equal(np.asarray(got["t"]), np.ones(2, "f4"))
+    assert isinstance(got["name"], np.ndarray)  # not numbers: handed on as it is
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_transform_numpy_arrays_arrive_on_cuda(ds_m):
+    ds, m = ds_m
+    kw = dict(batch_size=6, seed=4, block_chunks=2, variables=["t2m", "u10"])
+    ref = [to_xy(b) for b in ds.insitu.batches(m, "train", output="numpy", **kw)]
+    gen = ds.insitu.batches(m, "train", output="torch", device="cuda:0", transform=to_xy, **kw)
+    for (rin, ry), (inputs, y) in zip(ref, gen, strict=True):
+        assert inputs["inputs"]["x"].is_cuda and inputs["inputs"]["lsm"].is_cuda and y.is_cuda
+        assert np.array_equal(inputs["inputs"]["x"].cpu().numpy(), rin["inputs"]["x"], equal_nan=True)
+        assert np.array_equal(y.cpu().numpy(), ry, equal_nan=True)
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_transform_then_cuda_copy(ds_m):
     """On a GPU: the transform sees CPU tensors, and every tensor of its result arrives on cuda."""

@@ -137,7 +137,7 @@ class InsituAccessor:
                 max_inflight: int | None = None, drop_last: bool = False, rank: int | None = None,
                 world_size: int | None = None, progress: bool = False, missing: str = "fill",
                 cache: bool | str | os.PathLike[str] | ChunkCache | None = None,
-                transform: Callable[[Any], Any] | None = None) -> BatchGenerator:
+                transform: Callable[[Any], Any] | None = None, decode: str = "auto") -> BatchGenerator:
         """Batches of one split, read in place.
 
         Parameters
@@ -199,6 +199,10 @@ class InsituAccessor:
             ``fn(batch) -> anything`` applied to every finished batch in the background thread,
             on host values before the ``device=`` copy (which then moves every array in what it
             returned); its exceptions are raised from the iterator.
+        decode : {"auto", "cpu", "gpu"}, default "auto"
+            Where chunks are decoded: ``"gpu"`` on the CUDA device the batches go to (nvCOMP),
+            raising, with the reason, where it cannot; ``"cpu"`` never there; ``"auto"`` there where
+            it can. The generator's repr says which path each variable takes.
 
         Returns
         -------
@@ -210,7 +214,7 @@ class InsituAccessor:
                               normalize=normalize, device=device,
                               block_chunks=block_chunks, max_inflight=max_inflight, drop_last=drop_last,
                               rank=rank, world_size=world_size, progress=progress, missing=missing, cache=cache,
-                              transform=transform)
+                              transform=transform, decode=decode)
 
     def stats(self, manifest: SplitManifest, split: str = "train", *, variables: str | list[str] | None = None,
               block_chunks: int = 16, max_inflight: int | None = None,

@@ -570,6 +570,10 @@ class ChunkCache:
         disk entries of object storage and HTTP are then keyed without the objects' versions
         (no listing or ``HEAD`` request). By default (False) each remote object's version (ETag,
         or size and modification time) is part of its disk key, so a rewritten object is a miss.
+    device
+        A tier in GPU memory: its byte budget (an int or a string such as ``"8GB"``), kept like the
+        memory tier (keep what fits); None (default) for none. Needs CuPy and a CUDA device
+        (the ``gpu-cu12``/``gpu-cu13`` extra), else ``RuntimeError`` naming the extra.
 
     Notes
     -----
@@ -579,7 +583,8 @@ class ChunkCache:
     """
 
     def __init__(self, memory: int | str | bool | None = "auto", disk: str | os.PathLike[str] | None = None,
-                 disk_size: int | str | None = None, *, fsync: bool = False, immutable: bool = False):
+                 disk_size: int | str | None = None, *, fsync: bool = False, immutable: bool = False,
+                 device: int | str | None = None):
         if memory is True or memory == "auto":
             self.memory_budget = auto_memory_budget()
         elif memory is None or memory is False:
@@ -592,6 +597,12 @@ class ChunkCache:
             raise ValueError("disk_size= needs disk= (a directory for the disk tier)")
         self.fsync = bool(fsync)
         self.immutable = bool(immutable)
+        # a tier in GPU memory (xinsitu.device_cache.DeviceCache): its byte budget, 0 for none
+        self.device_budget = 0 if device is None or device is False else parse_size(device, "device")
+        if self.device_budget:
+            from xinsitu.device_cache import check_device_tier
+
+            check_device_tier()
         self._since_ns = time.time_ns()  # the run began: entries used since are not evicted
         self._setup()
 
@@ -619,13 +630,15 @@ class ChunkCache:
     # ------------------------------------------------------------------ pickling (configuration only)
     def __getstate__(self) -> dict[str, Any]:
         return {"memory": self.memory_budget, "disk": self.disk, "disk_size": self.disk_size,
-                "fsync": self.fsync, "since_ns": self._since_ns, "immutable": self.immutable}
+                "fsync": self.fsync, "since_ns": self._since_ns, "immutable": self.immutable,
+                "device": self.device_budget}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.memory_budget = state["memory"]
         self.disk, self.disk_size, self.fsync = state["disk"], state["disk_size"], state["fsync"]
         self._since_ns = state["since_ns"]
         self.immutable = state.get("immutable", False)
+        self.device_budget = state.get("device", 0)
         self._setup()
 
     def _after_fork(self) -> None:

@@ -568,6 +568,8 @@ def _generator_sections(gen: BatchGenerator, drawing: bool = False) -> list[Sect
                               f"~{fmt_bytes(_epoch_bytes(gen, p, n_units))} decoded{once}"),
             ("shuffle", shuffle), ("output", gen.output + (f" on {gen.builder.device}"
                                                            if getattr(gen.builder, "device", None) else ""))]
+    if getattr(gen, "decode_summary", None):
+        info.append(("decode", gen.decode_summary))
     if gen.cache is not None:
         info.append(("cache", gen.cache.summary()))
     roles: list[tuple[str, str, str, str]] = []

@@ -2,9 +2,10 @@
 ``xr.Dataset``/``xr.DataArray``, torch tensors, jax arrays; variables stacked as channels.
 
 Order of the last steps (all in the prefetch thread): gather -> CF decode -> normalise -> stack
--> the output kind on the CPU (numpy / torch CPU tensors) -> ``transform=`` -> the ``device=``
-copy (torch) or the move onto a jax device (jax). So a transform sees host values and may return
-any structure (tuples, nested dicts); the device copy then moves every array in it."""
+-> the output kind on the CPU (numpy / torch CPU tensors; numpy for cupy) -> ``transform=`` -> the
+``device=`` copy (torch, cupy: ``xinsitu.device``) or the move onto a jax device (jax). So a
+transform sees host values and may return any structure (tuples, nested dicts); the device copy
+then moves every array in it, numpy arrays becoming arrays of the output kind."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from xinsitu.channels import (
     normalizer,
     plan_channels,
 )
+from xinsitu.device import NUMERIC_KINDS, DeviceMover, device_api, host_numpy
+from xinsitu.device import tree_map as _tree_map
 from xinsitu.sampling import SampleSpace, VarLayout
 
 OUTPUTS = ("xarray", "dataarray", "numpy", "torch", "cupy", "jax")
@@ -77,6 +80,24 @@ class OutputBuilder:
             _check_cupy()
         if device is not None and output == "torch":
             self._check_device(device)
+        # a CUDA device: batches go through a ring of reused pinned buffers on xinsitu's own stream
+        api = device_api(output, self.device)
+        self.mover: DeviceMover | None = DeviceMover(api) if api is not None else None
+        if self.mover is not None:  # stacked batches are gathered into page-locked memory: no staging copy
+            self.arrays.alloc = self.mover.host_alloc
+
+    def cuda_target(self) -> str | None:
+        """None where batches go to a CUDA device (so chunks may decode there), else why not."""
+        if self.output == "cupy" or self.mover is not None:
+            return None
+        if self.output == "jax":
+            import jax
+
+            dev = self.device if self.device is not None else jax.devices()[0]
+            return None if dev.platform == "gpu" else f"the jax device {dev} is not a GPU"
+        if self.output == "torch" and self.device is not None:
+            return f"device={self.device!r}"
+        return f"output={self.output!r}" + ("" if self.output in ("torch", "jax") else " (host arrays)")
 
     def _check_device(self, device: Any) -> None:
         import torch
@@ -120,11 +141,12 @@ class OutputBuilder:
         """The stacked batch gathered by ``direct_stack``, in the output's kind."""
         if self.output == "torch":
             return self.finish(self._to_torch(arr))
-        return self.finish(_to_cupy(arr) if self.output == "cupy" else arr)
+        return self.finish(arr)  # cupy: moved in finish
 
     def finish(self, batch: Any) -> Any:
-        """``transform=`` on the host batch, then the ``device=`` copy (torch) or the move onto the
-        jax device, of every array in whatever structure the transform returned."""
+        """``transform=`` on the host batch, then the ``device=`` copy (torch, cupy) or the move onto
+        the jax device, of every array in whatever structure the transform returned: numpy arrays
+        become arrays of the output kind on the device."""
         if self.transform is not None:
             try:
                 batch = self.transform(batch)
@@ -132,11 +154,18 @@ class OutputBuilder:
                 # the caller gets the transform's own exception (type and traceback); say where it came from
                 e.add_note("xinsitu: raised by transform= (applied to each batch in the prefetch thread)")
                 raise
+        if self.mover is not None:
+            return self.mover.move(batch)
         if self.output == "torch" and self.device is not None:
             return _tree_map(batch, self._move_torch)
         if self.output == "jax":
             return _tree_map(batch, self._to_jax)
         return batch
+
+    def hand_out(self, batch: Any) -> Any:
+        """On the caller's thread, as ``batch`` is handed out: its device copies are made safe on the
+        caller's current stream (a no-op without a CUDA device)."""
+        return batch if self.mover is None else self.mover.hand_out(batch)
 
     def decode(self, raw: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         values = {n: self.decoders[n](a) for n, a in raw.items()}
@@ -210,12 +239,10 @@ class OutputBuilder:
             return xr.DataArray(arr, dims=dims, coords={**coords, "variable": [ch.name for ch in self.channels]})
         if self.stack:
             arr = self.stacked(values)
-            return self._to_torch(arr) if self.output == "torch" else _to_cupy(arr) if self.output == "cupy" else arr
+            return self._to_torch(arr) if self.output == "torch" else arr
         if self.output == "torch":
             return {n: self._to_torch(a) for n, a in values.items()}
-        if self.output == "cupy":
-            return {n: _to_cupy(a) for n, a in values.items()}
-        return values
+        return values  # cupy: host arrays until the device copy in finish
 
     def dims_of(self, name: str) -> tuple[str, ...]:
         """The dims of variable ``name`` in a batch (``"sample"`` first where it has a sample axis)."""
@@ -229,20 +256,24 @@ class OutputBuilder:
         return torch.from_numpy(np.ascontiguousarray(arr) if arr.flags.writeable else arr.copy())
 
     def _move_torch(self, t: Any) -> Any:
+        """One array of the batch onto a non-CUDA ``device=`` (CUDA devices go through ``mover``):
+        a numpy array becomes a tensor there, as the output's own arrays are."""
         import torch
 
+        if isinstance(t, np.ndarray) and t.dtype.kind in NUMERIC_KINDS:
+            t = self._to_torch(t)
         if not isinstance(t, torch.Tensor):
             return t
-        dev = torch.device(self.device)
-        if dev.type == "cuda":
-            return t.pin_memory().to(dev, non_blocking=True)
-        return t.to(dev)
+        return t.to(torch.device(self.device))
 
     def _to_jax(self, a: Any) -> Any:
-        """A numpy array as a ``jax.Array`` on the builder's device; anything else as it is.
-        ``jax.device_put`` onto a CPU device aliases suitably aligned host memory (no copy)."""
-        if not isinstance(a, np.ndarray):
+        """A numeric numpy array (or CPU torch tensor, from a transform) as a ``jax.Array`` on the
+        builder's device; anything else as it is. ``jax.device_put`` onto a CPU device aliases
+        suitably aligned host memory (no copy)."""
+        host = host_numpy(a)
+        if host is None:
             return a
+        a = host
         import jax
 
         _check_jax_dtype("an array of the transformed batch", a.dtype)
@@ -286,7 +317,8 @@ class BatchArrays:
     KEEP = 6
     _IDLE = _calibrate()
 
-    def __init__(self) -> None:
+    def __init__(self, alloc: Any = None) -> None:
+        self.alloc = alloc  # fn(nbytes) -> uint8 array (page-locked memory for a device copy), else np.empty
         self._held: deque[np.ndarray] = deque(maxlen=self.KEEP)
         self._lock = threading.Lock()  # one array to one caller, where several threads gather
 
@@ -310,21 +342,9 @@ class BatchArrays:
                         del held[i]
                         held.append(raw)  # the newest: older ones are dropped first
                         return raw
-            raw = np.empty(size, dtype=np.uint8)
+            raw = np.empty(size, dtype=np.uint8) if self.alloc is None else self.alloc(size)
             held.append(raw)
             return raw
-
-
-def _tree_map(x: Any, fn: Any) -> Any:
-    """``fn`` on every leaf of nested dicts, lists and tuples (named tuples kept)."""
-    if isinstance(x, dict):
-        return {k: _tree_map(v, fn) for k, v in x.items()}
-    if isinstance(x, tuple):
-        items = [_tree_map(v, fn) for v in x]
-        return type(x)(*items) if hasattr(x, "_fields") else tuple(items)
-    if isinstance(x, list):
-        return [_tree_map(v, fn) for v in x]
-    return fn(x)
 
 
 def _check_jax_dtype(what: str, dtype: Any) -> None:
@@ -359,17 +379,12 @@ def _check_cupy() -> None:
     try:
         import cupy
     except ImportError:
-        raise RuntimeError("output='cupy' needs CuPy: pip install 'xinsitu[gpu]' on a machine with CUDA") from None
+        from xinsitu.gpu_decode import gpu_extra_hint
+
+        raise RuntimeError(f"output='cupy' needs CuPy: {gpu_extra_hint()}, on a machine with CUDA") from None
     try:
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # noqa: BLE001 - no driver, no device
         raise RuntimeError(f"output='cupy': no CUDA device is available ({e})") from None
     if n < 1:
         raise RuntimeError("output='cupy': no CUDA device is available")
-
-
-def _to_cupy(arr: np.ndarray) -> Any:
-    """A CuPy array on the current device (copied from host memory)."""
-    import cupy
-
-    return cupy.asarray(arr)

@@ -1,0 +1,257 @@
+#!/usr/bin/env python
+"""What issue 31 asks to measure on a GPU machine, in one run (no GPU: it says so and exits 0).
+
+    python bench/gpu_bench.py ARCHIVE [--stages copy,decode,kvikio] [--vars t2m,u10]
+
+Stages (each a JSON object in ``$OUT/gpu_bench.json``, else /tmp/out; one line printed per stage):
+
+* ``copy``: host-to-device copies of one stacked batch (batch 32 and 128): ``pin_memory()`` per batch
+  then copy (xinsitu before the ring), a plain pageable ``.cuda(non_blocking=True)``, and
+  ``xinsitu.device.DeviceMover`` (reused pinned ring, own stream, event per batch) -- GB/s, and the
+  overlap with a GPU step of ~1.4 ms (efficiency = steps on resident data / steps fed by the copies).
+* ``decode``: the archive's zstd chunks decoded by ``xinsitu.gpu_decode.NvcompDecoder`` (one pinned
+  transfer and one batched nvCOMP call per 64 chunks, bit-checked against numcodecs) against numcodecs
+  on 2 and on every CPU core -- GB/s of decoded bytes.
+* ``kvikio``: reading the chunk files into device memory: Python ``readinto`` into pinned memory then
+  one copy (today's read + copy), ``kvikio.CuFile.pread`` straight into device memory (GDS where the
+  machine has it, else kvikio's own bounce buffers), and over HTTP from a server on 127.0.0.1:
+  ``kvikio.RemoteFile.open_http`` into device memory against obstore's HTTP reads into host memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+OUT = os.environ.get("OUT", "/tmp/out")
+
+
+def _time(fn, n=5):
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
+def stage_copy(torch, args):
+    W = torch.randn(2048, 2048, device="cuda")
+
+    def model(x):
+        y = W * x.float().mean()
+        for _ in range(4):
+            y = y @ W
+        return y
+
+    return {f"bs{bs}": _copy_one(torch, bs, model) for bs in (32, 128)}
+
+
+def _copy_one(torch, bs, model, steps=40):
+    from xinsitu.device import DeviceMover, TorchCuda
+
+    host = np.random.default_rng(0).normal(size=(bs, 4, 64, 128)).astype("f4")
+    t = torch.from_numpy(host)
+    nb = host.nbytes
+    res = {"batch_MB": round(nb / 1e6, 1)}
+    mover = DeviceMover(TorchCuda("cuda"))
+    resident = torch.from_numpy(host).cuda()
+
+    def run(kind, with_model):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            if kind == "pin_each":  # xinsitu before the ring
+                d = t.pin_memory().to("cuda", non_blocking=True)
+            elif kind == "pageable":  # the user's own .cuda(non_blocking=True)
+                d = t.cuda(non_blocking=True)
+            elif kind == "ring":
+                d = mover.hand_out(mover.move(host))
+            else:
+                d = resident
+            if with_model:
+                model(d)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    for kind in ("pin_each", "pageable", "ring"):
+        run(kind, False)
+        res[f"{kind}_GBps"] = round(steps * nb / run(kind, False) / 1e9, 1)
+    ideal = run("resident", True)
+    for kind in ("pin_each", "pageable", "ring"):
+        res[f"{kind}_overlap_eff"] = round(ideal / run(kind, True), 3)
+    res["step_ms"] = round(ideal / steps * 1e3, 2)
+    res["ring_pinned_allocs"] = mover.stats.pinned_allocs
+    res["ring_waits"] = mover.stats.waits
+    return res
+
+
+def chunk_files(args):
+    files = []
+    for v in args.vars.split(","):
+        files += sorted(f for f in glob.glob(f"{args.archive}/{v}/c/**", recursive=True) if os.path.isfile(f))
+    return files
+
+
+def stage_decode(torch, args):
+    res = {}
+    for v in args.vars.split(","):
+        res.update(_decode_one(args, v))
+    return res
+
+
+def _decode_one(args, v):
+    import cupy
+    import numcodecs
+    import zarr
+
+    from xinsitu.gpu_decode import NvcompDecoder, gpu_chain
+
+    a = zarr.open_array(args.archive, path=v, mode="r")
+    chain = gpu_chain(a)
+    res = {f"{v}_chain": chain.describe()}
+    if not chain.gpu:
+        return res
+    files = sorted(f for f in glob.glob(f"{args.archive}/{v}/c/**", recursive=True) if os.path.isfile(f))
+    raws = [open(f, "rb").read() for f in files]
+    z = numcodecs.Zstd()
+    ref = [np.frombuffer(z.decode(r), dtype=chain.dtype).reshape(chain.shape) for r in raws]
+    raw_bytes = sum(r.nbytes for r in ref)
+    dec = NvcompDecoder(chain)
+    group = 64  # chunks per transfer and per batched call (a buffer's worth)
+    dests = [cupy.empty(chain.shape, chain.dtype) for _ in raws]
+
+    def gpu():
+        for i in range(0, len(raws), group):
+            dec.decode_many(raws[i:i + group], dests[i:i + group])
+        cupy.cuda.Device().synchronize()
+
+    gpu()
+    res[f"{v}_bit_identical"] = all(np.array_equal(cupy.asnumpy(d).view("u1"), r.view("u1"))
+                                    for d, r in zip(dests, ref, strict=True))
+    res[f"{v}_gpu_GBps"] = round(raw_bytes / _time(gpu, 3) / 1e9, 2)
+    for th in (2, os.cpu_count()):
+        with ThreadPoolExecutor(th) as ex:
+            res[f"{v}_cpu_{th}threads_GBps"] = round(
+                raw_bytes / _time(lambda ex=ex: list(ex.map(z.decode, raws)), 3) / 1e9, 2)
+    res[f"{v}_transfers"], res[f"{v}_decode_calls"] = dec.transfers, dec.decode_calls
+    return res
+
+
+def stage_kvikio(torch, args):
+    import cupy
+
+    res = {}
+    files = chunk_files(args)
+    sizes = [os.path.getsize(f) for f in files]
+    total = sum(sizes)
+    res["files"], res["MB"] = len(files), round(total / 1e6, 1)
+    pinned = np.frombuffer(cupy.cuda.alloc_pinned_memory(total), dtype=np.uint8, count=total)
+    dev = cupy.empty(total, dtype=cupy.uint8)
+    offs = np.concatenate([[0], np.cumsum(sizes)])
+
+    def python_read():
+        for f, o, n in zip(files, offs, sizes, strict=False):
+            with open(f, "rb", buffering=0) as fh:
+                fh.readinto(memoryview(pinned[o:o + n]))
+        dev.set(pinned)
+        cupy.cuda.Device().synchronize()
+
+    res["python_read_pinned_copy_GBps"] = round(total / _time(python_read, 3) / 1e9, 2)
+    try:
+        import kvikio
+    except ImportError as e:
+        res["kvikio"] = f"not installed ({e})"
+        return res
+    res["kvikio_version"] = kvikio.__version__
+    res["kvikio_compat_mode"] = str(kvikio.defaults.compat_mode()) if hasattr(kvikio.defaults, "compat_mode") else "?"
+
+    def kv_read():
+        futs = []
+        for f, o, n in zip(files, offs, sizes, strict=False):
+            fh = kvikio.CuFile(f, "r")
+            futs.append((fh, fh.pread(dev[o:o + n])))
+        for fh, fut in futs:
+            fut.get()
+            fh.close()
+        cupy.cuda.Device().synchronize()
+
+    res["kvikio_cufile_device_GBps"] = round(total / _time(kv_read, 3) / 1e9, 2)
+    # HTTP from 127.0.0.1
+    import functools
+    import http.server
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=args.archive)
+    handler.log_message = lambda *a, **k: None  # type: ignore[attr-defined]
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    try:
+        base = f"http://127.0.0.1:{srv.server_address[1]}/"
+        rel = [os.path.relpath(f, args.archive) for f in files]
+        if hasattr(kvikio, "RemoteFile"):
+            def kv_http():
+                futs = []
+                for r, o, n in zip(rel, offs, sizes, strict=False):
+                    rf = kvikio.RemoteFile.open_http(base + r)
+                    futs.append((rf, rf.pread(dev[o:o + n])))
+                for _rf, fut in futs:
+                    fut.get()
+                cupy.cuda.Device().synchronize()
+
+            res["kvikio_http_device_GBps"] = round(total / _time(kv_http, 2) / 1e9, 3)
+        import obstore
+        from obstore.store import HTTPStore
+
+        store = HTTPStore.from_url(base)
+
+        def obs_http():
+            with ThreadPoolExecutor(16) as ex:
+                list(ex.map(lambda r: obstore.get(store, r).bytes(), rel))
+
+        res["obstore_http_host_GBps"] = round(total / _time(obs_http, 2) / 1e9, 3)
+    finally:
+        srv.shutdown()
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("archive")
+    ap.add_argument("--stages", default="copy,decode,kvikio")
+    ap.add_argument("--vars", default="t2m,u10")
+    args = ap.parse_args()
+    os.makedirs(OUT, exist_ok=True)
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is None or not torch.cuda.is_available():
+        print(json.dumps({"skipped": "no CUDA device: the GPU figures are taken on a GPU machine"}))
+        return 0
+    results = {"gpu": torch.cuda.get_device_name(0), "cpus": os.cpu_count()}
+    stages = {"copy": stage_copy, "decode": stage_decode, "kvikio": stage_kvikio}
+    for name in args.stages.split(","):
+        t0 = time.perf_counter()
+        try:
+            results[name] = stages[name](torch, args)
+        except Exception as e:  # noqa: BLE001 - one stage's failure is a finding
+            import traceback
+
+            results[name] = {"error": repr(e)[:500], "tb": traceback.format_exc()[-2000:]}
+        print(f"== {name} ({time.perf_counter() - t0:.1f} s): {json.dumps(results[name], default=str)[:2000]}",
+              flush=True)
+        with open(f"{OUT}/gpu_bench.json", "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""The device cache tier (SPEC §4 "Cache across epochs", ``ChunkCache(device=...)``): decoded chunks in
+GPU memory within a byte budget, keep-what-fits like the memory tier, a batch gathered from many
+chunks in one take per slab. Through the stand-in arrays (numpy) here; on CuPy with the ``gpu`` marker."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+import xinsitu
+from tests.support.gpu import CUDA
+from xinsitu.device_cache import DeviceCache, HostArrays
+
+
+def chunk(i, shape=(4, 5), dtype="f4"):
+    return np.full(shape, i, dtype=dtype)
+
+
+def test_keeps_what_fits_within_the_budget():
+    n = chunk(0).nbytes
+    c = DeviceCache(5 * n + n // 2, HostArrays())
+    kept = [c.put(("t2m", (i,)), chunk(i)) for i in range(8)]
+    assert kept == [True] * 5 + [False] * 3  # then keeps them: no eviction
+    assert c.stats.bytes == 5 * n <= c.budget and c.stats.refused == 3 and len(c) == 5
+    assert c.put(("t2m", (0,)), chunk(0))  # already there
+    assert c.stats.bytes == 5 * n
+    np.testing.assert_array_equal(c.get(("t2m", (3,))), chunk(3))
+    assert c.get(("t2m", (7,))) is None
+
+
+def test_gather_one_take_per_slab_in_key_order():
+    arrays = HostArrays()
+    c = DeviceCache(10**6, arrays)
+    for i in range(6):
+        c.put(i, chunk(i))
+    out = c.gather([4, 0, 5, 5, 2])
+    assert out.shape == (5, 4, 5)
+    assert [int(out[k, 0, 0]) for k in range(5)] == [4, 0, 5, 5, 2]
+    assert arrays.allocs == 1  # one slab for chunks of one shape and dtype
+    assert c.stats.hits == 5
+
+
+def test_gather_across_slabs_and_missing_keys():
+    arrays = HostArrays()
+    c = DeviceCache(10**6, arrays)
+    c.SLAB_ROWS = 2
+    for i in range(5):
+        c.put(i, chunk(i))
+    assert arrays.allocs == 3
+    out = c.gather([4, 1, 2, 0])
+    assert [int(out[k, 0, 0]) for k in range(4)] == [4, 1, 2, 0]
+    with pytest.raises(KeyError, match="not in the device cache: 9 and 1 more"):
+        c.gather([0, 9, 10])
+    assert c.stats.misses == 2
+
+
+def test_shapes_and_dtypes_keep_their_own_slabs():
+    c = DeviceCache(10**6, HostArrays())
+    c.put("a", chunk(1, (2, 3), "f4"))
+    c.put("b", chunk(2, (2, 3), "i2"))
+    c.put("c", chunk(3, (3, 3), "f4"))
+    assert c.get("b").dtype == np.int16 and c.get("c").shape == (3, 3)
+
+
+@pytest.mark.parametrize("bad", [-1, True, "1GB", 1.5])
+def test_budget_validated(bad):
+    with pytest.raises(ValueError, match="budget"):
+        DeviceCache(bad, HostArrays())
+
+
+@pytest.mark.parametrize("bad,exc", [(True, TypeError), (-5, ValueError), ("lots", ValueError), ([1], TypeError)])
+def test_chunk_cache_device_argument_validated(bad, exc):
+    with pytest.raises(exc, match="device"):
+        xinsitu.ChunkCache(memory="1MB", device=bad)
+
+
+@pytest.mark.skipif(CUDA, reason="the error of a machine without CuPy or CUDA")
+def test_chunk_cache_device_without_gpu_names_the_extra():
+    with pytest.raises(RuntimeError, match=r"device=.*(xinsitu\[gpu-cu12\]|no CUDA device)"):
+        xinsitu.ChunkCache(memory="1MB", device="1GB")
+
+
+def test_chunk_cache_without_device_tier_pickles():
+    c = xinsitu.ChunkCache(memory="1MB", device=None)
+    assert c.device_budget == 0
+    assert pickle.loads(pickle.dumps(c)).device_budget == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cupy_device_cache():
+    cupy = pytest.importorskip("cupy")
+    cc = xinsitu.ChunkCache(memory="1MB", device="1MB")
+    assert pickle.loads(pickle.dumps(cc)).device_budget == 10**6
+    c = DeviceCache(cc.device_budget)
+    for i in range(6):
+        assert c.put(i, chunk(i))
+    out = c.gather([3, 1, 5])
+    assert isinstance(out, cupy.ndarray)
+    assert [int(v) for v in cupy.asnumpy(out[:, 0, 0])] == [3, 1, 5]

@@ -1,0 +1,383 @@
+"""Chunk decode on the GPU (nvCOMP), and which variables can take it (SPEC §4 "GPU").
+
+* :func:`gpu_chain` reads an array's codec chain from its metadata and says whether nvCOMP can
+  decode its stored objects bit for bit: plain ``bytes`` in native order (no array-to-array codec,
+  no sharding), then at most one of zstd / lz4 (numcodecs' framing) / gzip / zlib, then optionally
+  crc32c (verified on the host, over the compressed bytes, before anything is copied). Anything
+  else (blosc and its shuffle, filters, GRIB, NetCDF packing, big-endian data) decodes on the CPU,
+  and the chain says why.
+* A *decoder* turns a buffer's compressed chunks into decoded chunks in device memory:
+  ``decode_many(raws, dests)`` takes each chunk's stored bytes and a destination (a device array of
+  the chunk's shape and dtype), strips the framing on the host, packs the payloads into one reused
+  page-locked buffer, copies them to the device in ONE transfer, and decodes them in ONE batched
+  nvCOMP call. :class:`NvcompDecoder` is the real one (cupy + ``nvidia.nvcomp``);
+  :class:`StandInDecoder` runs the very same host-side steps with numpy standing in for device
+  memory and numcodecs/zlib for nvCOMP, so that CI checks them bit for bit against zarr's decode.
+
+How the read path uses it (its one completion step, ``place(decoder, raw, dest)``): for a variable
+whose chain is on the GPU, ``place`` hands ``(raw, dest)`` to a :class:`GpuBatch` instead of decoding;
+once the buffer's chunks are all in, ``GpuBatch.flush()`` decodes them together.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import struct
+import sys
+import threading
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+#: decode= values
+DECODES = ("auto", "cpu", "gpu")
+#: byte alignment of each payload inside the transfer (nvCOMP's batched decoders need 8 at most)
+ALIGN = 16
+#: our name of a compressor -> nvCOMP's algorithm
+ALGORITHMS = {"zstd": "Zstd", "lz4": "LZ4", "gzip": "Deflate", "zlib": "Deflate"}
+
+
+class ChecksumError(ValueError):
+    """A chunk's stored checksum does not match its bytes."""
+
+
+@dataclass(frozen=True)
+class GpuChain:
+    """Where the chunks of one array decode, and how (see :func:`gpu_chain`)."""
+
+    gpu: bool
+    reason: str  # the chain in words ("zstd"), or why the CPU
+    compressor: str | None = None  # "zstd" | "lz4" | "gzip" | "zlib" | None (stored uncompressed)
+    crc32c: bool = False
+    shape: tuple[int, ...] = ()
+    dtype: np.dtype = np.dtype("u1")
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def describe(self) -> str:
+        if not self.gpu:
+            return f"cpu ({self.reason})"
+        return f"gpu ({self.reason}, nvCOMP)"
+
+
+def _name(codec: Any) -> str:
+    """A compressor's name: zarr v3 codecs by class, numcodecs codecs (v2, numcodecs.zarr3) by id."""
+    cid = getattr(codec, "codec_id", None)
+    if isinstance(cid, str):
+        return cid
+    name = getattr(codec, "codec_name", None)
+    if isinstance(name, str):
+        return name.removeprefix("numcodecs.")
+    return type(codec).__name__.removesuffix("Codec").lower()
+
+
+def gpu_chain(array: Any) -> GpuChain:
+    """Whether the stored objects of zarr array ``array`` can be decoded by nvCOMP, read from its
+    metadata (no I/O)."""
+    aa = array.async_array if hasattr(array, "async_array") else array
+    meta = aa.metadata
+    shape = tuple(int(c) for c in getattr(aa, "chunks", meta.chunks if hasattr(meta, "chunks") else ()))
+    if getattr(aa, "shards", None):
+        return GpuChain(False, "sharded (the shard index is read on the host)")
+    dtype = np.dtype(aa.dtype.to_native_dtype() if hasattr(aa.dtype, "to_native_dtype") else aa.dtype)
+    if dtype.kind not in "biufc":
+        return GpuChain(False, f"dtype {dtype} is not numeric")
+    if getattr(meta, "zarr_format", 3) == 2:
+        if getattr(meta, "filters", None):
+            return GpuChain(False, f"filters {[_name(f) for f in meta.filters]}")
+        if getattr(meta, "order", "C") != "C":
+            return GpuChain(False, "order 'F'")
+        stored = np.dtype(meta.dtype.to_native_dtype()) if hasattr(meta.dtype, "to_native_dtype") else dtype
+        if stored.itemsize > 1 and not stored.isnative:
+            return GpuChain(False, "stored big-endian")
+        comp = meta.compressor
+        comps = [] if comp is None else [comp]
+        crc = False
+    else:
+        pipe = aa.codec_pipeline
+        if getattr(pipe, "array_array_codecs", ()):
+            return GpuChain(False, f"array-to-array codecs {[_name(c) for c in pipe.array_array_codecs]}")
+        ab = getattr(pipe, "array_bytes_codec", None)
+        if type(ab).__name__ != "BytesCodec":
+            return GpuChain(False, f"{_name(ab)} array-to-bytes codec")
+        endian = getattr(getattr(ab, "endian", None), "value", getattr(ab, "endian", None))
+        if dtype.itemsize > 1 and endian != sys.byteorder:
+            return GpuChain(False, f"bytes in {endian} endian order")
+        comps = list(getattr(pipe, "bytes_bytes_codecs", ()))
+        crc = bool(comps) and _name(comps[-1]) == "crc32c"
+        if crc:
+            comps = comps[:-1]
+    names = [_name(c) for c in comps]
+    if len(names) > 1:
+        return GpuChain(False, " + ".join(names))
+    name = names[0] if names else None
+    if name is not None and name not in ALGORITHMS:
+        return GpuChain(False, f"{name}" + (" (shuffle inside the blosc frame)" if name == "blosc" else ""))
+    words = (name or "uncompressed") + (" + crc32c" if crc else "")
+    return GpuChain(True, words, name, crc, shape, dtype)
+
+
+# ------------------------------------------------------------------------------------------ framing
+def crc32c_payload(raw: memoryview, where: str = "") -> memoryview:
+    """The bytes before a crc32c codec's 4-byte checksum, after checking it (zarr's own check)."""
+    import google_crc32c  # what zarr's crc32c codec computes with
+
+    if len(raw) < 4:
+        raise ChecksumError(f"{where}: {len(raw)} bytes, too short for a crc32c checksum")
+    body, stored = raw[:-4], bytes(raw[-4:])
+    got = np.uint32(google_crc32c.value(np.frombuffer(body, dtype=np.uint8))).tobytes()
+    if got != stored:
+        raise ChecksumError(f"{where}: stored crc32c {stored.hex()} does not match the bytes' {got.hex()}")
+    return body
+
+
+def payload(raw: Any, chain: GpuChain, where: str = "") -> memoryview:
+    """What nvCOMP decodes, from the stored bytes of one chunk: crc32c checked and stripped, and
+    the compressor's own framing stripped (numcodecs' lz4 size prefix, gzip's and zlib's headers and
+    trailers; their stored decoded sizes are checked against the chunk's)."""
+    view = memoryview(raw).cast("B")
+    if chain.crc32c:
+        view = crc32c_payload(view, where)
+    n = chain.nbytes
+    c = chain.compressor
+    if c == "lz4":
+        (size,) = struct.unpack_from("<i", view, 0)
+        if size != n:
+            raise ValueError(f"{where}: lz4 frame holds {size} bytes, the chunk {n}")
+        return view[4:]
+    if c == "zlib":
+        cmf, flg = view[0], view[1]
+        if cmf & 0x0F != 8 or (cmf * 256 + flg) % 31 or flg & 0x20:
+            raise ValueError(f"{where}: not a zlib stream nvCOMP can inflate (header {bytes(view[:2]).hex()})")
+        return view[2:-4]
+    if c == "gzip":
+        if bytes(view[:3]) != b"\x1f\x8b\x08":
+            raise ValueError(f"{where}: not a gzip stream (header {bytes(view[:3]).hex()})")
+        flg, pos = view[3], 10
+        if flg & 4:  # FEXTRA
+            pos += 2 + struct.unpack_from("<H", view, pos)[0]
+        for bit in (8, 16):  # FNAME, FCOMMENT: zero-terminated
+            if flg & bit:
+                pos = bytes(view[pos:]).index(b"\0", 0) + pos + 1
+        if flg & 2:  # FHCRC
+            pos += 2
+        (isize,) = struct.unpack_from("<I", view, len(view) - 4)
+        if isize != n & 0xFFFFFFFF:
+            raise ValueError(f"{where}: gzip stream holds {isize} bytes, the chunk {n}")
+        return view[pos:-8]
+    if c is None and len(view) != n:
+        raise ValueError(f"{where}: {len(view)} bytes stored uncompressed, the chunk has {n}")
+    return view
+
+
+# ------------------------------------------------------------------------------------------ decoders
+class _Packer:
+    """One reused page-locked buffer into which a batch's payloads are packed (grown when too small)."""
+
+    def __init__(self, alloc: Any):
+        self.alloc, self.allocs = alloc, 0
+        self.buf: Any = None
+
+    def pack(self, parts: list[memoryview]) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        spans, total = [], 0
+        for p in parts:
+            spans.append((total, len(p)))
+            total += -(-len(p) // ALIGN) * ALIGN
+        if self.buf is None or self.buf.nbytes < total:
+            self.buf = self.alloc(max(total, ALIGN))
+            self.allocs += 1
+        host = self.buf[:total]
+        for (off, n), p in zip(spans, parts, strict=True):
+            host[off:off + n] = np.frombuffer(p, dtype=np.uint8)
+        return host, spans
+
+
+class StandInDecoder:
+    """The decoder's host-side steps with numpy for device memory and numcodecs/zlib for nvCOMP.
+
+    ``transfers`` counts host-to-"device" copies (one per ``decode_many``), ``decode_calls`` the
+    batched decode calls (one per compressor per ``decode_many``)."""
+
+    kind = "stand-in"
+
+    def __init__(self, chain: GpuChain):
+        if not chain.gpu:
+            raise ValueError(f"this chain decodes on the CPU: {chain.reason}")
+        self.chain = chain
+        self.packer = _Packer(lambda n: np.empty(n, dtype=np.uint8))
+        self.transfers = self.decode_calls = 0
+        self._lock = threading.Lock()
+
+    def decode_many(self, raws: list[Any], dests: list[np.ndarray], where: list[str] | None = None) -> None:
+        if len(raws) != len(dests):
+            raise ValueError(f"decode_many: {len(raws)} chunks but {len(dests)} destinations")
+        if not raws:
+            return
+        names = where or [f"chunk {i}" for i in range(len(raws))]
+        parts = [payload(r, self.chain, w) for r, w in zip(raws, names, strict=True)]
+        with self._lock:
+            host, spans = self.packer.pack(parts)
+            device = host.copy()  # the ONE transfer
+            self.transfers += 1
+            outs = self._decode_batch([device[off:off + n] for off, n in spans])
+            self.decode_calls += 1
+        for out, dest, w in zip(outs, dests, names, strict=True):
+            _place(out, dest, self.chain, w)
+
+    def _decode_batch(self, bufs: list[np.ndarray]) -> list[np.ndarray]:
+        c, n = self.chain.compressor, self.chain.nbytes
+        if c is None:
+            return bufs
+        if c == "zstd":
+            import numcodecs
+
+            z = numcodecs.Zstd()
+            return [np.frombuffer(z.decode(b), dtype=np.uint8) for b in bufs]
+        if c == "lz4":
+            import numcodecs
+
+            lz = numcodecs.LZ4()
+            return [np.frombuffer(lz.decode(struct.pack("<i", n) + b.tobytes()), dtype=np.uint8) for b in bufs]
+        return [np.frombuffer(zlib.decompressobj(-15).decompress(b.tobytes()), dtype=np.uint8) for b in bufs]
+
+
+class NvcompDecoder:
+    """Decode on a CUDA device with nvCOMP (``from nvidia import nvcomp``) into cupy arrays."""
+
+    kind = "nvcomp"
+
+    def __init__(self, chain: GpuChain, stream: Any = None):
+        if not chain.gpu:
+            raise ValueError(f"this chain decodes on the CPU: {chain.reason}")
+        cupy, nvcomp = gpu_modules()
+        self.cupy, self.nvcomp, self.chain = cupy, nvcomp, chain
+        self.stream = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
+        self.codec = None
+        if chain.compressor is not None:
+            self.codec = nvcomp.Codec(algorithm=ALGORITHMS[chain.compressor],
+                                      bitstream_kind=nvcomp.BitstreamKind.RAW, cuda_stream=self.stream.ptr)
+
+        def alloc(n: int) -> np.ndarray:
+            return np.frombuffer(cupy.cuda.alloc_pinned_memory(n), dtype=np.uint8, count=n)
+
+        self.packer = _Packer(alloc)
+        self.transfers = self.decode_calls = 0
+        self._lock = threading.Lock()  # nvCOMP codecs are thread-local: one batch at a time
+
+    def decode_many(self, raws: list[Any], dests: list[Any], where: list[str] | None = None) -> None:
+        if len(raws) != len(dests):
+            raise ValueError(f"decode_many: {len(raws)} chunks but {len(dests)} destinations")
+        if not raws:
+            return
+        cupy = self.cupy
+        names = where or [f"chunk {i}" for i in range(len(raws))]
+        parts = [payload(r, self.chain, w) for r, w in zip(raws, names, strict=True)]
+        with self._lock, self.stream:
+            host, spans = self.packer.pack(parts)
+            device = cupy.empty(host.nbytes, dtype=cupy.uint8)
+            device.set(host, stream=self.stream)  # the ONE transfer
+            self.transfers += 1
+            bufs = [device[off:off + n] for off, n in spans]
+            if self.codec is None:
+                outs = bufs
+            else:
+                outs = [cupy.asarray(o).view(cupy.uint8).ravel()
+                        for o in self.codec.decode(self.nvcomp.as_arrays(bufs, self.stream.ptr))]
+                self.decode_calls += 1
+            for out, dest, w in zip(outs, dests, names, strict=True):
+                _place(out, dest, self.chain, w)
+            self.stream.synchronize()  # the pinned buffer is reused by the next batch
+
+
+def _place(out: Any, dest: Any, chain: GpuChain, where: str) -> None:
+    """A decoded chunk's bytes into ``dest`` (the chunk's shape and dtype, C-contiguous)."""
+    if out.nbytes != chain.nbytes:
+        raise ValueError(f"{where}: decoded to {out.nbytes} bytes, the chunk has {chain.nbytes}")
+    if tuple(dest.shape) != chain.shape or dest.dtype != chain.dtype or not dest.flags.c_contiguous:
+        raise ValueError(f"{where}: destination {tuple(dest.shape)} {dest.dtype} is not the chunk's "
+                         f"{chain.shape} {chain.dtype} (C-contiguous)")
+    dest.reshape(-1).view(out.dtype)[...] = out
+
+
+class GpuBatch:
+    """A buffer's GPU-decoded chunks, collected by the read path's completion step and decoded together."""
+
+    def __init__(self, decoder: Any):
+        self.decoder = decoder
+        self.raws: list[Any] = []
+        self.dests: list[Any] = []
+        self.where: list[str] = []
+
+    def add(self, raw: Any, dest: Any, where: str) -> None:
+        self.raws.append(raw)
+        self.dests.append(dest)
+        self.where.append(where)
+
+    def flush(self) -> int:
+        n = len(self.raws)
+        try:
+            self.decoder.decode_many(self.raws, self.dests, self.where)
+        finally:
+            self.raws, self.dests, self.where = [], [], []
+        return n
+
+
+# ------------------------------------------------------------------------------------------ decode=
+def gpu_extra_hint() -> str:
+    """The install line named by every error of a GPU option asked for without its packages."""
+    return "pip install 'xinsitu[gpu-cu12]' (CUDA 12) or 'xinsitu[gpu-cu13]' (CUDA 13)"
+
+
+def gpu_modules() -> tuple[Any, Any]:
+    """(cupy, nvidia.nvcomp), or RuntimeError naming the extra to install."""
+    try:
+        import cupy
+
+        nvcomp = importlib.import_module("nvidia.nvcomp")  # the nvidia-nvcomp-cu12/cu13 wheels
+    except ImportError as e:
+        raise RuntimeError(f"decode='gpu' needs cupy and nvCOMP ({e.name} is missing): {gpu_extra_hint()}") from None
+    return cupy, nvcomp
+
+
+def check_decode(decode: Any) -> str:
+    if not isinstance(decode, str):
+        raise TypeError(f"decode must be one of {DECODES}, got {type(decode).__name__} {decode!r}")
+    if decode not in DECODES:
+        raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
+    return decode
+
+
+def resolve_decode(decode: Any, cuda_target: str | None, arrays: dict[str, Any],
+                   has_modules: Any = None) -> dict[str, GpuChain]:
+    """Where each variable's chunks decode. ``cuda_target``: None where batches go to a CUDA device,
+    else why not (e.g. "output='numpy'"); ``arrays``: variable -> zarr array (None: not a stored
+    zarr array). ``decode='gpu'`` that cannot be honoured raises, naming why; ``'auto'`` takes the
+    GPU where it can; ``'cpu'`` never does."""
+    decode = check_decode(decode)
+    if decode == "cpu":
+        return {n: GpuChain(False, "decode='cpu'") for n in arrays}
+    if cuda_target is not None:
+        if decode == "gpu":
+            raise ValueError(f"decode='gpu' needs batches on a CUDA device (device='cuda:0' with output='torch', "
+                             f"output='cupy', or a GPU jax device), not {cuda_target}")
+        return {n: GpuChain(False, f"no CUDA device: {cuda_target}") for n in arrays}
+    try:
+        (has_modules or gpu_modules)()
+    except RuntimeError as e:
+        if decode == "gpu":
+            raise
+        return {n: GpuChain(False, f"the gpu extra is not installed ({e})") for n in arrays}
+    chains = {n: (gpu_chain(a) if a is not None else GpuChain(False, "not a stored zarr array"))
+              for n, a in arrays.items()}
+    if decode == "gpu":
+        bad = {n: c.reason for n, c in chains.items() if not c.gpu}
+        if bad:
+            raise ValueError("decode='gpu': nvCOMP cannot decode the chunks of "
+                             + ", ".join(f"{n!r} ({r})" for n, r in bad.items())
+                             + "; leave decode='auto' to decode those on the CPU, or variables=[...] out")
+    return chains

@@ -31,14 +31,15 @@ def main() -> None:
     ap.add_argument("--nt", type=int, default=1460, help="time steps of the synthetic archive")
     a = ap.parse_args()
 
-    path = a.archive
+    path, consolidated = a.archive, None  # None: consolidated metadata where the archive has it
     if path is None:
+        consolidated = False
         path = os.path.join("data", "era5_demo.zarr")
         if not os.path.exists(path):
             t = time.perf_counter()
-            write_era5_like(path, nt=a.nt, ny=32, nx=64, chunk_time=24)
+            write_era5_like(path, nt=a.nt, ny=32, nx=64, chunk_time=24, consolidated=False)  # local: no need
             print(f"wrote synthetic archive {path} in {time.perf_counter() - t:.1f}s")
-    ds = xinsitu.open_zarr(path)
+    ds = xinsitu.open_zarr(path, consolidated=consolidated)
     print(ds.insitu.geometry)
     m = ds.insitu.split("time", fractions={"train": 0.8, "val": 0.1, "test": 0.1}, gap=1)
     print(m.summary())

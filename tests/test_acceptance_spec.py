@@ -21,6 +21,7 @@ import xarray as xr
 
 import xinsitu
 import xinsitu.virtual  # noqa: F401  (see test_virtual_attribute_after_plain_import)
+from tests.support.own_process import own_process
 
 warnings.filterwarnings("ignore", message=".*[Cc]onsolidated.*")
 
@@ -711,6 +712,7 @@ def test_stack_level_list(ds3):
     np.testing.assert_array_equal(b[:, 1], ds3.z.sel(level=500).isel(time=slice(0, 4)).values)
 
 
+@own_process  # jax's threads and its at-fork warning stay in a child process
 def test_output_jax(ds3):
     jax = pytest.importorskip("jax")
     m = ds3.insitu.split("time", fractions={"train": 0.5, "val": 0.5})

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import xinsitu
+from tests.support.own_process import in_child, run_in_child
 
 # on a GPU, jax would take 75% of its memory at first use, leaving too little for the example's own
 # process (test_train_jax_example_runs): allocate as needed instead (read when jax's backend starts)
@@ -159,3 +160,14 @@ def test_train_jax_example_runs(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     losses = [float(line.rsplit("val loss ", 1)[1]) for line in p.stdout.splitlines() if "val loss" in line]
     assert len(losses) == 2 and all(np.isfinite(losses)), p.stdout
+
+
+# ----------------------------------------------------------------------------- a process of their own
+# jax's backend, once started, warns at every later os.fork() of this process (and the fork tests run
+# later): in the pytest process itself the tests above run as one child pytest process.
+if not in_child():
+    for _name in [n for n in globals() if n.startswith("test_")]:
+        del globals()[_name]
+
+    def test_jax_tests_in_their_own_process() -> None:
+        run_in_child(__file__)

@@ -60,16 +60,52 @@ def packing() -> dict[str, Any]:
 
 
 def write_era5_like(path: str | os.PathLike, nt: int = 1460, ny: int = 32, nx: int = 64, chunk_time: int = 24,
-                    zarr_format: int = 3, seed: int = 0, shard_time: int | None = None) -> xr.Dataset:
-    """Write :func:`era5_like` to ``path`` as Zarr (chunked along time only) and return it."""
+                    zarr_format: int = 3, seed: int = 0, shard_time: int | None = None,
+                    chunk_space: tuple[int, int] | None = None, consolidated: bool = True) -> xr.Dataset:
+    """Write :func:`era5_like` to ``path`` as Zarr and return it: chunked along time only, or also in
+    ``(lat, lon)`` tiles of ``chunk_space``.
+
+    ``consolidated=True`` writes consolidated metadata (what a plain HTTP server needs: it cannot
+    list); zarr warns that it is not part of the Zarr v3 specification. An archive read from local
+    disk or object storage does not need it (``consolidated=False``: no warning)."""
     ds = era5_like(nt, ny, nx, seed)
+    cy, cx = chunk_space or (ny, nx)
     enc: dict[str, dict[str, Any]] = {}
     for v in ds.data_vars:
-        chunks = (chunk_time, ny, nx) if "time" in ds[v].dims else (ny, nx)
+        chunks = (chunk_time, cy, cx) if "time" in ds[v].dims else (cy, cx)
         e: dict[str, Any] = {"chunks": chunks}
         if shard_time and "time" in ds[v].dims and zarr_format == 3:
             e["shards"] = (shard_time, ny, nx)
         enc[str(v)] = e
     enc["tp"].update(packing())
-    ds.to_zarr(path, mode="w", zarr_format=zarr_format, encoding=enc, consolidated=True)
+    ds.to_zarr(path, mode="w", zarr_format=zarr_format, encoding=enc, consolidated=consolidated)
+    return ds
+
+
+LEVELS = (500, 700, 850)
+
+
+def weatherbench_like(nt: int = 1460, ny: int = 32, nx: int = 64, seed: int = 0) -> xr.Dataset:
+    """A WeatherBench-like Dataset: surface ``t2m``, ``msl`` (time, lat, lon) and ``z``, ``u``, ``v`` on
+    three pressure levels (time, level, lat, lon), float32, 6-hourly from 1979."""
+    base = era5_like(nt, ny, nx, seed)
+    scale = np.array(LEVELS, dtype=np.float32)[None, :, None, None] / 500.0
+    data = {"t2m": base["t2m"], "msl": (base["z500"] * 1.78).astype("float32").rename("msl")}
+    for name, src, offset in (("z", "z500", -25000.0), ("u", "u10", 0.0), ("v", "v10", 0.0)):
+        v = base[src].values[:, None]
+        data[name] = xr.DataArray((v / scale + offset * (scale - 1)).astype("float32"),
+                                  dims=("time", "level", "lat", "lon"))
+    ds = xr.Dataset(data, coords={**base.coords, "level": np.array(LEVELS, dtype=np.int32)},
+                    attrs={"title": "synthetic WeatherBench-like archive (xinsitu)"})
+    for k, u in {"t2m": "K", "msl": "Pa", "z": "m2 s-2", "u": "m s-1", "v": "m s-1"}.items():
+        ds[k].attrs["units"] = u
+    return ds
+
+
+def write_weatherbench_like(path: str | os.PathLike, nt: int = 1460, ny: int = 32, nx: int = 64, chunk_time: int = 24,
+                            zarr_format: int = 3, seed: int = 0, consolidated: bool = True) -> xr.Dataset:
+    """Write :func:`weatherbench_like` to ``path`` as Zarr (chunked along time, all levels in a chunk)."""
+    ds = weatherbench_like(nt, ny, nx, seed)
+    enc = {str(v): {"chunks": (chunk_time,) + ds[v].shape[1:]} for v in ds.data_vars}
+    ds.to_zarr(path, mode="w", zarr_format=zarr_format, encoding=enc, consolidated=consolidated)
     return ds

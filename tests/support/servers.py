@@ -283,7 +283,22 @@ class _Handler(BaseHTTPRequestHandler):
         return None
 
 
-class _Server(ThreadingHTTPServer):
+#: what a client that hangs up (a timeout, a reset fault, a test that is done) leaves in a handler
+_DISCONNECTS = (ConnectionError, TimeoutError, socket.timeout)
+
+
+class _QuietOnDisconnect:
+    """``socketserver``'s ``handle_error`` prints "Exception occurred during processing of request"
+    and a traceback for any error in a handler; a client that hangs up is expected here, and says
+    nothing. Anything else is still printed."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], _DISCONNECTS):
+            return
+        super().handle_error(request, client_address)  # type: ignore[misc]
+
+
+class _Server(_QuietOnDisconnect, ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
     allow_reuse_address = True
@@ -294,7 +309,7 @@ class _OneAtATimeHandler(_Handler):
     protocol_version = "HTTP/1.0"  # one request per connection, as ``http.server``'s default
 
 
-class _OverloadedServer(HTTPServer):
+class _OverloadedServer(_QuietOnDisconnect, HTTPServer):
     """A plain ``http.server``: one request at a time, one connection each, an accept backlog of
     5. Connections beyond the backlog are dropped and wait for the client's SYN retransmit (a
     second or more): many requests in flight only make it slower."""

@@ -54,9 +54,9 @@ def test_automatic_limit_backs_off_on_an_overloaded_store(archive, manifest, ref
 
 def test_automatic_limit_climbs_for_a_far_healthy_store(archive, manifest, reference, monkeypatch):
     """100 ms away, latency that does not grow with load: the limit doubles to the top."""
-    from xinsitu import reader
+    from xinsitu import inflight
 
-    monkeypatch.setattr(reader, "AUTO_REMOTE", (4, 64))
+    monkeypatch.setattr(inflight, "AUTO_REMOTE", (4, 64))
     with FileServer(Path(archive).parent, Faults(latency=0.1)) as srv:
         gen = xinsitu.open_zarr(f"{srv.url}/era5.zarr").insitu.batches(manifest, "train", **KW)
         gen.set_epoch(0)

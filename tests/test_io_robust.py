@@ -76,7 +76,7 @@ def _simulate(lim, latency, answers: int, decode_s: float = 0.0005) -> list[int]
 
     now = lim.clock.now  # a _remote limit runs on simulated time
     flight: list[tuple[float, int]] = []  # (answered, request)
-    waiting = lim._waiting  # as ``async with lim`` / ``lim.arrived()`` keep it: request -> when sent
+    waiting = lim.slots.waiting  # as ``lim.take`` / ``lim.arrived()`` keep it: request -> when sent
     ids = itertools.count()
     seen = []
     for _ in range(answers):

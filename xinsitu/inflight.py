@@ -37,6 +37,61 @@ AUTO_FLAT = 1.5
 AUTO_PROBE_S = 5.0
 
 
+class Slots:
+    """Permits for the requests in flight, ``n`` of them, resizable: where ``resize`` shrinks them while
+    more are held, the difference is kept back as held ones are given back (owed). Each slot is held
+    under a key (any hashable) from ``take`` to ``give``, with when it was taken (``sent``) and, until
+    its bytes came (``arrived``), when its request went out (``waiting``). ``give`` gives a slot back
+    once: a key given back already, or never taken, is left alone."""
+
+    def __init__(self, n: int, clock: Callable[[], float]):
+        self.n, self.clock = n, clock
+        self.waiting: dict[Any, float] = {}  # slot -> when its request went out, until its bytes came
+        self.sent: dict[Any, float] = {}  # slot -> when it was taken, until it is given back
+        self._sem: asyncio.Semaphore | None = None
+        self._owed = 0  # permits to keep back as slots are given back (shrunk)
+
+    def semaphore(self) -> asyncio.Semaphore:
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.n)
+        return self._sem
+
+    async def take(self, slot: Any) -> None:
+        await self.semaphore().acquire()
+        self.waiting[slot] = self.sent[slot] = self.clock()
+
+    def arrived(self, slot: Any) -> None:
+        self.waiting.pop(slot, None)
+
+    def give(self, slot: Any) -> None:
+        self.waiting.pop(slot, None)
+        if self.sent.pop(slot, _NONE) is _NONE:
+            return
+        if self._owed:
+            self._owed -= 1
+        else:
+            self.semaphore().release()
+
+    def held(self) -> int:
+        return len(self.sent)
+
+    def free(self) -> int:
+        sem = self.semaphore()
+        return sem._value - self._owed  # (asyncio.Semaphore has no public count)
+
+    def resize(self, n: int) -> None:
+        grow, self.n = n - self.n, n
+        if self._sem is None:
+            return
+        if grow < 0:
+            self._owed -= grow  # taken back as slots are given back
+            return
+        paid = min(grow, self._owed)
+        self._owed -= paid
+        for _ in range(grow - paid):
+            self._sem.release()
+
+
 class InflightLimit:
     """How many chunk requests may be in flight at once (``async with limit:`` around each).
 
@@ -91,53 +146,39 @@ class InflightLimit:
         self._sum = 0.0  # their latencies
         self._lo = math.inf  # ... the quickest
         self._hi = 0.0  # ... and the slowest
-        self._waiting: dict[Any, float] = {}  # task -> when its request went out, until its bytes came
-        self._sent: dict[Any, float] = {}  # task -> when it took its slot, until it gives it back
-        self._sem: asyncio.Semaphore | None = None
-        self._owed = 0  # permits to keep back as requests end (the limit shrank)
+        self.slots = Slots(self.limit, lambda: self.clock())  # the permits this policy sizes
 
     def semaphore(self) -> asyncio.Semaphore:
-        if self._sem is None:
-            self._sem = asyncio.Semaphore(self.limit)
-        return self._sem
+        return self.slots.semaphore()
 
     async def __aenter__(self) -> None:
         await self.take(asyncio.current_task())
 
+    async def __aexit__(self, *exc: Any) -> None:
+        self.give(asyncio.current_task())
+
     async def take(self, slot: Any) -> None:
         """Wait for a free slot, held under ``slot`` (any hashable: a task, a request's number) until
         ``give(slot)``; ``async with limit:`` holds one under the current task."""
-        await self.semaphore().acquire()
-        self._waiting[slot] = self._sent[slot] = self.clock()
+        await self.slots.take(slot)
 
     def arrived(self, slot: Any = None) -> None:
         """The request of ``slot`` (default: the current task's) has its bytes (what it waits for next
         is not the store)."""
-        self._waiting.pop(asyncio.current_task() if slot is None else slot, None)
-
-    async def __aexit__(self, *exc: Any) -> None:
-        self.give(asyncio.current_task())
+        self.slots.arrived(asyncio.current_task() if slot is None else slot)
 
     def give(self, slot: Any) -> None:
         """Give back the slot held under ``slot``; a slot given back already (or never taken) is left
         alone, so that every way a request ends may give its slot and it still comes back once."""
-        self._waiting.pop(slot, None)
-        if self._sent.pop(slot, _NONE) is _NONE:
-            return
-        if self._owed:
-            self._owed -= 1
-        else:
-            self.semaphore().release()
+        self.slots.give(slot)
 
     def held(self) -> int:
         """Slots taken and not given back yet."""
-        return len(self._sent)
+        return self.slots.held()
 
     def free(self) -> int:
-        """Slots that ``take`` would get now without waiting (the limit less those held, less any kept
-        back after the limit shrank)."""
-        sem = self.semaphore()
-        return sem._value - self._owed  # (asyncio.Semaphore has no public count)
+        """Slots that ``take`` would get now without waiting (the limit less those held)."""
+        return self.slots.free()
 
     def expect_remote(self) -> None:
         """The store is across a network: its limit follows throughput and latency (see the class)."""
@@ -161,7 +202,7 @@ class InflightLimit:
                 slot = asyncio.current_task()
             except RuntimeError:  # no running loop
                 slot = None
-        sent = self._sent.get(slot) if slot is not None else None
+        sent = self.slots.sent.get(slot) if slot is not None else None
         return now - latency_s - decode_s if sent is None else sent
 
     def observe(self, latency_s: float, decode_s: float, slot: Any = None) -> None:
@@ -192,7 +233,8 @@ class InflightLimit:
             return
         # a window's requests that are still waiting count too: the ones a store queues (or a
         # dropped connection delays) come back last, after quicker ones have filled the window
-        oldest = now - min(self._waiting.values()) if self._waiting else 0.0
+        waiting = self.slots.waiting
+        oldest = now - min(waiting.values()) if waiting else 0.0
         mean = max(self._sum / self._n, oldest)
         self._window(now, mean, max(self._hi, oldest) <= AUTO_FLAT * self._lo)
 
@@ -251,16 +293,8 @@ class InflightLimit:
     def _resize(self, n: int) -> None:
         if n == self.limit:
             return
-        grow, self.limit = n - self.limit, n
+        self.limit = n
         # the next window counts only requests sent once this limit's first answer came
         self._since, self._settled = self.clock(), None
         self._n, self._sum, self._lo, self._hi = 0, 0.0, math.inf, 0.0
-        if self._sem is None:
-            return
-        if grow < 0:
-            self._owed -= grow  # taken back as requests end
-            return
-        paid = min(grow, self._owed)
-        self._owed -= paid
-        for _ in range(grow - paid):
-            self._sem.release()
+        self.slots.resize(n)

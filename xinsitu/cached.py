@@ -58,7 +58,7 @@ async def serve_cached(reader: Reader, src: VarSource, targets: dict[tuple[int, 
     n_disk = 0
     rest: dict[tuple[int, ...], Pieces] = {}
     if disk and missing:
-        prefix = f"{src.array.path}/" if src.array.path else ""
+        prefix = reader.route(src).prefix
         n_disk, misses = await loop.run_in_executor(None, _disk_lookup_take, cache, keys, prefix, object_of,
                                                     missing)
         rest = {c: Pieces(t, cache, mk, dk) for c, t, mk, dk in misses}

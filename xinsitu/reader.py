@@ -32,6 +32,7 @@ from xinsitu.backend import (  # noqa: F401 - ChunkReadError: re-exported (xinsi
     Backend,
     ChunkReadError,
     LocalBackend,
+    RangeBackend,
     WholeBackend,
     backend_for,
     fetch_decoded,
@@ -402,7 +403,7 @@ class Reader:
     def _native_shards(self, src: VarSource) -> bool:
         """Whether inner chunks of ``src`` can be fetched by byte range here (else zarr reads them)."""
         store = self._store(src)
-        if not all(hasattr(store, n) for n in ("get_ranges", "get_range")):
+        if not isinstance(store, RangeBackend):
             return False
         try:
             self.shards.layout(src)

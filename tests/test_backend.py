@@ -83,10 +83,10 @@ def test_local_backend_reads_into_the_threads_scratch(root, tmp_path, monkeypatc
     """With a scratch, a file is read into the calling thread's own buffer (no new bytes per chunk):
     each view holds the file read, a larger file takes a larger buffer while older views stay intact,
     and a file that grows between ``fstat`` and the read is still read whole."""
-    from xinsitu.backend import ReadScratch
+    from xinsitu.decode import ThreadScratch
 
     be = LocalBackend(root, _FileBackend(root))
-    scratch = ReadScratch()
+    scratch = ThreadScratch()
     small = be.read("small", scratch)
     assert isinstance(small, memoryview) and bytes(small) == b"xyz"
     buf = scratch.buf

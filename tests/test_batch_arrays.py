@@ -63,27 +63,59 @@ def test_pickled_starts_empty():  # generators go to spawned DataLoader workers 
 
 
 def test_many_threads_never_share_an_array():
+    """Threads that each hold an array at the same moment (a barrier) never hold the same memory, and
+    each finds its own values in it. Seen and checked here, in the test's thread."""
     import threading
 
     arrays = BatchArrays()
-    seen: list[tuple[int, np.ndarray]] = []
+    n, rounds = 4, 50
+    barrier = threading.Barrier(n, timeout=30)
+    held: list[list[tuple[int, int, bool]]] = [[] for _ in range(rounds)]  # per round: (thread, address, own values)
     lock = threading.Lock()
+    errors: list[BaseException] = []
 
     def work(k: int) -> None:
-        for _ in range(200):
-            a = arrays.empty((64,), np.float64)
-            a[:] = k
-            with lock:
-                seen.append((k, a))
-            assert np.all(a == k)
-            with lock:
-                seen.pop()
+        try:
+            for r in range(rounds):
+                a = arrays.empty((64,), np.float64)
+                a[:] = k
+                barrier.wait()  # every thread holds its array now
+                with lock:
+                    held[r].append((k, a.ctypes.data, bool(np.all(a == k))))
+                barrier.wait()
+                del a
+        except BaseException as e:  # noqa: BLE001 - seen by the test below
+            errors.append(e)
+            barrier.abort()
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    threads = [threading.Thread(target=work, args=(k,), daemon=True) for k in range(n)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(60)
+    assert not any(t.is_alive() for t in threads) and not errors, errors
+    for r in held:
+        assert len(r) == n
+        assert len({addr for _, addr, _ in r}) == n, r  # no two threads share memory
+        assert all(own for *_, own in r), r  # nobody else wrote into a thread's array
+
+
+def test_an_interpreter_without_getrefcount_imports_and_reuses_nothing(monkeypatch):
+    """Where ``sys.getrefcount`` does not exist (PyPy), the module still imports; no array is ever
+    taken back (nothing can say it is free)."""
+    import sys
+
+    from xinsitu import output
+
+    monkeypatch.delattr(sys, "getrefcount")
+    assert output._calibrate() is None
+    monkeypatch.setattr(BatchArrays, "_IDLE", output._calibrate())
+    arrays = BatchArrays()
+    a = arrays.empty((8,), np.float32)
+    at = a.ctypes.data
+    del a
+    b = arrays.empty((8,), np.float32)
+    assert b.ctypes.data != at
 
 
 @pytest.mark.parametrize("output", ["numpy", "torch"])

@@ -54,9 +54,9 @@ def test_automatic_limit_backs_off_on_an_overloaded_store(archive, manifest, ref
 
 def test_automatic_limit_climbs_for_a_far_healthy_store(archive, manifest, reference, monkeypatch):
     """100 ms away, latency that does not grow with load: the limit doubles to the top."""
-    from xinsitu import reader
+    from xinsitu import inflight
 
-    monkeypatch.setattr(reader, "AUTO_REMOTE", (4, 64))
+    monkeypatch.setattr(inflight, "AUTO_REMOTE", (4, 64))
     with FileServer(Path(archive).parent, Faults(latency=0.1)) as srv:
         gen = xinsitu.open_zarr(f"{srv.url}/era5.zarr").insitu.batches(manifest, "train", **KW)
         gen.set_epoch(0)
@@ -76,7 +76,7 @@ def _simulate(lim, latency, answers: int, decode_s: float = 0.0005) -> list[int]
 
     now = lim.clock.now  # a _remote limit runs on simulated time
     flight: list[tuple[float, int]] = []  # (answered, request)
-    waiting = lim._waiting  # as ``async with lim`` / ``lim.arrived()`` keep it: request -> when sent
+    waiting = lim.slots.waiting  # as ``lim.take`` / ``lim.arrived()`` keep it: request -> when sent
     ids = itertools.count()
     seen = []
     for _ in range(answers):

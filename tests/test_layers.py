@@ -17,15 +17,15 @@ PKG = Path(__file__).resolve().parent.parent / "xinsitu"
 LAYERS = {
     # 1 -- metadata and pure math
     "source": 1, "geometry": 1, "manifest": 1, "split": 1, "sampling": 1, "shuffle": 1, "plan": 1,
-    "channels": 1, "state": 1, "snapshot": 1, "xr_adapter": 1,
+    "channels": 1, "state": 1, "snapshot": 1, "xr_adapter": 1, "regions": 1,
     # ``formatting`` (every repr) and ``plot`` (the manifest's drawing) are presentation, listed under
     # "surface" in issue 17, but they sit here: they are pure string (or matplotlib) building that takes
     # the objects duck-typed (their types only under TYPE_CHECKING), and the layer-1 records call them
     # from ``__repr__``/``SplitManifest.plot``: in layer 4 those calls would point upward.
     "formatting": 1, "plot": 1,
     # 2 -- I/O
-    "_loop": 2, "store": 2, "backend": 2, "codecs": 2, "reader": 2, "cache": 2, "gpu_decode": 2,
-    "device_cache": 2,
+    "_loop": 2, "store": 2, "backend": 2, "virtual_backend": 2, "codecs": 2, "reader": 2, "cache": 2,
+    "inflight": 2, "decode": 2, "fetchers": 2, "cached": 2, "gpu_decode": 2, "device_cache": 2,
     # 3 -- batches
     "buffer": 3, "device": 3, "output": 3, "pipeline": 3, "loader": 3, "stats": 3, "dataset": 3, "validity": 3,
     # ``torch`` (the IterableDataset over a generator, public generator methods only) is listed under

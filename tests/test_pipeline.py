@@ -97,14 +97,6 @@ def test_load_error_reaches_consumer(path):
     assert not run.thread.is_alive()
 
 
-class _Credits:
-    def __init__(self):
-        self.released = 0
-
-    def release(self):
-        self.released += 1
-
-
 @pytest.mark.parametrize(("far", "requests", "mb", "limit", "depth"), [
     (True, 64, 2.1, 256, 9),  # one sample per chunk over HTTP: twice the limit's requests, past 6 buffers
     (False, 64, 2.1, 256, 6),  # the same buffers of a local store (or a fixed limit's): 6 at most
@@ -114,25 +106,12 @@ class _Credits:
     (False, 16, 50.0, 4, 3),  # large buffers of a local store: as deep as it was
 ])
 def test_read_ahead_fills_the_inflight_limit_within_its_bytes(far, requests, mb, limit, depth):
-    """How many buffers an epoch keeps loading or loaded (``EpochRun._deepen``), from what the buffers
-    read so far took: enough for the reader's in-flight limit of requests, or for
+    """How many buffers an epoch keeps loading or loaded (``pipeline.read_ahead_depth``), from what the
+    buffers read so far took: enough for the reader's in-flight limit of requests, or for
     ``READ_AHEAD_BYTES``, ``MAX_READ_AHEAD_BUFFERS`` at most; small buffers of a far store enough for
     twice the limit's requests, while they hold ``FAR_READ_AHEAD_BYTES`` at most; never shallower
-    than it was."""
-    from xinsitu import pipeline
+    than it was (an epoch only deepens)."""
+    from xinsitu.pipeline import READ_AHEAD_BUFFERS, read_ahead_depth
 
-    reader = Reader()
-    reader.inflight.limit, reader.inflight.far = limit, far
-    run = object.__new__(EpochRun)
-    run.loader = type("L", (), {"reader": reader})()
-    run.counters_before = {"requests": 0, "bytes_decoded": 0}
-    run.n_loaded, run.depth, run.credits = 4, pipeline.READ_AHEAD_BUFFERS, _Credits()
-    reader.counters.requests = 4 * requests
-    reader.counters.bytes_decoded = int(4 * mb * 2**20)
-    run._deepen()
-    assert run.depth == depth
-    assert run.credits.released == depth - pipeline.READ_AHEAD_BUFFERS
-    reader.counters.requests = 0  # every chunk from the cache: nothing to keep in flight
-    run.depth, run.credits = pipeline.READ_AHEAD_BUFFERS, _Credits()
-    run._deepen()
-    assert run.depth == pipeline.READ_AHEAD_BUFFERS
+    assert max(READ_AHEAD_BUFFERS, read_ahead_depth(limit, far, requests, mb * 2**20)) == depth
+    assert read_ahead_depth(limit, far, 0, mb * 2**20) == 0  # every chunk from the cache: nothing in flight

@@ -77,3 +77,48 @@ def test_missing_chunk_reads_fill_value(tmp_path):
     r2.on_missing = "raise"
     with pytest.raises(OSError):
         _loop.run(r2.read(src, {"t": (3, 8)}))
+
+
+def test_one_completion_step_takes_any_destination(path):
+    """``decode.place`` lands a chunk's bytes in any destination with ``decode``/``fill`` (the seam a
+    device buffer plugs into) and says how: decoded with its byte count, or missing and filled. The
+    values equal xarray's for that chunk; ``Reader._finish`` counts it and applies ``missing=``."""
+    from pathlib import Path
+
+    from xinsitu.codecs import ChunkDecoder
+    from xinsitu.decode import DECODED, MISSING, place
+    from xinsitu.reader import ChunkReadError, Route
+
+    class Recorded:  # a destination that is not a host array slot
+        def __init__(self) -> None:
+            self.values: np.ndarray | None = None
+
+        def decode(self, dec, raw) -> None:
+            self.values = dec.decode_sync(raw)
+
+        def fill(self, dec) -> None:
+            self.values = np.broadcast_to(dec.fill(), dec.shape)
+
+    ds = xinsitu.open_zarr(path)
+    src = resolve(ds, ["a"])["a"]
+    dec = ChunkDecoder(src.array)
+    raw = (Path(path) / "a" / dec.key((1, 1, 0))).read_bytes()
+    dest = Recorded()
+    got = place(dec, raw, dest)
+    assert got.status == DECODED and got.nbytes == len(raw) and got.took >= 0
+    exp = xr.open_zarr(path, chunks=None).a.isel(t=slice(5, 10), y=slice(2, 4)).values
+    np.testing.assert_array_equal(dest.values, exp)
+    empty = Recorded()
+    assert place(dec, None, empty).status == MISSING
+    assert empty.values is not None and empty.values.shape == dec.shape
+
+    r = Reader()
+    route = Route(src, dec, r._store(src))
+    r._finish(route, (1, 1, 0), got)
+    r._finish(route, (0, 0, 0), place(dec, None, Recorded()))
+    assert (r.counters.chunks, r.counters.bytes_read, r.counters.missing) == (2, len(raw), 1)
+    assert r.last_missing == ("a", (0, 0, 0), "a/" + dec.key((0, 0, 0)))
+    r.on_missing = "raise"
+    with pytest.raises(ChunkReadError, match="missing='raise'") as err:
+        r._finish(route, (0, 0, 0), place(dec, None, Recorded()))
+    assert err.value.var == "a" and err.value.chunk == (0, 0, 0)

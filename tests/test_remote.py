@@ -157,9 +157,9 @@ def test_max_inflight_bounds_requests(archive, manifest):
 
 def test_automatic_max_inflight_grows_with_latency(archive, manifest, monkeypatch):
     """max_inflight=None over a network: many requests in flight at once, never more than the cap."""
-    from xinsitu import reader
+    from xinsitu import inflight
 
-    monkeypatch.setattr(reader, "AUTO_INFLIGHT", (3, 12))
+    monkeypatch.setattr(inflight, "AUTO_INFLIGHT", (3, 12))
     with FileServer(Path(archive).parent, Faults(latency=0.05)) as srv:
         ds = xinsitu.open_zarr(f"{srv.url}/era5.zarr")
         srv.reset_counts()

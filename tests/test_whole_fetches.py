@@ -49,8 +49,7 @@ def _slots_back(gen, wait_s: float = 10.0) -> bool:
     lim = gen._reader.inflight
     t_end = time.monotonic() + wait_s
     while time.monotonic() < t_end:
-        sem = lim.semaphore()
-        if not lim._sent and not lim._waiting and sem._value - lim._owed == lim.limit:  # (owed: kept back)
+        if lim.held() == 0 and lim.free() == lim.limit:
             return True
         time.sleep(0.05)
     return False

@@ -51,6 +51,46 @@ _forked = False
 _native = 0  # calls into a Rust runtime (obstore) awaited on the loop now: waited for at exit
 
 
+class PerLoop:
+    """One object per running loop, made by ``factory(loop)`` on first use there (a new one after
+    ``fork``, or on another loop); ``get()`` from code running on the loop."""
+
+    __slots__ = ("factory", "_held")
+
+    def __init__(self, factory: Callable[[asyncio.AbstractEventLoop], Any]):
+        self.factory = factory
+        self._held: tuple[asyncio.AbstractEventLoop, Any] | None = None
+
+    def get(self) -> Any:
+        loop = asyncio.get_running_loop()
+        held = self._held
+        if held is None or held[0] is not loop:
+            held = self._held = (loop, self.factory(loop))
+        return held[1]
+
+
+class OneTurn:
+    """Items added during one turn of the running loop, handed to ``flush(items)`` together once the
+    turn ends (one ``call_soon`` per turn, not per item): what batches the decode threads' calls
+    (``decode.TurnBatch``) and a virtual store's byte ranges (``ManifestBackend``)."""
+
+    __slots__ = ("flush", "_items")
+
+    def __init__(self, flush: Callable[[list[Any]], None]):
+        self.flush = flush
+        self._items: list[Any] | None = None
+
+    def add(self, item: Any) -> None:
+        if self._items is None:
+            self._items = []
+            asyncio.get_running_loop().call_soon(self._end)
+        self._items.append(item)
+
+    def _end(self) -> None:
+        items, self._items = self._items or [], None
+        self.flush(items)
+
+
 def decode_threads() -> int:
     """Threads that decode chunks: one per core, at least two (decode releases the GIL)."""
     env = os.environ.get("XINSITU_DECODE_THREADS")

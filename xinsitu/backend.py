@@ -10,7 +10,7 @@ wraps ``get`` for the reader: it fetches again when the bytes fail to decode, an
 each try in time (``bounded``, with one timer per loop for all requests: ``Deadlines``).
 obstore's backend also starts a whole-object request without awaiting it (``start_whole``),
 for the reader's callback path of small whole chunks. ``ManifestBackend`` fetches the chunks
-of a VirtualiZarr store (byte ranges of NetCDF/GRIB files; see the end of this module).
+of a VirtualiZarr store (byte ranges of NetCDF/GRIB files; ``xinsitu.virtual_backend``).
 
 What is retried where:
 
@@ -32,16 +32,24 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any, NamedTuple, Protocol, TypeAlias, TypeVar, runtime_checkable
-from urllib.parse import urlparse
+from typing import Any, Protocol, TypeAlias, TypeVar, runtime_checkable
 
 from xinsitu import _loop
 from xinsitu._loop import FORK_HELP  # noqa: F401 - re-exported: the message lives in _loop
 from xinsitu.codecs import store_root, zarr_store_get
 from xinsitu.store import FETCH_ATTEMPTS, redact_url, scrubbed, secrets_of
+from xinsitu.virtual_backend import (  # noqa: F401 - re-exported: the virtual stores' backend lived here
+    COALESCE_BYTES,
+    ChunkRange,
+    ManifestBackend,
+    VirtualReferenceError,
+    _file_error,
+    _path_in_store,
+    _where,
+    is_manifest_store,
+)
 
 T = TypeVar("T")
 
@@ -74,7 +82,35 @@ class RangeBackend(Backend, Protocol):
         """Several ranges of one object, in the order asked; raises where the object is missing or short."""
         ...
 
-#: Fetches of one object at most, when its body comes back short or fails to decode.
+
+@runtime_checkable
+class WholeBackend(Backend, Protocol):
+    """A backend that starts a whole-object request without awaiting it (obstore's): what the reader's
+    callback path (``fetchers.WholeFetches``) needs."""
+
+    async def start_whole(self, key: str) -> asyncio.Future | None:
+        """The request's future, started; None where this store takes ``get`` for every object."""
+        ...
+
+    def whole_error(self, e: BaseException) -> BaseException | None:
+        """What to raise for a failed whole-object request (None: fetch it with ``get`` instead)."""
+        ...
+
+
+class Scratch(Protocol):
+    """A decode thread's reused read buffer (``decode.ThreadScratch``)."""
+
+    def take(self, n: int) -> memoryview:
+        ...
+
+
+class ChunkReadError(OSError):
+    """A chunk could not be read or decoded; names the variable, the chunk and the store key."""
+
+    def __init__(self, var: str, chunk: tuple[int, ...], key: str, cause: BaseException):
+        self.var, self.chunk, self.key = var, chunk, key
+        super().__init__(f"cannot read chunk {chunk} of variable {var!r} (key {key!r}): "
+                         f"{type(cause).__name__}: {cause}")
 
 #: Byte ranges of one object less than this apart are fetched in one request (as obstore does).
 COALESCE = 1024 * 1024
@@ -84,16 +120,12 @@ COALESCE = 1024 * 1024
 #: request may hold a connection and, while it opens, one of the threads of obstore's runtime
 #: (name resolution): readers of abandoned epochs and of other generators cannot add up past it.
 PROCESS_INFLIGHT = 256
-_limit: tuple[Any, asyncio.Semaphore] | None = None
+_limit = _loop.PerLoop(lambda _: asyncio.Semaphore(PROCESS_INFLIGHT))
 
 
 def _process_limit() -> asyncio.Semaphore:
     """The process-wide bound on obstore requests, for the running loop (a new one after ``fork``)."""
-    global _limit
-    loop = asyncio.get_running_loop()
-    if _limit is None or _limit[0] is not loop:
-        _limit = (loop, asyncio.Semaphore(PROCESS_INFLIGHT))
-    return _limit[1]
+    return _limit.get()  # type: ignore[no-any-return]
 
 
 #: The end of the byte range asked for a whole object (``_ObstoreBackend._whole``): past any object.
@@ -101,9 +133,22 @@ OPEN_END = 1 << 62
 
 
 def _range_refused(e: BaseException) -> bool:
-    """Whether obstore's error says the store refused a byte range (an empty object: 416)."""
+    """Whether obstore's error says the store refused a byte range (an empty object: 416); obstore has
+    no exception type of its own for it (a ``GenericError``), so its text tells."""
     text = str(e)
     return "Range Not Satisfiable" in text or "range was invalid" in text or "InvalidRange" in text
+
+
+def _not_supported(e: BaseException) -> bool:
+    """Whether obstore's error says the store does not support the operation (its typed exception)."""
+    from obstore.exceptions import NotSupportedError
+
+    return isinstance(e, NotSupportedError)
+
+
+def _ranges_ignored(e: BaseException) -> bool:
+    """Whether obstore's error says the server answered a byte range with the whole object (200)."""
+    return _not_supported(e) and "Range request not supported" in str(e)
 
 
 class DamagedObjectError(OSError):
@@ -148,7 +193,7 @@ class _ObstoreBackend:
     def whole_error(self, e: BaseException) -> BaseException | None:
         """What a whole-object read that failed with ``e`` raises (scrubbed of secrets), or None where
         the range was refused and the object is fetched without one (``_fetch``)."""
-        if type(e).__name__ == "NotSupportedError" and "Range request not supported" in str(e):
+        if _ranges_ignored(e):
             self._open_ranges = False  # a server that ignores ranges: whole objects without one from now on
             return None
         if _range_refused(e):
@@ -159,7 +204,7 @@ class _ObstoreBackend:
         """The error to raise for obstore's ``e``: scrubbed of secrets, ``NotImplementedError`` for an
         operation the store does not support."""
         err = scrubbed(e, self._secrets)
-        if type(e).__name__ == "NotSupportedError":
+        if _not_supported(e):
             err = NotImplementedError(str(err))
         return err
 
@@ -201,7 +246,7 @@ class _ObstoreBackend:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - obstore already retried what was transient
-                if type(e).__name__ == "NotSupportedError" and "Range request not supported" in str(e):
+                if _ranges_ignored(e):
                     # the server (or a proxy) answered a Range request -- ours, or obstore's own to resume
                     # a cut transfer -- with 200 and the whole object: take the range from the whole
                     return await self._whole_then_slice(key, options)
@@ -313,19 +358,6 @@ def network_fs(kind: str | None) -> bool:
     return kind is not None and (kind in NETWORK_FS or kind.split(".")[0] in NETWORK_FS)
 
 
-class ReadScratch(threading.local):
-    """Each thread's own read buffer (``LocalBackend.read``), grown as needed and never shrunk: a few
-    chunks' bytes per decode thread."""
-
-    buf = bytearray()
-
-    def take(self, n: int) -> memoryview:
-        """A view of ``n`` bytes of this thread's buffer, valid until its next ``take``."""
-        if len(self.buf) < n:
-            self.buf = bytearray(n + n // 4)  # a new one: views of the old may still be alive
-        return memoryview(self.buf)[:n]
-
-
 class LocalBackend:
     """Chunk files of a local directory.
 
@@ -354,7 +386,7 @@ class LocalBackend:
         self.fused = not network_fs(self.fs_type)  # read in the decode thread
         self._times: deque[tuple[float, float]] = deque(maxlen=self.WINDOW)
 
-    def read(self, key: str, scratch: ReadScratch | None = None) -> bytes | memoryview | None:
+    def read(self, key: str, scratch: Scratch | None = None) -> bytes | memoryview | None:
         """The bytes of ``key``, None where the file does not exist (blocking: call it in a thread).
 
         ``os.read`` of the file's size, not ``open().read()``: no buffered reader, no guessing
@@ -565,16 +597,12 @@ class Deadlines:
             self._arm(due)
 
 
-_deadlines: tuple[Any, Deadlines] | None = None
+_deadlines = _loop.PerLoop(Deadlines)
 
 
 def deadlines_here() -> Deadlines:
     """The running loop's ``Deadlines`` (a new one after ``fork``, or on another loop)."""
-    global _deadlines
-    loop = asyncio.get_running_loop()
-    if _deadlines is None or _deadlines[0] is not loop:
-        _deadlines = (loop, Deadlines(loop))
-    return _deadlines[1]
+    return _deadlines.get()  # type: ignore[no-any-return]
 
 
 async def bounded(request: Callable[[], Awaitable[T]], key: str, on_retry: Callable[[], None] | None = None,
@@ -685,242 +713,3 @@ def _store_url(obs: Any) -> str:
     return f"{type(obs).__name__}({redact_url(str(url))!r})" if url else type(obs).__name__
 
 
-# ----------------------------------------------------------------------------- virtual stores
-#: Bytes of one file fetched in one request at most, where ranges are coalesced (remote stores).
-COALESCE_BYTES = 8 * 2**20
-
-class VirtualReferenceError(ValueError):
-    """Files that cannot be read in place as one virtual Zarr store; names the file and the variable."""
-
-
-def _where(url: str) -> str:
-    """How a file is named in messages: a local path as a path, a URL without credentials."""
-    return url[len("file://"):] if url.startswith("file://") else redact_url(url)
-
-
-def is_manifest_store(zstore: Any) -> bool:
-    """Whether ``zstore`` is a VirtualiZarr ``ManifestStore`` (chunks are byte ranges of other files)."""
-    return type(zstore).__name__ == "ManifestStore" and hasattr(zstore, "_group") and hasattr(zstore, "_registry")
-
-
-def _chunk_coords(ckey: str, encoding: Any, ndim: int) -> tuple[int, ...]:
-    """Chunk grid coordinates from a chunk key ("c/0/1/2", "c.0.1.2" or v2's "0.1.2")."""
-    sep = getattr(encoding, "separator", "/")
-    if getattr(encoding, "name", "default") == "default":
-        if not ckey.startswith("c"):
-            raise KeyError(f"chunk key {ckey!r} does not start with 'c'")
-        ckey = ckey[1:].lstrip(sep)
-    parts = [p for p in ckey.split(sep) if p != ""]
-    if len(parts) != ndim:
-        raise KeyError(f"chunk key {ckey!r} does not have {ndim} coordinates")
-    return tuple(int(p) for p in parts)
-
-
-def _path_in_store(url: str, store: Any) -> str:
-    """The path of ``url`` inside ``store``, exactly as VirtualiZarr's ``ManifestStore.get`` computes it."""
-    path = urlparse(url).path
-    prefix = getattr(store, "prefix", None)
-    if prefix:
-        pre = str(prefix).lstrip("/")
-    elif isinstance(getattr(store, "url", None), str):
-        pre = urlparse(store.url).path.lstrip("/")
-    else:
-        pre = ""
-    return path.lstrip("/").removeprefix(pre).lstrip("/")
-
-
-def _is_obstore(store: Any) -> bool:
-    return type(store).__module__.startswith("obstore")
-
-
-class ChunkRange(NamedTuple):
-    """Where a virtual chunk's bytes lie: ``url``, bytes ``start:end``."""
-
-    url: str
-    start: int
-    end: int
-
-
-class _FileStore(NamedTuple):
-    """How a referenced file is read: the store its URL resolves to, its path there, the store's secrets."""
-
-    store: Any
-    path: str
-    secrets: list[str]
-
-
-class ManifestBackend:
-    """Fetch chunks of a ``ManifestStore`` as byte ranges of the original files.
-
-    ``get(key)`` takes the zarr key of a chunk (``"t2m/c/0/0/0"``) and returns its bytes,
-    None where the manifest has no entry (zarr's fill value). On object storage, ranges of one
-    file requested in the same turn of the event loop go out as one ``get_ranges`` call (see
-    ``_groups``). The reader's semaphore bounds the ranges in flight (``max_inflight``).
-    """
-
-    def __init__(self, mstore: Any):
-        if not is_manifest_store(mstore):
-            raise TypeError(f"expected a VirtualiZarr ManifestStore, got {type(mstore).__name__}")
-        self.mstore = mstore
-        self._group = mstore._group
-        self._registry = mstore._registry
-        self._arrays: dict[str, tuple[Any, Any]] = {}
-        self._stores: dict[str, _FileStore] = {}
-        self._pending: dict[tuple[int, str], tuple[Any, str, list[tuple[int, int, asyncio.Future]]]] = {}
-        self._flushing = False
-        self._tasks: set[asyncio.Future] = set()
-        self.requests = 0  # get/get_ranges calls made to the file stores
-
-    # -- key -> (url, start, end)
-    def _array(self, apath: str) -> tuple[Any, Any]:
-        got = self._arrays.get(apath)
-        if got is None:
-            node = self._group
-            for part in apath.split("/"):
-                node = node[part]
-            if not hasattr(node, "manifest"):
-                raise KeyError(f"{apath!r} is a group, not an array")
-            got = self._arrays[apath] = (node.manifest, node.metadata.chunk_key_encoding)
-        return got
-
-    def locate(self, key: str) -> ChunkRange | None:
-        """(file URL, start, end) of the chunk stored under ``key``; None where it has no entry."""
-        apath, ckey = self._split_key(key)
-        manifest, encoding = self._array(apath)
-        coords = _chunk_coords(ckey, encoding, manifest.ndim_chunk_grid)
-        entry = manifest.get_entry(coords)
-        if entry is None:
-            return None
-        start = int(entry["offset"])
-        return ChunkRange(str(entry["path"]), start, start + int(entry["length"]))
-
-    def _split_key(self, key: str) -> tuple[str, str]:
-        """'grp/t2m/c/0/0' -> ('grp/t2m', 'c/0/0'): the longest prefix that names an array."""
-        parts = key.split("/")
-        node = self._group
-        for i, part in enumerate(parts):
-            arrays = getattr(node, "arrays", {})
-            if part in arrays:
-                return "/".join(parts[: i + 1]), "/".join(parts[i + 1:])
-            groups = getattr(node, "groups", {})
-            if part not in groups:
-                break
-            node = groups[part]
-        raise KeyError(f"no array of the virtual store holds key {key!r}")
-
-    def _store_of(self, url: str) -> _FileStore:
-        got = self._stores.get(url)
-        if got is None:
-            store, _ = self._registry.resolve(url)
-            if store is None:
-                raise VirtualReferenceError(f"no store registered for {_where(url)}")
-            got = self._stores[url] = _FileStore(store, _path_in_store(url, store), secrets_of(store))
-        return got
-
-    # -- fetching
-    async def get(self, key: str) -> Any:
-        where = self.locate(key)
-        if where is None:
-            return None
-        url, start, end = where
-        fs = self._store_of(url)
-        store, path = fs.store, fs.path
-        loop = asyncio.get_running_loop()
-        if _is_obstore(store) and _loop.in_forked_child():
-            if not url.startswith("file://"):
-                _loop.refuse_after_fork(f"{_where(url)}, referenced by the virtual store,")
-            # obstore would hang here; a local file is read with plain file I/O instead (fork-safe)
-            data = await loop.run_in_executor(None, _read_local, url, start, end)
-            self.requests += 1
-            return _checked(data, url, start, end, key)
-        fut: asyncio.Future = loop.create_future()
-        self._pending.setdefault((id(store), path), (store, url, []))[2].append((start, end, fut))
-        if not self._flushing:
-            self._flushing = True
-            loop.call_soon(self._flush)
-        return _checked(await fut, url, start, end, key)
-
-    def _flush(self) -> None:
-        self._flushing = False
-        pending, self._pending = self._pending, {}
-        for store, url, items in pending.values():
-            for group in _groups(store, items):
-                task = asyncio.ensure_future(self._fetch_file(store, url, group))
-                self._tasks.add(task)  # the loop keeps only weak references to tasks
-                task.add_done_callback(self._tasks.discard)
-
-    async def _fetch_file(self, store: Any, url: str, items: list[tuple[int, int, asyncio.Future]]) -> None:
-        fs = self._store_of(url)
-        path, secrets = fs.path, fs.secrets
-        try:
-            self.requests += 1
-            if len(items) == 1:
-                s, e, _ = items[0]
-                got = [await _loop.native(store.get_range_async(path, start=s, end=e))]
-            else:
-                got = list(await _loop.native(store.get_ranges_async(path, starts=[s for s, _, _ in items],
-                                                                     ends=[e for _, e, _ in items])))
-        except asyncio.CancelledError:
-            for _, _, f in items:
-                f.cancel()
-            raise
-        except Exception as e:  # noqa: BLE001 - every waiting chunk gets the error, naming the file
-            err = _file_error(e, url, secrets)
-            for _, _, f in items:
-                if not f.done():
-                    f.set_exception(err)
-            return
-        for (_, _, f), data in zip(items, got, strict=True):
-            if not f.done():
-                f.set_result(data)
-
-
-def _checked(data: Any, url: str, start: int, end: int, key: str) -> Any:
-    if len(data) != end - start:
-        raise OSError(f"{_where(url)}: bytes {start}..{end} of chunk {key!r} came back as {len(data)} "
-                      "bytes; the file is shorter than its references say (changed since they were made?)")
-    return data
-
-
-def _read_local(url: str, start: int, end: int) -> bytes:
-    """Bytes ``start:end`` of a local file (``file://`` URL), by plain file I/O."""
-    from urllib.parse import unquote
-
-    path = unquote(urlparse(url).path)
-    try:
-        with open(path, "rb") as f:
-            f.seek(start)
-            return f.read(end - start)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}, referenced by the virtual store, does not exist "
-                                "(moved or deleted since the references were made?)") from None
-
-
-def _groups(store: Any, items: list[tuple[int, int, asyncio.Future]]) -> list[list[tuple[int, int, asyncio.Future]]]:
-    """The requests that ``items`` (ranges of one file) go out as.
-
-    Remote: ranges together, in file order, up to ``COALESCE_BYTES`` a request (obstore then
-    merges those that lie close): fewer round trips. Local files: one read per range, so that
-    reads and decodes overlap (a local ``get_ranges`` reads its ranges one after the other).
-    """
-    if _is_obstore(store) and type(store).__name__ == "LocalStore":
-        return [[it] for it in items]
-    out: list[list[tuple[int, int, asyncio.Future]]] = []
-    size = COALESCE_BYTES
-    for it in sorted(items, key=lambda x: x[0]):
-        n = it[1] - it[0]
-        if size + n > COALESCE_BYTES:
-            out.append([])
-            size = 0
-        out[-1].append(it)
-        size += n
-    return out
-
-
-def _file_error(e: BaseException, url: str, secrets: list[str]) -> BaseException:
-    where = _where(url)
-    if isinstance(e, FileNotFoundError) or type(e).__name__ == "NotFoundError":
-        return FileNotFoundError(f"{where}, referenced by the virtual store, does not exist "
-                                 "(moved or deleted since the references were made?)")
-    err = scrubbed(e, secrets)
-    return type(err)(f"{where}: {err}")

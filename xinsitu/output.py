@@ -287,8 +287,11 @@ JAX_ALIGN = 64
 def _refs_seen(held: deque[np.ndarray], i: int) -> int:
     """``sys.getrefcount`` of ``held[i]`` as ``BatchArrays.empty`` sees it (one function for the check
     and its calibration, so both count the same references)."""
+    count = getattr(sys, "getrefcount", None)  # (an interpreter without it, e.g. PyPy: never taken back)
+    if count is None:
+        return -1
     raw = held[i]
-    return sys.getrefcount(raw)
+    return count(raw)
 
 
 def _calibrate() -> int | None:

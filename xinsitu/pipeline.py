@@ -163,25 +163,11 @@ class EpochRun:
         return buffer
 
     def _deepen(self) -> None:
-        """Read further ahead where the buffers being loaded hold fewer requests than the reader keeps
-        in flight (a far store, see ``InflightLimit``), or fewer bytes than ``READ_AHEAD_BYTES`` (small
-        buffers, e.g. of one-sample-per-chunk archives: a few ms of decoding each, which leaves the
-        decode threads idle between buffers): one buffer gathered from, and enough loading to fill
-        both, at most ``MAX_READ_AHEAD_BUFFERS``. Small buffers of a far store go further, while they
-        hold at most ``FAR_READ_AHEAD_BYTES``: as many as hold twice the in-flight limit's requests
-        (buffers read but not yet gathered from hold none; with one sample per chunk over HTTP, that
-        is what keeps the limit's requests in flight)."""
+        """Read further ahead where the buffers read so far call for it (``read_ahead_depth``)."""
         reader = self.loader.reader
         per_buffer = (reader.counters.requests - self.counters_before["requests"]) / self.n_loaded
-        if not per_buffer:  # every chunk came from the cache: no request to keep in flight, no need to read ahead
-            return
-        bytes_per_buffer = max(1.0, (reader.counters.bytes_decoded - self.counters_before["bytes_decoded"])
-                               / self.n_loaded)
-        limit = reader.inflight.limit
-        want = min(MAX_READ_AHEAD_BUFFERS, 1 + max(math.ceil(limit / per_buffer),
-                                                   math.ceil(READ_AHEAD_BYTES / bytes_per_buffer)))
-        if reader.inflight.far:
-            want = max(want, min(int(FAR_READ_AHEAD_BYTES // bytes_per_buffer), 1 + math.ceil(2 * limit / per_buffer)))
+        bytes_per_buffer = (reader.counters.bytes_decoded - self.counters_before["bytes_decoded"]) / self.n_loaded
+        want = read_ahead_depth(reader.inflight.limit, reader.inflight.far, per_buffer, bytes_per_buffer)
         while self.depth < want and self.credits is not None:
             self.depth += 1
             self.credits.release()
@@ -303,8 +289,7 @@ class EpochRun:
         self.stop.set()
         if self.first is not None:  # never taken: let its read stop
             self.loop.call_soon_threadsafe(self.first.cancel)
-        for _ in range(MAX_READ_AHEAD_BUFFERS + 1):
-            self._release()
+        self._release()  # the producer waits for one credit at a time: woken, it sees ``stop`` and ends
         self.io_future.cancel()
         self.thread.join(timeout=5)
 
@@ -319,6 +304,27 @@ class EpochRun:
                 "wait_s": self.wait_s, "seconds": dt, "samples": self.samples,
                 "samples_per_s": self.samples / dt if dt > 0 else 0.0,
                 "mb_per_s": c["bytes_decoded"] / dt / 1e6 if dt > 0 else 0.0}
+
+
+def read_ahead_depth(limit: int, far: bool, per_buffer: float, bytes_per_buffer: float) -> int:
+    """How many buffers an epoch keeps loading or loaded, from what each buffer read so far took
+    (``per_buffer`` requests, ``bytes_per_buffer`` decoded bytes) and the reader's in-flight
+    ``limit``: one buffer gathered from, and enough loading to fill that limit with requests (a far
+    store, see ``InflightLimit``) or to hold ``READ_AHEAD_BYTES`` (small buffers, e.g. of
+    one-sample-per-chunk archives: a few ms of decoding each, which leaves the decode threads idle
+    between buffers), at most ``MAX_READ_AHEAD_BUFFERS``. Small buffers of a far store (``far``) go
+    further, while they hold at most ``FAR_READ_AHEAD_BYTES``: as many as hold twice the limit's
+    requests (buffers read but not yet gathered from hold none; with one sample per chunk over HTTP,
+    that is what keeps the limit's requests in flight). 0 where the buffers took no request (every
+    chunk from the cache: nothing to keep in flight, no need to read ahead)."""
+    if not per_buffer:
+        return 0
+    bytes_per_buffer = max(1.0, bytes_per_buffer)
+    want = min(MAX_READ_AHEAD_BUFFERS, 1 + max(math.ceil(limit / per_buffer),
+                                               math.ceil(READ_AHEAD_BYTES / bytes_per_buffer)))
+    if far:
+        want = max(want, min(int(FAR_READ_AHEAD_BYTES // bytes_per_buffer), 1 + math.ceil(2 * limit / per_buffer)))
+    return want
 
 
 def _copy_counters(c: Any) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The one place xinsitu touches zarr's private API (``zarr.core``, underscored codec members).
 
-Supported: zarr 3.1 to 3.4 (and newer while the contract test holds). Everything else in xinsitu
+Supported: zarr 3.1.6 to 3.4 (and newer while the contract test holds). Everything else in xinsitu
 uses zarr's public API: ``zarr.abc.codec`` (codec base classes, the ``SupportsSyncCodec``
 protocol whose ``_decode_sync`` is zarr's synchronous decode entry point), ``zarr.buffer``,
 ``zarr.dtype``, ``zarr.registry``. Where zarr releases differ, the path is chosen once, by

@@ -1,52 +1,88 @@
 #!/usr/bin/env bash
 # Set up and run xinsitu on a fresh machine (only Python >= 3.11 and pip needed).
 #   bash dev.sh demo [ARCHIVE]   set up, then train a tiny model from ARCHIVE (a synthetic one if none)
-#   bash dev.sh test [ARGS...]   set up, then run the whole test suite (pytest ARGS)
+#   bash dev.sh test [ARGS...]   set up, then run the whole test suite twice (pytest ARGS): Python 3.11 with torch,
+#                                and Python 3.12 with the newest zarr/numpy/xarray, without torch; both must pass
 #   bash dev.sh bench [ARGS...]  set up (with benchmark extras), then run bench/run.py
+# PYTHON (python3) makes .venv; PYTHON312 (python3.12, else pyenv's 3.12.1) makes .venv-py312 for the second leg.
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV="${XINSITU_VENV:-.venv}"
 PY="${PYTHON:-python3}"
+VENV312="${XINSITU_VENV312:-.venv-py312}"
 
+# setup VENV PYTHON EXTRAS [eager]: make VENV with PYTHON, install the project with EXTRAS when pyproject.toml or
+# dev.sh changed since; "eager" upgrades every dependency to the newest the registry serves.
 setup() {
-  local extras="$1"
-  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  local venv="$1" py="$2" extras="$3" eager="${4:-}"
+  [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
   # shellcheck disable=SC1091
-  . "$VENV/bin/activate"
-  local stamp="$VENV/.xinsitu-$extras"
+  . "$venv/bin/activate"
+  local stamp="$venv/.xinsitu-$extras"
   if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ dev.sh -nt "$stamp" ]; then
     python -m pip install -q --disable-pip-version-check --upgrade pip
-    # Without CUDA, the pinned CPU build of torch (a bare `torch` would pull GBs of CUDA wheels).
-    if ! command -v nvidia-smi >/dev/null 2>&1; then
-      python -m pip install -q --disable-pip-version-check "torch==2.13.0"
+    if [ -n "$eager" ]; then
+      python -m pip install -q --disable-pip-version-check --upgrade --upgrade-strategy eager -e ".[$extras]"
+    else
+      # Without CUDA, the pinned CPU build of torch (a bare `torch` would pull GBs of CUDA wheels).
+      if ! command -v nvidia-smi >/dev/null 2>&1; then
+        python -m pip install -q --disable-pip-version-check "torch==2.13.0"
+      fi
+      python -m pip install -q --disable-pip-version-check -e ".[$extras]"
     fi
-    python -m pip install -q --disable-pip-version-check -e ".[$extras]"
     touch "$stamp"
   fi
+}
+
+python312() {
+  if [ -n "${PYTHON312:-}" ]; then echo "$PYTHON312"; return; fi
+  if command -v python3.12 >/dev/null 2>&1; then command -v python3.12; return; fi
+  echo "$HOME/.pyenv/versions/3.12.1/bin/python"
+}
+
+# leg NAME ARGS...: run pytest in the active venv under a header; prints and returns its status (5: no test ran).
+leg() {
+  local name="$1"
+  shift
+  echo "==== xinsitu test leg: $name ($(python -c 'import platform; print(platform.python_version())'))"
+  python -m xinsitu doctor || true
+  local t0=$SECONDS rc=0
+  python -m pytest "$@" || rc=$?
+  echo "==== leg $name: pytest exit $rc in $((SECONDS - t0)) s"
+  if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: failing" >&2; rc=1; fi
+  return "$rc"
 }
 
 cmd="${1:-}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
   demo)
-    setup "torch"
+    setup "$VENV" "$PY" "torch"
     exec python examples/train_demo.py "$@"
     ;;
   test)
-    setup "torch,dev,bench"
-    set +e
-    python -m pytest "$@"
-    rc=$?
-    set -e
-    if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi
-    exit "$rc"
+    setup "$VENV" "$PY" "torch,dev,bench"
+    rc1=0
+    leg "python3.11 + torch" "$@" || rc1=$?
+    deactivate
+    rc2=0
+    py312="$(python312)"
+    if [ -x "$py312" ]; then
+      setup "$VENV312" "$py312" "dev,bench" eager
+      leg "python3.12, newest deps, no torch" "$@" || rc2=$?
+    else
+      echo "no Python 3.12 found (set PYTHON312): the second leg cannot run: failing" >&2
+      rc2=1
+    fi
+    echo "==== legs: python3.11 exit $rc1, python3.12 exit $rc2"
+    [ "$rc1" -eq 0 ] && [ "$rc2" -eq 0 ]
     ;;
   bench)
-    setup "torch,dev,bench"
+    setup "$VENV" "$PY" "torch,dev,bench"
     exec python bench/run.py "$@"
     ;;
   *)
-    sed -n '2,5p' "$0" >&2
+    sed -n '2,7p' "$0" >&2
     exit 2
     ;;
 esac

@@ -57,3 +57,17 @@ def assert_batch_equal(batch, ref: xr.Dataset, output: str) -> None:
         assert got.dtype == exp.dtype, (v, got.dtype, exp.dtype)
         assert got.shape == exp.shape, (v, got.shape, exp.shape)
         assert np.array_equal(got, exp, equal_nan=True), v
+
+
+def pytest_collection_modifyitems(config, items):
+    """Where torch is not installed (Python 3.12+ in CI: the CPU build is pinned for 3.11 only), the
+    cases of a test parametrized with ``output="torch"`` are skipped, and say why."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is not None:
+        return
+    skip = pytest.mark.skip(reason="torch is not installed")
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if params.get("output") == "torch":
+            item.add_marker(skip)

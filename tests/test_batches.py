@@ -203,7 +203,7 @@ def test_after_xarray_cached_values(era5_path):
 
 def test_gpu_outputs_fail_clearly_without_cuda(era5_path):
     """No silent CPU fallback: without CUDA, device/cupy options raise and say why."""
-    import torch
+    torch = pytest.importorskip("torch", reason="torch is not installed")
 
     ds = xinsitu.open_zarr(era5_path)
     m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})

@@ -227,3 +227,23 @@ def test_inspect_says_one_line_on_consolidated_metadata_and_takes_the_option(tmp
     assert "Failed to open Zarr store with consolidated metadata" not in err, err
     assert "--consolidated false" in err
     assert "consolidated" not in said("--consolidated", "false")
+
+
+# ----------------------------------------------------------------------------- doctor
+def test_doctor_one_line_to_paste() -> None:
+    """``python -m xinsitu doctor``: one line, every version that matters, and the decode path chosen."""
+    import platform
+    from importlib import metadata
+
+    import zarr
+
+    out = run("doctor").stdout
+    assert out.count("\n") == 1, out
+    for part in (f"python {platform.python_version()}", f"xinsitu {xinsitu.__version__}", f"zarr {zarr.__version__}",
+                 f"numpy {np.__version__}", f"xarray {metadata.version('xarray')}",
+                 f"obstore {metadata.version('obstore')}", "torch ", "jax ", "cupy ", "cuda ", "decode "):
+        assert part in out, (part, out)
+    got = json.loads(run("doctor", "--json").stdout)
+    assert got["zarr"] == zarr.__version__ and got["numpy"] == np.__version__
+    assert got["decode"] == cli.doctor()["decode"] and "shard index" in got["decode"]
+    assert set(got) == {"python", "xinsitu", *cli.DOCTOR_PACKAGES, "cuda", "decode"}

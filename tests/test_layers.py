@@ -23,6 +23,8 @@ LAYERS = {
     # the objects duck-typed (their types only under TYPE_CHECKING), and the layer-1 records call them
     # from ``__repr__``/``SplitManifest.plot``: in layer 4 those calls would point upward.
     "formatting": 1, "plot": 1,
+    # the adapters to private API of zarr and VirtualiZarr (metadata only: no I/O of their own)
+    "compat_zarr": 1, "compat_virtualizarr": 1,
     # 2 -- I/O
     "_loop": 2, "store": 2, "backend": 2, "virtual_backend": 2, "codecs": 2, "reader": 2, "cache": 2,
     "inflight": 2, "decode": 2, "fetchers": 2, "cached": 2, "gpu_decode": 2, "device_cache": 2,

@@ -8,10 +8,11 @@ import threading
 
 import numpy as np
 import pytest
-import torch
 
 import xinsitu
 from tests.conftest import oracle
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
 
 
 def to_pair(batch):

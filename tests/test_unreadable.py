@@ -91,6 +91,8 @@ LOCAL = ["garbage", "empty", "truncated"]
 @pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "2-workers"])
 @pytest.mark.parametrize("kind", LOCAL)
 def test_damaged_local_chunk_raises(archive, failing, tmp_path, kind, workers):
+    if workers:
+        pytest.importorskip("torch", reason="DataLoader workers need torch")
     path = _damage(archive, tmp_path, failing[1], kind)
     args = ["--workers", str(workers), "--method", "fork", "--open", "xr"] if workers else []
     _check(_job(tmp_path, path, *args), failing, workers)
@@ -99,6 +101,8 @@ def test_damaged_local_chunk_raises(archive, failing, tmp_path, kind, workers):
 @pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "2-workers"])
 @pytest.mark.parametrize("kind", ["503 every time", "undecodable body"])
 def test_failing_remote_chunk_raises(archive, failing, tmp_path, kind, workers):
+    if workers:
+        pytest.importorskip("torch", reason="DataLoader workers need torch")
     root = tmp_path / "served"
     root.mkdir()
     if kind == "undecodable body":

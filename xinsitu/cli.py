@@ -3,6 +3,8 @@
 ``inspect URL``
     The chunk geometry and a suggested split (80/10/10 on the first chunked dim, with a
     gap of one chunk block), with the line of Python that makes it.
+``doctor``
+    One line to paste into an issue: the versions that matter and the decode path chosen.
 ``bench URL``
     Reads chunk blocks of one split twice: a *raw* pass fetches every stored object once
     through the same backend the loader uses (no decoding), then the loader itself
@@ -78,7 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     """
     ap = argparse.ArgumentParser(prog="xinsitu", description="Train ML models in place on chunked archives.")
     ap.add_argument("--version", action="version", version=f"xinsitu {__version__}")
-    sub = ap.add_subparsers(dest="command", required=True, metavar="{inspect,bench}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{inspect,bench,doctor}")
+    doc = sub.add_parser("doctor", help="print one line of versions and the decode path, to paste into an issue",
+                         description="Print Python, xinsitu, zarr, numpy, xarray, obstore, torch, jax, cupy, "
+                         "CUDA and the decode path chosen, on one line.")
+    doc.add_argument("--json", action="store_true", help="print one JSON object instead of the line")
+    doc.set_defaults(func=cmd_doctor)
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("url", nargs="+", metavar="URL",
@@ -559,4 +566,62 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print()
     for line in lines:
         print(line)
+    return 0
+
+
+# ----------------------------------------------------------------------------- doctor
+DOCTOR_PACKAGES = ("zarr", "numpy", "xarray", "obstore", "numcodecs", "virtualizarr", "icechunk", "torch", "jax",
+                   "cupy")
+
+
+def _installed(name: str) -> str | None:
+    """The installed version of distribution ``name`` (cupy under any of its wheel names), without importing it."""
+    from importlib import metadata
+
+    names = [name] if name != "cupy" else ["cupy", "cupy-cuda12x", "cupy-cuda11x", "cupy-cuda13x"]
+    for n in names:
+        try:
+            return metadata.version(n)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _cuda() -> str:
+    """CUDA as torch sees it (the only GPU stack imported here), else what the machine says."""
+    import shutil
+
+    if _installed("torch") is not None:
+        try:
+            import torch
+
+            if torch.version.cuda is None:
+                return "none (CPU build of torch)"
+            return f"{torch.version.cuda} ({'available' if torch.cuda.is_available() else 'no GPU visible'})"
+        except Exception as e:  # noqa: BLE001 - a broken install is what doctor is for
+            return f"torch failed to import: {type(e).__name__}: {e}"
+    return "nvidia-smi found, no torch" if shutil.which("nvidia-smi") else "none"
+
+
+def doctor() -> dict[str, str]:
+    """What ``python -m xinsitu doctor`` reports: versions ("-" where not installed), CUDA and the decode path."""
+    import platform
+
+    from xinsitu.codecs import decode_path
+
+    out = {"python": f"{platform.python_version()} ({platform.system()} {platform.machine()})",
+           "xinsitu": __version__}
+    for name in DOCTOR_PACKAGES:
+        out[name] = _installed(name) or "-"
+    out["cuda"] = _cuda()
+    out["decode"] = decode_path()
+    return out
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    info = doctor()
+    if args.json:
+        print(json.dumps(info))
+    else:
+        print(" | ".join(f"{k} {v}" for k, v in info.items()))
     return 0

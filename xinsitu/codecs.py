@@ -1,7 +1,7 @@
-"""Decode stored chunks with zarr's own codecs. The only module that touches ``zarr.core``.
+"""Decode stored chunks with zarr's own codecs.
 
-``zarr.core`` is private API: every use of it lives here and is feature-detected, so
-a zarr release that moves things breaks one module, loudly.
+zarr's private API (``zarr.core``, underscored codec members) is used only through
+``xinsitu.compat_zarr``, feature-detected there and held by ``tests/test_compat.py``.
 """
 
 from __future__ import annotations
@@ -13,11 +13,8 @@ from typing import Any
 
 import numpy as np
 
-
-def _prototype() -> Any:
-    from zarr.core.buffer import default_buffer_prototype
-
-    return default_buffer_prototype()
+from xinsitu import compat_zarr
+from xinsitu.compat_zarr import prototype as _prototype
 
 
 def _zstd_decompress() -> Any:
@@ -42,8 +39,7 @@ class ChunkDecoder:
         aa = array.async_array if hasattr(array, "async_array") else array
         self.metadata = aa.metadata
         self.pipeline = pipeline if pipeline is not None else aa.codec_pipeline
-        self.spec = spec if spec is not None else \
-            self.metadata.get_chunk_spec((0,) * len(aa.shape), aa.config, prototype=_prototype())
+        self.spec = spec if spec is not None else compat_zarr.stored_chunk_spec(aa)
         self.shape = tuple(self.spec.shape)  # stored object shape (a whole shard, for sharded arrays)
         self.dtype = np.dtype(self.spec.dtype.to_native_dtype())
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize  # of one decoded chunk
@@ -61,7 +57,7 @@ class ChunkDecoder:
         if not all(hasattr(p, n) for n in needed):
             return None
         codecs = [_sync_numcodec(c) for c in (*p.array_array_codecs, p.array_bytes_codec, *p.bytes_bytes_codecs)]
-        if not all(callable(getattr(c, "_decode_sync", None)) for c in codecs):
+        if not all(isinstance(c, _SyncNumcodec) or compat_zarr.sync_decodable(c) for c in codecs):
             return None
         specs, spec = [], self.spec
         for c in codecs:  # encode order: each codec sees the spec its predecessor resolved
@@ -154,9 +150,9 @@ class _SyncNumcodec:
     NetCDF4/HDF5 files use), decoded in the calling thread; zarr's wrapper only decodes asynchronously,
     one hop to a thread per codec per chunk."""
 
-    def __init__(self, codec: Any):
+    def __init__(self, codec: Any, numcodec: Any):
         self.codec = codec
-        self.numcodec = codec._codec
+        self.numcodec = numcodec
         self.decode = _faster(codec.codec_config) or self.numcodec.decode
 
     def resolve_metadata(self, spec: Any) -> Any:
@@ -179,14 +175,10 @@ def _faster(config: dict[str, Any]) -> Any:
 
 
 def _sync_numcodec(codec: Any) -> Any:
-    """``codec``, or a synchronous stand-in where it is a numcodecs bytes->bytes wrapper."""
-    if callable(getattr(codec, "_decode_sync", None)):
-        return codec
-    try:
-        from zarr.codecs.numcodecs._codecs import _NumcodecsBytesBytesCodec
-    except ImportError:  # zarr moved it: the asynchronous pipeline still decodes it
-        return codec
-    return _SyncNumcodec(codec) if isinstance(codec, _NumcodecsBytesBytesCodec) else codec
+    """``codec``, or a synchronous stand-in (that can decode into the chunk) where it is a numcodecs
+    bytes->bytes wrapper."""
+    numcodec = compat_zarr.numcodecs_bytes_codec(codec)
+    return codec if numcodec is None else _SyncNumcodec(codec, numcodec)
 
 
 def is_sharded(array: Any) -> bool:
@@ -198,19 +190,18 @@ class ShardLayout:
 
     def __init__(self, array: Any):
         aa = array.async_array if hasattr(array, "async_array") else array
-        codecs: Any = getattr(aa.metadata, "codecs", ())
-        codec = codecs[0] if len(codecs) == 1 else None
-        needed = ("_shard_index_size", "_decode_shard_index", "_get_chunk_spec", "codec_pipeline", "chunk_shape")
-        if codec is None or not all(hasattr(codec, n) for n in needed):
+        codec = compat_zarr.sharding_codec(aa)
+        if codec is None:
             raise NotImplementedError("sharded array layout not understood by this zarr version")
         self.codec = codec
-        shard_spec = aa.metadata.get_chunk_spec((0,) * len(aa.shape), aa.config, prototype=_prototype())
+        shard_spec = compat_zarr.stored_chunk_spec(aa)
         self.shard_shape = tuple(shard_spec.shape)
         self.inner_shape = tuple(codec.chunk_shape)
         self.per_shard = tuple(s // c for s, c in zip(self.shard_shape, self.inner_shape, strict=True))
-        self.index_size = int(codec._shard_index_size(self.per_shard))
+        self.index_size = compat_zarr.shard_index_size(codec, self.per_shard)
         self.index_at_end = str(getattr(codec.index_location, "value", codec.index_location)) == "end"
-        self.inner = ChunkDecoder(array, pipeline=codec.codec_pipeline, spec=codec._get_chunk_spec(shard_spec))
+        self.inner = ChunkDecoder(array, pipeline=codec.codec_pipeline,
+                                  spec=compat_zarr.inner_chunk_spec(codec, shard_spec))
         self.metadata = aa.metadata
 
     def shard_key(self, shard: tuple[int, ...]) -> str:
@@ -218,8 +209,7 @@ class ShardLayout:
 
     async def index(self, raw: Any) -> np.ndarray:
         """(offset, length) of every inner chunk, shape ``per_shard + (2,)``; 2**64-1 where empty."""
-        idx = await self.codec._decode_shard_index(_prototype().buffer.from_bytes(raw), self.per_shard)
-        return np.asarray(idx.offsets_and_lengths)
+        return await compat_zarr.decode_shard_index(self.codec, raw, self.per_shard)
 
 
 def store_root(zstore: Any) -> tuple[str, Any]:
@@ -250,3 +240,16 @@ async def zarr_store_get(zstore: Any, key: str) -> bytes | None:
     """Read one object through a zarr store's own async ``get`` (None where it does not exist)."""
     buf = await zstore.get(key, prototype=_prototype())
     return None if buf is None else buf.to_bytes()
+
+
+def decode_path() -> str:
+    """How chunks are decoded here, in words (``python -m xinsitu doctor``)."""
+    feats = compat_zarr.features()
+    parts = ["zarr codecs' _decode_sync in the decode threads"]
+    if feats["numcodecs_wrapper"]:
+        zlib = "zlib-ng" if _faster({"id": "zlib"}) is not None else "zlib"
+        parts.append(f"numcodecs filters into the chunk ({zlib})")
+    else:
+        parts.append("numcodecs filters through zarr's pipeline")
+    parts.append("shard index " + ("sync" if feats["shard_index_sync"] else "async"))
+    return ", ".join(parts)

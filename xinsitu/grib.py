@@ -29,6 +29,7 @@ import numpy as np
 import xarray as xr
 
 from xinsitu.backend import VirtualReferenceError, _where
+from xinsitu.compat_virtualizarr import manifest_group
 from xinsitu.references import (
     INLINE_SCHEME,
     PARSE_THREADS,
@@ -105,7 +106,7 @@ def decode_message(raw: bytes, shape: tuple[int, ...], missing_value: float | No
 
 
 def _register_codec() -> type:
-    from zarr.core.common import parse_named_configuration
+    from xinsitu.compat_zarr import parse_named_configuration
 
     @dataclass(frozen=True)
     class GribCodec(read_only_bytes_codec()):  # type: ignore[misc]
@@ -480,7 +481,7 @@ def open_grib(paths: str | os.PathLike | Iterable[str | os.PathLike], *, concat_
                        registry=registry, **cfgrib_kwargs)
     ds = open_zarr(store, consolidated=False, decode_times=decode_times)
     # cfgrib's variable order (the store lists its arrays in it; open_zarr may sort them by name)
-    order = [n for n in store._group.arrays if n in ds.data_vars]
+    order = [n for n in manifest_group(store).arrays if n in ds.data_vars]
     return ds if list(ds.data_vars) == order else ds[order]
 
 

@@ -247,8 +247,7 @@ def cf_decode(raw: np.ndarray, cf_attrs: dict[str, Any], name: str = "") -> np.n
 def _register_codec() -> type:
     from dataclasses import dataclass as frozen_dataclass
 
-    from zarr.core.common import parse_named_configuration
-
+    from xinsitu.compat_zarr import parse_named_configuration
     from xinsitu.references import read_only_bytes_codec, register_codec_class
 
     @frozen_dataclass(frozen=True)
@@ -295,10 +294,9 @@ def _register_codec() -> type:
 
 def _register_array_codec() -> type:
     from zarr.abc.codec import ArrayArrayCodec
-    from zarr.core.array_spec import ArraySpec
-    from zarr.core.common import parse_named_configuration
-    from zarr.core.dtype import parse_data_type
+    from zarr.dtype import parse_dtype
 
+    from xinsitu.compat_zarr import array_spec, parse_named_configuration
     from xinsitu.references import register_codec_class
 
     class CFArrayCodec(ArrayArrayCodec):
@@ -336,9 +334,9 @@ def _register_array_codec() -> type:
 
         def resolve_metadata(self, chunk_spec: Any) -> Any:
             """The stored side: the raw dtype and its fill value."""
-            return ArraySpec(shape=chunk_spec.shape, dtype=parse_data_type(np.dtype(self.dtype), zarr_format=3),
-                             fill_value=self.fill_value if self.fill_value is not None else 0,
-                             config=chunk_spec.config, prototype=chunk_spec.prototype)
+            return array_spec(chunk_spec.shape, parse_dtype(np.dtype(self.dtype), zarr_format=3),
+                              self.fill_value if self.fill_value is not None else 0,
+                              chunk_spec.config, chunk_spec.prototype)
 
         def _decode_sync(self, chunk_array: Any, chunk_spec: Any) -> Any:
             raw = np.asarray(chunk_array.as_ndarray_like())

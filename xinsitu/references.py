@@ -24,6 +24,7 @@ import numpy as np
 import xarray as xr
 
 from xinsitu.backend import VirtualReferenceError, _where
+from xinsitu.compat_virtualizarr import manifest_group
 
 #: ``encoding`` keys of a decoded variable that describe its CF encoding (the rest is zarr's).
 _CF_ENCODING = ("units", "calendar", "dtype", "_FillValue", "missing_value", "scale_factor", "add_offset")
@@ -172,7 +173,7 @@ def _check_decodable(store: Any, first_url: str) -> None:
     """Every array's codecs resolve in zarr (else reading would fail later, less clearly)."""
     import zarr
 
-    for name in store._group.arrays:
+    for name in manifest_group(store).arrays:
         try:
             zarr.open_array(store, path=name, mode="r")
         except Exception as e:  # noqa: BLE001

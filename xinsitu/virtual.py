@@ -43,6 +43,7 @@ from xinsitu.backend import (  # noqa: F401 - ManifestBackend, is_manifest_store
     _where,
     is_manifest_store,
 )
+from xinsitu.compat_virtualizarr import chunk_shape, concat_manifests, hdf5_variable_manifest, manifest_group
 from xinsitu.references import (
     INLINE_SCHEME,
     PARSE_THREADS,
@@ -107,7 +108,7 @@ def _typed_packing(store: Any, url: str, registry: Any, group: str | None) -> An
     float64, where xarray reading the file gives float32. Such variables get their attributes'
     types back from the HDF5 file (a few small reads) and the ``xinsitu.cf`` codec.
     """
-    arrays = store._group.arrays
+    arrays = manifest_group(store).arrays
     packed = [n for n, a in arrays.items() if {"scale_factor", "add_offset"} & set(a.metadata.attributes or {})]
     if not packed:
         return store
@@ -129,7 +130,7 @@ def _typed_packing(store: Any, url: str, registry: Any, group: str | None) -> An
                                     f"{type(e).__name__}: {e}") from None
     if all(new[n] is arrays[n] for n in packed):
         return store
-    return ManifestStore(ManifestGroup(arrays=new, attributes=dict(store._group.metadata.attributes or {})),
+    return ManifestStore(ManifestGroup(arrays=new, attributes=dict(manifest_group(store).metadata.attributes or {})),
                          registry=registry)
 
 
@@ -149,14 +150,12 @@ def _diagnose(url: str, registry: Any, group: str | None, drop: list[str], cause
                 f"xinsitu.virtual.open_grib): {text}")
         return VirtualReferenceError(f"{where} cannot be read: {text}")
     try:
-        from virtualizarr.parsers.hdf.hdf import _construct_manifest_array
-
         g = f[group or "/"]
         for name, obj in g.items():
             if name in drop or not isinstance(obj, h5py.Dataset):
                 continue
             try:
-                _construct_manifest_array(url, obj, str(g.name))
+                hdf5_variable_manifest(url, obj, str(g.name))
             except Exception as e:  # noqa: BLE001
                 filters = dict(getattr(obj, "_filters", {}) or {})
                 return VirtualReferenceError(
@@ -177,7 +176,7 @@ def _signature(arr: Any) -> dict[str, Any]:
     return {
         "dims": tuple(md.dimension_names or ()),
         "dtype": str(np.dtype(arr.dtype)),
-        "chunks": tuple(arr.chunks),
+        "chunks": chunk_shape(arr),
         "codecs": [c.to_dict() for c in md.codecs],
         "fill_value": repr(md.fill_value),
         **{f"attribute {k}": repr(attrs.get(k)) for k in CF_ATTRS if k in attrs},
@@ -213,9 +212,9 @@ def _check_same(name: str, first: tuple[str, Any], other: tuple[str, Any], conca
 
 def _concat(name: str, parts: list[tuple[str, Any]], axis: int, concat_dim: str) -> Any:
     """Join the ManifestArrays of one variable along ``axis`` (only the last may end in a partial chunk)."""
-    from virtualizarr.manifests import ChunkManifest, ManifestArray
+    from virtualizarr.manifests import ManifestArray
 
-    chunk = parts[0][1].chunks[axis]
+    chunk = chunk_shape(parts[0][1])[axis]
     for url, arr in parts[:-1]:
         if arr.shape[axis] % chunk:
             raise VirtualReferenceError(
@@ -224,12 +223,7 @@ def _concat(name: str, parts: list[tuple[str, Any]], axis: int, concat_dim: str)
                 "array cannot reference (only the last file may end with a partial chunk); "
                 + _REWRITE_HINT.format(dim=concat_dim))
     ms = [arr.manifest for _, arr in parts]
-    manifest = ChunkManifest.from_arrays(
-        paths=np.concatenate([m._paths for m in ms], axis=axis),  # type: ignore[arg-type]  # StringDType
-        offsets=np.concatenate([m._offsets for m in ms], axis=axis),
-        lengths=np.concatenate([m._lengths for m in ms], axis=axis),
-        validate_paths=False,
-    )
+    manifest = concat_manifests(ms, axis)
     shape = list(parts[0][1].shape)
     shape[axis] = sum(arr.shape[axis] for _, arr in parts)
     return ManifestArray(metadata=parts[0][1].metadata.update_shape(tuple(shape)), chunkmanifest=manifest)
@@ -294,7 +288,7 @@ def _netcdf_store(paths: Any, concat_dim: str, group: str | None, drop_variables
     order = _order(urls, coords, concat_dim)
     urls, stores, coords = [urls[i] for i in order], [stores[i] for i in order], [coords[i] for i in order]
 
-    first = stores[0]._group
+    first = manifest_group(stores[0])
     inline_names = [n for n, v in coords[0].items() if concat_dim in v.dims]
     token = uuid.uuid4().hex
     inline = _InlineStore({})
@@ -316,7 +310,7 @@ def _netcdf_store(paths: Any, concat_dim: str, group: str | None, drop_variables
             continue
         parts = []
         for u, s in zip(urls, stores, strict=True):
-            other = s._group.arrays.get(name)
+            other = manifest_group(s).arrays.get(name)
             if other is None:
                 raise VirtualReferenceError(f"variable {name!r} is in {_where(urls[0])} but not in "
                                             f"{_where(u)}; drop it with drop_variables=[{name!r}]")
@@ -324,7 +318,7 @@ def _netcdf_store(paths: Any, concat_dim: str, group: str | None, drop_variables
             parts.append((u, other))
         arrays[name] = _concat(name, parts, dims.index(concat_dim), concat_dim)
     for u, s in zip(urls[1:], stores[1:], strict=True):
-        extra = sorted(set(s._group.arrays) - set(first.arrays))
+        extra = sorted(set(manifest_group(s).arrays) - set(first.arrays))
         if extra:
             raise VirtualReferenceError(f"variable(s) {extra} are in {_where(u)} but not in "
                                         f"{_where(urls[0])}; drop them with drop_variables={extra}")
@@ -338,7 +332,7 @@ def _netcdf_store(paths: Any, concat_dim: str, group: str | None, drop_variables
 
 def _file_coords(url: str, store: Any) -> dict[str, xr.Variable]:
     """The decoded coordinate variables of one file (small reads)."""
-    arrays = store._group.arrays
+    arrays = manifest_group(store).arrays
     dims = {d for a in arrays.values() for d in (a.metadata.dimension_names or ())}
     keep = {n for n in arrays if n in dims}
     for a in arrays.values():  # CF: variables named by a "coordinates" attribute, and their bounds

@@ -1,0 +1,74 @@
+"""The one place xinsitu touches VirtualiZarr's private API.
+
+Supported: VirtualiZarr 2.5 to 2.8 (and newer 2.x while the contract test holds). Where releases
+differ, the path is chosen by feature, never by version string; ``tests/test_compat.py``
+exercises every symbol named here.
+
+Private symbols still used, and why:
+
+- ``ManifestStore._group`` / ``ManifestStore._registry``: the manifests and the URL -> store
+  registry of a store VirtualiZarr built; ``ManifestStore`` exposes neither (it is a zarr
+  store: its public face is ``get``/``list``, which fetch through the registry and would give
+  xinsitu no byte ranges to batch).
+- ``ChunkManifest._paths`` / ``_offsets`` / ``_lengths`` (and ``_inlined``, VirtualiZarr >= 2.8):
+  the manifest's own arrays, joined along the files' dimension without building a dict per
+  chunk (``ChunkManifest.dict()`` is the public, per-chunk, much slower way).
+- ``virtualizarr.parsers.hdf.hdf._construct_manifest_array``: one variable of an HDF5 file
+  parsed alone, to name the variable whose filter has no decoder when a whole file fails.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def manifest_group(store: Any) -> Any:
+    """The ``ManifestGroup`` a ``ManifestStore`` serves."""
+    return store._group
+
+
+def manifest_registry(store: Any) -> Any:
+    """The ``ObjectStoreRegistry`` a ``ManifestStore`` resolves URLs with."""
+    return store._registry
+
+
+def is_manifest_store(store: Any) -> bool:
+    return type(store).__name__ == "ManifestStore" and hasattr(store, "_group") and hasattr(store, "_registry")
+
+
+def chunk_shape(arr: Any) -> tuple[int, ...]:
+    """The chunk shape of a ``ManifestArray`` (VirtualiZarr >= 2.8 has no ``.chunks``: zarr's metadata has)."""
+    return tuple(arr.metadata.chunks)
+
+
+def concat_manifests(manifests: list[Any], axis: int) -> Any:
+    """One ``ChunkManifest`` of ``manifests`` joined along chunk-grid ``axis`` (as ``np.concatenate``)."""
+    from virtualizarr.manifests import ChunkManifest
+
+    kwargs: dict[str, Any] = {}
+    if any(getattr(m, "_inlined", None) for m in manifests):  # VirtualiZarr >= 2.8: chunks held in memory
+        inlined: dict[tuple[int, ...], bytes] = {}
+        shift = 0
+        for m in manifests:
+            for idx, data in m._inlined.items():
+                moved = list(idx)
+                moved[axis] += shift
+                inlined[tuple(moved)] = data
+            shift += m._paths.shape[axis]
+        kwargs["inlined"] = inlined
+    return ChunkManifest.from_arrays(
+        paths=np.concatenate([m._paths for m in manifests], axis=axis),  # type: ignore[arg-type]  # StringDType
+        offsets=np.concatenate([m._offsets for m in manifests], axis=axis),
+        lengths=np.concatenate([m._lengths for m in manifests], axis=axis),
+        validate_paths=False,
+        **kwargs,
+    )
+
+
+def hdf5_variable_manifest(url: str, dataset: Any, group: str) -> Any:
+    """One HDF5 dataset as a ``ManifestArray`` (raises where VirtualiZarr cannot reference it)."""
+    from virtualizarr.parsers.hdf.hdf import _construct_manifest_array
+
+    return _construct_manifest_array(url, dataset, group)

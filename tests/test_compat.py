@@ -182,3 +182,16 @@ def test_hdf5_variable_manifest(nc_files):
     with h5py.File(nc_files[1], "r") as f:
         arr = cv.hdf5_variable_manifest("file://" + nc_files[1], f["t"], "/")
     assert tuple(arr.shape) == (4, 6) and cv.chunk_shape(arr) == (2, 6)
+
+
+def test_zarr_sync_runs_on_zarrs_own_loop():
+    """``zarr.core.sync.sync`` (the loop an fsspec store's session is bound to; backend._home_loop)."""
+    import asyncio
+
+    from xinsitu.compat_zarr import zarr_sync
+
+    async def here() -> asyncio.AbstractEventLoop:
+        return asyncio.get_running_loop()
+
+    loop = zarr_sync(here())
+    assert isinstance(loop, asyncio.AbstractEventLoop) and loop is zarr_sync(here())

@@ -532,9 +532,9 @@ def _home_loop(zstore: Any) -> asyncio.AbstractEventLoop | None:
     if type(zstore).__name__ != "FsspecStore" or not (getattr(fs, "async_impl", False)
                                                       and getattr(fs, "asynchronous", False)):
         return None
-    from zarr.core.sync import sync
+    from xinsitu.compat_zarr import zarr_sync
 
-    return sync(_running_loop())
+    return zarr_sync(_running_loop())
 
 
 class _Watch:

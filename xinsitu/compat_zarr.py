@@ -120,3 +120,11 @@ def features() -> dict[str, bool]:
     from zarr.codecs import ShardingCodec
 
     return {"numcodecs_wrapper": wrapper, "shard_index_sync": hasattr(ShardingCodec, "_decode_shard_index_sync")}
+
+
+def zarr_sync(coro: Any) -> Any:
+    """Run ``coro`` on zarr's own event loop and return its result (``zarr.core.sync.sync``: the loop
+    an fsspec store's client session is bound to)."""
+    from zarr.core.sync import sync
+
+    return sync(coro)

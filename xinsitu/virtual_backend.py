@@ -8,7 +8,7 @@ import asyncio
 from typing import Any, NamedTuple
 from urllib.parse import urlparse
 
-from xinsitu import _loop
+from xinsitu import _loop, compat_virtualizarr
 from xinsitu.store import redact_url, scrubbed, secrets_of
 
 #: Bytes of one file fetched in one request at most, where ranges are coalesced (remote stores).
@@ -25,7 +25,7 @@ def _where(url: str) -> str:
 
 def is_manifest_store(zstore: Any) -> bool:
     """Whether ``zstore`` is a VirtualiZarr ``ManifestStore`` (chunks are byte ranges of other files)."""
-    return type(zstore).__name__ == "ManifestStore" and hasattr(zstore, "_group") and hasattr(zstore, "_registry")
+    return compat_virtualizarr.is_manifest_store(zstore)
 
 
 def _chunk_coords(ckey: str, encoding: Any, ndim: int) -> tuple[int, ...]:
@@ -87,8 +87,8 @@ class ManifestBackend:
         if not is_manifest_store(mstore):
             raise TypeError(f"expected a VirtualiZarr ManifestStore, got {type(mstore).__name__}")
         self.mstore = mstore
-        self._group = mstore._group
-        self._registry = mstore._registry
+        self._group = compat_virtualizarr.manifest_group(mstore)
+        self._registry = compat_virtualizarr.manifest_registry(mstore)
         self._arrays: dict[str, tuple[Any, Any]] = {}
         self._stores: dict[str, _FileStore] = {}
         self._turn = _loop.OneTurn(self._flush)  # ranges asked for in one loop turn, grouped per file

@@ -730,9 +730,10 @@ def test_output_jax(ds3):
 
 
 @pytest.mark.parametrize("kw", ["transform", "cache"])
-def test_documented_keywords_work(ds3, kw):
+def test_documented_keywords_work(v3_path, kw):
     """SPEC §4's ``transform=fn`` is applied to every finished batch; ``cache=True`` keeps decoded chunks:
     the second epoch takes them from it, with the very same batches."""
+    ds3 = xinsitu.open_zarr(v3_path)  # its own: other tests ``load()`` the module's one into memory
     m = ds3.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
     plain = ds3.insitu.batches(m, "train", batch_size=4, output="numpy", variables=["t2m"], shuffle=False)
     want = [b["t2m"] for b in plain]

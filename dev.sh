@@ -35,9 +35,15 @@ setup() {
 }
 
 python312() {
-  if [ -n "${PYTHON312:-}" ]; then echo "$PYTHON312"; return; fi
-  if command -v python3.12 >/dev/null 2>&1; then command -v python3.12; return; fi
-  echo "$HOME/.pyenv/versions/3.12.1/bin/python"
+  # the first that runs and is 3.12 (pyenv's shim of python3.12 exists but may refuse to run)
+  local c
+  for c in "${PYTHON312:-}" python3.12 "$HOME/.pyenv/versions/3.12.1/bin/python"; do
+    [ -n "$c" ] || continue
+    if "$c" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1; then
+      command -v "$c"
+      return
+    fi
+  done
 }
 
 # leg NAME ARGS...: run pytest in the active venv under a header; prints and returns its status (5: no test ran).
@@ -67,7 +73,7 @@ case "$cmd" in
     deactivate
     rc2=0
     py312="$(python312)"
-    if [ -x "$py312" ]; then
+    if [ -n "$py312" ]; then
       setup "$VENV312" "$py312" "dev,bench" eager
       leg "python3.12, newest deps, no torch" "$@" || rc2=$?
     else

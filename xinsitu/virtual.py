@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from xinsitu.backend import (  # noqa: F401 - ManifestBackend, is_manifest_store: re-exported, moved to backend
+from xinsitu.virtual_backend import (  # noqa: F401 - ManifestBackend, is_manifest_store: re-exported
     ManifestBackend,
     VirtualReferenceError,
     _file_error,

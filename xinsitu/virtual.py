@@ -35,14 +35,6 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from xinsitu.virtual_backend import (  # noqa: F401 - ManifestBackend, is_manifest_store: re-exported
-    ManifestBackend,
-    VirtualReferenceError,
-    _file_error,
-    _path_in_store,
-    _where,
-    is_manifest_store,
-)
 from xinsitu.compat_virtualizarr import chunk_shape, concat_manifests, hdf5_variable_manifest, manifest_group
 from xinsitu.references import (
     INLINE_SCHEME,
@@ -54,6 +46,14 @@ from xinsitu.references import (
     _registry_for,
 )
 from xinsitu.store import secrets_of
+from xinsitu.virtual_backend import (  # noqa: F401 - ManifestBackend, is_manifest_store: re-exported
+    ManifestBackend,
+    VirtualReferenceError,
+    _file_error,
+    _path_in_store,
+    _where,
+    is_manifest_store,
+)
 
 #: Attributes that change how xarray decodes a variable: they must agree across files.
 CF_ATTRS = ("scale_factor", "add_offset", "_FillValue", "missing_value", "_Unsigned", "units", "calendar",

@@ -981,7 +981,8 @@ def test_virtual_netcdf(tmp_path, fmt):
         part.to_netcdf(p, format=fmt, encoding=enc)
         paths.append(p)
     ds = xinsitu.virtual.open_netcdf(paths)
-    ref = xr.open_mfdataset(paths, combine="nested", concat_dim="time", data_vars="minimal").load()
+    ref = xr.open_mfdataset(paths, combine="nested", concat_dim="time", data_vars="minimal",
+                            compat="no_conflicts").load()
     for v in ("t2m", "tp"):
         assert np.array_equal(ds[v].values, ref[v].values, equal_nan=True), v
     m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})

@@ -16,6 +16,9 @@ import zarr
 
 from xinsitu import compat_zarr
 
+# numcodecs codecs inside zarr v3 metadata are what these contract tests exercise
+pytestmark = pytest.mark.filterwarnings("ignore:Numcodecs codecs are not in the Zarr version 3")
+
 DATA = (np.arange(8 * 6, dtype="float32").reshape(8, 6) * 0.5 - 3)
 
 

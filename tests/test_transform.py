@@ -11,6 +11,7 @@ import pytest
 
 import xinsitu
 from tests.conftest import oracle
+from tests.support.own_process import own_process
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
@@ -176,6 +177,7 @@ def test_transform_non_numeric_arrays_stay_as_they_are(ds_m):
     assert isinstance(got["names"], np.ndarray) and got["step"] == 3
 
 
+@own_process  # jax's threads and its at-fork warning stay in a child process
 def test_transform_output_jax_takes_numpy_and_cpu_tensors(ds_m):
     jax = pytest.importorskip("jax")
     ds, m = ds_m

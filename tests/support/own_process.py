@@ -51,3 +51,12 @@ def own_process(fn: Callable[..., Any]) -> Callable[..., Any]:
         run_in_child(nodeid)
 
     return run
+
+
+def rerun_here_in_child() -> bool:
+    """In the main pytest process: run the current test (this parameter only) in a child and return True;
+    in the child: False (go on). For one jax parameter of a parametrized test."""
+    if in_child():
+        return False
+    run_in_child(os.environ["PYTEST_CURRENT_TEST"].rsplit(" (", 1)[0])
+    return True

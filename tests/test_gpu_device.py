@@ -154,6 +154,44 @@ def test_slots_validated(slots):
         DeviceMover(StandInDevice(), slots=slots)
 
 
+def test_stand_in_stream_runs_each_copy_once_under_threads():
+    """The stand-in is a device: two threads waiting on its events at once (the prefetch thread on a
+    slot, the caller on a batch) run every enqueued copy exactly once, in order -- else the
+    generator test below sees copies that never ran, now and then."""
+    import threading
+    import time
+
+    dev = StandInDevice()
+    stream = dev.stream()
+    ran: list[int] = []
+    events = []
+    def copy(i: int) -> None:
+        time.sleep(0)  # a real copy lets go of the GIL: the other thread runs meanwhile
+        ran.append(i)
+
+    for i in range(4000):
+        stream.enqueue(lambda i=i: copy(i))
+        if i % 7 == 6:
+            ev = dev.event()
+            ev.record(stream)
+            events.append(ev)
+    barrier = threading.Barrier(4)
+
+    def wait_all(evs):
+        barrier.wait()
+        for ev in evs:
+            ev.synchronize()
+
+    threads = [threading.Thread(target=wait_all, args=(events[k::2],)) for k in range(2)]
+    threads += [threading.Thread(target=wait_all, args=(events[::-1],)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    stream.flush()
+    assert ran == list(range(4000))
+
+
 @pytest.mark.parametrize("stack", [True, False])
 def test_generator_through_stand_in_device_bit_identical(ds_m, stack):
     """The generator's own path (finish in the prefetch thread, hand_out as each batch is yielded)

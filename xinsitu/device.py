@@ -58,17 +58,29 @@ def host_numpy(x: Any) -> np.ndarray | None:
 
 # ---------------------------------------------------------------------------------------------- stand-in
 class _StandInStream:
-    """A stream of the stand-in device: enqueued copies run in order, only when flushed."""
+    """A stream of the stand-in device: enqueued copies run in order, only when flushed. Thread-safe,
+    as a device's streams are (the prefetch thread waits on a slot while the caller's thread waits on
+    a batch): each copy runs exactly once, in the order it was enqueued."""
 
     def __init__(self, name: str, log: list[tuple[str, ...]]):
         self.name, self.log = name, log
-        self.ops: list[Any] = []  # callables, run in order
+        self.ops: list[Any] = []  # callables not run yet, in order
+        self.enqueued = 0  # copies ever enqueued
+        self.ran = 0  # copies run (the first ``ran`` of those enqueued)
+        self._lock = threading.Lock()
+
+    def enqueue(self, op: Any) -> None:
+        with self._lock:
+            self.ops.append(op)
+            self.enqueued += 1
 
     def flush(self, upto: int | None = None) -> None:
-        n = len(self.ops) if upto is None else upto
-        for op in self.ops[:n]:
-            op()
-        del self.ops[:n]
+        """Run the copies enqueued before the ``upto``-th (all where None)."""
+        with self._lock:
+            target = self.enqueued if upto is None else upto
+            while self.ran < target:
+                self.ops.pop(0)()
+                self.ran += 1
 
     def wait_event(self, event: _StandInEvent) -> None:
         self.log.append(("wait", self.name, str(event.serial)))
@@ -79,15 +91,16 @@ class _StandInEvent:
     def __init__(self, serial: int, log: list[tuple[str, ...]]):
         self.serial, self.log = serial, log
         self.stream: _StandInStream | None = None
-        self.mark = 0  # ops of the stream enqueued before the event
+        self.mark = 0  # copies of the stream enqueued before the event
         self.done = True
 
     def record(self, stream: _StandInStream) -> None:
-        self.stream, self.mark, self.done = stream, len(stream.ops), False
+        with stream._lock:
+            self.stream, self.mark, self.done = stream, stream.enqueued, False
         self.log.append(("record", stream.name, str(self.serial)))
 
     def query(self) -> bool:
-        return self.done
+        return self.done or (self.stream is not None and self.stream.ran >= self.mark)
 
     def synchronize(self, log: bool = True) -> None:
         if not self.done and self.stream is not None:
@@ -112,6 +125,9 @@ class StandInDevice:
         self.current = _StandInStream("caller", self.log)
         self._serial = 0
         self.streams: list[_StandInStream] = []
+
+    def __reduce__(self) -> tuple[Any, ...]:  # a worker process's copy starts with no streams
+        return (StandInDevice, ())
 
     def pinned(self, nbytes: int) -> np.ndarray:
         self.pinned_allocs += 1
@@ -145,7 +161,7 @@ class StandInDevice:
         def op(src: np.ndarray = staged, dst: np.ndarray = out) -> None:
             dst[...] = src
 
-        stream.ops.append(op)
+        stream.enqueue(op)
         return out
 
     def hand_out(self, event: _StandInEvent, arrays: list[Any]) -> list[Any] | None:

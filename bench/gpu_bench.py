@@ -1,9 +1,13 @@
 #!/usr/bin/env python
 """What issue 31 asks to measure on a GPU machine, in one run (no GPU: it says so and exits 0).
 
-    python bench/gpu_bench.py ARCHIVE [--stages copy,decode,kvikio] [--vars t2m,u10]
+    python bench/gpu_bench.py ARCHIVE [--stages epochs,copy,decode,kvikio] [--vars t2m,u10]
 
 Stages (each a JSON object in ``$OUT/gpu_bench.json``, else /tmp/out; one line printed per stage):
+
+* ``epochs``: samples/s of whole epochs, side by side: cold with chunks decoded on the CPU and on the
+  GPU (``decode=``), warm as numpy from the host memory tier, on ``cuda`` decoded on the CPU, and from
+  a device cache tier (``ChunkCache(device=)``); the ratios the issue targets; peak device memory.
 
 * ``copy``: host-to-device copies of one stacked batch (batch 32 and 128): ``pin_memory()`` per batch
   then copy (xinsitu before the ring), a plain pageable ``.cuda(non_blocking=True)``, and
@@ -222,10 +226,59 @@ def stage_kvikio(torch, args):
     return res
 
 
+def stage_epochs(torch, args):
+    """The issue's targets side by side in one run: cold epochs decoded on the CPU and on the GPU,
+    warm epochs as numpy (host memory tier), on the device without a device tier, and from the
+    device tier -- samples/s, and the device's peak memory."""
+    import xinsitu
+
+    ds = xinsitu.open_zarr(args.archive)
+    m = ds.insitu.split("time", fractions={"train": 0.8, "val": 0.2})
+    kw = dict(batch_size=32, stack=True, variables=args.vars.split(","))
+    out = {}
+
+    def rate(gen, epochs=1):
+        n, t0 = 0, time.perf_counter()
+        for e in range(epochs):
+            gen.set_epoch(e)
+            for b in gen:
+                n += len(b)
+        torch.cuda.synchronize()
+        return round(n / (time.perf_counter() - t0))
+
+    for name, more in [("cold_cpu_decode", dict(output="torch", device="cuda", decode="cpu")),
+                       ("cold_gpu_decode", dict(output="torch", device="cuda", decode="gpu"))]:
+        out[name] = rate(ds.insitu.batches(m, "train", **kw, **more))
+    host = ds.insitu.batches(m, "train", output="numpy", cache=True, **kw)
+    rate(host)
+    out["warm_numpy_host"] = rate(host, 2)
+    dev = ds.insitu.batches(m, "train", output="torch", device="cuda", decode="cpu", cache=True, **kw)
+    rate(dev)
+    out["warm_cuda_cpu_decode"] = rate(dev, 2)
+    torch.cuda.reset_peak_memory_stats()
+    tiered = ds.insitu.batches(m, "train", output="torch", device="cuda", decode="gpu",
+                               cache=xinsitu.ChunkCache(device="8GB"), **kw)
+    out["cold_gpu_decode_into_tier"] = rate(tiered)
+    out["warm_device_tier"] = rate(tiered, 2)
+    out["io_stats_warm"] = {k: tiered.io_stats.get(k) for k in ("cache_hits", "chunks", "samples_per_s")}
+    try:
+        import cupy
+
+        pool = cupy.get_default_memory_pool()
+        out["cupy_pool_peak_MB"] = round(pool.total_bytes() / 1e6, 1)
+    except ImportError:
+        pass
+    out["torch_peak_MB"] = round(torch.cuda.max_memory_allocated() / 1e6, 1)
+    out["ratios"] = {"cold_gpu_over_cpu": round(out["cold_gpu_decode"] / out["cold_cpu_decode"], 2),
+                     "warm_cuda_over_numpy": round(out["warm_cuda_cpu_decode"] / out["warm_numpy_host"], 2),
+                     "warm_tier_over_numpy": round(out["warm_device_tier"] / out["warm_numpy_host"], 2)}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("archive")
-    ap.add_argument("--stages", default="copy,decode,kvikio")
+    ap.add_argument("--stages", default="epochs,copy,decode,kvikio")
     ap.add_argument("--vars", default="t2m,u10")
     args = ap.parse_args()
     os.makedirs(OUT, exist_ok=True)
@@ -237,7 +290,7 @@ def main() -> int:
         print(json.dumps({"skipped": "no CUDA device: the GPU figures are taken on a GPU machine"}))
         return 0
     results = {"gpu": torch.cuda.get_device_name(0), "cpus": os.cpu_count()}
-    stages = {"copy": stage_copy, "decode": stage_decode, "kvikio": stage_kvikio}
+    stages = {"epochs": stage_epochs, "copy": stage_copy, "decode": stage_decode, "kvikio": stage_kvikio}
     for name in args.stages.split(","):
         t0 = time.perf_counter()
         try:

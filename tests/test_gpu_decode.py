@@ -158,7 +158,7 @@ def test_gpu_batch_collects_and_flushes_once(tmp_path):
     dests = []
     for coords, raw in chunks:
         dests.append(np.empty(chain.shape, chain.dtype))
-        batch.add(raw, dests[-1], f"x chunk {coords}")
+        batch.add(raw, dests[-1], ("x", coords, f"x/c/{coords}"))
     assert batch.flush() == len(chunks) and dec.transfers == 1
     assert np.array_equal(dests[0], expected(a, chunks[0][0]))
     assert batch.flush() == 0

@@ -10,15 +10,18 @@ whole variable in a single slot, read once.
 from __future__ import annotations
 
 import asyncio
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from xinsitu.gpu_decode import GpuChain, GpuPathError
 from xinsitu.plan import EpochPlan, piece_ids
 from xinsitu.reader import Reader
 from xinsitu.sampling import SampleSpace, VarLayout
 
+Region = dict[str, tuple[int, int]]
 UNIT_SLOTS = 1 << 17  # units whose slot planning is kept (a few hundred bytes each)
 HALO_BUFFERS = 2  # a buffer passes the chunks a window spills into on to the buffers up to this many later
 
@@ -35,12 +38,15 @@ class Buffer:
     arrays: dict[str, np.ndarray]
     # variables gathered straight from a cache slab: arrays[name] is the slab, rows[name] its row per slot
     rows: dict[str, np.ndarray] = field(default_factory=dict)
+    # variables whose arrays are in device memory (decoded on the GPU: ``BufferLoader.gpu``)
+    on_device: frozenset[str] = frozenset()
 
 
 class BufferLoader:
     """Reads buffers and gathers batches from them."""
 
-    def __init__(self, space: SampleSpace, layouts: dict[str, VarLayout], reader: Reader):
+    def __init__(self, space: SampleSpace, layouts: dict[str, VarLayout], reader: Reader,
+                 gpu: Any = None, on_gpu: dict[str, GpuChain] | None = None, tier: Any = None):
         self.space = space
         self.layouts = layouts
         self.reader = reader
@@ -51,6 +57,10 @@ class BufferLoader:
         self._inverses: dict[str, tuple[int, ...]] = {}
         self._unit_slots: dict[tuple[int, int, int], tuple[np.ndarray, list[int], np.ndarray]] = {}
         self._whole: dict[tuple[str, int, int, int], tuple[int, ...] | None] = {}
+        # the GPU path (SPEC §4 "GPU"): variables whose chunks decode on the device (``on_gpu``: their
+        # ``GpuChain``), into device buffers (``gpu``: ``gpu_decode.CupyGpu`` or its stand-in), with a
+        # device cache tier (``tier``) where the cache has one
+        self.gpu, self.on_gpu, self.tier = gpu, dict(on_gpu or {}), tier
 
     # ------------------------------------------------------------------ reading
     async def load_static(self) -> dict[str, np.ndarray]:
@@ -124,16 +134,29 @@ class BufferLoader:
         step = None if halo is None else halo.step(j)
         keys = list(zip(units.tolist(), lo.tolist(), hi.tolist(), strict=True))  # what makes a slot's region
         slabbed: list[tuple[str, int]] = []  # (variable, its job) where the cache may hold every chunk
+        on_device: list[str] = []
+        uploads: list[str] = []  # of those, read on the host (then copied to the device)
         for name, lay in self.layouts.items():
             if lay.static:
                 continue
             shape = [len(units)] + [self._axis_len(lay, ax, extent) for ax in lay.order]
+            if name in self.on_gpu:
+                on_device.append(name)
+                mine = self._regions_of(lay, regions)
+                whole = None if step is not None else self._whole_chunks(
+                    name, lay, shape, self._inverse(name, lay), keys, mine)
+                if whole is not None:  # decoded on the GPU straight into a device buffer
+                    arrays[name] = self.gpu.empty(shape, lay.src.raw_dtype)
+                    jobs.append(self._read_gpu(name, lay, whole, arrays, on_device, mine))
+                    continue
+                # a buffer whose slots are not whole chunks (a partial chunk at the end): read on the
+                # host as any, then copied to the device (below)
+                uploads.append(name)
             buf = self._empty(shape, lay.src.raw_dtype)
             arrays[name] = buf
             reads = []
             inv = self._inverse(name, lay)
-            mine = regions if all(d.name in lay.src.dims for d in sp.split_dims) else [
-                {d: r for d, r in reg.items() if d in lay.src.dims} for reg in regions]
+            mine = self._regions_of(lay, regions)
             whole = self._whole_chunks(name, lay, shape, inv, keys, mine) if step is None else None
             if whole is not None:  # each slot is one whole chunk: gathered from the cache's slab, or read
                 slabbed.append((name, len(jobs)))
@@ -164,6 +187,8 @@ class BufferLoader:
                     arrays[name], rows[name] = done[k]
             if step is not None:
                 await step.take(arrays, origin)
+            if uploads:
+                await asyncio.get_running_loop().run_in_executor(None, self._to_device, arrays, uploads)
         except BaseException as e:
             if step is not None:
                 step.fail(e)
@@ -171,7 +196,60 @@ class BufferLoader:
         if step is not None:
             step.done()
         arrays.update(await self.load_static())
-        return Buffer(j, base_ids[perm], base_slot[perm], base_starts[perm], origin, arrays, rows)
+        return Buffer(j, base_ids[perm], base_slot[perm], base_starts[perm], origin, arrays, rows,
+                      frozenset(on_device))
+
+    async def _read_gpu(self, name: str, lay: VarLayout, coords: list[tuple[int, ...]], arrays: dict[str, Any],
+                        on_device: list[str], regions: list[Region]) -> None:
+        """A GPU variable's buffer of whole chunks decoded on the device (``Reader.read_gpu``). Where
+        the GPU path fails its check on first use, it says so once, and this variable's chunks are
+        read and decoded on the host from then on (this buffer's too)."""
+        dev = arrays[name]
+        try:
+            await self.reader.read_gpu(lay.src, coords, [dev[s] for s in range(len(coords))], self.gpu,
+                                       self.on_gpu[name], self.tier)
+            return
+        except GpuPathError as e:
+            if self.on_gpu.pop(name, None) is not None:
+                warnings.warn(f"xinsitu: decoding variable {name!r} on the GPU failed its check on first use "
+                              f"({e}); its chunks are decoded on the CPU from now on", RuntimeWarning, stacklevel=2)
+        self.gpu.give_back(dev)
+        buf = arrays[name] = self._empty(list(dev.shape), lay.src.raw_dtype)
+        on_device.remove(name)
+        await self.reader.read_many(lay.src, [(regions[s], buf[s]) for s in range(len(coords))])
+
+    def device_reason(self, name: str) -> str | None:
+        """Why variable ``name``'s buffers cannot be decoded on the GPU straight into device memory
+        (each slot must be one whole chunk, in the chunk's layout), None where they can: judged on
+        the split's first unit (a partial chunk at the end is read on the host, then copied over)."""
+        lay, sp = self.layouts[name], self.space
+        if lay.static:
+            return "no split dim: read once, on the host"
+        if not sp.n_units:
+            return "no samples"
+        if any(d.width > 1 for d in sp.split_dims):
+            return f"samples span chunk blocks along {[d.name for d in sp.split_dims if d.width > 1]}"
+        _, origin, end = self._unit_slot(0, 0, 1)
+        extent = np.asarray(end, np.int64) - np.asarray(origin, np.int64)
+        shape = [self._axis_len(lay, ax, extent) for ax in lay.order]
+        region = self._regions_of(lay, [{d.name: (int(origin[k]), int(end[k])) for k, d in enumerate(sp.split_dims)}])
+        if (self._inverse(name, lay) != tuple(range(len(lay.order))) or tuple(shape) != tuple(lay.src.chunk_shape)
+                or self.reader.whole_chunk(lay.src, region[0]) is None):
+            return f"a buffer slot is not one whole chunk (slot {tuple(shape)}, chunks {tuple(lay.src.chunk_shape)})"
+        return None
+
+    def _regions_of(self, lay: VarLayout, regions: list[Region]) -> list[Region]:
+        """Each slot's region, cut to the split dims variable ``lay`` has."""
+        if all(d.name in lay.src.dims for d in self.space.split_dims):
+            return regions
+        return [{d: r for d, r in reg.items() if d in lay.src.dims} for reg in regions]
+
+    def _to_device(self, arrays: dict[str, Any], names: list[str]) -> None:
+        """GPU variables' buffers read on the host (slots that are not whole chunks) copied to the device."""
+        for n in names:
+            host = arrays[n]
+            arrays[n] = self.gpu.asarray(host)
+            self._give_back(host)
 
     def _whole_chunks(self, name: str, lay: VarLayout, shape: list[int], inv: tuple[int, ...],
                       keys: list[tuple[int, int, int]],
@@ -245,6 +323,9 @@ class BufferLoader:
     def recycle(self, buffer: Buffer) -> None:
         """Give a buffer's arrays back once no batch will be gathered from it again."""
         for name, arr in buffer.arrays.items():
+            if name in buffer.on_device:
+                self.gpu.give_back(arr)
+                continue
             if not self.layouts[name].static and name not in buffer.rows:  # a slab is the cache's
                 self._give_back(arr)
 
@@ -267,13 +348,14 @@ class BufferLoader:
                 out[name] = buf[0].transpose(np.argsort(lay.order))
                 continue
             out[name] = self._gather_var(lay, buf, slot, st, buffer.origin, None if into is None else into[name],
-                                         buffer.rows.get(name))
+                                         buffer.rows.get(name), self.gpu if name in buffer.on_device else None)
         return out
 
     def _gather_var(self, lay: VarLayout, buf: np.ndarray, slot: np.ndarray, st: np.ndarray,
                     origin: np.ndarray, into: np.ndarray | None = None,
-                    rows: np.ndarray | None = None) -> np.ndarray:
-        """``rows``: ``buf`` is a cache slab and slot ``s`` is its row ``rows[s]``."""
+                    rows: np.ndarray | None = None, dev: Any = None) -> np.ndarray:
+        """``rows``: ``buf`` is a cache slab and slot ``s`` is its row ``rows[s]``; ``dev``: ``buf`` is in
+        device memory (the GPU path's side): the index math is done here, the take on the device."""
         sp = self.space
         n = len(slot)
         kept = [k for k in lay.sampled if sp.dims[k].keep]
@@ -288,6 +370,8 @@ class BufferLoader:
         # fast path: one position-only sampled dim first in a contiguous buffer -> a single np.take
         if len(lay.sampled) == 1 and nk == 0 and buf.flags.c_contiguous:
             flat = buf.reshape(buf.shape[0] * buf.shape[1], *buf.shape[2:])
+            if dev is not None:
+                return dev.xp.take(flat, dev.index(slot_idx * buf.shape[1] + local[0]), axis=0)
             # indices are in range by construction: mode="clip" lets numpy write into `into` unbuffered
             return np.take(flat, slot_idx * buf.shape[1] + local[0], axis=0, out=into, mode="clip")
         idx: list[Any] = [slot_idx.reshape((n,) + (1,) * nk)]
@@ -301,6 +385,11 @@ class BufferLoader:
                 idx.append(pos.reshape([n] + [1] * nk) + ar)
             else:
                 idx.append(pos.reshape([n] + [1] * nk))
+        if dev is not None:
+            res = buf[tuple(dev.index(i) for i in idx)]
+            if lay.out_perm is not None:
+                res = dev.xp.ascontiguousarray(res.transpose(lay.out_perm))
+            return res
         res = buf[tuple(idx)]
         if lay.out_perm is not None:
             res = np.ascontiguousarray(res.transpose(lay.out_perm))

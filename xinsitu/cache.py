@@ -614,6 +614,7 @@ class ChunkCache:
         self._rows: dict[Hashable, tuple[np.ndarray, int]] = {}  # key -> (slab, row)
         self._slabs: dict[tuple[tuple[int, ...], str], list[Any]] = {}  # (shape, dtype) -> [slab, rows used]
         self._stats = CacheStats()
+        self._device: Any = None  # the tier in GPU memory, made on first use (``device_tier``)
         self._tmp_ids = itertools.count()
         self._scanned = False
         self._written_since_scan = 0
@@ -628,6 +629,21 @@ class ChunkCache:
             weakref.finalize(self, _close_all, self._top, self._shard_fds)
 
     # ------------------------------------------------------------------ pickling (configuration only)
+    def device_tier(self, arrays: Any, free: int = 0) -> Any:
+        """The tier in GPU memory (a ``device_cache.DeviceCache`` over the device memory API
+        ``arrays``), made on first use in this process: ``device_budget`` bytes, or, where none was
+        given, the memory tier's budget up to half the device memory ``free`` (chunks decoded on the
+        GPU are kept there, not on the host); None where neither."""
+        budget = self.device_budget or min(self.memory_budget, free // 2)
+        if not budget:
+            return None
+        with self._lock:
+            if self._device is None:
+                from xinsitu.device_cache import DeviceCache
+
+                self._device = DeviceCache(budget, arrays)
+            return self._device
+
     def __getstate__(self) -> dict[str, Any]:
         return {"memory": self.memory_budget, "disk": self.disk, "disk_size": self.disk_size,
                 "fsync": self.fsync, "since_ns": self._since_ns, "immutable": self.immutable,

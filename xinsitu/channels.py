@@ -15,6 +15,7 @@ them; ``decodes_to_itself`` tells where that is the identity (a pass saved per c
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,13 @@ def decodes_to_itself(src: VarSource) -> bool:
         return True
     return (src.raw_dtype == src.dtype and src.dtype.kind == "f" and set(attrs) <= {"_FillValue", "missing_value"}
             and all(bool(np.all(np.isnan(np.asarray(v, dtype=np.float64)))) for v in attrs.values()))
+
+
+def array_module(a: Any) -> Any:
+    """numpy for a numpy array, else the module of the array's type (``cupy`` for a CuPy array)."""
+    if isinstance(a, np.ndarray):
+        return np
+    return sys.modules[type(a).__module__.split(".")[0]]
 
 
 def identity(raw: np.ndarray) -> np.ndarray:
@@ -201,10 +209,12 @@ class Normalizer:
         return np.result_type(np.dtype(dtype), 1.0)
 
     def apply(self, name: str, values: np.ndarray) -> np.ndarray:
+        """``values`` normalised: numpy arrays, or device arrays (CuPy: on the device, same values)."""
         mean, scale = self.params[name]
         dt = self.dtype(values.dtype)
-        out = np.subtract(values, mean.astype(dt), dtype=dt)  # never in place: values may be a block buffer
-        out /= scale.astype(dt)
+        xp = array_module(values)
+        out = xp.subtract(values, xp.asarray(mean.astype(dt)), dtype=dt)  # never in place: may be a block buffer
+        out /= xp.asarray(scale.astype(dt))
         return out
 
     def __call__(self, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

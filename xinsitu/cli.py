@@ -608,6 +608,7 @@ def doctor() -> dict[str, str]:
     import platform
 
     from xinsitu.codecs import decode_path
+    from xinsitu.gpu_decode import gpu_status
 
     out = {"python": f"{platform.python_version()} ({platform.system()} {platform.machine()})",
            "xinsitu": __version__}
@@ -615,6 +616,7 @@ def doctor() -> dict[str, str]:
         out[name] = _installed(name) or "-"
     out["cuda"] = _cuda()
     out["decode"] = decode_path()
+    out["gpu decode"] = gpu_status()
     return out
 
 

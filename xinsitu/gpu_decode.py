@@ -44,6 +44,10 @@ class ChecksumError(ValueError):
     """A chunk's stored checksum does not match its bytes."""
 
 
+class GpuPathError(RuntimeError):
+    """The GPU path failed its check on first use (see ``GpuBatch.flush``): the CPU path takes over."""
+
+
 @dataclass(frozen=True)
 class GpuChain:
     """Where the chunks of one array decode, and how (see :func:`gpu_chain`)."""
@@ -219,7 +223,10 @@ class StandInDecoder:
         if not raws:
             return
         names = where or [f"chunk {i}" for i in range(len(raws))]
-        parts = [payload(r, self.chain, w) for r, w in zip(raws, names, strict=True)]
+        self.decode_payloads([payload(r, self.chain, w) for r, w in zip(raws, names, strict=True)], dests, names)
+
+    def decode_payloads(self, parts: list[Any], dests: list[np.ndarray], names: list[str]) -> None:
+        """``decode_many`` of payloads already stripped of their framing (``payload``)."""
         with self._lock:
             host, spans = self.packer.pack(parts)
             device = host.copy()  # the ONE transfer
@@ -257,37 +264,49 @@ class NvcompDecoder:
         cupy, nvcomp = gpu_modules()
         self.cupy, self.nvcomp, self.chain = cupy, nvcomp, chain
         self.stream = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
-        self.codec = None
-        if chain.compressor is not None:
-            self.codec = nvcomp.Codec(algorithm=ALGORITHMS[chain.compressor],
-                                      bitstream_kind=nvcomp.BitstreamKind.RAW, cuda_stream=self.stream.ptr)
+        self._codecs = threading.local()  # nvCOMP's codecs are thread-local: each thread makes its own
 
         def alloc(n: int) -> np.ndarray:
             return np.frombuffer(cupy.cuda.alloc_pinned_memory(n), dtype=np.uint8, count=n)
 
         self.packer = _Packer(alloc)
         self.transfers = self.decode_calls = 0
-        self._lock = threading.Lock()  # nvCOMP codecs are thread-local: one batch at a time
+        self._lock = threading.Lock()  # one batch at a time: the pinned buffer and the stream are shared
+
+    def _codec(self) -> Any:
+        """This thread's nvCOMP codec of the chain's compressor (None: stored uncompressed)."""
+        if self.chain.compressor is None:
+            return None
+        codec = getattr(self._codecs, "codec", None)
+        if codec is None:
+            nvcomp = self.nvcomp
+            codec = self._codecs.codec = nvcomp.Codec(algorithm=ALGORITHMS[self.chain.compressor],
+                                                      bitstream_kind=nvcomp.BitstreamKind.RAW,
+                                                      cuda_stream=self.stream.ptr)
+        return codec
 
     def decode_many(self, raws: list[Any], dests: list[Any], where: list[str] | None = None) -> None:
         if len(raws) != len(dests):
             raise ValueError(f"decode_many: {len(raws)} chunks but {len(dests)} destinations")
         if not raws:
             return
-        cupy = self.cupy
         names = where or [f"chunk {i}" for i in range(len(raws))]
-        parts = [payload(r, self.chain, w) for r, w in zip(raws, names, strict=True)]
+        self.decode_payloads([payload(r, self.chain, w) for r, w in zip(raws, names, strict=True)], dests, names)
+
+    def decode_payloads(self, parts: list[Any], dests: list[Any], names: list[str]) -> None:
+        """``decode_many`` of payloads already stripped of their framing (``payload``)."""
+        cupy = self.cupy
         with self._lock, self.stream:
             host, spans = self.packer.pack(parts)
             device = cupy.empty(host.nbytes, dtype=cupy.uint8)
             device.set(host, stream=self.stream)  # the ONE transfer
             self.transfers += 1
             bufs = [device[off:off + n] for off, n in spans]
-            if self.codec is None:
+            codec = self._codec()
+            if codec is None:
                 outs = bufs
             else:
-                outs = [cupy.asarray(o).view(cupy.uint8).ravel()
-                        for o in self.codec.decode(self.nvcomp.as_arrays(bufs, self.stream.ptr))]
+                outs = [cupy.asarray(o).view(cupy.uint8).ravel() for o in codec.decode(self.nvcomp.as_arrays(bufs))]
                 self.decode_calls += 1
             for out, dest, w in zip(outs, dests, names, strict=True):
                 _place(out, dest, self.chain, w)
@@ -305,27 +324,207 @@ def _place(out: Any, dest: Any, chain: GpuChain, where: str) -> None:
 
 
 class GpuBatch:
-    """A buffer's GPU-decoded chunks, collected by the read path's completion step and decoded together."""
+    """A buffer's GPU-decoded chunks, collected by the read path's completion step (``GpuSlot``, in
+    the decode threads) and decoded together by ``flush`` (one transfer, one batched decode).
 
-    def __init__(self, decoder: Any):
-        self.decoder = decoder
-        self.raws: list[Any] = []
+    ``add`` strips a chunk's framing and checks its crc32c in the calling decode thread, and copies
+    the payload (the bytes handed in may be a thread's reused read buffer); ``add_fill`` notes a
+    chunk with no object, given its fill value at ``flush``. A chunk is named by ``(variable,
+    chunk, key)``: where the batched decode fails, the chunks are decoded one by one, and the one
+    that cannot be raises ``ChunkReadError`` naming it."""
+
+    def __init__(self, decoder: Any, asarray: Any = np.asarray):
+        self.decoder, self.asarray = decoder, asarray  # asarray: a host array onto the device
+        self.parts: list[Any] = []
         self.dests: list[Any] = []
-        self.where: list[str] = []
+        self.names: list[tuple[str, tuple[int, ...], str]] = []
+        self.fills: list[tuple[Any, np.ndarray]] = []
+        self.decoded = 0  # chunks decoded by ``flush`` so far
+        self._lock = threading.Lock()
 
-    def add(self, raw: Any, dest: Any, where: str) -> None:
-        self.raws.append(raw)
-        self.dests.append(dest)
-        self.where.append(where)
+    def add(self, raw: Any, dest: Any, name: tuple[str, tuple[int, ...], str]) -> None:
+        part = bytes(payload(raw, self.decoder.chain, _words(name)))
+        with self._lock:
+            self.parts.append(part)
+            self.dests.append(dest)
+            self.names.append(name)
 
-    def flush(self) -> int:
-        n = len(self.raws)
+    def add_fill(self, dest: Any, value: np.ndarray) -> None:
+        with self._lock:
+            self.fills.append((dest, value))
+
+    def __len__(self) -> int:
+        return len(self.parts) + len(self.fills)
+
+    def flush(self, check: Any = None) -> int:
+        """Decode every chunk added (and put the fill values in place); the number of chunks.
+
+        ``check`` (a function device array -> numpy array, on first use of a decoder): the chunks
+        are decoded on the host too (numcodecs, as ``StandInDecoder``) and compared bit for bit;
+        ``GpuPathError`` where the device's decode fails or differs."""
+        with self._lock:
+            parts, dests, names, fills = self.parts, self.dests, self.names, self.fills
+            self.parts, self.dests, self.names, self.fills = [], [], [], []
+        if parts and check is not None:
+            chain, host = self.decoder.chain, StandInDecoder(self.decoder.chain)
+            ref = []
+            for part, name in zip(parts, names, strict=True):  # the data first: a damaged chunk is named
+                ref.append(np.empty(chain.shape, chain.dtype))
+                try:
+                    host.decode_payloads([part], ref[-1:], [_words(name)])
+                except Exception as e:
+                    from xinsitu.backend import ChunkReadError
+
+                    raise ChunkReadError(*name, e) from e
+            try:
+                self.decoder.decode_payloads(parts, dests, [_words(n) for n in names])
+                for r, d, n in zip(ref, dests, names, strict=True):
+                    got = check(d)
+                    if r.tobytes() != got.tobytes():
+                        raise ValueError(f"{_words(n)} decoded on the device differs from the host's decode")
+            except Exception as e:  # noqa: BLE001 - said, and the CPU path takes over
+                raise GpuPathError(f"{type(e).__name__}: {e}") from e
+        elif parts:
+            try:
+                self.decoder.decode_payloads(parts, dests, [_words(n) for n in names])
+            except Exception:
+                if len(parts) == 1:
+                    self._one(parts[0], dests[0], names[0])
+                for part, dest, name in zip(parts, dests, names, strict=True):  # which one: decoded one by one
+                    self._one(part, dest, name)
+        for dest, value in fills:
+            dest[...] = self.asarray(value)
+        self.decoded += len(parts)
+        return len(parts) + len(fills)
+
+    def _one(self, part: Any, dest: Any, name: tuple[str, tuple[int, ...], str]) -> None:
+        from xinsitu.backend import ChunkReadError
+
         try:
-            self.decoder.decode_many(self.raws, self.dests, self.where)
-        finally:
-            self.raws, self.dests, self.where = [], [], []
-        return n
+            self.decoder.decode_payloads([part], [dest], [_words(name)])
+        except Exception as e:
+            raise ChunkReadError(*name, e) from e
 
+
+def _words(name: tuple[str, tuple[int, ...], str]) -> str:
+    var, chunk, key = name
+    return f"variable {var!r}, chunk {chunk}, key {key!r}"
+
+
+class GpuSlot:
+    """The destination of a chunk decoded on the GPU (``decode.Destination``): ``out``, a device array
+    of the chunk's shape (a row of a device buffer). ``decode`` only hands the bytes to ``batch``,
+    which decodes the buffer's chunks together once all are in; ``name``: ``(variable, chunk, key)``."""
+
+    __slots__ = ("batch", "out", "name")
+
+    def __init__(self, batch: GpuBatch, out: Any, name: tuple[str, tuple[int, ...], str]):
+        self.batch, self.out, self.name = batch, out, name
+
+    def decode(self, dec: Any, raw: Any) -> None:
+        self.batch.add(raw, self.out, self.name)
+
+    def fill(self, dec: Any) -> None:
+        self.batch.add_fill(self.out, dec.fill())
+
+
+# ------------------------------------------------------------------------------------------ devices
+class StandInGpu:
+    """The device side of the GPU path with numpy for device memory and :class:`StandInDecoder` for
+    nvCOMP: CI runs the very same read, gather and build steps as :class:`CupyGpu` does on a GPU."""
+
+    kind = "stand-in"
+    xp: Any = np
+
+    def __init__(self) -> None:
+        self._decoders: dict[GpuChain, Any] = {}
+        self._free: dict[tuple[tuple[int, ...], str], list[Any]] = {}
+        self._lock = threading.Lock()
+        self.uploads = 0  # host arrays copied to the device (``asarray``)
+        self.checked: set[GpuChain] = set()  # chains whose decode passed its check on first use
+
+    def is_device(self, a: Any) -> bool:
+        """Whether ``a`` is in device memory (the stand-in's numpy arrays never say so)."""
+        return False
+
+    def free(self) -> int:
+        """Free device memory, in bytes."""
+        return 1 << 40
+
+    def __reduce__(self) -> tuple[Any, ...]:  # a worker process's copy starts with no device state
+        return (type(self), ())
+
+    def _make_decoder(self, chain: GpuChain) -> Any:
+        return StandInDecoder(chain)
+
+    def decoder(self, chain: GpuChain) -> Any:
+        with self._lock:
+            got = self._decoders.get(chain)
+            if got is None:
+                got = self._decoders[chain] = self._make_decoder(chain)
+            return got
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        """A device array (a buffer's): one given back before, where one of that shape and dtype is free."""
+        key = (tuple(shape), np.dtype(dtype).str)
+        with self._lock:
+            free = self._free.get(key)
+            if free:
+                return free.pop()
+        return self.xp.empty(shape, dtype)
+
+    def give_back(self, arr: Any, keep: int = 4) -> None:
+        with self._lock:
+            free = self._free.setdefault((tuple(arr.shape), arr.dtype.str), [])
+            if len(free) < keep:
+                free.append(arr)
+
+    def asarray(self, a: Any) -> Any:
+        """``a`` (a host array) on the device."""
+        self.uploads += 1
+        return self.xp.array(a, copy=True)
+
+    def to_host(self, a: Any) -> np.ndarray:
+        return np.array(a, copy=True)
+
+    def index(self, idx: np.ndarray) -> Any:
+        """A host index array on the device (for a take or fancy index there)."""
+        return idx
+
+    def synchronize(self) -> None:
+        """The work this thread queued on the device has completed."""
+
+class CupyGpu(StandInGpu):
+    """The device side of the GPU path on CuPy's current device, decoding with nvCOMP."""
+
+    kind = "cupy"
+
+    def __init__(self) -> None:
+        cupy, _ = gpu_modules()
+        super().__init__()
+        self.xp = cupy
+
+    def _make_decoder(self, chain: GpuChain) -> Any:
+        return NvcompDecoder(chain)
+
+    def asarray(self, a: Any) -> Any:
+        self.uploads += 1
+        return self.xp.asarray(np.ascontiguousarray(a))
+
+    def to_host(self, a: Any) -> np.ndarray:
+        return self.xp.asnumpy(a)  # type: ignore[no-any-return]
+
+    def is_device(self, a: Any) -> bool:
+        return isinstance(a, self.xp.ndarray)
+
+    def free(self) -> int:
+        return int(self.xp.cuda.runtime.memGetInfo()[0])
+
+    def index(self, idx: np.ndarray) -> Any:
+        return self.xp.asarray(idx)
+
+    def synchronize(self) -> None:
+        self.xp.cuda.get_current_stream().synchronize()
 
 # ------------------------------------------------------------------------------------------ decode=
 def gpu_extra_hint() -> str:
@@ -342,6 +541,20 @@ def gpu_modules() -> tuple[Any, Any]:
     except ImportError as e:
         raise RuntimeError(f"decode='gpu' needs cupy and nvCOMP ({e.name} is missing): {gpu_extra_hint()}") from None
     return cupy, nvcomp
+
+
+def gpu_status() -> str:
+    """Whether ``decode='auto'`` can decode on the GPU here, in words (``python -m xinsitu doctor``)."""
+    try:
+        cupy, nvcomp = gpu_modules()
+    except RuntimeError as e:
+        return f"cpu only: {e}"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001 - no driver: what doctor is for
+        return f"cpu only: nvCOMP {getattr(nvcomp, '__version__', '?')} is installed, no CUDA device ({e})"
+    return (f"nvCOMP {getattr(nvcomp, '__version__', '?')} on {n} CUDA device(s): zstd, lz4, gzip and zlib chunks "
+            "decode on the GPU where batches go to one (decode='auto')")
 
 
 def check_decode(decode: Any) -> str:

@@ -20,7 +20,8 @@ from xinsitu import _loop, formatting
 from xinsitu.buffer import BufferLoader
 from xinsitu.cache import ChunkCache, resolve_cache
 from xinsitu.channels import channel_names
-from xinsitu.gpu_decode import resolve_decode
+from xinsitu.device_cache import CupyArrays, HostArrays
+from xinsitu.gpu_decode import CupyGpu, GpuChain, resolve_decode
 from xinsitu.manifest import SplitManifest
 from xinsitu.output import OutputBuilder
 from xinsitu.pipeline import EpochRun
@@ -111,7 +112,11 @@ class BatchGenerator:
         Where chunks are decoded: ``"gpu"`` on the CUDA device the batches go to (nvCOMP: zstd,
         lz4, gzip, zlib), raising where that cannot be (no CUDA device, the ``gpu`` extra missing,
         a codec chain nvCOMP cannot decode); ``"cpu"`` never on the GPU; ``"auto"`` on the GPU
-        where it can. ``decode_paths`` (and the repr) say which path each variable takes.
+        where it can. ``decode_paths`` (and the repr) say which path each variable takes. On the
+        GPU path a buffer's chunks are decoded together straight into device memory, and batches
+        are gathered, normalised and stacked there; it needs each buffer slot to be one whole chunk
+        and, with ``cache=``, keeps them in GPU memory (``ChunkCache(device=...)``'s budget, or the
+        memory tier's up to half the free device memory).
     """
 
     #: read the next epoch's first buffer while an epoch ends (iterating the whole epoch); False
@@ -150,8 +155,7 @@ class BatchGenerator:
         self.output = output
         # where each variable's chunks decode (SPEC §4 GPU); raises where decode='gpu' cannot be honoured
         self.decode = decode
-        self.decode_paths = resolve_decode(decode, self.builder.cuda_target(),
-                                           {n: lay.src.array for n, lay in self.layouts.items()})
+        self._gpu: Any = None  # the GPU path's device side (``gpu_decode.CupyGpu``), where a variable takes it
         self._ds = ds
         self.epoch = 0
         self._resume_batch = 0
@@ -169,6 +173,10 @@ class BatchGenerator:
         self._elastic_epoch = -1
         self._elastic_plan: EpochPlan | None = None
         self._check_not_empty()
+        self.decode_paths = resolve_decode(decode, self.builder.cuda_target(),
+                                           {n: lay.src.array for n, lay in self.layouts.items()})
+        if any(c.gpu for c in self.decode_paths.values()):
+            self._use_gpu(CupyGpu(), self.decode_paths)
 
     def _check_not_empty(self) -> None:
         """Refuse a generator that would yield nothing: an empty epoch looks like a finished one."""
@@ -189,7 +197,37 @@ class BatchGenerator:
             self._reader.on_missing = self.missing
             self._loader = BufferLoader(self.space, self.layouts, self._reader)
             self._pid = os.getpid()
+            if self._gpu is not None:
+                on_gpu = {n: c for n, c in self.decode_paths.items() if c.gpu}
+                arrays = HostArrays() if self._gpu.xp is np else CupyArrays()  # the tier's device memory
+                tier = None if self.cache is None else self.cache.device_tier(arrays, self._gpu.free())
+                self._loader.gpu, self._loader.on_gpu, self._loader.tier = self._gpu, on_gpu, tier
         return self._loader
+
+    def _use_gpu(self, gpu: Any, chains: dict[str, GpuChain]) -> None:
+        """Decode on the GPU (``gpu``: its device side) the variables whose ``chains`` allow it and
+        whose buffers it can fill (each slot one whole chunk), keeping them, with ``cache=``, in a
+        tier in GPU memory (``ChunkCache.device_tier``);
+        ``decode='gpu'`` raises naming the others. Gathering, CF decoding, normalising and stacking
+        then happen on the device too."""
+        loader = self._buffer_loader()
+        paths = {}
+        for n, c in chains.items():
+            if c.gpu:
+                why = loader.device_reason(n)
+                if why is not None:
+                    c = GpuChain(False, why)
+            paths[n] = c
+        if self.decode == "gpu":
+            bad = {n: c.reason for n, c in paths.items() if not c.gpu}
+            if bad:
+                raise ValueError("decode='gpu': the chunks of " + ", ".join(f"{n!r} ({r})" for n, r in bad.items())
+                                 + " cannot be decoded on the GPU; leave decode='auto' to decode those on the CPU")
+        self.decode_paths = paths
+        on_gpu = {n: c for n, c in paths.items() if c.gpu}
+        self._gpu = gpu if on_gpu else None
+        self._loader = None  # made again, with the GPU's side
+        self.builder.use_gpu(self._gpu)
 
     # ------------------------------------------------------------------ epochs
     def set_epoch(self, epoch: int) -> None:
@@ -427,6 +465,7 @@ class BatchGenerator:
         loader = self._buffer_loader()
         block = _loop.run(loader.load(plan, 0))
         raw = loader.gather(block, np.array([0]))
+        raw = {n: self._gpu.to_host(a) if n in block.on_device else a for n, a in raw.items()}
         values = self.builder.decode(raw)
         coords = self.builder.sample_coords(block.starts[:1])
         if "sample" in coords.dims:  # not where no sampled dim has a coordinate

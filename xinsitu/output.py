@@ -63,6 +63,8 @@ class OutputBuilder:
         self.dtype = np.result_type(*dtypes)
         self._coords: xr.Dataset | None = None
         self._direct: tuple[int, ...] | bool | None = None
+        self.gpu: Any = None  # the GPU path's device side: batches built on the device (``use_gpu``)
+        self._device_ok: bool | None = None  # the device's build passed its check on the first batch
         self._ds_coords = ds.coords
         if output in ("torch",):
             import torch  # noqa: F401  - fail now, not in the prefetch thread
@@ -99,6 +101,12 @@ class OutputBuilder:
             return f"device={self.device!r}"
         return f"output={self.output!r}" + ("" if self.output in ("torch", "jax") else " (host arrays)")
 
+    def use_gpu(self, gpu: Any) -> None:
+        """Build batches on the device (``gpu``: ``gpu_decode.CupyGpu`` or its stand-in): variables
+        gathered there from device buffers stay there, the others are copied there after their CF
+        decoding; normalising and stacking then run on the device (None: on the host, as before)."""
+        self.gpu, self._device_ok, self._direct = gpu, None, None
+
     def _check_device(self, device: Any) -> None:
         import torch
 
@@ -120,7 +128,8 @@ class OutputBuilder:
         no normalisation, one dtype), else None."""
         if self._direct is None:
             lays = self.layouts
-            ok = (self.stack and self.output in ("numpy", "torch", "cupy") and self.normalizer is None
+            ok = (self.gpu is None and self.stack and self.output in ("numpy", "torch", "cupy")
+                  and self.normalizer is None
                   and all(d is identity for d in self.decoders.values())
                   and len(self.channels) == len(lays)
                   and all(lay.has_sample_axis and lay.out_perm is None and lay.out_dims == self.base_dims
@@ -171,7 +180,7 @@ class OutputBuilder:
         values = {n: self.decoders[n](a) for n, a in raw.items()}
         return values if self.normalizer is None else self.normalizer(values)
 
-    def stacked(self, values: dict[str, np.ndarray]) -> np.ndarray:
+    def stacked(self, values: dict[str, np.ndarray], xp: Any = np) -> np.ndarray:
         """(sample, channel, *base) array of the common result dtype; a variable lacking the sample axis
         or a window/patch dim is broadcast along it, as ``to_dataarray`` broadcasts."""
         sizes: dict[str, int] = {}
@@ -197,11 +206,12 @@ class OutputBuilder:
             extra = [d for d in dims if d not in self.base_dims]
             order = [dims.index(d) + 1 for d in extra + list(self.base_dims)]
             a = arr.transpose(0, *order) if order != list(range(1, arr.ndim)) else arr
-            a = np.broadcast_to(a, (n, *a.shape[1:1 + len(extra)], *base_shape))
+            a = xp.broadcast_to(a, (n, *a.shape[1:1 + len(extra)], *base_shape))
             parts.append(a.reshape(n, -1, *base_shape))
         if len(parts) == 1:
             return parts[0].astype(self.dtype, copy=False)
-        out = self.arrays.empty((n, sum(p.shape[1] for p in parts), *base_shape), self.dtype)
+        empty = self.arrays.empty if xp is np else xp.empty
+        out = empty((n, sum(p.shape[1] for p in parts), *base_shape), self.dtype)
         c = 0
         for p in parts:
             out[:, c:c + p.shape[1]] = p
@@ -223,7 +233,77 @@ class OutputBuilder:
         return self.coords.isel({d: v for d, v in ind.items() if d in have})
 
     def build(self, raw: dict[str, np.ndarray], starts: np.ndarray) -> Any:
-        return self.finish(self._build_host(raw, starts))
+        gpu = self.gpu
+        if gpu is None:
+            return self.finish(self._build_host(raw, starts))
+        if self._device_ok is None:
+            return self.finish(self._first_on_device(raw, starts))
+        if not self._device_ok:  # the device's build failed its check: the host builds, as without a GPU
+            return self.finish(self._build_host({n: self._host(a) for n, a in raw.items()}, starts))
+        return self.finish(self._out(self._device_values(raw)))
+
+    def _host(self, a: Any) -> Any:
+        return self.gpu.to_host(a) if self.gpu.is_device(a) else a
+
+    def _first_on_device(self, raw: dict[str, Any], starts: np.ndarray) -> Any:
+        """The first batch built on the device, checked bit for bit against the host's build of it;
+        where they differ (or the device's build fails), said once, and the host builds from then on."""
+        host_raw = {n: self._host(a) for n, a in raw.items()}
+        try:
+            values = self._device_values(raw)
+            ref = self.decode(host_raw)
+            if self.stack:
+                ref = {"": self.stacked(ref)}
+            got = {"": values} if self.stack else values
+            for k, r in ref.items():
+                g = self._host(got[k])
+                if g.dtype != r.dtype or g.shape != r.shape or g.tobytes() != np.ascontiguousarray(r).tobytes():
+                    raise ValueError(f"{k or 'the stacked batch'} built on the device differs from the host's")
+            self._device_ok = True
+            return self._out(values)
+        except Exception as e:  # noqa: BLE001 - said, and the host builds
+            import warnings
+
+            warnings.warn(f"xinsitu: building batches on the GPU failed its check on the first batch "
+                          f"({type(e).__name__}: {e}); they are built on the host and copied from now on",
+                          RuntimeWarning, stacklevel=2)
+            self._device_ok = False
+            return self._build_host(host_raw, starts)
+
+    def _device_values(self, raw: dict[str, Any]) -> Any:
+        """The batch's values on the device (the GPU path): CF decoding there where it is the identity,
+        else on the host as xarray does it; then normalising and stacking on the device. Complete
+        (the device's work done) when it returns."""
+        gpu = self.gpu
+        values = {}
+        for n, a in raw.items():
+            dec = self.decoders[n]
+            if dec is not identity:  # scale/offset/fill: xarray's own decoding, on the host
+                a = dec(self._host(a))
+            values[n] = a if gpu.is_device(a) else gpu.asarray(a)
+        if self.normalizer is not None:
+            values = self.normalizer(values)
+        out = self.stacked(values, gpu.xp) if self.stack else values
+        gpu.synchronize()
+        return out
+
+    def _out(self, values: Any) -> Any:
+        """The device's values as arrays of the output kind, sharing their memory."""
+        if isinstance(values, dict):
+            return {n: self._device_out(a) for n, a in values.items()}
+        return self._device_out(values)
+
+    def _device_out(self, a: Any) -> Any:
+        """A device array of the GPU path as an array of the output kind, sharing its memory."""
+        if self.output == "torch":
+            import torch
+
+            return torch.as_tensor(a, device=None if isinstance(a, np.ndarray) else self.device)
+        if self.output == "jax":
+            import jax
+
+            return jax.device_put(jax.dlpack.from_dlpack(a), self.device)
+        return a  # cupy (numpy for the stand-in)
 
     def _build_host(self, raw: dict[str, np.ndarray], starts: np.ndarray) -> Any:
         values = self.decode(raw)

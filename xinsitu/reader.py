@@ -42,6 +42,7 @@ from xinsitu.cached import INLINE_COPY_BYTES, serve_cached, take_cached  # noqa:
 from xinsitu.codecs import ChunkDecoder, is_remote, is_sharded, store_root
 from xinsitu.decode import DECODED, MISSING, ChunkOutcome, Destination, Pieces, Slot, TurnBatch, place, place_async
 from xinsitu.fetchers import Shards, WholeFetches, all_or_none, read_local, reraise
+from xinsitu.gpu_decode import GpuBatch, GpuSlot
 from xinsitu.inflight import (  # noqa: F401 - re-exported: the limit's constants and class lived here
     AUTO_BETTER,
     AUTO_FLAT,
@@ -273,6 +274,50 @@ class Reader:
         await self._fetch_all(route, items, callbacks=True)
         return True
 
+    async def read_gpu(self, src: VarSource, coords: list[tuple[int, ...]], outs: list[Any], gpu: Any,
+                       chain: Any, tier: Any = None) -> None:
+        """Whole chunks ``coords`` decoded on the GPU straight into ``outs`` (device arrays of the
+        chunk's shape: rows of a device buffer). The array's route fetches the bytes as for any read
+        and the completion step hands them to a ``gpu_decode.GpuBatch`` (``GpuSlot``), which decodes
+        them together once all are in: one transfer, one batched call (``gpu``: the device side,
+        ``gpu_decode.CupyGpu`` or its stand-in; ``chain``: the array's ``GpuChain``). With a device
+        cache tier (``tier``, a ``device_cache.DeviceCache``), chunks it has are copied from it on the
+        device, and those decoded are kept there (keep what fits)."""
+        route = self.route(src)
+        keys = self._chunk_keys(src) if tier is not None else None
+        todo = list(range(len(coords)))
+        places: list[Any] = []
+        mkeys: list[Any] = []
+        if keys is not None:
+            mkeys = [keys.memory_key(c) for c in coords]
+            places = tier.locate_many(mkeys)
+            todo = [i for i, p in enumerate(places) if p is None]
+            self._count_hits(len(coords) - len(todo), 0, route.dec.nbytes)
+            self.counters.cache_misses += len(todo)
+        batch = GpuBatch(gpu.decoder(chain), gpu.asarray)
+        items: list[tuple[tuple[int, ...], Destination]] = [
+            (coords[i], GpuSlot(batch, outs[i], (src.name, coords[i], route.path(coords[i])))) for i in todo]
+        if items:
+            await self._fetch_all(route, items, callbacks=True)
+
+        def land() -> float:  # in a decode thread: device work the loop does not wait on
+            for out, got in zip(outs, places, strict=False):
+                if got is not None:
+                    out[...] = got[0][got[1]]  # cached: copied on the device
+            t0 = time.perf_counter()
+            first = chain not in gpu.checked
+            batch.flush(check=gpu.to_host if first else None)  # (checked against the host on first use)
+            if first and batch.decoded:
+                gpu.checked.add(chain)
+            took = time.perf_counter() - t0
+            if keys is not None:
+                for i in todo:
+                    tier.put(mkeys[i], outs[i])
+            gpu.synchronize()  # complete before the buffer is gathered from (in another thread)
+            return took
+
+        self.counters.decode_s += await asyncio.get_running_loop().run_in_executor(None, land)
+
     async def _fetch_all(self, route: Route, items: list[tuple[tuple[int, ...], Destination]],
                          callbacks: bool) -> None:
         """Every chunk of ``items`` fetched and placed by ``route``'s strategy. (Callbacks serve
@@ -322,7 +367,7 @@ class Reader:
             self.counters.requests += 1
             inflight.arrived(slot)
             waited = time.perf_counter() - t_start
-            if dec.sync:  # timed inside the thread: waiting for a free thread is not decoding
+            if dec.sync or not isinstance(dest, Pieces):  # timed in the thread: waiting for a thread is not decoding
                 return await self.turn.run(place, dec, raw, dest, waited)
             return await place_async(dec, raw, dest, waited)  # type: ignore[arg-type]
 

@@ -1,0 +1,272 @@
+"""The GPU path end to end through the stand-in device side (SPEC §4 "GPU"): chunks whose codecs
+nvCOMP decodes are fetched as bytes, handed by the read path's completion step to a batch decoder
+(one transfer, one batched decode per variable and buffer) into device buffers, gathered, normalised
+and stacked on the device, with a device cache tier across epochs -- numpy and numcodecs standing in
+for CuPy and nvCOMP (``gpu_decode.StandInGpu``), so that CI runs the very steps a GPU runs. Every
+batch is checked bit for bit against the CPU path. On a real GPU the same runs with CuPy (``gpu``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import xinsitu
+from tests.support.gpu import CUDA
+from xinsitu import gpu_decode
+from xinsitu.gpu_decode import StandInGpu, gpu_chain
+
+
+@pytest.fixture
+def ds_m(era5_path):
+    ds = xinsitu.open_zarr(era5_path)
+    return ds, ds.insitu.split("time", fractions={"train": 0.8, "val": 0.2})
+
+
+class CountingGpu(StandInGpu):
+    """The stand-in, counting the batched decodes and what it decoded."""
+
+    def __init__(self):
+        super().__init__()
+        self.decoded = 0
+        self.flushes = 0
+
+    def _make_decoder(self, chain):
+        dec = super()._make_decoder(chain)
+        parent = dec.decode_payloads
+        gpu = self
+
+        def counting(parts, dests, names):
+            gpu.flushes += 1
+            gpu.decoded += len(parts)
+            return parent(parts, dests, names)
+
+        dec.decode_payloads = counting
+        return dec
+
+
+def on_gpu(gen, gpu=None, decode="auto"):
+    """``gen`` with its GPU path on the stand-in device (as a CUDA device turns it on)."""
+    gen.decode = decode
+    gpu = gpu or CountingGpu()
+    gen._use_gpu(gpu, {n: gpu_chain(lay.src.array) for n, lay in gen.layouts.items()})
+    return gen, gpu
+
+
+def same(a, b):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            same(a[k], b[k])
+        return
+    assert type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
+    assert np.array_equal(a, b, equal_nan=True)
+
+
+KW = [
+    dict(stack=True, variables=["t2m", "u10"]),
+    dict(stack=False),
+    dict(stack=True),  # tp: int16 packed with a fill value (CF decoding not the identity)
+    dict(stack=True, block_chunks=3, batch_size=7),  # batches spanning buffers
+    dict(stack=True, patch={"lat": 3, "lon": 4}, variables=["t2m", "u10"]),  # patches: an indexed gather
+    dict(stack=False, patch={"lat": 2, "lon": 5}, stride={"lat": 2, "lon": 5}),
+]
+
+
+@pytest.mark.parametrize("kw", KW)
+def test_batches_bit_identical_to_the_cpu_path(ds_m, kw):
+    ds, m = ds_m
+    kw = dict(dict(batch_size=5, seed=3, block_chunks=2, output="numpy"), **kw)
+    ref = list(ds.insitu.batches(m, "train", **kw))
+    gen, gpu = on_gpu(ds.insitu.batches(m, "train", **kw))
+    assert any(c.gpu for c in gen.decode_paths.values()) and "gpu (zstd" in repr(gen)
+    got = list(gen)
+    assert len(got) == len(ref)
+    for r, g in zip(ref, got, strict=True):
+        same(r, g)
+    assert gpu.flushes >= 1 and gpu.decoded >= 1
+
+
+def test_one_batched_decode_per_variable_and_buffer(ds_m):
+    ds, m = ds_m
+    kw = dict(batch_size=4, seed=0, block_chunks=4, output="numpy", stack=True, variables=["t2m"])
+    gen, gpu = on_gpu(ds.insitu.batches(m, "train", **kw))
+    gen.read_ahead = False  # (not the next epoch's first buffer too)
+    list(gen)
+    n = gen.plan(0).n_buffers
+    assert n >= 3 and gpu.flushes == n  # one batched decode per buffer (the split ends on whole chunks)
+    assert gpu.decoded == gen.io_stats["chunks"] > n  # every chunk decoded on the "device", several at a time
+    (dec,) = gpu._decoders.values()
+    assert dec.transfers == n  # one host-to-device transfer per buffer
+
+
+def test_normalised_on_the_device_bit_identical(ds_m):
+    ds, m = ds_m
+    st = ds.insitu.stats(m, "train", variables=["t2m", "u10"])
+    kw = dict(batch_size=6, seed=1, output="numpy", stack=True, variables=["t2m", "u10"], normalize=st)
+    ref = list(ds.insitu.batches(m, "train", **kw))
+    gen, _ = on_gpu(ds.insitu.batches(m, "train", **kw))
+    for r, g in zip(ref, gen, strict=True):
+        same(r, g)
+
+
+def test_device_cache_tier_serves_later_epochs(ds_m):
+    ds, m = ds_m
+    cache = xinsitu.ChunkCache()
+    cache.device_budget = 1 << 30  # (ChunkCache(device=) checks for a CUDA device: set as it would be)
+    kw = dict(batch_size=5, seed=2, block_chunks=2, output="numpy", stack=True, variables=["t2m", "u10"])
+    ref = [list(ds.insitu.batches(m, "train", **kw)) for _ in range(2)]
+    gen, gpu = on_gpu(ds.insitu.batches(m, "train", cache=cache, **kw))
+    first = list(gen)
+    decoded = gpu.decoded
+    assert gen.io_stats["cache_hits"] == 0
+    gen.set_epoch(0)
+    second = list(gen)
+    assert gpu.decoded == decoded  # nothing decoded again: every whole chunk came from the device tier
+    assert gen.io_stats["cache_hits"] >= decoded
+    tier = cache.device_tier(None, 0)
+    assert tier is not None and len(tier) == decoded and tier.stats.hits >= decoded
+    for r, g in zip(ref[0], first, strict=True):
+        same(r, g)
+    for r, g in zip(ref[0], second, strict=True):
+        same(r, g)
+
+
+def test_a_memory_cache_keeps_gpu_decoded_chunks_on_the_device(ds_m):
+    """``cache=True`` on the GPU path: the memory tier's budget (up to half the free device memory)
+    becomes a tier in device memory; nothing is kept on the host."""
+    ds, m = ds_m
+    kw = dict(batch_size=5, seed=2, output="numpy", stack=True, variables=["t2m"])
+    ref = list(ds.insitu.batches(m, "train", **kw))
+    gen, gpu = on_gpu(ds.insitu.batches(m, "train", cache=True, **kw))
+    assert gen.decode_paths["t2m"].gpu
+    for _ in range(2):
+        gen.set_epoch(0)
+        for r, g in zip(ref, gen, strict=True):
+            same(r, g)
+    tier = gen.cache.device_tier(None, 1 << 50)  # (made already: the stand-in's free memory is 1 TiB)
+    assert tier is not None and tier.budget == gen.cache.memory_budget and len(tier) > 0
+    assert gen.io_stats["cache_hits"] > 0 and gen.cache.stats.memory_entries == 0
+
+
+class WrongGpu(CountingGpu):
+    """A device whose decoder gets the values wrong."""
+
+    def _make_decoder(self, chain):
+        dec = super()._make_decoder(chain)
+        parent = dec.decode_payloads
+
+        def wrong(parts, dests, names):
+            parent(parts, dests, names)
+            for d in dests:
+                d.reshape(-1).view("u1")[:1] ^= 1
+
+        dec.decode_payloads = wrong
+        return dec
+
+
+class BrokenBuildGpu(CountingGpu):
+    """A device whose arrays fail in the batch's build (an API the device's library lacks)."""
+
+    def asarray(self, a):
+        raise AttributeError("no such device call")
+
+
+@pytest.mark.parametrize("gpu,what", [(WrongGpu, "decoding variable '(t2m|tp)' on the GPU failed its check"),
+                                      (BrokenBuildGpu, "building batches on the GPU failed its check")])
+def test_the_gpu_path_checks_itself_on_first_use_and_gives_way_to_the_cpu(ds_m, gpu, what):
+    """Never wrong values, never a crash from the device's side: the first decode of each chain and
+    the first batch built are checked bit for bit against the host; a failure is said once, and the
+    CPU path takes over, with the same batches."""
+    ds, m = ds_m
+    kw = dict(batch_size=5, seed=2, block_chunks=2, output="numpy", stack=True, variables=["t2m", "tp"])
+    ref = list(ds.insitu.batches(m, "train", **kw))
+    gen, _ = on_gpu(ds.insitu.batches(m, "train", **kw), gpu())
+    with pytest.warns(RuntimeWarning, match=what):
+        got = list(gen)
+    for r, g in zip(ref, got, strict=True):
+        same(r, g)
+
+
+def test_windows_across_chunks_stay_on_the_cpu_path(ds_m):
+    ds, m = ds_m
+    kw = dict(output="numpy", variables=["t2m"], window={"time": 3}, batch_size=4, seed=0)
+    gen, _ = on_gpu(ds.insitu.batches(m, "train", **kw))
+    assert not gen.decode_paths["t2m"].gpu and "span chunk blocks" in gen.decode_paths["t2m"].reason
+    same(next(iter(ds.insitu.batches(m, "train", **kw))), next(iter(gen)))
+    with pytest.raises(ValueError, match="decode='gpu'.*span chunk blocks"):
+        on_gpu(ds.insitu.batches(m, "train", **kw), decode="gpu")
+
+
+def test_missing_chunks_get_their_fill_value_on_the_device(tmp_path):
+    import shutil
+
+    from xinsitu.synthetic import write_era5_like
+
+    path = str(tmp_path / "a.zarr")
+    write_era5_like(path, nt=40, ny=4, nx=5, chunk_time=8)
+    shutil.rmtree(f"{path}/t2m/c/1")  # chunk 1 along time: no object (zarr reads the fill value)
+    ds = xinsitu.open_zarr(path)
+    m = ds.insitu.split("time", fractions={"all": 1.0})
+    kw = dict(batch_size=8, shuffle=False, output="numpy", variables=["t2m"], stack=True)
+    with pytest.warns(UserWarning, match="no object"):
+        ref = list(ds.insitu.batches(m, "all", **kw))
+    gen, _ = on_gpu(ds.insitu.batches(m, "all", **kw))
+    with pytest.warns(UserWarning, match="no object"):
+        got = list(gen)
+    for r, g in zip(ref, got, strict=True):
+        same(r, g)
+
+
+def test_a_damaged_chunk_names_variable_chunk_and_key(tmp_path):
+    from xinsitu.synthetic import write_era5_like
+
+    path = str(tmp_path / "a.zarr")
+    write_era5_like(path, nt=16, ny=4, nx=5, chunk_time=8)
+    with open(f"{path}/t2m/c/1/0/0", "r+b") as f:
+        f.write(b"\0\0\0\0garbage")
+    ds = xinsitu.open_zarr(path)
+    m = ds.insitu.split("time", fractions={"all": 1.0})
+    gen, _ = on_gpu(ds.insitu.batches(m, "all", batch_size=16, output="numpy", variables=["t2m"], stack=True))
+    with pytest.raises(Exception, match=r"t2m.*\(1, 0, 0\)|\(1, 0, 0\).*t2m") as e:
+        list(gen)
+    assert "t2m/c/1/0/0" in str(e.value) + "".join(getattr(e.value, "__notes__", []))
+
+
+def test_sample_reads_back_to_the_host(ds_m):
+    ds, m = ds_m
+    kw = dict(output="numpy", variables=["t2m", "tp"], stack=True)
+    gen, _ = on_gpu(ds.insitu.batches(m, "train", **kw))
+    ref = ds.insitu.batches(m, "train", **kw).sample(3)
+    got = gen.sample(3)
+    assert got.identical(ref)
+
+
+# ------------------------------------------------------------------ on a real GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("stack,cached", [(True, False), (False, False), (True, True)])
+def test_real_gpu_decode_bit_identical(ds_m, stack, cached):
+    pytest.importorskip("cupy")
+    try:
+        gpu_decode.gpu_modules()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    import torch
+
+    ds, m = ds_m
+    kw = dict(batch_size=8, seed=1, block_chunks=2, stack=stack, variables=["t2m", "u10", "tp"])
+    ref = list(ds.insitu.batches(m, "train", output="numpy", **kw))
+    cache = xinsitu.ChunkCache(device="1GB") if cached else None
+    gen = ds.insitu.batches(m, "train", output="torch", device="cuda:0", decode="auto", cache=cache, **kw)
+    assert gen.decode_paths["t2m"].gpu, gen.decode_paths
+    got = list(gen)
+    if cached:
+        got = list(gen)  # the second epoch: from the device tier
+        assert gen.io_stats["cache_hits"] > 0
+    for r, g in zip(ref, got, strict=True):
+        if stack:
+            assert g.device.type == "cuda" and np.array_equal(r, g.cpu().numpy(), equal_nan=True)
+        else:
+            for k in r:
+                assert g[k].device.type == "cuda" and np.array_equal(r[k], g[k].cpu().numpy(), equal_nan=True)
+    torch.cuda.synchronize()

@@ -27,6 +27,7 @@ from xinsitu.channels import (
 )
 from xinsitu.device import NUMERIC_KINDS, DeviceMover, device_api, host_numpy
 from xinsitu.device import tree_map as _tree_map
+from xinsitu.device_cache import require_cupy
 from xinsitu.sampling import SampleSpace, VarLayout
 
 OUTPUTS = ("xarray", "dataarray", "numpy", "torch", "cupy", "jax")
@@ -76,8 +77,8 @@ class OutputBuilder:
         elif device is not None and output != "torch":
             raise ValueError(f"device={device!r} applies to output='torch' or 'jax' (output='cupy' uses the "
                              "current CuPy device)")
-        if output == "cupy":
-            _check_cupy()
+        if output == "cupy":  # CuPy and a CUDA device, else say so now
+            require_cupy("output='cupy'", "output='cupy' needs CuPy: {hint}, on a machine with CUDA")
         if device is not None and output == "torch":
             self._check_device(device)
         # a CUDA device: batches go through a ring of reused pinned buffers on xinsitu's own stream
@@ -375,19 +376,3 @@ def _jax_device(device: Any) -> Any:
         return device
     raise TypeError(f"device= for output='jax' takes a jax device (e.g. jax.devices('cpu')[0] or "
                     f"jax.devices()[0]), got {device!r}")
-
-
-def _check_cupy() -> None:
-    """output='cupy' needs CuPy and a CUDA device: say so now, never fall back to the CPU."""
-    try:
-        import cupy
-    except ImportError:
-        from xinsitu.gpu_decode import gpu_extra_hint
-
-        raise RuntimeError(f"output='cupy' needs CuPy: {gpu_extra_hint()}, on a machine with CUDA") from None
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # noqa: BLE001 - no driver, no device
-        raise RuntimeError(f"output='cupy': no CUDA device is available ({e})") from None
-    if n < 1:
-        raise RuntimeError("output='cupy': no CUDA device is available")

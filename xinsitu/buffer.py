@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from xinsitu.mempool import ArrayPool
 from xinsitu.plan import EpochPlan, piece_ids
 from xinsitu.reader import Reader
 from xinsitu.sampling import SampleSpace, VarLayout
@@ -46,8 +47,7 @@ class BufferLoader:
         self.reader = reader
         self.n_split = len(space.split_dims)
         self._static: asyncio.Future[dict[str, np.ndarray]] | None = None
-        self._pool: dict[tuple[tuple[int, ...], np.dtype], list[np.ndarray]] = {}
-        self.pool_size = 4
+        self._pool = ArrayPool(keep=4)  # buffer arrays, given back by recycle (4 per shape and dtype)
         self._inverses: dict[str, tuple[int, ...]] = {}
         self._unit_slots: dict[tuple[int, int, int], tuple[np.ndarray, list[int], np.ndarray]] = {}
         self._whole: dict[tuple[str, int, int, int], tuple[int, ...] | None] = {}
@@ -128,7 +128,7 @@ class BufferLoader:
             if lay.static:
                 continue
             shape = [len(units)] + [self._axis_len(lay, ax, extent) for ax in lay.order]
-            buf = self._empty(shape, lay.src.raw_dtype)
+            buf = self._pool.take(shape, lay.src.raw_dtype)
             arrays[name] = buf
             reads = []
             inv = self._inverse(name, lay)
@@ -160,7 +160,7 @@ class BufferLoader:
             done = await asyncio.gather(*jobs)
             for name, k in slabbed:
                 if done[k] is not None:
-                    self._give_back(arrays[name])
+                    self._pool.give_back(arrays[name])
                     arrays[name], rows[name] = done[k]
             if step is not None:
                 await step.take(arrays, origin)
@@ -236,22 +236,11 @@ class BufferLoader:
                           for d in lay.src.dims)]
 
     # ------------------------------------------------------------------ buffers
-    def _empty(self, shape: list[int], dtype: np.dtype) -> np.ndarray:
-        """A buffer array, recycled from a released buffer where one of that shape is free
-        (fresh pages cost a page fault each on first touch)."""
-        free = self._pool.get((tuple(shape), np.dtype(dtype)))
-        return free.pop() if free else np.empty(shape, dtype=dtype)
-
     def recycle(self, buffer: Buffer) -> None:
         """Give a buffer's arrays back once no batch will be gathered from it again."""
         for name, arr in buffer.arrays.items():
             if not self.layouts[name].static and name not in buffer.rows:  # a slab is the cache's
-                self._give_back(arr)
-
-    def _give_back(self, arr: np.ndarray) -> None:
-        free = self._pool.setdefault((arr.shape, arr.dtype), [])
-        if len(free) < self.pool_size:
-            free.append(arr)
+                self._pool.give_back(arr)
 
     # ------------------------------------------------------------------ gathering
     def gather(self, buffer: Buffer, rows: np.ndarray,

@@ -6,7 +6,7 @@ that read a file's bytes in their own format (GRIB messages, NetCDF-3 big-endian
 
 They sit below the three builders so that none imports another's helpers; what reading
 such a store needs at run time (``ManifestBackend``, ``VirtualReferenceError``) is I/O and
-lives in :mod:`xinsitu.backend`.
+lives in :mod:`xinsitu.virtual_backend`.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Coordinates along the joined dimension (``time``, which xarray-written files eac
 with their own units) are read once, decoded, joined, encoded again and kept inline (in
 memory, a few bytes per step); the data variables stay in the files.
 
-:class:`xinsitu.backend.ManifestBackend` (I/O, so it lives there) is how xinsitu fetches the
+:class:`xinsitu.virtual_backend.ManifestBackend` (I/O, so it lives there) is how xinsitu fetches the
 chunks of such a store: byte ranges of the original files straight
 through obstore; on object storage the ranges of one file asked
 for in the same turn of the event loop go out as one ``get_ranges`` request (obstore merges

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import xinsitu
+from xinsitu import mempool
 from xinsitu.output import BatchArrays
 
 VARS = ["t2m", "u10", "v10"]
@@ -17,7 +18,7 @@ VARS = ["t2m", "u10", "v10"]
 
 def test_an_array_nothing_holds_is_handed_out_again():
     arrays = BatchArrays()
-    assert BatchArrays._IDLE is not None  # this interpreter counts references as we check them
+    assert mempool._IDLE is not None  # this interpreter counts references as we check them
     a = arrays.empty((4, 3, 5), np.float32)
     at = a.ctypes.data
     del a
@@ -59,7 +60,7 @@ def test_pickled_starts_empty():  # generators go to spawned DataLoader workers 
     arrays = BatchArrays()
     a = arrays.empty((3,), np.float32)
     copy = pickle.loads(pickle.dumps(arrays))
-    assert isinstance(copy, BatchArrays) and not copy._held and a.shape == (3,)
+    assert isinstance(copy, BatchArrays) and not copy._pool._held and a.shape == (3,)
 
 
 def test_many_threads_never_share_an_array():
@@ -105,11 +106,9 @@ def test_an_interpreter_without_getrefcount_imports_and_reuses_nothing(monkeypat
     taken back (nothing can say it is free)."""
     import sys
 
-    from xinsitu import output
-
     monkeypatch.delattr(sys, "getrefcount")
-    assert output._calibrate() is None
-    monkeypatch.setattr(BatchArrays, "_IDLE", output._calibrate())
+    assert mempool._calibrate() is None
+    monkeypatch.setattr(mempool, "_IDLE", mempool._calibrate())
     arrays = BatchArrays()
     a = arrays.empty((8,), np.float32)
     at = a.ctypes.data

@@ -362,25 +362,14 @@ def test_grib_bench_smoke(tmp_path):
 def test_forked_child_reads_grib(one_file):
     """A process forked after the parent read (a DataLoader worker under Linux's default start method) reads the
     messages with plain file I/O and decodes them: the same epoch, no hang."""
-    import multiprocessing as mp
-
+    from tests.support.forked import epoch_in_fork
     from tests.support.resume_check import record
-    from tests.test_virtual import _epoch_in_child
 
     ds = open_grib(one_file)
     m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
     gen = ds.insitu.batches(m, "train", batch_size=2, output="numpy", seed=2)
     expected = [record(b) for b in gen]
-    parent, child = mp.get_context("fork").Pipe()
-    p = mp.get_context("fork").Process(target=_epoch_in_child, args=(gen, child), daemon=True)
-    p.start()
-    try:
-        assert parent.poll(60), "the forked child did not finish reading within 60 s"
-        status, got = parent.recv()
-    finally:
-        p.join(5)
-        if p.is_alive():
-            p.kill()
+    status, got = epoch_in_fork(gen, 60, lambda g: [record(b) for b in g])
     assert status == "ok", got
     assert got == expected
 

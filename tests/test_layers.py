@@ -26,8 +26,9 @@ LAYERS = {
     # the adapters to private API of zarr and VirtualiZarr (metadata only: no I/O of their own)
     "compat_zarr": 1, "compat_virtualizarr": 1,
     # 2 -- I/O
-    "_loop": 2, "store": 2, "backend": 2, "virtual_backend": 2, "codecs": 2, "reader": 2, "cache": 2,
-    "inflight": 2, "decode": 2, "fetchers": 2, "cached": 2, "gpu_decode": 2, "device_cache": 2,
+    "_loop": 2, "store": 2, "redact": 2, "store_reads": 2, "backend": 2, "virtual_backend": 2, "zarr_backend": 2,
+    "codecs": 2, "reader": 2, "cache": 2,
+    "inflight": 2, "decode": 2, "fetchers": 2, "cached": 2, "gpu_decode": 2, "device_cache": 2, "mempool": 2,
     # 3 -- batches
     "buffer": 3, "device": 3, "output": 3, "pipeline": 3, "loader": 3, "stats": 3, "dataset": 3, "validity": 3,
     # ``torch`` (the IterableDataset over a generator, public generator methods only) is listed under

@@ -7,7 +7,8 @@ import obstore.store
 import pytest
 
 import xinsitu
-from xinsitu.store import make_store, redact, redact_url, scrubbed, secrets_in_options, secrets_of
+from xinsitu.redact import redact, redact_url, scrubbed, secrets_in_options, secrets_of
+from xinsitu.store import make_store
 
 
 def test_a_local_path_becomes_a_local_store(tmp_path):

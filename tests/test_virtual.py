@@ -16,6 +16,7 @@ import pytest
 import xarray as xr
 
 import xinsitu
+from tests.support.forked import epoch_in_fork
 from tests.support.resume_check import record, run_test_save_load_state
 from tests.test_sampling import run_epoch
 from xinsitu.synthetic import era5_like, packing
@@ -220,32 +221,14 @@ def test_missing_file_names_it(days, tmp_path):
     assert re.search(r"variable '(t2m|u10|v10|z500|tp)'", str(err.value)), err.value
 
 
-def _epoch_in_child(gen, conn) -> None:
-    try:
-        conn.send(("ok", [record(b) for b in gen]))
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
-        conn.send(("error", f"{type(e).__name__}: {e}"))
-
-
 def test_forked_child_reads_local_files(days):
     """A process forked after the parent read through obstore (a DataLoader worker under Linux's default
     start method) reads the local files with plain file I/O: the same epoch, no hang."""
-    import multiprocessing as mp
-
     ds = open_netcdf(days)
     m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
     gen = ds.insitu.batches(m, "train", batch_size=5, output="numpy", seed=2)
     expected = [record(b) for b in gen]  # the parent has used obstore now
-    parent, child = mp.get_context("fork").Pipe()
-    p = mp.get_context("fork").Process(target=_epoch_in_child, args=(gen, child), daemon=True)
-    p.start()
-    try:
-        assert parent.poll(30), "the forked child did not finish reading within 30 s (hung in obstore?)"
-        status, got = parent.recv()
-    finally:
-        p.join(5)
-        if p.is_alive():
-            p.kill()
+    status, got = epoch_in_fork(gen, 30, lambda g: [record(b) for b in g])
     assert status == "ok", got
     assert got == expected
 

@@ -322,16 +322,8 @@ class InsituAccessor:
             From :meth:`split`.
         split : str
             Name of the split whose samples are numbered ``0 .. len(d) - 1``.
-        window : dict of str to int, optional
-            ``{dim: k}``: each sample carries ``k`` consecutive positions.
-        patch : dict of str to int, optional
-            ``{dim: size}``: tiles (xbatcher's ``input_dims``).
-        stride : dict of str to int, optional
-            Tile stride per patch dim (default: the patch size).
-        over : str or list of str, optional
-            More dims whose positions are samples.
-        variables : str or list of str, optional
-            Default: the data variables on the split dim(s); their order is the channel order.
+        window, patch, stride, over, variables
+            What a sample is, as for :meth:`batches` (``variables`` also gives the channel order).
         output : {"numpy", "torch", "xarray", "dataarray", "cupy"}, default "numpy"
             The kind of ``d[i]`` and of a batch; "numpy" or "torch" for the default ``collate_fn``
             (xarray outputs need ``collate_fn=xinsitu.dataset.collate``).

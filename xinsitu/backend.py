@@ -1,5 +1,5 @@
 """How chunk objects are fetched in this process: obstore where the store allows it (the
-fast path), the zarr store's own async ``get`` otherwise (and after ``fork``, where
+fast path), the zarr store's own async ``get`` otherwise (``xinsitu.zarr_backend``), and after ``fork`` (where
 obstore would hang). Files of a local directory are read in the decode thread that
 decodes them, while reading costs less than decoding (``LocalBackend``).
 
@@ -25,7 +25,7 @@ What is retried where:
   ``FETCH_ATTEMPTS`` fetches. An object that never decodes is corrupt in the store:
   the error names it, and the reader names the variable and the chunk.
 
-Errors raised here never quote credentials or signed URLs (``xinsitu.store.scrubbed``).
+Errors raised here never quote credentials or signed URLs (``xinsitu.redact.scrubbed``).
 """
 
 from __future__ import annotations
@@ -37,19 +37,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeAlias, TypeVar, runtime_checkable
 
 from xinsitu import _loop
-from xinsitu._loop import FORK_HELP  # noqa: F401 - re-exported: the message lives in _loop
-from xinsitu.codecs import store_root, zarr_store_get
-from xinsitu.store import FETCH_ATTEMPTS, redact_url, scrubbed, secrets_of
-from xinsitu.virtual_backend import (  # noqa: F401 - re-exported: the virtual stores' backend lived here
-    COALESCE_BYTES,
-    ChunkRange,
-    ManifestBackend,
-    VirtualReferenceError,
-    _file_error,
-    _path_in_store,
-    _where,
-    is_manifest_store,
-)
+from xinsitu.codecs import store_root
+from xinsitu.redact import redact_url, scrubbed, secrets_of
+from xinsitu.store_reads import FETCH_ATTEMPTS
+from xinsitu.virtual_backend import ManifestBackend, is_manifest_store
+from xinsitu.zarr_backend import _ZarrBackend
 
 T = TypeVar("T")
 
@@ -487,54 +479,6 @@ class _FileBackend:
             if len(body) != b - a:
                 raise DamagedObjectError(f"object {key!r}: bytes {a}-{b} asked for, {len(body)} exist")
         return list(bodies)
-
-
-class _ZarrBackend:
-    """Whole objects through the zarr store's own async ``get`` (stores obstore cannot read).
-
-    An fsspec store's client session (aiohttp for ``http://``, aiobotocore for s3fs) belongs to the
-    loop zarr opened it on: its ``get`` runs there, in a task of that loop (``home``)."""
-
-    def __init__(self, zstore: Any):
-        self.zstore = zstore
-        self._home: tuple[int, asyncio.AbstractEventLoop | None] = (os.getpid(), _home_loop(zstore))
-
-    @property
-    def home(self) -> asyncio.AbstractEventLoop | None:
-        """zarr's loop in this process (zarr makes a new one after ``fork``), for an fsspec store; else None."""
-        if self._home[0] != os.getpid():
-            self._home = (os.getpid(), _home_loop(self.zstore))
-        return self._home[1]
-
-    async def get(self, key: str) -> Any:
-        err: BaseException | None = None
-        try:
-            home = self.home
-            if home is not None and home is not asyncio.get_running_loop():
-                return await asyncio.wrap_future(
-                    asyncio.run_coroutine_threadsafe(zarr_store_get(self.zstore, key), home))
-            return await zarr_store_get(self.zstore, key)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - same message, without URL query strings
-            err = scrubbed(e)
-        raise err
-
-
-async def _running_loop() -> asyncio.AbstractEventLoop:
-    return asyncio.get_running_loop()
-
-
-def _home_loop(zstore: Any) -> asyncio.AbstractEventLoop | None:
-    """zarr's own loop for a store of an asynchronous fsspec filesystem (whose sessions are bound to
-    the loop zarr first used them on), else None."""
-    fs = getattr(zstore, "fs", None)
-    if type(zstore).__name__ != "FsspecStore" or not (getattr(fs, "async_impl", False)
-                                                      and getattr(fs, "asynchronous", False)):
-        return None
-    from xinsitu.compat_zarr import zarr_sync
-
-    return zarr_sync(_running_loop())
 
 
 class _Watch:

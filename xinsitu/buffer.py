@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from xinsitu.gpu_decode import GpuChain, GpuPathError
+from xinsitu.mempool import ArrayPool
 from xinsitu.plan import EpochPlan, piece_ids
 from xinsitu.reader import Reader
 from xinsitu.sampling import SampleSpace, VarLayout
@@ -52,8 +53,7 @@ class BufferLoader:
         self.reader = reader
         self.n_split = len(space.split_dims)
         self._static: asyncio.Future[dict[str, np.ndarray]] | None = None
-        self._pool: dict[tuple[tuple[int, ...], np.dtype], list[np.ndarray]] = {}
-        self.pool_size = 4
+        self._pool = ArrayPool(keep=4)  # buffer arrays, given back by recycle (4 per shape and dtype)
         self._inverses: dict[str, tuple[int, ...]] = {}
         self._unit_slots: dict[tuple[int, int, int], tuple[np.ndarray, list[int], np.ndarray]] = {}
         self._whole: dict[tuple[str, int, int, int], tuple[int, ...] | None] = {}
@@ -152,7 +152,7 @@ class BufferLoader:
                 # a buffer whose slots are not whole chunks (a partial chunk at the end): read on the
                 # host as any, then copied to the device (below)
                 uploads.append(name)
-            buf = self._empty(shape, lay.src.raw_dtype)
+            buf = self._pool.take(shape, lay.src.raw_dtype)
             arrays[name] = buf
             reads = []
             inv = self._inverse(name, lay)
@@ -183,7 +183,7 @@ class BufferLoader:
             done = await asyncio.gather(*jobs)
             for name, k in slabbed:
                 if done[k] is not None:
-                    self._give_back(arrays[name])
+                    self._pool.give_back(arrays[name])
                     arrays[name], rows[name] = done[k]
             if step is not None:
                 await step.take(arrays, origin)
@@ -214,7 +214,7 @@ class BufferLoader:
                 warnings.warn(f"xinsitu: decoding variable {name!r} on the GPU failed its check on first use "
                               f"({e}); its chunks are decoded on the CPU from now on", RuntimeWarning, stacklevel=2)
         self.gpu.give_back(dev)
-        buf = arrays[name] = self._empty(list(dev.shape), lay.src.raw_dtype)
+        buf = arrays[name] = self._pool.take(list(dev.shape), lay.src.raw_dtype)
         on_device.remove(name)
         await self.reader.read_many(lay.src, [(regions[s], buf[s]) for s in range(len(coords))])
 
@@ -249,7 +249,7 @@ class BufferLoader:
         for n in names:
             host = arrays[n]
             arrays[n] = self.gpu.asarray(host)
-            self._give_back(host)
+            self._pool.give_back(host)
 
     def _whole_chunks(self, name: str, lay: VarLayout, shape: list[int], inv: tuple[int, ...],
                       keys: list[tuple[int, int, int]],
@@ -314,12 +314,6 @@ class BufferLoader:
                           for d in lay.src.dims)]
 
     # ------------------------------------------------------------------ buffers
-    def _empty(self, shape: list[int], dtype: np.dtype) -> np.ndarray:
-        """A buffer array, recycled from a released buffer where one of that shape is free
-        (fresh pages cost a page fault each on first touch)."""
-        free = self._pool.get((tuple(shape), np.dtype(dtype)))
-        return free.pop() if free else np.empty(shape, dtype=dtype)
-
     def recycle(self, buffer: Buffer) -> None:
         """Give a buffer's arrays back once no batch will be gathered from it again."""
         for name, arr in buffer.arrays.items():
@@ -327,12 +321,7 @@ class BufferLoader:
                 self.gpu.give_back(arr)
                 continue
             if not self.layouts[name].static and name not in buffer.rows:  # a slab is the cache's
-                self._give_back(arr)
-
-    def _give_back(self, arr: np.ndarray) -> None:
-        free = self._pool.setdefault((arr.shape, arr.dtype), [])
-        if len(free) < self.pool_size:
-            free.append(arr)
+                self._pool.give_back(arr)
 
     # ------------------------------------------------------------------ gathering
     def gather(self, buffer: Buffer, rows: np.ndarray,

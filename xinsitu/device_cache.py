@@ -70,21 +70,26 @@ class CupyArrays:
         out[self.cupy.asarray(pos)] = values
 
 
-def check_device_tier() -> None:
-    """A device tier needs CuPy and a CUDA device: say so when the cache is made, naming the extra."""
-    from xinsitu.gpu_decode import gpu_extra_hint
-
+def require_cupy(what: str, missing: str) -> None:
+    """CuPy and a CUDA device, or ``RuntimeError`` now (never a fall back to the CPU): ``missing`` (its
+    ``{hint}``: the extra that installs CuPy) where CuPy is not installed, else "``what``: no CUDA device"."""
     try:
         import cupy
     except ImportError:
-        raise RuntimeError(f"ChunkCache(device=...) keeps chunks in GPU memory and needs CuPy: {gpu_extra_hint()}"
-                           ) from None
+        from xinsitu.gpu_decode import gpu_extra_hint
+
+        raise RuntimeError(missing.format(hint=gpu_extra_hint())) from None
     try:
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # noqa: BLE001 - no driver, no device
-        raise RuntimeError(f"ChunkCache(device=...): no CUDA device is available ({e})") from None
+        raise RuntimeError(f"{what}: no CUDA device is available ({e})") from None
     if n < 1:
-        raise RuntimeError("ChunkCache(device=...): no CUDA device is available")
+        raise RuntimeError(f"{what}: no CUDA device is available")
+
+
+def check_device_tier() -> None:
+    """A device tier needs CuPy and a CUDA device: say so when the cache is made, naming the extra."""
+    require_cupy("ChunkCache(device=...)", "ChunkCache(device=...) keeps chunks in GPU memory and needs CuPy: {hint}")
 
 
 @dataclass

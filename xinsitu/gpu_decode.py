@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from xinsitu.mempool import ArrayPool
+
 #: decode= values
 DECODES = ("auto", "cpu", "gpu")
 #: byte alignment of each payload inside the transfer (nvCOMP's batched decoders need 8 at most)
@@ -438,7 +440,7 @@ class StandInGpu:
 
     def __init__(self) -> None:
         self._decoders: dict[GpuChain, Any] = {}
-        self._free: dict[tuple[tuple[int, ...], str], list[Any]] = {}
+        self._pool = ArrayPool(keep=4, alloc=self._alloc)  # device buffers, given back as host ones are
         self._lock = threading.Lock()
         self.uploads = 0  # host arrays copied to the device (``asarray``)
         self.checked: set[GpuChain] = set()  # chains whose decode passed its check on first use
@@ -457,6 +459,9 @@ class StandInGpu:
     def _make_decoder(self, chain: GpuChain) -> Any:
         return StandInDecoder(chain)
 
+    def _alloc(self, nbytes: int) -> Any:
+        return self.xp.empty(nbytes, dtype=np.uint8)
+
     def decoder(self, chain: GpuChain) -> Any:
         with self._lock:
             got = self._decoders.get(chain)
@@ -466,18 +471,10 @@ class StandInGpu:
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
         """A device array (a buffer's): one given back before, where one of that shape and dtype is free."""
-        key = (tuple(shape), np.dtype(dtype).str)
-        with self._lock:
-            free = self._free.get(key)
-            if free:
-                return free.pop()
-        return self.xp.empty(shape, dtype)
+        return self._pool.take(shape, dtype)
 
-    def give_back(self, arr: Any, keep: int = 4) -> None:
-        with self._lock:
-            free = self._free.setdefault((tuple(arr.shape), arr.dtype.str), [])
-            if len(free) < keep:
-                free.append(arr)
+    def give_back(self, arr: Any) -> None:
+        self._pool.give_back(arr)
 
     def asarray(self, a: Any) -> Any:
         """``a`` (a host array) on the device."""

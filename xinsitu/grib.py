@@ -18,7 +18,6 @@ them all (it is what cfgrib reads with).
 from __future__ import annotations
 
 import os
-import uuid
 import warnings
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,20 +27,18 @@ from typing import Any, NamedTuple
 import numpy as np
 import xarray as xr
 
-from xinsitu.backend import VirtualReferenceError, _where
 from xinsitu.compat_virtualizarr import manifest_group
 from xinsitu.references import (
-    INLINE_SCHEME,
     PARSE_THREADS,
     _as_urls,
     _check_decodable,
-    _inline_array,
-    _InlineStore,
+    _InlineCoords,
     _jsonable,
     _registry_for,
     read_only_bytes_codec,
     register_codec_class,
 )
+from xinsitu.virtual_backend import VirtualReferenceError, _where
 
 #: Packings gribberish 0.30 decodes to exactly ecCodes' values, by edition (measured; see the module doc).
 GRIBBERISH_PACKINGS = {
@@ -445,8 +442,7 @@ def grib_store(paths: str | os.PathLike | Iterable[str | os.PathLike], *, concat
         files = _order(files, concat_dim)
     reg = _registry_for([f.url for f in files], registry, {})
     coords = _joined_coords(files, concat_dim)
-    token = uuid.uuid4().hex
-    inline = _InlineStore({})
+    inline = _InlineCoords()
     arrays: dict[str, Any] = {}
     for name in files[0].data:
         arrays[name] = _data_array(name, files, concat_dim, _choose_decoder(name, files, decoder))
@@ -457,9 +453,8 @@ def grib_store(paths: str | os.PathLike | Iterable[str | os.PathLike], *, concat
                             "pass filter_by_keys= to open the same fields of every file")
     for key, var in coords.variables.items():
         name = str(key)
-        url = f"{INLINE_SCHEME}://{token}/{name}"
-        arrays[name], inline.objects[name] = _inline_array(name, var, url)
-    reg.register(f"{INLINE_SCHEME}://{token}", inline)
+        arrays[name] = inline.array(name, var)
+    inline.register(reg)
     out = ManifestStore(ManifestGroup(arrays=arrays, attributes={k: _jsonable(v) for k, v in files[0].attrs.items()}),
                         registry=reg)
     _check_decodable(out, files[0].url)

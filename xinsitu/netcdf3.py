@@ -440,8 +440,8 @@ def manifest_store(url: str, read: Callable[[int, int], bytes], size: int, regis
     from virtualizarr.manifests import ChunkManifest, ManifestArray, ManifestGroup, ManifestStore
     from virtualizarr.manifests.utils import create_v3_array_metadata
 
-    from xinsitu.backend import VirtualReferenceError, _where
     from xinsitu.references import _jsonable
+    from xinsitu.virtual_backend import VirtualReferenceError, _where
 
     try:
         h = read_header(read, size)

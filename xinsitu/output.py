@@ -9,9 +9,6 @@ then moves every array in it, numpy arrays becoming arrays of the output kind.""
 
 from __future__ import annotations
 
-import sys
-import threading
-from collections import deque
 from typing import Any, cast
 
 import numpy as np
@@ -27,6 +24,8 @@ from xinsitu.channels import (
 )
 from xinsitu.device import NUMERIC_KINDS, DeviceMover, device_api, host_numpy
 from xinsitu.device import tree_map as _tree_map
+from xinsitu.device_cache import require_cupy
+from xinsitu.mempool import ArrayPool
 from xinsitu.sampling import SampleSpace, VarLayout
 
 OUTPUTS = ("xarray", "dataarray", "numpy", "torch", "cupy", "jax")
@@ -78,8 +77,8 @@ class OutputBuilder:
         elif device is not None and output != "torch":
             raise ValueError(f"device={device!r} applies to output='torch' or 'jax' (output='cupy' uses the "
                              "current CuPy device)")
-        if output == "cupy":
-            _check_cupy()
+        if output == "cupy":  # CuPy and a CUDA device, else say so now
+            require_cupy("output='cupy'", "output='cupy' needs CuPy: {hint}, on a machine with CUDA")
         if device is not None and output == "torch":
             self._check_device(device)
         # a CUDA device: batches go through a ring of reused pinned buffers on xinsitu's own stream
@@ -364,32 +363,10 @@ class OutputBuilder:
 JAX_ALIGN = 64
 
 
-def _refs_seen(held: deque[np.ndarray], i: int) -> int:
-    """``sys.getrefcount`` of ``held[i]`` as ``BatchArrays.empty`` sees it (one function for the check
-    and its calibration, so both count the same references)."""
-    count = getattr(sys, "getrefcount", None)  # (an interpreter without it, e.g. PyPy: never taken back)
-    if count is None:
-        return -1
-    raw = held[i]
-    return count(raw)
-
-
-def _calibrate() -> int | None:
-    """The count ``_refs_seen`` gives an array nothing but the deque holds; None where one more
-    reference elsewhere does not show as one more (an interpreter that counts otherwise): then no
-    array is ever taken back."""
-    held: deque[np.ndarray] = deque([np.empty(1)])
-    idle = _refs_seen(held, 0)
-    other = held[0]
-    busy = _refs_seen(held, 0)
-    del other
-    return idle if busy == idle + 1 and _refs_seen(held, 0) == idle else None
-
-
 class BatchArrays:
     """The memory of stacked batches: an array handed out before is taken back, once nothing outside
     holds it (no batch, tensor, view or jax array made from it: its reference count says so), for a
-    batch of the same size.
+    batch of the same size (an ``xinsitu.mempool.ArrayPool`` that counts references).
 
     Fresh memory costs a page fault per page on first touch, and a batch of a few MB is fresh memory
     every time (glibc maps and unmaps it): on the yardstick's cold epoch, 14k page faults and a third
@@ -398,12 +375,19 @@ class BatchArrays:
     ``output="jax"`` on a CPU device takes a stacked batch without a copy."""
 
     KEEP = 6
-    _IDLE = _calibrate()
 
     def __init__(self, alloc: Any = None) -> None:
-        self.alloc = alloc  # fn(nbytes) -> uint8 array (page-locked memory for a device copy), else np.empty
-        self._held: deque[np.ndarray] = deque(maxlen=self.KEEP)
-        self._lock = threading.Lock()  # one array to one caller, where several threads gather
+        self._pool = ArrayPool(self.KEEP, alloc, counted=True)  # taken back by reference count
+
+    @property
+    def alloc(self) -> Any:
+        """``fn(nbytes) -> uint8 array`` making new memory (page-locked memory for a device copy), else None
+        (``np.empty``); may be set after the fact (``OutputBuilder`` wires its device mover's)."""
+        return self._pool.alloc
+
+    @alloc.setter
+    def alloc(self, fn: Any) -> None:
+        self._pool.alloc = fn
 
     def __reduce__(self) -> tuple[Any, ...]:  # a copy (a worker process's) starts with none held
         return (BatchArrays, ())
@@ -411,23 +395,9 @@ class BatchArrays:
     def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         dtype = np.dtype(dtype)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        raw = self._take(nbytes + JAX_ALIGN)
+        raw = self._pool.take((nbytes + JAX_ALIGN,), np.uint8)
         off = (-raw.ctypes.data) % JAX_ALIGN
         return raw[off:off + nbytes].view(dtype).reshape(shape)
-
-    def _take(self, size: int) -> np.ndarray:
-        with self._lock:
-            held = self._held
-            if self._IDLE is not None:
-                for i in range(len(held)):
-                    if held[i].nbytes == size and _refs_seen(held, i) == self._IDLE:
-                        raw = held[i]
-                        del held[i]
-                        held.append(raw)  # the newest: older ones are dropped first
-                        return raw
-            raw = np.empty(size, dtype=np.uint8) if self.alloc is None else self.alloc(size)
-            held.append(raw)
-            return raw
 
 
 def _check_jax_dtype(what: str, dtype: Any) -> None:
@@ -455,19 +425,3 @@ def _jax_device(device: Any) -> Any:
         return device
     raise TypeError(f"device= for output='jax' takes a jax device (e.g. jax.devices('cpu')[0] or "
                     f"jax.devices()[0]), got {device!r}")
-
-
-def _check_cupy() -> None:
-    """output='cupy' needs CuPy and a CUDA device: say so now, never fall back to the CPU."""
-    try:
-        import cupy
-    except ImportError:
-        from xinsitu.gpu_decode import gpu_extra_hint
-
-        raise RuntimeError(f"output='cupy' needs CuPy: {gpu_extra_hint()}, on a machine with CUDA") from None
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # noqa: BLE001 - no driver, no device
-        raise RuntimeError(f"output='cupy': no CUDA device is available ({e})") from None
-    if n < 1:
-        raise RuntimeError("output='cupy': no CUDA device is available")

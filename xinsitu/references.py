@@ -6,7 +6,7 @@ that read a file's bytes in their own format (GRIB messages, NetCDF-3 big-endian
 
 They sit below the three builders so that none imports another's helpers; what reading
 such a store needs at run time (``ManifestBackend``, ``VirtualReferenceError``) is I/O and
-lives in :mod:`xinsitu.backend`.
+lives in :mod:`xinsitu.virtual_backend`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import asyncio
 import functools
 import glob
 import os
+import uuid
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -23,8 +24,8 @@ from urllib.parse import urlparse
 import numpy as np
 import xarray as xr
 
-from xinsitu.backend import VirtualReferenceError, _where
 from xinsitu.compat_virtualizarr import manifest_group
+from xinsitu.virtual_backend import VirtualReferenceError, _where
 
 #: ``encoding`` keys of a decoded variable that describe its CF encoding (the rest is zarr's).
 _CF_ENCODING = ("units", "calendar", "dtype", "_FillValue", "missing_value", "scale_factor", "add_offset")
@@ -141,6 +142,24 @@ def _encode_inline(name: str, var: xr.Variable) -> xr.Variable:
                                                       equal_nan=var.dtype.kind in "fcmM"):
             return out
     raise VirtualReferenceError(f"coordinate {name!r} cannot be encoded exactly once joined across files")
+
+
+class _InlineCoords:
+    """Joined coordinates kept in memory: one ``_InlineStore`` under a fresh token (``INLINE_SCHEME`` URLs)."""
+
+    def __init__(self) -> None:
+        self.token = uuid.uuid4().hex
+        self.store = _InlineStore({})
+
+    def array(self, name: str, var: xr.Variable) -> Any:
+        """The ManifestArray of coordinate ``name``, its bytes kept in the store."""
+        arr, self.store.objects[name] = _inline_array(name, var, f"{INLINE_SCHEME}://{self.token}/{name}")
+        return arr
+
+    def register(self, reg: Any) -> None:
+        """Make the store readable through the obstore registry ``reg`` (where it holds anything)."""
+        if self.store.objects:
+            reg.register(f"{INLINE_SCHEME}://{self.token}", self.store)
 
 
 def _inline_array(name: str, var: xr.Variable, url: str) -> tuple[Any, bytes]:

@@ -4,30 +4,31 @@ Options go to obstore unchanged (``config`` keys such as credentials and endpoin
 keyword arguments, ``client_options``, ``retry_config``, ``credential_provider``), over
 defaults tuned for training: long transfers are allowed, stalls are caught by a read
 timeout, and transient faults are retried with backoff (see ``DEFAULT_CLIENT_OPTIONS`` and
-``DEFAULT_RETRY_CONFIG``). Credentials are never put in messages: ``redact`` scrubs them.
+``DEFAULT_RETRY_CONFIG``). Credentials are never put in messages: ``xinsitu.redact`` scrubs
+them. The metadata reads of an open are bounded and checked (``xinsitu.store_reads``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
-import inspect
 import json
 import os
 import re
 import sys
 import warnings
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any, TypeVar, cast
-from urllib.parse import parse_qsl, urlsplit
+from typing import Any, cast
+from urllib.parse import urlsplit
 
 import numpy as np
 import pandas as pd
 import xarray as xr
 
-from xinsitu import _loop, source
+from xinsitu import _loop
+from xinsitu.redact import RecordingProvider, _chain_text, redact, redact_url, scrubbed, secrets_in_options, secrets_of
+from xinsitu.store_reads import _checked_store, bounded_request
 from xinsitu.xr_adapter import (
     CACHING,
     ELEMENTWISE,
@@ -40,8 +41,6 @@ from xinsitu.xr_adapter import (
     zarr_array_of,
     zarr_group_of,
 )
-
-T = TypeVar("T")
 
 _SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss", "adl", "http", "https", "file", "memory")
 _REMOTE = ("s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss", "adl", "http", "https")
@@ -65,68 +64,6 @@ DEFAULT_RETRY_CONFIG: dict[str, Any] = {
     "retry_timeout": timedelta(minutes=4),  # obstore advises < 5 min (signed requests expire)
     "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=10), "base": 2},
 }
-
-# option names (any store kind) whose values are credentials
-_SECRET_KEY = re.compile(r"secret|token|key|password|sas|credential|signature|authorization|client_id|bearer",
-                         re.IGNORECASE)
-_URL = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^/\s@\"'<>]*@)?(?P<rest>[^\s?#\"'<>]*)"
-                  r"(?P<query>\?[^\s#\"'<>]*)?")
-
-
-#: environment variables obstore reads credentials from (their names also match ``_SECRET_KEY``)
-_ENV_PREFIXES = ("AWS_", "AZURE_", "GOOGLE_", "GCS_", "GCP_", "OBJECT_STORE_")
-_seen: dict[str, None] = {}  # credentials a credential_provider handed to obstore, newest last
-_SEEN_MAX = 256
-
-
-def env_secrets() -> list[str]:
-    """Credential values in the environment variables obstore reads (``AWS_SECRET_ACCESS_KEY``...)."""
-    found: list[str] = []
-    for k, v in os.environ.items():
-        if k.upper().startswith(_ENV_PREFIXES) and _SECRET_KEY.search(k) and len(v) >= 4:
-            found.append(v)
-            found.extend(w for w in v.split() if len(w) >= 8)
-    return found
-
-
-def _remember(value: Any) -> None:
-    """Record the credential values of a provider's answer (a dict or an object with attributes)."""
-    items = value.items() if isinstance(value, dict) else \
-        ((k, getattr(value, k, None)) for k in dir(value) if not k.startswith("_"))
-    for k, v in items:
-        if isinstance(v, str) and len(v) >= 4 and _SECRET_KEY.search(str(k)):
-            _seen.pop(v, None)
-            _seen[v] = None
-    while len(_seen) > _SEEN_MAX:
-        del _seen[next(iter(_seen))]
-
-
-class RecordingProvider:
-    """A ``credential_provider`` that hands obstore what ``inner`` returns and remembers it, so that
-    ``redact`` can scrub those credentials too. Picklable where ``inner`` is (spawned workers)."""
-
-    def __init__(self, inner: Any):
-        self.inner = inner
-
-    def __call__(self) -> Any:
-        got = self.inner()
-        if inspect.isawaitable(got):
-            return self._wait(got)
-        _remember(got)
-        return got
-
-    async def _wait(self, pending: Any) -> Any:
-        got = await pending
-        _remember(got)
-        return got
-
-    def __getattr__(self, name: str) -> Any:  # e.g. obstore's ``config`` of its own providers
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def __repr__(self) -> str:
-        return f"RecordingProvider({type(self.inner).__name__})"
 
 
 def make_store(url: str | os.PathLike, **options: Any) -> Any:
@@ -212,97 +149,6 @@ def _merge_retry(user: dict[str, Any] | None) -> dict[str, Any]:
     return out | user
 
 
-# ----------------------------------------------------------------------------- redaction
-def redact_url(url: str) -> str:
-    """A URL without user info or query string (signed URLs carry credentials there)."""
-    p = urlsplit(url)
-    host = p.hostname or ""
-    if p.port:
-        host += f":{p.port}"
-    return f"{p.scheme}://{host}{p.path}" + ("?…" if p.query else "")
-
-
-def secrets_in_options(url: str, options: dict[str, Any]) -> list[str]:
-    """Credential values among store options (and a URL's user info and query values)."""
-    found: list[str] = []
-
-    def walk(key: str, v: Any) -> None:
-        if isinstance(v, dict):
-            for k, x in v.items():
-                walk(str(k), x)
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                walk(key, x)
-        elif isinstance(v, (str, bytes)) and _SECRET_KEY.search(key):
-            s = v.decode(errors="replace") if isinstance(v, bytes) else v
-            found.append(s)
-            found.extend(w for w in s.split() if len(w) >= 8)  # "Bearer <token>": the token alone too
-
-    walk("", options)
-    p = urlsplit(url)
-    if p.password:
-        found.append(p.password)
-    found.extend(v for _, v in parse_qsl(p.query))
-    return sorted({s for s in found if len(s) >= 4}, key=len, reverse=True)
-
-
-def secrets_of(store: Any) -> list[str]:
-    """Credential values an obstore store was built with (empty for local and memory stores)."""
-    opts: dict[str, Any] = {}
-    for attr in ("config", "client_options"):
-        try:
-            opts[attr] = dict(getattr(store, attr, None) or {})
-        except Exception:  # noqa: BLE001 - a store kind without that property
-            pass
-    url = getattr(store, "url", "") or ""
-    return secrets_in_options(url if isinstance(url, str) else "", opts)
-
-
-def redact(text: str, secrets: list[str] | tuple[str, ...] = ()) -> str:
-    """``text`` with URL query strings and user info, and every credential, replaced: the values in
-    ``secrets``, those of the environment variables obstore reads and those a credential provider
-    answered (``RecordingProvider``)."""
-    every = {s for s in (*secrets, *env_secrets(), *_seen) if len(s) >= 4}
-    for s in sorted(every, key=len, reverse=True):
-        text = text.replace(s, "***")
-    return _URL.sub(lambda m: m["scheme"] + ("***@" if m["user"] else "") + m["rest"]
-                    + ("?***" if m["query"] else ""), text)
-
-
-def scrubbed(e: BaseException, secrets: list[str] | tuple[str, ...] = ()) -> BaseException:
-    """An exception like ``e`` whose message names no credential; obstore's debug dump is cut.
-
-    The caller raises it ``from None``: the original (which may quote a signed URL) stays out
-    of tracebacks and logs.
-    """
-    msg = str(e).split("\n\nDebug source:", 1)[0].strip()
-    msg = redact(msg, secrets)
-    base: type[BaseException]
-    if isinstance(e, FileNotFoundError):
-        base = FileNotFoundError
-    elif isinstance(e, PermissionError) or type(e).__name__ in ("PermissionDeniedError", "UnauthenticatedError"):
-        base = PermissionError
-    elif type(e).__name__ in ("UnknownConfigurationKeyError", "InvalidPathError"):
-        base = ValueError
-    elif isinstance(e, (TimeoutError, ConnectionError, ValueError, TypeError, KeyError, OSError)):
-        base = next(t for t in (TimeoutError, ConnectionError, ValueError, TypeError, KeyError, OSError)
-                    if isinstance(e, t))
-    else:
-        base = OSError
-    name = type(e).__name__
-    return base(msg if name == base.__name__ else f"{name}: {msg}")
-
-
-def _chain_text(e: BaseException) -> str:
-    """Messages of ``e`` and of every exception it was raised from or during."""
-    out: list[str] = []
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        out.append(str(cur))
-        cur = cur.__cause__ or cur.__context__
-    return "\n".join(out)
 
 
 # ----------------------------------------------------------------------------- open
@@ -685,99 +531,3 @@ def _if_no_dims(zstore: Any, group: str | None, where: str) -> None:
         raise ValueError(f"{where}: zarr v2 arrays {names} have no '_ARRAY_DIMENSIONS' attribute (nor NCZarr "
                          "metadata), which xarray needs to name their dimensions: the archive was not written by "
                          "xarray. Add the attribute (a list of dim names) to each array's .zattrs") from None
-
-
-#: fetches of one object before a damaged body (short, undecodable, not JSON) is an error
-FETCH_ATTEMPTS = 3
-#: metadata objects: JSON, checked as read (a damaged body is fetched again, then named)
-_METADATA = ("zarr.json", ".zmetadata", ".zarray", ".zattrs", ".zgroup")
-_checked: Any = None
-
-
-def _checked_store() -> Any:
-    """``zarr.storage.ObjectStore`` whose metadata reads are checked: a body that is not valid JSON
-    (damaged in transit) is fetched again, ``FETCH_ATTEMPTS`` times, then raises naming its key."""
-    global _checked
-    if _checked is None:
-        import zarr.storage
-
-        class ObjectStore(zarr.storage.ObjectStore):  # same name: code that checks the kind keeps working
-            async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
-                def fetch() -> Any:
-                    return super(ObjectStore, self).get(key, prototype, byte_range)
-
-                what = f"object {key!r} of {_store_name(self.store)}"
-                if byte_range is not None or not key.endswith(_METADATA):
-                    return await bounded_request(fetch, what)
-                err: Exception | None = None
-                for _ in range(FETCH_ATTEMPTS):
-                    buf = await bounded_request(fetch, "metadata " + what)
-                    if buf is None:
-                        return None
-                    try:
-                        json.loads(buf.to_bytes())
-                        return buf
-                    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-                        err = e
-                raise ValueError(f"metadata object {key!r} is not valid JSON, {FETCH_ATTEMPTS} fetches in a row "
-                                 f"(damaged in the store?): {type(err).__name__}: {err}")
-
-            async def exists(self, key: str) -> bool:
-                return await bounded_request(lambda: super(ObjectStore, self).exists(key),
-                                             f"object {key!r} of {_store_name(self.store)}")
-
-        ObjectStore.__module__ = __name__
-        ObjectStore.__qualname__ = "_CheckedObjectStore"
-        _checked = ObjectStore
-    return _checked
-
-
-def _store_name(obs: Any) -> str:
-    """An obstore store as messages name it: its URL without credentials, else its type."""
-    url = getattr(obs, "url", None)
-    return redact_url(str(url)) if url else type(obs).__name__
-
-
-async def bounded_request(fetch: Callable[[], Awaitable[T]], what: str) -> T:
-    """``await fetch()``, each try given ``XINSITU_REQUEST_TIMEOUT`` seconds (``_loop.request_timeout``),
-    ``FETCH_ATTEMPTS`` tries: the bound of chunk reads (``xinsitu.backend.bounded``) on the metadata
-    reads of an open (a server that accepts and never answers). Then ``TimeoutError`` naming ``what``.
-    A ``TimeoutError`` of the store's own is raised as it is."""
-    limit = _loop.request_timeout()
-    for _ in range(FETCH_ATTEMPTS):
-        cm = asyncio.timeout(limit)
-        try:
-            async with cm:
-                return await fetch()
-        except TimeoutError:
-            if not cm.expired():
-                raise
-    raise TimeoutError(f"{what}: no answer within {limit:g} s, {FETCH_ATTEMPTS} times (set XINSITU_REQUEST_TIMEOUT "
-                       "to a number of seconds to wait longer, or fewer)")
-
-
-def bounded_store(zstore: Any) -> Any:
-    """``zstore`` with each ``get`` and ``exists`` bounded as ``bounded_request`` bounds them (the
-    checked obstore store of ``open_zarr`` is bounded already and is returned as it is)."""
-    if isinstance(zstore, _checked_store()):
-        return zstore
-    import zarr.storage
-
-    class BoundedStore(zarr.storage.WrapperStore):
-        async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
-            return await bounded_request(lambda: self._store.get(key, prototype, byte_range),
-                                         f"object {key!r} of {type(self._store).__name__}")
-
-        async def exists(self, key: str) -> bool:
-            return await bounded_request(lambda: self._store.exists(key),
-                                         f"object {key!r} of {type(self._store).__name__}")
-
-    return BoundedStore(zstore)
-
-
-source.reopen_store = bounded_store  # xinsitu's reopen of a dask-backed Dataset's store (layer 1)
-
-def __getattr__(name: str) -> Any:  # pickles name the checked store class by this attribute
-    if name == "_CheckedObjectStore":
-        return _checked_store()
-    raise AttributeError(name)

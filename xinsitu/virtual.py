@@ -13,7 +13,7 @@ Coordinates along the joined dimension (``time``, which xarray-written files eac
 with their own units) are read once, decoded, joined, encoded again and kept inline (in
 memory, a few bytes per step); the data variables stay in the files.
 
-:class:`xinsitu.backend.ManifestBackend` (I/O, so it lives there) is how xinsitu fetches the
+:class:`xinsitu.virtual_backend.ManifestBackend` (I/O, so it lives there) is how xinsitu fetches the
 chunks of such a store: byte ranges of the original files straight
 through obstore; on object storage the ranges of one file asked
 for in the same turn of the event loop go out as one ``get_ranges`` request (obstore merges
@@ -26,7 +26,6 @@ an error that names it: a virtual chunk is never read as the fill value.
 from __future__ import annotations
 
 import os
-import uuid
 import warnings
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -36,16 +35,14 @@ import numpy as np
 import xarray as xr
 
 from xinsitu.compat_virtualizarr import chunk_shape, concat_manifests, hdf5_variable_manifest, manifest_group
+from xinsitu.redact import secrets_of
 from xinsitu.references import (
-    INLINE_SCHEME,
     PARSE_THREADS,
     _as_urls,
     _check_decodable,
-    _inline_array,
-    _InlineStore,
+    _InlineCoords,
     _registry_for,
 )
-from xinsitu.store import secrets_of
 from xinsitu.virtual_backend import (  # noqa: F401 - ManifestBackend, is_manifest_store: re-exported
     ManifestBackend,
     VirtualReferenceError,
@@ -290,16 +287,14 @@ def _netcdf_store(paths: Any, concat_dim: str, group: str | None, drop_variables
 
     first = manifest_group(stores[0])
     inline_names = [n for n, v in coords[0].items() if concat_dim in v.dims]
-    token = uuid.uuid4().hex
-    inline = _InlineStore({})
+    inline = _InlineCoords()
     arrays: dict[str, Any] = {}
     for name, arr in first.arrays.items():
         dims = tuple(arr.metadata.dimension_names or ())
         if name in inline_names:
             var = xr.Variable.concat([c[name].to_base_variable() for c in coords], dim=concat_dim)
             var.encoding = dict(coords[0][name].encoding)
-            url = f"{INLINE_SCHEME}://{token}/{name}"
-            arrays[name], inline.objects[name] = _inline_array(name, var, url)
+            arrays[name] = inline.array(name, var)
             continue
         if concat_dim not in dims:
             for u, c in zip(urls[1:], coords[1:], strict=True):  # a shared coordinate must be the same
@@ -322,8 +317,7 @@ def _netcdf_store(paths: Any, concat_dim: str, group: str | None, drop_variables
         if extra:
             raise VirtualReferenceError(f"variable(s) {extra} are in {_where(u)} but not in "
                                         f"{_where(urls[0])}; drop them with drop_variables={extra}")
-    if inline.objects:
-        reg.register(f"{INLINE_SCHEME}://{token}", inline)
+    inline.register(reg)
     out = ManifestStore(ManifestGroup(arrays=arrays, attributes=dict(first.metadata.attributes or {})),
                         registry=reg)
     _check_decodable(out, urls[0])

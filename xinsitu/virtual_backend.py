@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 from urllib.parse import urlparse
 
 from xinsitu import _loop, compat_virtualizarr
-from xinsitu.store import redact_url, scrubbed, secrets_of
+from xinsitu.redact import redact_url, scrubbed, secrets_of
 
 #: Bytes of one file fetched in one request at most, where ranges are coalesced (remote stores).
 COALESCE_BYTES = 8 * 2**20

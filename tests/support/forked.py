@@ -1,9 +1,10 @@
-"""Run a check in a child made by ``os.fork`` and bring its answer back through a pipe."""
+"""Run a check (or an epoch) in a child made by ``os.fork`` and bring its answer back through a pipe."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 
 from xinsitu import _loop
 
@@ -34,3 +35,28 @@ def in_fork(check: Callable[[], bool], refused: Callable[[], object]) -> tuple[b
     assert os.waitstatus_to_exitcode(status) == 0, out
     ok, msg = out.split("|", 1)
     return ok == "True", msg
+
+
+def epoch_in_fork(gen: Any, within: float, what: Callable[[Any], Any]) -> tuple[str, Any]:
+    """``what(gen)`` (e.g. an epoch's batches, recorded) in a child forked by multiprocessing (a DataLoader
+    worker under Linux's default start method): ``("ok", answer)`` or ``("error", message)``. Waits at
+    most ``within`` seconds, then fails naming the hang; a child still alive after is killed."""
+    import multiprocessing as mp
+
+    parent, child = mp.get_context("fork").Pipe()
+    p = mp.get_context("fork").Process(target=_in_child, args=(gen, child, what), daemon=True)
+    p.start()
+    try:
+        assert parent.poll(within), f"the forked child neither read nor failed within {within:g} s: it hung"
+        return parent.recv()
+    finally:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+
+
+def _in_child(gen: Any, conn: Any, what: Callable[[Any], Any]) -> None:
+    try:
+        conn.send(("ok", what(gen)))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", f"{type(e).__name__}: {e}"))

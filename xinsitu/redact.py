@@ -1,0 +1,168 @@
+"""Credentials out of messages: the values a store was built with, those of the environment
+variables obstore reads and those a credential provider answered (``RecordingProvider``) are
+replaced in the text of an error (``redact``, ``scrubbed``); a URL is named without its user info
+or query string (``redact_url``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+# option names (any store kind) whose values are credentials
+_SECRET_KEY = re.compile(r"secret|token|key|password|sas|credential|signature|authorization|client_id|bearer",
+                         re.IGNORECASE)
+_URL = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^/\s@\"'<>]*@)?(?P<rest>[^\s?#\"'<>]*)"
+                  r"(?P<query>\?[^\s#\"'<>]*)?")
+
+
+#: environment variables obstore reads credentials from (their names also match ``_SECRET_KEY``)
+_ENV_PREFIXES = ("AWS_", "AZURE_", "GOOGLE_", "GCS_", "GCP_", "OBJECT_STORE_")
+_seen: dict[str, None] = {}  # credentials a credential_provider handed to obstore, newest last
+_SEEN_MAX = 256
+
+
+def env_secrets() -> list[str]:
+    """Credential values in the environment variables obstore reads (``AWS_SECRET_ACCESS_KEY``...)."""
+    found: list[str] = []
+    for k, v in os.environ.items():
+        if k.upper().startswith(_ENV_PREFIXES) and _SECRET_KEY.search(k) and len(v) >= 4:
+            found.append(v)
+            found.extend(w for w in v.split() if len(w) >= 8)
+    return found
+
+
+def _remember(value: Any) -> None:
+    """Record the credential values of a provider's answer (a dict or an object with attributes)."""
+    items = value.items() if isinstance(value, dict) else \
+        ((k, getattr(value, k, None)) for k in dir(value) if not k.startswith("_"))
+    for k, v in items:
+        if isinstance(v, str) and len(v) >= 4 and _SECRET_KEY.search(str(k)):
+            _seen.pop(v, None)
+            _seen[v] = None
+    while len(_seen) > _SEEN_MAX:
+        del _seen[next(iter(_seen))]
+
+
+class RecordingProvider:
+    """A ``credential_provider`` that hands obstore what ``inner`` returns and remembers it, so that
+    ``redact`` can scrub those credentials too. Picklable where ``inner`` is (spawned workers)."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def __call__(self) -> Any:
+        got = self.inner()
+        if inspect.isawaitable(got):
+            return self._wait(got)
+        _remember(got)
+        return got
+
+    async def _wait(self, pending: Any) -> Any:
+        got = await pending
+        _remember(got)
+        return got
+
+    def __getattr__(self, name: str) -> Any:  # e.g. obstore's ``config`` of its own providers
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __repr__(self) -> str:
+        return f"RecordingProvider({type(self.inner).__name__})"
+
+
+
+def redact_url(url: str) -> str:
+    """A URL without user info or query string (signed URLs carry credentials there)."""
+    p = urlsplit(url)
+    host = p.hostname or ""
+    if p.port:
+        host += f":{p.port}"
+    return f"{p.scheme}://{host}{p.path}" + ("?…" if p.query else "")
+
+
+def secrets_in_options(url: str, options: dict[str, Any]) -> list[str]:
+    """Credential values among store options (and a URL's user info and query values)."""
+    found: list[str] = []
+
+    def walk(key: str, v: Any) -> None:
+        if isinstance(v, dict):
+            for k, x in v.items():
+                walk(str(k), x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(key, x)
+        elif isinstance(v, (str, bytes)) and _SECRET_KEY.search(key):
+            s = v.decode(errors="replace") if isinstance(v, bytes) else v
+            found.append(s)
+            found.extend(w for w in s.split() if len(w) >= 8)  # "Bearer <token>": the token alone too
+
+    walk("", options)
+    p = urlsplit(url)
+    if p.password:
+        found.append(p.password)
+    found.extend(v for _, v in parse_qsl(p.query))
+    return sorted({s for s in found if len(s) >= 4}, key=len, reverse=True)
+
+
+def secrets_of(store: Any) -> list[str]:
+    """Credential values an obstore store was built with (empty for local and memory stores)."""
+    opts: dict[str, Any] = {}
+    for attr in ("config", "client_options"):
+        try:
+            opts[attr] = dict(getattr(store, attr, None) or {})
+        except Exception:  # noqa: BLE001 - a store kind without that property
+            pass
+    url = getattr(store, "url", "") or ""
+    return secrets_in_options(url if isinstance(url, str) else "", opts)
+
+
+def redact(text: str, secrets: list[str] | tuple[str, ...] = ()) -> str:
+    """``text`` with URL query strings and user info, and every credential, replaced: the values in
+    ``secrets``, those of the environment variables obstore reads and those a credential provider
+    answered (``RecordingProvider``)."""
+    every = {s for s in (*secrets, *env_secrets(), *_seen) if len(s) >= 4}
+    for s in sorted(every, key=len, reverse=True):
+        text = text.replace(s, "***")
+    return _URL.sub(lambda m: m["scheme"] + ("***@" if m["user"] else "") + m["rest"]
+                    + ("?***" if m["query"] else ""), text)
+
+
+def scrubbed(e: BaseException, secrets: list[str] | tuple[str, ...] = ()) -> BaseException:
+    """An exception like ``e`` whose message names no credential; obstore's debug dump is cut.
+
+    The caller raises it ``from None``: the original (which may quote a signed URL) stays out
+    of tracebacks and logs.
+    """
+    msg = str(e).split("\n\nDebug source:", 1)[0].strip()
+    msg = redact(msg, secrets)
+    base: type[BaseException]
+    if isinstance(e, FileNotFoundError):
+        base = FileNotFoundError
+    elif isinstance(e, PermissionError) or type(e).__name__ in ("PermissionDeniedError", "UnauthenticatedError"):
+        base = PermissionError
+    elif type(e).__name__ in ("UnknownConfigurationKeyError", "InvalidPathError"):
+        base = ValueError
+    elif isinstance(e, (TimeoutError, ConnectionError, ValueError, TypeError, KeyError, OSError)):
+        base = next(t for t in (TimeoutError, ConnectionError, ValueError, TypeError, KeyError, OSError)
+                    if isinstance(e, t))
+    else:
+        base = OSError
+    name = type(e).__name__
+    return base(msg if name == base.__name__ else f"{name}: {msg}")
+
+
+def _chain_text(e: BaseException) -> str:
+    """Messages of ``e`` and of every exception it was raised from or during."""
+    out: list[str] = []
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        out.append(str(cur))
+        cur = cur.__cause__ or cur.__context__
+    return "\n".join(out)

@@ -203,7 +203,26 @@ class _Packer:
         return host, spans
 
 
-class StandInDecoder:
+class _Decoder:
+    """What every decoder does the same: ``decode_many`` = ``payload`` per chunk, then
+    ``decode_payloads`` (the decoder's own: one transfer, one batched decode)."""
+
+    chain: GpuChain
+
+    def decode_many(self, raws: list[Any], dests: list[Any], where: list[str] | None = None) -> None:
+        """Decode the stored bytes ``raws`` of chunks into ``dests`` (arrays of the chunk's shape)."""
+        if len(raws) != len(dests):
+            raise ValueError(f"decode_many: {len(raws)} chunks but {len(dests)} destinations")
+        if not raws:
+            return
+        names = where or [f"chunk {i}" for i in range(len(raws))]
+        self.decode_payloads([payload(r, self.chain, w) for r, w in zip(raws, names, strict=True)], dests, names)
+
+    def decode_payloads(self, parts: list[Any], dests: list[Any], names: list[str]) -> None:
+        raise NotImplementedError
+
+
+class StandInDecoder(_Decoder):
     """The decoder's host-side steps with numpy for device memory and numcodecs/zlib for nvCOMP.
 
     ``transfers`` counts host-to-"device" copies (one per ``decode_many``), ``decode_calls`` the
@@ -218,14 +237,6 @@ class StandInDecoder:
         self.packer = _Packer(lambda n: np.empty(n, dtype=np.uint8))
         self.transfers = self.decode_calls = 0
         self._lock = threading.Lock()
-
-    def decode_many(self, raws: list[Any], dests: list[np.ndarray], where: list[str] | None = None) -> None:
-        if len(raws) != len(dests):
-            raise ValueError(f"decode_many: {len(raws)} chunks but {len(dests)} destinations")
-        if not raws:
-            return
-        names = where or [f"chunk {i}" for i in range(len(raws))]
-        self.decode_payloads([payload(r, self.chain, w) for r, w in zip(raws, names, strict=True)], dests, names)
 
     def decode_payloads(self, parts: list[Any], dests: list[np.ndarray], names: list[str]) -> None:
         """``decode_many`` of payloads already stripped of their framing (``payload``)."""
@@ -255,7 +266,7 @@ class StandInDecoder:
         return [np.frombuffer(zlib.decompressobj(-15).decompress(b.tobytes()), dtype=np.uint8) for b in bufs]
 
 
-class NvcompDecoder:
+class NvcompDecoder(_Decoder):
     """Decode on a CUDA device with nvCOMP (``from nvidia import nvcomp``) into cupy arrays."""
 
     kind = "nvcomp"
@@ -286,14 +297,6 @@ class NvcompDecoder:
                                                       bitstream_kind=nvcomp.BitstreamKind.RAW,
                                                       cuda_stream=self.stream.ptr)
         return codec
-
-    def decode_many(self, raws: list[Any], dests: list[Any], where: list[str] | None = None) -> None:
-        if len(raws) != len(dests):
-            raise ValueError(f"decode_many: {len(raws)} chunks but {len(dests)} destinations")
-        if not raws:
-            return
-        names = where or [f"chunk {i}" for i in range(len(raws))]
-        self.decode_payloads([payload(r, self.chain, w) for r, w in zip(raws, names, strict=True)], dests, names)
 
     def decode_payloads(self, parts: list[Any], dests: list[Any], names: list[str]) -> None:
         """``decode_many`` of payloads already stripped of their framing (``payload``)."""

@@ -164,15 +164,39 @@ class WrongGpu(CountingGpu):
         return dec
 
 
-class BrokenBuildGpu(CountingGpu):
-    """A device whose arrays fail in the batch's build (an API the device's library lacks)."""
+class _NoBroadcast:
+    """numpy without ``broadcast_to`` (only stacking uses it): an array module the build fails on."""
 
-    def asarray(self, a):
-        raise AttributeError("no such device call")
+    def __getattr__(self, name):
+        if name == "broadcast_to":
+            raise AttributeError("no such device call: broadcast_to")
+        return getattr(np, name)
+
+
+class BrokenBuildGpu(CountingGpu):
+    """A device whose array module fails in the batch's build (an API the device's library lacks)."""
+
+    xp = _NoBroadcast()
+
+
+class BrokenGatherGpu(CountingGpu):
+    """A device on which the gather's indexed take fails."""
+
+    def index(self, idx):
+        raise TypeError("no such device call: index arrays")
+
+
+class BrokenSyncGpu(CountingGpu):
+    """A device whose every wait fails (a driver error)."""
+
+    def synchronize(self):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
 
 @pytest.mark.parametrize("gpu,what", [(WrongGpu, "decoding variable '(t2m|tp)' on the GPU failed its check"),
-                                      (BrokenBuildGpu, "building batches on the GPU failed its check")])
+                                      (BrokenGatherGpu, "gathering batches on the GPU failed its check"),
+                                      (BrokenBuildGpu, "building batches on the GPU failed its check"),
+                                      (BrokenSyncGpu, "on the GPU failed its check")])
 def test_the_gpu_path_checks_itself_on_first_use_and_gives_way_to_the_cpu(ds_m, gpu, what):
     """Never wrong values, never a crash from the device's side: the first decode of each chain and
     the first batch built are checked bit for bit against the host; a failure is said once, and the
@@ -270,3 +294,64 @@ def test_real_gpu_decode_bit_identical(ds_m, stack, cached):
             for k in r:
                 assert g[k].device.type == "cuda" and np.array_equal(r[k], g[k].cpu().numpy(), equal_nan=True)
     torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------ CF decoding with array operations
+ENCODINGS = {
+    "int16 f8 scale+offset+fill": dict(dtype="int16", scale_factor=0.001, add_offset=30.0, _FillValue=-32768),
+    "int16 f4 scale+offset": dict(dtype="int16", scale_factor=np.float32(0.05), add_offset=np.float32(-3.0),
+                                  _FillValue=np.int16(-1)),
+    "uint8 scale": dict(dtype="uint8", scale_factor=0.5, _FillValue=255),
+    "int32 missing_value": dict(dtype="int32", scale_factor=1e-3, missing_value=-999),
+    "float32 scale only": dict(dtype="float32", scale_factor=np.float32(2.0)),
+}
+
+
+@pytest.mark.parametrize("name", list(ENCODINGS))
+def test_array_cf_decodes_as_xarray(tmp_path, name):
+    """CF decoding written as array operations of one dtype each (what runs on the device) gives
+    xarray's values bit for bit, on values beyond the probe it was chosen on; and the GPU path's
+    batches with it equal the CPU path's."""
+    import xarray as xr
+
+    from xinsitu.channels import array_cf, cf_decoder
+
+    rng = np.random.default_rng(1)
+    vals = rng.normal(10, 5, (24, 3, 4)).astype("f8")
+    vals[rng.random(vals.shape) < 0.1] = np.nan
+    ds0 = xr.Dataset({"x": (("time", "lat", "lon"), vals)}, coords={"time": np.arange(24)})
+    path = str(tmp_path / "a.zarr")
+    ds0.to_zarr(path, encoding={"x": dict(ENCODINGS[name], chunks=(4, 3, 4))}, consolidated=False, zarr_format=3)
+    ds = xinsitu.open_zarr(path)
+    m = ds.insitu.split("time", fractions={"all": 1.0})
+    kw = dict(batch_size=5, seed=0, output="numpy", stack=True)
+    gen = ds.insitu.batches(m, "all", **kw)
+    lay = gen.layouts["x"]
+    dec = cf_decoder("x", lay)
+    cf = array_cf(lay.src, dec)
+    assert cf is not None
+    raw_t = np.dtype(lay.src.raw_dtype)
+    if raw_t.kind == "f":
+        raw = rng.normal(0, 100, 4096).astype(raw_t)
+    else:
+        info = np.iinfo(raw_t)
+        raw = rng.integers(info.min, info.max, 4096, endpoint=True, dtype=raw_t)
+    assert cf(raw).tobytes() == np.asarray(dec(raw)).tobytes()
+    ref = list(gen)
+    got, _ = on_gpu(ds.insitu.batches(m, "all", **kw))
+    assert got.builder.device_cf["x"] is not None
+    for r, g in zip(ref, got, strict=True):
+        same(r, g)
+
+
+def test_array_cf_refuses_what_it_cannot_match(era5_path):
+    from xinsitu.channels import array_cf
+
+    ds = xinsitu.open_zarr(era5_path)
+    gen = ds.insitu.batches(ds.insitu.split("time", fractions={"a": 1.0}), "a", output="numpy")
+    src = gen.layouts["tp"].src
+
+    def off_by_one_ulp(raw):  # a "decoding" no array arithmetic of the candidates gives
+        return np.nextafter(raw.astype("f8") * 0.001 + 30.0, np.inf)
+
+    assert array_cf(src, off_by_one_ulp) is None

@@ -61,6 +61,7 @@ class BufferLoader:
         # ``GpuChain``), into device buffers (``gpu``: ``gpu_decode.CupyGpu`` or its stand-in), with a
         # device cache tier (``tier``) where the cache has one
         self.gpu, self.on_gpu, self.tier = gpu, dict(on_gpu or {}), tier
+        self._gather_ok: bool | None = None  # the device's gather passed its check on first use
 
     # ------------------------------------------------------------------ reading
     async def load_static(self) -> dict[str, np.ndarray]:
@@ -330,15 +331,49 @@ class BufferLoader:
         written into ``into[var]`` (e.g. a channel of a stacked batch) where given."""
         slot = buffer.slot[rows]
         st = buffer.starts[rows]
+        if buffer.on_device and self._gather_ok is False:
+            self._to_host(buffer)
         out = {}
         for name, lay in self.layouts.items():
             buf = buffer.arrays[name]
             if not lay.has_sample_axis:
                 out[name] = buf[0].transpose(np.argsort(lay.order))
                 continue
+            if name in buffer.on_device and not self._gather_ok:
+                out[name] = self._first_gather(buffer, name, slot, st)
+                continue
             out[name] = self._gather_var(lay, buf, slot, st, buffer.origin, None if into is None else into[name],
                                          buffer.rows.get(name), self.gpu if name in buffer.on_device else None)
         return out
+
+    def _first_gather(self, buffer: Buffer, name: str, slot: np.ndarray, st: np.ndarray) -> Any:
+        """The device's first gather, checked bit for bit against the host's from the same buffer;
+        where they differ (or the device's fails), said once, and the GPU path gives way: buffers
+        on the device come back to the host, and buffers are read and decoded on the host from then on."""
+        lay, gpu = self.layouts[name], self.gpu
+        host = gpu.to_host(buffer.arrays[name])
+        ref = self._gather_var(lay, host, slot, st, buffer.origin)
+        try:
+            got = self._gather_var(lay, buffer.arrays[name], slot, st, buffer.origin, dev=gpu)
+            back = gpu.to_host(got)
+            if back.dtype != ref.dtype or back.shape != ref.shape or back.tobytes() != ref.tobytes():
+                raise ValueError(f"variable {name!r} gathered on the device differs from the host's gather")
+            self._gather_ok = True
+            return got
+        except Exception as e:  # noqa: BLE001 - said, and the host takes over
+            warnings.warn(f"xinsitu: gathering batches on the GPU failed its check on first use ({type(e).__name__}: "
+                          f"{e}); chunks are read, decoded and gathered on the host from then on", RuntimeWarning,
+                          stacklevel=3)
+            self._gather_ok = False
+            self.on_gpu.clear()
+            self._to_host(buffer)
+            return ref
+
+    def _to_host(self, buffer: Buffer) -> None:
+        """A buffer's device arrays copied to the host (the GPU path gave way)."""
+        for name in buffer.on_device:
+            buffer.arrays[name] = self.gpu.to_host(buffer.arrays[name])
+        buffer.on_device = frozenset()
 
     def _gather_var(self, lay: VarLayout, buf: np.ndarray, slot: np.ndarray, st: np.ndarray,
                     origin: np.ndarray, into: np.ndarray | None = None,

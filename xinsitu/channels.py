@@ -81,6 +81,67 @@ def cf_decoder(name: str, layout: VarLayout) -> Any:
     return decode
 
 
+class ArrayCF:
+    """CF decoding (fill values to NaN, then ``* scale_factor + add_offset``) written with array
+    operations of one dtype each, so that it runs on any array module (numpy, CuPy on the GPU) with
+    no type promotion left to the module: ``work`` is the dtype the arithmetic runs in (the one
+    xarray's decoding turns out to use, see :func:`array_cf`), ``dtype`` the decoded values'."""
+
+    def __init__(self, fills: list[Any], scale: Any, offset: Any, work: np.dtype, dtype: np.dtype):
+        self.fills, self.scale, self.offset, self.work, self.dtype = fills, scale, offset, work, dtype
+
+    def __call__(self, raw: Any) -> Any:
+        xp = array_module(raw)
+        mask = None
+        for fv in self.fills:
+            hit = xp.isnan(raw) if fv is None else raw == xp.asarray(fv, dtype=raw.dtype)
+            mask = hit if mask is None else mask | hit
+        data = raw.astype(self.work)
+        if self.scale is not None:
+            data = data * xp.asarray(self.scale, dtype=self.work)
+        if self.offset is not None:
+            data = data + xp.asarray(self.offset, dtype=self.work)
+        data = data.astype(self.dtype, copy=False)
+        if mask is not None:
+            data = xp.where(mask, xp.asarray(np.nan, dtype=self.dtype), data)
+        return data
+
+
+def array_cf(src: VarSource, decode: Any) -> ArrayCF | None:
+    """An :class:`ArrayCF` giving bit for bit what ``decode`` (xarray's decoding of ``src``) gives, on
+    probe values (the raw dtype's extremes, its fill values, zero, random values); None where the
+    variable's encoding has more than fill values, scale and offset, or no candidate matches."""
+    attrs = {k: v for k, v in src.cf.items() if k not in ("dtype", "units")}
+    if set(attrs) - {"_FillValue", "missing_value", "scale_factor", "add_offset"} or src.dtype.kind != "f":
+        return None
+    raw_t = np.dtype(src.raw_dtype)
+    if raw_t.kind not in "iuf":
+        return None
+    fills: list[Any] = []
+    for k in ("_FillValue", "missing_value"):
+        for v in np.atleast_1d(np.asarray(attrs.get(k, []))).tolist():
+            if isinstance(v, float) and np.isnan(v):
+                fills.append(None)
+            elif np.asarray(v).astype(raw_t) == v:
+                fills.append(np.asarray(v).astype(raw_t).item())
+    rng = np.random.default_rng(0)
+    if raw_t.kind == "f":
+        probe = np.concatenate([rng.normal(0, 1e3, 512), [0.0, -0.0, np.inf, -np.inf, np.nan]]).astype(raw_t)
+    else:
+        info = np.iinfo(raw_t)
+        probe = np.concatenate([rng.integers(info.min, info.max, 512, endpoint=True, dtype=raw_t),
+                                np.array([info.min, info.max, 0, 1], dtype=raw_t)])
+    probe = np.concatenate([probe, np.array([f for f in fills if f is not None], dtype=raw_t)])
+    want = np.asarray(decode(probe))
+    scale, offset = attrs.get("scale_factor"), attrs.get("add_offset")
+    for work in dict.fromkeys([np.dtype(src.dtype), np.dtype("f8")]):
+        cand = ArrayCF(fills, scale, offset, work, np.dtype(src.dtype))
+        got = cand(probe)
+        if got.dtype == want.dtype and got.tobytes() == want.tobytes():
+            return cand
+    return None
+
+
 # ----------------------------------------------------------------------------- the channel rule
 def fold_dims(stack: Any) -> tuple[str, ...]:
     """The dims of ``stack=[dims]`` (none for ``stack=True/False``)."""

@@ -449,8 +449,8 @@ class StandInGpu:
         self.checked: set[GpuChain] = set()  # chains whose decode passed its check on first use
 
     def is_device(self, a: Any) -> bool:
-        """Whether ``a`` is in device memory (the stand-in's numpy arrays never say so)."""
-        return False
+        """Whether ``a`` is in device memory (for the stand-in, every array is: numpy is its device)."""
+        return True
 
     def free(self) -> int:
         """Free device memory, in bytes."""

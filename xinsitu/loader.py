@@ -199,7 +199,7 @@ class BatchGenerator:
             self._pid = os.getpid()
             if self._gpu is not None:
                 on_gpu = {n: c for n, c in self.decode_paths.items() if c.gpu}
-                arrays = HostArrays() if self._gpu.xp is np else CupyArrays()  # the tier's device memory
+                arrays = CupyArrays() if self._gpu.kind == "cupy" else HostArrays()  # the tier's device memory
                 tier = None if self.cache is None else self.cache.device_tier(arrays, self._gpu.free())
                 self._loader.gpu, self._loader.on_gpu, self._loader.tier = self._gpu, on_gpu, tier
         return self._loader

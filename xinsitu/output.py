@@ -15,6 +15,7 @@ import numpy as np
 import xarray as xr
 
 from xinsitu.channels import (
+    array_cf,
     cf_decoder,
     check_fold,
     fold_dims,
@@ -105,6 +106,10 @@ class OutputBuilder:
         gathered there from device buffers stay there, the others are copied there after their CF
         decoding; normalising and stacking then run on the device (None: on the host, as before)."""
         self.gpu, self._device_ok, self._direct = gpu, None, None
+        # CF decoding on the device, where array operations give xarray's values (else on the host)
+        self.device_cf = {} if gpu is None else {
+            n: array_cf(lay.src, self.decoders[n]) for n, lay in self.layouts.items()
+            if self.decoders[n] is not identity}
 
     def _check_device(self, device: Any) -> None:
         import torch
@@ -270,15 +275,16 @@ class OutputBuilder:
             return self._build_host(host_raw, starts)
 
     def _device_values(self, raw: dict[str, Any]) -> Any:
-        """The batch's values on the device (the GPU path): CF decoding there where it is the identity,
-        else on the host as xarray does it; then normalising and stacking on the device. Complete
-        (the device's work done) when it returns."""
+        """The batch's values on the device (the GPU path): CF decoding there (``channels.ArrayCF``)
+        where array operations give xarray's values, else on the host as xarray does it; then
+        normalising and stacking on the device. Complete (the device's work done) when it returns."""
         gpu = self.gpu
         values = {}
         for n, a in raw.items():
             dec = self.decoders[n]
-            if dec is not identity:  # scale/offset/fill: xarray's own decoding, on the host
-                a = dec(self._host(a))
+            if dec is not identity:
+                there = self.device_cf.get(n)
+                a = there(a) if there is not None and gpu.is_device(a) else dec(self._host(a))
             values[n] = a if gpu.is_device(a) else gpu.asarray(a)
         if self.normalizer is not None:
             values = self.normalizer(values)

@@ -42,7 +42,7 @@ from xinsitu.cached import INLINE_COPY_BYTES, serve_cached, take_cached  # noqa:
 from xinsitu.codecs import ChunkDecoder, is_remote, is_sharded, store_root
 from xinsitu.decode import DECODED, MISSING, ChunkOutcome, Destination, Pieces, Slot, TurnBatch, place, place_async
 from xinsitu.fetchers import Shards, WholeFetches, all_or_none, read_local, reraise
-from xinsitu.gpu_decode import GpuBatch, GpuSlot
+from xinsitu.gpu_decode import GpuBatch, GpuPathError, GpuSlot
 from xinsitu.inflight import (  # noqa: F401 - re-exported: the limit's constants and class lived here
     AUTO_BETTER,
     AUTO_FLAT,
@@ -301,19 +301,26 @@ class Reader:
             await self._fetch_all(route, items, callbacks=True)
 
         def land() -> float:  # in a decode thread: device work the loop does not wait on
-            for out, got in zip(outs, places, strict=False):
-                if got is not None:
-                    out[...] = got[0][got[1]]  # cached: copied on the device
-            t0 = time.perf_counter()
             first = chain not in gpu.checked
-            batch.flush(check=gpu.to_host if first else None)  # (checked against the host on first use)
+            try:
+                for out, got in zip(outs, places, strict=False):
+                    if got is not None:
+                        out[...] = got[0][got[1]]  # cached: copied on the device
+                t0 = time.perf_counter()
+                batch.flush(check=gpu.to_host if first else None)  # (checked against the host on first use)
+                took = time.perf_counter() - t0
+                if keys is not None:
+                    for i in todo:
+                        tier.put(mkeys[i], outs[i])
+                gpu.synchronize()  # complete before the buffer is gathered from (in another thread)
+            except (GpuPathError, ChunkReadError):
+                raise
+            except Exception as e:
+                if first:  # the device's side fails on first use: the CPU path takes over
+                    raise GpuPathError(f"{type(e).__name__}: {e}") from e
+                raise
             if first and batch.decoded:
                 gpu.checked.add(chain)
-            took = time.perf_counter() - t0
-            if keys is not None:
-                for i in todo:
-                    tier.put(mkeys[i], outs[i])
-            gpu.synchronize()  # complete before the buffer is gathered from (in another thread)
             return took
 
         self.counters.decode_s += await asyncio.get_running_loop().run_in_executor(None, land)

@@ -278,10 +278,11 @@ class BufferLoader:
                                 regions: list[dict[str, tuple[int, int]]]) -> tuple[np.ndarray, np.ndarray] | None:
         """Whole-chunk slots: ``(slab, rows)`` where the cache holds them all in one slab (nothing is
         copied); else what it holds copied into ``buf`` at once, the rest decoded straight into their
-        slots (local files: ``Reader.read_whole``) or read as usual, and None."""
+        slots (``Reader.read_whole``), and None."""
         rest, slab = await self.reader.take_cached(lay.src, coords, buf)
-        if rest and not await self.reader.read_whole(lay.src, [coords[s] for s in rest], [buf[s] for s in rest]):
-            await self.reader.read_many(lay.src, [(regions[s], buf[s]) for s in rest])
+        if rest:
+            await self.reader.read_whole(lay.src, [coords[s] for s in rest], [buf[s] for s in rest],
+                                         [regions[s] for s in rest])
         return slab
 
     def halo_plan(self, plan: EpochPlan, first: int, ahead: int = HALO_BUFFERS) -> HaloPlan | None:

@@ -250,29 +250,26 @@ class Reader:
             await self._fetch_all(route, list(chunks.items()), callbacks=False)
         return outs
 
-    async def read_whole(self, src: VarSource, coords: list[tuple[int, ...]], outs: list[np.ndarray]) -> bool:
-        """Read whole chunks ``coords`` straight into ``outs`` (each of the chunk's shape), with no
-        region plan or target per chunk (``decode.Slot``); chunks the memory tier should keep are
-        kept. False (nothing read) where this path does not apply (a codec chain decoded on the loop,
-        a sharded array, a disk tier): use ``read_many``."""
-        if is_sharded(src.array):
-            return False
-        route = self.route(src)
-        if not route.dec.sync:
-            return False
+    async def read_whole(self, src: VarSource, coords: list[tuple[int, ...]], outs: list[np.ndarray],
+                         regions: list[dict[str, tuple[int, int]]]) -> None:
+        """Read whole chunks ``coords`` (the chunks ``regions`` are exactly) into ``outs`` (each of the
+        chunk's shape): straight into them with no region plan or target per chunk (``decode.Slot``;
+        chunks the memory tier should keep are kept) where the array's route allows it, else as any
+        region (``read_many``: a codec chain decoded on the loop, a sharded array, a disk tier)."""
+        route = None if is_sharded(src.array) else self.route(src)
+        cache = self.cache
+        keys = self._chunk_keys(src) if cache is not None else None
+        if route is None or not route.dec.sync or (cache is not None and keys is not None and cache.disk is not None):
+            await self.read_many(src, list(zip(regions, outs, strict=True)))
+            return
         keep = None
-        if self.cache is not None:
-            keys = self._chunk_keys(src)
-            if keys is not None:
-                if self.cache.disk is not None:
-                    return False
-                keep = (self.cache, keys)
-                self.cache.count_misses(len(coords))  # ``take_cached`` looked them up first
-                self.counters.cache_misses += len(coords)
+        if cache is not None and keys is not None:
+            keep = (cache, keys)
+            cache.count_misses(len(coords))  # ``take_cached`` looked them up first
+            self.counters.cache_misses += len(coords)
         items: list[tuple[tuple[int, ...], Destination]] = [
             (c, Slot(out, keep, c)) for c, out in zip(coords, outs, strict=True)]
         await self._fetch_all(route, items, callbacks=True)
-        return True
 
     async def read_gpu(self, src: VarSource, coords: list[tuple[int, ...]], outs: list[Any], gpu: Any,
                        chain: Any, tier: Any = None) -> None:

@@ -247,7 +247,7 @@ class Reader:
             return outs
         chunks = await self._serve_cached(src, targets, route.dec.key, route.dec)
         if chunks:
-            await self._fetch_all(route, list(chunks.items()), callbacks=False)
+            await self._fetch_all(route, list(chunks.items()))
         return outs
 
     async def read_whole(self, src: VarSource, coords: list[tuple[int, ...]], outs: list[np.ndarray],
@@ -269,7 +269,7 @@ class Reader:
             self.counters.cache_misses += len(coords)
         items: list[tuple[tuple[int, ...], Destination]] = [
             (c, Slot(out, keep, c)) for c, out in zip(coords, outs, strict=True)]
-        await self._fetch_all(route, items, callbacks=True)
+        await self._fetch_all(route, items)
 
     async def read_gpu(self, src: VarSource, coords: list[tuple[int, ...]], outs: list[Any], gpu: Any,
                        chain: Any, tier: Any = None) -> None:
@@ -295,7 +295,7 @@ class Reader:
         items: list[tuple[tuple[int, ...], Destination]] = [
             (coords[i], GpuSlot(batch, outs[i], (src.name, coords[i], route.path(coords[i])))) for i in todo]
         if items:
-            await self._fetch_all(route, items, callbacks=True)
+            await self._fetch_all(route, items)
 
         def land() -> float:  # in a decode thread: device work the loop does not wait on
             first = chain not in gpu.checked
@@ -322,13 +322,11 @@ class Reader:
 
         self.counters.decode_s += await asyncio.get_running_loop().run_in_executor(None, land)
 
-    async def _fetch_all(self, route: Route, items: list[tuple[tuple[int, ...], Destination]],
-                         callbacks: bool) -> None:
-        """Every chunk of ``items`` fetched and placed by ``route``'s strategy. (Callbacks serve
-        whole-chunk slots only, as before the rebuild; regions take a task per chunk there.)"""
+    async def _fetch_all(self, route: Route, items: list[tuple[tuple[int, ...], Destination]]) -> None:
+        """Every chunk of ``items`` fetched and placed by ``route``'s strategy, whatever its destination."""
         if route.local:
             await self._read_local(route, items)
-        elif callbacks and route.kind == Route.CALLBACKS:
+        elif route.kind == Route.CALLBACKS:
             await WholeFetches(self, route).run(items)
         elif len(items) == 1:  # one chunk (a chunk-aligned unit): no task of its own
             await self._fetch(route, *items[0])

@@ -355,3 +355,37 @@ def test_array_cf_refuses_what_it_cannot_match(era5_path):
         return np.nextafter(raw.astype("f8") * 0.001 + 30.0, np.inf)
 
     assert array_cf(src, off_by_one_ulp) is None
+
+
+# ------------------------------------------------------------------ a device tier for chunks decoded on the host
+def test_device_tier_keeps_chunks_decoded_on_the_host(tmp_path):
+    """Chunks nvCOMP cannot decode (blosc) are decoded on the host and, with ``ChunkCache(device=)``,
+    kept in GPU memory: later epochs copy them from there, read and decode nothing."""
+    import xarray as xr
+    from zarr.codecs import BloscCodec
+
+    rng = np.random.default_rng(0)
+    ds0 = xr.Dataset({"x": (("time", "lat", "lon"), rng.normal(size=(40, 3, 4)).astype("f4")),
+                      "y": (("time", "lat", "lon"), rng.normal(size=(40, 3, 4)).astype("f4"))},
+                     coords={"time": np.arange(40)})
+    path = str(tmp_path / "a.zarr")
+    ds0.to_zarr(path, encoding={"x": dict(chunks=(4, 3, 4), compressors=[BloscCodec()]),
+                                "y": dict(chunks=(4, 3, 4))}, consolidated=False, zarr_format=3)
+    ds = xinsitu.open_zarr(path)
+    m = ds.insitu.split("time", fractions={"all": 1.0})
+    kw = dict(batch_size=6, seed=1, block_chunks=2, output="numpy", stack=True)
+    ref = list(ds.insitu.batches(m, "all", **kw))
+    cache = xinsitu.ChunkCache(memory=0)
+    cache.device_budget = 1 << 20  # (ChunkCache(device=) checks for a CUDA device: set as it would be)
+    gen, gpu = on_gpu(ds.insitu.batches(m, "all", cache=cache, **kw))
+    assert not gen.decode_paths["x"].gpu and "kept in GPU memory" in gen.decode_paths["x"].reason
+    assert gen.decode_paths["y"].gpu
+    for epoch in range(2):
+        gen.set_epoch(0)
+        got = list(gen)
+        for r, g in zip(ref, got, strict=True):
+            same(r, g)
+        if epoch:
+            assert gen.io_stats["cache_hits"] == gen.io_stats["chunks"] == 20  # 10 chunks x 2 variables
+    tier = cache.device_tier(None)
+    assert len(tier) == 20

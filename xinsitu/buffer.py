@@ -202,13 +202,18 @@ class BufferLoader:
 
     async def _read_gpu(self, name: str, lay: VarLayout, coords: list[tuple[int, ...]], arrays: dict[str, Any],
                         on_device: list[str], regions: list[Region]) -> None:
-        """A GPU variable's buffer of whole chunks decoded on the device (``Reader.read_gpu``). Where
+        """A GPU variable's buffer of whole chunks decoded on the device (``Reader.read_gpu``), or, for a
+        variable decoded on the host that a device cache tier keeps, copied there (``Reader.read_kept``). Where
         the GPU path fails its check on first use, it says so once, and this variable's chunks are
         read and decoded on the host from then on (this buffer's too)."""
         dev = arrays[name]
+        chain = self.on_gpu[name]
+        rows = [dev[s] for s in range(len(coords))]
         try:
-            await self.reader.read_gpu(lay.src, coords, [dev[s] for s in range(len(coords))], self.gpu,
-                                       self.on_gpu[name], self.tier)
+            if chain.gpu:
+                await self.reader.read_gpu(lay.src, coords, rows, self.gpu, chain, self.tier)
+            else:  # decoded on the host, kept in the device tier (``ChunkCache(device=)``)
+                await self.reader.read_kept(lay.src, coords, rows, regions, self.gpu, self.tier)
             return
         except GpuPathError as e:
             if self.on_gpu.pop(name, None) is not None:

@@ -446,7 +446,7 @@ class StandInGpu:
         self._pool = ArrayPool(keep=4, alloc=self._alloc)  # device buffers, given back as host ones are
         self._lock = threading.Lock()
         self.uploads = 0  # host arrays copied to the device (``asarray``)
-        self.checked: set[GpuChain] = set()  # chains whose decode passed its check on first use
+        self.checked: set[Any] = set()  # chains (and "kept") whose device work passed its check on first use
 
     def is_device(self, a: Any) -> bool:
         """Whether ``a`` is in device memory (for the stand-in, every array is: numpy is its device)."""
@@ -500,7 +500,10 @@ class CupyGpu(StandInGpu):
     kind = "cupy"
 
     def __init__(self) -> None:
-        cupy, _ = gpu_modules()
+        try:
+            import cupy
+        except ImportError:
+            raise RuntimeError(f"the GPU path needs CuPy: {gpu_extra_hint()}") from None
         super().__init__()
         self.xp = cupy
 

@@ -156,6 +156,7 @@ class BatchGenerator:
         # where each variable's chunks decode (SPEC §4 GPU); raises where decode='gpu' cannot be honoured
         self.decode = decode
         self._gpu: Any = None  # the GPU path's device side (``gpu_decode.CupyGpu``), where a variable takes it
+        self._kept: set[str] = set()  # variables decoded on the host whose chunks a device cache tier keeps
         self._ds = ds
         self.epoch = 0
         self._resume_batch = 0
@@ -175,7 +176,8 @@ class BatchGenerator:
         self._check_not_empty()
         self.decode_paths = resolve_decode(decode, self.builder.cuda_target(),
                                            {n: lay.src.array for n, lay in self.layouts.items()})
-        if any(c.gpu for c in self.decode_paths.values()):
+        if any(c.gpu for c in self.decode_paths.values()) or (self._device_tier()
+                                                              and self.builder.cuda_target() is None):
             self._use_gpu(CupyGpu(), self.decode_paths)
 
     def _check_not_empty(self) -> None:
@@ -198,25 +200,32 @@ class BatchGenerator:
             self._loader = BufferLoader(self.space, self.layouts, self._reader)
             self._pid = os.getpid()
             if self._gpu is not None:
-                on_gpu = {n: c for n, c in self.decode_paths.items() if c.gpu}
+                on_gpu = {n: c for n, c in self.decode_paths.items() if c.gpu or n in self._kept}
                 arrays = CupyArrays() if self._gpu.kind == "cupy" else HostArrays()  # the tier's device memory
                 tier = None if self.cache is None else self.cache.device_tier(arrays, self._gpu.free())
                 self._loader.gpu, self._loader.on_gpu, self._loader.tier = self._gpu, on_gpu, tier
         return self._loader
 
+    def _device_tier(self) -> bool:
+        """Whether the cache has a tier in GPU memory asked for (``ChunkCache(device=)``)."""
+        return bool(self.cache is not None and self.cache.device_budget)
+
     def _use_gpu(self, gpu: Any, chains: dict[str, GpuChain]) -> None:
         """Decode on the GPU (``gpu``: its device side) the variables whose ``chains`` allow it and
         whose buffers it can fill (each slot one whole chunk), keeping them, with ``cache=``, in a
-        tier in GPU memory (``ChunkCache.device_tier``);
+        tier in GPU memory (``ChunkCache.device_tier``); with a tier asked for (``ChunkCache(device=)``),
+        the chunks of the others that such buffers can hold are decoded on the host and kept there too;
         ``decode='gpu'`` raises naming the others. Gathering, CF decoding, normalising and stacking
         then happen on the device too."""
         loader = self._buffer_loader()
-        paths = {}
+        paths, kept = {}, set()
         for n, c in chains.items():
-            if c.gpu:
-                why = loader.device_reason(n)
-                if why is not None:
-                    c = GpuChain(False, why)
+            why = loader.device_reason(n)
+            if c.gpu and why is not None:
+                c = GpuChain(False, why)
+            elif not c.gpu and why is None and self._device_tier():  # decoded on the host, kept on the device
+                c = GpuChain(False, f"{c.reason}; its chunks kept in GPU memory")
+                kept.add(n)
             paths[n] = c
         if self.decode == "gpu":
             bad = {n: c.reason for n, c in paths.items() if not c.gpu}
@@ -224,8 +233,8 @@ class BatchGenerator:
                 raise ValueError("decode='gpu': the chunks of " + ", ".join(f"{n!r} ({r})" for n, r in bad.items())
                                  + " cannot be decoded on the GPU; leave decode='auto' to decode those on the CPU")
         self.decode_paths = paths
-        on_gpu = {n: c for n, c in paths.items() if c.gpu}
-        self._gpu = gpu if on_gpu else None
+        self._kept = kept
+        self._gpu = gpu if kept or any(c.gpu for c in paths.values()) else None
         self._loader = None  # made again, with the GPU's side
         self.builder.use_gpu(self._gpu)
 

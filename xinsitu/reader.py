@@ -322,6 +322,43 @@ class Reader:
 
         self.counters.decode_s += await asyncio.get_running_loop().run_in_executor(None, land)
 
+    async def read_kept(self, src: VarSource, coords: list[tuple[int, ...]], outs: list[Any],
+                        regions: list[dict[str, tuple[int, int]]], gpu: Any, tier: Any) -> None:
+        """Whole chunks ``coords`` of a variable decoded on the host, into ``outs`` (device arrays of
+        the chunk's shape): those the device cache tier ``tier`` has copied from it on the device, the
+        others read as any (``read_whole``), copied over in one transfer and kept there."""
+        keys = self._chunk_keys(src) if tier is not None else None
+        mkeys = [keys.memory_key(c) for c in coords] if keys is not None else []
+        places = tier.locate_many(mkeys) if keys is not None else [None] * len(coords)
+        todo = [i for i, p in enumerate(places) if p is None]
+        if len(todo) < len(coords):
+            self._count_hits(len(coords) - len(todo), 0, self.route(src).dec.nbytes)
+        host = None
+        if todo:
+            host = np.empty((len(todo), *outs[0].shape), outs[0].dtype)
+            await self.read_whole(src, [coords[i] for i in todo], list(host), [regions[i] for i in todo])
+        first = "kept" not in gpu.checked
+
+        def land() -> None:  # in a decode thread, as ``read_gpu``'s
+            try:
+                for out, got in zip(outs, places, strict=True):
+                    if got is not None:
+                        out[...] = got[0][got[1]]
+                if host is not None:
+                    there = gpu.asarray(host)  # one transfer
+                    for k, i in enumerate(todo):
+                        outs[i][...] = there[k]
+                        if keys is not None:
+                            tier.put(mkeys[i], outs[i])
+                gpu.synchronize()
+            except Exception as e:
+                if first:  # the device's side fails on first use: the host path takes over
+                    raise GpuPathError(f"{type(e).__name__}: {e}") from e
+                raise
+            gpu.checked.add("kept")
+
+        await asyncio.get_running_loop().run_in_executor(None, land)
+
     async def _fetch_all(self, route: Route, items: list[tuple[tuple[int, ...], Destination]]) -> None:
         """Every chunk of ``items`` fetched and placed by ``route``'s strategy, whatever its destination."""
         if route.local:

@@ -154,6 +154,21 @@ def test_slots_validated(slots):
         DeviceMover(StandInDevice(), slots=slots)
 
 
+def test_arrays_on_the_device_already_are_handed_out_like_copies():
+    """A batch built on the device (the GPU path), or a transform's device arrays: not copied again,
+    and handed out as the copied ones are -- the caller's stream waits on the batch's event."""
+    from xinsitu.device import StandInDeviceArray
+
+    dev = StandInDevice()
+    mover = DeviceMover(dev)
+    built = np.arange(6.0).view(StandInDeviceArray)
+    moved = mover.move({"x": built, "lsm": np.ones(3, "f4")})
+    assert moved["x"] is built and mover.stats.direct == 0 and mover.stats.pinned_allocs == 1
+    out = mover.hand_out(moved)
+    assert [e[0] for e in dev.log].count("wait") == 1
+    assert out["x"] is built and out["lsm"].tolist() == [1, 1, 1]
+
+
 def test_stand_in_stream_runs_each_copy_once_under_threads():
     """The stand-in is a device: two threads waiting on its events at once (the prefetch thread on a
     slot, the caller on a batch) run every enqueued copy exactly once, in order -- else the

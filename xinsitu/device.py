@@ -110,6 +110,10 @@ class _StandInEvent:
             self.done = True
 
 
+class StandInDeviceArray(np.ndarray):
+    """A numpy array the stand-in device takes for one already in device memory (built there)."""
+
+
 class StandInDevice:
     """The device API with numpy standing in for device memory (no GPU needed).
 
@@ -146,7 +150,12 @@ class StandInDevice:
         return _StandInEvent(self._serial, self.log)
 
     def leaf(self, x: Any) -> np.ndarray | None:
+        if isinstance(x, StandInDeviceArray):
+            return None
         return x if isinstance(x, np.ndarray) and x.dtype.kind in NUMERIC_KINDS else None
+
+    def on_device(self, x: Any) -> bool:
+        return isinstance(x, StandInDeviceArray)
 
     def span(self, leaf: np.ndarray) -> tuple[int, bool]:
         return int(leaf.ctypes.data), bool(leaf.flags.c_contiguous)
@@ -211,6 +220,9 @@ class TorchCuda:
             return x
         return None
 
+    def on_device(self, x: Any) -> bool:
+        return isinstance(x, self.torch.Tensor) and x.device.type == "cuda"
+
     def stage(self, buf: Any, off: int, leaf: Any) -> Any:
         if isinstance(leaf, np.ndarray):
             host = buf.numpy()[off:off + leaf.nbytes].view(leaf.dtype).reshape(leaf.shape)
@@ -274,6 +286,9 @@ class CupyCuda:
 
     def leaf(self, x: Any) -> np.ndarray | None:
         return host_numpy(x)  # CPU torch tensors of a transform become CuPy arrays too
+
+    def on_device(self, x: Any) -> bool:
+        return isinstance(x, self.cupy.ndarray)
 
     def span(self, leaf: np.ndarray) -> tuple[int, bool]:
         return int(leaf.ctypes.data), bool(leaf.flags.c_contiguous)
@@ -351,11 +366,15 @@ class DeviceMover:
         """``batch`` with every array moved to the device (others left as they are)."""
         api = self.api
         leaves: list[Any] = []
+        adopted: set[int] = set()  # leaves on the device already (built there: the GPU path): not copied
 
         def collect(x: Any) -> Any:
             leaf = api.leaf(x)
             if leaf is None:
-                return x
+                if not api.on_device(x):
+                    return x
+                adopted.add(len(leaves))
+                leaf = x
             leaves.append(leaf)
             return _Leaf(len(leaves) - 1)
 
@@ -373,7 +392,7 @@ class DeviceMover:
                 slot.event.synchronize()  # the staging buffer's last copy must have completed
             slot.refs = []
             self._release()
-            direct = [self._pinned(leaf) for leaf in leaves]
+            direct = [i in adopted or self._pinned(leaf) for i, leaf in enumerate(leaves)]
             offs, total = [], 0
             for leaf, d in zip(leaves, direct, strict=True):
                 offs.append(total)
@@ -383,8 +402,10 @@ class DeviceMover:
                 slot.buf, slot.nbytes = api.pinned(max(total, ALIGN)), max(total, ALIGN)
                 self.stats.pinned_allocs += 1
             outs = []
-            for off, leaf, d in zip(offs, leaves, direct, strict=True):
-                if d:  # already page-locked (gathered into host_alloc's memory): no staging copy
+            for i, (off, leaf, d) in enumerate(zip(offs, leaves, direct, strict=True)):
+                if i in adopted:  # on the device already: handed out as the copies are
+                    outs.append(leaf)
+                elif d:  # already page-locked (gathered into host_alloc's memory): no staging copy
                     outs.append(api.to_device(api.direct(leaf), self.stream))
                     slot.refs.append(leaf)  # not reused (BatchArrays counts references) before the copy
                     self.stats.direct += 1

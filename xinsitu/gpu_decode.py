@@ -301,7 +301,12 @@ class NvcompDecoder(_Decoder):
     def decode_payloads(self, parts: list[Any], dests: list[Any], names: list[str]) -> None:
         """``decode_many`` of payloads already stripped of their framing (``payload``)."""
         cupy = self.cupy
+        # the destinations may be memory this thread's stream used last (CuPy's pool hands memory back per
+        # stream): the decode's stream starts after the work queued there so far
+        after = cupy.cuda.Event(disable_timing=True)
+        after.record(cupy.cuda.get_current_stream())
         with self._lock, self.stream:
+            self.stream.wait_event(after)
             host, spans = self.packer.pack(parts)
             device = cupy.empty(host.nbytes, dtype=cupy.uint8)
             device.set(host, stream=self.stream)  # the ONE transfer

@@ -293,17 +293,24 @@ class OutputBuilder:
         return out
 
     def _out(self, values: Any) -> Any:
-        """The device's values as arrays of the output kind, sharing their memory."""
-        if isinstance(values, dict):
-            return {n: self._device_out(a) for n, a in values.items()}
-        return self._device_out(values)
+        """The device's values as arrays of the output kind (complete when it returns)."""
+        out = {n: self._device_out(a) for n, a in values.items()} if isinstance(values, dict) else \
+            self._device_out(values)
+        self.gpu.synchronize()
+        return out
 
     def _device_out(self, a: Any) -> Any:
-        """A device array of the GPU path as an array of the output kind, sharing its memory."""
+        """A device array of the GPU path as an array of the output kind: a tensor in torch's own memory
+        (so that the hand-out ties it to the caller's stream, ``record_stream``), a CuPy array, a jax
+        array sharing its memory."""
         if self.output == "torch":
             import torch
 
-            return torch.as_tensor(a, device=None if isinstance(a, np.ndarray) else self.device)
+            if isinstance(a, np.ndarray):  # (the stand-in's)
+                return torch.as_tensor(a)
+            t = torch.empty(tuple(a.shape), dtype=torch.from_numpy(np.empty(0, a.dtype)).dtype, device=self.device)
+            self.gpu.xp.asarray(t)[...] = a  # a device-to-device copy into torch's memory
+            return t
         if self.output == "jax":
             import jax
 

@@ -141,14 +141,15 @@ class BufferLoader:
             if lay.static:
                 continue
             shape = [len(units)] + [self._axis_len(lay, ax, extent) for ax in lay.order]
-            if name in self.on_gpu:
+            chain = self.on_gpu.get(name)  # (one look: the prefetch thread may clear it, see ``_first_gather``)
+            if chain is not None:
                 on_device.append(name)
                 mine = self._regions_of(lay, regions)
                 whole = None if step is not None else self._whole_chunks(
                     name, lay, shape, self._inverse(name, lay), keys, mine)
                 if whole is not None:  # decoded on the GPU straight into a device buffer
                     arrays[name] = self.gpu.empty(shape, lay.src.raw_dtype)
-                    jobs.append(self._read_gpu(name, lay, whole, arrays, on_device, mine))
+                    jobs.append(self._read_gpu(name, lay, chain, whole, arrays, on_device, mine))
                     continue
                 # a buffer whose slots are not whole chunks (a partial chunk at the end): read on the
                 # host as any, then copied to the device (below)
@@ -200,14 +201,13 @@ class BufferLoader:
         return Buffer(j, base_ids[perm], base_slot[perm], base_starts[perm], origin, arrays, rows,
                       frozenset(on_device))
 
-    async def _read_gpu(self, name: str, lay: VarLayout, coords: list[tuple[int, ...]], arrays: dict[str, Any],
-                        on_device: list[str], regions: list[Region]) -> None:
+    async def _read_gpu(self, name: str, lay: VarLayout, chain: GpuChain, coords: list[tuple[int, ...]],
+                        arrays: dict[str, Any], on_device: list[str], regions: list[Region]) -> None:
         """A GPU variable's buffer of whole chunks decoded on the device (``Reader.read_gpu``), or, for a
         variable decoded on the host that a device cache tier keeps, copied there (``Reader.read_kept``). Where
         the GPU path fails its check on first use, it says so once, and this variable's chunks are
         read and decoded on the host from then on (this buffer's too)."""
         dev = arrays[name]
-        chain = self.on_gpu[name]
         rows = [dev[s] for s in range(len(coords))]
         try:
             if chain.gpu:

@@ -415,15 +415,11 @@ class BufferLoader:
                 idx.append(pos.reshape([n] + [1] * nk) + ar)
             else:
                 idx.append(pos.reshape([n] + [1] * nk))
-        if dev is not None:
-            res = buf[tuple(dev.index(i) for i in idx)]
-            if lay.out_perm is not None:
-                res = dev.xp.ascontiguousarray(res.transpose(lay.out_perm))
-            return res
-        res = buf[tuple(idx)]
+        xp = np if dev is None else dev.xp
+        res = buf[tuple(idx) if dev is None else tuple(dev.index(i) for i in idx)]
         if lay.out_perm is not None:
-            res = np.ascontiguousarray(res.transpose(lay.out_perm))
-        if into is not None:
+            res = xp.ascontiguousarray(res.transpose(lay.out_perm))
+        if into is not None:  # (never on the device: a stacked batch is gathered into only on the host)
             into[...] = res
             return into
         return res

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from xinsitu.backend import ChunkReadError
 from xinsitu.mempool import ArrayPool
 
 #: decode= values
@@ -363,9 +364,6 @@ class GpuBatch:
         with self._lock:
             self.fills.append((dest, value))
 
-    def __len__(self) -> int:
-        return len(self.parts) + len(self.fills)
-
     def flush(self, check: Any = None) -> int:
         """Decode every chunk added (and put the fill values in place); the number of chunks.
 
@@ -377,15 +375,9 @@ class GpuBatch:
             self.parts, self.dests, self.names, self.fills = [], [], [], []
         if parts and check is not None:
             chain, host = self.decoder.chain, StandInDecoder(self.decoder.chain)
-            ref = []
-            for part, name in zip(parts, names, strict=True):  # the data first: a damaged chunk is named
-                ref.append(np.empty(chain.shape, chain.dtype))
-                try:
-                    host.decode_payloads([part], ref[-1:], [_words(name)])
-                except Exception as e:
-                    from xinsitu.backend import ChunkReadError
-
-                    raise ChunkReadError(*name, e) from e
+            ref = [np.empty(chain.shape, chain.dtype) for _ in parts]
+            for part, r, name in zip(parts, ref, names, strict=True):  # the data first: a damaged chunk is named
+                _one(host, part, r, name)
             try:
                 self.decoder.decode_payloads(parts, dests, [_words(n) for n in names])
                 for r, d, n in zip(ref, dests, names, strict=True):
@@ -398,22 +390,20 @@ class GpuBatch:
             try:
                 self.decoder.decode_payloads(parts, dests, [_words(n) for n in names])
             except Exception:
-                if len(parts) == 1:
-                    self._one(parts[0], dests[0], names[0])
                 for part, dest, name in zip(parts, dests, names, strict=True):  # which one: decoded one by one
-                    self._one(part, dest, name)
+                    _one(self.decoder, part, dest, name)
         for dest, value in fills:
             dest[...] = self.asarray(value)
         self.decoded += len(parts)
         return len(parts) + len(fills)
 
-    def _one(self, part: Any, dest: Any, name: tuple[str, tuple[int, ...], str]) -> None:
-        from xinsitu.backend import ChunkReadError
 
-        try:
-            self.decoder.decode_payloads([part], [dest], [_words(name)])
-        except Exception as e:
-            raise ChunkReadError(*name, e) from e
+def _one(decoder: Any, part: Any, dest: Any, name: tuple[str, tuple[int, ...], str]) -> None:
+    """One chunk's payload decoded alone by ``decoder``; ``ChunkReadError`` naming it where it cannot be."""
+    try:
+        decoder.decode_payloads([part], [dest], [_words(name)])
+    except Exception as e:
+        raise ChunkReadError(*name, e) from e
 
 
 def _words(name: tuple[str, tuple[int, ...], str]) -> str:
@@ -450,7 +440,6 @@ class StandInGpu:
         self._decoders: dict[GpuChain, Any] = {}
         self._pool = ArrayPool(keep=4, alloc=self._alloc)  # device buffers, given back as host ones are
         self._lock = threading.Lock()
-        self.uploads = 0  # host arrays copied to the device (``asarray``)
         self.checked: set[Any] = set()  # chains (and "kept") whose device work passed its check on first use
 
     def is_device(self, a: Any) -> bool:
@@ -486,7 +475,6 @@ class StandInGpu:
 
     def asarray(self, a: Any) -> Any:
         """``a`` (a host array) on the device."""
-        self.uploads += 1
         return self.xp.array(a, copy=True)
 
     def to_host(self, a: Any) -> np.ndarray:
@@ -516,7 +504,6 @@ class CupyGpu(StandInGpu):
         return NvcompDecoder(chain)
 
     def asarray(self, a: Any) -> Any:
-        self.uploads += 1
         return self.xp.asarray(np.ascontiguousarray(a))
 
     def to_host(self, a: Any) -> np.ndarray:

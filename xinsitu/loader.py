@@ -174,10 +174,9 @@ class BatchGenerator:
         self._elastic_epoch = -1
         self._elastic_plan: EpochPlan | None = None
         self._check_not_empty()
-        self.decode_paths = resolve_decode(decode, self.builder.cuda_target(),
-                                           {n: lay.src.array for n, lay in self.layouts.items()})
-        if any(c.gpu for c in self.decode_paths.values()) or (self._device_tier()
-                                                              and self.builder.cuda_target() is None):
+        cuda_target = self.builder.cuda_target()
+        self.decode_paths = resolve_decode(decode, cuda_target, {n: lay.src.array for n, lay in self.layouts.items()})
+        if any(c.gpu for c in self.decode_paths.values()) or (self._device_tier() and cuda_target is None):
             self._use_gpu(CupyGpu(), self.decode_paths)
 
     def _check_not_empty(self) -> None:
@@ -197,13 +196,13 @@ class BatchGenerator:
         if self._loader is None or self._pid != os.getpid():  # a new process gets its own reader
             self._reader = Reader(self.max_inflight, cache=self.cache)
             self._reader.on_missing = self.missing
-            self._loader = BufferLoader(self.space, self.layouts, self._reader)
-            self._pid = os.getpid()
+            on_gpu, tier = {}, None
             if self._gpu is not None:
                 on_gpu = {n: c for n, c in self.decode_paths.items() if c.gpu or n in self._kept}
                 arrays = CupyArrays() if self._gpu.kind == "cupy" else HostArrays()  # the tier's device memory
                 tier = None if self.cache is None else self.cache.device_tier(arrays, self._gpu.free())
-                self._loader.gpu, self._loader.on_gpu, self._loader.tier = self._gpu, on_gpu, tier
+            self._loader = BufferLoader(self.space, self.layouts, self._reader, self._gpu, on_gpu, tier)
+            self._pid = os.getpid()
         return self._loader
 
     def _device_tier(self) -> bool:

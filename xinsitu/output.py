@@ -9,6 +9,7 @@ then moves every array in it, numpy arrays becoming arrays of the output kind.""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, cast
 
 import numpy as np
@@ -266,8 +267,6 @@ class OutputBuilder:
             self._device_ok = True
             return self._out(values)
         except Exception as e:  # noqa: BLE001 - said, and the host builds
-            import warnings
-
             warnings.warn(f"xinsitu: building batches on the GPU failed its check on the first batch "
                           f"({type(e).__name__}: {e}); they are built on the host and copied from now on",
                           RuntimeWarning, stacklevel=2)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -281,15 +282,8 @@ class Reader:
         cache tier (``tier``, a ``device_cache.DeviceCache``), chunks it has are copied from it on the
         device, and those decoded are kept there (keep what fits)."""
         route = self.route(src)
-        keys = self._chunk_keys(src) if tier is not None else None
-        todo = list(range(len(coords)))
-        places: list[Any] = []
-        mkeys: list[Any] = []
-        if keys is not None:
-            mkeys = [keys.memory_key(c) for c in coords]
-            places = tier.locate_many(mkeys)
-            todo = [i for i, p in enumerate(places) if p is None]
-            self._count_hits(len(coords) - len(todo), 0, route.dec.nbytes)
+        mkeys, places, todo = self._in_tier(src, coords, tier)
+        if mkeys is not None:
             self.counters.cache_misses += len(todo)
         batch = GpuBatch(gpu.decoder(chain), gpu.asarray)
         items: list[tuple[tuple[int, ...], Destination]] = [
@@ -297,67 +291,76 @@ class Reader:
         if items:
             await self._fetch_all(route, items)
 
-        def land() -> float:  # in a decode thread: device work the loop does not wait on
-            first = chain not in gpu.checked
-            try:
-                for out, got in zip(outs, places, strict=False):
-                    if got is not None:
-                        out[...] = got[0][got[1]]  # cached: copied on the device
-                t0 = time.perf_counter()
-                batch.flush(check=gpu.to_host if first else None)  # (checked against the host on first use)
-                took = time.perf_counter() - t0
-                if keys is not None:
-                    for i in todo:
-                        tier.put(mkeys[i], outs[i])
-                gpu.synchronize()  # complete before the buffer is gathered from (in another thread)
-            except (GpuPathError, ChunkReadError):
-                raise
-            except Exception as e:
-                if first:  # the device's side fails on first use: the CPU path takes over
-                    raise GpuPathError(f"{type(e).__name__}: {e}") from e
-                raise
-            if first and batch.decoded:
-                gpu.checked.add(chain)
-            return took
+        def decode(first: bool) -> bool:  # checked against the host on first use
+            batch.flush(check=gpu.to_host if first else None)
+            return batch.decoded > 0
 
-        self.counters.decode_s += await asyncio.get_running_loop().run_in_executor(None, land)
+        self.counters.decode_s += await self._land(gpu, chain, outs, places, todo, tier, mkeys, decode)
 
     async def read_kept(self, src: VarSource, coords: list[tuple[int, ...]], outs: list[Any],
                         regions: list[dict[str, tuple[int, int]]], gpu: Any, tier: Any) -> None:
         """Whole chunks ``coords`` of a variable decoded on the host, into ``outs`` (device arrays of
         the chunk's shape): those the device cache tier ``tier`` has copied from it on the device, the
         others read as any (``read_whole``), copied over in one transfer and kept there."""
+        mkeys, places, todo = self._in_tier(src, coords, tier)
+        host = np.empty((len(todo), *outs[0].shape), outs[0].dtype)
+        if todo:
+            await self.read_whole(src, [coords[i] for i in todo], list(host), [regions[i] for i in todo])
+
+        def upload(first: bool) -> bool:
+            there = gpu.asarray(host)  # one transfer
+            for k, i in enumerate(todo):
+                outs[i][...] = there[k]
+            return True
+
+        await self._land(gpu, "kept", outs, places, todo, tier, mkeys, upload if todo else lambda first: True)
+
+    def _in_tier(self, src: VarSource, coords: list[tuple[int, ...]],
+                 tier: Any) -> tuple[list[Any] | None, list[Any], list[int]]:
+        """For chunks ``coords`` and a device cache tier: their memory keys (None: not cached), where the
+        tier has each (``(slab, row)`` or None), and the positions of those it lacks; hits counted."""
         keys = self._chunk_keys(src) if tier is not None else None
-        mkeys = [keys.memory_key(c) for c in coords] if keys is not None else []
-        places = tier.locate_many(mkeys) if keys is not None else [None] * len(coords)
+        if keys is None:
+            return None, [None] * len(coords), list(range(len(coords)))
+        mkeys = [keys.memory_key(c) for c in coords]
+        places = tier.locate_many(mkeys)
         todo = [i for i, p in enumerate(places) if p is None]
         if len(todo) < len(coords):
             self._count_hits(len(coords) - len(todo), 0, self.route(src).dec.nbytes)
-        host = None
-        if todo:
-            host = np.empty((len(todo), *outs[0].shape), outs[0].dtype)
-            await self.read_whole(src, [coords[i] for i in todo], list(host), [regions[i] for i in todo])
-        first = "kept" not in gpu.checked
+        return mkeys, places, todo
 
-        def land() -> None:  # in a decode thread, as ``read_gpu``'s
+    async def _land(self, gpu: Any, key: Any, outs: list[Any], places: list[Any], todo: list[int], tier: Any,
+                    mkeys: list[Any] | None, fill: Callable[[bool], bool]) -> float:
+        """In a decode thread, device work the loop does not wait on: chunks the tier has (``places``)
+        copied into ``outs`` on the device, the others (``todo``) put there by ``fill(first)`` and kept
+        in the tier, then the device's work completed (the buffer is gathered from in another thread).
+        On first use (``key`` not in ``gpu.checked``: ``fill`` says whether it checked), a failure of
+        the device's side raises ``GpuPathError``: the CPU path takes over. The seconds ``fill`` took."""
+        first = key not in gpu.checked
+
+        def run() -> float:
             try:
                 for out, got in zip(outs, places, strict=True):
                     if got is not None:
-                        out[...] = got[0][got[1]]
-                if host is not None:
-                    there = gpu.asarray(host)  # one transfer
-                    for k, i in enumerate(todo):
-                        outs[i][...] = there[k]
-                        if keys is not None:
-                            tier.put(mkeys[i], outs[i])
+                        out[...] = got[0][got[1]]  # cached: copied on the device
+                t0 = time.perf_counter()
+                checked = fill(first)
+                took = time.perf_counter() - t0
+                if mkeys is not None:
+                    for i in todo:
+                        tier.put(mkeys[i], outs[i])
                 gpu.synchronize()
+            except (GpuPathError, ChunkReadError):
+                raise
             except Exception as e:
-                if first:  # the device's side fails on first use: the host path takes over
+                if first:
                     raise GpuPathError(f"{type(e).__name__}: {e}") from e
                 raise
-            gpu.checked.add("kept")
+            if first and checked:
+                gpu.checked.add(key)
+            return took
 
-        await asyncio.get_running_loop().run_in_executor(None, land)
+        return await asyncio.get_running_loop().run_in_executor(None, run)
 
     async def _fetch_all(self, route: Route, items: list[tuple[tuple[int, ...], Destination]]) -> None:
         """Every chunk of ``items`` fetched and placed by ``route``'s strategy, whatever its destination."""

@@ -302,3 +302,22 @@ def test_torch_cuda_api_pickles_without_cuda():
 
     api = pickle.loads(pickle.dumps(TorchCuda("cuda:1")))  # no CUDA needed to make or move it
     assert str(api.device) == "cuda:1"
+
+
+def test_done_asks_each_kind_of_event_its_own_way():
+    """torch's events answer query(), CuPy's a done property (a CuPy batch once raised AttributeError)."""
+    from xinsitu.device import done
+
+    class TorchLike:
+        def __init__(self, v):
+            self.v = v
+
+        def query(self):
+            return self.v
+
+    class CupyLike:
+        def __init__(self, v):
+            self.done = v
+
+    assert done(TorchLike(True)) and not done(TorchLike(False))
+    assert done(CupyLike(True)) and not done(CupyLike(False))

@@ -389,3 +389,28 @@ def test_device_tier_keeps_chunks_decoded_on_the_host(tmp_path):
             assert gen.io_stats["cache_hits"] == gen.io_stats["chunks"] == 20  # 10 chunks x 2 variables
     tier = cache.device_tier(None)
     assert len(tier) == 20
+
+
+def test_a_transform_takes_host_batches_unless_decode_gpu(ds_m):
+    """SPEC 4: transform= runs before the device= copy, on host values; decode='auto' keeps it so (a
+    numpy transform such as the docs' to_xy failed on a GPU machine); decode='gpu' hands it the batch
+    built on the device."""
+    ds, m = ds_m
+    seen = []
+
+    def to_xy(b):
+        seen.append(type(b["t2m"]).__module__)
+        return np.stack([b["t2m"], b["u10"]], axis=1), b["t2m"][:, :1]
+
+    kw = dict(output="numpy", variables=["t2m", "u10"], batch_size=8, seed=1, transform=to_xy)
+    gen, gpu = on_gpu(ds.insitu.batches(m, "train", **kw))
+    assert gen._gpu is None and all("transform=" in c.reason for c in gen.decode_paths.values())
+    ref = list(ds.insitu.batches(m, "train", **kw))
+    for (rx, ry), (x, y) in zip(ref, gen, strict=True):
+        same(rx, x)
+        same(ry, y)
+    assert gpu.decoded == 0
+    gen, gpu = on_gpu(ds.insitu.batches(m, "train", **{**kw, "transform": lambda b: b}), decode="gpu")
+    assert gen._gpu is not None and all(c.gpu for c in gen.decode_paths.values())
+    next(iter(gen))
+    assert gpu.decoded > 0

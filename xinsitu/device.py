@@ -312,14 +312,21 @@ class CupyCuda:
             if a.nbytes:
                 b.data.copy_from_device_async(a.data, a.nbytes, stream=cur)
             mine.append(b)
-        done = self.event()
-        done.record(cur)
-        self._held = [(h, e) for h, e in self._held if not e.query()]  # copied out: their memory may go
-        self._held.append((arrays, done))
+        copied = self.event()
+        copied.record(cur)
+        self._held = [(h, e) for h, e in self._held if not done(e)]  # copied out: their memory may go
+        self._held.append((arrays, copied))
         return mine
 
 
 # ---------------------------------------------------------------------------------------------- the ring
+def done(event: Any) -> bool:
+    """Whether the work before ``event`` completed: torch's (and the stand-in's) ``query()``, CuPy's
+    ``done``."""
+    query = getattr(event, "query", None)
+    return bool(query()) if query is not None else bool(event.done)
+
+
 @dataclass
 class _Slot:
     buf: Any = None
@@ -387,7 +394,7 @@ class DeviceMover:
             k = self.next
             self.next = (k + 1) % len(self.slots)
             slot = self.slots[k]
-            if slot.event is not None and not slot.event.query():
+            if slot.event is not None and not done(slot.event):
                 self.stats.waits += 1
                 slot.event.synchronize()  # the staging buffer's last copy must have completed
             slot.refs = []
@@ -426,7 +433,7 @@ class DeviceMover:
     def _release(self) -> None:
         """Pinned arrays whose copies completed go back to their owner (the lock held)."""
         for slot in self.slots:
-            if slot.refs and slot.event is not None and slot.event.query():
+            if slot.refs and slot.event is not None and done(slot.event):
                 slot.refs = []
 
     def host_alloc(self, nbytes: int) -> np.ndarray:

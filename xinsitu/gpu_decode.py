@@ -267,37 +267,57 @@ class StandInDecoder(_Decoder):
         return [np.frombuffer(zlib.decompressobj(-15).decompress(b.tobytes()), dtype=np.uint8) for b in bufs]
 
 
+_STREAMS: dict[int, Any] = {}  # device -> the stream nvCOMP decodes on, for the whole process
+_CODECS = threading.local()  # this thread's nvCOMP codecs, by (device, compressor)
+
+
+def _decode_stream(cupy: Any) -> Any:
+    """The current device's stream of GPU decodes. It lives as long as the process: nvCOMP's codecs
+    borrow it by its handle, and a stream destroyed before them (a generator's objects collected in
+    another order) crashes the process when they are freed."""
+    dev = int(cupy.cuda.runtime.getDevice())
+    stream = _STREAMS.get(dev)
+    if stream is None:
+        stream = _STREAMS.setdefault(dev, cupy.cuda.Stream(non_blocking=True))
+    return stream
+
+
+def _thread_codec(nvcomp: Any, compressor: str, stream: Any) -> Any:
+    """This thread's nvCOMP codec of ``compressor`` on ``stream`` (nvCOMP's codecs are not shared
+    between threads); kept for the thread's life, like the stream for the process's."""
+    codecs = _CODECS.__dict__.setdefault("by", {})
+    key = (int(stream.ptr), compressor)
+    codec = codecs.get(key)
+    if codec is None:
+        codec = codecs[key] = nvcomp.Codec(algorithm=ALGORITHMS[compressor], bitstream_kind=nvcomp.BitstreamKind.RAW,
+                                           cuda_stream=stream.ptr)
+    return codec
+
+
 class NvcompDecoder(_Decoder):
     """Decode on a CUDA device with nvCOMP (``from nvidia import nvcomp``) into cupy arrays."""
 
     kind = "nvcomp"
 
-    def __init__(self, chain: GpuChain, stream: Any = None):
+    def __init__(self, chain: GpuChain):
         if not chain.gpu:
             raise ValueError(f"this chain decodes on the CPU: {chain.reason}")
         cupy, nvcomp = gpu_modules()
         self.cupy, self.nvcomp, self.chain = cupy, nvcomp, chain
-        self.stream = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
-        self._codecs = threading.local()  # nvCOMP's codecs are thread-local: each thread makes its own
+        self.stream = _decode_stream(cupy)
 
         def alloc(n: int) -> np.ndarray:
             return np.frombuffer(cupy.cuda.alloc_pinned_memory(n), dtype=np.uint8, count=n)
 
         self.packer = _Packer(alloc)
         self.transfers = self.decode_calls = 0
-        self._lock = threading.Lock()  # one batch at a time: the pinned buffer and the stream are shared
+        self._lock = threading.Lock()  # one batch at a time: the pinned buffer is shared
 
     def _codec(self) -> Any:
         """This thread's nvCOMP codec of the chain's compressor (None: stored uncompressed)."""
         if self.chain.compressor is None:
             return None
-        codec = getattr(self._codecs, "codec", None)
-        if codec is None:
-            nvcomp = self.nvcomp
-            codec = self._codecs.codec = nvcomp.Codec(algorithm=ALGORITHMS[self.chain.compressor],
-                                                      bitstream_kind=nvcomp.BitstreamKind.RAW,
-                                                      cuda_stream=self.stream.ptr)
-        return codec
+        return _thread_codec(self.nvcomp, self.chain.compressor, self.stream)
 
     def decode_payloads(self, parts: list[Any], dests: list[Any], names: list[str]) -> None:
         """``decode_many`` of payloads already stripped of their framing (``payload``)."""

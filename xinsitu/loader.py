@@ -88,7 +88,8 @@ class BatchGenerator:
     transform : callable, optional
         ``fn(batch) -> anything``, applied to every finished batch in the background
         (prefetch) thread, on host values (numpy, CPU tensors) before the ``device=`` copy,
-        which then moves every array in what it returned. Its exceptions are raised to the
+        which then moves every array in what it returned (with ``decode="gpu"`` the batch is
+        built on the device, and the transform gets it there). Its exceptions are raised to the
         caller from the iterator. Must pickle for spawned DataLoader workers.
     block_chunks : int, default 16
         Chunk blocks (units) per buffer: read together, samples drawn at random from them
@@ -218,8 +219,12 @@ class BatchGenerator:
         then happen on the device too."""
         loader = self._buffer_loader()
         paths, kept = {}, set()
+        # transform= takes the batch on the host, before the device= copy (SPEC 4): only decode='gpu'
+        # builds the batch on the device, and then the transform gets it there
+        host = self.decode != "gpu" and self.builder.transform is not None
         for n, c in chains.items():
-            why = loader.device_reason(n)
+            why = ("transform= takes batches on the host (decode='gpu' builds them on the device, transform= "
+                   "included)") if host else loader.device_reason(n)
             if c.gpu and why is not None:
                 c = GpuChain(False, why)
             elif not c.gpu and why is None and self._device_tier():  # decoded on the host, kept on the device

@@ -267,18 +267,19 @@ class StandInDecoder(_Decoder):
         return [np.frombuffer(zlib.decompressobj(-15).decompress(b.tobytes()), dtype=np.uint8) for b in bufs]
 
 
-_STREAMS: dict[int, Any] = {}  # device -> the stream nvCOMP decodes on, for the whole process
-_CODECS = threading.local()  # this thread's nvCOMP codecs, by (device, compressor)
+_STREAMS: dict[tuple[int, int], Any] = {}  # (device, thread) -> the stream it decodes on, for the process
+_CODECS = threading.local()  # this thread's nvCOMP codecs, by (stream, compressor)
 
 
 def _decode_stream(cupy: Any) -> Any:
-    """The current device's stream of GPU decodes. It lives as long as the process: nvCOMP's codecs
-    borrow it by its handle, and a stream destroyed before them (a generator's objects collected in
-    another order) crashes the process when they are freed."""
-    dev = int(cupy.cuda.runtime.getDevice())
-    stream = _STREAMS.get(dev)
+    """This thread's stream of GPU decodes on the current device, one per decode thread so that one
+    thread's batch decodes on the device while another packs its own. It lives as long as the
+    process: nvCOMP's codecs borrow it by its handle, and a stream destroyed before them (a
+    generator's objects collected in another order) crashes the process when they are freed."""
+    key = (int(cupy.cuda.runtime.getDevice()), threading.get_ident())
+    stream = _STREAMS.get(key)
     if stream is None:
-        stream = _STREAMS.setdefault(dev, cupy.cuda.Stream(non_blocking=True))
+        stream = _STREAMS.setdefault(key, cupy.cuda.Stream(non_blocking=True))
     return stream
 
 
@@ -304,44 +305,45 @@ class NvcompDecoder(_Decoder):
             raise ValueError(f"this chain decodes on the CPU: {chain.reason}")
         cupy, nvcomp = gpu_modules()
         self.cupy, self.nvcomp, self.chain = cupy, nvcomp, chain
-        self.stream = _decode_stream(cupy)
-
-        def alloc(n: int) -> np.ndarray:
-            return np.frombuffer(cupy.cuda.alloc_pinned_memory(n), dtype=np.uint8, count=n)
-
-        self.packer = _Packer(alloc)
+        self._local = threading.local()  # each decode thread packs into its own pinned buffer
         self.transfers = self.decode_calls = 0
-        self._lock = threading.Lock()  # one batch at a time: the pinned buffer is shared
+        self._count = threading.Lock()
 
-    def _codec(self) -> Any:
-        """This thread's nvCOMP codec of the chain's compressor (None: stored uncompressed)."""
-        if self.chain.compressor is None:
-            return None
-        return _thread_codec(self.nvcomp, self.chain.compressor, self.stream)
+    def _packer(self) -> _Packer:
+        packer = getattr(self._local, "packer", None)
+        if packer is None:
+            cupy = self.cupy
+            packer = self._local.packer = _Packer(
+                lambda n: np.frombuffer(cupy.cuda.alloc_pinned_memory(n), dtype=np.uint8, count=n))
+        return packer
 
     def decode_payloads(self, parts: list[Any], dests: list[Any], names: list[str]) -> None:
-        """``decode_many`` of payloads already stripped of their framing (``payload``)."""
+        """``decode_many`` of payloads already stripped of their framing (``payload``), on this
+        thread's stream: batches of several threads overlap (packing, copying, decoding)."""
         cupy = self.cupy
+        stream = _decode_stream(cupy)
         # the destinations may be memory this thread's stream used last (CuPy's pool hands memory back per
         # stream): the decode's stream starts after the work queued there so far
         after = cupy.cuda.Event(disable_timing=True)
         after.record(cupy.cuda.get_current_stream())
-        with self._lock, self.stream:
-            self.stream.wait_event(after)
-            host, spans = self.packer.pack(parts)
+        with stream:
+            stream.wait_event(after)
+            host, spans = self._packer().pack(parts)
             device = cupy.empty(host.nbytes, dtype=cupy.uint8)
-            device.set(host, stream=self.stream)  # the ONE transfer
-            self.transfers += 1
+            device.set(host, stream=stream)  # the ONE transfer
             bufs = [device[off:off + n] for off, n in spans]
-            codec = self._codec()
-            if codec is None:
+            c = self.chain.compressor
+            if c is None:
                 outs = bufs
             else:
+                codec = _thread_codec(self.nvcomp, c, stream)
                 outs = [cupy.asarray(o).view(cupy.uint8).ravel() for o in codec.decode(self.nvcomp.as_arrays(bufs))]
-                self.decode_calls += 1
             for out, dest, w in zip(outs, dests, names, strict=True):
                 _place(out, dest, self.chain, w)
-            self.stream.synchronize()  # the pinned buffer is reused by the next batch
+            stream.synchronize()  # the pinned buffer is reused by this thread's next batch
+        with self._count:
+            self.transfers += 1
+            self.decode_calls += c is not None
 
 
 def _place(out: Any, dest: Any, chain: GpuChain, where: str) -> None:

@@ -509,6 +509,9 @@ class StandInGpu:
     def synchronize(self) -> None:
         """The work this thread queued on the device has completed."""
 
+_CHECKED: dict[int, set[Any]] = {}  # device -> chains (and "kept") whose device work passed its check
+
+
 class CupyGpu(StandInGpu):
     """The device side of the GPU path on CuPy's current device, decoding with nvCOMP."""
 
@@ -521,6 +524,9 @@ class CupyGpu(StandInGpu):
             raise RuntimeError(f"the GPU path needs CuPy: {gpu_extra_hint()}") from None
         super().__init__()
         self.xp = cupy
+        # what passed its check on this device passed it for the process: a later generator does not
+        # decode its first buffers twice (on the host too) to check nvCOMP again
+        self.checked = _CHECKED.setdefault(int(cupy.cuda.runtime.getDevice()), set())
 
     def _make_decoder(self, chain: GpuChain) -> Any:
         return NvcompDecoder(chain)

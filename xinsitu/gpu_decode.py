@@ -305,17 +305,16 @@ class NvcompDecoder(_Decoder):
             raise ValueError(f"this chain decodes on the CPU: {chain.reason}")
         cupy, nvcomp = gpu_modules()
         self.cupy, self.nvcomp, self.chain = cupy, nvcomp, chain
-        self._local = threading.local()  # each decode thread packs into its own pinned buffer
+        self._packers: list[_Packer] = []  # pinned buffers not in use: a batch takes one, gives it back
         self.transfers = self.decode_calls = 0
         self._count = threading.Lock()
 
     def _packer(self) -> _Packer:
-        packer = getattr(self._local, "packer", None)
-        if packer is None:
-            cupy = self.cupy
-            packer = self._local.packer = _Packer(
-                lambda n: np.frombuffer(cupy.cuda.alloc_pinned_memory(n), dtype=np.uint8, count=n))
-        return packer
+        cupy = self.cupy
+        with self._count:
+            if self._packers:
+                return self._packers.pop()
+        return _Packer(lambda n: np.frombuffer(cupy.cuda.alloc_pinned_memory(n), dtype=np.uint8, count=n))
 
     def decode_payloads(self, parts: list[Any], dests: list[Any], names: list[str]) -> None:
         """``decode_many`` of payloads already stripped of their framing (``payload``), on this
@@ -326,22 +325,26 @@ class NvcompDecoder(_Decoder):
         # stream): the decode's stream starts after the work queued there so far
         after = cupy.cuda.Event(disable_timing=True)
         after.record(cupy.cuda.get_current_stream())
+        packer, c = self._packer(), self.chain.compressor
         with stream:
-            stream.wait_event(after)
-            host, spans = self._packer().pack(parts)
-            device = cupy.empty(host.nbytes, dtype=cupy.uint8)
-            device.set(host, stream=stream)  # the ONE transfer
-            bufs = [device[off:off + n] for off, n in spans]
-            c = self.chain.compressor
-            if c is None:
-                outs = bufs
-            else:
-                codec = _thread_codec(self.nvcomp, c, stream)
-                outs = [cupy.asarray(o).view(cupy.uint8).ravel() for o in codec.decode(self.nvcomp.as_arrays(bufs))]
-            for out, dest, w in zip(outs, dests, names, strict=True):
-                _place(out, dest, self.chain, w)
-            stream.synchronize()  # the pinned buffer is reused by this thread's next batch
+            try:
+                stream.wait_event(after)
+                host, spans = packer.pack(parts)
+                device = cupy.empty(host.nbytes, dtype=cupy.uint8)
+                device.set(host, stream=stream)  # the ONE transfer
+                bufs = [device[off:off + n] for off, n in spans]
+                if c is None:
+                    outs = bufs
+                else:
+                    codec = _thread_codec(self.nvcomp, c, stream)
+                    outs = [cupy.asarray(o).view(cupy.uint8).ravel()
+                            for o in codec.decode(self.nvcomp.as_arrays(bufs))]
+                for out, dest, w in zip(outs, dests, names, strict=True):
+                    _place(out, dest, self.chain, w)
+            finally:
+                stream.synchronize()  # done with the pinned buffer: it may go to the next batch
         with self._count:
+            self._packers.append(packer)
             self.transfers += 1
             self.decode_calls += c is not None
 

@@ -20,23 +20,27 @@ prepare)
         --platform manylinux2014_x86_64 -d .device/whl zarr==3.1.6 numcodecs==0.16.6 obstore==0.12.1 \
         donfig==0.8.1.post1 google-crc32c==1.9.0 crc32c xarray==2026.9.0 dask==2026.8.0 partd locket \
         nvidia-nvcomp-cu13==6.0.0.12 nvidia-libnvcomp-cu13==6.0.0.12 kvikio-cu13 libkvikio-cu13 \
-        pytest hypothesis iniconfig pluggy sortedcontainers attrs
+        pytest hypothesis iniconfig pluggy sortedcontainers attrs \
+        pyyaml pygments toolz cloudpickle fsspec click tqdm packaging typing_extensions
     ls .device/whl | wc -l
     ;;
 run)
-    OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"; export OUT
+    # one log (the device tool brings back few files), -X faulthandler: a crash in CUDA code says where
+    OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"; export OUT; L="$OUT/log.txt"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .device/whl/*.whl || exit 3
+        .device/whl/*.whl > "$L" 2>&1 || exit 3
     export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-    python3 -m xinsitu doctor | tee "$OUT/doctor.txt"
-    python3 -W ignore .device/make_dataset.py /tmp/era5.zarr | tail -1
-    timeout 240 python3 -W ignore .device/check.py /tmp/era5.zarr --kw '{"decode": "gpu"}' 2>&1 | tail -40 \
-        | tee "$OUT/check_gpu_decode.txt"
-    cp "$OUT/gpu.json" "$OUT/gpu_decode_gpu.json" 2>/dev/null
-    timeout 150 python3 -W ignore bench/gpu_bench.py /tmp/era5.zarr --stages epochs,decode 2>&1 | tail -5 \
-        | tee "$OUT/gpu_bench.txt"
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_path.py tests/test_gpu_device.py \
-        tests/test_gpu_decode.py tests/test_gpu_cache.py tests/test_transform.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
+    py() { timeout "$1" python3 -X faulthandler -W ignore "${@:2}" 2>&1 | grep -v "^Extension modules" | tail -c 8000 >> "$L"; }
+    python3 -m xinsitu doctor >> "$L" 2>&1
+    timeout 90 python3 -W ignore .device/make_dataset.py /tmp/era5.zarr > /dev/null 2>&1
+    py 150 -m pytest -q -rfE --tb=short -p no:cacheprovider -m gpu tests/test_gpu_path.py tests/test_gpu_device.py \
+        tests/test_gpu_decode.py tests/test_gpu_cache.py tests/test_transform.py
+    py 150 .device/check.py /tmp/era5.zarr --stages correctness,throughput --kw '{"decode": "gpu"}'
+    mv "$OUT/gpu.json" "$OUT/check_decode_gpu.json" 2>/dev/null
+    py 100 .device/check.py /tmp/era5.zarr --stages throughput --kw '{"decode": "cpu"}'
+    mv "$OUT/gpu.json" "$OUT/check_decode_cpu.json" 2>/dev/null
+    py 150 bench/gpu_bench.py /tmp/era5.zarr --stages epochs,decode
+    py 90 bench/gpu_profile.py /tmp/era5.zarr
     ;;
 *)
     echo "usage: bash bench/gpu_check.sh prepare|run" >&2; exit 2;;

@@ -1,0 +1,111 @@
+"""Where a cold epoch with decode='gpu' spends its time, beside one with decode='cpu' (on a GPU machine).
+
+    python bench/gpu_profile.py ARCHIVE
+
+Wraps the GPU path's steps (the batch decoder's add and flush, packing into pinned memory, nvCOMP's
+decode -- synchronised, so that its device time is counted --, placing each chunk, the buffer's read
+and gathers) with timers summed over threads, after one untimed epoch of each path on the val split
+(CuPy's kernels compiled, nvCOMP set up). Sums over threads exceed the wall time where steps overlap.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import inspect
+import sys
+import threading
+import time
+
+T: dict[str, float] = collections.defaultdict(float)
+N: collections.Counter = collections.Counter()
+LOCK = threading.Lock()
+
+
+def _count(label: str, t0: float) -> None:
+    with LOCK:
+        T[label] += time.perf_counter() - t0
+        N[label] += 1
+
+
+def timed(owner, name: str, label: str) -> None:
+    fn = getattr(owner, name)
+    if inspect.iscoroutinefunction(fn):
+        @functools.wraps(fn)
+        async def wrapped_async(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return await fn(*a, **k)
+            finally:
+                _count(label, t0)
+        setattr(owner, name, wrapped_async)
+        return
+
+    @functools.wraps(fn)
+    def wrapped(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            _count(label, t0)
+    setattr(owner, name, wrapped)
+
+
+def main() -> int:
+    try:
+        import cupy
+        import torch
+    except ImportError:
+        print("needs torch and CuPy on a CUDA machine")
+        return 0
+    import xinsitu
+    from xinsitu import buffer, gpu_decode
+
+    timed(gpu_decode.GpuBatch, "add", "GpuBatch.add (decode threads)")
+    timed(gpu_decode.GpuBatch, "flush", "GpuBatch.flush")
+    timed(gpu_decode._Packer, "pack", "  pack into pinned")
+    timed(gpu_decode, "_place", "  _place per chunk")
+    for name in ("_read_gpu", "_first_gather", "gather", "_gather_var"):
+        timed(buffer.BufferLoader, name, f"BufferLoader.{name}")
+    codec_of = gpu_decode._thread_codec
+
+    class Synced:
+        def __init__(self, codec):
+            self.codec = codec
+
+        def decode(self, arrays):
+            t0 = time.perf_counter()
+            out = self.codec.decode(arrays)
+            cupy.cuda.get_current_stream().synchronize()
+            _count("  nvcomp decode (synced)", t0)
+            return out
+
+    gpu_decode._thread_codec = lambda *a: Synced(codec_of(*a))
+
+    ds = xinsitu.open_zarr(sys.argv[1])
+    m = ds.insitu.split("time", fractions={"train": 0.8, "val": 0.2})
+    kw = dict(batch_size=32, stack=True, variables=["t2m", "u10"], output="torch", device="cuda")
+
+    def epoch(split, decode):
+        gen = ds.insitu.batches(m, split, decode=decode, **kw)
+        n, t0 = 0, time.perf_counter()
+        for b in gen:
+            n += len(b)
+        torch.cuda.synchronize()
+        return n / (time.perf_counter() - t0), gen
+
+    for decode in ("gpu", "cpu"):
+        epoch("val", decode)
+    for decode in ("gpu", "cpu", "gpu"):
+        T.clear()
+        N.clear()
+        rate, gen = epoch("train", decode)
+        print(f"decode={decode}: {rate:.0f} samples/s; chunks {gen.io_stats.get('chunks')}, "
+              f"decode_s {gen.io_stats.get('decode_s', 0):.3f}")
+        for k in sorted(T, key=lambda k: -T[k]):
+            print(f"   {k:40s} {T[k] * 1e3:9.1f} ms  x{N[k]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

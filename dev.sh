@@ -28,7 +28,8 @@ setup() {
       if ! command -v nvidia-smi >/dev/null 2>&1; then
         python -m pip install -q --disable-pip-version-check "torch==2.13.0"
       fi
-      python -m pip install -q --disable-pip-version-check -e ".[$extras]"
+      # this leg keeps Icechunk 1.x, the eager one gets the newest (2.x): both majors are tested
+      python -m pip install -q --disable-pip-version-check -e ".[$extras]" "icechunk<2"
     fi
     touch "$stamp"
   fi

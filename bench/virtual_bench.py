@@ -89,7 +89,7 @@ def _icechunk_container(ncdir: str) -> tuple[Any, Any]:
     prefix = "file://" + os.path.abspath(ncdir).rstrip("/") + "/"
     cfg = icechunk.RepositoryConfig.default()
     cfg.set_virtual_chunk_container(icechunk.VirtualChunkContainer(prefix, icechunk.local_filesystem_store(ncdir)))
-    return cfg, icechunk.containers_credentials({prefix: None})
+    return cfg, icechunk.containers_credentials({prefix: getattr(icechunk.credentials, "LocalFileSystemAccess", None)})
 
 
 def write_icechunk(repo_dir: str, files: list[str]) -> None:

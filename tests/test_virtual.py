@@ -243,7 +243,7 @@ def test_virtual_references_committed_to_icechunk(days, ref, tmp_path):
     if "set_virtual_refs_arr" in inspect.getsource(vz_icechunk) and not hasattr(icechunk.IcechunkStore,
                                                                                   "set_virtual_refs_arr"):
         pytest.skip(f"this VirtualiZarr writes Icechunk references with icechunk>=2's set_virtual_refs_arr; "
-                    f"icechunk {icechunk.__version__} is installed (xinsitu reads Icechunk 1.x sessions)")
+                    f"icechunk {icechunk.__version__} is installed (xinsitu reads Icechunk 1.x and 2.x sessions)")
     import obstore.store
     from obspec_utils.registry import ObjectStoreRegistry
     from virtualizarr import open_virtual_mfdataset
@@ -258,7 +258,8 @@ def test_virtual_references_committed_to_icechunk(days, ref, tmp_path):
     prefix = "file://" + os.path.dirname(os.path.abspath(days[0])) + "/"
     cfg = icechunk.RepositoryConfig.default()
     cfg.set_virtual_chunk_container(icechunk.VirtualChunkContainer(prefix, icechunk.local_filesystem_store(prefix[7:])))
-    cred = icechunk.containers_credentials({prefix: None})
+    # icechunk 2 names local access (None is deprecated there); 1.x takes None
+    cred = icechunk.containers_credentials({prefix: getattr(icechunk.credentials, "LocalFileSystemAccess", None)})
     repo = icechunk.Repository.create(icechunk.local_filesystem_storage(str(tmp_path / "repo")), cfg,
                                       authorize_virtual_chunk_access=cred)
     session = repo.writable_session("main")

@@ -512,6 +512,7 @@ class StandInGpu:
     def synchronize(self) -> None:
         """The work this thread queued on the device has completed."""
 
+
 _CHECKED: dict[int, set[Any]] = {}  # device -> chains (and "kept") whose device work passed its check
 
 

@@ -185,6 +185,20 @@ def test_packings(tmp_path, edition, packing, decoder):
     same(open_grib(f, decoder="eccodes"), cfgrib(f))
 
 
+def test_large_fields_decode_with_eccodes(tmp_path, monkeypatch):
+    """gribberish only for small fields (measured: ecCodes is ~2x faster from 361 x 720 on); both exact."""
+    pytest.importorskip("gribberish", reason="the grib extra is not installed")
+    import xinsitu.grib as grib
+
+    ny, nx = 40, 60
+    data = {"2t": 280 + np.random.default_rng(2).standard_normal((2, 1, ny, nx))}
+    f = write_grib(tmp_path / "f.grib", data, TIMES[:2], [0], edition=2)
+    assert grib_store(f)._group.arrays["t2m"].metadata.codecs[0].decoder == "gribberish"
+    monkeypatch.setattr(grib, "GRIBBERISH_MAX_VALUES", ny * nx)  # the same field counts as large now
+    assert grib_store(f)._group.arrays["t2m"].metadata.codecs[0].decoder == "eccodes"
+    same(open_grib(f), cfgrib(f))
+
+
 def test_decoders_agree(one_file):
     pytest.importorskip("gribberish", reason="the grib extra is not installed")
     for o, n, _, _ in scan_messages(one_file):

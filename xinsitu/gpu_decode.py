@@ -307,11 +307,11 @@ class NvcompDecoder(_Decoder):
         self.cupy, self.nvcomp, self.chain = cupy, nvcomp, chain
         self._packers: list[_Packer] = []  # pinned buffers not in use: a batch takes one, gives it back
         self.transfers = self.decode_calls = 0
-        self._count = threading.Lock()
+        self._lock = threading.Lock()  # the free pinned buffers and the counters (batches run in several threads)
 
     def _packer(self) -> _Packer:
         cupy = self.cupy
-        with self._count:
+        with self._lock:
             if self._packers:
                 return self._packers.pop()
         return _Packer(lambda n: np.frombuffer(cupy.cuda.alloc_pinned_memory(n), dtype=np.uint8, count=n))
@@ -343,7 +343,7 @@ class NvcompDecoder(_Decoder):
                     _place(out, dest, self.chain, w)
             finally:
                 stream.synchronize()  # done with the pinned buffer: it may go to the next batch
-        with self._count:
+        with self._lock:
             self._packers.append(packer)
             self.transfers += 1
             self.decode_calls += c is not None

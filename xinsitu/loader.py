@@ -217,14 +217,14 @@ class BatchGenerator:
         the chunks of the others that such buffers can hold are decoded on the host and kept there too;
         ``decode='gpu'`` raises naming the others. Gathering, CF decoding, normalising and stacking
         then happen on the device too."""
-        loader = self._buffer_loader()
         paths, kept = {}, set()
         # transform= takes the batch on the host, before the device= copy (SPEC 4): only decode='gpu'
-        # builds the batch on the device, and then the transform gets it there
+        # builds the batch on the device, and then the transform gets it there (no loader to ask then)
         host = self.decode != "gpu" and self.builder.transform is not None
+        loader = None if host else self._buffer_loader()
         for n, c in chains.items():
             why = ("transform= takes batches on the host (decode='gpu' builds them on the device, transform= "
-                   "included)") if host else loader.device_reason(n)
+                   "included)") if loader is None else loader.device_reason(n)
             if c.gpu and why is not None:
                 c = GpuChain(False, why)
             elif not c.gpu and why is None and self._device_tier():  # decoded on the host, kept on the device

@@ -85,10 +85,10 @@ def test_cached_epochs_equal_uncached(era5_path, tmp_path, tier):
 @pytest.mark.parametrize("chunk_time", [1, 3])
 @pytest.mark.parametrize("budget", ["all", "half"])
 def test_whole_chunk_slots_are_copied_from_the_cache_at_once(tmp_path, monkeypatch, chunk_time, budget):
-    """Where each slot of a buffer is one whole chunk (one sample per chunk, or time chunks holding
-    whole maps), batches are gathered straight from the cache's slab where it holds every chunk of
-    the buffer; else the chunks it holds go in with one copy per variable and buffer
-    (``Reader.take_cached``) and those it lacks are read as usual: the epochs are the uncached ones,
+    """Where each slot of a buffer is one whole chunk (time chunks holding whole maps), batches are
+    gathered straight from the cache's slab where it holds every chunk of the buffer; where each chunk
+    is one sample (no buffer), the chunks it holds are copied straight into the batch; else the chunks
+    it holds go in with one copy per variable and buffer (``Reader.take_cached``) and those it lacks are read as usual: the epochs are the uncached ones,
     bit for bit, also when only some of a buffer's chunks are held."""
     from xinsitu.reader import Reader
 
@@ -117,7 +117,9 @@ def test_whole_chunk_slots_are_copied_from_the_cache_at_once(tmp_path, monkeypat
     assert 0 < sum(served) <= st["cache_hits"]
     if chunk_time == 1:  # every slot is a whole chunk: every hit went in through the fast path
         assert sum(served) == st["cache_hits"]
-    if budget == "all":  # the cache holds every chunk, in one slab per variable: gathered from it, no copy
+    if gen.buffer_reason is None:  # one sample per chunk: no buffer, each hit copied once, into the batch
+        assert chunk_time == 1 and slabs and not any(slabs)
+    elif budget == "all":  # the cache holds every chunk, in one slab per variable: gathered from it, no copy
         assert all(slabs)
     else:
         assert not all(slabs)

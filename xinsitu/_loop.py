@@ -92,11 +92,24 @@ class OneTurn:
 
 
 def decode_threads() -> int:
-    """Threads that decode chunks: one per core, at least two (decode releases the GIL)."""
+    """Threads that decode chunks: one per core this process may run on (its CPU affinity, as
+    ``os.process_cpu_count`` says on Python 3.13), at least two (decode releases the GIL);
+    ``XINSITU_DECODE_THREADS`` sets it."""
     env = os.environ.get("XINSITU_DECODE_THREADS")
     if env:
         return max(1, int(env))
-    return max(2, os.cpu_count() or 2)
+    return max(2, usable_cores())
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS has one), else every core."""
+    count = getattr(os, "process_cpu_count", None)  # Python 3.13
+    if count is not None:
+        return count() or 1
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def get_loop() -> asyncio.AbstractEventLoop:

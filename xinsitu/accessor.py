@@ -133,10 +133,10 @@ class InsituAccessor:
                 seed: int = 0, window: dict[str, int] | None = None, patch: dict[str, int] | None = None,
                 stride: dict[str, int] | None = None, over: str | list[str] | None = None,
                 variables: str | list[str] | None = None, output: str = "xarray", stack: bool | list[str] = False,
-                normalize: dict[str, Any] | None = None, device: Any = None, block_chunks: int = 16,
-                max_inflight: int | None = None, drop_last: bool = False, rank: int | None = None,
-                world_size: int | None = None, progress: bool = False, missing: str = "fill",
-                cache: bool | str | os.PathLike[str] | ChunkCache | None = None,
+                dtype: Any = None, normalize: dict[str, Any] | None = None, device: Any = None,
+                block_chunks: int | None = None, max_inflight: int | None = None, drop_last: bool = False,
+                rank: int | None = None, world_size: int | None = None, progress: bool = False,
+                missing: str = "fill", cache: bool | str | os.PathLike[str] | ChunkCache | None = None,
                 transform: Callable[[Any], Any] | None = None, decode: str = "auto") -> BatchGenerator:
         """Batches of one split, read in place.
 
@@ -171,6 +171,11 @@ class InsituAccessor:
             gives the usual weather-model input ``(B, C, H, W)``. A list of dims (e.g.
             ``["level"]``) folds those dims into channels even where every variable has them; a
             selected variable lacking them is one channel ``{var}``. Variable then label order.
+        dtype : str or numpy dtype, optional
+            The dtype of every output array, e.g. ``"float32"`` (what a model takes): values are
+            xarray's decoded (and normalised) values cast to it (``.astype(dtype)``), in the one copy
+            that builds the batch. Default: each variable's own (stacked: their common result dtype,
+            so one float64 variable makes every channel float64).
         normalize : dict, optional
             Statistics from :meth:`stats` (``manifest.stats``): ``(x - mean) / std`` per channel,
             applied by channel name whatever the order of ``variables=`` (a channel the statistics
@@ -178,8 +183,10 @@ class InsituAccessor:
         device : str, torch.device or jax.Device, optional
             Where torch tensors go (e.g. ``"cuda:0"``); for ``output="jax"`` a jax device
             (default: jax's default device).
-        block_chunks : int, default 16
-            Chunk blocks per shuffle buffer.
+        block_chunks : int, optional
+            Chunk blocks per shuffle buffer. Default: what a byte budget allows (about 1 GiB for
+            the buffers read ahead and held; 2 to 16 blocks). Where each chunk block is one sample
+            (one time step per chunk) no buffer is held: chunks decode straight into the batch.
         max_inflight : int, optional
             Chunk requests in flight at most (default: sized from the store's latency).
         drop_last : bool, default False
@@ -211,7 +218,7 @@ class InsituAccessor:
         return BatchGenerator(self._ds, manifest, split, batch_size=batch_size, shuffle=shuffle, seed=seed,
                               window=window, patch=patch, stride=stride, over=over,
                               variables=self._variables(manifest, variables), output=output, stack=stack,
-                              normalize=normalize, device=device,
+                              dtype=dtype, normalize=normalize, device=device,
                               block_chunks=block_chunks, max_inflight=max_inflight, drop_last=drop_last,
                               rank=rank, world_size=world_size, progress=progress, missing=missing, cache=cache,
                               transform=transform, decode=decode)

@@ -23,8 +23,36 @@ from xinsitu.reader import Reader
 from xinsitu.sampling import SampleSpace, VarLayout
 
 Region = dict[str, tuple[int, int]]
+#: bytes the buffers of a generator read ahead and held take at most by default (SPEC §5: about 1 GiB)
+BUFFER_BUDGET = 1 << 30
+#: buffers read ahead and held at once, which the budget is shared by (``pipeline.READ_AHEAD_BUFFERS``)
+BUDGET_BUFFERS = 3
+#: chunk blocks per buffer where the budget allows more (the shuffle's block; at least 2 whatever the budget)
+MAX_BLOCK_CHUNKS = 16
 UNIT_SLOTS = 1 << 17  # units whose slot planning is kept (a few hundred bytes each)
 HALO_BUFFERS = 2  # a buffer passes the chunks a window spills into on to the buffers up to this many later
+
+
+def unit_nbytes(space: SampleSpace, layouts: dict[str, VarLayout]) -> int:
+    """Decoded bytes of one unit (chunk block) of every variable with a split dim: its longest block
+    along each split dim (plus the halo a window spills into), the variable's other dims whole."""
+    extent = {d.name: int(np.diff(e).max()) + d.width - 1 if len(e) > 1 else d.width
+              for d, e in zip(space.split_dims, space.edges, strict=True)}
+    total = 0
+    for lay in layouts.values():
+        if lay.static:
+            continue
+        src = lay.src
+        total += int(np.prod([extent.get(d, n) for d, n in zip(src.dims, src.shape, strict=True)],
+                             dtype=np.int64)) * np.dtype(src.raw_dtype).itemsize
+    return total
+
+
+def default_block_chunks(space: SampleSpace, layouts: dict[str, VarLayout], budget: int) -> int:
+    """Chunk blocks per buffer where ``block_chunks`` is not given: as many as keep the buffers read ahead
+    and held (``BUDGET_BUFFERS``) within ``budget`` bytes, between 2 and ``MAX_BLOCK_CHUNKS``."""
+    per = max(1, unit_nbytes(space, layouts))
+    return int(min(MAX_BLOCK_CHUNKS, max(2, budget // (BUDGET_BUFFERS * per))))
 
 
 @dataclass

@@ -75,16 +75,16 @@ async def serve_cached(reader: Reader, src: VarSource, targets: dict[tuple[int, 
 
 
 async def take_cached(reader: Reader, src: VarSource, coords: list[tuple[int, ...]],
-                      out: np.ndarray) -> tuple[list[int], tuple[np.ndarray, np.ndarray] | None]:
-    """The whole chunks ``coords`` from the memory tier, for a buffer whose row ``i`` is chunk
-    ``coords[i]`` (``out``: one chunk per row, each of the chunk's shape): ``(rows it lacks, for
-    read_many; slab)``.
+                      out: np.ndarray | list[np.ndarray]) -> tuple[list[int], tuple[np.ndarray, np.ndarray] | None]:
+    """The whole chunks ``coords`` from the memory tier, for destinations ``out[i]`` of chunk
+    ``coords[i]``'s shape (``out``: a buffer with one chunk per row, or a list of arrays):
+    ``(the positions it lacks, for a read; slab)``.
 
-    The fast path of cached epochs: one lookup for all, no plan or target per chunk. Where the
-    tier holds every chunk in one slab, nothing is copied: ``slab`` is ``(the slab, its row of
-    each chunk)`` and the batches are gathered from it (``out`` is left as it is). Else the
-    chunks it holds are copied into ``out`` (all at once where it holds all), on the I/O loop
-    when small, else in a decode thread, and ``slab`` is None.
+    The fast path of cached epochs: one lookup for all, no plan or target per chunk. Where ``out`` is a
+    buffer and the tier holds every chunk in one slab, nothing is copied: ``slab`` is ``(the slab, its
+    row of each chunk)`` and the batches are gathered from it (``out`` is left as it is). Else the
+    chunks it holds are copied into place (one copy per chunk, or all at once into a buffer where it
+    holds all), on the I/O loop when small, else in the decode threads, in shares; ``slab`` is None.
     """
     everything = list(range(len(coords)))
     keys = reader._chunk_keys(src) if reader.cache is not None and reader.cache.memory_budget else None
@@ -97,24 +97,30 @@ async def take_cached(reader: Reader, src: VarSource, coords: list[tuple[int, ..
     dec = reader._decoder(src)
     n = len(held)
     reader._count_hits(n, 0, dec.nbytes)
-    if n == len(coords):
+    buffer = isinstance(out, np.ndarray)
+    if n == len(coords) and buffer:
         slab = places[0][0]  # type: ignore[index]
         if all(p[0] is slab for p in places):  # type: ignore[index]
             return [], (slab, np.array([p[1] for p in places], dtype=np.int64))  # type: ignore[index]
     chunks = [None if p is None else p[0][p[1]] for p in places]
-    if n == len(coords) and out.flags.c_contiguous:
-        flat = out.reshape((-1,) + out.shape[2:])
+    if n == len(coords) and buffer and out.flags.c_contiguous:  # type: ignore[union-attr]
+        flat = out.reshape((-1,) + out.shape[2:])  # type: ignore[union-attr]
+        shares: list[Any] = [lambda: np.concatenate(chunks, axis=0, out=flat)]  # type: ignore[arg-type]
+    else:
+        k = max(1, min(n, reader.inflight.threads, n * dec.nbytes // INLINE_COPY_BYTES))
 
-        def copy() -> None:
-            np.concatenate(chunks, axis=0, out=flat)  # type: ignore[arg-type]
-    else:
-        def copy() -> None:
-            for i in held:
-                out[i] = chunks[i]
+        def share(part: list[int]) -> Any:
+            def copy() -> None:
+                for i in part:
+                    np.copyto(out[i], chunks[i])  # type: ignore[arg-type]
+            return copy
+        shares = [share(held[s::k]) for s in range(k)]
     if n * dec.nbytes <= INLINE_COPY_BYTES:
-        copy()
+        for copy in shares:
+            copy()
     else:
-        await asyncio.get_running_loop().run_in_executor(None, copy)
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(None, copy) for copy in shares))
     return [i for i, p in enumerate(places) if p is None], None
 
 

@@ -17,14 +17,15 @@ import numpy as np
 import xarray as xr
 
 from xinsitu import _loop, formatting
-from xinsitu.buffer import BufferLoader
+from xinsitu.buffer import BUFFER_BUDGET, BufferLoader, default_block_chunks
 from xinsitu.cache import ChunkCache, resolve_cache
 from xinsitu.channels import channel_names
 from xinsitu.device_cache import CupyArrays, HostArrays
+from xinsitu.direct import DirectLoader, direct_reason
 from xinsitu.gpu_decode import CupyGpu, GpuChain, resolve_decode
 from xinsitu.manifest import SplitManifest
 from xinsitu.output import OutputBuilder
-from xinsitu.pipeline import EpochRun
+from xinsitu.pipeline import DirectRun, EpochRun
 from xinsitu.plan import EpochPlan, epoch_plan, epoch_size, plan_head, plan_quality, segment_plan
 from xinsitu.reader import Reader
 from xinsitu.sampling import check_split, dist_defaults, flag, int_arg, positive_int, sampling
@@ -91,9 +92,16 @@ class BatchGenerator:
         which then moves every array in what it returned (with ``decode="gpu"`` the batch is
         built on the device, and the transform gets it there). Its exceptions are raised to the
         caller from the iterator. Must pickle for spawned DataLoader workers.
-    block_chunks : int, default 16
-        Chunk blocks (units) per buffer: read together, samples drawn at random from them
-        (memory ~ a few buffers).
+    dtype : str or numpy dtype, optional
+        The dtype of every output array (e.g. ``"float32"``, what a model takes): values are xarray's
+        decoded (and normalised) values cast to it, in the one copy that builds the batch. Default:
+        each variable's own (a stacked batch: their common result dtype).
+    block_chunks : int, optional
+        Chunk blocks (units) per buffer: read together, samples drawn at random from them. Default:
+        as many as the buffer's byte budget allows (``buffer_budget``, about 1 GiB for the buffers
+        read ahead and held), between 2 and 16. Where every chunk block is one sample (one time step
+        per chunk) no buffer is held: chunks are decoded straight into the batch, and this only
+        shapes the shuffle.
     max_inflight : int, optional
         Chunk requests in flight at most. Default: sized from the store's latency, from 64
         (local disk) up to 256 (object stores; see ``xinsitu.reader.InflightLimit``).
@@ -123,19 +131,24 @@ class BatchGenerator:
     #: read the next epoch's first buffer while an epoch ends (iterating the whole epoch); False
     #: reads every epoch's chunks within it (e.g. to log which chunks each epoch reads)
     read_ahead = True
+    #: bytes the buffers read ahead and held may take (with ``block_chunks=None``), or the batches read
+    #: ahead where no buffer is needed (SPEC §5)
+    buffer_budget = BUFFER_BUDGET
 
     def __init__(self, ds: xr.Dataset, manifest: SplitManifest, split: str, *, batch_size: int = 32,
                  shuffle: bool = True, seed: int = 0, window: dict[str, int] | None = None,
                  patch: dict[str, int] | None = None, stride: dict[str, int] | None = None,
                  over: str | list[str] | None = None, variables: str | list[str] | None = None,
                  output: str = "xarray", stack: bool | list[str] = False, normalize: Any = None, device: Any = None,
-                 block_chunks: int = 16, max_inflight: int | None = None, drop_last: bool = False,
+                 block_chunks: int | None = None, max_inflight: int | None = None, drop_last: bool = False,
                  rank: int | None = None, world_size: int | None = None, progress: bool = False,
                  missing: str = "fill", cache: bool | str | os.PathLike[str] | ChunkCache | None = None,
-                 transform: Any = None, decode: str = "auto"):
+                 transform: Any = None, decode: str = "auto", dtype: Any = None):
         check_split(manifest, split)
         self.batch_size = positive_int("batch_size", batch_size)
-        self.block_chunks = positive_int("block_chunks", block_chunks)
+        self._block_chunks_given = block_chunks is not None
+        if block_chunks is not None:
+            block_chunks = positive_int("block_chunks", block_chunks)
         self.max_inflight = None if max_inflight is None else positive_int("max_inflight", max_inflight)
         self.seed = int_arg("seed", seed, 0)  # numpy's generators take no negative seed
         self.shuffle, self.drop_last = flag("shuffle", shuffle), flag("drop_last", drop_last)
@@ -150,8 +163,12 @@ class BatchGenerator:
         self.sampling = sampled
         self.sources, self.geometry, self.space, self.layouts = (sampled.sources, sampled.geometry, sampled.space,
                                                                  sampled.layouts)
+        #: chunk blocks per buffer: given, or what the byte budget allows
+        self.block_chunks = block_chunks if block_chunks is not None else default_block_chunks(
+            self.space, self.layouts, self.buffer_budget)
         self.builder = OutputBuilder(ds, self.space, self.layouts, output, stack, device, normalize=normalize,
-                                     transform=transform)
+                                     transform=transform, dtype=dtype)
+        self.dtype = self.builder.out_dtype
         self.normalize = normalize
         self.output = output
         # where each variable's chunks decode (SPEC §4 GPU); raises where decode='gpu' cannot be honoured
@@ -165,6 +182,7 @@ class BatchGenerator:
         self._live = 0  # iterations under way
         self._reader: Reader | None = None
         self._loader: BufferLoader | None = None
+        self._direct: DirectLoader | None = None
         self._pid = -1
         self._io: dict[str, Any] = {}
         # the next epoch's first buffer, read while an epoch ends: (pid, epoch, task, counters then)
@@ -179,6 +197,9 @@ class BatchGenerator:
         self.decode_paths = resolve_decode(decode, cuda_target, {n: lay.src.array for n, lay in self.layouts.items()})
         if any(c.gpu for c in self.decode_paths.values()) or (self._device_tier() and cuda_target is None):
             self._use_gpu(CupyGpu(), self.decode_paths)
+        #: why batches go through a shuffle buffer (None: filled in place, ``xinsitu.direct``)
+        self.buffer_reason = "batches built on the GPU" if self._gpu is not None else direct_reason(
+            self.space, self.layouts, self.builder)
 
     def _check_not_empty(self) -> None:
         """Refuse a generator that would yield nothing: an empty epoch looks like a finished one."""
@@ -203,8 +224,18 @@ class BatchGenerator:
                 arrays = CupyArrays() if self._gpu.kind == "cupy" else HostArrays()  # the tier's device memory
                 tier = None if self.cache is None else self.cache.device_tier(arrays, self._gpu.free())
             self._loader = BufferLoader(self.space, self.layouts, self._reader, self._gpu, on_gpu, tier)
+            self._direct = None
             self._pid = os.getpid()
         return self._loader
+
+    def _item_loader(self) -> BufferLoader | DirectLoader:
+        """What reads this generator's batches: a ``DirectLoader`` (no buffer) or the ``BufferLoader``."""
+        loader = self._buffer_loader()
+        if self.buffer_reason is not None:
+            return loader
+        if self._direct is None:
+            self._direct = DirectLoader(self.space, self.layouts, loader.reader, self.builder)
+        return self._direct
 
     def _device_tier(self) -> bool:
         """Whether the cache has a tier in GPU memory asked for (``ChunkCache(device=)``)."""
@@ -322,11 +353,13 @@ class BatchGenerator:
         plan = plan_head(plan, plan.n_batches if stop is None else stop)  # blocks past the last batch: unread
         self._live += 1
         self._yielded_at = (epoch, start)
-        loader = self._buffer_loader()
+        loader = self._item_loader()
         first, counters_from = self._take_ahead(epoch, start)
         # a whole epoch (not a worker's range of batches): read the next one's first buffer as it ends
         then = (lambda: self._read_ahead(epoch + 1)) if ahead and stop is None and self.read_ahead else None
-        run = EpochRun(plan, start, loader, self.builder, first=first, counters_from=counters_from, then=then)
+        kind = DirectRun if isinstance(loader, DirectLoader) else EpochRun
+        run = kind(plan, start, loader, self.builder, first=first, counters_from=counters_from, then=then,
+                   budget=self.buffer_budget)
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -353,7 +386,7 @@ class BatchGenerator:
         buffer (it depends only on the seed and the epoch), so that a training loop that goes on
         with ``set_epoch(epoch)`` finds it read. At most one buffer is held this way; the next
         iteration takes it where its plan starts with those very samples, else drops it."""
-        loader = self._loader
+        loader: Any = self._direct if self.buffer_reason is None else self._loader
         if loader is None or self._pid != os.getpid() or self._elastic:
             return
         if not all(lay.src.stored for lay in self.layouts.values()):
@@ -366,6 +399,8 @@ class BatchGenerator:
         async def first() -> Any:
             loop = asyncio.get_running_loop()
             plan = await loop.run_in_executor(None, self.plan, epoch)  # pure math, off the loop
+            if isinstance(loader, DirectLoader):
+                return await loader.load(plan, 0) if plan.n_batches else None
             if plan.n_buffers == 0 or loader.halo_plan(plan, 0) is not None:
                 return None  # windows spilling into later buffers: their halo plan starts with the run
             return await loader.load(plan, 0)
@@ -411,7 +446,7 @@ class BatchGenerator:
         # a pickled generator (e.g. sent to a spawned DataLoader worker) leaves this process's
         # reader and recycled block buffers behind: the new process builds its own
         state = self.__dict__.copy()
-        state.update(_reader=None, _loader=None, _pid=-1, _io={}, _live=0, _ahead=None)
+        state.update(_reader=None, _loader=None, _direct=None, _pid=-1, _io={}, _live=0, _ahead=None)
         return state
 
     # ------------------------------------------------------------------ state

@@ -10,6 +10,7 @@ then moves every array in it, numpy arrays becoming arrays of the output kind.""
 from __future__ import annotations
 
 import warnings
+from functools import cached_property
 from typing import Any, cast
 
 import numpy as np
@@ -38,7 +39,7 @@ class OutputBuilder:
 
     def __init__(self, ds: xr.Dataset, space: SampleSpace, layouts: dict[str, VarLayout], output: str,
                  stack: bool | list[str], device: Any = None, normalize: dict[str, Any] | None = None,
-                 transform: Any = None):
+                 transform: Any = None, dtype: Any = None):
         if output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
         if transform is not None and not callable(transform):
@@ -58,10 +59,15 @@ class OutputBuilder:
         # (x - mean) / std per channel after CF decoding; m.stats from ds.insitu.stats, or a dict like it,
         # applied by channel name (whatever the order of variables=)
         self.normalizer = normalizer(normalize, layouts, kept, self.fold, ds) if normalize is not None else None
-        dtypes = [lay.src.dtype for lay in layouts.values()]
-        if self.normalizer is not None:
-            dtypes = [self.normalizer.dtype(d) for d in dtypes]
-        self.dtype = np.result_type(*dtypes)
+        # each variable's values after CF decoding and normalising; ``dtype=`` casts every output array
+        self.out_dtype = output_dtype(dtype)
+        self.value_dtypes = {n: self.normalizer.dtype(lay.src.dtype) if self.normalizer is not None
+                             else np.dtype(lay.src.dtype) for n, lay in layouts.items()}
+        #: the stacked batch's dtype: ``dtype=``, else the variables' common result dtype (as ``to_dataarray``)
+        self.dtype = self.out_dtype if self.out_dtype is not None else np.result_type(*self.value_dtypes.values())
+        #: each output array's dtype (a variable's own, or the stacked batch's)
+        self.var_dtypes = {n: self.dtype if self.stack or self.out_dtype is not None else dt
+                           for n, dt in self.value_dtypes.items()}
         self._coords: xr.Dataset | None = None
         self._direct: tuple[int, ...] | bool | None = None
         self.gpu: Any = None  # the GPU path's device side: batches built on the device (``use_gpu``)
@@ -72,9 +78,7 @@ class OutputBuilder:
         if output == "jax":
             self.device = _jax_device(device)
             if transform is None:  # else the transform may cast; checked per array in _to_jax
-                outs = {n: self.normalizer.dtype(lay.src.dtype) if self.normalizer is not None else lay.src.dtype
-                        for n, lay in layouts.items()}
-                for n, dt in ({"the stacked batch": self.dtype} if self.stack else outs).items():
+                for n, dt in ({"the stacked batch": self.dtype} if self.stack else self.var_dtypes).items():
                     _check_jax_dtype(n, dt)
         elif device is not None and output != "torch":
             raise ValueError(f"device={device!r} applies to output='torch' or 'jax' (output='cupy' uses the "
@@ -145,6 +149,74 @@ class OutputBuilder:
         arr = self.arrays.empty((n, len(self.layouts), *cast(tuple[int, ...], self._direct)), self.dtype)
         return arr, {name: arr[:, c] for c, name in enumerate(self.layouts)}
 
+    # ------------------------------------------------------------------ batches filled in place
+    def converts(self, name: str) -> bool:
+        """Whether variable ``name``'s raw values need work before they are output values (CF decoding,
+        normalising, a cast to ``dtype=`` or to the stacked batch's dtype); else they are decoded
+        straight into the batch."""
+        return (self.decoders[name] is not identity or self.normalizer is not None
+                or np.dtype(self.layouts[name].src.raw_dtype) != self.var_dtypes[name])
+
+    def empty_batch(self, n: int) -> np.ndarray | dict[str, np.ndarray]:
+        """The host arrays of a batch of ``n`` samples, to fill in place (``value_view``): the stacked
+        batch, or one array per variable with a sample axis (``n`` first, then its output dims)."""
+        if self.stack:
+            return self.arrays.empty((n, len(self.channels), *self._stacked_shape()), self.dtype)
+        out = {}
+        for name, lay in self.layouts.items():
+            if lay.has_sample_axis:
+                out[name] = self.arrays.empty((n, *self._out_shape(lay)), self.var_dtypes[name])
+        return out
+
+    def _out_shape(self, lay: VarLayout) -> tuple[int, ...]:
+        """One sample's shape of a variable (its output dims: window/patch widths, else whole)."""
+        widths = {d.name: d.width for d in self.space.dims if d.keep}
+        return tuple(widths.get(d, lay.src.shape[lay.src.dims.index(d)]) for d in lay.out_dims)
+
+    def batch_nbytes(self, n: int) -> int:
+        """Bytes of the host arrays of a batch of ``n`` samples (as ``empty_batch`` makes them)."""
+        if self.stack:
+            return n * len(self.channels) * int(np.prod(self._stacked_shape(), dtype=np.int64)) * self.dtype.itemsize
+        return sum(n * int(np.prod(self._out_shape(lay), dtype=np.int64)) * self.var_dtypes[name].itemsize
+                   for name, lay in self.layouts.items() if lay.has_sample_axis)
+
+    def value_view(self, batch: np.ndarray | dict[str, np.ndarray], name: str, rows: slice) -> np.ndarray:
+        """Where variable ``name``'s values of samples ``rows`` lie in ``batch`` (from ``empty_batch``), as a
+        view shaped ``(rows, *its output dims)`` (its sample axis first; a variable without one: its own
+        dims, broadcast over ``rows`` when stacked)."""
+        lay = self.layouts[name]
+        if not self.stack:
+            return batch[name][rows]  # type: ignore[index]
+        arr = cast(np.ndarray, batch)[rows]
+        c0, extra = self._channel_slots[name]
+        sizes = dict(zip(self.base_dims, arr.shape[2:], strict=True))
+        for d in extra:
+            sizes[d] = lay.src.shape[lay.src.dims.index(d)]
+        part = arr[:, c0:c0 + int(np.prod([sizes[d] for d in extra], dtype=np.int64))]
+        part = part.reshape(arr.shape[0], *[sizes[d] for d in extra], *arr.shape[2:])
+        dims = list(lay.out_dims) if lay.has_sample_axis else list(lay.src.dims)
+        have = [*extra, *self.base_dims]
+        return part.transpose(0, *[have.index(d) + 1 for d in dims]) if have != dims else part
+
+    @cached_property
+    def _channel_slots(self) -> dict[str, tuple[int, list[str]]]:
+        """Per variable of a stacked batch: its first channel and its extra (channel) dims, in order."""
+        out: dict[str, tuple[int, list[str]]] = {}
+        for c, ch in enumerate(self.channels):
+            if ch.var not in out:
+                lay = self.layouts[ch.var]
+                dims = lay.out_dims if lay.has_sample_axis else lay.src.dims
+                out[ch.var] = (c, [d for d in dims if d not in self.base_dims])
+        return out
+
+    def _stacked_shape(self) -> tuple[int, ...]:
+        """The stacked batch's shape after its channel axis (the base dims)."""
+        widths = {d.name: d.width for d in self.space.dims if d.keep}
+        sizes: dict[str, int] = {}
+        for lay in self.layouts.values():
+            sizes.update(zip(lay.src.dims, lay.src.shape, strict=True))
+        return tuple(widths.get(d, sizes[d]) for d in self.base_dims)
+
     def _sample_shape(self) -> tuple[int, ...]:
         """Shape of one sample of one channel (window/patch widths, then whole dims)."""
         widths = {d.name: d.width for d in self.space.dims if d.keep}
@@ -181,9 +253,15 @@ class OutputBuilder:
         caller's current stream (a no-op without a CUDA device)."""
         return batch if self.mover is None else self.mover.hand_out(batch)
 
-    def decode(self, raw: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def decode(self, raw: dict[str, np.ndarray], cast: bool = True) -> dict[str, np.ndarray]:
+        """Raw values CF-decoded, normalised and (``cast``) cast to ``dtype=`` (a stacked batch casts as
+        it stacks)."""
         values = {n: self.decoders[n](a) for n, a in raw.items()}
-        return values if self.normalizer is None else self.normalizer(values)
+        if self.normalizer is not None:
+            values = self.normalizer(values)
+        if cast and self.out_dtype is not None:
+            values = {n: a.astype(self.out_dtype, copy=False) for n, a in values.items()}
+        return values
 
     def stacked(self, values: dict[str, np.ndarray], xp: Any = np) -> np.ndarray:
         """(sample, channel, *base) array of the common result dtype; a variable lacking the sample axis
@@ -256,7 +334,7 @@ class OutputBuilder:
         host_raw = {n: self._host(a) for n, a in raw.items()}
         try:
             values = self._device_values(raw)
-            ref = self.decode(host_raw)
+            ref = self.decode(host_raw, cast=not self.stack)
             if self.stack:
                 ref = {"": self.stacked(ref)}
             got = {"": values} if self.stack else values
@@ -287,6 +365,8 @@ class OutputBuilder:
             values[n] = a if gpu.is_device(a) else gpu.asarray(a)
         if self.normalizer is not None:
             values = self.normalizer(values)
+        if self.out_dtype is not None and not self.stack:
+            values = {n: a.astype(self.out_dtype, copy=False) for n, a in values.items()}
         out = self.stacked(values, gpu.xp) if self.stack else values
         gpu.synchronize()
         return out
@@ -317,23 +397,34 @@ class OutputBuilder:
         return a  # cupy (numpy for the stand-in)
 
     def _build_host(self, raw: dict[str, np.ndarray], starts: np.ndarray) -> Any:
-        values = self.decode(raw)
+        return self.assemble(self.decode(raw, cast=not self.stack), starts)
+
+    def assemble(self, values: Any, starts: np.ndarray) -> Any:
+        """A batch of the output's kind (on the host) from its values (CF-decoded, normalised; cast to
+        ``dtype=`` unless stacked), or from its stacked array where stacked already (``direct``)."""
+        if not isinstance(values, dict):  # stacked already
+            if self.output in ("dataarray", "xarray"):
+                return self._labeled(values, starts)
+            return self._to_torch(values) if self.output == "torch" else values
         if self.output == "xarray" and not self.stack:
             c = self.sample_coords(starts)
             data = {n: xr.Variable(self.dims_of(n), a, attrs=self.attrs[n]) for n, a in values.items()}
             return xr.Dataset(data, coords=c.coords, attrs=self.ds_attrs)
         if self.output in ("dataarray", "xarray"):  # xarray with stack=: the labeled stacked array
-            c = self.sample_coords(starts)
-            arr = self.stacked(values)
-            dims = ("sample", "variable", *self.base_dims)
-            coords = {k: v for k, v in c.coords.items() if set(v.dims) <= set(dims)}  # e.g. not `level`
-            return xr.DataArray(arr, dims=dims, coords={**coords, "variable": [ch.name for ch in self.channels]})
+            return self._labeled(self.stacked(values), starts)
         if self.stack:
             arr = self.stacked(values)
             return self._to_torch(arr) if self.output == "torch" else arr
         if self.output == "torch":
             return {n: self._to_torch(a) for n, a in values.items()}
         return values  # cupy: host arrays until the device copy in finish
+
+    def _labeled(self, arr: np.ndarray, starts: np.ndarray) -> xr.DataArray:
+        """The stacked batch ``arr`` as a labeled ``xr.DataArray`` (``"dataarray"``, or ``"xarray"`` with stack=)."""
+        c = self.sample_coords(starts)
+        dims = ("sample", "variable", *self.base_dims)
+        coords = {k: v for k, v in c.coords.items() if set(v.dims) <= set(dims)}  # e.g. not `level`
+        return xr.DataArray(arr, dims=dims, coords={**coords, "variable": [ch.name for ch in self.channels]})
 
     def dims_of(self, name: str) -> tuple[str, ...]:
         """The dims of variable ``name`` in a batch (``"sample"`` first where it has a sample axis)."""
@@ -369,6 +460,20 @@ class OutputBuilder:
 
         _check_jax_dtype("an array of the transformed batch", a.dtype)
         return jax.device_put(a, self.device)
+
+
+def output_dtype(dtype: Any) -> np.dtype | None:
+    """``dtype=`` as a numpy dtype (None: the values' own); a dtype numpy does not know, or one that is
+    not numeric (bool, strings, datetimes, objects), raises naming ``dtype``."""
+    if dtype is None:
+        return None
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as e:
+        raise TypeError(f"dtype: numpy does not know {dtype!r} as a dtype ({e}); use e.g. 'float32'") from None
+    if dt.kind not in NUMERIC_KINDS or dt.kind == "b":
+        raise ValueError(f"dtype: {dtype!r} ({dt}) is not a numeric dtype; use e.g. 'float32', 'float16' or 'float64'")
+    return dt
 
 
 #: jax (XLA) aliases host memory aligned to this many bytes instead of copying it

@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 
 from xinsitu import _loop
-from xinsitu.buffer import BufferLoader
 from xinsitu.output import OutputBuilder
 from xinsitu.plan import EpochPlan
 
@@ -53,9 +52,14 @@ class EpochRun:
     epoch's first buffer); the I/O counters of this run stop there.
     """
 
-    def __init__(self, plan: EpochPlan, start: int, loader: BufferLoader, builder: OutputBuilder,
+    #: items read ahead or held at the start (buffers: one gathered from, one spanning, one loading)
+    start_depth = READ_AHEAD_BUFFERS
+    #: finished batches waiting for the caller
+    queued = PREFETCH_BATCHES
+
+    def __init__(self, plan: EpochPlan, start: int, loader: Any, builder: OutputBuilder,
                  first: asyncio.Task | None = None, counters_from: dict[str, Any] | None = None,
-                 then: Callable[[], None] | None = None):
+                 then: Callable[[], None] | None = None, budget: int | None = None):
         self.plan, self.start, self.builder = plan, start, builder
         self.loader = loader
         self.counters_before = counters_from if first is not None and counters_from is not None \
@@ -63,7 +67,7 @@ class EpochRun:
         self.counters_end: dict[str, Any] | None = None
         self.then = then
         self.buffers: queue.Queue = queue.Queue()
-        self.batches: queue.Queue = queue.Queue(PREFETCH_BATCHES)
+        self.batches: queue.Queue = queue.Queue(self.queued)
         self.stop = threading.Event()
         self.wait_s = 0.0
         self.samples = 0
@@ -73,29 +77,38 @@ class EpochRun:
         self.t_end: float | None = None
         self.loop = _loop.get_loop()
         self.credits: asyncio.Semaphore | None = None
-        self.depth = READ_AHEAD_BUFFERS  # buffers read ahead or held (grows with requests in flight)
+        self.depth = self.start_depth  # items read ahead or held (grows with requests in flight, up to ``budget``)
+        self.budget = budget  # bytes the items held may take (None: no bound beyond the read-ahead rule)
         self.n_loaded = 0
         self.failed = False  # a buffer failed to load (set on the I/O loop)
         self.tasks: set[asyncio.Task] = set()  # buffer loads in flight
-        if start >= plan.n_batches:
-            self.first_buffer = plan.n_buffers
-        else:
-            self.first_buffer = plan.buffers_of(*plan.batch_span(start))[0]
-        # chunks that windows spill into, passed from buffer to buffer rather than read twice
-        self.halo = self.loader.halo_plan(plan, self.first_buffer)
-        self.first = first if self.halo is None else None
+        self.items = self._items()  # what the I/O loop reads, in order
+        self.first = first if self.reads_first else None
         if first is not None and self.first is None:
             self.loop.call_soon_threadsafe(first.cancel)
         self.io_future = _loop.submit(self._produce())
         self.thread = threading.Thread(target=self._assemble, name="xinsitu-prefetch", daemon=True)
         self.thread.start()
 
+    def _items(self) -> range:
+        """The buffers this run reads (from the one holding batch ``start``), and the plan of the
+        chunks that windows spill into, passed from buffer to buffer rather than read twice."""
+        plan = self.plan
+        first = plan.n_buffers if self.start >= plan.n_batches else plan.buffers_of(*plan.batch_span(self.start))[0]
+        self.halo = self.loader.halo_plan(plan, first)
+        return range(first, plan.n_buffers)
+
+    @property
+    def reads_first(self) -> bool:
+        """Whether a first item read ahead (``first``) can be used: not where windows spill into later buffers."""
+        return self.halo is None
+
     # -- I/O loop side
     async def _produce(self) -> None:
         self.credits = asyncio.Semaphore(self.depth)
         prev: asyncio.Task | None = None
         try:
-            for j in range(self.first_buffer, self.plan.n_buffers):
+            for j in self.items:
                 await self.credits.acquire()
                 if self.stop.is_set() or self.failed:
                     break  # a failed buffer ends the epoch: its error is on its way to the caller
@@ -104,12 +117,8 @@ class EpochRun:
                 prev.add_done_callback(self.tasks.discard)
             delivered = True if prev is None else await prev
             if delivered and not self.stop.is_set():
-                self.counters_end = _copy_counters(self.loader.reader.counters)
-                if self.then is not None:
-                    try:
-                        self.then()
-                    except Exception:  # noqa: BLE001 - a read ahead that cannot start is only not made
-                        pass
+                if prev is None:
+                    self._ended()
                 self.buffers.put(_END)
         except asyncio.CancelledError:
             for t in list(self.tasks):  # closed early: stop the reads of buffers nobody will take
@@ -121,9 +130,9 @@ class EpochRun:
     async def _load(self, j: int, prev: asyncio.Task | None) -> bool:
         """Load buffer ``j`` and hand it (or its error) on after buffer ``j - 1``; whether it was delivered."""
         try:
-            buffer: Any = await self._first(j) if j == self.first_buffer and self.first is not None else None
+            buffer: Any = await self._first(j) if j == self.items[0] and self.first is not None else None
             if buffer is None:
-                buffer = await self.loader.load(self.plan, j, self.halo)
+                buffer = await self._read(j)
         except Exception as e:  # noqa: BLE001 - delivered to the caller, in order
             buffer = e
             self.failed = True
@@ -136,8 +145,19 @@ class EpochRun:
             if not isinstance(buffer, BaseException):
                 self.loader.recycle(buffer)
             return False
+        if j == self.items[-1] and not isinstance(buffer, BaseException) and not self.stop.is_set():
+            self._ended()  # before the last item is handed on: the caller may end the run right after it
         self.buffers.put(buffer)
         return not isinstance(buffer, BaseException)
+
+    def _ended(self) -> None:
+        """Every item is read: the run's I/O counters stop here, and ``then`` is called."""
+        self.counters_end = _copy_counters(self.loader.reader.counters)
+        if self.then is not None:
+            try:
+                self.then()
+            except Exception:  # noqa: BLE001 - a read ahead that cannot start is only not made
+                pass
 
     async def _first(self, j: int) -> Any:
         """Buffer ``j`` as read ahead (``first``), or None where it failed or holds other samples."""
@@ -154,13 +174,18 @@ class EpochRun:
             return None
         if buffer is None:
             return None
-        sl = self.plan.buffer_pieces(j)
-        sizes = self.plan.hi[sl] - self.plan.lo[sl]
-        want = self.plan.buffer_order(j, self.loader.space.offsets)
-        if int(sizes.sum()) != len(buffer.ids) or not np.array_equal(buffer.ids, want):
+        if not np.array_equal(buffer.ids, self._ids(j)):
             self.loader.recycle(buffer)
             return None
         return buffer
+
+    async def _read(self, j: int) -> Any:
+        """Read item ``j`` (a buffer)."""
+        return await self.loader.load(self.plan, j, self.halo)
+
+    def _ids(self, j: int) -> np.ndarray:
+        """The sample ids item ``j`` holds, in the order it yields them."""
+        return self.plan.buffer_order(j, self.loader.space.offsets)
 
     def _deepen(self) -> None:
         """Read further ahead where the buffers read so far call for it (``read_ahead_depth``)."""
@@ -168,6 +193,8 @@ class EpochRun:
         per_buffer = (reader.counters.requests - self.counters_before["requests"]) / self.n_loaded
         bytes_per_buffer = (reader.counters.bytes_decoded - self.counters_before["bytes_decoded"]) / self.n_loaded
         want = read_ahead_depth(reader.inflight.limit, reader.inflight.far, per_buffer, bytes_per_buffer)
+        if self.budget is not None:  # memory: the items held stay within the byte budget (at least the start depth)
+            want = min(want, max(self.start_depth, int(self.budget // max(1.0, bytes_per_buffer))))
         while self.depth < want and self.credits is not None:
             self.depth += 1
             self.credits.release()
@@ -304,6 +331,48 @@ class EpochRun:
                 "wait_s": self.wait_s, "seconds": dt, "samples": self.samples,
                 "samples_per_s": self.samples / dt if dt > 0 else 0.0,
                 "mb_per_s": c["bytes_decoded"] / dt / 1e6 if dt > 0 else 0.0}
+
+
+class DirectRun(EpochRun):
+    """``EpochRun`` of batches filled in place (``direct.DirectLoader``): the I/O loop reads whole batches
+    ahead, straight into their arrays, and the prefetch thread only turns them into the output's kind
+    (``transform=``, the device copy). ``budget``: bytes of batches read ahead at most (beyond the
+    first two)."""
+
+    start_depth = 1  # the first batch read by every decode thread, then the next ones overlapping (``_deepen``)
+
+    queued = 1  # batches are finished by then: one waiting for the caller keeps it fed
+
+    def _items(self) -> range:
+        self.halo = None
+        return range(min(self.start, self.plan.n_batches), self.plan.n_batches)
+
+    async def _read(self, j: int) -> Any:
+        return await self.loader.load(self.plan, j)
+
+    def _ids(self, j: int) -> np.ndarray:
+        return self.loader.batch_ids(self.plan, j)
+
+    def _assemble(self) -> None:
+        builder, plan = self.builder, self.plan
+        try:
+            for i in self.items:
+                item = self._next_buffer()
+                if item is None:
+                    return  # closed
+                if isinstance(item, BaseException):
+                    raise item
+                if item is _END or item.i != i:
+                    raise RuntimeError(f"xinsitu: batch {i} was never read (internal error)")
+                batch = builder.finish(builder.assemble(item.values, item.starts))
+                del item
+                a, b = plan.batch_span(i)
+                if not self._put((i, batch, b - a)):
+                    return
+                self._release()  # its place in the read-ahead is free once it waits in the queue
+            self._put(_END)
+        except BaseException as e:  # noqa: BLE001 - delivered to the caller
+            self._put(e)
 
 
 def read_ahead_depth(limit: int, far: bool, per_buffer: float, bytes_per_buffer: float) -> int:

@@ -272,6 +272,16 @@ class Reader:
             (c, Slot(out, keep, c)) for c, out in zip(coords, outs, strict=True)]
         await self._fetch_all(route, items)
 
+    async def read_slots(self, src: VarSource, coords: list[tuple[int, ...]], outs: list[np.ndarray],
+                         regions: list[dict[str, tuple[int, int]]]) -> None:
+        """Whole chunks ``coords`` (the chunks ``regions`` are exactly) into ``outs`` (C-contiguous arrays of
+        the chunk's shape, anywhere: e.g. a sample's channels in a batch): those the memory tier has
+        copied from it, the others decoded straight in (``read_whole``)."""
+        rest, _ = await self.take_cached(src, coords, outs)
+        if rest:
+            await self.read_whole(src, [coords[i] for i in rest], [outs[i] for i in rest],
+                                  [regions[i] for i in rest])
+
     async def read_gpu(self, src: VarSource, coords: list[tuple[int, ...]], outs: list[Any], gpu: Any,
                        chain: Any, tier: Any = None) -> None:
         """Whole chunks ``coords`` decoded on the GPU straight into ``outs`` (device arrays of the
@@ -523,7 +533,7 @@ class Reader:
         return await serve_cached(self, src, targets, object_of, dec)
 
     async def take_cached(self, src: VarSource, coords: list[tuple[int, ...]],
-                          out: np.ndarray) -> tuple[list[int], tuple[np.ndarray, np.ndarray] | None]:
+                          out: np.ndarray | list[np.ndarray]) -> tuple[list[int], tuple[np.ndarray, np.ndarray] | None]:
         """The whole chunks ``coords`` from the memory tier, for a buffer whose row ``i`` is chunk
         ``coords[i]``: ``(rows it lacks, for read_many; slab)`` (``cached.take_cached``)."""
         return await take_cached(self, src, coords, out)

@@ -1,0 +1,184 @@
+"""Batches filled in place, with no shuffle buffer: ``DirectLoader``.
+
+Where every unit of a split (its chunk block) is one sample -- one position along each split dim,
+no window, tile or ``over`` dim: one time step per chunk, as GRIB messages and ARCO-ERA5 keep them
+-- the permutation of the units is already a global shuffle (SPEC §5), and a buffer of chunk blocks
+would only add a copy. Each sample's chunks are then decoded straight into their place in the batch:
+a variable's channel slice of the stacked array (``OutputBuilder.value_view``), or its row of the
+variable's array. Variables whose raw values need work first (CF decoding, normalising, a cast to
+``dtype=``) are decoded into a raw array of the batch and converted in one pass into place, in the
+decode threads. Variables without a split dim are read once and copied (stacked) or handed out
+read-only (per variable) in every batch.
+
+The order of the samples is the plan's (``EpochPlan``): the same batches as the buffered path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from xinsitu.mempool import ArrayPool
+from xinsitu.output import OutputBuilder
+from xinsitu.plan import EpochPlan
+from xinsitu.reader import Reader
+from xinsitu.sampling import SampleSpace, VarLayout
+
+#: a conversion into place is split into this many rows' worth of bytes per decode-thread job at least
+CONVERT_JOB_BYTES = 4 << 20
+
+
+@dataclass
+class Filled:
+    """Batch ``i`` of a plan, read into place: its sample ids, their start positions along the
+    sampled dims, and its values (the stacked array, or ``{var: array}``)."""
+
+    i: int
+    ids: np.ndarray
+    starts: np.ndarray
+    values: Any
+
+
+def direct_reason(space: SampleSpace, layouts: dict[str, VarLayout], builder: OutputBuilder) -> str | None:
+    """Why batches of this sample space need a shuffle buffer (None: they do not, ``DirectLoader``)."""
+    if space.free_dims:
+        return f"several samples per chunk block (dims {[d.name for d in space.free_dims]} are sampled too)"
+    if any(d.width > 1 for d in space.split_dims):
+        return "windows span several positions"
+    for e in space.edges:
+        if len(e) > 1 and int(np.diff(e).max()) > 1:
+            return "several samples per chunk block"
+    for name, lay in layouts.items():
+        if not lay.static and not all(d.name in lay.src.dims for d in space.split_dims):
+            return f"variable {name!r} lacks a split dim"
+        if lay.static and builder.stack and not set(builder.base_dims) <= set(lay.src.dims):
+            return f"variable {name!r} is broadcast along dims it lacks"
+    return None
+
+
+class DirectLoader:
+    """Reads the batches of a plan straight into place (see the module); the I/O loop's side of a
+    ``pipeline.DirectRun``."""
+
+    def __init__(self, space: SampleSpace, layouts: dict[str, VarLayout], reader: Reader, builder: OutputBuilder):
+        self.space, self.layouts, self.reader, self.builder = space, layouts, reader, builder
+        self.n_split = len(space.split_dims)
+        self._raw = ArrayPool(keep=2)  # raw arrays of variables converted into place
+        self._static: asyncio.Future[dict[str, np.ndarray]] | None = None
+        # a variable's batch layout (sample, *output dims) -> its own dim order (split dims of length 1)
+        self._to_var: dict[str, tuple[int, ...]] = {}
+        for name, lay in layouts.items():
+            if lay.static:
+                continue
+            have = [d.name for d in space.split_dims] + list(lay.out_dims)
+            self._to_var[name] = tuple(have.index(d) for d in lay.src.dims)
+
+    # ------------------------------------------------------------------ which samples
+    def batch_ids(self, plan: EpochPlan, i: int) -> np.ndarray:
+        """Global sample ids of batch ``i`` of ``plan``, in the order it yields them."""
+        a, b = plan.batch_span(i)
+        parts = []
+        for j in plan.buffers_of(a, b):
+            off = int(plan.buffer_offsets[j])
+            ids = plan.buffer_order(j, self.space.offsets)
+            parts.append(ids[max(a, off) - off:min(b, int(plan.buffer_offsets[j + 1])) - off])
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def starts_of(self, ids: np.ndarray) -> np.ndarray:
+        """Each sample's position along the split dims, shape (n, split dims)."""
+        sp = self.space
+        units, _ = sp.locate(ids)
+        blocks = np.asarray(sp.blocks[units], dtype=np.int64)
+        coords = np.unravel_index(blocks, sp.grid)
+        return np.stack([sp.edges[k][c] for k, c in enumerate(coords)], axis=1).astype(np.int64)
+
+    # ------------------------------------------------------------------ reading
+    async def load(self, plan: EpochPlan, i: int) -> Filled:
+        """Batch ``i`` of ``plan`` read into a new batch's arrays (every chunk once)."""
+        ids = self.batch_ids(plan, i)
+        starts = self.starts_of(ids)
+        n = len(ids)
+        b = self.builder
+        batch = b.empty_batch(n)
+        names = [d.name for d in self.space.split_dims]
+        rows = starts.tolist()
+        regions = [{d: (p, p + 1) for d, p in zip(names, row, strict=True)} for row in rows]
+        jobs, raws = [], {}
+        for name, lay in self.layouts.items():
+            if lay.static:
+                continue
+            perm = self._to_var[name]
+            if b.converts(name):  # raw values first, converted into place below
+                shape = [n] + [1] * self.n_split + [lay.src.shape[lay.src.dims.index(d)] for d in lay.out_dims]
+                raw = raws[name] = self._raw.take(shape, lay.src.raw_dtype)
+                dests = [raw[k].transpose(perm) for k in range(n)]
+            else:
+                view = b.value_view(batch, name, slice(None))
+                view = view.reshape(n, *([1] * self.n_split), *view.shape[1:]) if self.n_split != 1 else view[:, None]
+                dests = [view[k].transpose(perm) for k in range(n)]
+            jobs.append(self._read(lay, regions, dests))
+        try:
+            await asyncio.gather(*jobs)
+            if raws:
+                await self._convert(batch, raws)
+        finally:
+            for raw in raws.values():
+                self._raw.give_back(raw)
+        static = await self._static_values()
+        if isinstance(batch, dict):
+            batch.update(static)
+        elif static:
+            for name, values in static.items():  # broadcast into the stacked batch's channels
+                b.value_view(batch, name, slice(None))[...] = values
+        return Filled(i, ids, starts, batch)
+
+    async def _read(self, lay: VarLayout, regions: list[dict[str, tuple[int, int]]], dests: list[np.ndarray]) -> None:
+        """One variable's samples read into ``dests`` (views in its own dim order): whole chunks decoded
+        straight in, else as regions."""
+        reader, src = self.reader, lay.src
+        coords = [reader.whole_chunk(src, r) for r in regions]
+        if all(c is not None for c in coords) and all(d.flags.c_contiguous for d in dests):
+            await reader.read_slots(src, coords, dests, regions)  # type: ignore[arg-type]
+        else:
+            await reader.read_many(src, list(zip(regions, dests, strict=True)))
+
+    async def _convert(self, batch: Any, raws: dict[str, np.ndarray]) -> None:
+        """Raw values CF-decoded, normalised and cast into place, in the decode threads (rows in shares)."""
+        jobs = []
+        loop = asyncio.get_running_loop()
+        for name, raw in raws.items():
+            raw = raw.reshape(raw.shape[0], *raw.shape[1 + self.n_split:])  # (sample, *output dims)
+            step = max(1, CONVERT_JOB_BYTES // max(1, raw[0].nbytes))
+            for a in range(0, len(raw), step):
+                jobs.append(loop.run_in_executor(None, self._convert_rows, batch, name, raw, slice(a, a + step)))
+        await asyncio.gather(*jobs)
+
+    def _convert_rows(self, batch: Any, name: str, raw: np.ndarray, rows: slice) -> None:
+        values = self.builder.decode({name: raw[rows]}, cast=False)[name]
+        np.copyto(self.builder.value_view(batch, name, rows), values, casting="unsafe")
+
+    async def _static_values(self) -> dict[str, np.ndarray]:
+        """Variables without a split dim, read once: their output values (read-only: every batch hands
+        out the same array; a stacked batch copies them into its channels)."""
+        got = self._static
+        if got is None or (got.done() and (got.cancelled() or got.exception() is not None)):
+            got = self._static = asyncio.ensure_future(self._read_static())
+        return await asyncio.shield(got)
+
+    async def _read_static(self) -> dict[str, np.ndarray]:
+        static = {n: lay for n, lay in self.layouts.items() if lay.static}
+        arrs = await asyncio.gather(*(self.reader.read(lay.src, {}) for lay in static.values()))
+        values = self.builder.decode(dict(zip(static, arrs, strict=True)), cast=not self.builder.stack)
+        out = {}
+        for n, v in values.items():
+            v = np.asarray(v).view()
+            v.flags.writeable = False
+            out[n] = v
+        return out
+
+    def recycle(self, item: Filled) -> None:
+        """Nothing to give back: a batch's arrays are its own (``OutputBuilder.arrays`` takes them back
+        once nothing holds them)."""

@@ -88,8 +88,9 @@ def test_whole_chunk_slots_are_copied_from_the_cache_at_once(tmp_path, monkeypat
     """Where each slot of a buffer is one whole chunk (time chunks holding whole maps), batches are
     gathered straight from the cache's slab where it holds every chunk of the buffer; where each chunk
     is one sample (no buffer), the chunks it holds are copied straight into the batch; else the chunks
-    it holds go in with one copy per variable and buffer (``Reader.take_cached``) and those it lacks are read as usual: the epochs are the uncached ones,
-    bit for bit, also when only some of a buffer's chunks are held."""
+    it holds go in with one copy per variable and buffer (``Reader.take_cached``) and those it lacks are
+    read as usual: the epochs are the uncached ones, bit for bit, also when only some of a buffer's
+    chunks are held."""
     from xinsitu.reader import Reader
 
     path = str(tmp_path / "a.zarr")

@@ -29,6 +29,9 @@ BUFFER_BUDGET = 1 << 30
 BUDGET_BUFFERS = 3
 #: chunk blocks per buffer where the budget allows more (the shuffle's block; at least 2 whatever the budget)
 MAX_BLOCK_CHUNKS = 16
+#: samples of a variable at least this big are gathered by a plain copy each (``np.take`` copies big rows,
+#: above all into a batch's channel slice, slower than a copy per row)
+ROW_COPY_BYTES = 1 << 20
 UNIT_SLOTS = 1 << 17  # units whose slot planning is kept (a few hundred bytes each)
 HALO_BUFFERS = 2  # a buffer passes the chunks a window spills into on to the buffers up to this many later
 
@@ -376,7 +379,7 @@ class BufferLoader:
             if name in buffer.on_device and not self._gather_ok:
                 out[name] = self._first_gather(buffer, name, slot, st)
                 continue
-            out[name] = self._gather_var(lay, buf, slot, st, buffer.origin, None if into is None else into[name],
+            out[name] = self._gather_var(lay, buf, slot, st, buffer.origin, None if into is None else into.get(name),
                                          buffer.rows.get(name), self.gpu if name in buffer.on_device else None)
         return out
 
@@ -430,8 +433,14 @@ class BufferLoader:
             flat = buf.reshape(buf.shape[0] * buf.shape[1], *buf.shape[2:])
             if dev is not None:
                 return dev.xp.take(flat, dev.index(slot_idx * buf.shape[1] + local[0]), axis=0)
+            at = slot_idx * buf.shape[1] + local[0]
+            if flat[0].nbytes >= ROW_COPY_BYTES:  # big samples: a plain copy each (np.take is slower on big rows)
+                res = into if into is not None else np.empty((n, *flat.shape[1:]), flat.dtype)
+                for k, i in enumerate(at.tolist()):
+                    np.copyto(res[k], flat[i])
+                return res
             # indices are in range by construction: mode="clip" lets numpy write into `into` unbuffered
-            return np.take(flat, slot_idx * buf.shape[1] + local[0], axis=0, out=into, mode="clip")
+            return np.take(flat, at, axis=0, out=into, mode="clip")
         idx: list[Any] = [slot_idx.reshape((n,) + (1,) * nk)]
         for k, pos in zip(lay.sampled, local, strict=True):
             shape = [n] + [1] * nk

@@ -362,8 +362,7 @@ class InsituDataset:
         builder = gen.builder
         direct = builder.direct_stack(len(rows))  # gather straight into the stacked batch
         if direct is not None:
-            loader.gather(block, rows, direct[1])
-            return builder.finish_stacked(direct[0])
+            return builder.finish_direct(direct, loader.gather(block, rows, direct[1]), block.starts[rows])
         return builder.build(loader.gather(block, rows), block.starts[rows])
 
     def _read_regions(self, loader: BufferLoader, starts: np.ndarray) -> Any:
@@ -382,7 +381,7 @@ class InsituDataset:
                 continue
             width = {sp.dims[k].name: sp.dims[k].width for k in lay.sampled}
             one = [src.dims.index(sp.dims[k].name) for k in lay.sampled if not sp.dims[k].keep]
-            if direct is not None:
+            if direct is not None and name in direct[1]:
                 out = direct[1][name]
             else:
                 out = np.empty((n, *[width.get(d, src.shape[src.dims.index(d)]) for d in lay.out_dims]),
@@ -404,7 +403,7 @@ class InsituDataset:
         for name, lay in static.items():
             raw[name] = whole[name][0].transpose(np.argsort(lay.order))
         if direct is not None:
-            return builder.finish_stacked(direct[0])
+            return builder.finish_direct(direct, raw, starts)
         return builder.build({name: raw[name] for name in gen.layouts}, starts)  # in variable order
 
     def _item(self, batch: Any, k: int) -> Any:

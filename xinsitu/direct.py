@@ -161,8 +161,8 @@ class DirectLoader:
         np.copyto(self.builder.value_view(batch, name, rows), values, casting="unsafe")
 
     async def _static_values(self) -> dict[str, np.ndarray]:
-        """Variables without a split dim, read once: their output values (read-only: every batch hands
-        out the same array; a stacked batch copies them into its channels)."""
+        """Variables without a split dim, read once: their output values (every batch hands out the same
+        array, read-only: ``OutputBuilder.assemble``; a stacked batch copies them into its channels)."""
         got = self._static
         if got is None or (got.done() and (got.cancelled() or got.exception() is not None)):
             got = self._static = asyncio.ensure_future(self._read_static())
@@ -171,13 +171,7 @@ class DirectLoader:
     async def _read_static(self) -> dict[str, np.ndarray]:
         static = {n: lay for n, lay in self.layouts.items() if lay.static}
         arrs = await asyncio.gather(*(self.reader.read(lay.src, {}) for lay in static.values()))
-        values = self.builder.decode(dict(zip(static, arrs, strict=True)), cast=not self.builder.stack)
-        out = {}
-        for n, v in values.items():
-            v = np.asarray(v).view()
-            v.flags.writeable = False
-            out[n] = v
-        return out
+        return self.builder.decode(dict(zip(static, arrs, strict=True)), cast=not self.builder.stack)
 
     def recycle(self, item: Filled) -> None:
         """Nothing to give back: a batch's arrays are its own (``OutputBuilder.arrays`` takes them back

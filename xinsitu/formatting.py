@@ -557,7 +557,7 @@ def _generator_sections(gen: BatchGenerator, drawing: bool = False) -> list[Sect
     if gen.world_size > 1:
         samples += f" (rank {gen.rank} of {gen.world_size})"
     if gen.shuffle:
-        shuffle = (f"seed {gen.seed}, epoch {gen.epoch}, buffers of {gen.block_chunks} chunk blocks; "
+        shuffle = (f"seed {gen.seed}, epoch {gen.epoch}, blocks of {gen.block_chunks} chunk blocks; "
                    f"quality {plan_quality(p, gen.space, gen.batch_size, 50):.2f} (1.0 ~ global)")
     else:
         shuffle = f"off: chunk blocks in split order (epoch {gen.epoch})"
@@ -566,7 +566,7 @@ def _generator_sections(gen: BatchGenerator, drawing: bool = False) -> list[Sect
     info = [("batches", batches), ("samples", samples),
             ("reads / epoch", f"{n_units} chunk blocks x {nvar} variable{'s' if nvar != 1 else ''}, "
                               f"~{fmt_bytes(_epoch_bytes(gen, p, n_units))} decoded{once}"),
-            ("shuffle", shuffle), ("output", gen.output + (f" on {gen.builder.device}"
+            ("shuffle", shuffle), ("buffer", gen.buffer_summary), ("output", gen.output + (f" on {gen.builder.device}"
                                                            if getattr(gen.builder, "device", None) else ""))]
     if getattr(gen, "decode_summary", None):
         info.append(("decode", gen.decode_summary))

@@ -17,7 +17,7 @@ import numpy as np
 import xarray as xr
 
 from xinsitu import _loop, formatting
-from xinsitu.buffer import BUFFER_BUDGET, BufferLoader, default_block_chunks
+from xinsitu.buffer import BUFFER_BUDGET, BufferLoader, default_block_chunks, unit_nbytes
 from xinsitu.cache import ChunkCache, resolve_cache
 from xinsitu.channels import channel_names
 from xinsitu.device_cache import CupyArrays, HostArrays
@@ -528,6 +528,17 @@ class BatchGenerator:
         from xinsitu.torch import InsituIterableDataset
 
         return InsituIterableDataset(self)
+
+    @property
+    def buffer_summary(self) -> str:
+        """What memory the batches are assembled in, in words: no buffer (chunks decoded straight into the
+        batch), or the buffer's chunk blocks and bytes, and whether a byte budget or ``block_chunks=`` set them."""
+        if self.buffer_reason is None:
+            return "none: each chunk block is one sample, decoded straight into the batch"
+        size = formatting.fmt_bytes(self.block_chunks * unit_nbytes(self.space, self.layouts))
+        why = "block_chunks=" if self._block_chunks_given else \
+            f"within a budget of {formatting.fmt_bytes(self.buffer_budget)} for the buffers held"
+        return f"{self.block_chunks} chunk blocks, ~{size} a buffer ({why}; {self.buffer_reason})"
 
     @property
     def decode_summary(self) -> str:

@@ -69,7 +69,7 @@ class OutputBuilder:
         self.var_dtypes = {n: self.dtype if self.stack or self.out_dtype is not None else dt
                            for n, dt in self.value_dtypes.items()}
         self._coords: xr.Dataset | None = None
-        self._direct: tuple[int, ...] | bool | None = None
+        self._direct: bool | None = None
         self.gpu: Any = None  # the GPU path's device side: batches built on the device (``use_gpu``)
         self._device_ok: bool | None = None  # the device's build passed its check on the first batch
         self._ds_coords = ds.coords
@@ -132,22 +132,30 @@ class OutputBuilder:
         return self._coords
 
     def direct_stack(self, n: int) -> tuple[np.ndarray, dict[str, np.ndarray]] | None:
-        """A stacked batch to gather straight into -- ``(array, {var: its channel view})`` -- where
-        nothing happens between gather and stacking (one channel per variable, no CF decoding,
-        no normalisation, one dtype), else None."""
+        """A stacked batch of ``n`` samples to gather into, and the views of the variables gathered
+        straight into it (``{var: its channels}``: raw values that are output values, in the buffer's
+        layout); the others are put in by ``fill_stacked``. None where a variable has no place of its own
+        in it (broadcast along a dim it lacks) or batches are built on the device."""
         if self._direct is None:
-            lays = self.layouts
-            ok = (self.gpu is None and self.stack and self.output in ("numpy", "torch", "cupy")
-                  and self.normalizer is None
-                  and all(d is identity for d in self.decoders.values())
-                  and len(self.channels) == len(lays)
-                  and all(lay.has_sample_axis and lay.out_perm is None and lay.out_dims == self.base_dims
-                          and lay.src.raw_dtype == self.dtype for lay in lays.values()))
-            self._direct = self._sample_shape() if ok else False
-        if self._direct is False:
+            self._direct = (self.gpu is None and self.stack and all(
+                lay.has_sample_axis or set(self.base_dims) <= set(lay.src.dims) for lay in self.layouts.values()))
+        if not self._direct:
             return None
-        arr = self.arrays.empty((n, len(self.layouts), *cast(tuple[int, ...], self._direct)), self.dtype)
-        return arr, {name: arr[:, c] for c, name in enumerate(self.layouts)}
+        arr = cast(np.ndarray, self.empty_batch(n))
+        return arr, {name: self.value_view(arr, name, slice(None)) for name, lay in self.layouts.items()
+                     if lay.has_sample_axis and lay.out_perm is None and not self.converts(name)}
+
+    def finish_direct(self, direct: tuple[np.ndarray, dict[str, np.ndarray]], raw: dict[str, np.ndarray],
+                      starts: np.ndarray) -> Any:
+        """The batch whose stacked array ``direct_stack`` gave: the variables of ``raw`` not gathered
+        straight into it (not yet CF-decoded) decoded, normalised and cast in one copy into their channels
+        (a variable without a sample axis broadcast over the samples), then the output's kind."""
+        arr, gathered = direct
+        for name, a in raw.items():
+            if name not in gathered:
+                values = self.decode({name: a}, cast=False)[name]
+                np.copyto(self.value_view(arr, name, slice(None)), values, casting="unsafe")
+        return self.finish(self.assemble(arr, starts))
 
     # ------------------------------------------------------------------ batches filled in place
     def converts(self, name: str) -> bool:
@@ -216,18 +224,6 @@ class OutputBuilder:
         for lay in self.layouts.values():
             sizes.update(zip(lay.src.dims, lay.src.shape, strict=True))
         return tuple(widths.get(d, sizes[d]) for d in self.base_dims)
-
-    def _sample_shape(self) -> tuple[int, ...]:
-        """Shape of one sample of one channel (window/patch widths, then whole dims)."""
-        widths = {d.name: d.width for d in self.space.dims if d.keep}
-        lay = next(iter(self.layouts.values()))
-        return tuple(widths.get(d, lay.src.shape[lay.src.dims.index(d)]) for d in self.base_dims)
-
-    def finish_stacked(self, arr: np.ndarray) -> Any:
-        """The stacked batch gathered by ``direct_stack``, in the output's kind."""
-        if self.output == "torch":
-            return self.finish(self._to_torch(arr))
-        return self.finish(arr)  # cupy: moved in finish
 
     def finish(self, batch: Any) -> Any:
         """``transform=`` on the host batch, then the ``device=`` copy (torch, cupy) or the move onto
@@ -406,6 +402,8 @@ class OutputBuilder:
             if self.output in ("dataarray", "xarray"):
                 return self._labeled(values, starts)
             return self._to_torch(values) if self.output == "torch" else values
+        if not self.stack:  # a batch owns its arrays: one shared by every batch (no split dim) is read-only
+            values = {n: a if self.layouts[n].has_sample_axis else _readonly(a) for n, a in values.items()}
         if self.output == "xarray" and not self.stack:
             c = self.sample_coords(starts)
             data = {n: xr.Variable(self.dims_of(n), a, attrs=self.attrs[n]) for n, a in values.items()}
@@ -460,6 +458,16 @@ class OutputBuilder:
 
         _check_jax_dtype("an array of the transformed batch", a.dtype)
         return jax.device_put(a, self.device)
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    """A read-only view of ``a`` (SPEC §4: a batch owns its arrays; a variable without the split dim is
+    the same values in every batch)."""
+    if not a.flags.writeable:
+        return a
+    view = a.view()
+    view.flags.writeable = False
+    return view
 
 
 def output_dtype(dtype: Any) -> np.dtype | None:

@@ -242,13 +242,11 @@ class EpochRun:
                     raw_parts.append(self.loader.gather(loaded[j], rows, into))
                     start_parts.append(loaded[j].starts[rows])
                     done += len(rows)
-                if direct is not None:
-                    batch = builder.finish_stacked(direct[0])
-                else:
-                    raw = raw_parts[0] if len(raw_parts) == 1 else {
-                        n: (np.concatenate([p[n] for p in raw_parts]) if builder.layouts[n].has_sample_axis
-                            else raw_parts[0][n]) for n in raw_parts[0]}
-                    batch = builder.build(raw, np.concatenate(start_parts))
+                raw = raw_parts[0] if len(raw_parts) == 1 else {
+                    n: (np.concatenate([p[n] for p in raw_parts]) if builder.layouts[n].has_sample_axis
+                        else raw_parts[0][n]) for n in raw_parts[0] if direct is None or n not in direct[1]}
+                starts = np.concatenate(start_parts)
+                batch = builder.build(raw, starts) if direct is None else builder.finish_direct(direct, raw, starts)
                 if not self._put((i, batch, b - a)):
                     return
             self._put(_END)

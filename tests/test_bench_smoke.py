@@ -38,3 +38,25 @@ def test_bench_run_smoke(tmp_path):
     assert mem and all("error" not in r and r["peak_mb"] >= r["baseline_mb"] for r in mem)
     for name in ("summary.md", "bench_throughput.png", "bench_wait.png", "bench_memory.png"):
         assert (out / name).stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_wm_shapes_smoke(tmp_path):
+    """bench/wm_shapes.py (the weather-model shape) runs end to end on a tiny grid: every peer reports a
+    rate, and the RSS run reports its peak against the batch's bytes."""
+    script = str(ROOT / "bench" / "wm_shapes.py")
+    common = [str(tmp_path), "--grid", "24x12", "--level-vars", "2"]
+    subprocess.run([sys.executable, script, "make", *common, "--nt", "10"], check=True, timeout=300,
+                   capture_output=True)
+    p = subprocess.run([sys.executable, script, "run", *common, "--rounds", "1", "--batch", "3"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rounds = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert len(rounds) == 1
+    for peer in ("decode", "xinsitu", "warm", "copy1", "stats", "xarray"):
+        assert rounds[0][peer] > 0, (peer, p.stdout)
+    p = subprocess.run([sys.executable, script, "rss", *common, "--batch", "3"], capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    row = json.loads(p.stdout.splitlines()[0])
+    assert row["peak_rss_gb"] > 0 and row["batch_gb"] == 3 * 30 * 12 * 24 * 4 / 1e9 and row["buffer"].startswith("none")

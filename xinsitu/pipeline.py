@@ -193,11 +193,18 @@ class EpochRun:
         per_buffer = (reader.counters.requests - self.counters_before["requests"]) / self.n_loaded
         bytes_per_buffer = (reader.counters.bytes_decoded - self.counters_before["bytes_decoded"]) / self.n_loaded
         want = read_ahead_depth(reader.inflight.limit, reader.inflight.far, per_buffer, bytes_per_buffer)
-        if self.budget is not None:  # memory: the items held stay within the byte budget (at least the start depth)
-            want = min(want, max(self.start_depth, int(self.budget // max(1.0, bytes_per_buffer))))
+        if self.budget is not None:  # memory: the items held stay within the byte budget
+            want = min(want, self._cap(max(1.0, bytes_per_buffer)))
         while self.depth < want and self.credits is not None:
             self.depth += 1
             self.credits.release()
+
+    def _cap(self, item_bytes: float) -> int:
+        """Items read ahead or held at most, for items of ``item_bytes``: as many as ``budget`` holds, at
+        least the start depth."""
+        if self.budget is None:
+            return MAX_READ_AHEAD_BUFFERS
+        return max(self.start_depth, int(self.budget // item_bytes))
 
     def _release(self) -> None:
         if self.credits is not None:
@@ -340,6 +347,13 @@ class DirectRun(EpochRun):
     start_depth = 1  # the first batch read by every decode thread, then the next ones overlapping (``_deepen``)
 
     queued = 1  # batches are finished by then: one waiting for the caller keeps it fed
+
+    def _cap(self, item_bytes: float) -> int:
+        """Batches read ahead at most: the budget holds them, the one waiting and the caller's (at least two,
+        so that the decode threads go on from one batch to the next)."""
+        if self.budget is None:
+            return MAX_READ_AHEAD_BUFFERS
+        return max(2, int(self.budget // item_bytes) - self.queued - 1)
 
     def _items(self) -> range:
         self.halo = None

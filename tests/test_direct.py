@@ -292,13 +292,17 @@ def test_cached_epochs_in_place(wm):
     assert gen.io_stats["cache_hits"] == gen.io_stats["chunks"] and gen.io_stats["requests"] == 0
 
 
-@pytest.mark.parametrize("row_copy", [False, True])
-def test_buffered_path_gathers_levels_into_their_channels(tmp_path, monkeypatch, row_copy):
+@pytest.mark.parametrize("big", [None, "row_copy", "parallel"])
+def test_buffered_path_gathers_levels_into_their_channels(tmp_path, monkeypatch, big):
     """Chunks of several steps (a buffer): level variables gathered straight into their channel slice of
-    the stacked batch (by ``np.take``, or a copy per sample where samples are big: ``row_copy``), a
-    CF-packed one converted into its channel in one copy; equal to xarray."""
-    if row_copy:
+    the stacked batch (by ``np.take``, or where samples are big a copy per sample, and where batches are
+    big in row shares on every core), a CF-packed one converted into its channel in one copy; equal to
+    xarray."""
+    if big == "row_copy":
         monkeypatch.setattr("xinsitu.buffer.ROW_COPY_BYTES", 1)
+    if big == "parallel":
+        monkeypatch.setattr("xinsitu.buffer.PARALLEL_GATHER_BYTES", 1)
+        monkeypatch.setattr("xinsitu.buffer.SHARE_BYTES", 600)  # z: shares of 2 samples (420 bytes each)
     path = str(tmp_path / "a.zarr")
     _write(path, {"time": 4})
     ds = xinsitu.open_zarr(path)

@@ -47,6 +47,7 @@ _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
 _thread: threading.Thread | None = None
 _pool: ThreadPoolExecutor | None = None
+_copies: ThreadPoolExecutor | None = None  # see ``in_parallel``
 _forked = False
 _native = 0  # calls into a Rust runtime (obstore) awaited on the loop now: waited for at exit
 
@@ -126,6 +127,26 @@ def get_loop() -> asyncio.AbstractEventLoop:
             th.start()
             _loop, _thread = loop, th
     return _loop
+
+
+def in_parallel(calls: list[Callable[[], Any]]) -> None:
+    """Run ``calls`` (copies that release the GIL: numpy's) on every usable core and wait for them all;
+    the first exception is raised. Threads of their own, not the decode threads: a batch's copies never
+    queue behind the chunk reads of the buffers read ahead."""
+    global _copies
+    if len(calls) < 2:
+        for call in calls:
+            call()
+        return
+    pool = _copies
+    if pool is None:
+        with _lock:
+            if _copies is None:
+                _copies = ThreadPoolExecutor(usable_cores(), thread_name_prefix="xinsitu-copy")
+            pool = _copies
+    futs = [pool.submit(call) for call in calls]
+    for f in futs:
+        f.result()
 
 
 def run_timeout() -> float:
@@ -257,8 +278,8 @@ def refuse_after_fork(what: str) -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _loop, _thread, _pool, _lock, _forked
-    _loop = _thread = _pool = None
+    global _loop, _thread, _pool, _copies, _lock, _forked
+    _loop = _thread = _pool = _copies = None
     _lock = threading.Lock()
     _forked = True
 
@@ -292,8 +313,9 @@ def _shutdown() -> None:
             except BaseException:  # noqa: BLE001 - exiting: nothing left to report to
                 pass
         loop.call_soon_threadsafe(loop.stop)
-    if pool is not None:
-        pool.shutdown(wait=False, cancel_futures=True)
+    for p in (pool, _copies):
+        if p is not None:
+            p.shutdown(wait=False, cancel_futures=True)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -10,12 +10,14 @@ whole variable in a single slot, read once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from xinsitu import _loop
 from xinsitu.gpu_decode import GpuChain, GpuPathError
 from xinsitu.mempool import ArrayPool
 from xinsitu.plan import EpochPlan, piece_ids
@@ -32,6 +34,9 @@ MAX_BLOCK_CHUNKS = 16
 #: samples of a variable at least this big are gathered by a plain copy each (``np.take`` copies big rows,
 #: above all into a batch's channel slice, slower than a copy per row)
 ROW_COPY_BYTES = 1 << 20
+#: a gather into place of at least this many bytes runs on every core, in shares of ``SHARE_BYTES``
+PARALLEL_GATHER_BYTES = 8 << 20
+SHARE_BYTES = 4 << 20
 UNIT_SLOTS = 1 << 17  # units whose slot planning is kept (a few hundred bytes each)
 HALO_BUFFERS = 2  # a buffer passes the chunks a window spills into on to the buffers up to this many later
 
@@ -371,6 +376,7 @@ class BufferLoader:
         if buffer.on_device and self._gather_ok is False:
             self._to_host(buffer)
         out = {}
+        shares: list[Any] = []  # big gathers into place: in row shares, on every core (below)
         for name, lay in self.layouts.items():
             buf = buffer.arrays[name]
             if not lay.has_sample_axis:
@@ -379,8 +385,18 @@ class BufferLoader:
             if name in buffer.on_device and not self._gather_ok:
                 out[name] = self._first_gather(buffer, name, slot, st)
                 continue
-            out[name] = self._gather_var(lay, buf, slot, st, buffer.origin, None if into is None else into.get(name),
+            dest = None if into is None else into.get(name)
+            if dest is not None and name not in buffer.on_device and dest.nbytes >= PARALLEL_GATHER_BYTES:
+                out[name] = dest
+                step = max(1, -(-len(slot) * SHARE_BYTES // dest.nbytes))
+                for a in range(0, len(slot), step):
+                    r = slice(a, a + step)
+                    shares.append(functools.partial(self._gather_var, lay, buf, slot[r], st[r], buffer.origin,
+                                                    dest[r], buffer.rows.get(name)))
+                continue
+            out[name] = self._gather_var(lay, buf, slot, st, buffer.origin, dest,
                                          buffer.rows.get(name), self.gpu if name in buffer.on_device else None)
+        _loop.in_parallel(shares)
         return out
 
     def _first_gather(self, buffer: Buffer, name: str, slot: np.ndarray, st: np.ndarray) -> Any:

@@ -192,12 +192,17 @@ class EpochRun:
         reader = self.loader.reader
         per_buffer = (reader.counters.requests - self.counters_before["requests"]) / self.n_loaded
         bytes_per_buffer = (reader.counters.bytes_decoded - self.counters_before["bytes_decoded"]) / self.n_loaded
-        want = read_ahead_depth(reader.inflight.limit, reader.inflight.far, per_buffer, bytes_per_buffer)
+        want = self._depth(reader.inflight.limit, reader.inflight.far, per_buffer, bytes_per_buffer)
         if self.budget is not None:  # memory: the items held stay within the byte budget
             want = min(want, self._cap(max(1.0, bytes_per_buffer)))
         while self.depth < want and self.credits is not None:
             self.depth += 1
             self.credits.release()
+
+    @staticmethod
+    def _depth(limit: int, far: bool, per_item: float, bytes_per_item: float) -> int:
+        """Items to keep read ahead or held (``read_ahead_depth``)."""
+        return read_ahead_depth(limit, far, per_item, bytes_per_item)
 
     def _cap(self, item_bytes: float) -> int:
         """Items read ahead or held at most, for items of ``item_bytes``: as many as ``budget`` holds, at
@@ -348,12 +353,20 @@ class DirectRun(EpochRun):
 
     queued = 1  # batches are finished by then: one waiting for the caller keeps it fed
 
+    @staticmethod
+    def _depth(limit: int, far: bool, per_item: float, bytes_per_item: float) -> int:
+        """Batches to keep reading: enough to fill the in-flight limit with requests, or to hold
+        ``READ_AHEAD_BYTES`` (small batches: a few ms of decoding each); one where a batch alone does
+        (a global field of dozens of channels: each batch holds more chunks than there are decode
+        threads). No batch is gathered from here (``read_ahead_depth`` counts one): fewer batch
+        arrays, and a process touches less fresh memory."""
+        return max(1, read_ahead_depth(limit, far, per_item, bytes_per_item) - 1)
+
     def _cap(self, item_bytes: float) -> int:
-        """Batches read ahead at most: the budget holds them, the one waiting and the caller's (at least two,
-        so that the decode threads go on from one batch to the next)."""
+        """Batches read ahead at most: the budget holds them, the one waiting and the caller's (at least one)."""
         if self.budget is None:
             return MAX_READ_AHEAD_BUFFERS
-        return max(2, int(self.budget // item_bytes) - self.queued - 1)
+        return max(1, int(self.budget // item_bytes) - self.queued - 1)
 
     def _items(self) -> range:
         self.halo = None

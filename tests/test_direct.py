@@ -359,13 +359,13 @@ def test_default_block_chunks_follows_the_budget(step, budget):
 
 def test_buffers_held_stay_within_the_budget(tmp_path, monkeypatch):
     """SPEC §5: the buffers read ahead and held stay within the byte budget whatever the sample size:
-    with a budget of 4 chunk blocks' bytes the buffers hold 2 blocks each, and no more than 2 buffers
-    are ever loaded and not yet given back (the read-ahead, which would go to 3+, is held there)."""
+    with a budget of 4.5 chunk blocks' bytes the buffers hold 2 blocks each, and the read-ahead (which
+    would go to 6 buffers) stays at its start."""
     import xinsitu.buffer as buffer_mod
     from xinsitu.loader import BatchGenerator
 
     path = str(tmp_path / "a.zarr")
-    _write(path, {"time": 2}, nt=48)
+    _write(path, {"time": 2}, nt=96)
     ds = xinsitu.open_zarr(path)
     m = ds.insitu.split("time", fractions={"train": 1.0})
     probe = ds.insitu.batches(m, "train", variables=LEVEL_VARS, output="numpy")
@@ -390,4 +390,6 @@ def test_buffers_held_stay_within_the_budget(tmp_path, monkeypatch):
     gen.read_ahead = False
     assert gen.block_chunks == 2 and "budget" in gen.buffer_summary
     n = sum(len(b["z"]) for b in gen)
-    assert n == 48 and peak[0] <= 3  # READ_AHEAD_BUFFERS, the start depth, not deepened past the budget
+    # READ_AHEAD_BUFFERS (the start depth, not deepened past the budget), and one more lent while a batch
+    # spans two buffers (``EpochRun.borrowed``)
+    assert n == 96 and peak[0] <= 4

@@ -279,7 +279,8 @@ def _check_store_arguments(store: Any, options: dict[str, Any]) -> None:
             if value is None:
                 continue
             if not isinstance(value, dict):
-                raise TypeError(f"client_options must be a dict (e.g. {{'timeout': '60s'}}), got {type(value).__name__}")
+                raise TypeError("client_options must be a dict (e.g. {'timeout': '60s'}), got "
+                                f"{type(value).__name__}")
             for k, v in value.items():
                 if not isinstance(v, (str, bool, timedelta, dict)):
                     raise TypeError(f"client_options[{k!r}] must be a string (e.g. '30s', '10'), a bool or a "

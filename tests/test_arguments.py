@@ -239,7 +239,6 @@ def test_bad_chunk_cache_argument(tmp_path, kwargs, error, name):
 
 BAD_OPEN = [
     ((None,), {}, TypeError, "store"),  # was FileNotFoundError "no zarr group found at NoneType"
-    ((1,), {}, TypeError, "store"),
     (("s3://bucket/a.zarr",), {"anonymous": "no"}, TypeError, "anonymous"),  # was read as True
     (("s3://bucket/a.zarr",), {"region": 1}, TypeError, "region"),  # "'int' object is not an instance of 'str'"
     (("http://127.0.0.1:9/a.zarr",), {"client_options": 1}, TypeError, "client_options"),  # "'int' ... not iterable"

@@ -242,3 +242,21 @@ def test_version_checks_on_a_silent_server_are_bounded(tmp_path, opener):
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["same"] and out["heads"] >= 1
     assert len(out["said"]) == 1 and "no answer" in out["said"][0], out["said"]
+
+
+# ------------------------------------------------------------------- a store the cache cannot name
+def test_a_store_without_a_lasting_identity_is_said_to_be_uncached(tmp_path):
+    """An archive in a zarr ``MemoryStore`` has no identity that outlives it: nothing of it is cached, in
+    memory or on disk. That was silent; it is warned once and said in the repr."""
+    import zarr
+
+    store = zarr.storage.MemoryStore()
+    xr.open_zarr(_archive(tmp_path / "a.zarr"), chunks=None).to_zarr(store, zarr_format=3, consolidated=False)
+    gen = _gen(xinsitu.open_zarr(store), str(tmp_path / "c"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _epoch(gen)
+        _epoch(gen)
+    said = [str(w.message) for w in caught if "keeps nothing" in str(w.message)]
+    assert len(said) == 1 and "variable 'a'" in said[0] and "MemoryStore" in said[0], said
+    assert "not cached: variable 'a'" in repr(gen) and _entries(tmp_path / "c") == 0

@@ -320,7 +320,8 @@ class ChunkKey:
 
         The first call lists the array's prefix, one request per 1000 objects (stores that cannot
         list, such as HTTP, and fsspec's are asked one ``HEAD``, or ``info``, per object instead).
-        Every request is bounded by ``XINSITU_REQUEST_TIMEOUT``: what got no answer in time is None."""
+        Every request is bounded by ``XINSITU_REQUEST_TIMEOUT``: what got no answer in time is unknown
+        (``why_not``), and a store that did not answer is not asked again through this ``ChunkKey``."""
         n = 0
         memo = self._versions
         fsspec = type(self.remote).__name__ == "FsspecStore"
@@ -521,7 +522,7 @@ def object_versions(store: Any, object_keys: list[str] | None = None, *,
                     prefix: str | None = None) -> tuple[dict[str, str], int]:
     """The current versions of objects of an obstore store: ``({object key: version}, requests
     made)``. A version is ``etag <ETag> <size>`` where the store gives a strong ETag (``trusted``),
-    else it says why it is none (``untrusted_why``).
+    else it says why it is none (``why_not``).
 
     Each request is given ``XINSITU_REQUEST_TIMEOUT`` seconds (``_loop.request_timeout``), one try:
     obstore's own retries of a silent store would take minutes.

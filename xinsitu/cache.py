@@ -1056,8 +1056,8 @@ class ChunkCache:
     def note_uncached(self, what: str, store: Any) -> None:
         """Say once that ``what`` (a variable) is not cached at all: its store has no lasting identity."""
         kind = type(store).__name__
-        self._say(f"uncached {kind}", f"not cached: {what} (its store, a {kind}, has no lasting identity)",
-                  f"the chunk cache keeps nothing of {what}: its store (a {kind}) has no identity that lasts (a "
+        self._say(f"uncached {kind}", f"not cached: {what} (its store, {kind}, has no lasting identity)",
+                  f"the chunk cache keeps nothing of {what}: its store ({kind}) has no identity that lasts (a "
                   "memory store, uncommitted Icechunk changes, or a kind of store the cache does not know), "
                   "so its chunks are read every epoch (warned once)")
 

@@ -62,7 +62,10 @@ BAD_BATCHES = [
     # a window longer than any run of the split's chunks: no sample at all
     ({"window": {"t": 21}}, ValueError, "window"),
     # a world so large that this rank gets no batch
-    ({"world_size": 1000}, ValueError, "world_size"),
+    ({"world_size": 1000, "rank": 0}, ValueError, "world_size"),
+    # issue 39, item 3c: ranks without a rank, and more ranks than a plan can hold
+    ({"world_size": 2}, ValueError, "rank="),
+    ({"world_size": 2**40, "rank": 0}, ValueError, "world_size"),
     ({"world_size": 3, "rank": 2, "batch_size": 8, "drop_last": True}, ValueError, "world_size"),
     ({"batch_size": 64, "drop_last": True}, ValueError, "batch_size"),
 ]
@@ -166,3 +169,98 @@ def test_bad_stats_argument(ds, m, kwargs, error, name):
     with pytest.raises(error, match=name):
         ds.insitu.stats(m, "train", **kwargs)
     assert ds.insitu.stats(m, "train", variables="a")["channels"] == ["a"]
+
+
+# ----------------------------------------------------------------- issue 39, item 3c: normalize=
+@pytest.mark.parametrize(("var", "key", "value", "match"), [
+    ("a", "std", -1.0, r"'std' of 'a', channel 'a' is -1.0"),
+    ("b", "std", float("nan"), r"'std' of 'b', channel 'b' is nan"),
+    ("a", "std", float("inf"), r"'std' of 'a'.*is inf"),
+    ("b", "mean", float("nan"), r"'mean' of 'b'.*is nan"),
+])
+def test_statistics_that_cannot_normalise_are_refused(ds, m, var, key, value, match):
+    """A negative, NaN or infinite std (or a NaN mean) was applied without a word: batches of NaN, or of
+    flipped signs. ``None`` stays the documented "no statistics for this channel" (NaN)."""
+    import copy
+
+    st = copy.deepcopy(ds.insitu.stats(m, "train"))
+    st[var][key] = value
+    with pytest.raises(ValueError, match=match):
+        ds.insitu.batches(m, "train", normalize=st)
+    with pytest.raises(ValueError, match=match):
+        ds.insitu.sample(m, "train", 0, normalize=st)
+    st[var][key] = None
+    ds.insitu.batches(m, "train", normalize=st)
+
+
+def test_statistics_of_another_split_or_manifest_are_named(ds, m):
+    """``channels.check_stats_origin``: statistics of a split the manifest lacks, or that disagree with the
+    manifest's own for the same split, raise; statistics of a split other than ``"train"`` warn."""
+    import copy
+
+    from xinsitu.channels import check_stats_origin
+
+    own = ds.insitu.stats(m, "train")  # also m.stats
+    check_stats_origin(own, m, "val")  # train's statistics for the val split: as documented
+    other = ds.insitu.split("t", fractions={"fit": 0.25, "check": 0.75})
+    with pytest.raises(ValueError, match=r"split 'fit', which this manifest does not have.*another manifest"):
+        check_stats_origin(ds.insitu.stats(other, "fit"), m, "train")
+    shifted = ds.insitu.split("t", fractions={"train": 0.25, "val": 0.75})
+    theirs = ds.insitu.stats(shifted, "train")  # same split name, other positions
+    with pytest.raises(ValueError, match=r"differ from this manifest's own \(m.stats\) for channel\(s\) \['a'\]"):
+        check_stats_origin(theirs, m, "train")
+    val = copy.deepcopy(ds.insitu.stats(m, "val"))
+    with pytest.warns(UserWarning, match=r"statistics are of split 'val', not 'train'.*leaks"):
+        check_stats_origin(val, m, "val")
+    check_stats_origin({k: v for k, v in own.items() if k != "split"}, m, "train")  # hand-written: no record
+
+
+# ------------------------------------------- issue 39, item 3c: errors that came from deep inside a dependency
+BAD_CACHE = [
+    ({"immutable": "false"}, TypeError, "immutable"),  # was True: version checks silently off
+    ({"immutable": 1}, TypeError, "immutable"),
+    ({"fsync": "no"}, TypeError, "fsync"),
+    ({"memory": float("nan")}, ValueError, "memory"),  # was "cannot convert float NaN to integer"
+    ({"memory": float("inf")}, ValueError, "memory"),  # was OverflowError
+    ({"disk": 1}, TypeError, "disk"),  # was os.fspath's "expected str, bytes or os.PathLike object"
+    ({"disk": b"/tmp/x"}, TypeError, "disk"),
+    ({"disk": ""}, ValueError, "disk"),  # was a disk tier in the working directory
+    ({"disk": "a\0b"}, ValueError, "disk"),  # was "embedded null byte"
+    ({"disk_size": float("nan"), "disk": "{tmp}"}, ValueError, "disk_size"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "name"), BAD_CACHE, ids=[str(k) for k, _, _ in BAD_CACHE])
+def test_bad_chunk_cache_argument(tmp_path, kwargs, error, name):
+    kwargs = {k: str(tmp_path / "c") if v == "{tmp}" else v for k, v in kwargs.items()}
+    with pytest.raises(error, match=name):
+        xinsitu.ChunkCache(**kwargs)
+
+
+BAD_OPEN = [
+    ((None,), {}, TypeError, "store"),  # was FileNotFoundError "no zarr group found at NoneType"
+    (("s3://bucket/a.zarr",), {"anonymous": "no"}, TypeError, "anonymous"),  # was read as True
+    (("s3://bucket/a.zarr",), {"region": 1}, TypeError, "region"),  # "'int' object is not an instance of 'str'"
+    (("http://127.0.0.1:9/a.zarr",), {"client_options": 1}, TypeError, "client_options"),  # "'int' ... not iterable"
+    (("http://127.0.0.1:9/a.zarr",), {"client_options": {"timeout": 30}}, TypeError, r"client_options\['timeout'\]"),
+    (("http://127.0.0.1:9/a.zarr",), {"retry_config": 3}, TypeError, "retry_config"),
+    (("http://127.0.0.1:9/a.zarr",), {"retry_config": {"max_retries": "3"}}, TypeError, "max_retries"),
+    (("http://127.0.0.1:9/a.zarr",), {"retry_config": {"retry_timeout": 60}}, TypeError, "retry_timeout"),
+    (("http://127.0.0.1:9/a.zarr",), {"retry_config": {"max_retry": 3}}, ValueError, "max_retry"),  # was ignored
+    (("s3://bucket/a.zarr",), {"credential_provider": "me"}, TypeError, "credential_provider"),  # at the first request
+]
+
+
+@pytest.mark.parametrize(("args", "kwargs", "error", "name"), BAD_OPEN, ids=[f"{a}-{k}" for a, k, _, _ in BAD_OPEN])
+def test_bad_open_zarr_argument(args, kwargs, error, name):
+    with pytest.raises(error, match=name):
+        xinsitu.open_zarr(*args, **kwargs)
+
+
+def test_open_zarr_names_a_group_that_is_not_there(tmp_path):
+    """A group the consolidated metadata lacks was zarr's ``KeyError``; it is a ``ValueError`` naming ``group``."""
+    from xinsitu.synthetic import write_era5_like
+
+    write_era5_like(str(tmp_path / "a.zarr"), nt=8, ny=2, nx=3, chunk_time=4)
+    with pytest.raises(ValueError, match="group='nope'"):
+        xinsitu.open_zarr(str(tmp_path / "a.zarr"), group="nope")

@@ -351,9 +351,12 @@ def test_a_bad_entry_is_a_miss_and_is_deleted(tmp_path: os.PathLike[str]) -> Non
 
 def test_disk_size_bound(tmp_path: os.PathLike[str]) -> None:
     c = ChunkCache(memory=0, disk=tmp_path, disk_size="2MB")
-    for i in range(30):  # 30 x 200 kB: three times the bound
-        c.put(key_of(i), value_of(i))
-        assert tree_bytes(str(tmp_path)) <= 2_000_000
+    with pytest.warns(RuntimeWarning, match=r"is full \(disk_size=2.0 MB\).*not_admitted") as said:
+        for i in range(30):  # 30 x 200 kB: three times the bound
+            c.put(key_of(i), value_of(i))
+            assert tree_bytes(str(tmp_path)) <= 2_000_000
+    assert len([w for w in said if "is full" in str(w.message)]) == 1  # said once, and in the notes
+    assert len(c.notes) == 1 and c.notes[0].startswith("disk tier full")
     kept = [i for i in range(30) if c.get(key_of(i)) is not None]
     assert len(kept) >= 8 and kept == list(range(len(kept)))  # the first that fit stay (used during this run)
     assert c.stats.not_admitted > 0 and c.stats.disk_evictions == 0

@@ -212,6 +212,25 @@ def test_entries_are_private_whatever_the_umask(tmp_path, umask):
     assert all(m == (0o700 if os.path.isdir(p) else 0o600) for p, m in modes.items()), modes
 
 
+@pytest.mark.parametrize("umask", [0o000, 0o022])
+def test_the_folders_made_for_a_new_cache_path_are_private_whatever_the_umask(tmp_path, umask):
+    """Issue 39, item 3c: ``ChunkCache(disk="new/a/b/c")`` makes the missing parent folders too; under a
+    umask of 000 ``os.makedirs`` made them 0777 (any user could then swap the cache's folder). Each folder
+    the cache makes is 0700, like the cache's own; a folder that was there is left as it is."""
+    there = tmp_path / "there"
+    there.mkdir()
+    os.chmod(there, 0o755)
+    old = os.umask(umask)
+    try:
+        c = ChunkCache(memory=0, disk=there / "a" / "b" / "c")
+        c.put("ab" * 16, np.arange(3.0))
+    finally:
+        os.umask(old)
+    made = [there / "a", there / "a" / "b", there / "a" / "b" / "c"]
+    assert {str(d): stat.S_IMODE(os.stat(d).st_mode) for d in made} == {str(d): 0o700 for d in made}
+    assert stat.S_IMODE(os.stat(there).st_mode) == 0o755
+
+
 def test_shard_directories_replaced_by_links_are_not_followed(tmp_path):
     """Shard directories replaced by links to an outside directory: nothing is written or read there
     (the campaign saw 12 entries written into the outside directory)."""

@@ -189,12 +189,12 @@ def test_same_world_size_any_rank_resumes_in_place(ds):
 
 def test_elastic_state_checks(ds):
     m = ds.insitu.split("time", fractions={"train": 0.9, "val": 0.1})
-    g = ds.insitu.batches(m, "train", batch_size=4, world_size=2)
+    g = ds.insitu.batches(m, "train", batch_size=4, rank=0, world_size=2)
     state = g.state_dict()
-    other = ds.insitu.batches(m, "train", batch_size=4, world_size=4)
+    other = ds.insitu.batches(m, "train", batch_size=4, rank=0, world_size=4)
     for bad in ({**state, "elastic": [[0, 3]]}, {**state, "elastic": "x"}, {**state, "world_size": 0},
                 {**state, "batch": 10**6}):
         with pytest.raises(ValueError):
             other.load_state_dict(bad)
     with pytest.raises(ValueError, match="batch_size"):
-        ds.insitu.batches(m, "train", batch_size=5, world_size=4).load_state_dict(state)
+        ds.insitu.batches(m, "train", batch_size=5, rank=0, world_size=4).load_state_dict(state)

@@ -7,9 +7,13 @@ is the decoded chunk (the store's dtype and chunk shape, before CF decoding), so
 and decoding are skipped. Keys (``ChunkKey``) name the store, the array, the chunk, a hash
 of the array's metadata and the Icechunk snapshot where there is one. The disk tier, which
 outlives the process, also keys each chunk file of a local directory by its size,
-modification time and inode, and each object of a remote store by its version (ETag, or size
-and modification time: ``ChunkKey.versions``, ``ChunkCache.disk_keys``): an archive that
-changed never serves stale chunks from it (unless the cache is declared ``immutable``).
+modification time, change time and inode (the change time is what no user call can set back:
+``rsync --inplace -t`` or ``tar x`` keep the rest), and each object of a remote store by its
+version, a strong ETag and the size (``ChunkKey.versions``, ``ChunkCache.disk_keys``): an
+archive that changed never serves stale chunks from it (unless the cache is declared
+``immutable``). An object whose store gives no trustworthy version (no ETag, only a
+Last-Modified of whole seconds, a refused ``HEAD``), or none in time, is not kept on disk,
+and the cache says so once (a warning, and ``ChunkCache.notes`` for the generator's repr).
 The memory tier takes the archive as the process found it (as an open
 Dataset does) and needs no ``stat`` per lookup (``ChunkKey.memory_key``).
 
@@ -38,11 +42,13 @@ cache names them are ever deleted. What it cannot read or write is counted
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import errno
 import functools
 import hashlib
 import itertools
 import json
+import math
 import os
 import re
 import stat
@@ -59,6 +65,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
+from xinsitu import _loop
 from xinsitu.snapshot import snapshot_of_store
 
 #: ``memory="auto"``: this share of the memory available when the cache is made ...
@@ -142,8 +149,8 @@ def parse_size(value: int | float | str, name: str = "size") -> int:
     if isinstance(value, bool):
         raise TypeError(f"{name} must be a number of bytes or a string like '4GB', not {value!r}")
     if isinstance(value, (int, float, np.integer, np.floating)):
-        if value < 0:
-            raise ValueError(f"{name} must be at least 0 bytes, got {value!r}")
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be a finite number of bytes, at least 0, got {value!r}")
         return int(value)
     if not isinstance(value, str):
         raise TypeError(f"{name} must be a number of bytes or a string like '4GB', not {type(value).__name__}")
@@ -213,8 +220,8 @@ class ChunkKey:
 
     A key is a 32-character hex digest (BLAKE2b) of the store's identity, the array's path,
     a hash of its metadata, the Icechunk snapshot (where there is one), the chunk's grid
-    coordinates and, for a chunk file of a local directory, its size, modification time and
-    inode (for an object of a remote store, its version: ``versions``). It is the same in
+    coordinates and, for a chunk file of a local directory, its size, modification time, change
+    time and inode (for an object of a remote store, its version: ``versions``). It is the same in
     every process (no Python ``hash``) and never contains
     credentials (only a digest of the identity is kept).
 
@@ -232,18 +239,22 @@ class ChunkKey:
     local_root
         For a store that is a local directory: its path, so that ``key`` can stat chunk files.
     remote
-        For a remote store: the obstore store its objects' versions are asked of (``versions``).
+        For a remote store: what its objects' versions are asked of (``versions``): an obstore
+        store, or a zarr ``FsspecStore`` (its filesystem's ``info``).
     needs_version
         Whether disk keys must name each object's version (a remote store without snapshots).
+    store_name
+        The store as messages name it (a URL without credentials); default ``store_id``.
     """
 
     __slots__ = ("store_id", "array_path", "metadata_hash", "snapshot", "local_root", "ident", "_prefix",
-                 "remote", "needs_version", "_versions", "_listed", "_vlock")
+                 "remote", "needs_version", "_versions", "_listed", "_vlock", "store_name", "_silent")
 
     def __init__(self, store_id: str, array_path: str, metadata: bytes | str | dict[str, Any],
                  snapshot: str | None = None, local_root: str | os.PathLike[str] | None = None, *,
-                 remote: Any = None, needs_version: bool = False):
+                 remote: Any = None, needs_version: bool = False, store_name: str | None = None):
         self.store_id = str(store_id)
+        self.store_name = self.store_id if store_name is None else str(store_name)
         self.array_path = str(array_path)
         self.metadata_hash = hashlib.blake2b(_metadata_bytes(metadata), digest_size=16).hexdigest()
         self.snapshot = snapshot
@@ -252,17 +263,19 @@ class ChunkKey:
         self._prefix = hashlib.blake2b("\0".join(parts).encode(), digest_size=16)
         self.ident = self._prefix.hexdigest()  # names the array's data: what the memory tier's keys start with
         #: an archive whose objects may be rewritten in place (object storage, HTTP): its disk keys name
-        #: each object's version (``versions``), asked of ``remote`` (an obstore store; None: cannot be asked)
+        #: each object's version (``versions``), asked of ``remote`` (None: cannot be asked)
         self.remote, self.needs_version = remote, bool(needs_version)
         self._versions: dict[str, str] = {}  # object key -> its version, as this process found it
         self._listed = False
+        self._silent: str | None = None  # the store got no answer in time: not asked again (its version)
         self._vlock = threading.Lock()
 
     def memory_key(self, chunk: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
         """The memory tier's key of chunk ``chunk``: ``(ident, chunk)``, a dict lookup without hashing
         or ``stat`` (0.2 against 5-6 us for ``key`` of a local chunk file). The memory tier lives as
         long as the process and, like an open Dataset, takes the archive as it found it; the disk
-        tier, which outlives it, keys each local file by its size, modification time and inode.
+        tier, which outlives it, keys each local file by its size, modification and change times and
+        inode.
         """
         return (self.ident, chunk)
 
@@ -275,8 +288,9 @@ class ChunkKey:
         chunk
             The chunk's coordinates in the array's chunk grid.
         local_file
-            The chunk's file, for a store that is a local directory: its size, modification time
-            and inode become part of the key (a missing file too), so a rewritten file is a miss.
+            The chunk's file, for a store that is a local directory: its size, modification time,
+            change time and inode become part of the key (a missing file too), so a rewritten file
+            is a miss, whatever the rewrite kept (the change time cannot be set back).
         version
             The version of the chunk's object in a remote store (``versions``): part of the key, so
             a rewritten object is a miss.
@@ -291,7 +305,7 @@ class ChunkKey:
         if local_file is not None:
             try:
                 st = os.stat(local_file)
-                h.update(f"\0{st.st_size},{st.st_mtime_ns},{st.st_ino}".encode())
+                h.update(f"\0{st.st_size},{st.st_mtime_ns},{st.st_ctime_ns},{st.st_ino}".encode())
             except FileNotFoundError:
                 h.update(b"\0missing")
         if version is not None:
@@ -299,19 +313,29 @@ class ChunkKey:
         return h.hexdigest()
 
     def versions(self, object_keys: list[str]) -> tuple[list[str | None], int]:
-        """The current versions of objects ``object_keys`` of the remote store (see ``object_versions``),
-        each asked once per ``ChunkKey`` (the archive as this process found it, like the memory tier):
-        (versions, None where the store could not tell; requests made).
+        """The current versions of objects ``object_keys`` of the remote store (see ``object_versions``
+        and ``fsspec_versions``), each asked once per ``ChunkKey`` (the archive as this process found it,
+        like the memory tier): (versions, None where the store could not tell; requests made). Only a
+        version that ``trusted`` accepts may key a disk entry; the others say why not.
 
         The first call lists the array's prefix, one request per 1000 objects (stores that cannot
-        list, such as HTTP, are asked one ``HEAD`` per object instead)."""
+        list, such as HTTP, and fsspec's are asked one ``HEAD``, or ``info``, per object instead).
+        Every request is bounded by ``XINSITU_REQUEST_TIMEOUT``: what got no answer in time is unknown
+        (``why_not``), and a store that did not answer is not asked again through this ``ChunkKey``."""
         n = 0
         memo = self._versions
+        fsspec = type(self.remote).__name__ == "FsspecStore"
+        if self._silent is not None:  # one wait per array and process for a store that does not answer
+            return [memo.get(k, self._silent) for k in object_keys], 0
         with self._vlock:  # one listing per array: the other threads wait for it (bounded by its requests)
-            if not self._listed and self.remote is not None and type(self.remote).__name__ != "HTTPStore":
+            if (not self._listed and self.remote is not None and not fsspec
+                    and type(self.remote).__name__ != "HTTPStore"):
                 self._listed = True  # once, whatever comes of it
                 try:
                     listed, n = object_versions(self.remote, prefix=self.array_path)
+                except TimeoutError:  # a silent store: its objects are not asked one by one either
+                    self._silent = _no_answer(_loop.request_timeout())
+                    return [memo.get(k, self._silent) for k in object_keys], 1
                 except Exception:  # noqa: BLE001 - a store that cannot list (no permission): asked per object below
                     n = 1
                 else:  # what the listing lacks has no object (it reads as the fill value)
@@ -320,9 +344,10 @@ class ChunkKey:
                         memo.setdefault(k, MISSING)
             need = [k for k in dict.fromkeys(object_keys) if k not in memo]
         if need and self.remote is not None:
-            got, asked = object_versions(self.remote, need)
+            got, asked = (fsspec_versions if fsspec else object_versions)(self.remote, need)
             n += asked
             memo.update(got)
+            self._silent = next((v for v in got.values() if v.startswith(_UNKNOWN)), None)
         return [memo.get(k) for k in object_keys], n
 
     def file_of(self, object_key: str) -> str | None:
@@ -355,11 +380,13 @@ class ChunkKey:
                 return None
         elif root is None and type(store).__name__ == "ObjectStore":
             remote = store.store
+        elif root is None and type(store).__name__ == "FsspecStore":
+            remote = store  # versions from its filesystem's ``info`` (on the loop its session belongs to)
         meta = aa.metadata.to_dict()
         meta.pop("attributes", None)  # attributes do not change the stored bytes (CF decoding comes later)
         path = getattr(array, "path", "") or ""
         return cls(store_id, path, meta, snapshot=snapshot, local_root=root, remote=remote,
-                   needs_version=root is None and snapshot is None)
+                   needs_version=root is None and snapshot is None, store_name=store_label(store))
 
     def __repr__(self) -> str:
         return f"ChunkKey(array_path={self.array_path!r}, metadata={self.metadata_hash[:8]}, snapshot={self.snapshot})"
@@ -386,26 +413,119 @@ def chunk_key(store_id: str, array_path: str, chunk: tuple[int, ...], metadata: 
     return ChunkKey(store_id, array_path, metadata, snapshot).key(chunk, local_file)
 
 
-#: the version of an object the store does not have (its chunk reads as the fill value)
+#: the version of an object the store does not have (its chunk reads as the fill value). Such a chunk is not
+#: kept on disk: a store may say "not found" of an object it has (obstore takes a HEAD answered 405 for a 404)
 MISSING = "missing"
+#: how a version that may key a disk entry starts: a strong ETag (or a generation), then the size
+_TRUSTED = "etag "
+#: how a version that is none starts; the rest says why (no ETag, a refused HEAD ...)
+_UNTRUSTED = "untrusted: "
+#: how the version of an object whose store did not answer in time starts (the rest says so)
+_UNKNOWN = "unknown: "
 #: ``HEAD`` requests in flight at once when versions are asked one object at a time
 HEAD_CONCURRENCY = 16
 
 
+def trusted(version: str | None) -> bool:
+    """Whether ``version`` (from ``object_versions``/``fsspec_versions``) names the object's bytes: a
+    strong ETag and the size. A modification time does not (``cp -p``, ``rsync -t`` and ``tar x`` set
+    it back; HTTP gives it in whole seconds), nor does a missing object (its store may be wrong)."""
+    return version is not None and version.startswith(_TRUSTED)
+
+
+def why_not(version: str | None) -> tuple[str, str] | None:
+    """Why ``version`` cannot key a disk entry, where that is known: ``("untrusted", why)`` for a store
+    that gives no trustworthy version, ``("unknown", why)`` for one that did not answer in time; None
+    for a trusted version, a missing object or an error that may pass."""
+    for kind in (_UNTRUSTED, _UNKNOWN):
+        if version is not None and version.startswith(kind):
+            return kind[:-2], version[len(kind):]
+    return None
+
+
+def _version(tag: Any, size: Any, modified: Any) -> str:
+    """An object's version from its ETag (or generation), size and modification time (None where the
+    store gave none): ``etag <tag> <size>`` for a strong ETag, else ``untrusted: <why>``."""
+    tag = "" if tag is None else str(tag).strip()
+    if tag and not tag.startswith(("W/", "w/")):
+        return f"{_TRUSTED}{tag} {size}"
+    if tag:
+        return f"{_UNTRUSTED}a weak ETag ({tag}), which does not name the bytes"
+    if modified is None:
+        return f"{_UNTRUSTED}neither ETag nor Last-Modified"
+    seconds = getattr(modified, "microsecond", None) == 0 or isinstance(modified, str)
+    return (_UNTRUSTED + "no ETag, only a Last-Modified" + (" of whole seconds, which a rewrite within the second"
+                                                             if seconds else ", which a rewrite")
+            + " keeps and cp -p, rsync -t or tar x set back")
+
+
 def _version_of(meta: Any) -> str:
-    """An object's version from obstore's ``ObjectMeta``: its ETag and size, else its size and
-    modification time."""
-    size = meta.get("size")
-    if meta.get("e_tag"):
-        return f"etag {meta['e_tag']} {size}"
+    """An object's version from obstore's ``ObjectMeta`` (``_version``): obstore gives a ``last_modified``
+    of 1970-01-01 where the server sent none."""
     modified = meta.get("last_modified")
-    return f"modified {modified.isoformat() if modified is not None else '?'} {size}"
+    if modified is not None and modified.timestamp() == 0:
+        modified = None
+    return _version(meta.get("e_tag"), meta.get("size"), modified)
+
+
+def _refused(e: BaseException) -> str | None:
+    """Why a ``HEAD`` that failed with ``e`` is a refusal (a 4xx other than 404 and 410, or an operation
+    the store does not support), or None (the object is missing, or the failure may pass)."""
+    text = str(e)
+    m = re.search(r"status(?: code)?:? (\d{3})\b([ A-Za-z-]*)", text)
+    status = int(m.group(1)) if m else None
+    if status is not None and 400 <= status < 500 and status not in (404, 410):
+        return f"its HEAD requests are refused ({status}{m.group(2).rstrip() if m else ''})"
+    if type(e).__name__ == "NotSupportedError":
+        return "it does not answer HEAD requests"
+    return None
+
+
+def _run_bounded(coro: Any) -> Any:
+    """``asyncio.run(coro)`` here, or in a thread of its own where this thread runs an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def _no_answer(limit: float) -> str:
+    """The version of an object whose store did not answer in time (``why_not``: unknown)."""
+    return f"{_UNKNOWN}no answer within {limit:g} s (XINSITU_REQUEST_TIMEOUT sets the limit)"
+
+
+async def _ask_each(keys: list[str], one: Callable[[str], Any], limit: float) -> list[str | None]:
+    """``await one(k)`` for each key, ``HEAD_CONCURRENCY`` at a time, each given ``limit`` seconds. Once
+    one of them gets no answer in time, the store is taken as silent and the keys not asked yet are
+    not: a silent server costs one bound, not one per key. Such keys get ``_no_answer``."""
+    sem = asyncio.Semaphore(HEAD_CONCURRENCY)
+    silent = False
+
+    async def each(k: str) -> str | None:
+        nonlocal silent
+        async with sem:
+            if silent:
+                return _no_answer(limit)
+            try:
+                async with asyncio.timeout(limit):
+                    return await one(k)  # type: ignore[no-any-return]
+            except TimeoutError:
+                silent = True
+                return _no_answer(limit)
+
+    return list(await asyncio.gather(*(each(k) for k in keys)))
 
 
 def object_versions(store: Any, object_keys: list[str] | None = None, *,
                     prefix: str | None = None) -> tuple[dict[str, str], int]:
-    """The current versions (ETag and size, else size and modification time) of objects of an
-    obstore store: ``({object key: version}, requests made)``.
+    """The current versions of objects of an obstore store: ``({object key: version}, requests
+    made)``. A version is ``etag <ETag> <size>`` where the store gives a strong ETag (``trusted``),
+    else it says why it is none (``why_not``).
+
+    Each request is given ``XINSITU_REQUEST_TIMEOUT`` seconds (``_loop.request_timeout``), one try:
+    obstore's own retries of a silent store would take minutes.
 
     Parameters
     ----------
@@ -413,47 +533,95 @@ def object_versions(store: Any, object_keys: list[str] | None = None, *,
         An obstore store (``S3Store``, ``HTTPStore`` ...).
     object_keys
         Objects to ask one ``HEAD`` each (``HEAD_CONCURRENCY`` at once); one the store lacks is
-        ``MISSING``, one it could not tell about (an error) is left out.
+        ``MISSING``, one whose ``HEAD`` is refused (405 ...) untrusted, one that got no answer in time
+        unknown (``why_not``), one it could not tell about (an error) is left out.
     prefix
         Instead: list every object under ``prefix`` (one request per 1000 objects); raises where the
-        store cannot list.
+        store cannot list (``TimeoutError`` where a page got no answer in time).
     """
     import obstore
 
+    limit = _loop.request_timeout()
     if prefix is not None:
-        out: dict[str, str] = {}
-        for batch in obstore.list(store, prefix=prefix or None, chunk_size=1000):
-            for meta in batch:
-                out[meta["path"]] = _version_of(meta)
-        return out, max(1, -(-len(out) // 1000))
+        async def listing() -> dict[str, str]:
+            out: dict[str, str] = {}
+            pages = obstore.list(store, prefix=prefix or None, chunk_size=1000)
+            while True:
+                try:
+                    async with asyncio.timeout(limit):
+                        batch = await pages.__anext__()
+                except StopAsyncIteration:
+                    return out
+                for meta in batch:
+                    out[meta["path"]] = _version_of(meta)
+
+        listed = _run_bounded(listing())
+        return listed, max(1, -(-len(listed) // 1000))
     keys = list(dict.fromkeys(object_keys or ()))
 
-    def one_sync(k: str) -> str | None:
+    async def one(k: str) -> str | None:
         try:
-            return _version_of(obstore.head(store, k))
+            return _version_of(await obstore.head_async(store, k))
+        except FileNotFoundError as e:
+            why = _refused(e)
+            return MISSING if why is None else _UNTRUSTED + why
+        except Exception as e:  # noqa: BLE001 - not known: the chunk is not kept on disk (and its read reports the error)
+            why = _refused(e)
+            return None if why is None else _UNTRUSTED + why
+
+    got = _run_bounded(_ask_each(keys, one, limit))
+    return {k: v for k, v in zip(keys, got, strict=True) if v is not None}, len(keys)
+
+
+def _fsspec_version(info: dict[str, Any]) -> str:
+    """An object's version from an fsspec ``info()``: HTTP's ``ETag`` and s3fs's, gcsfs's ``etag`` or
+    ``generation``, a ``VersionId``; else why there is none."""
+    low = {str(k).lower(): v for k, v in info.items() if v not in (None, "")}
+    tag = low.get("etag") or low.get("e_tag")
+    gen = low.get("generation") or low.get("versionid") or low.get("version_id")
+    if gen is not None and (tag is None or str(tag).startswith(("W/", "w/"))):
+        tag = f"generation {gen}"
+    modified = low.get("last-modified") or low.get("lastmodified") or low.get("last_modified") or low.get("mtime")
+    return _version(tag, low.get("size"), modified)
+
+
+def fsspec_versions(zstore: Any, object_keys: list[str]) -> tuple[dict[str, str], int]:
+    """The current versions of objects of a zarr ``FsspecStore`` (``_fsspec_version`` of its
+    filesystem's ``info``, run on the loop its session belongs to), as ``object_versions`` gives them:
+    ``({object key: version}, requests made)``; an object it lacks is ``MISSING``, one that got no
+    answer within ``XINSITU_REQUEST_TIMEOUT`` unknown (``why_not``), one it could not tell about (an
+    error) is left out."""
+    from xinsitu.zarr_backend import _home_loop
+
+    fs = zstore.fs
+    base = str(getattr(zstore, "path", "")).rstrip("/")
+    keys = list(dict.fromkeys(object_keys))
+    limit = _loop.request_timeout()
+
+    async def one(k: str) -> str | None:
+        path = f"{base}/{k}" if base else k
+        try:
+            info = await fs._info(path) if getattr(fs, "async_impl", False) else await asyncio.to_thread(fs.info, path)
         except FileNotFoundError:
             return MISSING
-        except Exception:  # noqa: BLE001 - not known: the chunk is not kept on disk (and its read reports the error)
-            return None
+        except Exception as e:  # noqa: BLE001 - not known: the chunk is not kept on disk (its read reports the error)
+            why = _refused(e)
+            return None if why is None else _UNTRUSTED + why
+        return _fsspec_version(info)
 
-    try:
-        asyncio.get_running_loop()
-        got = [one_sync(k) for k in keys]  # called on an event loop: one at a time
-    except RuntimeError:
-        async def one(k: str, sem: asyncio.Semaphore) -> str | None:
-            async with sem:
-                try:
-                    return _version_of(await obstore.head_async(store, k))
-                except FileNotFoundError:
-                    return MISSING
-                except Exception:  # noqa: BLE001 - as above
-                    return None
-
-        async def every() -> list[str | None]:
-            sem = asyncio.Semaphore(HEAD_CONCURRENCY)
-            return list(await asyncio.gather(*(one(k, sem) for k in keys)))
-
-        got = asyncio.run(every())
+    home = _home_loop(zstore)
+    work = _ask_each(keys, one, limit)
+    if home is None:
+        got = _run_bounded(work)
+    else:
+        try:
+            if asyncio.get_running_loop() is home:  # its own loop would wait on itself: not asked here
+                work.close()
+                return {}, 0
+        except RuntimeError:
+            pass
+        # each request is bounded in ``_ask_each``; this bound is the backstop
+        got = asyncio.run_coroutine_threadsafe(work, home).result(timeout=_loop.run_timeout())
     return {k: v for k, v in zip(keys, got, strict=True) if v is not None}, len(keys)
 
 
@@ -504,8 +672,61 @@ def store_identity(store: Any) -> tuple[str, str | None] | None:
         if protocol in ("file", "local"):
             root = os.path.abspath(path)
             return "file://" + root, root
-        return f"{protocol}://{_strip_url(path)}", None
+        url = _strip_url(path if "://" in path else f"{protocol}://{path}")
+        located = _fsspec_location(store.fs)  # the endpoint: two servers may hold the same bucket and key
+        return url + (" " + json.dumps(located, sort_keys=True) if located else ""), None
     return None
+
+
+#: fsspec filesystem options that say where the data is (never credentials): read through this allow-list
+_FSSPEC_LOCATED = ("endpoint_url", "endpoint", "host", "port", "account_name", "account_url", "project",
+                   "base_url", "url")
+
+
+def _fsspec_location(fs: Any) -> dict[str, str]:
+    """Where an fsspec filesystem's data is, beyond its paths: its endpoint, host, account... from its
+    ``storage_options`` (and their ``client_kwargs``) through an allow-list; URLs without user info
+    or query."""
+    opts = dict(getattr(fs, "storage_options", None) or {})
+    client = opts.get("client_kwargs")
+    if isinstance(client, dict):
+        opts = {**{k: v for k, v in client.items() if k in _FSSPEC_LOCATED}, **opts}
+    endpoint = getattr(fs, "endpoint_url", None)
+    if endpoint:
+        opts.setdefault("endpoint_url", endpoint)
+    located = {}
+    for k in _FSSPEC_LOCATED:
+        v = opts.get(k)
+        if v not in (None, ""):
+            located[k] = _strip_url(str(v)) if "://" in str(v) else str(v)
+    return located
+
+
+def store_label(store: Any) -> str:
+    """A zarr store as messages name it: its URL, or scheme, bucket and prefix, and the endpoint where one
+    was given; never credentials or query strings."""
+    name = type(store).__name__
+    if name == "ObjectStore" and getattr(store, "store", None) is not None:
+        obs = store.store
+        url = getattr(obs, "url", None)
+        if url:
+            return _strip_url(str(url))
+        config = getattr(obs, "config", None) or {}
+        scheme = {"S3Store": "s3", "GCSStore": "gs", "AzureStore": "az"}.get(type(obs).__name__, type(obs).__name__)
+        prefix = getattr(obs, "prefix", None)
+        label = f"{scheme}://{config.get('bucket') or config.get('container_name') or ''}"
+        label += f"/{prefix}" if prefix else ""
+        endpoint = config.get("endpoint")
+        return label + (f" at {_strip_url(str(endpoint))}" if endpoint else "")
+    if name == "FsspecStore" and getattr(store, "fs", None) is not None:
+        protocol = store.fs.protocol
+        protocol = protocol[0] if isinstance(protocol, (tuple, list)) else protocol
+        path = str(getattr(store, "path", ""))
+        label = _strip_url(path if "://" in path else f"{protocol}://{path}")
+        endpoint = _fsspec_location(store.fs).get("endpoint_url")
+        return label + (f" at {endpoint}" if endpoint and endpoint not in label else "")
+    ident = store_identity(store)
+    return ident[0] if ident is not None else name
 
 
 # --------------------------------------------------------------------------------------------- cache
@@ -568,8 +789,11 @@ class ChunkCache:
     immutable
         Declare that the remote archives read through this cache are never rewritten in place:
         disk entries of object storage and HTTP are then keyed without the objects' versions
-        (no listing or ``HEAD`` request). By default (False) each remote object's version (ETag,
-        or size and modification time) is part of its disk key, so a rewritten object is a miss.
+        (no listing or ``HEAD`` request). By default (False) each remote object's version (a strong
+        ETag and its size) is part of its disk key, so a rewritten object is a miss; an object whose
+        store gives no trustworthy version (no ETag, only a Last-Modified of whole seconds, a
+        refused ``HEAD``) is not kept on disk, and the cache says so once (a warning, ``notes``).
+        ``True`` or ``False`` only (a string such as ``"false"`` raises ``TypeError``).
     device
         A tier in GPU memory: its byte budget (an int or a string such as ``"8GB"``), kept like the
         memory tier (keep what fits); None (default) for none. Needs CuPy and a CUDA device
@@ -579,7 +803,9 @@ class ChunkCache:
     -----
     Thread-safe; processes of one machine may share the disk directory (DDP ranks,
     DataLoader workers). A pickle carries the configuration, not the contents: a new process
-    starts with an empty memory tier and the same disk directory.
+    starts with an empty memory tier and the same disk directory. What a tier could not keep (a
+    store without versions, a full or failing disk) is warned of once per process and listed in
+    ``notes`` (the generator's repr shows them).
     """
 
     def __init__(self, memory: int | str | bool | None = "auto", disk: str | os.PathLike[str] | None = None,
@@ -591,12 +817,12 @@ class ChunkCache:
             self.memory_budget = 0
         else:
             self.memory_budget = parse_size(memory, "memory")
-        self.disk = None if disk is None else os.path.abspath(os.fspath(disk))
+        self.disk = None if disk is None else _disk_path(disk)
         self.disk_size = None if disk_size is None else parse_size(disk_size, "disk_size")
         if disk_size is not None and disk is None:
             raise ValueError("disk_size= needs disk= (a directory for the disk tier)")
-        self.fsync = bool(fsync)
-        self.immutable = bool(immutable)
+        self.fsync = _flag("fsync", fsync)
+        self.immutable = _flag("immutable", immutable)
         # a tier in GPU memory (xinsitu.device_cache.DeviceCache): its byte budget, 0 for none
         self.device_budget = 0 if device is None or device is False else parse_size(device, "device")
         if self.device_budget:
@@ -621,6 +847,7 @@ class ChunkCache:
         self._full_since = -float("inf")  # when a put last found the disk tier full (time.monotonic)
         self._checksum_kind, self._checksum = _checksummer()
         self._warned = False
+        self._notes: dict[str, str] = {}  # what a tier could not keep, said once each (``notes``)
         self._top = -1  # a descriptor of <disk>/xinsitu-chunks-v1: entries are reached from it, never by path
         self._shard_fds: dict[str, int] = {}  # shard directory -> its descriptor (``_shard``)
         self._uid = os.geteuid()
@@ -762,22 +989,77 @@ class ChunkCache:
     def disk_keys(self, keys: ChunkKey, chunks: list[tuple[tuple[int, ...], str]]) -> list[str | None]:
         """The disk tier's keys (``ChunkKey.key``) of chunks ``(coords, object key in the store)`` of one
         array; None for a chunk the disk tier must not serve or keep (no disk tier, or a remote
-        object whose version the store did not tell). A local file's key names its size,
-        modification time and inode; a remote object's its version (``ChunkKey.versions``: a
-        listing of the array or one ``HEAD`` per object, once per ``ChunkKey``) unless the cache
-        is ``immutable``.
+        object without a trustworthy version). A local file's key names its size, modification
+        and change times and inode; a remote object's its version (``ChunkKey.versions``: a listing
+        of the array or one ``HEAD`` per object, once per ``ChunkKey``) unless the cache is
+        ``immutable``.
+
+        A store whose objects carry no trustworthy version (``cache.trusted``), or that did not answer
+        in time, keeps nothing on disk: warned once per store, and said in ``notes``; a store found
+        without versions is not asked again.
         """
         if self.disk is None:
             return [None] * len(chunks)
         if not keys.needs_version or self.immutable:
             return [keys.key(c, keys.file_of(k)) for c, k in chunks]
-        if keys.remote is None:  # a remote store that cannot be asked (fsspec): memory tier only
+        if keys.remote is None:  # a remote store that cannot be asked
+            self._cannot_keep(keys, ("untrusted", "its store cannot be asked for versions"))
+            return [None] * len(chunks)
+        if "untrusted " + keys.store_id in self._notes:  # found without versions: not asked again
             return [None] * len(chunks)
         versions, n = keys.versions([k for _, k in chunks])
         if n:
             with self._lock:
                 self._stats.version_requests += n
-        return [None if v is None else keys.key(c, version=v) for (c, _), v in zip(chunks, versions, strict=True)]
+        out: list[str | None] = []
+        why: tuple[str, str] | None = None
+        for (c, _), v in zip(chunks, versions, strict=True):
+            out.append(keys.key(c, version=v) if trusted(v) else None)
+            why = why or why_not(v)
+        if why is not None:
+            self._cannot_keep(keys, why)
+        return out
+
+    @property
+    def notes(self) -> list[str]:
+        """What a tier could not keep in this process, one line each (a store whose objects carry no
+        version, a full or failing disk tier), in the order found; each was warned of once."""
+        with self._lock:
+            return list(self._notes.values())
+
+    def _say(self, key: str, note: str, message: str) -> None:
+        """Note ``note`` (``notes``) and warn ``message``, once per ``key``."""
+        with self._lock:
+            if key in self._notes:
+                return
+            self._notes[key] = note
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    def _cannot_keep(self, keys: ChunkKey, why: tuple[str, str]) -> None:
+        """Say once that the disk tier keeps nothing of ``keys``'s store, and why (``why_not``)."""
+        kind, text = why
+        name = keys.store_name
+        if kind == "untrusted":
+            self._say(f"untrusted {keys.store_id}",
+                      f"disk tier keeps nothing of {name}: no trustworthy version ({text}); "
+                      "ChunkCache(..., immutable=True) keeps it if it is never rewritten",
+                      f"the chunk cache's disk tier {self.disk!r} keeps nothing of {name}: its objects carry no "
+                      f"trustworthy version ({text}), so a rewritten object could not be told from the one kept. "
+                      "Its chunks are read from the store (and kept in the memory tier where it has room); if "
+                      "this archive is never rewritten, xinsitu.ChunkCache(disk=..., immutable=True) keeps them "
+                      "on disk (warned once)")
+        else:
+            self._say(f"unknown {keys.store_id}", f"disk tier keeps nothing of {name} for now: {text}",
+                      f"the chunk cache's disk tier {self.disk!r} could not learn the versions of the objects of "
+                      f"{name}: {text}; those chunks are read from the store and not kept on disk (warned once)")
+
+    def note_uncached(self, what: str, store: Any) -> None:
+        """Say once that ``what`` (a variable) is not cached at all: its store has no lasting identity."""
+        kind = type(store).__name__
+        self._say(f"uncached {kind}", f"not cached: {what} (its store, {kind}, has no lasting identity)",
+                  f"the chunk cache keeps nothing of {what}: its store ({kind}) has no identity that lasts (a "
+                  "memory store, uncommitted Icechunk changes, or a kind of store the cache does not know), "
+                  "so its chunks are read every epoch (warned once)")
 
     def _disk_key(self, key: Hashable, disk_key: str | None) -> str | None:
         """The disk tier's key for an entry, None without a disk tier (or without a key it can use)."""
@@ -951,6 +1233,9 @@ class ChunkCache:
         with self._lock:
             self._stats.disk_errors += 1
             first, self._warned = not self._warned, True
+            if first:
+                self._notes.setdefault("errors", f"disk tier failed to {doing}: {type(e).__name__}: {e} "
+                                                 "(such chunks are read from the store; stats.disk_errors)")
         if first:
             warnings.warn(f"the chunk cache's disk tier {self.disk!r} failed to {doing}: {type(e).__name__}: {e}; "
                           "such chunks are read from the store (cache.stats.disk_errors counts them; warned once)",
@@ -1090,6 +1375,8 @@ class ChunkCache:
             recheck = time.monotonic() - self._full_since >= FULL_RESCAN_S
             if not fits and not recheck:
                 self._stats.not_admitted += 1
+        if not fits and not recheck:
+            self._full()
         if fits or not recheck:
             return fits
         if self._evicting.acquire(blocking=False):
@@ -1103,7 +1390,17 @@ class ChunkCache:
             self._full_since = -float("inf") if fits else time.monotonic()
             if not fits:
                 self._stats.not_admitted += 1
-            return fits
+        if not fits:
+            self._full()
+        return fits
+
+    def _full(self) -> None:
+        """Say once that the disk tier turned a chunk away: full of entries used during this run."""
+        bound = f"disk_size={_fmt(self.disk_size)}" if self.disk_size is not None else "the free space it may use"
+        self._say("full", f"disk tier full ({bound}): chunks past it are not kept (stats.not_admitted)",
+                  f"the chunk cache's disk tier {self.disk!r} is full ({bound}) of chunks used during this run; "
+                  "chunks past it are not kept on disk (cache.stats.not_admitted counts them; a larger "
+                  "disk_size keeps more) (warned once)")
 
     def _maybe_evict(self) -> None:
         """Rescan and evict when this process's count says the tier is over its bound, or when it has
@@ -1292,11 +1589,52 @@ def _open_dir(parent: int, name: str, create: bool) -> int | None:
     return fd
 
 
+def _make_private_dirs(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``, with every folder it makes private (0700) whatever the umask:
+    ``os.makedirs`` gives the parents it makes the umask's mode (0777 under a umask of 000)."""
+    made: list[str] = []
+    p = os.path.abspath(path)
+    while not os.path.lexists(p):
+        made.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    for d in reversed(made):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:  # another process made it meanwhile: theirs, left as it is
+            continue
+        os.chmod(d, 0o700)  # the umask may have taken bits away: this user's, private
+
+
+def _disk_path(disk: Any) -> str:
+    """``disk=`` as an absolute path; ``TypeError``/``ValueError`` naming ``disk`` for what is none."""
+    if isinstance(disk, bytes) or not isinstance(disk, (str, os.PathLike)):
+        raise TypeError(f"disk must be a directory (a str or os.PathLike), got {type(disk).__name__}: {disk!r}")
+    path = os.fspath(disk)
+    if not isinstance(path, str):
+        raise TypeError(f"disk must be a path of str, not {type(path).__name__}")
+    if not path.strip():
+        raise ValueError("disk='' is not a directory; give the disk tier a directory (or disk=None for none)")
+    if "\0" in path:
+        raise ValueError(f"disk={path!r} holds a NUL character: not a path")
+    return os.path.abspath(path)
+
+
+def _flag(name: str, value: Any) -> bool:
+    """``value`` as a bool where it is one (numpy's too); ``TypeError`` naming ``name`` for anything else
+    (``"false"`` would be true)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {type(value).__name__}: {value!r}")
+
+
 def _open_disk(disk: str) -> int:
     """A descriptor of ``<disk>/xinsitu-chunks-v1`` (made, private), after checking that no other user can
     plant entries there or read them. Raises ``ValueError`` naming the directory where it cannot be used."""
     try:
-        os.makedirs(disk, mode=0o700, exist_ok=True)
+        _make_private_dirs(disk)
         link = os.lstat(disk)
         root = os.open(disk, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
     except OSError as e:

@@ -38,7 +38,7 @@ async def serve_cached(reader: Reader, src: VarSource, targets: dict[tuple[int, 
     an entry a file read), which also copies what it finds. ``object_of(coords)`` is the store
     key holding chunk ``coords`` (its shard's, for a sharded array).
     """
-    keys = reader._chunk_keys(src) if reader.cache is not None else None
+    keys = _keys(reader, src)
     if keys is None:
         return {c: Pieces(t) for c, t in targets.items()}
     cache = reader.cache
@@ -87,7 +87,7 @@ async def take_cached(reader: Reader, src: VarSource, coords: list[tuple[int, ..
     holds all), on the I/O loop when small, else in the decode threads, in shares; ``slab`` is None.
     """
     everything = list(range(len(coords)))
-    keys = reader._chunk_keys(src) if reader.cache is not None and reader.cache.memory_budget else None
+    keys = _keys(reader, src) if reader.cache is not None and reader.cache.memory_budget else None
     if keys is None:
         return everything, None
     places = reader.cache.locate_many([keys.memory_key(c) for c in coords])  # type: ignore[union-attr]
@@ -122,6 +122,20 @@ async def take_cached(reader: Reader, src: VarSource, coords: list[tuple[int, ..
         loop = asyncio.get_running_loop()
         await asyncio.gather(*(loop.run_in_executor(None, copy) for copy in shares))
     return [i for i, p in enumerate(places) if p is None], None
+
+
+def _keys(reader: Reader, src: VarSource) -> ChunkKey | None:
+    """The cache keys of ``src``'s chunks (``Reader._chunk_keys``); None without a cache, or where its store
+    has no lasting identity: then the cache says once that it keeps nothing of it (``ChunkCache.notes``)."""
+    cache = reader.cache
+    if cache is None:
+        return None
+    keys = reader._chunk_keys(src)
+    if keys is None:
+        aa = getattr(src.array, "async_array", src.array)
+        store = aa.store_path.store if hasattr(aa, "store_path") else getattr(src.array, "store", None)
+        cache.note_uncached(f"variable {src.name!r}", store)
+    return keys
 
 
 def _disk_lookup_take(cache: ChunkCache, keys: ChunkKey, prefix: str, object_of: Any,

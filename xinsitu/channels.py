@@ -15,7 +15,9 @@ them; ``decodes_to_itself`` tells where that is the identity (a pass saved per c
 
 from __future__ import annotations
 
+import math
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +25,7 @@ import numpy as np
 import xarray as xr
 
 if TYPE_CHECKING:
+    from xinsitu.manifest import SplitManifest
     from xinsitu.sampling import VarLayout
     from xinsitu.source import VarSource
 
@@ -283,7 +286,8 @@ class Normalizer:
 
 
 def normalizer(stats: dict[str, Any], layouts: dict[str, VarLayout], kept: tuple[str, ...] = (),
-               fold: tuple[str, ...] = (), ds: xr.Dataset | None = None) -> Normalizer:
+               fold: tuple[str, ...] = (), ds: xr.Dataset | None = None, *,
+               manifest: SplitManifest | None = None, split: str | None = None) -> Normalizer:
     """A :class:`Normalizer` applying ``stats`` (from :func:`compute_stats`) to these variables.
 
     Statistics are keyed by channel name: where an entry records its ``"channels"`` (every
@@ -301,17 +305,24 @@ def normalizer(stats: dict[str, Any], layouts: dict[str, VarLayout], kept: tuple
     kept : the window/patch dims of the generator's samples (never channel dims).
     fold : dims folded into channels (``stack=["level"]``).
     ds : the generator's Dataset: its labels name the channels (without it, lists apply by position).
+    manifest, split : the generator's manifest and split, where the caller gives them: the statistics'
+        own record is then checked against them (``check_stats_origin``).
 
     Raises
     ------
     ValueError
-        When a variable or channel has no statistics, or a variable's number of channels differs.
+        When a variable or channel has no statistics, or a variable's number of channels differs;
+        when a std is negative, NaN or infinite, or a mean NaN or infinite (``None`` is the number
+        missing: that channel becomes NaN); when the statistics are of a split the manifest lacks,
+        or disagree with the manifest's own for the same split (``check_stats_origin``).
     TypeError
         When ``stats`` is not a dict, or a mean/std is not a number.
     """
     if not isinstance(stats, dict):
         raise TypeError(f"normalize= takes a stats dict (e.g. m.stats from ds.insitu.stats), got "
                         f"{type(stats).__name__}")
+    if manifest is not None and split is not None:
+        check_stats_origin(stats, manifest, split)
     inferred = _extra_dims(layouts, kept, fold)
     params = {}
     for n, lay in layouts.items():
@@ -339,7 +350,7 @@ def normalizer(stats: dict[str, Any], layouts: dict[str, VarLayout], kept: tuple
         saved = entry.get("channels")
         if ds is not None and isinstance(saved, list) and all(isinstance(c, str) for c in saved):
             # by channel name: the statistics' channel of the same name, wherever it is
-            mean, std = (_channel_values(n, entry[k], k, [len(saved)] if extra else []) for k in ("mean", "std"))
+            mean, std = (_channel_values(n, entry[k], k, [len(saved)] if extra else [], saved) for k in ("mean", "std"))
             mine = _names(ds, n, extra, lay)
             where = {c: i for i, c in enumerate(saved)}
             lost = [c for c in mine if c not in where]
@@ -350,7 +361,8 @@ def normalizer(stats: dict[str, Any], layouts: dict[str, VarLayout], kept: tuple
             take = [where[c] for c in mine]
             mean, std = mean[take], std[take]
         else:
-            mean, std = (_channel_values(n, entry[k], k, sizes) for k in ("mean", "std"))
+            names = saved if isinstance(saved, list) else None
+            mean, std = (_channel_values(n, entry[k], k, sizes, names) for k in ("mean", "std"))
         shape = [1] * len(out_dims)
         for d, size in zip(extra, sizes, strict=True):
             shape[out_dims.index(d)] = size
@@ -373,16 +385,26 @@ def _names(ds: xr.Dataset, n: str, extra: list[str], lay: VarLayout) -> list[str
     return [f"{n}_" + "_".join(str(labels[k][i]) for k, i in enumerate(idx)) for idx in np.ndindex(*sizes)]
 
 
-def _channel_values(name: str, v: Any, key: str, sizes: list[int]) -> np.ndarray:
+def _channel_values(name: str, v: Any, key: str, sizes: list[int], channels: list[Any] | None = None) -> np.ndarray:
+    """The ``key`` (mean or std) of variable ``name``'s channels as float64, None as NaN; ``TypeError``
+    for what is not a number, ``ValueError`` for a NaN or infinite one, or a negative std (naming the
+    channel, from ``channels`` where given)."""
     n = int(np.prod(sizes)) if sizes else 1
     if isinstance(v, np.ndarray) and v.dtype.kind in "iuf":
         v = v.ravel().tolist()
     vals = list(v) if isinstance(v, (list, tuple)) else [v]
-    for x in vals:
+    for i, x in enumerate(vals):
         if x is not None and (isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer,
                                                                                        np.floating))):
             raise TypeError(f"normalize: the {key!r} of {name!r} must be numbers (or None), got "
                             f"{type(x).__name__} {x!r}")
+        if x is not None and (not math.isfinite(x) or (key == "std" and x < 0)):
+            chan = (f", channel {channels[i]!r}" if channels is not None and len(channels) == len(vals)
+                    else f", channel {i}" if len(vals) > 1 else "")
+            what = "a standard deviation is a finite number, 0 or more" if key == "std" else "a mean is a finite number"
+            raise ValueError(f"normalize: the {key!r} of {name!r}{chan} is {x!r}: {what} (damaged or hand-made "
+                             "statistics? values with infinities?); None marks a channel without statistics, "
+                             "which then becomes NaN")
     arr = np.array([np.nan if x is None else x for x in vals], dtype=np.float64)
     if sizes and arr.size != n:
         raise ValueError(f"normalize: {name!r} has {n} channels but its {key!r} has {arr.size} value(s)")
@@ -390,6 +412,56 @@ def _channel_values(name: str, v: Any, key: str, sizes: list[int]) -> np.ndarray
         raise ValueError(f"normalize: {name!r} is one channel here, but its {key!r} has {arr.size} values "
                          "(statistics computed with another set of variables?)")
     return arr
+
+
+def check_stats_origin(stats: dict[str, Any], manifest: SplitManifest, split: str, stacklevel: int = 3) -> None:
+    """Check that normalisation statistics (a ``ds.insitu.stats`` record, whose ``"split"`` names the
+    split they were computed on) belong to ``manifest``, for a generator over ``split``.
+
+    Raises ``ValueError`` where the statistics are of a split ``manifest`` lacks, or where ``manifest``
+    holds statistics of the same split (``m.stats``) whose mean or std differ for a channel both have:
+    the same split of the same data gives the same numbers, so these come from another manifest (or
+    the data changed since). Warns (``UserWarning``) where the manifest has a ``"train"`` split and
+    the statistics are of another one: statistics of the split a model is evaluated on leak it into
+    training. A record without ``"split"`` (hand-written) is not checked.
+    """
+    origin = stats.get("split") if isinstance(stats, dict) else None
+    if not isinstance(origin, str):
+        return
+    names = list(manifest.splits)
+    if origin not in manifest.splits:
+        raise ValueError(f"normalize: these statistics are of split {origin!r}, which this manifest does not "
+                         f"have (its splits: {names}): statistics of another manifest? Compute them on this "
+                         "one: ds.insitu.stats(m, 'train')")
+    own = manifest.stats
+    if isinstance(own, dict) and own is not stats and own.get("split") == origin:
+        for var, entry in stats.items():
+            theirs = own.get(var)
+            if var in RESERVED or not isinstance(entry, dict) or not isinstance(theirs, dict):
+                continue
+            a, b = _by_channel(var, entry), _by_channel(var, theirs)
+            differ = [c for c in a if c in b and a[c] != b[c]]
+            if differ:
+                raise ValueError(f"normalize: these statistics of split {origin!r} differ from this manifest's own "
+                                 f"(m.stats) for channel(s) {differ}: they were computed on another manifest "
+                                 "(other split positions) or on other data; use m.stats, or compute them again: "
+                                 f"ds.insitu.stats(m, {origin!r})")
+    if "train" in manifest.splits and origin != "train":
+        warnings.warn(f"normalize: these statistics are of split {origin!r}, not 'train'; normalising with the "
+                      f"statistics of a split a model is evaluated on (here split {split!r}) leaks it into training. "
+                      "Use ds.insitu.stats(m, 'train') for every split", UserWarning, stacklevel=stacklevel)
+
+
+def _by_channel(var: str, entry: dict[str, Any]) -> dict[Any, tuple[Any, Any]]:
+    """``{channel: (mean, std)}`` of one variable's statistics entry (channels by name where it records
+    them, else by position)."""
+    mean, std = entry.get("mean"), entry.get("std")
+    means = mean if isinstance(mean, list) else [mean]
+    stds = std if isinstance(std, list) else [std]
+    chans = entry.get("channels")
+    if not isinstance(chans, list) or len(chans) != len(means):
+        chans = [var] if len(means) == 1 else list(range(len(means)))
+    return {c: (m, s) for c, m, s in zip(chans, means, stds, strict=False)}
 
 
 def _extra_dims(layouts: dict[str, VarLayout], kept: tuple[str, ...] = (),

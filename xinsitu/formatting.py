@@ -572,6 +572,7 @@ def _generator_sections(gen: BatchGenerator, drawing: bool = False) -> list[Sect
         info.append(("decode", gen.decode_summary))
     if gen.cache is not None:
         info.append(("cache", gen.cache.summary()))
+        info.extend(("cache note", note) for note in getattr(gen.cache, "notes", ()))  # what it could not keep
     roles: list[tuple[str, str, str, str]] = []
     sampled = {d.name for d in gen.space.dims}
     for d in gen.space.dims:

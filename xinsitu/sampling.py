@@ -82,7 +82,18 @@ def dim_map(name: str, v: Any, sizes: dict[str, int]) -> dict[str, int]:
     return out
 
 
+#: ranks a generator plans for at most (its plans hold arrays of this length: a typo of 2**40 ranks would
+#: ask for terabytes)
+MAX_WORLD_SIZE = 2**20
+
+
 def dist_defaults(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """``(rank, world_size)``: as given, else torch.distributed's where it is initialised, else ``(0, 1)``.
+
+    ``world_size`` > 1 without ``rank`` (and no torch.distributed to give it) raises ``ValueError``:
+    every process would take rank 0 and yield the same batches. ``TypeError``/``ValueError`` name the
+    argument for anything else that is not a rank in ``[0, world_size)`` of at most ``MAX_WORLD_SIZE``.
+    """
     if rank is None or world_size is None:
         # only a process that imported torch.distributed can have initialised it: don't import
         # torch (~200 MB, ~1 s) just to learn that it hasn't
@@ -91,6 +102,12 @@ def dist_defaults(rank: int | None, world_size: int | None) -> tuple[int, int]:
             rank = dist.get_rank() if rank is None else rank
             world_size = dist.get_world_size() if world_size is None else world_size
     world_size = 1 if world_size is None else positive_int("world_size", world_size)
+    if world_size > MAX_WORLD_SIZE:
+        raise ValueError(f"world_size={world_size} is more ranks than xinsitu plans for (at most {MAX_WORLD_SIZE})")
+    if rank is None and world_size > 1:
+        raise ValueError(f"world_size={world_size} needs rank= (this process's rank, 0 to {world_size - 1}): "
+                         "torch.distributed is not initialised here to give it, and taking rank 0 in every "
+                         "process would give each the same batches")
     rank = 0 if rank is None else int_arg("rank", rank)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}) for world_size={world_size}, got {rank}")

@@ -200,6 +200,7 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
     """
 
     _check_open_arguments(consolidated, group, decode_times)
+    _check_store_arguments(store, store_options)
     secrets: list[str] = []
     if isinstance(store, (str, os.PathLike)):
         url = os.fspath(store)
@@ -225,6 +226,10 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
     except FileNotFoundError as e:
         _if_array(zstore, group, where)
         raise FileNotFoundError(f"no zarr group found at {where}: {scrubbed(e, secrets)}") from None
+    except KeyError as e:  # zarr's for a group the consolidated metadata lacks
+        if group is None:
+            raise
+        raise ValueError(f"group={group!r}: no such group in {where} ({scrubbed(e, secrets)})") from None
     except Exception as e:
         _if_array(zstore, group, where)
         if isinstance(e, TypeError) and "prototype" in str(e):  # xarray's fallback for v2 arrays without dims
@@ -247,6 +252,68 @@ def _check_open_arguments(consolidated: Any, group: Any, decode_times: Any) -> N
     if isinstance(decode_times, (str, bytes, int, float, complex)) and not isinstance(decode_times, bool):
         raise TypeError(f"decode_times must be True, False, None or a coder such as "
                         f"xr.coders.CFDatetimeCoder(...), got {type(decode_times).__name__}: {decode_times!r}")
+
+
+#: ``retry_config`` keys obstore takes (it ignores others without a word: a misspelt key would be lost)
+_RETRY_KEYS = {"max_retries", "retry_timeout", "backoff"}
+_BACKOFF_KEYS = {"init_backoff", "max_backoff", "base"}
+
+
+def _check_store_arguments(store: Any, options: dict[str, Any]) -> None:
+    """``TypeError``/``ValueError`` naming the argument where ``open_zarr``'s ``store`` or a store option
+    is of a kind obstore would refuse deep inside (``'int' object is not an instance of 'str'``, naming
+    nothing), misread (``anonymous="no"`` is true) or ignore (a misspelt ``retry_config`` key)."""
+    if store is None or isinstance(store, (bytes, bool, int, float, complex)):
+        raise TypeError(f"store must be a URL, a path or a zarr/obstore store, got {type(store).__name__}: {store!r}")
+    if not isinstance(store, (str, os.PathLike)) or "://" not in os.fspath(store):
+        return  # options for a path or a store object are refused by ``open_zarr`` itself, whatever their kind
+    for key, value in options.items():
+        if key == "anonymous":
+            if not isinstance(value, (bool, np.bool_)):
+                raise TypeError(f"anonymous must be True or False, got {type(value).__name__}: {value!r}")
+        elif key == "credential_provider":
+            if value is not None and not callable(value):
+                raise TypeError(f"credential_provider must be a callable that returns credentials, got "
+                                f"{type(value).__name__}")
+        elif key == "client_options":
+            if value is None:
+                continue
+            if not isinstance(value, dict):
+                raise TypeError("client_options must be a dict (e.g. {'timeout': '60s'}), got "
+                                f"{type(value).__name__}")
+            for k, v in value.items():
+                if not isinstance(v, (str, bool, timedelta, dict)):
+                    raise TypeError(f"client_options[{k!r}] must be a string (e.g. '30s', '10'), a bool or a "
+                                    f"timedelta, got {type(v).__name__}: {v!r}")
+        elif key == "retry_config":
+            _check_retry_config(value)
+        elif not isinstance(value, (str, bool, timedelta)):
+            raise TypeError(f"store option {key}= must be a string (or a bool), got {type(value).__name__}: {value!r}")
+
+
+def _check_retry_config(value: Any) -> None:
+    """``retry_config=``: a dict of obstore's keys, each of the kind obstore takes (see ``_check_store_arguments``)."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise TypeError(f"retry_config must be a dict (e.g. {{'max_retries': 3}}), got {type(value).__name__}")
+    unknown = set(value) - _RETRY_KEYS
+    if unknown:
+        raise ValueError(f"retry_config has unknown key(s) {sorted(unknown)}; obstore takes {sorted(_RETRY_KEYS)}")
+    n = value.get("max_retries", 0)
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise TypeError(f"retry_config['max_retries'] must be an int, at least 0, got {type(n).__name__}: {n!r}")
+    if not isinstance(value.get("retry_timeout", timedelta()), timedelta):
+        raise TypeError("retry_config['retry_timeout'] must be a datetime.timedelta, got "
+                        f"{type(value['retry_timeout']).__name__}: {value['retry_timeout']!r}")
+    backoff = value.get("backoff") or {}
+    if not isinstance(backoff, dict) or set(backoff) - _BACKOFF_KEYS:
+        raise TypeError(f"retry_config['backoff'] must be a dict of {sorted(_BACKOFF_KEYS)}, got {backoff!r}")
+    for k in ("init_backoff", "max_backoff"):
+        if k in backoff and not isinstance(backoff[k], timedelta):
+            raise TypeError(f"retry_config['backoff'][{k!r}] must be a datetime.timedelta, got {backoff[k]!r}")
+    if "base" in backoff and (isinstance(backoff["base"], bool) or not isinstance(backoff["base"], (int, float))):
+        raise TypeError(f"retry_config['backoff']['base'] must be a number, got {backoff['base']!r}")
 
 
 def _open_xr(zstore: Any, consolidated: bool | None, group: str | None, decode_times: Any) -> xr.Dataset:

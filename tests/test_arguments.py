@@ -213,6 +213,15 @@ def test_statistics_of_another_split_or_manifest_are_named(ds, m):
     with pytest.warns(UserWarning, match=r"statistics are of split 'val', not 'train'.*leaks"):
         check_stats_origin(val, m, "val")
     check_stats_origin({k: v for k, v in own.items() if k != "split"}, m, "train")  # hand-written: no record
+    # and what batches(), dataset() and sample() do with them: the same checks, at the caller's line
+    with pytest.raises(ValueError, match="another manifest"):
+        ds.insitu.batches(m, "train", normalize=ds.insitu.stats(other, "fit"))
+    ds.insitu.stats(m, "train")  # m.stats: train's again (the val statistics above replaced them)
+    with pytest.raises(ValueError, match="differ from this manifest's own"):
+        ds.insitu.dataset(m, "train", normalize=theirs)
+    with pytest.warns(UserWarning, match="not 'train'") as rec:
+        ds.insitu.batches(m, "val", normalize=val)
+    assert rec[0].filename == __file__
 
 
 # ------------------------------------------- issue 39, item 3c: errors that came from deep inside a dependency

@@ -440,7 +440,8 @@ def check_stats_origin(stats: dict[str, Any], manifest: SplitManifest, split: st
             if var in RESERVED or not isinstance(entry, dict) or not isinstance(theirs, dict):
                 continue
             a, b = _by_channel(var, entry), _by_channel(var, theirs)
-            differ = [c for c in a if c in b and a[c] != b[c]]
+            # (a channel set to None by hand has no statistics: nothing to compare)
+            differ = [c for c in a if c in b and None not in a[c] and a[c] != b[c]]
             if differ:
                 raise ValueError(f"normalize: these statistics of split {origin!r} differ from this manifest's own "
                                  f"(m.stats) for channel(s) {differ}: they were computed on another manifest "

@@ -19,7 +19,7 @@ import xarray as xr
 from xinsitu import _loop, formatting
 from xinsitu.buffer import BUFFER_BUDGET, BufferLoader, default_block_chunks, unit_nbytes
 from xinsitu.cache import ChunkCache, resolve_cache
-from xinsitu.channels import channel_names
+from xinsitu.channels import channel_names, check_stats_origin
 from xinsitu.device_cache import CupyArrays, HostArrays
 from xinsitu.direct import DirectLoader, direct_reason
 from xinsitu.gpu_decode import CupyGpu, GpuChain, resolve_decode
@@ -139,11 +139,11 @@ class BatchGenerator:
                  shuffle: bool = True, seed: int = 0, window: dict[str, int] | None = None,
                  patch: dict[str, int] | None = None, stride: dict[str, int] | None = None,
                  over: str | list[str] | None = None, variables: str | list[str] | None = None,
-                 output: str = "xarray", stack: bool | list[str] = False, normalize: Any = None, device: Any = None,
-                 block_chunks: int | None = None, max_inflight: int | None = None, drop_last: bool = False,
+                 output: str = "xarray", stack: bool | list[str] = False, dtype: Any = None, normalize: Any = None,
+                 device: Any = None, block_chunks: int | None = None, max_inflight: int | None = None, drop_last: bool = False,
                  rank: int | None = None, world_size: int | None = None, progress: bool = False,
                  missing: str = "fill", cache: bool | str | os.PathLike[str] | ChunkCache | None = None,
-                 transform: Any = None, decode: str = "auto", dtype: Any = None):
+                 transform: Any = None, decode: str = "auto"):
         check_split(manifest, split)
         self.batch_size = positive_int("batch_size", batch_size)
         self._block_chunks_given = block_chunks is not None
@@ -168,6 +168,8 @@ class BatchGenerator:
             self.space, self.layouts, self.buffer_budget)
         self.builder = OutputBuilder(ds, self.space, self.layouts, output, stack, device, normalize=normalize,
                                      transform=transform, dtype=dtype)
+        if normalize is not None:  # statistics of this manifest's split, not of val/test or another manifest
+            check_stats_origin(normalize, manifest, split, stacklevel=4)
         self.dtype = self.builder.out_dtype
         self.normalize = normalize
         self.output = output

@@ -140,7 +140,8 @@ class BatchGenerator:
                  patch: dict[str, int] | None = None, stride: dict[str, int] | None = None,
                  over: str | list[str] | None = None, variables: str | list[str] | None = None,
                  output: str = "xarray", stack: bool | list[str] = False, dtype: Any = None,
-                 normalize: Any = None, device: Any = None, block_chunks: int | None = None, max_inflight: int | None = None, drop_last: bool = False,
+                 normalize: Any = None, device: Any = None, block_chunks: int | None = None,
+                 max_inflight: int | None = None, drop_last: bool = False,
                  rank: int | None = None, world_size: int | None = None, progress: bool = False,
                  missing: str = "fill", cache: bool | str | os.PathLike[str] | ChunkCache | None = None,
                  transform: Any = None, decode: str = "auto"):

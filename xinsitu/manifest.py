@@ -379,10 +379,10 @@ class SplitManifest:
         b = self._split_blocks(split)
         if len(self.dims) == 1:  # from the runs: no per-block array
             e = self.edges[self.dims[0]]
-            lo, hi = e[b.starts], e[b.stops]
-            lengths = hi - lo
+            first, last = e[b.starts], e[b.stops]
+            lengths = last - first
             offsets = np.cumsum(lengths) - lengths
-            return {self.dims[0]: np.repeat(lo - offsets, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)}
+            return {self.dims[0]: np.repeat(first - offsets, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)}
         idx = np.unravel_index(b.ids(), self.grid)
         lo = [self.edges[d][i] for d, i in zip(self.dims, idx, strict=True)]
         width = [self.edges[d][i + 1] - self.edges[d][i] for d, i in zip(self.dims, idx, strict=True)]

@@ -248,3 +248,88 @@ def test_doctor_one_line_to_paste() -> None:
     assert got["decode"] == cli.doctor()["decode"] and "shard index" in got["decode"]
     assert got["gpu decode"].startswith(("cpu only: ", "nvCOMP "))  # where chunks may decode on a GPU
     assert set(got) == {"python", "xinsitu", *cli.DOCTOR_PACKAGES, "cuda", "decode", "gpu decode"}
+
+
+# ----------------------------------------------------------------------------- a missing extra
+def _inspect_without(module: str, path: str) -> subprocess.CompletedProcess:
+    """``python -m xinsitu inspect path`` in a process where ``module`` cannot be imported (as where its
+    extra was never installed: ``None`` in ``sys.modules`` makes ``import module`` fail)."""
+    code = (f"import sys; sys.modules[{module!r}] = None; sys.argv = ['xinsitu', 'inspect', {path!r}]; "
+            "import runpy; runpy.run_module('xinsitu', run_name='__main__')")
+    return subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("module", ["virtualizarr", "eccodes", "cfgrib"])
+def test_inspect_grib_without_the_grib_extra_says_so_in_one_line(tmp_path: Path, module: str) -> None:
+    pytest.importorskip("eccodes", reason="writing a GRIB file needs ecCodes")
+    import pandas as pd
+
+    from xinsitu.grib import write_grib
+
+    f = write_grib(tmp_path / "an.grib", {"2t": 280 + np.zeros((4, 1, 3, 4))},
+                   pd.date_range("2020-01-01", periods=4, freq="12h"), [0])
+    p = _inspect_without(module, str(f))
+    assert p.returncode != 0
+    assert "Traceback" not in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "pip install 'xinsitu[grib]'" in p.stderr and module in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("module", ["virtualizarr", "h5py"])
+def test_inspect_netcdf_without_the_virtual_extra_says_so_in_one_line(tmp_path: Path, module: str) -> None:
+    files = _netcdf_files(tmp_path)
+    p = _inspect_without(module, files["NETCDF4"][0])
+    if module == "h5py" and p.returncode == 0:
+        pytest.skip("this NetCDF4 file opens without h5py")
+    assert p.returncode != 0
+    assert "Traceback" not in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "pip install 'xinsitu[virtual]'" in p.stderr and module in p.stderr, p.stderr
+    p = _inspect_without("virtualizarr", files["NETCDF3_CLASSIC"][0])
+    assert p.returncode != 0 and "Traceback" not in p.stderr and "'xinsitu[virtual]'" in p.stderr, p.stderr
+
+
+def test_open_netcdf_without_the_extra_names_it(tmp_path: Path) -> None:
+    """The library's own error (not only the command line's) names the extra."""
+    files = _netcdf_files(tmp_path)
+    code = ("import sys; sys.modules['virtualizarr'] = None; import xinsitu.virtual\n"
+            f"try:\n    xinsitu.virtual.open_netcdf({files['NETCDF4'][0]!r})\n"
+            "except ModuleNotFoundError as e:\n    print(e.name, '|', e)\n")
+    p = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("virtualizarr |") and "pip install 'xinsitu[virtual]'" in p.stdout, p.stdout
+
+
+# ----------------------------------------------------------------------------- few chunks, files in place
+@pytest.mark.parametrize("nchunks", [2, 3])
+def test_inspect_suggests_a_split_of_two_or_three_chunks(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                         nchunks: int) -> None:
+    """Two chunk blocks hold train 1 / val 1 (a file of two months, one record each): suggested, and the
+    line of Python it prints makes that split."""
+    path = str(tmp_path / "few.zarr")
+    write_era5_like(path, nt=4 * nchunks, ny=2, nx=3, chunk_time=4)
+    assert cli.main(["inspect", path, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["split"] is not None, got["problem"]
+    assert {"train", "val"} <= set(got["split"]["splits"])
+    ns = {"ds": xinsitu.open_zarr(path)}
+    exec(got["code"], ns)
+    assert ns["m"].to_dict()["splits"] == got["split"]["splits"]
+    assert all(ns["m"].positions(k) > 0 for k in ns["m"].splits)
+
+
+def test_inspect_of_files_in_place_suggests_no_rewrite(tmp_path: Path) -> None:
+    """GRIB and NetCDF files are read as they are: no advice to write them with a crc32c codec; a
+    NetCDF-3 file of two records (two time steps, one chunk each) gets a train/val split."""
+    pytest.importorskip("virtualizarr", reason="the virtual extra is not installed")
+    pytest.importorskip("netCDF4", reason="writing NetCDF files needs netCDF4")
+    from xinsitu.synthetic import era5_like
+
+    f = str(tmp_path / "two_months.nc")
+    era5_like(2, 4, 6).to_netcdf(f, format="NETCDF3_CLASSIC", engine="netcdf4", unlimited_dims=["time"])
+    out = run("inspect", f).stdout
+    assert "Checksums: none" in out and "read in place" in out, out
+    assert "crc32c" not in out.lower() and "write the archive" not in out, out
+    assert "Suggested split:" in out and "'val'" in out, out
+    got = json.loads(run("inspect", f, "--json").stdout)
+    assert "crc32c" not in got["checksum_note"].lower()

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import xarray as xr
 from hypothesis import HealthCheck, given, settings
@@ -571,3 +572,139 @@ def test_accessor_dataset(era5):
     assert isinstance(d, InsituDataset) and len(d) == len(ref)
     a, b = d.batch([3, 1]), ref.batch([3, 1])
     assert all(np.array_equal(a[v], b[v], equal_nan=True) for v in b)
+
+
+# ---------------------------------------------------------------- every sample shape, against plain isel
+@pytest.fixture(scope="module")
+def shapes_archive(tmp_path_factory):
+    """30 steps x 8 x 8, chunks (5, 4, 4) and (5, 2, 4): a 3-d float32 and float64 variable, a 1-d
+    one (time only) and a static one (y, x); a time split and a spatial split of it."""
+    rng = np.random.default_rng(7)
+    src = xr.Dataset({"a": (("time", "y", "x"), rng.standard_normal((30, 8, 8)).astype("f4")),
+                      "b": (("time", "y", "x"), rng.standard_normal((30, 8, 8)).astype("f4")),
+                      "c": (("time", "y", "x"), rng.standard_normal((30, 8, 8))),
+                      "s": (("time",), rng.standard_normal(30).astype("f4")),
+                      "mask": (("y", "x"), (rng.random((8, 8)) > 0.5).astype("i1"))},
+                     coords={"time": pd.date_range("2001-01-01", periods=30, freq="6h"), "y": np.arange(8.0),
+                             "x": np.arange(8) * 2}, attrs={"title": "shapes"})
+    path = tmp_path_factory.mktemp("shapes") / "s.zarr"
+    src.to_zarr(path, zarr_format=3, consolidated=True,
+                encoding={"a": {"chunks": (5, 4, 4)}, "b": {"chunks": (5, 2, 4)}, "c": {"chunks": (5, 4, 4)},
+                          "s": {"chunks": (5,)}, "mask": {"chunks": (2, 4)}})
+    ds = xinsitu.open_zarr(str(path))
+    return ds, {"time": ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5}),
+                "space": ds.insitu.split(["y", "x"], fractions={"train": 0.5, "val": 0.5}, seed=1)}
+
+
+#: (split, sampling options): every sample shape -- a point (every sampled dim one position), a
+#: window, a patch, over dims -- and their combinations, on a time split and on a spatial split
+SHAPES = [
+    ("time", {}),                                                    # a time step, its grid whole
+    ("time", dict(over=["y", "x"])),                                 # a point
+    ("time", dict(over="x")),
+    ("time", dict(window={"time": 3})),
+    ("time", dict(patch={"y": 3, "x": 2}, stride={"x": 3})),
+    ("time", dict(patch={"y": 3}, over="x")),
+    ("time", dict(window={"time": 2}, over="x")),
+    ("time", dict(window={"time": 2}, over=["y", "x"])),
+    ("time", dict(window={"time": 2}, patch={"y": 4, "x": 2}, stride={"x": 3})),
+    ("space", {}),                                                   # a column: every time step
+    ("space", dict(over="time")),                                    # a point
+    ("space", dict(window={"time": 3})),
+    ("space", dict(window={"y": 2}, over="time")),
+    ("space", dict(patch={"y": 2}, over="time")),
+    ("space", dict(patch={"y": 2, "x": 2}, over="time")),
+    ("space", dict(patch={"y": 2, "x": 2}, window={"time": 4})),
+]
+VARIABLE_SETS = [["a", "b"], ["a", "s", "mask"], ["c", "a"], ["mask", "b"]]
+
+
+def isel_sample(ds: xr.Dataset, d: InsituDataset, i: int) -> xr.Dataset:
+    """Sample ``i`` by plain ``ds.isel``: a slice along each window/patch dim, one position along the
+    others (its start as the dataset numbers it)."""
+    sp = d._gen.space
+    row = starts_of(d, [i])[0].tolist()
+    sel = {sd.name: slice(a, a + sd.width) if sd.keep else a for sd, a in zip(sp.dims, row, strict=True)}
+    sub = ds[d.variables]
+    return sub.isel({k: v for k, v in sel.items() if k in sub.dims}).load()
+
+
+def check_sample(got, ref: xr.Dataset, d: InsituDataset, output: str, stack: bool) -> None:
+    """One sample (no batch axis) bit for bit against its ``isel``."""
+    if output == "xarray":
+        # a window/patch dim of a sample cut from a batch has its coordinate but no index (in the
+        # batch that coordinate is 2-d, (sample, dim)); the values are compared all the same
+        xr.testing.assert_identical(got, ref.drop_indexes([k for k in ref.xindexes if k not in got.xindexes]))
+    elif stack:
+        exp = np.stack([ref[v].values for v in d.variables])
+        assert got.dtype == exp.dtype and got.shape == exp.shape, (got.shape, exp.shape)
+        assert np.array_equal(got, exp, equal_nan=True)
+    else:
+        assert list(got) == d.variables
+        for v in d.variables:
+            g = np.asarray(got[v])
+            assert g.dtype == ref[v].dtype and g.shape == ref[v].shape, (v, g.shape, ref[v].shape)
+            assert np.array_equal(g, ref[v].values, equal_nan=True), v
+
+
+def check_shape_case(ds, m, kw, variables, output, stack, ids) -> None:
+    d = InsituDataset(ds, m, "val", variables=variables, output=output, stack=stack, **kw)
+    n = len(d)
+    ids = [int(i) % n for i in ids]
+    refs = [isel_sample(ds, d, i) for i in ids]
+    check_sample(d[ids[0]], refs[0], d, output, stack)
+    check_sample(d[ids[0] - n], refs[0], d, output, stack)  # negative: counted from the end
+    got = d.__getitems__(ids)
+    assert len(got) == len(ids)
+    for item, ref in zip(got, refs, strict=True):
+        check_sample(item, ref, d, output, stack)
+    # the batch itself: vectorised isel (coordinates along ``sample``), and each sample's isel
+    check_batch(got.batch, oracle(ds, d, ids), d, output, stack)
+    if output == "numpy" and not stack:
+        for v in d.variables:
+            if d._gen.layouts[v].has_sample_axis:
+                assert np.array_equal(got.batch[v], np.stack([r[v].values for r in refs]), equal_nan=True), v
+
+
+@pytest.mark.parametrize("split, kw", SHAPES, ids=[f"{s}-{kw}" for s, kw in SHAPES])
+@pytest.mark.parametrize("output, stack", [("numpy", False), ("xarray", False), ("numpy", True)])
+def test_every_sample_shape_matches_isel(shapes_archive, split, kw, output, stack, read_path):
+    """``d[i]`` and ``d.__getitems__`` for every sample shape, bit for bit against ``ds.isel`` of
+    each sample: a point sample was once read into a scalar copy and handed out unfilled."""
+    ds, ms = shapes_archive
+    variables = ["a", "b"] if stack else ["a", "c", "s", "mask"]
+    if split == "space":
+        variables = [v for v in variables if v != "s" or "over" in kw or "window" in kw]
+    n = len(InsituDataset(ds, ms[split], "val", variables=variables, **kw))
+    ids = [0, 1, n // 2, n - 1, 1, 5 % n]
+    check_shape_case(ds, ms[split], kw, variables, output, stack, ids)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=st.sampled_from(SHAPES), variables=st.sampled_from(VARIABLE_SETS),
+       output=st.sampled_from(["numpy", "xarray", "stack"]), sparse=st.sampled_from([0, 4, 10**9]),
+       ids=st.lists(st.integers(0, 10**6), min_size=1, max_size=12))
+def test_hypothesis_sample_shapes(shapes_archive, monkeypatch, case, variables, output, sparse, ids):
+    """Any sample shape, variables, output, read path and indices (duplicates, any order) against isel."""
+    import xinsitu.dataset as mod
+
+    ds, ms = shapes_archive
+    split, kw = case
+    stack = output == "stack"
+    if stack:
+        variables = ["a", "b"]
+    monkeypatch.setattr(mod, "SPARSE_PER_UNIT", sparse)
+    check_shape_case(ds, ms[split], kw, variables, "numpy" if stack else output, stack, ids)
+
+
+def test_issue_point_samples(tmp_path):
+    """The report's case: a time split sampled over (y, x), every sample one point."""
+    src = xr.Dataset({"a": (("time", "y", "x"), np.arange(30 * 8 * 8, dtype="f4").reshape(30, 8, 8))},
+                     coords={"time": np.arange(30), "y": np.arange(8), "x": np.arange(8)})
+    src.to_zarr(tmp_path / "p.zarr", encoding={"a": {"chunks": (5, 4, 4)}}, consolidated=True)
+    ds = xinsitu.open_zarr(str(tmp_path / "p.zarr"))
+    m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    d = ds.insitu.dataset(m, "val", output="numpy", over=["y", "x"])
+    assert d[0]["a"] == 960
+    assert [it["a"] for it in d.__getitems__([0, 1, 5])] == [960, 961, 965]
+    assert np.array_equal(d.batch(range(len(d)))["a"], np.arange(960, 1920, dtype="f4"))

@@ -1,16 +1,19 @@
 """Every ```python block of README.md and docs/**/*.md runs, page by page, against the docs' own archive.
 
-A page's blocks run in order in one namespace (like a notebook), in a subprocess with a hard
-timeout, in a fresh folder holding the docs' archive ``era5.zarr`` (the one
-``docs/getting-started.md`` writes: one year, 6-hourly, 32 x 64, time chunks of 24). What the
-pages take as given (``ds``, ``m``, ``gen``, ``model``, ``step``, ...) is defined once, in
-``PRELUDE``; remote URLs go to servers on 127.0.0.1 that serve the same archive: moto's S3
-(``s3://bucket/era5.zarr``, through the ``AWS_*`` environment) and the test HTTP server (the
-URLs in ``URLS``).
+A page's blocks run as a reader copies them: in order in one namespace that starts empty (like
+a notebook: every name a block uses, an earlier block of the page defines), in a subprocess with
+a hard timeout, in a fresh folder holding the docs' archive ``era5.zarr`` -- the one
+``docs/getting-started.md`` writes (one year, 6-hourly, 32 x 64, time chunks of 24), which a page
+that uses it without writing it says in its text, with a link to that page. Remote URLs go to
+servers on 127.0.0.1 that serve the same archive: moto's S3 (``s3://bucket/era5.zarr``, through
+the ``AWS_*`` environment) and the test HTTP server (the URLs in ``URLS``); only the pages in
+``REMOTE_PAGES`` use them, and say in their text that the URLs stand for the reader's own.
 
 A block that cannot run here is skipped only by a marker right before it in the markdown,
-``<!-- skip: the reason -->``; the test prints every skip with its reason. A broken block fails
-with the page, the block's line and first line, and the error.
+``<!-- skip: the reason -->``, and says what it needs in its first line (``# needs ...``), where
+a reader sees it; the test prints every skip with its reason. A broken block fails with the
+page, the block's line and first line, and the error; so does a block that warns (a warning a
+reader would see), unless the page says why in ``WARNS``.
 
     python tests/test_doc_blocks.py PAGE [PAGE...]   # runs the pages' blocks in the current folder
 """
@@ -23,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import traceback
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,36 +34,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 TIMEOUT_S = 240  # one page, all its blocks
 
-#: what the pages take as given, defined once: the docs' archive opened and split, a generator, a model
-PRELUDE = """
-import numpy as np
-import torch
-import xinsitu
-
-ds = xinsitu.open_zarr("era5.zarr")
-m = ds.insitu.split("time", fractions={"train": 0.8, "val": 0.1, "test": 0.1}, gap=1)
-gen = ds.insitu.batches(m, "train", batch_size=32, output="torch")
-model = torch.nn.Conv2d(1, 1, 3, padding=1)
-opt = optimizer = torch.optim.Adam(model.parameters())
-loss_fn = torch.nn.functional.mse_loss
-build_model = lambda: torch.nn.Conv2d(1, 1, 3, padding=1)  # noqa: E731
-
-
-def step(model, batch):
-    x = batch["t2m"].unsqueeze(1)
-    loss = loss_fn(model(x), x)
-    opt.zero_grad(); loss.backward(); opt.step()
-    return loss
-
-
-n = n_epochs = 1
-start_epoch, rank = 0, 1
-weights = torch.ones(64)                 # a WeightedRandomSampler's weights
-train_idx = np.arange(0, 1168)           # the train time steps, for the plain-xarray examples
-"""
-
 #: URLs of the pages that stand for a server, and the local server that answers in its place
 URLS = {"https://data.example.org": "{http}", "http://127.0.0.1:8000": "{http}", "http://127.0.0.1:9000": "{s3}"}
+#: the pages whose running blocks read remote URLs (standing for the reader's own bucket or server)
+REMOTE_PAGES = {"docs/how-to/remote.md"}
+#: page -> why its blocks may warn (a warning they show on purpose); every other page runs without one
+WARNS: dict[str, str] = {}
+_REMOTE = re.compile(r"\b(?:s3|gs|az|https?)://")
 
 _FENCE = re.compile(r"^(?P<skip><!--\s*skip:\s*(?P<reason>.*?)\s*-->\s*\n)?```python\n(?P<code>.*?)^```", re.S | re.M)
 
@@ -88,22 +69,29 @@ def blocks(page: Path) -> list[Block]:
 
 
 def run_page(page: str, urls: dict[str, str]) -> int:
-    """Run ``page``'s blocks here, in order, in one namespace; 1 (with the error printed) on the first failure."""
-    ns: dict = {"__name__": "__docs__"}
-    exec(compile(PRELUDE, "<doc prelude>", "exec"), ns)
-    for b in blocks(ROOT / page):
-        if b.skip is not None:
-            print(f"SKIPPED {b.where} ({b.skip})", flush=True)
-            continue
-        code = b.code
-        for old, new in urls.items():
-            code = code.replace(old, new)
-        try:
-            exec(compile(code, f"{b.page}:{b.line}", "exec"), ns)
-        except BaseException:
-            print(f"FAILED {b.where}\n{traceback.format_exc()}", flush=True)
-            return 1
-        print(f"RAN {b.where}", flush=True)
+    """Run ``page``'s blocks here, in order, in one namespace; 1 (with the error printed) on the first failure.
+    Each warning a block shows (Python's default filters, as a reader's session has them, each shown
+    once) is printed as ``WARNED``."""
+    ns: dict = {"__name__": "__docs__"}  # nothing else: a page defines what its blocks use
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # every category, once per place (DeprecationWarnings too)
+        for b in blocks(ROOT / page):
+            if b.skip is not None:
+                print(f"SKIPPED {b.where} ({b.skip})", flush=True)
+                continue
+            code = b.code
+            for old, new in urls.items():
+                code = code.replace(old, new)
+            try:
+                exec(compile(code, f"{b.page}:{b.line}", "exec"), ns)
+            except BaseException:
+                print(f"FAILED {b.where}\n{traceback.format_exc()}", flush=True)
+                return 1
+            for w in caught:
+                first = str(w.message).splitlines()[0] if str(w.message) else ""
+                print(f"WARNED {b.where}: {w.category.__name__}: {first} ({w.filename}:{w.lineno})", flush=True)
+            caught.clear()
+            print(f"RAN {b.where}", flush=True)
     return 0
 
 
@@ -123,17 +111,13 @@ from tests.support.servers import FileServer, MotoS3  # noqa: E402
 def docs_home(tmp_path_factory: pytest.TempPathFactory):
     """(folder with the docs' archive, environment pointing the pages' remote URLs at 127.0.0.1)."""
     pytest.importorskip("moto", reason="the remote pages need moto's S3 server")
-    from xinsitu.synthetic import era5_like, packing, write_era5_like
+    from xinsitu.synthetic import write_era5_like
 
     home = tmp_path_factory.mktemp("docs-home")
-    write_era5_like(home / "era5.zarr", nt=1460, ny=32, nx=64, chunk_time=24)
-    # multi-source.md's second archive: precipitation alone, in time chunks of 6
-    era5_like(1460, 32, 64)[["tp"]].to_zarr(home / "precip.zarr", encoding={"tp": {"chunks": (6, 32, 64), **packing()}},
-                                            zarr_format=3, consolidated=False)
+    write_era5_like(home / "era5.zarr", nt=1460, ny=32, nx=64, chunk_time=24)  # as getting-started.md does
     with MotoS3(max_lifetime_s=1800) as s3, FileServer(home, max_lifetime_s=1800) as http:
         for bucket in ("bucket", "public-bucket"):
             s3.upload(home / "era5.zarr", bucket, "era5.zarr")
-        s3.upload(home / "precip.zarr", "other", "precip.zarr")
         s3.make_public("public-bucket")
         env = {**os.environ, "AWS_ENDPOINT": s3.endpoint, "AWS_ACCESS_KEY_ID": s3.access_key_id,
                "AWS_SECRET_ACCESS_KEY": s3.secret_access_key, "AWS_REGION": s3.region, "AWS_ALLOW_HTTP": "true",
@@ -166,6 +150,37 @@ def test_page_blocks_run(page: Path, docs_home, tmp_path: Path) -> None:
     assert p.returncode == 0, f"{rel}: a block failed\n{p.stdout}\n{p.stderr[-3000:]}"
     ran = p.stdout.count("\nRAN ") + p.stdout.startswith("RAN ")
     assert ran == len(bs) - len(skipped), p.stdout
+    warned = [ln for ln in p.stdout.splitlines() if ln.startswith("WARNED ")]
+    if rel not in WARNS:
+        assert not warned, f"{rel}: a block printed a warning a reader would see:\n" + "\n".join(warned)
+
+
+def _writes_era5(code: str) -> bool:
+    return bool(re.search(r"write_era5_like\(\s*[\"']era5\.zarr[\"']", code))
+
+
+def test_pages_say_what_their_blocks_need() -> None:
+    """What a block needs that no earlier block of its page makes is said where a reader sees it: the
+    docs' archive (``era5.zarr``) by a link to Getting started, which writes it; a remote URL by a page
+    about remote stores (``REMOTE_PAGES``) that says its URLs stand for the reader's own; a skipped
+    block by its first line (``# needs ...``)."""
+    for page in PAGES:
+        rel = page.relative_to(ROOT).as_posix()
+        text = page.read_text()
+        prose = re.sub(r"```.*?```", "", text, flags=re.S)
+        bs = blocks(page)
+        written = False
+        for b in bs:
+            if b.skip is not None:
+                first = next((s for s in b.code.splitlines() if s.strip()), "")
+                assert first.startswith("# needs "), f"{b.where}: a skipped block must say what it needs first"
+                continue
+            written = written or _writes_era5(b.code)
+            if re.search(r"[\"']era5\.zarr[\"']", b.code) and not written:  # the local archive, not a URL's
+                assert "getting-started.md" in prose, f"{b.where}: uses era5.zarr without saying where it comes from"
+            if _REMOTE.search(re.sub(r"#.*", "", b.code)):
+                assert rel in REMOTE_PAGES, f"{b.where}: a remote URL a reader cannot open"
+                assert "stand for your" in prose, f"{rel}: say that its URLs stand for the reader's own"
 
 
 def test_skip_markers_give_a_reason() -> None:

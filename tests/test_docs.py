@@ -61,3 +61,19 @@ def test_planned_markers_match_the_code() -> None:
     built = hasattr(InsituAccessor, "stats")
     assert planned != built, ("ds.insitu.stats exists now: update docs/how-to/normalize.md" if built else
                               "docs/how-to/normalize.md documents ds.insitu.stats as built, but it is not")
+
+
+def test_install_names_every_extra_and_the_cpu_build_of_torch() -> None:
+    """Getting started's Install lists every extra of pyproject.toml, and it and the README say how to
+    get PyTorch's CPU build (the default wheel brings gigabytes of CUDA libraries a CPU never uses)."""
+    import tomllib
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    gs = (DOCS / "getting-started.md").read_text()
+    install = gs.split("## Install", 1)[1].split("\n## ", 1)[0]
+    missing = sorted(e for e in extras - {"bench"} if f"`{e}`" not in install)
+    assert not missing, f"getting-started.md's Install does not list the extras {missing}"
+    cpu = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+    assert cpu in install
+    readme = (ROOT / "README.md").read_text()
+    assert cpu in readme and "pip install 'xinsitu[torch]'" in readme

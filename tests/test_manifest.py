@@ -57,3 +57,24 @@ def test_a_manifest_round_trips_through_json(tmp_path):
     m.to_json(path)
     assert SplitManifest.from_json(path).splits == m.splits
     assert sum(m.positions(k) for k in m.splits) < 48  # gaps leave positions out
+
+
+def test_the_grid_labels_run_the_way_the_grid_is_drawn():
+    """The HTML grid of a 2-D split draws the first block row at the top (``y=0``, lat 90 of a
+    north-to-south grid): its row label reads from the top down, first label first, with no rotation
+    that would put the first label at the bottom."""
+    import re
+    from importlib import resources
+
+    ds = era5_like(nt=8, ny=16, nx=32).chunk({"time": 8, "lat": 4, "lon": 8})  # lat 90 .. -90
+    m = ds.insitu.split(["lat", "lon"], fractions={"train": 0.75, "val": 0.25}, seed=0)
+    h = m._repr_html_()
+    owner = m.owner()
+    first_row = re.findall(r"<rect x='(\d+)' y='0' width='(\d+)' height='4' fill='([^']+)'/>", h)
+    assert first_row and all(f.startswith("url(") or owner[0, int(x) // 8] >= 0 for x, _, f in first_row)
+    left = re.search(r"class='xi-axis xi-axis-left'>([^<]*)<", h).group(1)
+    assert left.index("90") < left.index("-90"), left  # 90 first: where row 0 is drawn
+    css = resources.files("xinsitu").joinpath("static/style.css").read_text()
+    rule = re.search(r"\.xi-axis-left\s*\{([^}]*)\}", css).group(1)
+    assert "vertical-rl" in rule, rule  # top to bottom, as the rows
+    assert "rotate" not in rule, rule   # rotate(180deg) made it read bottom to top: first label at the bottom

@@ -133,6 +133,25 @@ def test_ranges_split(era5_path):
                                         "val": slice("1979-01-23", None)}, gap=3)
 
 
+def test_ranges_that_adjoin_leave_no_room_for_a_gap(era5_path):
+    """``ranges=`` keeps every range where it is (the gap is not carved out of one, as ``fractions=``
+    does): adjoining ranges with ``gap=`` raise, saying to leave room or to use ``fractions=``; ranges
+    that leave the room split."""
+    ds = xinsitu.open_zarr(era5_path)
+    step = int(ds.insitu.chunks["time"])
+    t = ds.time.values
+    split_at = 4 * step  # a chunk edge
+    adjoining = {"train": slice(t[0], t[split_at - 1]), "val": slice(t[split_at], None)}
+    assert ds.insitu.split("time", ranges=adjoining).gap == 0
+    with pytest.raises(ValueError, match=r"(?s)0 chunk\(s\) apart.*gap=2.*leave 2 chunk\(s\).*fractions="):
+        ds.insitu.split("time", ranges=adjoining, gap=2)
+    room = {"train": slice(t[0], t[split_at - 1]), "val": slice(t[split_at + 2 * step], None)}
+    m = ds.insitu.split("time", ranges=room, gap=2)
+    assert m.splits["val"][0] - m.splits["train"][-1] - 1 == 2
+    f = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5}, gap=2)  # carves the gap out
+    assert f.splits["val"][0] - f.splits["train"][-1] - 1 == 2
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

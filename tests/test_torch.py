@@ -92,10 +92,18 @@ def test_dataloader_no_workers_matches_generator(era5_path):
     assert epoch_records(DataLoader(ds, batch_size=None)) != ref
 
 
+def _stateful_dataloader() -> type:
+    """torchdata's ``StatefulDataLoader``, or a skip where torchdata is not installed (the ``torch`` extra
+    has it; an environment with torch alone does not)."""
+    mod = pytest.importorskip("torchdata.stateful_dataloader",
+                              reason="torchdata is not installed (pip install 'xinsitu[torch]' brings it)")
+    return mod.StatefulDataLoader
+
+
 def test_stateful_dataloader_no_workers(era5_path):
     """StatefulDataLoader, num_workers=0: a state saved after batch 3 (through JSON) resumes
     a new loader at batch 4, and the next epoch matches too."""
-    from torchdata.stateful_dataloader import StatefulDataLoader
+    StatefulDataLoader = _stateful_dataloader()
 
     def make():
         ds = _gen(era5_path, output="numpy").to_torch()
@@ -231,6 +239,7 @@ def test_fork_remote_fails_at_once(era5_path, tmp_path):
 def test_stateful_dataloader_workers(era5_path, tmp_path):
     """StatefulDataLoader, 2 persistent workers: a state saved mid-epoch (through JSON)
     resumes the remaining batches exactly, and the next epoch matches."""
+    _stateful_dataloader()  # the job imports it in its own process: skip here, not an error there
     out = _job(era5_path, tmp_path, "--open", "xr", "--method", "fork", "--workers", "2", "--stateful",
                "--stop", "3", "--persistent")
     assert "error" not in out, out.get("traceback")

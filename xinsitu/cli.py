@@ -146,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, OSError) as e:  # bad input or an unreadable store: a message, no traceback
         print(f"xinsitu {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    except ModuleNotFoundError as e:  # an extra not installed: xinsitu.virtual's message names it
+        print(f"xinsitu {args.command}: {e}", file=sys.stderr)
+        return 1
 
 
 #: leading bytes of the files ``inspect``/``bench`` open in place: NetCDF classic (CDF-1, CDF-2), NetCDF4
@@ -180,12 +183,14 @@ def _paths(urls: list[str]) -> list[str]:
 
 def _open(args: argparse.Namespace) -> Any:
     """The Dataset ``args.url`` names (a Zarr archive, or NetCDF/GRIB files opened in place); sets
-    ``args.code``, the line of Python that opens it."""
+    ``args.code``, the line of Python that opens it, and ``args.in_place``, whether they are files read in
+    place (NetCDF or GRIB)."""
     import xinsitu
 
     paths = _paths(args.url)
     kinds = {p: file_kind(p) for p in paths}
     kind = next(iter(set(kinds.values()))) if len(set(kinds.values())) == 1 else None
+    args.in_place = kind is not None
     if kind is not None:
         name = _OPENERS[kind]
         arg = paths[0] if len(paths) == 1 else paths
@@ -250,7 +255,8 @@ def suggest_split(ds: Any, dim: str | None = None, fractions: dict[str, float] |
     """A chunk-aligned split to start from, and a note on how it was chosen.
 
     80/10/10 train/val/test on ``dim`` (default: :func:`split_dim`) with a gap of one
-    chunk block; on a dim with too few chunk blocks, without the gap, then train/val only.
+    chunk block; on a dim with too few chunk blocks, without the gap, then train/val 80/20,
+    then 50/50 (two chunk blocks: one each).
 
     Parameters
     ----------
@@ -278,7 +284,7 @@ def suggest_split(ds: Any, dim: str | None = None, fractions: dict[str, float] |
                              "re-chunk the archive along the dim to split (e.g. time)")
     tries = [(fractions or DEFAULT_FRACTIONS, 1 if gap is None else gap)]
     if fractions is None and gap is None:
-        tries += [(DEFAULT_FRACTIONS, 0), ({"train": 0.8, "val": 0.2}, 0)]
+        tries += [(DEFAULT_FRACTIONS, 0), ({"train": 0.8, "val": 0.2}, 0), ({"train": 0.5, "val": 0.5}, 0)]
     err: ValueError | None = None
     for fr, gp in tries:
         try:
@@ -331,8 +337,11 @@ def checksums(ds: Any) -> dict[str, str | None]:
     return out
 
 
-def checksum_note(found: dict[str, str | None]) -> str:
-    """One paragraph: whether a transfer that corrupts a chunk can be detected."""
+def checksum_note(found: dict[str, str | None], in_place: bool = False) -> str:
+    """One paragraph: whether a transfer that corrupts a chunk can be detected.
+
+    ``in_place``: GRIB or NetCDF files read as they are, which no codec can be added to (no advice
+    to write the archive again)."""
     without = sorted(n for n, c in found.items() if c is None)
     if not found:
         return "Checksums: no data variable."
@@ -340,6 +349,9 @@ def checksum_note(found: dict[str, str | None]) -> str:
         kinds = ", ".join(sorted({c for c in found.values() if c}))
         return (f"Checksums: every variable's chunks carry one ({kinds}): a chunk corrupted in transit is "
                 "detected, fetched again, and raises if it never matches.")
+    if in_place:
+        return (f"Checksums: none on {', '.join(without)} (files read in place, as they are): a chunk corrupted "
+                "in transit (a flipped bit) cannot be detected.")
     return (f"Checksums: none on {', '.join(without)}. A chunk corrupted in transit (a flipped bit) cannot be "
             "detected and may decode into wrong values; write the archive with a crc32c codec "
             "(zarr v3: compressors=[zarr.codecs.ZstdCodec(), zarr.codecs.Crc32cCodec()]).")
@@ -350,18 +362,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     ds = _open(args)
     g = ds.insitu.geometry
     found = checksums(ds)
+    note = checksum_note(found, in_place=args.in_place)
     try:
         m, code = suggest_split(ds, args.dim, args.fractions, args.gap)
         problem = None
     except ValueError as e:
         m, code, problem = None, None, str(e)
     if args.json:
-        print(json.dumps({"geometry": _geometry_dict(g), "checksums": found, "checksum_note": checksum_note(found),
+        print(json.dumps({"geometry": _geometry_dict(g), "checksums": found, "checksum_note": note,
                           "split": m.to_dict() if m else None, "code": code, "problem": problem}, indent=1))
         return 0
     print(repr(g))
     print()
-    print(checksum_note(found))
+    print(note)
     print()
     if m is None:
         print(f"No split suggested: {problem}")

@@ -390,8 +390,11 @@ class InsituDataset:
             regions = []
             for i, row in enumerate(starts[:, lay.sampled].tolist()):
                 region = {sp.dims[k].name: (a, a + sp.dims[k].width) for k, a in zip(lay.sampled, row, strict=True)}
-                # a position-only sampled dim is one position in the region and no axis in the batch
-                regions.append((region, np.expand_dims(out[i], one) if one else out[i]))
+                # a position-only sampled dim is one position in the region and no axis in the batch;
+                # ``out[i, ...]`` is a view even where a sample is one value (``out[i]`` would be a scalar
+                # copy, read into and thrown away)
+                view = out[i, ...]
+                regions.append((region, np.expand_dims(view, one) if one else view))
             reads.append((src, regions))
         static = {name: lay for name, lay in gen.layouts.items() if not lay.has_sample_axis}
 

@@ -547,6 +547,27 @@ def _epoch_bytes(gen: BatchGenerator, p: EpochPlan, n_units: int | None = None) 
     return total
 
 
+def _batch_shape(gen: BatchGenerator) -> str:
+    """What one batch is, its axes named: a stacked batch is ``(batch, channel, *window/patch and whole
+    dims)`` -- a window's axis after the channels, and the call that puts it before them."""
+    b = gen.builder
+    sizes = {d.name: d.width for d in gen.space.dims if d.keep}
+    n = gen.batch_size
+    if not b.stack:
+        if gen.output == "xarray":
+            return f"xr.Dataset: sample ({n}), then each variable's dims per sample (below)"
+        return f"dict: one array per variable, ({n}, *per sample) (below); a static variable: per sample only"
+    dims = [(d, sizes.get(d, gen.geometry.sizes.get(d, 0))) for d in b.base_dims]
+    lead = ("sample", "variable") if gen.output == "dataarray" else ("batch", "channel")
+    shape = ", ".join(f"{a}: {k}" for a, k in [(lead[0], n), (lead[1], len(gen.channels)), *dims])
+    window = next((d for d in gen.space.dims if d.keep and d.stride == 1 and d.width > 1), None)
+    if window is None or not dims or dims[0][0] != window.name:
+        return f"({shape})"
+    w = window.name
+    move = (f"b.transpose('sample', '{w}', ...)" if gen.output == "dataarray" else "x.swapaxes(1, 2)")
+    return f"({shape}); ({lead[0]}, {w}, {lead[1]}, ...): {move}"
+
+
 def _generator_sections(gen: BatchGenerator, drawing: bool = False) -> list[Section]:
     p, n_units = _display_plan(gen)
     nvar = sum(1 for lay in gen.layouts.values() if not lay.static)
@@ -563,7 +584,7 @@ def _generator_sections(gen: BatchGenerator, drawing: bool = False) -> list[Sect
         shuffle = f"off: chunk blocks in split order (epoch {gen.epoch})"
     once = ("" if any(d.width > 1 for d in gen.space.split_dims) or gen.manifest.block  # blocks: per buffer
             else ", each chunk read once")
-    info = [("batches", batches), ("samples", samples),
+    info = [("batches", batches), ("batch", _batch_shape(gen)), ("samples", samples),
             ("reads / epoch", f"{n_units} chunk blocks x {nvar} variable{'s' if nvar != 1 else ''}, "
                               f"~{fmt_bytes(_epoch_bytes(gen, p, n_units))} decoded{once}"),
             ("shuffle", shuffle), ("buffer", gen.buffer_summary), ("output", gen.output + (f" on {gen.builder.device}"

@@ -351,6 +351,94 @@ class SplitManifest:
         idx = np.unravel_index(self.blocks(split), self.grid)
         return int(np.prod([ends[k][idx[k]] for k in range(len(self.dims))], axis=0).sum())
 
+    def indices(self, split: str) -> dict[str, np.ndarray]:
+        """The positions (grid points along the split dims) of ``split``, as ``np.nonzero`` gives them:
+        one int64 array per split dim, all ``m.positions(split)`` long; point ``k`` is
+        ``(ind[d][k] for d in m.dims)``.
+
+        For one split dim, ``ind[dim]`` is the positions along it that the split holds (``gap`` and
+        other splits' chunks left out), and ``ds.isel({dim: ind[dim]})`` (or ``m.isel(ds, split)``)
+        is the split. For several, the arrays together list the split's points -- not a rectangle:
+        ``ds.isel({d: xr.DataArray(ind[d], dims="point") for d in m.dims})`` selects them along a
+        ``point`` dim.
+
+        Order: chunk blocks in split order, and inside a block C order over the split dims -- the
+        order in which ``shuffle=False`` and the map-style dataset number a split's samples where a
+        sample is one position (no window, patch or ``over``).
+
+        Parameters
+        ----------
+        split : str
+            A split of this manifest.
+
+        Returns
+        -------
+        dict of str to numpy.ndarray
+            Split dim -> int64 positions.
+        """
+        b = self._split_blocks(split)
+        if len(self.dims) == 1:  # from the runs: no per-block array
+            e = self.edges[self.dims[0]]
+            first, last = e[b.starts], e[b.stops]
+            lengths = last - first
+            offsets = np.cumsum(lengths) - lengths
+            return {self.dims[0]: np.repeat(first - offsets, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)}
+        idx = np.unravel_index(b.ids(), self.grid)
+        lo = [self.edges[d][i] for d, i in zip(self.dims, idx, strict=True)]
+        width = [self.edges[d][i + 1] - self.edges[d][i] for d, i in zip(self.dims, idx, strict=True)]
+        count = np.prod(width, axis=0) if len(b) else np.zeros(0, np.int64)
+        offsets = np.cumsum(count) - count
+        # each point's rank inside its block, unravelled (C order) by the block's widths
+        rank = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(offsets, count)
+        out, inner = {}, np.ones_like(count)
+        for k in reversed(range(len(self.dims))):
+            out[self.dims[k]] = np.repeat(lo[k], count) + (rank // np.repeat(inner, count)) % np.repeat(width[k], count)
+            inner = inner * width[k]
+        return {d: out[d].astype(np.int64, copy=False) for d in self.dims}
+
+    def isel(self, ds: Any, split: str) -> Any:
+        """The part of ``ds`` (a Dataset or DataArray) that ``split`` holds: ``ds.isel({dim: positions})``
+        along the split dim, with a slice where the split is one run (a view, as ``ds.isel`` gives).
+
+        For a split over one dim. The samples a split yields are cut from this subset (windows and tiles
+        that fit inside one of its runs); a split over several dims is a set of points, not a
+        rectangle: select them with ``m.indices(split)`` (``ValueError`` here).
+
+        Parameters
+        ----------
+        ds : xr.Dataset or xr.DataArray
+            The dataset the manifest was made on (or one with the same split dim: same length and
+            first/last labels).
+        split : str
+            A split of this manifest.
+        """
+        if not (hasattr(ds, "isel") and hasattr(ds, "sizes")):
+            raise TypeError(f"ds must be an xarray Dataset or DataArray, got {type(ds).__name__}")
+        b = self._split_blocks(split)
+        if len(self.dims) != 1:
+            raise ValueError(f"the manifest splits {self.dims}: split {split!r} is a set of points, not a rectangle; "
+                             "select them with ind = m.indices(split) and "
+                             "ds.isel({d: xr.DataArray(ind[d], dims='point') for d in m.dims})")
+        dim = self.dims[0]
+        if dim not in ds.sizes:
+            raise ValueError(f"ds has no dim {dim!r} (the manifest's split dim); its dims are {list(ds.sizes)}")
+        if ds.sizes[dim] != self.sizes[dim]:
+            raise ValueError(f"the manifest was made on {dim!r} of length {self.sizes[dim]}, ds has {ds.sizes[dim]}")
+        span = coord_span(ds, dim)
+        if span is not None:
+            self.check_labels({dim: span})
+        e = self.edges[dim]
+        if b.nruns == 1:
+            return ds.isel({dim: slice(int(e[b.starts[0]]), int(e[b.stops[0]]))})
+        return ds.isel({dim: self.indices(split)[dim]})
+
+    def _split_blocks(self, split: Any) -> Blocks:
+        if not isinstance(split, str):
+            raise TypeError(f"split must be a split name (str), got {type(split).__name__} {split!r}")
+        if split not in self.splits:
+            raise ValueError(f"unknown split {split!r}; this manifest has {list(self.splits)}")
+        return self.splits[split]
+
     def set_stats(self, stats: dict[str, Any] | None) -> None:
         """Record normalisation statistics (a ``ds.insitu.stats`` result, which calls this) in the
         manifest, as ``stats``; ``to_json`` saves them. None removes them."""

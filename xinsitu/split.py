@@ -155,7 +155,10 @@ def range_split(edges: np.ndarray, index: pd.Index, ranges: dict[str, slice], ga
         if s2 < e1:
             raise ValueError(f"ranges of splits {n1!r} and {n2!r} overlap")
         if s2 - e1 < gap:
-            raise ValueError(f"splits {n1!r} and {n2!r} are {s2 - e1} chunk(s) apart, closer than gap={gap}")
+            raise ValueError(f"splits {n1!r} and {n2!r} are {s2 - e1} chunk(s) apart, closer than gap={gap}: "
+                             "ranges= keeps each range where it is and does not carve a gap out of one; leave "
+                             f"{gap} chunk(s) of {dim!r} between the ranges, or use fractions= with gap={gap}, "
+                             "which does")
     return out
 
 

@@ -25,9 +25,10 @@ an error that names it: a virtual chunk is never read as the fill value.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -58,6 +59,25 @@ CF_ATTRS = ("scale_factor", "add_offset", "_FillValue", "missing_value", "_Unsig
 
 #: zarr warns each time it reads metadata naming a numcodecs codec (shuffle, zlib: what NetCDF4 files use).
 _NUMCODECS_WARNING = "Numcodecs codecs are not in the Zarr version 3 specification"
+
+#: the optional modules reading files in place needs, per extra that installs them
+EXTRA_MODULES = {"virtual": ("virtualizarr", "h5py", "h5netcdf", "imagecodecs", "obspec_utils"),
+                 "grib": ("virtualizarr", "eccodes", "gribapi", "cfgrib", "gribberish")}
+
+
+@contextlib.contextmanager
+def needs_extra(extra: str, what: str) -> Iterator[None]:
+    """A missing module of ``extra`` raises ``ModuleNotFoundError`` (``name``: that module) saying which
+    extra installs it, rather than from deep inside the call."""
+    try:
+        yield
+    except ModuleNotFoundError as e:
+        top = (e.name or "").split(".")[0]
+        if top not in EXTRA_MODULES[extra]:
+            raise
+        raise ModuleNotFoundError(f"{what} needs {top}, which is not installed: pip install 'xinsitu[{extra}]'",
+                                  name=top) from None
+
 
 _REWRITE_HINT = ("rewrite the files with chunks that tile each file along {dim!r} (e.g. `nccopy -c {dim}/N` "
                  "or xarray's to_netcdf(encoding={{var: {{'chunksizes': ...}}}})), or convert them to Zarr")
@@ -93,6 +113,8 @@ def _parse(url: str, registry: Any, group: str | None, drop: list[str], concat_d
         return netcdf3.manifest_store(url, read, size, registry, concat_dim=concat_dim, drop=drop)
     try:
         store = HDFParser(group=group, drop_variables=drop)(url, registry)
+    except ModuleNotFoundError:  # a module of the extra is missing, not a fault of the file (needs_extra names it)
+        raise
     except Exception as e:  # noqa: BLE001 - diagnosed and re-raised with the file (and variable) named
         raise _diagnose(url, registry, group, drop, e) from None
     return _typed_packing(store, url, registry, group)
@@ -255,6 +277,8 @@ def netcdf_store(paths: str | os.PathLike | Iterable[str | os.PathLike], *, conc
 
     Raises
     ------
+    ModuleNotFoundError
+        Where a module of the ``virtual`` extra is not installed, naming it and the extra.
     VirtualReferenceError
         Where the files cannot be one virtual store, naming the file and the variable: chunks,
         codecs or CF packing that differ between files, a file whose length along ``concat_dim`` is
@@ -262,7 +286,7 @@ def netcdf_store(paths: str | os.PathLike | Iterable[str | os.PathLike], *, conc
         is neither HDF5 nor NetCDF-3, a NetCDF-3 character variable or a NetCDF-3 file shorter than
         its header says.
     """
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), needs_extra("virtual", "reading NetCDF files in place"):
         warnings.filterwarnings("ignore", message=_NUMCODECS_WARNING)
         return _netcdf_store(paths, concat_dim, group, drop_variables, registry, store_options)
 
@@ -373,9 +397,10 @@ def open_netcdf(paths: str | os.PathLike | Iterable[str | os.PathLike], *, conca
 
 def grib_store(paths: str | os.PathLike | Iterable[str | os.PathLike], **kwargs: Any) -> Any:
     """One virtual Zarr store over GRIB files, one message per chunk: see :func:`xinsitu.grib.grib_store`."""
-    from xinsitu.grib import grib_store as _grib_store
+    with needs_extra("grib", "reading GRIB files in place"):
+        from xinsitu.grib import grib_store as _grib_store
 
-    return _grib_store(paths, **kwargs)
+        return _grib_store(paths, **kwargs)
 
 
 def open_grib(paths: str | os.PathLike | Iterable[str | os.PathLike], **kwargs: Any) -> xr.Dataset:
@@ -383,6 +408,7 @@ def open_grib(paths: str | os.PathLike | Iterable[str | os.PathLike], **kwargs: 
 
     Equals ``xr.open_dataset(path, engine="cfgrib")`` (names, coordinates, attributes, values).
     """
-    from xinsitu.grib import open_grib as _open_grib
+    with needs_extra("grib", "reading GRIB files in place"):
+        from xinsitu.grib import open_grib as _open_grib
 
-    return _open_grib(paths, **kwargs)
+        return _open_grib(paths, **kwargs)

@@ -97,10 +97,22 @@ def test_batches_bit_identical_to_the_cpu_path(ds_m, kw):
     assert gpu.flushes >= 1 and gpu.decoded >= 1
 
 
-def test_one_transfer_and_one_batched_call_per_buffer_for_every_variable(ds_m):
+def test_one_transfer_and_one_batched_call_per_buffer_for_every_variable(ds_m, monkeypatch):
     """A buffer's chunks of every variable (t2m float32, tp int16: both zstd) go to the device in one
     transfer and decode in one batched call; only the first buffer of each chain is decoded on its own
-    too (the first-use check, timed per chain). Each chunk is counted decoded once."""
+    too (the first-use check, timed per chain). Each chunk is counted decoded once. The local chunk
+    files are read straight into the page-locked staging (no copy after the read)."""
+    from xinsitu.gpu_decode import Staging
+
+    found, missed = [], []
+    locate = Staging.locate
+
+    def counted(self, raw):
+        at = locate(self, raw)
+        (missed if at is None else found).append(1)
+        return at
+
+    monkeypatch.setattr(Staging, "locate", counted)
     ds, m = ds_m
     kw = dict(batch_size=4, seed=0, block_chunks=4, output="numpy", stack=True, variables=["t2m", "tp"])
     gen, gpu = on_gpu(ds.insitu.batches(m, "train", **kw))
@@ -110,6 +122,7 @@ def test_one_transfer_and_one_batched_call_per_buffer_for_every_variable(ds_m):
     assert n >= 3
     assert gpu.flushes == gpu.calls == n + 1  # one per buffer, and the first buffer's second chain on its own
     assert gpu.decoded == gen.io_stats["chunks"] > 2 * n  # every chunk decoded on the "device", counted once
+    assert len(found) == gpu.decoded and not missed  # each read into the staging, where it was decoded from
     dec = gpu.decoder()
     assert dec.transfers == n + 1
     made = dec.ring.allocs

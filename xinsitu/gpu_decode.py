@@ -34,6 +34,7 @@ import functools
 import importlib
 import itertools
 import math
+import os
 import struct
 import sys
 import threading
@@ -479,12 +480,11 @@ class StandInStream:
 
     def __init__(self) -> None:
         self.ptr = next(_HANDLES)
-        _LIVE_STREAMS.add(self.ptr)
+        self._live = _LIVE_STREAMS  # (held: module globals are gone late in interpreter shutdown)
+        self._live.add(self.ptr)
 
     def __del__(self) -> None:
-        live = _LIVE_STREAMS
-        if live is not None:  # (None late in interpreter shutdown)
-            live.discard(self.ptr)
+        self._live.discard(self.ptr)
 
 
 class StandInCodec:
@@ -494,19 +494,19 @@ class StandInCodec:
 
     def __init__(self, compressor: str, stream: int):
         self.compressor, self.stream = compressor, stream
+        self._live, self._errors, self._write = _LIVE_STREAMS, LIFETIME_ERRORS, os.write  # (as the stream's)
 
     def decode(self, parts: list[np.ndarray], outs: list[np.ndarray]) -> None:
-        if self.stream not in _LIVE_STREAMS:
+        if self.stream not in self._live:
             raise RuntimeError(f"stand-in nvCOMP codec used after its stream {self.stream} was freed")
         for part, out in zip(parts, outs, strict=True):
             host_decode(self.compressor, part, out)
 
     def __del__(self) -> None:
-        live, errors = _LIVE_STREAMS, LIFETIME_ERRORS
-        if live is not None and errors is not None and self.stream not in live:
+        if self.stream not in self._live:
             msg = f"stand-in nvCOMP codec ({self.compressor}) freed after its stream {self.stream}"
-            errors.append(msg)
-            sys.stderr.write(f"xinsitu: {msg}\n")
+            self._errors.append(msg)
+            self._write(2, f"xinsitu: {msg}\n".encode())  # (fd 2: sys.stderr may be closed at exit)
 
 
 class _Completed:

@@ -525,12 +525,13 @@ _COMPLETED = _Completed()
 class Call(NamedTuple):
     """One batched decode: chunks of one compressor (None: stored uncompressed), their payloads at
     ``spans`` (offset, length) of the staging, decoded straight into ``outs`` (arrays of their chunk's
-    shape); ``names`` say which chunk each is."""
+    shape); ``names`` say which chunk each is (words, or ``(variable, chunk, key)``: put in words only
+    where an error names it)."""
 
     compressor: str | None
     spans: list[tuple[int, int]]
     outs: list[Any]
-    names: list[str]
+    names: list[Any]
 
 
 class _Decoder:
@@ -606,7 +607,7 @@ def _check_sizes(call: Call) -> None:
     if call.compressor is None:
         for (_, n), out, w in zip(call.spans, call.outs, call.names, strict=True):
             if n != out.nbytes:
-                raise ValueError(f"{w}: {n} bytes stored uncompressed, the chunk has {out.nbytes}")
+                raise ValueError(f"{_words(w)}: {n} bytes stored uncompressed, the chunk has {out.nbytes}")
 
 
 class StandInDecoder(_Decoder):
@@ -895,7 +896,7 @@ class GpuBatch:
         spans = [(dense.put(host[e.off:e.off + e.n].data), e.n) for e in good]
         packed, _ = dense.finish()
         assert packed is not None
-        call = [Call(chain.compressor, spans, [e.dest for e in good], [_words(e.name) for e in good])]
+        call = [Call(chain.compressor, spans, [e.dest for e in good], [e.name for e in good])]
         copied = None
         try:
             for attempt in (0, 1):
@@ -925,11 +926,13 @@ def _calls(entries: list[_Entry]) -> list[Call]:
     by: dict[str | None, list[_Entry]] = {}
     for e in sorted(entries, key=lambda e: (e.chain.nbytes, e.chain.reason)):
         by.setdefault(e.chain.compressor, []).append(e)
-    return [Call(c, [(e.off, e.n) for e in es], [e.dest for e in es], [_words(e.name) for e in es])
-            for c, es in by.items()]
+    return [Call(c, [(e.off, e.n) for e in es], [e.dest for e in es], [e.name for e in es]) for c, es in by.items()]
 
 
-def _words(name: tuple[str, tuple[int, ...], str]) -> str:
+def _words(name: Any) -> str:
+    """``(variable, chunk, key)`` in words (words as they are)."""
+    if isinstance(name, str):
+        return name
     var, chunk, key = name
     return f"variable {var!r}, chunk {chunk}, key {key!r}"
 

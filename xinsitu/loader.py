@@ -121,10 +121,14 @@ class BatchGenerator:
         Where chunks are decoded: ``"gpu"`` on the CUDA device the batches go to (nvCOMP: zstd,
         lz4, gzip, zlib), raising where that cannot be (no CUDA device, the ``gpu`` extra missing,
         a codec chain nvCOMP cannot decode); ``"cpu"`` never on the GPU; ``"auto"`` on the GPU
-        where it can. ``decode_paths`` (and the repr) say which path each variable takes. On the
-        GPU path a buffer's chunks are decoded together straight into device memory, and batches
-        are gathered, normalised and stacked there; it needs each buffer slot to be one whole chunk
-        and, with ``cache=``, keeps them in GPU memory (``ChunkCache(device=...)``'s budget, or the
+        where it can and where it is faster: the first buffer of each codec chain is decoded both
+        ways (the first-use check) and timed, and the faster path is kept for that chain for the
+        rest of the process on that device. ``decode_summary`` (and the repr) say which path each
+        variable takes and why, with the two rates. On the GPU path a buffer's chunks (every
+        variable's) are decoded together straight into device memory, and batches are gathered,
+        normalised and stacked there -- or, where each chunk block is one sample, decoded straight
+        into the device batch's channels; it needs each buffer slot to be one whole chunk and,
+        with ``cache=``, keeps them in GPU memory (``ChunkCache(device=...)``'s budget, or the
         memory tier's up to half the free device memory).
     """
 

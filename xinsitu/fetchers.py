@@ -53,16 +53,18 @@ def reraise(name: str, coords: tuple[int, ...], path: str, e: Exception) -> NoRe
 
 # ----------------------------------------------------------------------------- local files
 def read_local(store: Any, prefix: str, dec: Any, name: str,
-               share: list[tuple[tuple[int, ...], Destination]]) -> list[tuple[tuple[int, ...], float, ChunkOutcome]]:
+               share: list[tuple[tuple[int, ...], Destination]],
+               scratch: Any = SCRATCH) -> list[tuple[tuple[int, ...], float, ChunkOutcome]]:
     """One decode thread's share of local chunk files (``LocalBackend.read``), each read and placed
     in turn: (coords, seconds reading, outcome) per chunk. A chunk that fails raises ``ChunkReadError``
-    naming it (a file reads the same bytes again: no second try)."""
+    naming it (a file reads the same bytes again: no second try). ``scratch``: what files are read
+    into (``ThreadScratch.take``'s protocol; the GPU path's page-locked staging)."""
     out = []
     for coords, dest in share:
         path = prefix + dec.key(coords)
         try:
             t0 = time.perf_counter()
-            raw = store.read(path, SCRATCH)
+            raw = store.read(path, scratch)
             read_s = time.perf_counter() - t0
             try:
                 outcome = place(dec, raw, dest, read_s)

@@ -28,6 +28,7 @@ import xarray as xr
 
 from xinsitu import _loop
 from xinsitu.redact import RecordingProvider, _chain_text, redact, redact_url, scrubbed, secrets_in_options, secrets_of
+from xinsitu.source import CONSOLIDATED_WARNING
 from xinsitu.store_reads import _checked_store, bounded_request
 from xinsitu.xr_adapter import (
     CACHING,
@@ -261,7 +262,9 @@ def _open_xr(zstore: Any, consolidated: bool | None, group: str | None, decode_t
     but for xarray's about that fallback, which would then be false."""
     kw = dict(chunks=None, consolidated=consolidated, group=group, decode_times=decode_times)
     if decode_times is False:
-        return xr.open_zarr(zstore, **kw)
+        with warnings.catch_warnings():
+            _no_fallback_warning()
+            return xr.open_zarr(zstore, **kw)
     said: list[warnings.WarningMessage] | None = [] if decode_times is True or decode_times is None else None
     try:  # xarray's indexes are made below, as xarray makes them (``_maybe_create_default_indexes``)
         with _held(said):
@@ -270,7 +273,9 @@ def _open_xr(zstore: Any, consolidated: bool | None, group: str | None, decode_t
         _reemit(said)
         if not isinstance(e, TypeError) or "create_default_indexes" not in str(e):
             raise
-        return xr.open_zarr(zstore, **kw)  # an xarray without create_default_indexes
+        with warnings.catch_warnings():
+            _no_fallback_warning()
+            return xr.open_zarr(zstore, **kw)  # an xarray without create_default_indexes
     to_index = {name: c.variable for name, c in ds.coords.items() if c.dims == (name,) and name not in ds.xindexes}
     try:
         for name, var in to_index.items():
@@ -287,15 +292,27 @@ def _open_xr(zstore: Any, consolidated: bool | None, group: str | None, decode_t
     return out
 
 
+def _no_fallback_warning() -> None:
+    """Ignore xarray's warning that ``consolidated=None`` found no consolidated metadata and read the
+    arrays without it (in the ``warnings.catch_warnings`` block of the caller): a six-line
+    ``RuntimeWarning`` that tells a reader of someone else's archive to consolidate it. xinsitu opens
+    such an archive as it is, its arrays in name order (``_by_name``)."""
+    warnings.filterwarnings("ignore", message=CONSOLIDATED_WARNING, category=RuntimeWarning)
+
+
 @contextlib.contextmanager
 def _held(said: list[warnings.WarningMessage] | None) -> Iterator[None]:
-    """Warnings given in the block are recorded into ``said`` (all of them, whatever the filters),
-    for ``_reemit``; with ``said`` None, the block is left alone."""
+    """Warnings given in the block are recorded into ``said`` (all of them, whatever the filters, but
+    xarray's about the fallback from consolidated metadata: ``_no_fallback_warning``), for ``_reemit``;
+    with ``said`` None, the block is left alone but for that warning."""
     if said is None:
-        yield
+        with warnings.catch_warnings():
+            _no_fallback_warning()
+            yield
         return
     with warnings.catch_warnings(record=True) as log:
         warnings.simplefilter("always")
+        _no_fallback_warning()
         try:
             yield
         finally:

@@ -212,6 +212,81 @@ def test_read_that_never_answers_times_out_naming_the_chunk(archive, manifest, t
             gen.sample(0)
 
 
+def test_a_chunk_obstore_gave_up_on_is_named_as_a_timeout(archive, manifest, monkeypatch):
+    """A chunk whose request obstore's own client gave up on (its read timeout, after its retries:
+    here 0.3 s and 1 s, under a request bound of 30 s) raises ``ChunkReadError`` from a
+    ``TimeoutError`` that says so, not from a generic ``OSError``."""
+    from datetime import timedelta
+
+    monkeypatch.setenv("XINSITU_REQUEST_TIMEOUT", "30")
+    with FileServer(Path(archive).parent, Faults(hang=1.0, pattern=CHUNKS, max_per_key=None)) as srv:
+        ds = xinsitu.open_zarr(f"{srv.url}/era5.zarr", client_options={"read_timeout": "300ms"},
+                               retry_config={"max_retries": 2, "retry_timeout": timedelta(seconds=1)})
+        finished, err = _epoch_in_thread(ds.insitu.batches(manifest, "train", **ONE_BLOCK), 60)
+    assert finished, "the epoch hangs"
+    assert isinstance(err, xinsitu.ChunkReadError) and "/c/" in err.key, repr(err)
+    assert "TimeoutError" in str(err) and "timed out" in str(err), str(err)
+
+
+class _FakeLoop:
+    """What ``Deadlines`` asks of a loop, on a clock the test sets (``now``); ``call_at`` only records."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def time(self) -> float:
+        return self.now
+
+    def call_at(self, when: float, callback) -> _Request:
+        return _Request()  # a timer never run: the test sweeps by hand
+
+
+class _Request:
+    """A request's future as ``Deadlines`` sees it: cancelled by ``cancel``."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+def test_a_request_waits_longer_while_its_store_answers_others(monkeypatch):
+    """The request timeout gives up a request whose store answers nothing; one whose store answers
+    other requests meanwhile (a slow link busy with large chunks) waits on, ``limit`` past the last
+    answer, ``REQUEST_PATIENCE`` times its limit at most. Another store's answers do not count.
+    (Simulated time: ``Deadlines`` on a loop whose clock the test sets.)"""
+    from xinsitu import _loop
+    from xinsitu.backend import Deadlines
+
+    monkeypatch.setattr(_loop, "REQUEST_PATIENCE", 4.0)
+    loop = _FakeLoop()
+    d = Deadlines(loop)  # type: ignore[arg-type]
+    busy, silent, other = object(), object(), object()
+    waits = {name: _Request() for name in ("busy", "silent", "none")}
+    w_busy = d.watch(waits["busy"], 10.0, busy)
+    d.watch(waits["silent"], 10.0, silent)
+    d.watch(waits["none"], 10.0)
+    for t in range(1, 60):  # the busy store answers a request every second; the silent one none
+        loop.now = float(t)
+        d.unwatch(d.watch(_Request(), 10.0, busy))
+        if t == 3:
+            d.unwatch(d.watch(_Request(), 10.0, other))
+        d._sweep()
+        if t < 10:
+            assert not any(r.cancelled for r in waits.values()), t
+        elif t < 40:
+            assert waits["silent"].cancelled and waits["none"].cancelled and not waits["busy"].cancelled, t
+        else:  # 4 x 10 s at most, whatever
+            assert waits["busy"].cancelled and w_busy.fired, t
+    stopped = _Request()
+    d.watch(stopped, 10.0, busy)
+    loop.now = 71.0  # the busy store's last answer came at 59 s: nothing for 10 s
+    d._sweep()
+    assert stopped.cancelled
+
+
 def test_loop_run_has_a_timeout():
     import asyncio
 

@@ -29,7 +29,7 @@ import xarray as xr
 from xinsitu import _loop
 from xinsitu.redact import RecordingProvider, _chain_text, redact, redact_url, scrubbed, secrets_in_options, secrets_of
 from xinsitu.source import CONSOLIDATED_WARNING
-from xinsitu.store_reads import _checked_store, bounded_request
+from xinsitu.store_reads import _checked_store, bounded_request, bounded_store
 from xinsitu.xr_adapter import (
     CACHING,
     ELEMENTWISE,
@@ -212,9 +212,11 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
         if store_options:
             raise TypeError(f"store options {sorted(store_options)} apply to URLs and paths only, "
                             "not to a store object")
-        mod = type(store).__module__
-        zstore = _checked_store()(store, read_only=True) if mod.startswith("obstore") else store
-        secrets = secrets_of(store) if mod.startswith("obstore") else []
+        # the same kind of store, each request bounded in time (and retried, for fsspec's): one that
+        # never answers is named in seconds, not waited for (an Icechunk or a local store as it is)
+        zstore = bounded_store(store, others=False)
+        obs = getattr(zstore, "store", None)
+        secrets = secrets_of(obs) if type(obs).__module__.startswith("obstore") else []
         where = type(store).__name__
     if isinstance(store, (str, os.PathLike)) and consolidated is not False and _plain_http(os.fspath(store)):
         _needs_consolidated(obs, group, where, secrets)

@@ -373,9 +373,9 @@ def test_range_request_answered_with_the_whole_object(archive, manifest):
 
 # ----------------------------------------------------------------------------- 10. errors that point the right way
 def test_open_errors_say_what_is_wrong(tmp_path):
-    """A v2 group without ``_ARRAY_DIMENSIONS``, an array path where a group is expected, and a
-    non-consolidated archive over plain HTTP (which cannot list) each get a message that names the
-    problem and the fix -- the last one at once, not after retried ``PROPFIND`` requests."""
+    """A v2 group without ``_ARRAY_DIMENSIONS`` and an array path where a group is expected each get
+    a message that names the problem and the fix (a non-consolidated archive over a plain HTTP
+    server that lists nothing: ``tests/test_remote.py``)."""
     import xarray as xr
 
     g = zarr.open_group(tmp_path / "v2.zarr", mode="w", zarr_format=2)
@@ -387,12 +387,6 @@ def test_open_errors_say_what_is_wrong(tmp_path):
         xinsitu.open_zarr(str(tmp_path / "noc.zarr" / "a"))
     with pytest.raises(ValueError, match=r"group='a'\) is a zarr array"):
         xinsitu.open_zarr(str(tmp_path / "noc.zarr"), group="a")
-    with FileServer(tmp_path) as srv:
-        with pytest.raises(ValueError, match="no consolidated metadata.*plain HTTP cannot list.*Consolidate"):
-            xinsitu.open_zarr(f"{srv.url}/noc.zarr")
-        assert srv.requests <= 3, srv.requests  # no PROPFIND, no retries
-        zarr.consolidate_metadata(str(tmp_path / "noc.zarr"))
-        assert list(xinsitu.open_zarr(f"{srv.url}/noc.zarr").data_vars) == ["a"]
 
 
 def test_damaged_metadata_is_fetched_again_then_named(archive):

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xarray as xr
+import zarr
 
 import xinsitu
 from tests.support.servers import Faults, FileServer, MotoS3, assert_same_epoch, epoch_numpy, write_archive
@@ -381,6 +382,64 @@ def test_the_reopen_of_a_dask_selection_is_bounded_too(archive):
     assert "TimeoutError: metadata object 'zarr.json' of http://127.0.0.1:" in said, said
     assert "/era5.zarr: no answer within 0.5 s, 3 times" in said, said
     assert float(said.split("took")[-1]) < 30, said
+
+
+# ----------------------------------------------------------------------------- no consolidated metadata over plain HTTP
+def _unconsolidated(path: Path, zarr_format: int) -> xr.Dataset:
+    """An archive without consolidated metadata at ``path``, with a group ``g`` inside; the Dataset."""
+    ds = xr.Dataset({"b": (("time", "x"), np.arange(24.0).reshape(6, 4)), "a": (("time",), np.arange(6, dtype="i4"))},
+                    coords={"time": np.arange(6), "x": np.arange(4.0)})
+    ds.to_zarr(path, zarr_format=zarr_format, consolidated=False, encoding={"b": {"chunks": (2, 4)}})
+    ds[["a"]].to_zarr(path, group="g", zarr_format=zarr_format, consolidated=False)
+    return ds
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_an_unconsolidated_archive_over_plain_http_opens_from_the_index_pages(tmp_path, zarr_format):
+    """``python -m http.server`` serving an archive written without consolidated metadata (someone
+    else's: the reader cannot consolidate it): ``xinsitu.open_zarr(url)`` finds the arrays from the
+    server's directory index pages, as fsspec does for ``xr.open_zarr(url)``, without a word and
+    without a ``PROPFIND`` (it refused: "consolidate the metadata"; with ``consolidated=False`` it
+    raised after ten ``PROPFIND`` answered 501). Batches equal plain xarray's."""
+    import warnings
+
+    from tests.support.servers import IndexServer
+
+    src = _unconsolidated(tmp_path / "noc.zarr", zarr_format)
+    with IndexServer(tmp_path) as srv:
+        url = f"{srv.url}/noc.zarr"
+        for consolidated in (None, False):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                ds = xinsitu.open_zarr(url, consolidated=consolidated)
+            assert list(ds.data_vars) == ["a", "b"], list(ds.data_vars)
+            xr.testing.assert_identical(ds.load(), src.load())
+        assert list(xinsitu.open_zarr(url, group="g").data_vars) == ["a"]
+        m = ds.insitu.split("time", fractions={"train": 1.0})
+        for b, ids in zip(ds.insitu.batches(m, "train", batch_size=3, output="numpy"),
+                          ds.insitu.batches(m, "train", batch_size=3, output="numpy").batch_ids(), strict=True):
+            assert np.array_equal(b["b"], src.b.values[ids]), ids
+        assert srv.methods["PROPFIND"] == 0, srv.methods
+
+
+def test_a_server_that_lists_nothing_is_said_at_once(tmp_path):
+    """A server with neither index pages (404) nor WebDAV (``PROPFIND`` answered 501): those are its
+    answers, not faults. The open raises at once -- one ``PROPFIND``, no retries -- saying what the
+    server answered (not its HTML page), why the arrays cannot be found, and what works; with
+    consolidated metadata written, the same URL opens."""
+    _unconsolidated(tmp_path / "noc.zarr", 3)
+    with FileServer(tmp_path) as srv:  # files only
+        url = f"{srv.url}/noc.zarr"
+        for consolidated in (None, False):
+            srv.reset_counts()
+            with pytest.raises(ValueError, match="lists no directory") as err:
+                xinsitu.open_zarr(url, consolidated=consolidated)
+            said = str(err.value)
+            assert "404" in said and "501" in said and "xr.open_zarr(url)" in said, said
+            assert "zarr.consolidate_metadata" in said and "html" not in said.lower(), said
+            assert srv.methods["PROPFIND"] == 1 and srv.state.attempts["/noc.zarr/"] == 1, srv.methods
+        zarr.consolidate_metadata(str(tmp_path / "noc.zarr"))
+        assert list(xinsitu.open_zarr(url).data_vars) == ["a", "b"]
 
 
 # ----------------------------------------------------------------------------- options

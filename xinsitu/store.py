@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import re
 import sys
@@ -26,10 +25,9 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 
-from xinsitu import _loop
 from xinsitu.redact import RecordingProvider, _chain_text, redact, redact_url, scrubbed, secrets_in_options, secrets_of
 from xinsitu.source import CONSOLIDATED_WARNING
-from xinsitu.store_reads import _checked_store, bounded_request, bounded_store
+from xinsitu.store_reads import _checked_store, bounded_store
 from xinsitu.xr_adapter import (
     CACHING,
     ELEMENTWISE,
@@ -163,7 +161,9 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
         ``s3://``, ``gs://``, ``az://``, ``http(s)://``, ``file://``, ``memory://`` or a path;
         or a store already built (``zarr.storage.ObjectStore``, ``LocalStore``, an Icechunk
         session's ``store``...).
-    consolidated : use consolidated metadata (None: if present). Needed over plain HTTP.
+    consolidated : use consolidated metadata (None: if present). Over plain HTTP without it, the
+        arrays are found from the server's directory index pages (as fsspec finds them), else
+        from WebDAV; a server with neither raises at once, saying so.
     group : path of the group inside the store.
     decode_times : passed to xarray. One departure from xarray's default (True): an integer time
         axis xarray would leave as ``cftime`` objects only because its dates are out of
@@ -218,8 +218,6 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
         obs = getattr(zstore, "store", None)
         secrets = secrets_of(obs) if type(obs).__module__.startswith("obstore") else []
         where = type(store).__name__
-    if isinstance(store, (str, os.PathLike)) and consolidated is not False and _plain_http(os.fspath(store)):
-        _needs_consolidated(obs, group, where, secrets)
     try:
         ds = _open_xr(zstore, consolidated, group, decode_times)
         # without consolidated metadata the arrays are listed in no fixed order (an Icechunk
@@ -482,45 +480,6 @@ def _by_name(ds: xr.Dataset) -> xr.Dataset:
     out.attrs, out.encoding = dict(ds.attrs), dict(ds.encoding)
     out.set_close(closer(ds))
     return out
-
-
-def _plain_http(url: str) -> bool:
-    """An ``http(s)://`` URL read as plain HTTP (not S3 or Azure over https): no listing there."""
-    return urlsplit(url).scheme.lower() in ("http", "https") and not _signed_https(url)
-
-
-def _needs_consolidated(obs: Any, group: str | None, where: str, secrets: list[str]) -> None:
-    """Raise at once where a plain HTTP archive has no consolidated metadata: without it zarr lists
-    the directory (a ``PROPFIND`` a web server refuses, retried many times)."""
-    import obstore
-
-    prefix = f"{group.strip('/')}/" if group else ""
-
-    async def get(key: str) -> bytes | None:
-        try:
-            return bytes(await (await obstore.get_async(obs, key)).bytes_async())
-        except FileNotFoundError:
-            return None
-
-    def read(key: str) -> bytes | None:
-        return _loop.run(bounded_request(lambda: get(prefix + key), f"metadata object {prefix + key!r} at {where}"))
-
-    try:
-        v3 = read("zarr.json")
-        if v3 is not None:
-            meta = json.loads(v3)
-            if meta.get("consolidated_metadata") is not None or meta.get("node_type") == "array":
-                return  # an array is reported by the open itself
-        elif read(".zgroup") is None or read(".zmetadata") is not None:
-            return  # no group here (the open says so), or a consolidated v2 group
-    except TimeoutError:
-        raise
-    except Exception:  # noqa: BLE001 - unreadable: the open reports it, naming the key
-        return
-    raise ValueError(f"{where}: no consolidated metadata (no 'consolidated_metadata' in zarr.json, no "
-                     ".zmetadata), and plain HTTP cannot list a directory to find the arrays. Consolidate the "
-                     "metadata where the archive is written (zarr.consolidate_metadata(path), or "
-                     "ds.to_zarr(..., consolidated=True))")
 
 
 def _if_array(zstore: Any, group: str | None, where: str) -> None:

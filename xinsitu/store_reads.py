@@ -11,8 +11,11 @@ from __future__ import annotations
 import asyncio
 import copy
 import errno
+import html.parser
 import json
 import random
+import re
+import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -130,6 +133,104 @@ async def _bounded_listing(listing: AsyncIterator[str], what: str) -> AsyncItera
         yield key
 
 
+class NoListingError(ValueError):
+    """A plain HTTP server that lists no directory: the arrays of a group without consolidated
+    metadata cannot be found."""
+
+
+class _Links(html.parser.HTMLParser):
+    """The ``href`` of every link of an HTML page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hrefs: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "a":
+            self.hrefs.extend(v for k, v in attrs if k == "href" and v)
+
+
+def index_entries(page: bytes, base: str) -> list[str] | None:
+    """The folders a directory's index page (``base``, ending in ``/``) links to, by name, in order:
+    links to ``base`` + one path segment + ``/`` (what ``python -m http.server``, nginx's autoindex and
+    Apache list, and what fsspec reads a directory from). None where the page links to nothing in
+    ``base`` at all (not an index page)."""
+    parser = _Links()
+    parser.feed(page.decode("utf-8", "replace"))
+    base_path = urllib.parse.urlsplit(base)
+    names: dict[str, None] = {}
+    linked = False
+    for href in parser.hrefs:
+        u = urllib.parse.urlsplit(urllib.parse.urljoin(base, href))
+        if (u.scheme, u.netloc) != (base_path.scheme, base_path.netloc) or not u.path.startswith(base_path.path):
+            continue
+        rest = u.path[len(base_path.path):]
+        linked = linked or bool(rest)
+        name = urllib.parse.unquote(rest[:-1]) if rest.endswith("/") else ""
+        if name and "/" not in name and name not in (".", ".."):
+            names[name] = None
+    return list(names) if linked or names else None
+
+
+async def _http_listing(zstore: Any, prefix: str) -> AsyncIterator[str]:
+    """The folders under ``prefix`` (their names) of a plain HTTP store (``obstore.store.HTTPStore``), where zarr asks
+    for a group's members: from the server's index page of that directory (one ``GET``), else from
+    one ``PROPFIND`` (WebDAV) without retries; else ``NoListingError`` at once (a ``404`` or ``501`` is
+    the server's answer, not a fault: obstore would retry a ``PROPFIND`` answered 501 ten times)."""
+    import obstore
+    import obstore.store
+
+    obs = zstore.store
+    root = str(obs.url).rstrip("/") + "/"
+    sub = prefix.strip("/")
+    base = root + (urllib.parse.quote(sub) + "/" if sub else "")
+    page_said = dav_said = ""
+    try:
+        directory = obstore.store.HTTPStore.from_url(base, client_options=obs.client_options,
+                                                     retry_config=obs.retry_config)
+        page = bytes(await (await obstore.get_async(directory, "")).bytes_async())
+        names = index_entries(page, base)
+        if names is not None:
+            for name in names:
+                yield name
+            return
+        page_said = "a page that links to nothing in it"
+    except (FileNotFoundError, PermissionError) as e:
+        page_said = _answer(e)
+    except Exception as e:  # noqa: BLE001 - any other answer: try WebDAV, then say both
+        if not type(e).__module__.startswith("obstore"):
+            raise
+        page_said = _answer(e)
+    try:
+        dav = obstore.store.HTTPStore.from_url(root, client_options=obs.client_options,
+                                               retry_config={"max_retries": 0})
+        listed = await obstore.list_with_delimiter_async(dav, sub or None)
+        for p in listed["common_prefixes"]:
+            yield str(p).rstrip("/").rsplit("/", 1)[-1]
+        return
+    except Exception as e:  # noqa: BLE001 - the server's answer, named below
+        if not type(e).__module__.startswith("obstore") and not isinstance(e, OSError):
+            raise
+        dav_said = _answer(e)
+    where = redact_url(base)
+    raise NoListingError(
+        f"{redact_url(root.rstrip('/'))}: no consolidated metadata, and the server lists no directory (GET {where}: "
+        f"{page_said}; PROPFIND: {dav_said}), so the arrays of the group cannot be found over plain HTTP "
+        "(xr.open_zarr(url) finds them the same way, from the server's directory pages: it would open no "
+        "variable). Consolidate the metadata where the archive is written (zarr.consolidate_metadata(path), or "
+        "ds.to_zarr(..., consolidated=True)), serve its directory listing, or open it from the object store "
+        "behind the server (s3://, gs://...)")
+
+
+def _answer(e: BaseException) -> str:
+    """A server's answer as an error of obstore's says it: its status line, without the page."""
+    text = str(e)
+    m = re.search(r"status code: (\d{3}[^:\n]*)", text)
+    if m:
+        return m.group(1).strip()
+    return redact(text.split("\n", 1)[0])[:200]
+
+
 def _checked_get(cls: type, retries: bool) -> Any:
     """``cls`` (a zarr store class) with each ``get``, ``exists`` and listing bounded in time, a metadata
     body that is not valid JSON (damaged in transit) fetched again, ``FETCH_ATTEMPTS`` times, then
@@ -185,7 +286,12 @@ def _checked_get(cls: type, retries: bool) -> Any:
             return _bounded_listing(super().list_prefix(prefix), f"the listing of {prefix!r} of {store_name(self)}")
 
         def list_dir(self, prefix: str) -> AsyncIterator[str]:
-            return _bounded_listing(super().list_dir(prefix), f"the listing of {prefix!r} of {store_name(self)}")
+            inner = getattr(self, "store", None)
+            if type(inner).__name__ == "HTTPStore" and type(inner).__module__.startswith("obstore"):
+                listing = _http_listing(self, prefix)  # plain HTTP: index pages, not PROPFIND
+            else:
+                listing = super().list_dir(prefix)
+            return _bounded_listing(listing, f"the listing of {prefix!r} of {store_name(self)}")
 
     Checked.__name__ = cls.__name__
     return Checked

@@ -1,6 +1,6 @@
 """Real servers on 127.0.0.1 for remote-store tests: a static file server that can inject
 faults (503s, connection resets, truncated or short bodies, slow and stalled responses,
-fixed latency) and moto's S3 server.
+fixed latency), ``python -m http.server`` (directory index pages) and moto's S3 server.
 
 Both bind to 127.0.0.1 only, on a free port, and stop themselves: when their context
 ends, after ``max_lifetime_s`` seconds, or (file server) after ``max_requests`` requests.
@@ -14,6 +14,7 @@ separate process; it prints its URL on the first line (used by ``bench/soak.py``
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import logging
@@ -27,7 +28,7 @@ import threading
 import urllib.parse
 from collections import Counter
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,7 @@ class _State:
     missing: set = field(default_factory=set)  # paths answered 404
     queries: set = field(default_factory=set)  # query strings seen
     auth: set = field(default_factory=set)  # Authorization headers seen
+    methods: Counter = field(default_factory=Counter)  # requests per method (PROPFIND is answered 501)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -128,6 +130,13 @@ class _Handler(BaseHTTPRequestHandler):
         super().setup()
         with self.st.lock:
             self.st.conns.add(self.connection)
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        if ok:
+            with self.st.lock:
+                self.st.methods[self.command] += 1
+        return ok
 
     def finish(self) -> None:
         try:
@@ -372,6 +381,12 @@ class FileServer:
             return set(self.state.queries), set(self.state.auth)
 
     @property
+    def methods(self) -> Counter:
+        """Requests per method (``GET``, ``HEAD``, ``PROPFIND`` -- answered 501 ...) since the last ``reset_counts``."""
+        with self.state.lock:
+            return Counter(self.state.methods)
+
+    @property
     def missing(self) -> set[str]:
         """Paths answered ``404 Not Found``."""
         with self.state.lock:
@@ -396,6 +411,7 @@ class FileServer:
             self.state.peak = 0
             self.state.ranged = 0
             self.state.missing.clear()
+            self.state.methods.clear()
 
     def start(self) -> FileServer:
         srv = _OverloadedServer((HOST, 0), _OneAtATimeHandler) if self.overloaded else _Server((HOST, 0), _Handler)
@@ -435,6 +451,74 @@ class FileServer:
         self._shutdown()
 
     def __enter__(self) -> FileServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+class _IndexHandler(SimpleHTTPRequestHandler):
+    """``python -m http.server``'s handler, counting requests by method."""
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        if ok:
+            with self.server.lock:  # type: ignore[attr-defined]
+                self.server.methods[self.command] += 1  # type: ignore[attr-defined]
+        return ok
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        pass
+
+
+class _IndexServer(_QuietOnDisconnect, ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+    allow_reuse_address = True
+
+
+class IndexServer:
+    """What ``python -m http.server`` serves, on 127.0.0.1 in a thread: the files under ``root``, and an
+    index page for each directory (no WebDAV: a ``PROPFIND`` is answered ``501``). ``methods`` counts
+    the requests by method. Stops with its context, or after ``max_lifetime_s``."""
+
+    def __init__(self, root: str | os.PathLike, *, max_lifetime_s: float = 300.0):
+        self.root = str(Path(root).resolve())
+        self.max_lifetime_s = float(max_lifetime_s)
+        self._server: _IndexServer | None = None
+        self._timer: threading.Timer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None, "server not started"
+        return f"http://{HOST}:{self._server.server_address[1]}"
+
+    @property
+    def methods(self) -> Counter:
+        assert self._server is not None, "server not started"
+        with self._server.lock:  # type: ignore[attr-defined]
+            return Counter(self._server.methods)  # type: ignore[attr-defined]
+
+    def start(self) -> IndexServer:
+        srv = _IndexServer((HOST, 0), functools.partial(_IndexHandler, directory=self.root))
+        srv.lock, srv.methods = threading.Lock(), Counter()  # type: ignore[attr-defined]
+        self._server = srv
+        threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, name="test-indexserver",
+                         daemon=True).start()
+        self._timer = threading.Timer(self.max_lifetime_s, self.stop)
+        self._timer.daemon = True
+        self._timer.start()
+        return self
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        srv, self._server = self._server, None
+        if srv is not None:
+            srv.shutdown()
+            srv.server_close()
+
+    def __enter__(self) -> IndexServer:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

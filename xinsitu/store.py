@@ -223,6 +223,11 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
         # without consolidated metadata the arrays are listed in no fixed order (an Icechunk
         # repository's differs from process to process): sort them, so channels never permute
         return ds if _read_consolidated(ds, zstore, group, consolidated) else _by_name(ds)
+    except TimeoutError as e:  # the store does not answer: asking it more (is it an array?) would wait again
+        text = _chain_text(e)
+        if redact(text, secrets) != text:
+            raise scrubbed(e, secrets) from None
+        raise
     except FileNotFoundError as e:
         _if_array(zstore, group, where)
         raise FileNotFoundError(f"no zarr group found at {where}: {scrubbed(e, secrets)}") from None

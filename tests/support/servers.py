@@ -115,6 +115,11 @@ class _State:
     queries: set = field(default_factory=set)  # query strings seen
     auth: set = field(default_factory=set)  # Authorization headers seen
     methods: Counter = field(default_factory=Counter)  # requests per method (PROPFIND is answered 501)
+    capacity: int | None = None  # requests held at once at most (answered one at a time), or no bound
+    penalty_s: float = 1.0  # ... a request past it waits this long (then twice, 4x...) to come in again
+    held: int = 0  # requests held now (capacity)
+    turned_away: int = 0  # times a request found the server full
+    serving: threading.Lock = field(default_factory=threading.Lock)  # one answer at a time (capacity)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -200,14 +205,39 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(msg)
 
     def _serve(self, head: bool) -> None:
-        with self.st.lock:
-            self.st.inflight += 1
-            self.st.peak = max(self.st.peak, self.st.inflight)
+        st = self.st
+        if st.capacity is not None:
+            self._admit()
+        with st.lock:
+            st.inflight += 1
+            st.peak = max(st.peak, st.inflight)
         try:
-            self._answer(head)
+            if st.capacity is None:
+                self._answer(head)
+            else:
+                with st.serving:
+                    self._answer(head)
         finally:
-            with self.st.lock:
-                self.st.inflight -= 1
+            with st.lock:
+                st.inflight -= 1
+                if st.capacity is not None:
+                    st.held -= 1
+
+    def _admit(self) -> None:
+        """Hold the request once fewer than ``capacity`` are held; till then it waits ``penalty_s``, then
+        twice that... (a connection past a full accept queue, dropped, waits for the client's SYN
+        retransmit: 1 s, 2 s, 4 s), each time counted in ``turned_away``."""
+        st = self.st
+        for tries in range(16):
+            with st.lock:
+                if st.held < st.capacity:  # type: ignore[operator]
+                    st.held += 1
+                    return
+                st.turned_away += 1
+            if st.stop.wait(st.penalty_s * 2 ** min(tries, 3)):
+                break
+        with st.lock:
+            st.held += 1  # (stopping: let it through)
 
     def _answer(self, head: bool) -> None:
         st, f = self.st, self.st.faults
@@ -332,15 +362,21 @@ class FileServer:
 
     ``overloaded=True`` serves like a plain ``http.server`` instead (HTTP/1.0, one request at a
     time, an accept backlog of 5): a store that more requests in flight only slow down.
+    ``capacity=n`` does the same by rule, whatever the timing: it holds ``n`` requests at most,
+    answers them one at a time, and a request past them waits ``penalty_s`` (then 2x, 4x...) before
+    it is let in, as a connection past a full accept queue waits for the client's SYN retransmit;
+    ``turned_away`` counts those waits.
 
     Use as a context manager (or ``start()``/``stop()``); ``url`` is the base URL,
     ``counts`` how many requests met each fault, ``requests`` how many were answered.
     """
 
     def __init__(self, root: str | os.PathLike, faults: Faults | None = None, *, max_lifetime_s: float = 300.0,
-                 max_requests: int = 200_000, overloaded: bool = False):
+                 max_requests: int = 200_000, overloaded: bool = False, capacity: int | None = None,
+                 penalty_s: float = 1.0):
         self.overloaded = overloaded
-        self.state = _State(Path(root).resolve(), faults or Faults(), threading.Event(), int(max_requests))
+        self.state = _State(Path(root).resolve(), faults or Faults(), threading.Event(), int(max_requests),
+                            capacity=capacity, penalty_s=float(penalty_s))
         self.max_lifetime_s = float(max_lifetime_s)
         self._server: _Server | None = None
         self._threads: list[threading.Thread] = []
@@ -381,6 +417,11 @@ class FileServer:
             return set(self.state.queries), set(self.state.auth)
 
     @property
+    def turned_away(self) -> int:
+        """Times a request found the server full (``capacity``) since the last ``reset_counts``."""
+        return self.state.turned_away
+
+    @property
     def methods(self) -> Counter:
         """Requests per method (``GET``, ``HEAD``, ``PROPFIND`` -- answered 501 ...) since the last ``reset_counts``."""
         with self.state.lock:
@@ -412,6 +453,7 @@ class FileServer:
             self.state.ranged = 0
             self.state.missing.clear()
             self.state.methods.clear()
+            self.state.turned_away = 0
 
     def start(self) -> FileServer:
         srv = _OverloadedServer((HOST, 0), _OneAtATimeHandler) if self.overloaded else _Server((HOST, 0), _Handler)
@@ -492,6 +534,11 @@ class IndexServer:
     def url(self) -> str:
         assert self._server is not None, "server not started"
         return f"http://{HOST}:{self._server.server_address[1]}"
+
+    @property
+    def turned_away(self) -> int:
+        """Times a request found the server full (``capacity``) since the last ``reset_counts``."""
+        return self.state.turned_away
 
     @property
     def methods(self) -> Counter:

@@ -465,6 +465,16 @@ def _out_of_ns_range(w: warnings.WarningMessage) -> bool:
             and "out of range" in text and "reform" not in text)
 
 
+def opened_consolidated(ds: xr.Dataset) -> bool | None:
+    """Whether ``ds`` was opened from its Zarr store's consolidated metadata (by ``open_zarr`` or
+    ``xr.open_zarr``); None where that cannot be told (another kind of open). ``open_zarr`` says
+    nothing when there is none (xarray's warning is not given): a caller that wants to say it asks."""
+    zgroup = zarr_group_of(ds)
+    if zgroup is None:
+        return None
+    return getattr(zgroup.metadata, "consolidated_metadata", None) is not None
+
+
 def _read_consolidated(ds: xr.Dataset, zstore: Any, group: str | None, consolidated: bool | None) -> bool:
     """Whether ``xr.open_zarr`` listed the arrays from consolidated metadata (a fixed order)."""
     if consolidated is False:

@@ -131,38 +131,38 @@ class InflightLimit:
     it measures as they saturate, so latency alone takes a busy client for a store that queues.
     The limit follows what each window of completed requests (those sent since the limit last
     changed, at least ``AUTO_WINDOW``, at least half the limit) bought: it starts at
-    ``AUTO_REMOTE[0]`` and, in slow start, doubles per window -- about one round trip -- as long
-    as the latency stays near the quickest window's (``AUTO_HEALTHY``) or the completions per
-    second grew past ``AUTO_BETTER`` times the most seen (more requests, more throughput,
-    whatever the latency). Past that it grows by an eighth per window on the same test
-    (additive increase). It grows only past a limit the reads used -- every slot taken at once in
-    the window -- never past one they did not try (a reader asking a few chunks at a time). A
-    window that bought no
-    throughput and saw the latency rise, at a limit past the one that gave the most completions
-    per second, goes back to that limit: a store that only queues gains nothing from more
-    requests, so it stays at the bottom, and a busy client keeps what it gained. A request that
-    fails or times out halves the limit, never below half that best limit nor below
-    ``AUTO_REMOTE[0]``.
+    ``AUTO_REMOTE[0]`` and, in slow start, doubles per window -- two round trips: one for the new
+    requests to go out, one to see what they bought -- as long as the latency stays near the
+    quickest window's (``AUTO_HEALTHY``) or the completions per second grew past ``AUTO_BETTER``
+    times the most seen (more requests, more throughput, whatever the latency). Past that it
+    grows by an eighth per window on the same test (additive increase). It grows only past a
+    limit the reads used -- every slot taken at once in the window --, never past one they did not
+    try (a reader asking a few chunks at a time). A window that bought no throughput and saw the
+    latency rise, at a limit past the one that gave the most completions per second, goes back to
+    that limit: a store that only queues gains nothing from more requests, so it stays at the
+    bottom, and a busy client keeps what it gained. A request that fails or times out halves the
+    limit, never below half that best limit nor below ``AUTO_REMOTE[0]``.
 
     Bursts are what an overloaded server cannot take: one whose accept queue is full drops new
-    connections, which wait for the client's SYN retransmit (a second: hundreds of its answers,
+    connections, which wait for the client's SYN retransmit (a second: hundreds of its answers;
     and a burst of retransmits meets a full queue again). So the limit grows paced (``Slots``:
     each answer lets two requests go out, none at once), and a window does not end while a request
     is left behind: sent before one the window counted, and not back (a store answers in about
     the order it is asked; a dropped connection is passed by every request after it). One left
-    behind past ``AUTO_STALL`` times the quickest window's mean latency and ``AUTO_STALL_S`` (or
-    that late when it comes) is a connect
-    stall: the store is overloaded. As TCP after a timeout, the limit goes back to the bottom (the
-    requests turned away come back to an emptied queue) and slow start runs to a quarter of the
-    limit that stalled (the stall shows a second late: the limit may have doubled since the first
-    request was turned away); past that ceiling it grows one step per ``AUTO_PROBE_S``, twice as
-    long after each stall (``AUTO_PROBE_MAX_S`` at most), and a step that comes back whole raises
-    the ceiling. A window at a limit that bought no throughput and saw the latency rise sets the
-    ceiling at the best limit, a failure just below the limit that failed. None of it asks the client's
-    cores to be idle: a busy client slows every answer alike, a stall is one answer left far
-    behind its peers. So it is never much slower than a fixed small limit on a store that queues
-    or drops connections, reaches the top for a far, healthy one, and sits near the knee of the
-    throughput curve where the client's cores are the bound. Little's law bounds it from above.
+    behind ``AUTO_STALL`` times the quickest window's mean latency and ``AUTO_STALL_S`` (or coming
+    back that late) is a connect stall: the store is overloaded. As TCP after a timeout, the limit
+    goes back to the bottom (the requests turned away come back to an emptied queue) and slow
+    start runs to a quarter of the limit that stalled (the stall shows a second late: the limit
+    may have doubled since the first request was turned away). That is a ceiling: the limit goes
+    one step past it per ``AUTO_PROBE_S`` (twice as long after each stall, ``AUTO_PROBE_MAX_S`` at
+    most), and a step that comes back whole raises it. Going back to the best limit sets the
+    ceiling there; a failure, just below the limit that failed.
+
+    None of it asks the client's cores to be idle: a busy client slows every answer alike, a
+    stall is one answer left far behind its peers. So it is never much slower than a fixed small
+    limit on a store that queues or drops connections, reaches the top for a far, healthy one,
+    and sits near the knee of the throughput curve where the client's cores are the bound.
+    Little's law bounds it from above.
     """
 
     def __init__(self, fixed: int | None, threads: int):
@@ -346,10 +346,10 @@ class InflightLimit:
             self._resize(self.limit + max(1, self.limit // 8))
 
     def _stalled(self, now: float) -> None:
-        """A request of this limit waited a connect stall's time while its peers came back: the store
-        is overloaded (a full accept queue drops new connections). Back to the best limit below this
-        one (at most half of it), out of slow start; probes of this limit wait twice as long as the
-        last ones did."""
+        """A request was left behind a connect stall's time while later ones came back: the store is
+        overloaded (a full accept queue drops new connections). Back to the bottom, slow start to a
+        quarter of this limit, the ceiling there; probes past it wait twice as long as the last ones
+        did. At the bottom already, only the window starts again."""
         self.stalls += 1
         self._stall_seen = now
         self._strikes = 0

@@ -173,10 +173,11 @@ def index_entries(page: bytes, base: str) -> list[str] | None:
 
 
 async def _http_listing(zstore: Any, prefix: str) -> AsyncIterator[str]:
-    """The folders under ``prefix`` (their names) of a plain HTTP store (``obstore.store.HTTPStore``), where zarr asks
-    for a group's members: from the server's index page of that directory (one ``GET``), else from
-    one ``PROPFIND`` (WebDAV) without retries; else ``NoListingError`` at once (a ``404`` or ``501`` is
-    the server's answer, not a fault: obstore would retry a ``PROPFIND`` answered 501 ten times)."""
+    """The names of the folders under ``prefix`` of a plain HTTP store (an obstore ``HTTPStore``), where
+    zarr asks for a group's members: from the server's index page of that directory (one ``GET``),
+    else from one ``PROPFIND`` (WebDAV) without retries; else ``NoListingError`` at once (a ``404`` or
+    a ``501`` is the server's answer, not a fault: obstore would retry a ``PROPFIND`` answered 501
+    ten times)."""
     import obstore
     import obstore.store
 

@@ -128,7 +128,7 @@ class WholeFetches:
                         self._long(coords, dest, None)
                         continue
                     self.pending.add(fut)
-                    w = self.deadlines.watch(fut, self.limit_s)
+                    w = self.deadlines.watch(fut, self.limit_s, self.store)
                     fut.add_done_callback(functools.partial(self._arrived, coords, dest, path, slot, w,
                                                             time.perf_counter()))
             if self.left:
@@ -256,7 +256,7 @@ class Shards:
             return None if raw is None else await lay.index(raw)
 
         # an index that fails its checksum (a flipped bit in transit) is fetched again
-        index = await refetched(fetch, path, use, on_retry=self.reader.inflight.failed)
+        index = await refetched(fetch, path, use, on_retry=self.reader.inflight.failed, source=store)
         self.indexes[path] = index
         while len(self.indexes) > INDEX_CACHE:
             self.indexes.popitem(last=False)
@@ -307,7 +307,7 @@ class Shards:
                     for raw, d in zip(raws, rest, strict=True):
                         placed.append(await place_async(dec, raw, d))
 
-                await refetched(fetch, path, use, on_retry=inflight.failed)
+                await refetched(fetch, path, use, on_retry=inflight.failed, source=store)
                 for (coords, _), o in zip(want, placed, strict=True):
                     reader._finish(route, coords, o, observe=False)
                 inflight.observe(waited[0], sum(o.took for o in placed), slot)

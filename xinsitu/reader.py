@@ -58,7 +58,6 @@ from xinsitu.fetchers import Shards, WholeFetches, all_or_none, read_local, rera
 from xinsitu.gpu_decode import GpuBatch, GpuChain, GpuPathError, GpuSlot
 from xinsitu.inflight import (  # noqa: F401 - re-exported: the limit's constants and class lived here
     AUTO_BETTER,
-    AUTO_FLAT,
     AUTO_HEADROOM,
     AUTO_HEALTHY,
     AUTO_INFLATED,

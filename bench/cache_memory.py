@@ -39,7 +39,7 @@ def run_one(data: str, budget: str, epochs: int) -> dict:
     warnings.filterwarnings("ignore")
     sys.path.insert(0, ROOT)
     import xinsitu
-    from xinsitu.cache import ChunkCache
+    from xinsitu.cache.chunk_cache import ChunkCache
 
     ds = xinsitu.open_zarr(data)[["t2m", "u10", "v10", "z500"]]
     m = ds.insitu.split("time", fractions={"train": 0.8, "val": 0.1, "test": 0.1})

@@ -10,7 +10,7 @@ cache warmed first:
 - ``map random``: ``DataLoader(d, batch_size=32, sampler=RandomSampler(d), num_workers=0)``
   over ``d = InsituDataset(ds, m, "train", output="torch", stack=True)`` with the default
   ``collate_fn`` (stacks the per-sample items ``__getitems__`` returns);
-- ``map random, collate``: the same with ``collate_fn=xinsitu.dataset.collate`` (the batch
+- ``map random, collate``: the same with ``collate_fn=xinsitu.batches.mapstyle.collate`` (the batch
   ``__getitems__`` read, handed on without the stacking copy);
 - ``map sequential``: a ``SequentialSampler`` (consecutive samples: ~2 chunks per batch);
 - ``map random, cache``: ``cache=True`` after one pass over the split has filled it (only
@@ -46,8 +46,8 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler  # noqa: E402
 
 import xinsitu  # noqa: E402
-from xinsitu.dataset import InsituDataset, collate  # noqa: E402
-from xinsitu.reader import Reader  # noqa: E402
+from xinsitu.batches.mapstyle import InsituDataset, collate  # noqa: E402
+from xinsitu.io.reader import Reader  # noqa: E402
 
 DEFAULT_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "bench-data",
                             "era5_v3.zarr")
@@ -128,7 +128,7 @@ def main() -> None:
     res = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
     base = res["batches"]["samples_per_s"]
     print(f"{args.data}: train split {len(d)} samples, {n} batches of {bs} per pass, median of {args.repeat}, "
-          f"{os.cpu_count()} cores, decode threads {xinsitu._loop.decode_threads()}")
+          f"{os.cpu_count()} cores, decode threads {xinsitu.io.loop.decode_threads()}")
     cpu = res["batches"]["cpu_ms_per_sample"]
     print(f"{'pass':<22} {'samples/s':>10} {'vs batches':>11} {'CPU ms/sample':>14} {'CPU vs batches':>15} "
           f"{'chunks/sample':>14} {'cache hits':>11}")

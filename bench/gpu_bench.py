@@ -13,9 +13,9 @@ Stages (each a JSON object in ``$OUT/gpu_bench.json``, else /tmp/out; one line p
 
 * ``copy``: host-to-device copies of one stacked batch (batch 32 and 128): ``pin_memory()`` per batch
   then copy (xinsitu before the ring), a plain pageable ``.cuda(non_blocking=True)``, and
-  ``xinsitu.device.DeviceMover`` (reused pinned ring, own stream, event per batch) -- GB/s, and the
+  ``xinsitu.batches.device_copy.DeviceMover`` (reused pinned ring, own stream, event per batch) -- GB/s, and the
   overlap with a GPU step of ~1.4 ms (efficiency = steps on resident data / steps fed by the copies).
-* ``decode``: the archive's zstd chunks decoded by ``xinsitu.gpu_decode.NvcompDecoder`` (one pinned
+* ``decode``: the archive's zstd chunks decoded by ``xinsitu.codecs.gpu.NvcompDecoder`` (one pinned
   transfer and one batched nvCOMP call per 64 chunks, bit-checked against numcodecs) against numcodecs
   on 2 and on every CPU core -- GB/s of decoded bytes.
 * ``kvikio``: reading the chunk files into device memory: Python ``readinto`` into pinned memory then
@@ -61,7 +61,7 @@ def stage_copy(torch, args):
 
 
 def _copy_one(torch, bs, model, steps=40):
-    from xinsitu.device import DeviceMover, TorchCuda
+    from xinsitu.batches.device_copy import DeviceMover, TorchCuda
 
     host = np.random.default_rng(0).normal(size=(bs, 4, 64, 128)).astype("f4")
     t = torch.from_numpy(host)
@@ -118,7 +118,7 @@ def _decode_one(args, v):
     import numcodecs
     import zarr
 
-    from xinsitu.gpu_decode import NvcompDecoder, gpu_chain
+    from xinsitu.codecs.gpu import NvcompDecoder, gpu_chain
 
     a = zarr.open_array(args.archive, path=v, mode="r")
     chain = gpu_chain(a)

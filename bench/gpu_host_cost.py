@@ -63,14 +63,14 @@ def _array(path: str):
 
 
 def new_api() -> bool:
-    from xinsitu import gpu_decode
+    from xinsitu.codecs import gpu as gpu_decode
 
     return hasattr(gpu_decode, "PinnedRing")
 
 
 def noop_gpu():
     """The stand-in device side with the device's work as no-ops (either version of the code)."""
-    from xinsitu import gpu_decode
+    from xinsitu.codecs import gpu as gpu_decode
 
     if new_api():
         class NoDeviceDecoder(gpu_decode.StandInDecoder):
@@ -108,7 +108,7 @@ def noop_gpu():
 
 
 def batch_of(gpu, chain, n):
-    from xinsitu import gpu_decode
+    from xinsitu.codecs import gpu as gpu_decode
 
     if new_api():
         return gpu_decode.GpuBatch(gpu.decoder(), n * chain.bound, gpu.asarray)
@@ -123,7 +123,7 @@ def add(batch, raw, chain, dest, name):
 
 
 def stage_bytes(path: str, n: int, rounds: int) -> float:
-    from xinsitu.gpu_decode import gpu_chain
+    from xinsitu.codecs.gpu import gpu_chain
 
     a, keys = _array(path)
     chain = gpu_chain(a)
@@ -143,8 +143,8 @@ def stage_bytes(path: str, n: int, rounds: int) -> float:
 
 def stage_read_only(path: str, n: int, rounds: int) -> float:
     """The baseline of ``files``: the chunk files only read, as the CPU path reads them (no GPU path)."""
-    from xinsitu.backend import LocalBackend
-    from xinsitu.decode import SCRATCH
+    from xinsitu.io.place import SCRATCH
+    from xinsitu.stores.backend import LocalBackend
 
     _, keys = _array(path)
     store = LocalBackend(path, None)
@@ -158,9 +158,9 @@ def stage_read_only(path: str, n: int, rounds: int) -> float:
 
 
 def stage_files(path: str, n: int, rounds: int) -> float:
-    from xinsitu.backend import LocalBackend
-    from xinsitu.decode import SCRATCH
-    from xinsitu.gpu_decode import gpu_chain
+    from xinsitu.codecs.gpu import gpu_chain
+    from xinsitu.io.place import SCRATCH
+    from xinsitu.stores.backend import LocalBackend
 
     a, keys = _array(path)
     chain = gpu_chain(a)
@@ -181,10 +181,10 @@ def stage_files(path: str, n: int, rounds: int) -> float:
 
 def stage_read_gpu(path: str, n: int, rounds: int) -> float:
     import xinsitu
-    from xinsitu import _loop
-    from xinsitu.gpu_decode import gpu_chain
-    from xinsitu.reader import Reader
-    from xinsitu.source import resolve
+    from xinsitu.codecs.gpu import gpu_chain
+    from xinsitu.index.source import resolve
+    from xinsitu.io import loop as _loop
+    from xinsitu.io.reader import Reader
 
     src = resolve(xinsitu.open_zarr(path), ["x"])["x"]
     chain = gpu_chain(src.array)
@@ -196,7 +196,7 @@ def stage_read_gpu(path: str, n: int, rounds: int) -> float:
 
     async def one():
         if new_api():
-            from xinsitu.reader import GpuRead
+            from xinsitu.io.reader import GpuRead
 
             await reader.read_gpu([GpuRead(src, coords, outs, chain)], gpu)
         else:

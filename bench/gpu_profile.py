@@ -60,7 +60,8 @@ def main() -> int:
         print("needs torch and CuPy on a CUDA machine")
         return 0
     import xinsitu
-    from xinsitu import buffer, direct, gpu_decode
+    from xinsitu.batches import buffer, direct
+    from xinsitu.codecs import gpu as gpu_decode
 
     timed(gpu_decode.GpuBatch, "add", "GpuBatch.add (decode threads)")
     timed(gpu_decode.GpuBatch, "flush", "GpuBatch.flush")

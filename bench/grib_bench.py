@@ -66,7 +66,7 @@ def prepare(a: argparse.Namespace) -> dict[str, str]:
     import pandas as pd
     import xarray as xr
 
-    from xinsitu.grib import write_grib
+    from xinsitu.formats.grib import write_grib
 
     base = os.path.join(a.data_dir, f"grib_t{a.nt}_y{a.ny}_x{a.nx}_f{a.file_times}_e{a.edition}_{a.packing}")
     gdir, zpath = os.path.join(base, "grib"), os.path.join(base, "messages.zarr")

@@ -84,7 +84,7 @@ def train_split(path: str) -> tuple[list[int], int]:
 
 
 def default_decode_threads() -> int:
-    from xinsitu import _loop
+    from xinsitu.io import loop as _loop
 
     return _loop.decode_threads()
 

@@ -45,8 +45,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workloads  # noqa: E402  (bench/workloads.py)
 
 import xinsitu  # noqa: E402
-from xinsitu import _loop  # noqa: E402
-from xinsitu.stats import StatsPass  # noqa: E402
+from xinsitu.batches.stats import StatsPass  # noqa: E402
+from xinsitu.io import loop as _loop  # noqa: E402
 from xinsitu.synthetic import FLOAT_VARS, era5_like  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*[Cc]onsolidated metadata.*")

@@ -142,7 +142,7 @@ def open_variant(variant: str, path: str) -> Any:
 
 
 def worker(variant: str, path: str, epochs: int, warmup: int) -> dict[str, Any]:
-    from xinsitu.backend import backend_for
+    from xinsitu.stores.backend import backend_for
 
     warnings.simplefilter("ignore")
     t0 = time.perf_counter()

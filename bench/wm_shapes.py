@@ -151,7 +151,7 @@ def _decode(path: str, ds, m, which: str, vars_: list[str]) -> dict:
         with open(f, "rb") as fh:
             return len(zstd.decode(fh.read()))
 
-    from xinsitu._loop import usable_cores
+    from xinsitu.io.loop import usable_cores
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(usable_cores()) as ex:

@@ -198,7 +198,7 @@ def test_statistics_of_another_split_or_manifest_are_named(ds, m):
     manifest's own for the same split, raise; statistics of a split other than ``"train"`` warn."""
     import copy
 
-    from xinsitu.channels import check_stats_origin
+    from xinsitu.index.channels import check_stats_origin
 
     own = ds.insitu.stats(m, "train")  # also m.stats
     check_stats_origin(own, m, "val")  # train's statistics for the val split: as documented

@@ -1,4 +1,4 @@
-"""The fetch backends (``xinsitu.backend``) against real files in a temporary directory, and over
+"""The fetch backends (``xinsitu.stores.backend``) against real files in a temporary directory, and over
 a real HTTP server on 127.0.0.1: whole objects, byte ranges, missing and empty objects, short
 bodies, servers that ignore ranges, the typed seam and the fork policy."""
 
@@ -15,8 +15,8 @@ import zarr
 
 from tests.support.forked import in_fork
 from tests.support.servers import Faults, FileServer
-from xinsitu import _loop
-from xinsitu.backend import (
+from xinsitu.io import loop as _loop
+from xinsitu.stores.backend import (
     Backend,
     DamagedObjectError,
     LocalBackend,
@@ -83,7 +83,7 @@ def test_local_backend_reads_into_the_threads_scratch(root, tmp_path, monkeypatc
     """With a scratch, a file is read into the calling thread's own buffer (no new bytes per chunk):
     each view holds the file read, a larger file takes a larger buffer while older views stay intact,
     and a file that grows between ``fstat`` and the read is still read whole."""
-    from xinsitu.decode import ThreadScratch
+    from xinsitu.io.place import ThreadScratch
 
     be = LocalBackend(root, _FileBackend(root))
     scratch = ThreadScratch()

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import xinsitu
-from xinsitu import mempool
-from xinsitu.output import BatchArrays
+from xinsitu.batches.output import BatchArrays
+from xinsitu.io import mempool
 
 VARS = ["t2m", "u10", "v10"]
 

@@ -1,4 +1,4 @@
-"""xinsitu.buffer.BufferLoader: a loaded buffer gathers to exactly what ``ds.isel`` gives for its
+"""xinsitu.batches.buffer.BufferLoader: a loaded buffer gathers to exactly what ``ds.isel`` gives for its
 samples, also once its arrays are recycled into the next buffer."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import xarray as xr
 
 import xinsitu
-from xinsitu import _loop
-from xinsitu.buffer import BufferLoader
-from xinsitu.reader import Reader
+from xinsitu.batches.buffer import BufferLoader
+from xinsitu.io import loop as _loop
+from xinsitu.io.reader import Reader
 
 
 @pytest.fixture
@@ -97,8 +97,8 @@ def test_piece_ids_match_the_per_piece_definition(equal):
     """Pieces' global sample ids, computed for all pieces at once (``plan.piece_ids``: a buffer's ids,
     and the order an epoch yields), equal the definition: piece ``s`` is samples ``lo..hi`` of its
     unit, whose ids start at the unit's offset."""
-    from xinsitu.plan import piece_ids
-    from xinsitu.sampling import EqualOffsets
+    from xinsitu.index.plan import piece_ids
+    from xinsitu.index.sampling import EqualOffsets
 
     rng = np.random.default_rng(0)
     for _ in range(50):

@@ -1,4 +1,4 @@
-"""``xinsitu.cache``: budgets, the keep-what-fits policy, keys, threads, processes sharing a
+"""``xinsitu.cache.chunk_cache``: budgets, the keep-what-fits policy, keys, threads, processes sharing a
 directory, ``kill -9`` mid-write, ``clear``, ``resolve_cache`` and pickling. Real files and
 processes throughout; no timed assertion."""
 
@@ -16,8 +16,8 @@ import time
 import numpy as np
 import pytest
 
-from xinsitu import cache as cache_mod
-from xinsitu.cache import ChunkCache, ChunkKey, chunk_key, parse_size, resolve_cache, store_identity
+from xinsitu.cache import chunk_cache as cache_mod
+from xinsitu.cache.chunk_cache import ChunkCache, ChunkKey, chunk_key, parse_size, resolve_cache, store_identity
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 META = {"shape": [96, 64, 128], "data_type": "float32", "chunk_grid": [24, 64, 128], "codecs": ["bytes", "zstd"],
@@ -205,7 +205,7 @@ def _zarr_array(path: str) -> object:
 
 def _keys_in_subprocess(path: str) -> list[str]:
     code = (
-        "import sys, zarr; from xinsitu.cache import ChunkKey, chunk_key\n"
+        "import sys, zarr; from xinsitu.cache.chunk_cache import ChunkKey, chunk_key\n"
         f"k = ChunkKey.for_array(zarr.open_array({path!r}, mode='r'))\n"
         f"print(k.key((1, 0), k.file_of('c/1/0')))\n"
         f"print(chunk_key('s3://b/x.zarr', 't2m', (5, 0, 0), {META!r}, snapshot='S'))\n"
@@ -259,7 +259,7 @@ def test_the_reader_s_use(tmp_path: os.PathLike[str]) -> None:
     file is a miss that reads the new values, never the cached old ones."""
     import zarr
 
-    from xinsitu.codecs import ChunkDecoder
+    from xinsitu.codecs.cpu import ChunkDecoder
 
     path = os.path.join(tmp_path, "a.zarr")
     _zarr_array(path)
@@ -428,7 +428,7 @@ def test_processes_share_a_directory(tmp_path: os.PathLike[str]) -> None:
 
 _WRITER = """
 import sys, numpy as np
-from xinsitu.cache import ChunkCache, chunk_key
+from xinsitu.cache.chunk_cache import ChunkCache, chunk_key
 c = ChunkCache(memory=0, disk=sys.argv[1])
 n = 2_000_000  # 16 MB entries: a write takes long enough to be killed in the middle of one
 i = 0

@@ -18,7 +18,7 @@ import zarr
 
 import xinsitu
 from tests.test_torch import _job  # the DataLoader job in a subprocess, under a timeout
-from xinsitu.cache import ChunkCache
+from xinsitu.cache.chunk_cache import ChunkCache
 from xinsitu.synthetic import write_era5_like
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +49,7 @@ def _same(a, b) -> bool:
 
 def _split_bytes(gen) -> int:
     """Decoded bytes of the chunks the split reads (what a cache holding all of it keeps)."""
-    from xinsitu.formatting import _epoch_bytes
+    from xinsitu.repr.formatting import _epoch_bytes
 
     return _epoch_bytes(gen, gen.plan())
 
@@ -91,7 +91,7 @@ def test_whole_chunk_slots_are_copied_from_the_cache_at_once(tmp_path, monkeypat
     it holds go in with one copy per variable and buffer (``Reader.take_cached``) and those it lacks are
     read as usual: the epochs are the uncached ones, bit for bit, also when only some of a buffer's
     chunks are held."""
-    from xinsitu.reader import Reader
+    from xinsitu.io.reader import Reader
 
     path = str(tmp_path / "a.zarr")
     write_era5_like(path, nt=61, ny=3, nx=4, chunk_time=chunk_time)  # the last chunk partial where chunk_time=3
@@ -202,7 +202,7 @@ _SECOND_PROCESS = """
 import json, sys
 sys.path.insert(0, sys.argv[3])
 from tests.test_cache_reads import _gen, _epochs
-from xinsitu.cache import ChunkCache
+from xinsitu.cache.chunk_cache import ChunkCache
 gen = _gen(sys.argv[1], cache=ChunkCache(memory=0, disk=sys.argv[2]))
 got = _epochs(gen, (0,))
 print(json.dumps({"stats": {k: gen.io_stats[k] for k in ("chunks", "requests", "cache_disk_hits")},

@@ -23,7 +23,7 @@ import pytest
 import zarr
 
 from tests.test_cache_reads import _epochs, _gen, _same
-from xinsitu.cache import _SUBDIR, ChunkCache, ChunkKey, resolve_cache
+from xinsitu.cache.chunk_cache import _SUBDIR, ChunkCache, ChunkKey, resolve_cache
 from xinsitu.synthetic import write_era5_like
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -123,7 +123,7 @@ def test_immutable_skips_the_version_check(tmp_path, remote):
 def test_versions_of_objects(tmp_path):
     """``object_versions``: a listing and HEADs give the same versions; a missing object is MISSING."""
     from tests.support.servers import MotoS3
-    from xinsitu.cache import MISSING, object_versions
+    from xinsitu.cache.chunk_cache import MISSING, object_versions
 
     path = _archive(tmp_path / "era5.zarr")
     with MotoS3() as s3:
@@ -160,7 +160,7 @@ def test_a_directory_others_can_write_is_refused(tmp_path):
     os.chown(shared_group, -1, NOBODY)
     with pytest.raises(ValueError, match="group.*written by other users"):
         ChunkCache(disk=shared_group)
-    from xinsitu.cache import _private_group
+    from xinsitu.cache.chunk_cache import _private_group
 
     if _private_group(os.getegid()):  # a umask of 002 with user private groups: the user's own dirs are 0775
         upg = tmp_path / "upg"
@@ -289,7 +289,7 @@ _FIFO_JOB = """
 import json, os, sys
 import numpy as np
 from tests.test_cache_reads import _gen, _epochs, _same
-from xinsitu.cache import ChunkCache, _SUBDIR
+from xinsitu.cache.chunk_cache import ChunkCache, _SUBDIR
 path, disk = sys.argv[1], sys.argv[2]
 _epochs(_gen(path, cache=ChunkCache(memory=0, disk=disk), shuffle=False), (0,))
 entries = sorted(os.path.join(d, f) for d, _, fs in os.walk(os.path.join(disk, _SUBDIR)) for f in fs)
@@ -321,7 +321,7 @@ _UNREADABLE_JOB = """
 import json, os, sys, warnings
 import numpy as np
 from tests.test_cache_reads import _gen, _epochs
-from xinsitu.cache import ChunkCache, ChunkKey, _SUBDIR
+from xinsitu.cache.chunk_cache import ChunkCache, ChunkKey, _SUBDIR
 path, disk = sys.argv[1], sys.argv[2]
 cache = ChunkCache(memory=0, disk=disk, disk_size="1GB")
 gen = _gen(path, cache=cache, shuffle=False)

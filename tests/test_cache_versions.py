@@ -30,7 +30,7 @@ import pytest
 import xarray as xr
 
 import xinsitu
-from xinsitu.cache import _SUBDIR, ChunkCache
+from xinsitu.cache.chunk_cache import _SUBDIR, ChunkCache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NT, CT = 32, 4
@@ -212,7 +212,7 @@ import numpy as np, xarray as xr
 import xinsitu
 from tests.support.plain_http import PlainServer
 from tests.test_cache_versions import _epoch, _gen, _ours
-from xinsitu.cache import ChunkCache
+from xinsitu.cache.chunk_cache import ChunkCache
 root, disk, opener = sys.argv[1], sys.argv[2], sys.argv[3]
 with PlainServer(root) as srv:
     url = f"{srv.url}/a.zarr"

@@ -189,7 +189,7 @@ def test_inspect_opens_grib_files_in_place(tmp_path: Path) -> None:
     pytest.importorskip("cfgrib", reason="the grib extra is not installed")
     import pandas as pd
 
-    from xinsitu.grib import write_grib
+    from xinsitu.formats.grib import write_grib
 
     rng = np.random.default_rng(0)
     f = write_grib(tmp_path / "an.grib", {"2t": 280 + rng.standard_normal((6, 1, 5, 8))},
@@ -264,7 +264,7 @@ def test_inspect_grib_without_the_grib_extra_says_so_in_one_line(tmp_path: Path,
     pytest.importorskip("eccodes", reason="writing a GRIB file needs ecCodes")
     import pandas as pd
 
-    from xinsitu.grib import write_grib
+    from xinsitu.formats.grib import write_grib
 
     f = write_grib(tmp_path / "an.grib", {"2t": 280 + np.zeros((4, 1, 3, 4))},
                    pd.date_range("2020-01-01", periods=4, freq="12h"), [0])

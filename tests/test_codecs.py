@@ -1,4 +1,4 @@
-"""xinsitu.codecs.ChunkDecoder: a chunk's stored bytes decode to what zarr reads."""
+"""xinsitu.codecs.cpu.ChunkDecoder: a chunk's stored bytes decode to what zarr reads."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import xarray as xr
 import zarr
 
-from xinsitu import _loop
-from xinsitu.codecs import ChunkDecoder
+from xinsitu.codecs.cpu import ChunkDecoder
+from xinsitu.io import loop as _loop
 
 
 def _write(tmp_path, compressors, zarr_format=3):

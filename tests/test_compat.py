@@ -1,4 +1,4 @@
-"""Contract tests of the adapters to private API (``xinsitu.compat_zarr``, ``xinsitu.compat_virtualizarr``).
+"""Contract tests of the adapters to private API (``xinsitu.compat.zarr_api``, ``xinsitu.compat.virtualizarr_api``).
 
 Each private symbol xinsitu still uses is exercised here against the installed zarr / VirtualiZarr,
 and its result checked against what the public API reads: a release that removes or changes one
@@ -14,7 +14,7 @@ import pytest
 import xarray as xr
 import zarr
 
-from xinsitu import compat_zarr
+from xinsitu.compat import zarr_api as compat_zarr
 
 # numcodecs codecs inside zarr v3 metadata are what these contract tests exercise
 pytestmark = pytest.mark.filterwarnings("ignore:Numcodecs codecs are not in the Zarr version 3")
@@ -117,7 +117,7 @@ def test_sharding_members(tmp_path):
 
 
 def test_features_and_decode_path():
-    from xinsitu.codecs import decode_path
+    from xinsitu.codecs.cpu import decode_path
 
     feats = compat_zarr.features()
     assert set(feats) == {"numcodecs_wrapper", "shard_index_sync"}
@@ -153,7 +153,7 @@ def _parsed(path):
 
 def test_manifest_store_group_and_registry(nc_files):
     """``ManifestStore._group`` and ``._registry``."""
-    from xinsitu import compat_virtualizarr as cv
+    from xinsitu.compat import virtualizarr_api as cv
 
     url, store = _parsed(nc_files[0])
     assert cv.is_manifest_store(store)
@@ -165,7 +165,7 @@ def test_manifest_store_group_and_registry(nc_files):
 
 def test_chunk_shape_and_concat_manifests(nc_files):
     """``ChunkManifest._paths`` / ``_offsets`` / ``_lengths`` (``_inlined`` where it exists), joined."""
-    from xinsitu import compat_virtualizarr as cv
+    from xinsitu.compat import virtualizarr_api as cv
 
     arrs = [cv.manifest_group(_parsed(p)[1]).arrays["t"] for p in nc_files]
     assert cv.chunk_shape(arrs[0]) == (2, 6)
@@ -180,7 +180,7 @@ def test_hdf5_variable_manifest(nc_files):
     """``virtualizarr.parsers.hdf.hdf._construct_manifest_array``: one HDF5 dataset alone."""
     import h5py
 
-    from xinsitu import compat_virtualizarr as cv
+    from xinsitu.compat import virtualizarr_api as cv
 
     with h5py.File(nc_files[1], "r") as f:
         arr = cv.hdf5_variable_manifest("file://" + nc_files[1], f["t"], "/")
@@ -191,7 +191,7 @@ def test_zarr_sync_runs_on_zarrs_own_loop():
     """``zarr.core.sync.sync`` (the loop an fsspec store's session is bound to; zarr_backend._home_loop)."""
     import asyncio
 
-    from xinsitu.compat_zarr import zarr_sync
+    from xinsitu.compat.zarr_api import zarr_sync
 
     async def here() -> asyncio.AbstractEventLoop:
         return asyncio.get_running_loop()

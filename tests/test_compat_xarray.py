@@ -1,4 +1,4 @@
-"""The contract with xarray's private API (``xinsitu.xr_adapter``): each private name xinsitu uses
+"""The contract with xarray's private API (``xinsitu.index.xr_adapter``): each private name xinsitu uses
 exists in this xarray and does what xinsitu relies on. A new xarray that moves one fails here, by name."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import xarray as xr
 import zarr
 
-from xinsitu import xr_adapter as xa
+from xinsitu.index import xr_adapter as xa
 
 
 @pytest.fixture(scope="module")

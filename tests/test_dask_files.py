@@ -21,7 +21,7 @@ from dask.callbacks import Callback
 
 import xinsitu
 from tests.conftest import assert_batch_equal, oracle
-from xinsitu.source import SourceError
+from xinsitu.index.source import SourceError
 
 NT, NY, NX, CT = 768, 32, 48, 8  # 2 variables of 4.7 MB each; a dask chunk is 49 kB
 VARS = ["t2m", "u10"]
@@ -290,7 +290,7 @@ def test_grib_through_dask(tmp_path):
 
 def test_unreadable_file_names_variable_chunk_and_file(tmp_path):
     """A file that breaks after opening (here: truncated) fails with ChunkReadError naming the chunk."""
-    from xinsitu.reader import ChunkReadError
+    from xinsitu.io.reader import ChunkReadError
 
     path = tmp_path / "broken.nc"
     _data(64).to_netcdf(path, encoding={v: {"chunksizes": (CT, NY, NX)} for v in VARS})

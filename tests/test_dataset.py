@@ -1,4 +1,4 @@
-"""Map-style dataset (``xinsitu.dataset.InsituDataset``): ``d[i]`` and ``__getitems__`` against
+"""Map-style dataset (``xinsitu.batches.mapstyle.InsituDataset``): ``d[i]`` and ``__getitems__`` against
 plain xarray and against ``batches()``, each chunk read once per call, torch DataLoaders with
 samplers, workers under spawn/fork (in subprocesses with a timeout), and argument errors."""
 
@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import xinsitu
 from tests.test_sampling import general_oracle, grid_ds, write
-from xinsitu.dataset import InsituDataset, SampleBatch, collate
+from xinsitu.batches.mapstyle import InsituDataset, SampleBatch, collate
 
 ROOT = str(Path(__file__).resolve().parents[1])
 
@@ -76,7 +76,7 @@ def check_item(item, ref: xr.Dataset, d: InsituDataset, output: str, stack: bool
 @pytest.fixture(params=["units", "regions"])
 def read_path(request, monkeypatch):
     """Both ways a call reads: whole chunk blocks into a block buffer, or each sample's region."""
-    import xinsitu.dataset as mod
+    import xinsitu.batches.mapstyle as mod
 
     monkeypatch.setattr(mod, "SPARSE_PER_UNIT", 0 if request.param == "units" else 10**9)
     return request.param
@@ -232,7 +232,7 @@ def test_cache_serves_second_call(era5):
     ds, m = era5
     import inspect
 
-    from xinsitu.reader import Reader
+    from xinsitu.io.reader import Reader
 
     if "cache" not in inspect.signature(Reader).parameters:
         pytest.skip("Reader(..., cache=) is not in this tree yet: cache= is stored (dataset.py HOOK(cache))")
@@ -259,7 +259,7 @@ def test_pickle_leaves_reader_behind(era5):
 
 def test_without_torch(era5, monkeypatch):
     ds, m = era5
-    import xinsitu.dataset as mod
+    import xinsitu.batches.mapstyle as mod
 
     monkeypatch.setattr(mod, "_torch_installed", lambda: False)
     d = InsituDataset(ds, m, "train")
@@ -541,7 +541,7 @@ def test_hypothesis_random_indices(tmp_path_factory, monkeypatch, ct, k, py, sy,
                           variables=["a", "b"])
     except ValueError:  # no chunk for a split, or no window fits: refused, as for batches
         return
-    import xinsitu.dataset as mod
+    import xinsitu.batches.mapstyle as mod
 
     monkeypatch.setattr(mod, "SPARSE_PER_UNIT", sparse)
     ids = np.random.default_rng(seed).integers(-len(d), len(d), n)
@@ -686,7 +686,7 @@ def test_every_sample_shape_matches_isel(shapes_archive, split, kw, output, stac
        ids=st.lists(st.integers(0, 10**6), min_size=1, max_size=12))
 def test_hypothesis_sample_shapes(shapes_archive, monkeypatch, case, variables, output, sparse, ids):
     """Any sample shape, variables, output, read path and indices (duplicates, any order) against isel."""
-    import xinsitu.dataset as mod
+    import xinsitu.batches.mapstyle as mod
 
     ds, ms = shapes_archive
     split, kw = case

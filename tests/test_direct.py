@@ -1,4 +1,4 @@
-"""Batches filled in place (``xinsitu.direct``), ``dtype=``, batches that own their arrays, and the
+"""Batches filled in place (``xinsitu.batches.direct``), ``dtype=``, batches that own their arrays, and the
 buffer's byte budget (issue "At the decode limit on the shapes weather models train with").
 
 Oracle: plain xarray. The weather-model shape in small: pressure-level variables (``z``, ``u``) beside
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import xinsitu
-from xinsitu.buffer import BUDGET_BUFFERS, MAX_BLOCK_CHUNKS, default_block_chunks, unit_nbytes
+from xinsitu.batches.buffer import BUDGET_BUFFERS, MAX_BLOCK_CHUNKS, default_block_chunks, unit_nbytes
 
 NT, NL, NY, NX = 24, 3, 5, 7
 LEVEL_VARS, SURF = ["z", "u"], ["t2m", "tp"]
@@ -299,10 +299,10 @@ def test_buffered_path_gathers_levels_into_their_channels(tmp_path, monkeypatch,
     big in row shares on every core), a CF-packed one converted into its channel in one copy; equal to
     xarray."""
     if big == "row_copy":
-        monkeypatch.setattr("xinsitu.buffer.ROW_COPY_BYTES", 1)
+        monkeypatch.setattr("xinsitu.batches.buffer.ROW_COPY_BYTES", 1)
     if big == "parallel":
-        monkeypatch.setattr("xinsitu.buffer.PARALLEL_GATHER_BYTES", 1)
-        monkeypatch.setattr("xinsitu.buffer.SHARE_BYTES", 600)  # z: shares of 2 samples (420 bytes each)
+        monkeypatch.setattr("xinsitu.batches.buffer.PARALLEL_GATHER_BYTES", 1)
+        monkeypatch.setattr("xinsitu.batches.buffer.SHARE_BYTES", 600)  # z: shares of 2 samples (420 bytes each)
     path = str(tmp_path / "a.zarr")
     _write(path, {"time": 4})
     ds = xinsitu.open_zarr(path)
@@ -323,9 +323,9 @@ def test_buffered_path_gathers_levels_into_their_channels(tmp_path, monkeypatch,
 def test_batch_ids_are_the_plans_order(n, batch, block, world, seed, epoch, drop):
     """``DirectLoader.batch_ids`` (batch by batch, across buffer edges) is the plan's sample order cut
     into batches: the in-place path yields the buffered path's batches."""
-    from xinsitu.direct import DirectLoader
-    from xinsitu.plan import epoch_plan
-    from xinsitu.sampling import SampleDim, SampleSpace
+    from xinsitu.batches.direct import DirectLoader
+    from xinsitu.index.plan import epoch_plan
+    from xinsitu.index.sampling import SampleDim, SampleSpace
 
     space = SampleSpace([SampleDim("time", n, split=True)], {"time": np.arange(n + 1)}, np.arange(n))
     for rank in range(world):
@@ -343,7 +343,7 @@ def test_batch_ids_are_the_plans_order(n, batch, block, world, seed, epoch, drop
 @given(step=st.integers(1, 10**8), budget=st.integers(1, 1 << 34))
 def test_default_block_chunks_follows_the_budget(step, budget):
     """Between 2 and 16 chunk blocks; more than 2 only where the buffers held stay within the budget."""
-    from xinsitu.sampling import SampleDim, SampleSpace, VarLayout
+    from xinsitu.index.sampling import SampleDim, SampleSpace, VarLayout
 
     class Src:
         dims, shape, raw_dtype = ("time", "x"), (10, step), np.dtype("f4")
@@ -361,8 +361,8 @@ def test_buffers_held_stay_within_the_budget(tmp_path, monkeypatch):
     """SPEC §5: the buffers read ahead and held stay within the byte budget whatever the sample size:
     with a budget of 4.5 chunk blocks' bytes the buffers hold 2 blocks each, and the read-ahead (which
     would go to 6 buffers) stays at its start."""
-    import xinsitu.buffer as buffer_mod
-    from xinsitu.loader import BatchGenerator
+    import xinsitu.batches.buffer as buffer_mod
+    from xinsitu.batches.generator import BatchGenerator
 
     path = str(tmp_path / "a.zarr")
     _write(path, {"time": 2}, nt=96)

@@ -2,7 +2,7 @@
 of world size W'; the rest of the epoch is dealt across the W' ranks exactly once with equal batch
 counts (fewer than W' x batch_size left out, none repeated), and later epochs follow W''s plan.
 
-Property tests on the pure index math (``xinsitu.plan.segment_plan``), and generators iterated end to
+Property tests on the pure index math (``xinsitu.index.plan.segment_plan``), and generators iterated end to
 end (ranks in-process through ``rank=``/``world_size=``)."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 import xinsitu
 from tests.test_plan import configs, spaces
-from xinsitu.plan import epoch_plan, segment_plan
-from xinsitu.sampling import SampleSpace
+from xinsitu.index.plan import epoch_plan, segment_plan
+from xinsitu.index.sampling import SampleSpace
 
 
 def _yielded(space: SampleSpace, hops: list[tuple[int, int]], world_size: int, batches: int | None,
@@ -102,7 +102,7 @@ def test_elastic_reads_only_the_pieces_it_yields(space, cfg, old_world, new_worl
 
 def test_state_stays_small_json():
     """No sample list in the state: a resized epoch of 10^6 samples saves a few hundred bytes."""
-    from xinsitu.sampling import SampleDim
+    from xinsitu.index.sampling import SampleDim
 
     space = SampleSpace([SampleDim("t", 10**6, split=True)], {"t": np.arange(0, 10**6 + 1, 1000)}, np.arange(1000))
     cfg = dict(seed=0, epoch=0, shuffle=True, batch_size=32, block_chunks=16, drop_last=False)

@@ -187,7 +187,7 @@ def test_stats_through_faults(server, archive, manifest):
     """Statistics reduce each chunk in the decode thread: through 503s, resets and cut bodies they
     equal the statistics read from disk bit for bit; a chunk that keeps failing, or is corrupt, raises
     ``ChunkReadError`` naming it, and no statistics come back."""
-    from xinsitu.stats import compute_stats
+    from xinsitu.batches.stats import compute_stats
 
     local = compute_stats(xinsitu.open_zarr(archive), manifest, "train", block_chunks=3)
     server.faults = Faults(error_503=0.2, reset=0.2, truncate=0.2, short=0.2, max_per_key=2, pattern=CHUNKS, seed=4)

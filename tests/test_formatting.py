@@ -1,4 +1,4 @@
-"""Every repr (``xinsitu.formatting``): one list of sections feeds the text and the HTML repr."""
+"""Every repr (``xinsitu.repr.formatting``): one list of sections feeds the text and the HTML repr."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import xinsitu  # noqa: F401 - registers ds.insitu
-from xinsitu import formatting
-from xinsitu.formatting import Section, fmt_bytes, runs
+from xinsitu.repr import formatting
+from xinsitu.repr.formatting import Section, fmt_bytes, runs
 from xinsitu.synthetic import era5_like
 
 

@@ -91,7 +91,7 @@ def test_fsspec_store_rides_out_transient_faults(archive, kind, opener):
 def test_fsspec_store_names_a_chunk_that_keeps_failing(archive, monkeypatch):
     """A chunk answered 503 every time, through fsspec: retried (with backoff), then
     ``ChunkReadError`` naming the variable, the chunk and the key; a 403 is an answer, not retried."""
-    from xinsitu import store_reads
+    from xinsitu.stores import reads as store_reads
 
     monkeypatch.setattr(store_reads, "BACKOFF_S", (0.001, 0.01))
     m = xinsitu.open_zarr(archive).insitu.split("time", fractions={"train": 1.0})

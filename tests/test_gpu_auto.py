@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import xinsitu
-from xinsitu.gpu_decode import GpuChain, StandInGpu, Verdict, gpu_chain
+from xinsitu.codecs.gpu import GpuChain, StandInGpu, Verdict, gpu_chain
 
 
 @pytest.fixture

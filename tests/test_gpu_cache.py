@@ -11,7 +11,7 @@ import pytest
 
 import xinsitu
 from tests.support.gpu import CUDA
-from xinsitu.device_cache import DeviceCache, HostArrays
+from xinsitu.cache.device_tier import DeviceCache, HostArrays
 
 
 def chunk(i, shape=(4, 5), dtype="f4"):

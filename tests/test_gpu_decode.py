@@ -17,7 +17,7 @@ import zarr
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, GzipCodec, TransposeCodec, ZstdCodec
 
 from tests.support.gpu import CUDA
-from xinsitu.gpu_decode import (
+from xinsitu.codecs.gpu import (
     ALIGN,
     ChecksumError,
     GpuBatch,
@@ -179,7 +179,7 @@ def test_local_reads_land_in_the_staging_once(tmp_path, name):
     with the staging as its scratch): no copy after the read -- a payload behind framing (lz4's size
     prefix, gzip's and zlib's headers) is only moved back to its aligned start -- and the decode is
     zarr's, bit for bit."""
-    from xinsitu.backend import LocalBackend
+    from xinsitu.stores.backend import LocalBackend
 
     fmt, kw, _ = CHAINS[name]
     a, path = make(tmp_path, fmt, kw)
@@ -324,7 +324,7 @@ def test_resolve_decode(tmp_path):
 def test_nvcomp_decoder_bit_identical_to_zarr(tmp_path, name):
     cupy = pytest.importorskip("cupy")
     pytest.importorskip("nvidia.nvcomp")
-    from xinsitu.gpu_decode import NvcompDecoder
+    from xinsitu.codecs.gpu import NvcompDecoder
 
     fmt, kw, _ = CHAINS[name]
     a, path = make(tmp_path, fmt, kw)

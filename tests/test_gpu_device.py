@@ -12,8 +12,8 @@ import pytest
 
 import xinsitu
 from tests.support.gpu import CUDA
-from xinsitu.device import DeviceMover, StandInDevice
-from xinsitu.gpu_decode import gpu_extra_hint
+from xinsitu.batches.device_copy import DeviceMover, StandInDevice
+from xinsitu.codecs.gpu import gpu_extra_hint
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def test_pinned_batch_memory_copied_straight_and_not_reused_before_its_copy():
     """A batch gathered into the mover's page-locked memory (BatchArrays(alloc=mover.host_alloc)) is
     copied from there without staging, and BatchArrays does not hand that memory out again until its
     copy completed (the mover holds it till then)."""
-    from xinsitu.output import BatchArrays
+    from xinsitu.batches.output import BatchArrays
 
     dev = StandInDevice()
     mover = DeviceMover(dev, slots=2)
@@ -157,7 +157,7 @@ def test_slots_validated(slots):
 def test_arrays_on_the_device_already_are_handed_out_like_copies():
     """A batch built on the device (the GPU path), or a transform's device arrays: not copied again,
     and handed out as the copied ones are -- the caller's stream waits on the batch's event."""
-    from xinsitu.device import StandInDeviceArray
+    from xinsitu.batches.device_copy import StandInDeviceArray
 
     dev = StandInDevice()
     mover = DeviceMover(dev)
@@ -298,7 +298,7 @@ def test_torch_cuda_api_pickles_without_cuda():
     import pickle
 
     pytest.importorskip("torch")
-    from xinsitu.device import TorchCuda
+    from xinsitu.batches.device_copy import TorchCuda
 
     api = pickle.loads(pickle.dumps(TorchCuda("cuda:1")))  # no CUDA needed to make or move it
     assert str(api.device) == "cuda:1"
@@ -306,7 +306,7 @@ def test_torch_cuda_api_pickles_without_cuda():
 
 def test_done_asks_each_kind_of_event_its_own_way():
     """torch's events answer query(), CuPy's a done property (a CuPy batch once raised AttributeError)."""
-    from xinsitu.device import done
+    from xinsitu.batches.device_copy import done
 
     class TorchLike:
         def __init__(self, v):

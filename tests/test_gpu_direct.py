@@ -11,8 +11,8 @@ import pytest
 
 import xinsitu
 from tests.test_direct import LEVEL_VARS, SURF, _source
-from xinsitu.direct import DeviceDirectLoader
-from xinsitu.gpu_decode import StandInGpu, Verdict, gpu_chain
+from xinsitu.batches.direct import DeviceDirectLoader
+from xinsitu.codecs.gpu import StandInGpu, Verdict, gpu_chain
 
 NL, NY, NX = 3, 5, 7
 
@@ -167,7 +167,7 @@ def test_a_conversion_that_differs_on_the_device_gives_way_to_the_host(wm, monke
 def test_a_damaged_chunk_is_fetched_again_like_a_cpu_one_and_named(tmp_path):
     """A chunk the device cannot decode is fetched again and decoded the CPU way, up to FETCH_ATTEMPTS
     fetches; one that never decodes raises naming the variable, the chunk and its key."""
-    from xinsitu.store_reads import FETCH_ATTEMPTS
+    from xinsitu.stores.reads import FETCH_ATTEMPTS
 
     path = str(tmp_path / "wm.zarr")
     _write(path)

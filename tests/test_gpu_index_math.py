@@ -10,8 +10,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xinsitu.device import DeviceMover, StandInDevice
-from xinsitu.gpu_decode import ALIGN, PinnedRing, Staging
+from xinsitu.batches.device_copy import DeviceMover, StandInDevice
+from xinsitu.codecs.gpu import ALIGN, PinnedRing, Staging
 
 
 @settings(max_examples=200, deadline=None)

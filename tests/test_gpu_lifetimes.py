@@ -19,8 +19,8 @@ import pytest
 
 import xinsitu
 from tests.support.gpu import CUDA
-from xinsitu import gpu_decode
-from xinsitu.gpu_decode import LIFETIME_ERRORS, LIFETIMES, StandInGpu, gpu_chain
+from xinsitu.codecs import gpu as gpu_decode
+from xinsitu.codecs.gpu import LIFETIME_ERRORS, LIFETIMES, StandInGpu, gpu_chain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,7 +57,7 @@ import sys
 
 @atexit.register  # first registered: runs last, after xinsitu's own exit hooks
 def freed():
-    from xinsitu.gpu_decode import _LIVE_STREAMS, LIFETIME_ERRORS, LIFETIMES
+    from xinsitu.codecs.gpu import _LIVE_STREAMS, LIFETIME_ERRORS, LIFETIMES
     print(f"at exit: codecs {{len(LIFETIMES.codecs)}}, streams {{len(LIFETIMES.streams)}}, "
           f"stand-in streams alive {{len(_LIVE_STREAMS)}}, out of order {{len(LIFETIME_ERRORS)}}", flush=True)
 
@@ -81,7 +81,7 @@ def _run(script: str, path: str) -> subprocess.CompletedProcess:
 
 def test_a_process_exiting_mid_epoch_frees_codecs_before_their_streams(era5_path):
     make = textwrap.dedent("""
-        from xinsitu.gpu_decode import StandInGpu, gpu_chain
+        from xinsitu.codecs.gpu import StandInGpu, gpu_chain
         gen = ds.insitu.batches(m, "train", output="numpy", **kw)
         gen._use_gpu(StandInGpu(), {n: gpu_chain(lay.src.array) for n, lay in gen.layouts.items()})
     """)

@@ -12,8 +12,8 @@ import pytest
 
 import xinsitu
 from tests.support.gpu import CUDA
-from xinsitu import gpu_decode
-from xinsitu.gpu_decode import StandInGpu, Verdict, gpu_chain
+from xinsitu.codecs import gpu as gpu_decode
+from xinsitu.codecs.gpu import StandInGpu, Verdict, gpu_chain
 
 
 @pytest.fixture
@@ -102,7 +102,7 @@ def test_one_transfer_and_one_batched_call_per_buffer_for_every_variable(ds_m, m
     transfer and decode in one batched call; only the first buffer of each chain is decoded on its own
     too (the first-use check, timed per chain). Each chunk is counted decoded once. The local chunk
     files are read straight into the page-locked staging (no copy after the read)."""
-    from xinsitu.gpu_decode import Staging
+    from xinsitu.codecs.gpu import Staging
 
     found, missed = [], []
     locate = Staging.locate
@@ -348,7 +348,7 @@ def test_array_cf_decodes_as_xarray(tmp_path, name):
     batches with it equal the CPU path's."""
     import xarray as xr
 
-    from xinsitu.channels import array_cf, cf_decoder
+    from xinsitu.index.channels import array_cf, cf_decoder
 
     rng = np.random.default_rng(1)
     vals = rng.normal(10, 5, (24, 3, 4)).astype("f8")
@@ -379,7 +379,7 @@ def test_array_cf_decodes_as_xarray(tmp_path, name):
 
 
 def test_array_cf_refuses_what_it_cannot_match(era5_path):
-    from xinsitu.channels import array_cf
+    from xinsitu.index.channels import array_cf
 
     ds = xinsitu.open_zarr(era5_path)
     gen = ds.insitu.batches(ds.insitu.split("time", fractions={"a": 1.0}), "a", output="numpy")

@@ -22,7 +22,7 @@ pytest.importorskip("virtualizarr", reason="the virtual extra is not installed")
 pytest.importorskip("eccodes", reason="the grib extra is not installed")
 pytest.importorskip("cfgrib", reason="the grib extra is not installed")
 
-from xinsitu.grib import GribError, decode_message, grib_store, scan_messages, write_grib  # noqa: E402
+from xinsitu.formats.grib import GribError, decode_message, grib_store, scan_messages, write_grib  # noqa: E402
 from xinsitu.virtual import ManifestBackend, open_grib  # noqa: E402
 
 NT, NS, NY, NX = 6, 2, 7, 12  # reference times, steps, grid
@@ -188,7 +188,7 @@ def test_packings(tmp_path, edition, packing, decoder):
 def test_large_fields_decode_with_eccodes(tmp_path, monkeypatch):
     """gribberish only for small fields (measured: ecCodes is ~2x faster from 361 x 720 on); both exact."""
     pytest.importorskip("gribberish", reason="the grib extra is not installed")
-    import xinsitu.grib as grib
+    import xinsitu.formats.grib as grib
 
     ny, nx = 40, 60
     data = {"2t": 280 + np.random.default_rng(2).standard_normal((2, 1, ny, nx))}

@@ -13,7 +13,7 @@ import xarray as xr
 import xinsitu
 from tests.conftest import CT, NT, NX, NY
 from tests.test_sampling import run_epoch
-from xinsitu.snapshot import snapshot_of
+from xinsitu.index.snapshot import snapshot_of
 from xinsitu.synthetic import era5_like, packing
 
 icechunk = pytest.importorskip("icechunk", reason="the icechunk extra is not installed")

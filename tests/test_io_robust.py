@@ -65,7 +65,7 @@ def test_automatic_limit_backs_off_on_an_overloaded_store(archive, manifest, ref
 def test_automatic_limit_climbs_for_a_far_healthy_store(archive, manifest, monkeypatch):
     """100 ms away, latency that does not grow with load: the limit doubles to the top, where the reads
     ask for that many chunks at once (one buffer for the whole split: 144), in two short epochs."""
-    from xinsitu import inflight
+    from xinsitu.io import inflight
 
     monkeypatch.setattr(inflight, "AUTO_REMOTE", (4, 64))
     local = xinsitu.open_zarr(archive).insitu.batches(manifest, "train", **ONE_BLOCK)
@@ -125,7 +125,7 @@ class _Clock:
 
 def _remote(fixed: int | None = None):
     """An in-flight limit for a remote store, on simulated time."""
-    from xinsitu.reader import InflightLimit
+    from xinsitu.io.reader import InflightLimit
 
     lim = InflightLimit(fixed, threads=2)
     lim.clock = _Clock()
@@ -144,7 +144,7 @@ def _jitter(latency, amount: float = 0.15, seed: int = 0):
 def test_inflight_limit_is_aimd_for_remote_stores():
     """Synthetic stores: a queueing one (latency grows with the limit) keeps it low; a far one with
     flat latency sends it to the top; a failure halves it; a fixed limit never moves."""
-    from xinsitu.reader import AUTO_REMOTE
+    from xinsitu.io.reader import AUTO_REMOTE
 
     seen = _simulate(queue := _remote(), lambda k: 0.002 * k, 2000)  # one at a time: latency is queueing
     assert max(seen) <= 16 and seen[-1] <= 8, (max(seen), seen[-1], queue.history[:8])
@@ -166,7 +166,7 @@ def test_inflight_limit_follows_throughput_not_latency_alone(seed):
     where the latency first rose (latency alone holds it at 32). A store that only queues
     (latency proportional to the requests, completions per second flat) still backs off, with the
     same noise."""
-    from xinsitu.reader import AUTO_REMOTE
+    from xinsitu.io.reader import AUTO_REMOTE
 
     def noisy(f):
         return f if seed is None else _jitter(f, seed=seed)
@@ -185,7 +185,7 @@ def test_inflight_limit_reaches_a_far_store_within_a_few_round_trips():
     round trips -- one to send the new requests as answers come (paced: no burst an overloaded
     server would drop), one to see what they bought -- so the top is reached in 12 round trips
     (1.2 s), with no step down on the way."""
-    from xinsitu.reader import AUTO_REMOTE
+    from xinsitu.io.reader import AUTO_REMOTE
 
     far = _remote()
     at: list[float] = []
@@ -359,8 +359,8 @@ def test_a_request_waits_longer_while_its_store_answers_others(monkeypatch):
     other requests meanwhile (a slow link busy with large chunks) waits on, ``limit`` past the last
     answer, ``REQUEST_PATIENCE`` times its limit at most. Another store's answers do not count.
     (Simulated time: ``Deadlines`` on a loop whose clock the test sets.)"""
-    from xinsitu import _loop
-    from xinsitu.backend import Deadlines
+    from xinsitu.io import loop as _loop
+    from xinsitu.stores.backend import Deadlines
 
     monkeypatch.setattr(_loop, "REQUEST_PATIENCE", 4.0)
     loop = _FakeLoop()
@@ -392,7 +392,7 @@ def test_a_request_waits_longer_while_its_store_answers_others(monkeypatch):
 def test_loop_run_has_a_timeout():
     import asyncio
 
-    from xinsitu import _loop
+    from xinsitu.io import loop as _loop
 
     with pytest.raises(TimeoutError, match="no result within 0.2 s"):
         _loop.run(asyncio.sleep(30), timeout=0.2)
@@ -517,7 +517,7 @@ def test_abandoned_epochs_stop_reading_and_threads_stay_bounded(tmp_path):
     import os
     import time
 
-    from xinsitu.backend import PROCESS_INFLIGHT
+    from xinsitu.stores.backend import PROCESS_INFLIGHT
 
     def runtime_threads() -> int:
         n = 0

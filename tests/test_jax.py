@@ -115,7 +115,7 @@ def test_jax_transform_sees_numpy_first(ds_m):
 def test_jax_stacked_cpu_zero_copy(ds_m):
     """A stacked batch is allocated aligned, so jax on the CPU aliases it rather than copying."""
     ds, m = ds_m
-    from xinsitu.output import JAX_ALIGN, BatchArrays
+    from xinsitu.batches.output import JAX_ALIGN, BatchArrays
 
     arrays = BatchArrays()
     a = arrays.empty((3, 5, 7), np.float32)

@@ -1,9 +1,11 @@
-"""The package's layout, read from the source: four layers, no import cycle.
+"""The package's layout, read from the source: the folders are the layers.
 
-A module imports only from its own layer or below. Imports inside functions count (a lazy
-import is still a dependency); imports under ``if TYPE_CHECKING:`` do not (annotations only),
-the same rule as ``shared/tools/cycles.py``. Every module must be in ``LAYERS``: a new module
-says where it belongs.
+``xinsitu/<folder>/`` holds the modules of one layer (``FOLDERS``); the surface -- the accessor, the
+command line, the public faces ``xinsitu.virtual`` and ``xinsitu.synthetic`` -- sits at the top. A
+module imports only from its own layer or below. Imports inside functions count (a lazy import is still
+a dependency); imports under ``if TYPE_CHECKING:`` (annotations only) do not make a runtime cycle, but
+they may not tie more than ``MAX_ANNOTATION_CIRCLE`` files into a circle either. A name with a leading
+underscore is private to its folder: no module imports one from another folder.
 """
 
 from __future__ import annotations
@@ -13,113 +15,100 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "xinsitu"
 
-#: module -> layer. 1: metadata and pure math (no I/O, no threads); 2: I/O; 3: batches; 4: surface.
-LAYERS = {
-    # 1 -- metadata and pure math
-    "source": 1, "geometry": 1, "manifest": 1, "split": 1, "sampling": 1, "shuffle": 1, "plan": 1,
-    "channels": 1, "state": 1, "snapshot": 1, "xr_adapter": 1, "regions": 1,
-    # ``formatting`` (every repr) and ``plot`` (the manifest's drawing) are presentation, listed under
-    # "surface" in issue 17, but they sit here: they are pure string (or matplotlib) building that takes
-    # the objects duck-typed (their types only under TYPE_CHECKING), and the layer-1 records call them
-    # from ``__repr__``/``SplitManifest.plot``: in layer 4 those calls would point upward.
-    "formatting": 1, "plot": 1,
-    # the adapters to private API of zarr and VirtualiZarr (metadata only: no I/O of their own)
-    "compat_zarr": 1, "compat_virtualizarr": 1,
-    # 2 -- I/O
-    "_loop": 2, "store": 2, "redact": 2, "store_reads": 2, "backend": 2, "virtual_backend": 2, "zarr_backend": 2,
-    "codecs": 2, "reader": 2, "cache": 2,
-    "inflight": 2, "decode": 2, "fetchers": 2, "cached": 2, "gpu_decode": 2, "device_cache": 2, "mempool": 2,
-    # 3 -- batches
-    "buffer": 3, "direct": 3, "device": 3, "output": 3, "pipeline": 3, "loader": 3, "stats": 3, "dataset": 3,
-    "validity": 3,
-    # ``torch`` (the IterableDataset over a generator, public generator methods only) is listed under
-    # "surface" in issue 17, but ``BatchGenerator.to_torch()`` (public API) makes it: an adapter of the
-    # batches layer, importing nothing above it.
-    "torch": 3,
-    # 4 -- surface
-    "accessor": 4, "references": 4, "virtual": 4, "grib": 4, "netcdf3": 4, "cli": 4, "synthetic": 4,
-    "__init__": 4, "__main__": 4,
+#: folder -> layer. 1: metadata and pure math (no I/O, no threads); 2: I/O; 3: batches; 4: surface.
+FOLDERS = {
+    "index": 1,  # split, manifest, sampling, plans, shuffles, channels: pure index math on numpy arrays
+    "repr": 1,  # text and HTML reprs, the manifest's drawing: string building over duck-typed objects
+    "compat": 1,  # the adapters to private API of zarr and VirtualiZarr (metadata only)
+    "stores": 2,  # opening a URL or store, the backends, retries and deadlines, redaction
+    "codecs": 2,  # a chunk's bytes to values: on the CPU, on the GPU
+    "io": 2,  # the I/O loop, the reader and its one completion step, fetchers, the in-flight limit
+    "cache": 2,  # the chunk cache: keys and versions, memory and disk tiers, the device tier, lookups
+    "batches": 3,  # buffers, batches filled in place, the pipeline, outputs, generator, map-style, stats
+    "formats": 4,  # files read in place: virtual references, GRIB, NetCDF-3
 }
-
-#: Known violations, (importer, imported). Empty since step 2 of issue 17; nothing may be added.
-#: Imports from a higher layer:
-ALLOWED: set[tuple[str, str]] = set()
-#: Edges of import cycles (the cycle check leaves them out):
-ALLOWED_CYCLE_EDGES: set[tuple[str, str]] = set()
+#: modules at the top of the package: the surface
+TOP = {"__init__": 4, "__main__": 4, "accessor": 4, "cli": 4, "virtual": 4, "synthetic": 4}
+#: files an annotation-only circle may tie together at most
+MAX_ANNOTATION_CIRCLE = 3
 
 
-def _imports(path: Path) -> set[str]:
-    """The ``xinsitu`` modules ``path`` imports (by module name; the package itself as ``__init__``)."""
-    modules = {p.stem for p in PKG.glob("*.py")}
-    out: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for n in node.orelse:
-                visit(n)
-            return
-        if isinstance(node, ast.Import):
-            for a in node.names:
-                parts = a.name.split(".")
-                if parts[0] == "xinsitu":
-                    out.add(parts[1] if len(parts) > 1 else "__init__")
-        elif isinstance(node, ast.ImportFrom):
-            mod = node.module or ""
-            if node.level:  # relative: the package is flat
-                mod = "xinsitu" + ("." + mod if mod else "")
-            parts = mod.split(".")
-            if parts[0] == "xinsitu":
-                if len(parts) > 1:
-                    out.add(parts[1])
-                else:  # from xinsitu import x: a module, or a name of the package face
-                    out.update(a.name if a.name in modules else "__init__" for a in node.names)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(ast.parse(path.read_text(), str(path)))
-    out.discard(path.stem)
+def _modules() -> dict[str, Path]:
+    """Every module, by its dotted name under ``xinsitu`` (a folder's face as the folder's name)."""
+    out = {}
+    for p in sorted(PKG.rglob("*.py")):
+        rel = p.relative_to(PKG).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__" and len(parts) > 1:
+            parts = parts[:-1]
+        out[".".join(parts)] = p
     return out
 
 
-def _graph() -> dict[str, set[str]]:
-    return {p.stem: _imports(p) for p in sorted(PKG.glob("*.py"))}
+def layer(mod: str) -> int:
+    head = mod.split(".")[0]
+    return FOLDERS[head] if head in FOLDERS else TOP[mod]
 
 
-def test_every_module_has_a_layer() -> None:
-    modules = {p.stem for p in PKG.glob("*.py")}
-    assert not list(PKG.glob("*/*.py")), "the package is flat: give a subpackage's modules layers here"
-    assert modules - set(LAYERS) == set(), "new module(s) without a layer: add them to LAYERS"
-    assert set(LAYERS) - modules == set(), "LAYERS names module(s) that no longer exist"
+def _imports(path: Path, mods: set[str], annotations: bool = False) -> dict[str, set[str]]:
+    """``{module imported: names taken from it}`` (``annotations``: only those under TYPE_CHECKING)."""
+    out: dict[str, set[str]] = {}
+
+    def add(mod: str, names: set[str]) -> None:
+        out.setdefault(mod, set()).update(names)
+
+    def visit(node: ast.AST, typing: bool) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for n in node.body:
+                visit(n, True)
+            for n in node.orelse:
+                visit(n, typing)
+            return
+        if typing == annotations:
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.startswith("xinsitu."):
+                        name = a.name[len("xinsitu."):]
+                        if name in mods:
+                            add(name, set())
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                base = node.module or ""
+                if base == "xinsitu" or base.startswith("xinsitu."):
+                    base = base[len("xinsitu."):] if base != "xinsitu" else "__init__"
+                    for a in node.names:
+                        sub = f"{base}.{a.name}" if base != "__init__" else a.name
+                        if sub in mods:  # a module named in a from-import
+                            add(sub, set())
+                        elif base in mods:
+                            add(base, {a.name})
+        for child in ast.iter_child_nodes(node):
+            visit(child, typing)
+
+    visit(ast.parse(path.read_text(), str(path)), False)
+    return out
 
 
-def test_imports_go_down_the_layers() -> None:
-    bad = sorted((m, d) for m, deps in _graph().items() for d in deps
-                 if d in LAYERS and LAYERS[d] > LAYERS[m] and (m, d) not in ALLOWED)
-    assert bad == [], "imports from a higher layer: " + ", ".join(
-        f"{m} (layer {LAYERS[m]}) -> {d} (layer {LAYERS[d]})" for m, d in bad)
+def _graph(annotations: bool = False) -> dict[str, dict[str, set[str]]]:
+    mods = _modules()
+    g = {m: _imports(p, set(mods), annotations) for m, p in mods.items()}
+    for m, deps in g.items():
+        deps.pop(m, None)
+    return g
 
 
-def test_allow_list_is_current() -> None:
-    """An allowed violation that is gone must leave the list (it only shrinks)."""
-    g = _graph()
-    stale = sorted((m, d) for m, d in ALLOWED | ALLOWED_CYCLE_EDGES if d not in g.get(m, set()))
-    assert stale == [], f"no longer imported, remove from ALLOWED: {stale}"
-
-
-def test_no_import_cycle() -> None:
-    g = {m: {d for d in deps if d != "__init__" and (m, d) not in ALLOWED_CYCLE_EDGES}
-         for m, deps in _graph().items() if m != "__init__"}
+def _cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
     on: set[str] = set()
-    cycles: list[list[str]] = []
+    out: list[list[str]] = []
 
-    def strong(v: str) -> None:  # Tarjan's strongly connected components
+    def strong(v: str) -> None:
         index[v] = low[v] = len(index)
         stack.append(v)
         on.add(v)
-        for w in g.get(v, ()):
+        for w in sorted(g.get(v, ())):
             if w not in index:
                 strong(w)
                 low[v] = min(low[v], low[w])
@@ -134,9 +123,51 @@ def test_no_import_cycle() -> None:
                 if w == v:
                     break
             if len(comp) > 1:
-                cycles.append(sorted(comp))
+                out.append(sorted(comp))
 
     for v in sorted(g):
         if v not in index:
             strong(v)
+    return out
+
+
+def test_every_module_is_in_a_layer_folder() -> None:
+    mods = _modules()
+    stray = sorted(m for m in mods if "." not in m and m not in TOP and m not in FOLDERS)
+    assert stray == [], f"modules outside the layer folders: {stray} (put each in the folder of its layer)"
+    folders = {p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == set(FOLDERS), f"folders {sorted(folders ^ set(FOLDERS))}: give each a layer in FOLDERS"
+    for name in FOLDERS:
+        doc = ast.get_docstring(ast.parse((PKG / name / "__init__.py").read_text()))
+        assert doc and len(doc) > 80, f"xinsitu/{name}/__init__.py says in a paragraph what the folder holds"
+
+
+def test_imports_go_down_the_layers() -> None:
+    bad = sorted((m, d) for m, deps in _graph().items() for d in deps if layer(d) > layer(m))
+    assert bad == [], "imports from a higher layer: " + ", ".join(
+        f"{m} (layer {layer(m)}) -> {d} (layer {layer(d)})" for m, d in bad)
+
+
+def test_no_import_cycle() -> None:
+    g = {m: {d for d in deps if d != "__init__"} for m, deps in _graph().items() if m != "__init__"}
+    cycles = _cycles(g)
     assert cycles == [], "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_annotation_imports_make_no_wide_circle() -> None:
+    """Annotation-only imports, with the runtime ones: no circle of more than three files."""
+    run, ann = _graph(), _graph(annotations=True)
+    g = {m: {d for d in set(run[m]) | set(ann.get(m, ())) if d != "__init__"} for m in run if m != "__init__"}
+    wide = [c for c in _cycles(g) if len(c) > MAX_ANNOTATION_CIRCLE]
+    assert wide == [], "circles of annotation imports: " + "; ".join(" <-> ".join(c) for c in wide)
+
+
+def test_no_private_name_crosses_a_folder() -> None:
+    def folder(m: str) -> str:
+        return m.split(".")[0] if m.split(".")[0] in FOLDERS else ""
+
+    bad = sorted((m, d, n) for kind in (False, True) for m, deps in _graph(kind).items()
+                 for d, names in deps.items() for n in names
+                 if n.startswith("_") and not n.startswith("__") and folder(m) != folder(d))
+    assert bad == [], "private names imported from another folder: " + ", ".join(
+        f"{m} takes {n} from {d}" for m, d, n in bad)

@@ -1,4 +1,4 @@
-"""xinsitu.loader.BatchGenerator: its length, batch ids, slices of an epoch and its state."""
+"""xinsitu.batches.generator.BatchGenerator: its length, batch ids, slices of an epoch and its state."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import xarray as xr
 
 import xinsitu
-from xinsitu.loader import BatchGenerator
+from xinsitu.batches.generator import BatchGenerator
 
 NT = 37
 

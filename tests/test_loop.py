@@ -1,4 +1,4 @@
-"""The I/O loop's façade (``xinsitu._loop``): results and errors come back to the caller's thread,
+"""The I/O loop's façade (``xinsitu.io.loop``): results and errors come back to the caller's thread,
 every wait is bounded, and a forked child gets a loop of its own and the fork policy."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from tests.support.forked import in_fork
-from xinsitu import _loop
+from xinsitu.io import loop as _loop
 
 
 def test_run_returns_the_result_computed_on_the_loop_thread():
@@ -122,7 +122,7 @@ left = {}
 atexit.register(lambda: print("native left at exit:", left["loop"]._native, round(time.monotonic() - left["t"], 2),
                               flush=True))
 import xinsitu
-from xinsitu import _loop
+from xinsitu.io import loop as _loop
 left["loop"] = _loop
 ds = xinsitu.open_zarr(sys.argv[1])
 m = ds.insitu.split("time", fractions={"train": 0.8, "val": 0.2})

@@ -1,4 +1,4 @@
-"""The split record and its compact encodings (``xinsitu.manifest``): runs of block ids, runs of
+"""The split record and its compact encodings (``xinsitu.index.manifest``): runs of block ids, runs of
 equal steps, and the manifest's JSON round trip (hypothesis where the math is)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import xinsitu  # noqa: F401 - registers ds.insitu
-from xinsitu.manifest import Blocks, SplitManifest, decode_steps, encode_steps
+from xinsitu.index.manifest import Blocks, SplitManifest, decode_steps, encode_steps
 from xinsitu.synthetic import era5_like
 
 id_lists = st.lists(st.integers(0, 200), max_size=60)

@@ -16,10 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import xinsitu
-import xinsitu.manifest as manifest_module
+import xinsitu.index.manifest as manifest_module
 from tests.conftest import CT, NT
-from xinsitu.geometry import chunk_breaks, common_edges, geometry_of
-from xinsitu.manifest import (
+from xinsitu.index.geometry import chunk_breaks, common_edges, geometry_of
+from xinsitu.index.manifest import (
     Blocks,
     SplitManifest,
     _decode_owner,
@@ -29,8 +29,8 @@ from xinsitu.manifest import (
     fingerprint_of,
     fingerprint_v1,
 )
-from xinsitu.source import resolve
-from xinsitu.split import contiguous_split, random_split
+from xinsitu.index.source import resolve
+from xinsitu.index.split import contiguous_split, random_split
 
 FR = {"train": 0.8, "val": 0.1, "test": 0.1}
 
@@ -246,7 +246,7 @@ def test_geometry_of_a_regular_grid_needs_no_per_chunk_array(era5_path):
 
 
 def test_geometry_is_computed_once_per_dataset(era5_path, monkeypatch):
-    import xinsitu.geometry as geo
+    import xinsitu.index.geometry as geo
 
     calls = []
     real = geo.geometry_of
@@ -336,8 +336,8 @@ def test_manifest_on_coarser_or_other_grid_is_refused(era5_path, refined_path, t
        st.integers(1, 7), st.booleans(), st.booleans())
 def test_epoch_size_equals_the_plan(counts, equal, world_size, data, batch_size, drop_last, shuffle):
     """``epoch_size`` (what ``len(gen)`` and the repr use) is the plan's, wherever it answers."""
-    from xinsitu.plan import epoch_plan, epoch_size
-    from xinsitu.sampling import SampleDim, SampleSpace
+    from xinsitu.index.plan import epoch_plan, epoch_size
+    from xinsitu.index.sampling import SampleDim, SampleSpace
 
     if equal:
         counts = [counts[0] or 1] * len(counts)
@@ -381,7 +381,7 @@ def _encode_steps_whole(values):
 @settings(max_examples=300, deadline=None)
 @given(steps=st.lists(st.integers(0, 3), max_size=40), block=st.integers(1, 6))
 def test_steps_in_blocks_are_the_steps_of_the_whole(steps, block):
-    import xinsitu.manifest as man
+    import xinsitu.index.manifest as man
 
     v = np.cumsum([0, *steps]).astype(np.int64)
     old = man._STEP_BLOCK
@@ -395,7 +395,7 @@ def test_steps_in_blocks_are_the_steps_of_the_whole(steps, block):
 
 
 def test_regular_edges_are_one_shared_array():
-    from xinsitu.geometry import regular_edges
+    from xinsitu.index.geometry import regular_edges
 
     for start, length, c in [(0, 100, 7), (3, 100, 7), (7, 98, 7), (5, 1, 7), (0, 0, 3), (2, 5, 1)]:
         ids = (np.arange(start, start + length)) // c
@@ -415,7 +415,7 @@ def test_one_edges_array_per_grid_and_one_position_index(era5_path):
     assert m.edges["time"] is not g.edges["time"]
     gen = ds.insitu.batches(m, "train", batch_size=4, output="numpy")
     assert m.edges["time"] is g.edges["time"]  # the manifest took the Dataset's (equal) array
-    from xinsitu.geometry import dataset_geometry
+    from xinsitu.index.geometry import dataset_geometry
 
     sources, _ = dataset_geometry(ds)
     assert gen.sources["t2m"] is sources["t2m"]

@@ -1,4 +1,4 @@
-"""``xinsitu.mempool.ArrayPool``: the one way batch memory is reused. Arrays given back are handed out
+"""``xinsitu.io.mempool.ArrayPool``: the one way batch memory is reused. Arrays given back are handed out
 again (block buffers); arrays of a counted pool are handed out again only once nothing else holds them
 (stacked batches); both keep a bounded number; memory comes from ``alloc`` where given."""
 
@@ -9,10 +9,10 @@ import pickle
 import numpy as np
 
 import xinsitu
-from xinsitu import _loop
-from xinsitu.buffer import BufferLoader
-from xinsitu.mempool import ArrayPool
-from xinsitu.reader import Reader
+from xinsitu.batches.buffer import BufferLoader
+from xinsitu.io import loop as _loop
+from xinsitu.io.mempool import ArrayPool
+from xinsitu.io.reader import Reader
 
 
 def test_given_back_is_handed_out_again_per_shape_and_dtype():

@@ -21,7 +21,7 @@ from xinsitu.synthetic import era5_like, packing
 pytest.importorskip("virtualizarr", reason="the virtual extra is not installed")
 netCDF4 = pytest.importorskip("netCDF4", reason="writing NetCDF-3 files needs netCDF4")
 
-from xinsitu.netcdf3 import CODEC_NAME, parse_header  # noqa: E402
+from xinsitu.formats.netcdf3 import CODEC_NAME, parse_header  # noqa: E402
 from xinsitu.virtual import VirtualReferenceError, netcdf_store, open_netcdf  # noqa: E402
 
 NT, NY, NX = 12, 6, 10
@@ -233,7 +233,7 @@ def test_fixed_size_variables_split_along_their_first_dim(tmp_path, fmt):
 @settings(max_examples=200, deadline=None)
 @given(n=st.integers(1, 3 * 10**6))
 def test_slab_steps_divide_and_bound_the_references(n):
-    from xinsitu.netcdf3 import MAX_SLABS, slab_steps
+    from xinsitu.formats.netcdf3 import MAX_SLABS, slab_steps
 
     s = slab_steps(n)
     assert n % s == 0 and n // s <= MAX_SLABS  # full slabs, a bounded number of them
@@ -244,7 +244,7 @@ def test_slab_steps_divide_and_bound_the_references(n):
 def test_long_first_dim_in_slabs_of_several(tmp_path, monkeypatch):
     """A first dim longer than MAX_SLABS: slabs of the smallest divisor that bounds them, shared by every
     variable along it; splits cut between slabs and values still equal xarray's."""
-    import xinsitu.netcdf3 as nc3mod
+    import xinsitu.formats.netcdf3 as nc3mod
 
     monkeypatch.setattr(nc3mod, "MAX_SLABS", 5)
     f = str(tmp_path / "ei.nc")

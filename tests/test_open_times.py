@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import xinsitu
-import xinsitu.store as store_mod
+import xinsitu.stores.opening as store_mod
 
 
 def _write(path, values, attrs, *, dtype=None, fill_value=0, zarr_format=3, extra=None):
@@ -374,7 +374,7 @@ def test_past_2262_with_a_nat_marker_fails_as_in_xarray(tmp_path, spy):
 
 def test_held_warnings_are_given_where_xarray_gave_them(tmp_path):
     """The warnings of xarray's open, held and given again, keep their place (the line of
-    ``xinsitu.store`` that called xarray) and module: the user's filters apply to them as before."""
+    ``xinsitu.stores.opening`` that called xarray) and module: the user's filters apply to them as before."""
     path = _write(tmp_path / "t.zarr", _past_2262(), {**HOURS, "calendar": "noleap"})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

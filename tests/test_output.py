@@ -1,4 +1,4 @@
-"""xinsitu.output.OutputBuilder: CF decoding as xarray does it, stacking, dtypes and dims."""
+"""xinsitu.batches.output.OutputBuilder: CF decoding as xarray does it, stacking, dtypes and dims."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import xarray as xr
 import zarr
 
 import xinsitu
-from xinsitu.output import OutputBuilder
+from xinsitu.batches.output import OutputBuilder
 
 NT = 12
 

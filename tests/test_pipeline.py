@@ -1,4 +1,4 @@
-"""xinsitu.pipeline.EpochRun: batches in plan order, a clean close mid-epoch, errors delivered."""
+"""xinsitu.batches.pipeline.EpochRun: batches in plan order, a clean close mid-epoch, errors delivered."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import xarray as xr
 import zarr
 
 import xinsitu
-from xinsitu.buffer import BufferLoader
-from xinsitu.pipeline import EpochRun
-from xinsitu.reader import ChunkReadError, Reader
+from xinsitu.batches.buffer import BufferLoader
+from xinsitu.batches.pipeline import EpochRun
+from xinsitu.io.reader import ChunkReadError, Reader
 
 NT = 40
 
@@ -111,7 +111,7 @@ def test_read_ahead_fills_the_inflight_limit_within_its_bytes(far, requests, mb,
     ``READ_AHEAD_BYTES``, ``MAX_READ_AHEAD_BUFFERS`` at most; small buffers of a far store enough for
     twice the limit's requests, while they hold ``FAR_READ_AHEAD_BYTES`` at most; never shallower
     than it was (an epoch only deepens)."""
-    from xinsitu.pipeline import READ_AHEAD_BUFFERS, read_ahead_depth
+    from xinsitu.batches.pipeline import READ_AHEAD_BUFFERS, read_ahead_depth
 
     assert max(READ_AHEAD_BUFFERS, read_ahead_depth(limit, far, requests, mb * 2**20)) == depth
     assert read_ahead_depth(limit, far, 0, mb * 2**20) == 0  # every chunk from the cache: nothing in flight

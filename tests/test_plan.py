@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xinsitu import shuffle as _shuffle
-from xinsitu.plan import EpochPlan, epoch_plan, plan_head, rank_share, unit_order, worker_batches
-from xinsitu.sampling import EqualOffsets, SampleDim, SampleSpace
+from xinsitu.index import shuffle as _shuffle
+from xinsitu.index.plan import EpochPlan, epoch_plan, plan_head, rank_share, unit_order, worker_batches
+from xinsitu.index.sampling import EqualOffsets, SampleDim, SampleSpace
 
 settings.register_profile("xinsitu", max_examples=150, deadline=None, derandomize=True)
 settings.load_profile("xinsitu")
@@ -171,7 +171,7 @@ def test_a_regular_split_holds_no_per_unit_array():
 
 
 def _blocks_range(a: int, b: int):
-    from xinsitu.manifest import Blocks
+    from xinsitu.index.manifest import Blocks
 
     return Blocks.range(a, b)
 
@@ -278,7 +278,7 @@ def test_worker_batches_rejects_bad_worker():
 @given(st.integers(0, 500), st.integers(1, 200), st.integers(1, 64))
 def test_range_plan_equals_axis_plan(start, n, chunk):
     """The integer-arithmetic plan of a run of positions is the general plan of the same positions."""
-    from xinsitu.reader import _axis_plan, _range_plan
+    from xinsitu.io.reader import _axis_plan, _range_plan
 
     got = _range_plan(start, start + n, chunk)
     ref = _axis_plan(np.arange(start, start + n, dtype=np.int64), chunk)

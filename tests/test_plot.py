@@ -1,4 +1,4 @@
-"""xinsitu.plot.plot_manifest: what the drawing of a split says (on the Agg backend)."""
+"""xinsitu.repr.plot.plot_manifest: what the drawing of a split says (on the Agg backend)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import xarray as xr
 
 import xinsitu
-from xinsitu.plot import plot_manifest
+from xinsitu.repr.plot import plot_manifest
 
 mpl = pytest.importorskip("matplotlib")
 mpl.use("Agg")

@@ -10,7 +10,7 @@ import pytest
 
 import xinsitu
 from tests.conftest import CT
-from xinsitu.shuffle import quality
+from xinsitu.index.shuffle import quality
 
 VARIABLES = ["t2m", "tp"]
 

@@ -1,4 +1,4 @@
-"""xinsitu.reader: a region read equals ``ds.isel``; chunks shared by regions are read once;
+"""xinsitu.io.reader: a region read equals ``ds.isel``; chunks shared by regions are read once;
 a chunk never written reads as the fill value."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import xarray as xr
 import zarr
 
 import xinsitu
-from xinsitu import _loop
-from xinsitu.reader import Reader
-from xinsitu.source import resolve
+from xinsitu.index.source import resolve
+from xinsitu.io import loop as _loop
+from xinsitu.io.reader import Reader
 
 
 @pytest.fixture
@@ -85,9 +85,9 @@ def test_one_completion_step_takes_any_destination(path):
     values equal xarray's for that chunk; ``Reader._finish`` counts it and applies ``missing=``."""
     from pathlib import Path
 
-    from xinsitu.codecs import ChunkDecoder
-    from xinsitu.decode import DECODED, MISSING, place
-    from xinsitu.reader import ChunkReadError, Route
+    from xinsitu.codecs.cpu import ChunkDecoder
+    from xinsitu.io.place import DECODED, MISSING, place
+    from xinsitu.io.reader import ChunkReadError, Route
 
     class Recorded:  # a destination that is not a host array slot
         def __init__(self) -> None:

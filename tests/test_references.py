@@ -1,4 +1,4 @@
-"""What the virtual-store builders share (``xinsitu.references``): file arguments as URLs, the inline
+"""What the virtual-store builders share (``xinsitu.formats.references``): file arguments as URLs, the inline
 store of joined coordinates, and the read-only codec base."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from xinsitu.references import INLINE_SCHEME, _as_urls, _InlineStore, _jsonable, read_only_bytes_codec
+from xinsitu.formats.references import INLINE_SCHEME, _as_urls, _InlineStore, _jsonable, read_only_bytes_codec
 
 
 def test_paths_globs_and_urls_become_urls(tmp_path):

@@ -19,7 +19,7 @@ import zarr
 
 import xinsitu
 from tests.support.servers import Faults, FileServer, MotoS3, assert_same_epoch, epoch_numpy, write_archive
-from xinsitu.store import DEFAULT_CLIENT_OPTIONS, DEFAULT_RETRY_CONFIG, make_store
+from xinsitu.stores.opening import DEFAULT_CLIENT_OPTIONS, DEFAULT_RETRY_CONFIG, make_store
 
 BUCKET = "era5-bucket"
 KW = {"batch_size": 10, "block_chunks": 3, "output": "numpy", "seed": 7}
@@ -158,7 +158,7 @@ def test_max_inflight_bounds_requests(archive, manifest):
 
 def test_automatic_max_inflight_grows_with_latency(archive, manifest, monkeypatch):
     """max_inflight=None over a network: many requests in flight at once, never more than the cap."""
-    from xinsitu import inflight
+    from xinsitu.io import inflight
 
     monkeypatch.setattr(inflight, "AUTO_INFLIGHT", (3, 12))
     with FileServer(Path(archive).parent, Faults(latency=0.05)) as srv:
@@ -175,7 +175,7 @@ def test_automatic_max_inflight_grows_with_latency(archive, manifest, monkeypatc
 
 def test_inflight_limit_follows_littles_law():
     """Enough requests to keep the decode threads busy while each waits, twice over, within the bounds."""
-    from xinsitu.reader import AUTO_INFLIGHT, AUTO_REMOTE, InflightLimit
+    from xinsitu.io.reader import AUTO_INFLIGHT, AUTO_REMOTE, InflightLimit
 
     fast = InflightLimit(None, threads=2)
     for _ in range(20):
@@ -225,8 +225,8 @@ def test_no_dask_no_fsspec_on_the_read_path(http, manifest):
         for name in ("dask", "fsspec", "s3fs", "gcsfs", "adlfs", "upath"):  # upath needs fsspec (zarr >= 3.3)
             sys.modules[name] = None  # `import dask` now fails, find_spec("dask") is None
         import xinsitu
-        from xinsitu.backend import backend_for
-        from xinsitu.source import resolve
+        from xinsitu.stores.backend import backend_for
+        from xinsitu.index.source import resolve
         m = xinsitu.SplitManifest.from_json({manifest.to_json()!r})
         ds = xinsitu.open_zarr({http.url + "/era5.zarr"!r})
         gen = ds.insitu.batches(m, "train", batch_size=10, output="numpy")
@@ -342,8 +342,8 @@ def test_the_default_request_bound_ends_a_silent_server_s_wait(monkeypatch):
     retry timeout -- so a server that never answers ends in xinsitu's ``TimeoutError`` naming the
     object, not obstore's generic error -- and three tries end within three minutes (the bound was
     360 s a try: an open on a silent server took 724 s, then raised ``OSError``)."""
-    from xinsitu import _loop
-    from xinsitu.store_reads import FETCH_ATTEMPTS
+    from xinsitu.io import loop as _loop
+    from xinsitu.stores.reads import FETCH_ATTEMPTS
 
     monkeypatch.delenv("XINSITU_REQUEST_TIMEOUT", raising=False)
     limit = _loop.request_timeout()
@@ -366,7 +366,7 @@ def test_the_reopen_of_a_dask_selection_is_bounded_too(archive):
         import sys, time
         import xarray as xr
         from tests.support.servers import Faults, FileServer
-        from xinsitu.source import resolve
+        from xinsitu.index.source import resolve
         with FileServer({str(Path(archive).parent)!r}, max_lifetime_s=90) as srv:
             ds = xr.open_zarr(srv.url + "/era5.zarr").isel(time=[3, 40])
             ds = ds.sel(time=ds.time.values)

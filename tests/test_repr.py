@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import xinsitu
-from xinsitu import formatting as xr_repr
-from xinsitu.split import SplitManifest
+from xinsitu.index.split import SplitManifest
+from xinsitu.repr import formatting as xr_repr
 from xinsitu.synthetic import era5_like
 
 VOID = {"input", "br", "hr", "img", "meta", "link", "col", "wbr"}
@@ -225,7 +225,7 @@ def test_shuffle_quality_reads_only_the_first_blocks(era5_path: str) -> None:
     q = gen.shuffle_quality(3)
     ids = np.concatenate(gen.batch_ids())[:24]
     units = [gen.space.locate(ids[k:k + 8])[0] for k in range(0, 24, 8)]
-    from xinsitu.shuffle import quality
+    from xinsitu.index.shuffle import quality
 
     assert q == quality(units, gen.space.counts)
     assert 0 < q <= 1
@@ -239,7 +239,7 @@ mpl.use("Agg")
 def test_plot_timeline(era5_path: str) -> None:
     import matplotlib.pyplot as plt
 
-    from xinsitu.plot import plot_manifest
+    from xinsitu.repr.plot import plot_manifest
 
     m = xinsitu.open_zarr(era5_path).insitu.split("time", fractions={"train": 0.8, "val": 0.1, "test": 0.1}, gap=1)
     ax = plot_manifest(m)
@@ -261,7 +261,7 @@ def test_plot_grid_on_given_axes(ds2d) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.collections import QuadMesh
 
-    from xinsitu.plot import plot_manifest
+    from xinsitu.repr.plot import plot_manifest
 
     m = ds2d.insitu.split(["lat", "lon"], fractions={"train": 0.75, "val": 0.25}, seed=0)
     fig, ax = plt.subplots()
@@ -280,7 +280,7 @@ def test_plot_grid_on_given_axes(ds2d) -> None:
 
 
 def test_plot_refuses_three_dims() -> None:
-    from xinsitu.plot import plot_manifest
+    from xinsitu.repr.plot import plot_manifest
 
     m = SplitManifest(dims=["a", "b", "c"], sizes={"a": 4, "b": 4, "c": 4}, edges={d: [0, 2, 4] for d in "abc"},
                       splits={"x": [0, 1, 2, 3], "y": [4, 5, 6, 7]}, labels={})

@@ -264,7 +264,7 @@ def test_unit_size_is_known_from_the_grid_without_per_unit_arrays():
     """Equal units (a regular grid, the last block perhaps shorter and then not in the split) have
     stride-0 counts and arithmetic offsets; a split holding the short last block, or an irregular
     grid, is counted per unit and agrees with it."""
-    from xinsitu.sampling import EqualOffsets, SampleDim, SampleSpace
+    from xinsitu.index.sampling import EqualOffsets, SampleDim, SampleSpace
 
     def space(edges, blocks, over=1):
         dims = [SampleDim("t", int(edges[-1]), split=True)] + ([SampleDim("o", over)] if over > 1 else [])
@@ -292,8 +292,8 @@ def test_unit_size_is_known_from_the_grid_without_per_unit_arrays():
 def test_unit_blocks_index_like_the_ids(ids, data):
     """A split's block ids read from its runs (``UnitBlocks``): int, negative, slice and array indexing
     give what indexing the array of ids gives; out of range raises IndexError."""
-    from xinsitu.manifest import Blocks
-    from xinsitu.sampling import UnitBlocks
+    from xinsitu.index.manifest import Blocks
+    from xinsitu.index.sampling import UnitBlocks
 
     ids = np.array(data.draw(st.permutations(ids)), dtype=np.int64)
     ub = UnitBlocks(Blocks.from_ids(ids))
@@ -313,7 +313,7 @@ def test_a_space_of_equal_units_pickles_small():
     """A worker's copy of a space of 10^6 equal units carries no per-unit array: a few kB."""
     import pickle
 
-    from xinsitu.sampling import SampleDim, SampleSpace
+    from xinsitu.index.sampling import SampleDim, SampleSpace
 
     n = 1_000_000
     big = SampleSpace([SampleDim("t", 3 * n, split=True), SampleDim("o", 2)],

@@ -16,7 +16,7 @@ import pytest
 
 import xinsitu
 from tests.support.servers import Faults, FileServer, MotoS3, write_archive
-from xinsitu.store import make_store
+from xinsitu.stores.opening import make_store
 
 # distinctive fake credentials: any of them found in a text is a leak
 ACCESS_KEY = "AKIAXINSITULEAK7777"

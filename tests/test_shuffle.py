@@ -1,4 +1,4 @@
-"""The pure permutations of ``xinsitu.shuffle``: properties over many sizes and seeds (hypothesis)."""
+"""The pure permutations of ``xinsitu.index.shuffle``: properties over many sizes and seeds (hypothesis)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xinsitu.shuffle import buffer_permutation, neighbour_order, quality, unit_order
+from xinsitu.index.shuffle import buffer_permutation, neighbour_order, quality, unit_order
 
 sizes = st.integers(0, 500)
 seeds = st.integers(0, 2**32 - 1)
@@ -94,7 +94,7 @@ special_sizes = st.sampled_from([1, 2, 3, 4, 5, 7, 8, 16, 17, 31, 32, 33, 64, 12
 def test_units_at_is_a_bijection_of_the_units(n, seed, epoch):
     """A bijection of [0, n) for any n (1, primes, powers of two and their neighbours): every unit at
     exactly one position; evaluated at some positions it gives those positions' units of the whole."""
-    from xinsitu.shuffle import units_at
+    from xinsitu.index.shuffle import units_at
 
     whole = units_at(np.arange(n), n, seed, epoch)
     assert _is_permutation(whole, n)
@@ -110,7 +110,7 @@ def test_units_at_is_a_bijection_of_the_units(n, seed, epoch):
 @given(n=st.integers(16, 5000), seed=seeds, epoch=epochs)
 def test_units_at_differs_across_epochs_and_seeds(n, seed, epoch):
     """16+ units: two orders agree with probability below 1/16! (~5e-14)."""
-    from xinsitu.shuffle import units_at
+    from xinsitu.index.shuffle import units_at
 
     pos = np.arange(n)
     base = units_at(pos, n, seed, epoch)
@@ -121,7 +121,7 @@ def test_units_at_differs_across_epochs_and_seeds(n, seed, epoch):
 def test_units_at_refuses_positions_outside_the_units():
     import pytest
 
-    from xinsitu.shuffle import units_at
+    from xinsitu.index.shuffle import units_at
 
     with pytest.raises(IndexError):
         units_at(np.array([5]), 5, 0, 0)
@@ -132,7 +132,7 @@ def test_units_at_refuses_positions_outside_the_units():
 
 def test_units_at_is_the_same_on_every_numpy():
     """The order comes from a hash of (seed, epoch), not from a NumPy Generator's stream: pinned."""
-    from xinsitu.shuffle import units_at
+    from xinsitu.index.shuffle import units_at
 
     assert units_at(np.arange(10), 10, 0, 0).tolist() == [7, 6, 4, 8, 1, 2, 5, 3, 0, 9]
 
@@ -142,7 +142,7 @@ def test_units_at_mixes_like_a_random_permutation():
     the units of a buffer is that of a random permutation's (n/3 for uniform draws), and the number
     of units that keep their neighbour (u, u+1 at positions p, p+1) is about 1 (a random permutation's
     expectation), not a run."""
-    from xinsitu.shuffle import units_at
+    from xinsitu.index.shuffle import units_at
 
     n = 100_000
     for seed in range(3):
@@ -160,7 +160,7 @@ def test_units_at_draws_orders_alike(n):
     network): each of units 0..9 lands in each tenth of the positions about equally often."""
     from math import factorial
 
-    from xinsitu.shuffle import units_at
+    from xinsitu.index.shuffle import units_at
 
     if n > 100:
         seeds, cells = 2_000, 10
@@ -184,7 +184,7 @@ def test_units_at_draws_orders_alike(n):
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(0, 10_000), seed=seeds, epoch=epochs, data=st.data())
 def test_units_at_a_range_is_units_at_its_positions(n, seed, epoch, data):
-    from xinsitu.shuffle import units_at
+    from xinsitu.index.shuffle import units_at
 
     a = data.draw(st.integers(0, n))
     b = data.draw(st.integers(a, n))

@@ -1,4 +1,4 @@
-"""Which Icechunk snapshot a Dataset was read from (``xinsitu.snapshot``)."""
+"""Which Icechunk snapshot a Dataset was read from (``xinsitu.index.snapshot``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import xarray as xr
 import zarr
 
-from xinsitu.snapshot import snapshot_of, snapshot_of_sources, snapshot_of_store
-from xinsitu.source import resolve
+from xinsitu.index.snapshot import snapshot_of, snapshot_of_sources, snapshot_of_store
+from xinsitu.index.source import resolve
 
 icechunk = pytest.importorskip("icechunk", reason="the icechunk extra is not installed")
 

@@ -1,4 +1,4 @@
-"""Mapping a Dataset's variables back to where their values live (``xinsitu.source``): Zarr v2 and
+"""Mapping a Dataset's variables back to where their values live (``xinsitu.index.source``): Zarr v2 and
 v3 stores (with selections), memory, dask over memory, and the refusals that name the fix."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from xinsitu.source import DaskBlocks, SourceError, VarSource, resolve
+from xinsitu.index.source import DaskBlocks, SourceError, VarSource, resolve
 
 
 def _ds() -> xr.Dataset:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import xinsitu
-from xinsitu.split import SplitManifest, contiguous_split, largest_remainder, random_split
+from xinsitu.index.split import SplitManifest, contiguous_split, largest_remainder, random_split
 
 names = st.lists(st.sampled_from(["train", "val", "test", "a", "b"]), min_size=1, max_size=4, unique=True)
 

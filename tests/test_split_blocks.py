@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 import xinsitu
 from tests.test_sampling import grid_ds, run_epoch, write
 from tests.test_stats import assert_stats_close, numpy_stats
-from xinsitu.manifest import SplitManifest, decode_mask
-from xinsitu.sampling import sampling
+from xinsitu.index.manifest import SplitManifest, decode_mask
+from xinsitu.index.sampling import sampling
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +233,7 @@ def test_spatial_hold_out_on_a_grib_file(tmp_path):
     pytest.importorskip("eccodes", reason="the grib extra is not installed")
     pytest.importorskip("cfgrib", reason="the grib extra is not installed")
     from tests.test_grib import STEPS, TIMES, cfgrib, fields, with_history
-    from xinsitu.grib import write_grib
+    from xinsitu.formats.grib import write_grib
     from xinsitu.virtual import open_grib
 
     f = write_grib(tmp_path / "an.grib", fields(), TIMES, STEPS, edition=2)

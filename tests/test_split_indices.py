@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import xinsitu
-from xinsitu.manifest import Blocks, SplitManifest
-from xinsitu.split import block_edges, contiguous_split, random_split
+from xinsitu.index.manifest import Blocks, SplitManifest
+from xinsitu.index.split import block_edges, contiguous_split, random_split
 
 
 @st.composite

@@ -1,4 +1,4 @@
-"""The resumable state (``xinsitu.state``), through the generator's public ``state_dict`` /
+"""The resumable state (``xinsitu.index.state``), through the generator's public ``state_dict`` /
 ``load_state_dict``: JSON round trips, and every mismatch refused by name."""
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def test_a_batch_past_the_end_is_refused(ds, m):
 def test_a_state_of_the_earlier_shuffled_order_is_refused(ds, m):
     """Version 1 states were saved under another shuffled unit order (a NumPy permutation of every
     unit): resuming one would yield other samples than the saved run had left, so it is refused."""
-    from xinsitu.state import STATE_VERSION
+    from xinsitu.index.state import STATE_VERSION
 
     assert STATE_VERSION == 2
     state = {**_gen(ds, m).state_dict(), "version": 1, "batch": 2}

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 import xinsitu
 from tests.conftest import open_three_ways
 from xinsitu.accessor import InsituAccessor
-from xinsitu.channels import normalizer
-from xinsitu.stats import STAT_KEYS, Moments, StatsPass, chunk_moments, compute_stats
+from xinsitu.batches.stats import STAT_KEYS, Moments, StatsPass, chunk_moments, compute_stats
+from xinsitu.index.channels import normalizer
 from xinsitu.synthetic import era5_like, packing, write_era5_like
 
 RTOL = 1e-6

@@ -1,4 +1,4 @@
-"""Store construction and credential hygiene (``xinsitu.store``): URLs and paths become obstore
+"""Store construction and credential hygiene (``xinsitu.stores.opening``): URLs and paths become obstore
 stores, options are passed through or refused by name, and no message quotes a secret."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import obstore.store
 import pytest
 
 import xinsitu
-from xinsitu.redact import redact, redact_url, scrubbed, secrets_in_options, secrets_of
-from xinsitu.store import make_store
+from xinsitu.stores.opening import make_store
+from xinsitu.stores.redact import redact, redact_url, scrubbed, secrets_in_options, secrets_of
 
 
 def test_a_local_path_becomes_a_local_store(tmp_path):

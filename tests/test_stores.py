@@ -15,7 +15,7 @@ import zarr.storage
 import xinsitu
 from tests.conftest import CT, NT, NX, NY
 from tests.test_sampling import run_epoch
-from xinsitu.backend import backend_for
+from xinsitu.stores.backend import backend_for
 from xinsitu.synthetic import era5_like, packing
 
 KINDS = ["ObjectStore", "LocalStore", "FsspecStore", "MemoryStore", "obstore"]
@@ -118,7 +118,7 @@ def test_local_reads_leave_the_decode_threads_only_for_slow_disks():
     """Medians and a floor in milliseconds: a busy process whose reads wait for the GIL -- every read
     slower than every decode, as measured on a loaded 2-core machine -- keeps reading in the decode
     threads; a disk whose every read seeks sends them to obstore."""
-    from xinsitu.backend import LocalBackend
+    from xinsitu.stores.backend import LocalBackend
 
     be = LocalBackend("/nowhere", inner=None)
     n = LocalBackend.WINDOW
@@ -137,7 +137,7 @@ def test_local_reads_leave_the_decode_threads_only_for_slow_disks():
 def test_network_file_systems_are_read_with_many_requests_in_flight(monkeypatch):
     """NFS, Lustre, SMB and FUSE mounts (gcsfuse, s3fs) wait on the network for every read: obstore's
     async reads from the first chunk on; local file systems read in the decode threads."""
-    from xinsitu import backend
+    from xinsitu.stores import backend
 
     mounts = ("36 1 0:1 / / rw - ext4 /dev/vda rw\n"
               "40 36 0:2 / /data rw - nfs4 server:/export rw\n"
@@ -168,7 +168,7 @@ def test_slow_local_disk_reads_through_obstore(era5_path, monkeypatch):
     import time as _time
 
     from tests.support.servers import assert_same_epoch, epoch_numpy
-    from xinsitu.backend import LocalBackend
+    from xinsitu.stores.backend import LocalBackend
 
     ref_ds = xr.open_zarr(era5_path).load()
     m = ref_ds.insitu.split("time", fractions={"train": 0.75, "val": 0.25})

@@ -19,7 +19,7 @@ import pytest
 import xinsitu
 from tests.support.keylog import ENV, chunk_reads
 from tests.support.resume_check import epoch_records
-from xinsitu.plan import worker_batches
+from xinsitu.index.plan import worker_batches
 
 torch = pytest.importorskip("torch")
 from torch.utils.data import DataLoader  # noqa: E402

@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import xinsitu
-from xinsitu.manifest import decode_mask, encode_mask
-from xinsitu.plan import epoch_plan
-from xinsitu.sampling import SampleDim, SampleSpace, sampling
+from xinsitu.index.manifest import decode_mask, encode_mask
+from xinsitu.index.plan import epoch_plan
+from xinsitu.index.sampling import SampleDim, SampleSpace, sampling
 
 NT, NLAT, NLON = 48, 6, 5
 
@@ -327,7 +327,7 @@ def test_masked_space_properties(chunks: list[int], width: int, free: int, data:
 
 def test_pass_in_many_batches(ds: xr.Dataset, m: xinsitu.SplitManifest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Large samples are tested in smaller batches of the pass: the same mask."""
-    import xinsitu.validity as validity
+    import xinsitu.batches.validity as validity
 
     kw = {"window": {"time": 2}, "over": "lat"}
     ds.insitu.validity(m, "train", variables=["x"], **kw)

@@ -249,7 +249,7 @@ def test_virtual_references_committed_to_icechunk(days, ref, tmp_path):
     from virtualizarr import open_virtual_mfdataset
     from virtualizarr.parsers import HDFParser
 
-    from xinsitu.snapshot import snapshot_of
+    from xinsitu.index.snapshot import snapshot_of
 
     icechunk.set_logs_filter("error")
     urls = ["file://" + os.path.abspath(f) for f in days]

@@ -3,7 +3,7 @@ at most 1.15x the split's chunks): the chunk a window spills into is passed from
 reads it to the later block that needs it, not fetched twice. Batches stay bit-identical to
 xarray; the order depends only on (seed, epoch, world_size, rank): a shuffled epoch whose
 samples spill lays its chunks out so that neighbours share a block or follow each other
-(``xinsitu.shuffle.neighbour_order``)."""
+(``xinsitu.index.shuffle.neighbour_order``)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def test_windowed_epoch_reads_each_chunk_about_once(ds, name, block_chunks):
 def test_spilling_order_is_a_fresh_permutation_per_epoch(ds):
     """The neighbour-aware order is still a permutation of the units, different per (seed, epoch),
     identical for the same ones; epochs stay exactly-once across ranks."""
-    from xinsitu.shuffle import neighbour_order
+    from xinsitu.index.shuffle import neighbour_order
 
     orders = {(s, e): tuple(neighbour_order(50, 16, s, e)) for s in range(3) for e in range(3)}
     assert all(sorted(o) == list(range(50)) for o in orders.values())
@@ -66,7 +66,7 @@ def test_spilling_order_is_a_fresh_permutation_per_epoch(ds):
 
 def test_halo_entries_are_let_go(ds):
     """What a block passes on is dropped once its last taker has it: memory stays a few blocks."""
-    from xinsitu import _loop
+    from xinsitu.io import loop as _loop
 
     m = ds.insitu.split("time", fractions={"train": 1.0})
     gen = ds.insitu.batches(m, "train", batch_size=16, output="numpy", block_chunks=2, window={"time": 3})

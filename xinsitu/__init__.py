@@ -4,14 +4,14 @@
 """
 
 from xinsitu import accessor as _accessor  # noqa: F401  (registers ds.insitu)
-from xinsitu.cache import ChunkCache
-from xinsitu.dataset import InsituDataset
-from xinsitu.geometry import Geometry, VarGeometry
-from xinsitu.loader import BatchGenerator
-from xinsitu.manifest import SplitManifest
-from xinsitu.reader import ChunkReadError
-from xinsitu.source import SourceError
-from xinsitu.store import open_zarr
+from xinsitu.batches.generator import BatchGenerator
+from xinsitu.batches.mapstyle import InsituDataset
+from xinsitu.cache.chunk_cache import ChunkCache
+from xinsitu.index.geometry import Geometry, VarGeometry
+from xinsitu.index.manifest import SplitManifest
+from xinsitu.index.source import SourceError
+from xinsitu.io.reader import ChunkReadError
+from xinsitu.stores.opening import open_zarr
 
 __version__ = "0.1.0"
 __all__ = ["BatchGenerator", "ChunkCache", "ChunkReadError", "Geometry", "InsituDataset", "SourceError",

@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import xarray as xr
 
-from xinsitu.cache import ChunkCache
-from xinsitu.geometry import Geometry, dataset_geometry
-from xinsitu.loader import BatchGenerator
-from xinsitu.manifest import SplitManifest
-from xinsitu.split import make_split
+from xinsitu.batches.generator import BatchGenerator
+from xinsitu.cache.chunk_cache import ChunkCache
+from xinsitu.index.geometry import Geometry, dataset_geometry
+from xinsitu.index.manifest import SplitManifest
+from xinsitu.index.split import make_split
 
 if TYPE_CHECKING:
-    from xinsitu.dataset import InsituDataset
+    from xinsitu.batches.mapstyle import InsituDataset
 
 
 def listed_unordered(ds: xr.Dataset) -> bool:
@@ -253,9 +253,9 @@ class InsituAccessor:
         -------
         dict
             ``{"split": ..., "channels": [...], "variables": [...], var: {"mean", "std", "min", "max",
-            "nan_count", "count", ...}}``; see ``xinsitu.stats.compute_stats``.
+            "nan_count", "count", ...}}``; see ``xinsitu.batches.stats.compute_stats``.
         """
-        from xinsitu.stats import compute_stats
+        from xinsitu.batches.stats import compute_stats
 
         st = compute_stats(self._ds, manifest, split, self._variables(manifest, variables),
                            block_chunks=block_chunks, max_inflight=max_inflight, cache=cache, stack=stack)
@@ -300,7 +300,7 @@ class InsituAccessor:
         dict
             ``{"split", "valid", "total", "where", "sampling"}``: how many samples are valid of how many.
         """
-        from xinsitu.validity import compute_validity
+        from xinsitu.batches.validity import compute_validity
 
         return compute_validity(self._ds, manifest, split, where, self._variables(manifest, variables),
                                 window=window, patch=patch, stride=stride, over=over, block_chunks=block_chunks,
@@ -319,7 +319,7 @@ class InsituAccessor:
         from the end); ``d.__getitems__(indices)`` -- what ``DataLoader(d, batch_size=B,
         sampler=...)`` calls -- reads a whole batch in one pass, each chunk once per call, and the
         default ``collate_fn`` stacks it into the batch :meth:`batches` would give for the same
-        samples (``collate_fn=xinsitu.dataset.collate`` hands that batch on as it is). Values are
+        samples (``collate_fn=xinsitu.batches.mapstyle.collate`` hands that batch on as it is). Values are
         bit-identical to ``ds.isel(...)``. A torch ``Dataset`` where torch is installed; workers
         work under spawn/forkserver, and under fork for a local archive.
 
@@ -333,7 +333,7 @@ class InsituAccessor:
             What a sample is, as for :meth:`batches` (``variables`` also gives the channel order).
         output : {"numpy", "torch", "xarray", "dataarray", "cupy"}, default "numpy"
             The kind of ``d[i]`` and of a batch; "numpy" or "torch" for the default ``collate_fn``
-            (xarray outputs need ``collate_fn=xinsitu.dataset.collate``).
+            (xarray outputs need ``collate_fn=xinsitu.batches.mapstyle.collate``).
         stack : bool or list of str, default False
             One array per sample with the variables as channels (``d.channels``), as for
             :meth:`batches` (``["level"]`` folds that dim into ``{var}_{label}`` channels).
@@ -350,9 +350,9 @@ class InsituAccessor:
 
         Returns
         -------
-        xinsitu.dataset.InsituDataset
+        xinsitu.batches.mapstyle.InsituDataset
         """
-        from xinsitu.dataset import InsituDataset
+        from xinsitu.batches.mapstyle import InsituDataset
 
         return InsituDataset(self._ds, manifest, split, window=window, patch=patch, stride=stride, over=over,
                              variables=self._variables(manifest, variables), output=output, stack=stack,

@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from xinsitu import __version__
-from xinsitu import formatting as _repr
-from xinsitu.source import CONSOLIDATED_WARNING
+from xinsitu.index.source import CONSOLIDATED_WARNING
+from xinsitu.repr import formatting as _repr
 
 DEFAULT_FRACTIONS = {"train": 0.8, "val": 0.1, "test": 0.1}
 
@@ -186,7 +186,7 @@ def _open(args: argparse.Namespace) -> Any:
     ``args.code``, the line of Python that opens it, and ``args.in_place``, whether they are files read in
     place (NetCDF or GRIB)."""
     import xinsitu
-    from xinsitu.store import opened_consolidated
+    from xinsitu.stores.opening import opened_consolidated
 
     paths = _paths(args.url)
     kinds = {p: file_kind(p) for p in paths}
@@ -455,8 +455,8 @@ def raw_pass(keys: list[tuple[Any, str]], max_inflight: int) -> dict[str, Any]:
     dict
         ``objects``, ``missing``, ``bytes``, ``seconds``, ``mb_per_s``, ``requests_per_s``.
     """
-    from xinsitu import _loop
-    from xinsitu.backend import backend_for
+    from xinsitu.io import loop as _loop
+    from xinsitu.stores.backend import backend_for
 
     backends: dict[int, Any] = {}
 
@@ -527,9 +527,9 @@ def verdict(raw: dict[str, Any] | None, io: dict[str, Any], batch_size: int, ste
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """``xinsitu bench URL``: raw fetch pass, then the loader over the same chunk blocks."""
-    from xinsitu.manifest import Blocks
-    from xinsitu.reader import AUTO_INFLIGHT
-    from xinsitu.split import SplitManifest
+    from xinsitu.index.manifest import Blocks
+    from xinsitu.index.split import SplitManifest
+    from xinsitu.io.reader import AUTO_INFLIGHT
 
     ds = _open(args)
     if args.manifest:
@@ -621,8 +621,8 @@ def doctor() -> dict[str, str]:
     """What ``python -m xinsitu doctor`` reports: versions ("-" where not installed), CUDA and the decode path."""
     import platform
 
-    from xinsitu.codecs import decode_path
-    from xinsitu.gpu_decode import gpu_status
+    from xinsitu.codecs.cpu import decode_path
+    from xinsitu.codecs.gpu import gpu_status
 
     out = {"python": f"{platform.python_version()} ({platform.system()} {platform.machine()})",
            "xinsitu": __version__}

@@ -2,8 +2,8 @@
 
 VirtualiZarr's HDF parser turns one file into a ``ManifestStore``: zarr metadata plus,
 for every chunk, where its bytes lie in the original file (path, offset, length). NetCDF-3
-files get theirs from their header (:mod:`xinsitu.netcdf3`), GRIB files one chunk per message
-(:mod:`xinsitu.grib`, :func:`open_grib`).
+files get theirs from their header (:mod:`xinsitu.formats.netcdf3`), GRIB files one chunk per message
+(:mod:`xinsitu.formats.grib`, :func:`open_grib`).
 :func:`netcdf_store` joins the stores of many files along one dimension into one store,
 after checking that they can be joined (same chunks, codecs and CF packing; a message
 names the file and the variable where they cannot), so that ``xinsitu.open_zarr(store)``
@@ -13,7 +13,7 @@ Coordinates along the joined dimension (``time``, which xarray-written files eac
 with their own units) are read once, decoded, joined, encoded again and kept inline (in
 memory, a few bytes per step); the data variables stay in the files.
 
-:class:`xinsitu.virtual_backend.ManifestBackend` (I/O, so it lives there) is how xinsitu fetches the
+:class:`xinsitu.stores.virtual_store.ManifestBackend` (I/O, so it lives there) is how xinsitu fetches the
 chunks of such a store: byte ranges of the original files straight
 through obstore; on object storage the ranges of one file asked
 for in the same turn of the event loop go out as one ``get_ranges`` request (obstore merges
@@ -35,16 +35,16 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from xinsitu.compat_virtualizarr import chunk_shape, concat_manifests, hdf5_variable_manifest, manifest_group
-from xinsitu.redact import secrets_of
-from xinsitu.references import (
+from xinsitu.compat.virtualizarr_api import chunk_shape, concat_manifests, hdf5_variable_manifest, manifest_group
+from xinsitu.formats.references import (
     PARSE_THREADS,
     _as_urls,
     _check_decodable,
     _InlineCoords,
     _registry_for,
 )
-from xinsitu.virtual_backend import (  # noqa: F401 - ManifestBackend, is_manifest_store: re-exported
+from xinsitu.stores.redact import secrets_of
+from xinsitu.stores.virtual_store import (  # noqa: F401 - ManifestBackend, is_manifest_store: re-exported
     ManifestBackend,
     VirtualReferenceError,
     _file_error,
@@ -104,7 +104,7 @@ def _parse(url: str, registry: Any, group: str | None, drop: list[str], concat_d
     """One file -> its ManifestStore; failures name the file and, where one is to blame, the variable."""
     from virtualizarr.parsers import HDFParser
 
-    from xinsitu import netcdf3
+    from xinsitu.formats import netcdf3
 
     read, head, size = _head(url, registry)
     if netcdf3.is_netcdf3(head):  # classic / 64-bit offset / CDF-5: byte ranges from the header
@@ -135,7 +135,7 @@ def _typed_packing(store: Any, url: str, registry: Any, group: str | None) -> An
     from obspec_utils.readers import BlockStoreReader
     from virtualizarr.manifests import ManifestGroup, ManifestStore
 
-    from xinsitu.netcdf3 import typed_packing
+    from xinsitu.formats.netcdf3 import typed_packing
 
     obs, path = registry.resolve(url)
     try:
@@ -265,7 +265,7 @@ def netcdf_store(paths: str | os.PathLike | Iterable[str | os.PathLike], *, conc
     group : HDF5 group to read (default: the root).
     drop_variables : variables to leave out (e.g. one compressed with a filter zarr cannot decode).
     registry : an ``obspec_utils.registry.ObjectStoreRegistry`` resolving the URLs; by default one
-        is built (``file://`` for local paths, ``xinsitu.store.make_store`` with ``store_options``
+        is built (``file://`` for local paths, ``xinsitu.stores.opening.make_store`` with ``store_options``
         for ``s3://``, ``gs://``, ``https://``...).
 
     Returns
@@ -386,7 +386,7 @@ def open_netcdf(paths: str | os.PathLike | Iterable[str | os.PathLike], *, conca
     (values, CF decoding, coordinates and attributes of the first file), without dask and without
     copying the data. See :func:`netcdf_store` for the arguments.
     """
-    from xinsitu.store import open_zarr
+    from xinsitu.stores.opening import open_zarr
 
     store = netcdf_store(paths, concat_dim=concat_dim, group=group, drop_variables=drop_variables,
                          registry=registry, **store_options)
@@ -396,19 +396,19 @@ def open_netcdf(paths: str | os.PathLike | Iterable[str | os.PathLike], *, conca
 
 
 def grib_store(paths: str | os.PathLike | Iterable[str | os.PathLike], **kwargs: Any) -> Any:
-    """One virtual Zarr store over GRIB files, one message per chunk: see :func:`xinsitu.grib.grib_store`."""
+    """One virtual Zarr store over GRIB files, one message per chunk: see :func:`xinsitu.formats.grib.grib_store`."""
     with needs_extra("grib", "reading GRIB files in place"):
-        from xinsitu.grib import grib_store as _grib_store
+        from xinsitu.formats.grib import grib_store as _grib_store
 
         return _grib_store(paths, **kwargs)
 
 
 def open_grib(paths: str | os.PathLike | Iterable[str | os.PathLike], **kwargs: Any) -> xr.Dataset:
-    """GRIB files (editions 1 and 2) as one lazy Dataset read in place: see :func:`xinsitu.grib.open_grib`.
+    """GRIB files (editions 1 and 2) as one lazy Dataset read in place: see :func:`xinsitu.formats.grib.open_grib`.
 
     Equals ``xr.open_dataset(path, engine="cfgrib")`` (names, coordinates, attributes, values).
     """
     with needs_extra("grib", "reading GRIB files in place"):
-        from xinsitu.grib import open_grib as _open_grib
+        from xinsitu.formats.grib import open_grib as _open_grib
 
         return _open_grib(paths, **kwargs)

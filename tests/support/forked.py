@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from xinsitu import _loop
+from xinsitu.io import loop as _loop
 
 
 def in_fork(check: Callable[[], bool], refused: Callable[[], object]) -> tuple[bool, str]:

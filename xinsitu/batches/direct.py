@@ -1,0 +1,349 @@
+"""Batches filled in place, with no shuffle buffer: ``DirectLoader``.
+
+Where every unit of a split (its chunk block) is one sample -- one position along each split dim,
+no window, tile or ``over`` dim: one time step per chunk, as GRIB messages and ARCO-ERA5 keep them
+-- the permutation of the units is already a global shuffle (SPEC §5), and a buffer of chunk blocks
+would only add a copy. Each sample's chunks are then decoded straight into their place in the batch:
+a variable's channel slice of the stacked array (``OutputBuilder.value_view``), or its row of the
+variable's array. Variables whose raw values need work first (CF decoding, normalising, a cast to
+``dtype=``) are decoded into a raw array of the batch and converted in one pass into place, in the
+decode threads. Variables without a split dim are read once and copied (stacked) or handed out
+read-only (per variable) in every batch.
+
+The order of the samples is the plan's (``EpochPlan``): the same batches as the buffered path.
+
+On the GPU path (SPEC §4 "GPU") the same shape is filled on the device (``DeviceDirectLoader``): a
+sample's chunks decoded by nvCOMP straight into their place in a device batch, with no device buffer
+and no gather.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from xinsitu.batches.output import OutputBuilder
+from xinsitu.codecs.gpu import GpuChain, GpuPathError, chain_on_gpu
+from xinsitu.index.plan import EpochPlan
+from xinsitu.index.sampling import SampleSpace, VarLayout
+from xinsitu.io.mempool import ArrayPool
+from xinsitu.io.reader import GpuRead, Reader
+
+#: a conversion into place is split into this many rows' worth of bytes per decode-thread job at least
+CONVERT_JOB_BYTES = 4 << 20
+
+
+@dataclass
+class Filled:
+    """Batch ``i`` of a plan, read into place: its sample ids, their start positions along the
+    sampled dims, and its values (the stacked array, or ``{var: array}``)."""
+
+    i: int
+    ids: np.ndarray
+    starts: np.ndarray
+    values: Any
+
+
+def direct_reason(space: SampleSpace, layouts: dict[str, VarLayout], builder: OutputBuilder) -> str | None:
+    """Why batches of this sample space need a shuffle buffer (None: they do not, ``DirectLoader``)."""
+    if space.free_dims:
+        return f"several samples per chunk block (dims {[d.name for d in space.free_dims]} are sampled too)"
+    if any(d.width > 1 for d in space.split_dims):
+        return "windows span several positions"
+    for e in space.edges:
+        if len(e) > 1 and int(np.diff(e).max()) > 1:
+            return "several samples per chunk block"
+    for name, lay in layouts.items():
+        if not lay.static and not all(d.name in lay.src.dims for d in space.split_dims):
+            return f"variable {name!r} lacks a split dim"
+        if lay.static and builder.stack and not set(builder.base_dims) <= set(lay.src.dims):
+            return f"variable {name!r} is broadcast along dims it lacks"
+    return None
+
+
+class DirectLoader:
+    """Reads the batches of a plan straight into place (see the module); the I/O loop's side of a
+    ``pipeline.DirectRun``."""
+
+    def __init__(self, space: SampleSpace, layouts: dict[str, VarLayout], reader: Reader, builder: OutputBuilder):
+        self.space, self.layouts, self.reader, self.builder = space, layouts, reader, builder
+        self.n_split = len(space.split_dims)
+        self._raw = ArrayPool(keep=2)  # raw arrays of variables converted into place
+        self._static: asyncio.Future[dict[str, np.ndarray]] | None = None
+        # a variable's batch layout (sample, *output dims) -> its own dim order (split dims of length 1)
+        self._to_var: dict[str, tuple[int, ...]] = {}
+        for name, lay in layouts.items():
+            if lay.static:
+                continue
+            have = [d.name for d in space.split_dims] + list(lay.out_dims)
+            self._to_var[name] = tuple(have.index(d) for d in lay.src.dims)
+
+    # ------------------------------------------------------------------ which samples
+    def batch_ids(self, plan: EpochPlan, i: int) -> np.ndarray:
+        """Global sample ids of batch ``i`` of ``plan``, in the order it yields them."""
+        a, b = plan.batch_span(i)
+        parts = []
+        for j in plan.buffers_of(a, b):
+            off = int(plan.buffer_offsets[j])
+            ids = plan.buffer_order(j, self.space.offsets)
+            parts.append(ids[max(a, off) - off:min(b, int(plan.buffer_offsets[j + 1])) - off])
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def starts_of(self, ids: np.ndarray) -> np.ndarray:
+        """Each sample's position along the split dims, shape (n, split dims)."""
+        sp = self.space
+        units, _ = sp.locate(ids)
+        blocks = np.asarray(sp.blocks[units], dtype=np.int64)
+        coords = np.unravel_index(blocks, sp.grid)
+        return np.stack([sp.edges[k][c] for k, c in enumerate(coords)], axis=1).astype(np.int64)
+
+    # ------------------------------------------------------------------ reading
+    async def load(self, plan: EpochPlan, i: int) -> Filled:
+        """Batch ``i`` of ``plan`` read into a new batch's arrays (every chunk once)."""
+        ids = self.batch_ids(plan, i)
+        starts = self.starts_of(ids)
+        n = len(ids)
+        b = self.builder
+        batch = b.empty_batch(n)
+        names = [d.name for d in self.space.split_dims]
+        rows = starts.tolist()
+        regions = [{d: (p, p + 1) for d, p in zip(names, row, strict=True)} for row in rows]
+        jobs, raws = [], {}
+        for name, lay in self.layouts.items():
+            if lay.static:
+                continue
+            perm = self._to_var[name]
+            if b.converts(name):  # raw values first, converted into place below
+                shape = [n] + [1] * self.n_split + [lay.src.shape[lay.src.dims.index(d)] for d in lay.out_dims]
+                raw = raws[name] = self._raw.take(shape, lay.src.raw_dtype)
+                dests = [raw[k].transpose(perm) for k in range(n)]
+            else:
+                view = b.value_view(batch, name, slice(None))
+                view = view.reshape(n, *([1] * self.n_split), *view.shape[1:]) if self.n_split != 1 else view[:, None]
+                dests = [view[k].transpose(perm) for k in range(n)]
+            jobs.append(self._read(lay, regions, dests))
+        try:
+            await asyncio.gather(*jobs)
+            if raws:
+                await self._convert(batch, raws)
+        finally:
+            for raw in raws.values():
+                self._raw.give_back(raw)
+        static = await self._static_values()
+        if isinstance(batch, dict):
+            batch.update(static)
+        elif static:
+            for name, values in static.items():  # broadcast into the stacked batch's channels
+                b.value_view(batch, name, slice(None))[...] = values
+        return Filled(i, ids, starts, batch)
+
+    async def _read(self, lay: VarLayout, regions: list[dict[str, tuple[int, int]]], dests: list[np.ndarray]) -> None:
+        """One variable's samples read into ``dests`` (views in its own dim order): whole chunks decoded
+        straight in, else as regions."""
+        reader, src = self.reader, lay.src
+        coords = [reader.whole_chunk(src, r) for r in regions]
+        if all(c is not None for c in coords) and all(d.flags.c_contiguous for d in dests):
+            await reader.read_slots(src, coords, dests, regions)  # type: ignore[arg-type]
+        else:
+            await reader.read_many(src, list(zip(regions, dests, strict=True)))
+
+    async def _convert(self, batch: Any, raws: dict[str, np.ndarray]) -> None:
+        """Raw values CF-decoded, normalised and cast into place, in the decode threads (rows in shares)."""
+        jobs = []
+        loop = asyncio.get_running_loop()
+        for name, raw in raws.items():
+            raw = raw.reshape(raw.shape[0], *raw.shape[1 + self.n_split:])  # (sample, *output dims)
+            step = max(1, CONVERT_JOB_BYTES // max(1, raw[0].nbytes))
+            for a in range(0, len(raw), step):
+                jobs.append(loop.run_in_executor(None, self._convert_rows, batch, name, raw, slice(a, a + step)))
+        await asyncio.gather(*jobs)
+
+    def _convert_rows(self, batch: Any, name: str, raw: np.ndarray, rows: slice) -> None:
+        values = self.builder.decode({name: raw[rows]}, cast=False)[name]
+        np.copyto(self.builder.value_view(batch, name, rows), values, casting="unsafe")
+
+    async def _static_values(self) -> dict[str, np.ndarray]:
+        """Variables without a split dim, read once: their output values (every batch hands out the same
+        array, read-only: ``OutputBuilder.assemble``; a stacked batch copies them into its channels)."""
+        got = self._static
+        if got is None or (got.done() and (got.cancelled() or got.exception() is not None)):
+            got = self._static = asyncio.ensure_future(self._read_static())
+        return await asyncio.shield(got)
+
+    async def _read_static(self) -> dict[str, np.ndarray]:
+        static = {n: lay for n, lay in self.layouts.items() if lay.static}
+        arrs = await asyncio.gather(*(self.reader.read(lay.src, {}) for lay in static.values()))
+        return self.builder.decode(dict(zip(static, arrs, strict=True)), cast=not self.builder.stack)
+
+    def recycle(self, item: Filled) -> None:
+        """Nothing to give back: a batch's arrays are its own (``OutputBuilder.arrays`` takes them back
+        once nothing holds them)."""
+
+    def output(self, item: Filled) -> Any:
+        """Batch ``item`` as the output's kind, on the host (``transform=`` and a device copy come after)."""
+        return self.builder.assemble(item.values, item.starts)
+
+
+class DeviceDirectLoader(DirectLoader):
+    """``DirectLoader`` on the GPU path (SPEC §4 "GPU"): the batch is made in device memory and each
+    sample's chunks are decoded on the device straight into their place in it -- a variable's channel
+    slice of the stacked array, or its row -- with no device buffer and no gather: the chunks of every
+    variable of the batch in one ``Reader.read_gpu`` (one transfer, one batched call per compressor).
+
+    A variable whose raw values need work first (CF decoding, normalising, a cast), or whose place in the
+    batch is not laid out as its chunk is, is decoded into a raw device array and converted on the device
+    into place (``OutputBuilder.device_value``); the first batch's conversions are checked bit for bit
+    against the host's, and where they differ, that is said once and they run on the host from then on.
+    A variable on the CPU path (a codec chain nvCOMP cannot decode; with ``decode='auto'``, one whose first
+    buffer decoded faster by the CPU path; one whose chain failed its check on first use) is read as
+    ``DirectLoader`` reads it, converted on the host and copied over. ``on_gpu``: the variables whose chunks
+    go to the device (``BufferLoader.on_gpu``, shared); ``tier``: the device cache tier, if any."""
+
+    def __init__(self, space: SampleSpace, layouts: dict[str, VarLayout], reader: Reader, builder: OutputBuilder,
+                 gpu: Any, on_gpu: dict[str, GpuChain], tier: Any = None, follow_verdicts: bool = False):
+        super().__init__(space, layouts, reader, builder)
+        self.gpu, self.on_gpu, self.tier, self.follow_verdicts = gpu, on_gpu, tier, follow_verdicts
+        self._checked = False  # the first batch's conversions on the device were checked
+        self._host_convert = False  # they failed that check: converted on the host from then on
+        self._inv = {n: tuple(int(i) for i in np.argsort(p)) for n, p in self._to_var.items()}
+
+    async def load(self, plan: EpochPlan, i: int) -> Filled:
+        """Batch ``i`` of ``plan`` read into a new device batch (every chunk once)."""
+        ids = self.batch_ids(plan, i)
+        starts = self.starts_of(ids)
+        n = len(ids)
+        b, gpu, reader = self.builder, self.gpu, self.reader
+        batch = b.device_empty_batch(n)
+        names = [d.name for d in self.space.split_dims]
+        regions = [{d: (p, p + 1) for d, p in zip(names, row, strict=True)} for row in starts.tolist()]
+        reads: list[tuple[str, GpuRead]] = []
+        raws: dict[str, Any] = {}  # device raw arrays (n, *chunk shape) to convert into place
+        hosts: dict[str, np.ndarray] = {}  # host raw arrays of variables read the CPU way
+        jobs = []
+        for name, lay in self.layouts.items():
+            if lay.static:
+                continue
+            src = lay.src
+            chain = chain_on_gpu(self.on_gpu, name, gpu, self.follow_verdicts)
+            coords = [reader.whole_chunk(src, r) for r in regions] if chain is not None else []
+            if chain is None or any(c is None for c in coords):
+                jobs.append(self._on_host(name, regions, hosts))
+                continue
+            dests = None if b.converts(name) else self._in_place(batch, name, n)
+            if dests is None:
+                raw = raws[name] = gpu.new((n, *src.chunk_shape), src.raw_dtype)
+                dests = [raw[k] for k in range(n)]
+            read = GpuRead(src, coords, dests, chain)  # type: ignore[arg-type]
+            if chain.gpu:
+                reads.append((name, read))
+            else:  # decoded on the host, kept in the device tier
+                jobs.append(self._kept(name, read, regions, raws, hosts))
+        if reads:
+            jobs.append(self._decode(reads, regions, raws, hosts))
+        try:
+            await asyncio.gather(*jobs)
+            static = await self._static_values()
+            await asyncio.get_running_loop().run_in_executor(None, self._convert_all, batch, n, raws, hosts, static)
+        finally:
+            for raw in hosts.values():
+                self._raw.give_back(raw)
+        return Filled(i, ids, starts, batch)
+
+    def _in_place(self, batch: Any, name: str, n: int) -> list[Any] | None:
+        """Each sample's place of variable ``name`` in the device batch, in the chunk's layout (decoded
+        straight into), else None (it is not laid out as the chunk is)."""
+        view = self.builder.value_view(batch, name, slice(None))
+        view = view.reshape(n, *([1] * self.n_split), *view.shape[1:]) if self.n_split != 1 else view[:, None]
+        perm = self._to_var[name]
+        first = view[0].transpose(perm)
+        if not first.flags.c_contiguous or tuple(first.shape) != tuple(self.layouts[name].src.chunk_shape):
+            return None
+        return [first] + [view[k].transpose(perm) for k in range(1, n)]
+
+    async def _on_host(self, name: str, regions: list[dict[str, tuple[int, int]]],
+                       hosts: dict[str, np.ndarray]) -> None:
+        """Variable ``name``'s samples read the CPU way into a host raw array (``DirectLoader._read``)."""
+        lay, n = self.layouts[name], len(regions)
+        shape = [n] + [1] * self.n_split + [lay.src.shape[lay.src.dims.index(d)] for d in lay.out_dims]
+        raw = hosts[name] = self._raw.take(shape, lay.src.raw_dtype)
+        perm = self._to_var[name]
+        await self._read(lay, regions, [raw[k].transpose(perm) for k in range(n)])
+
+    async def _decode(self, reads: list[tuple[str, GpuRead]], regions: list[dict[str, tuple[int, int]]],
+                      raws: dict[str, Any], hosts: dict[str, np.ndarray]) -> None:
+        """The GPU variables' chunks decoded on the device together; a variable whose chain fails its check
+        on first use says so once, and is read the CPU way from then on (this batch's too)."""
+        failed = await self.reader.read_gpu([r for _, r in reads], self.gpu, self.tier)
+        again = []
+        for name, _ in reads:
+            e = failed.get(name)
+            if e is None:
+                continue
+            if self.on_gpu.pop(name, None) is not None:
+                warnings.warn(f"xinsitu: decoding variable {name!r} on the GPU failed its check on first use "
+                              f"({e}); its chunks are decoded on the CPU from now on", RuntimeWarning, stacklevel=2)
+            raws.pop(name, None)
+            again.append(self._on_host(name, regions, hosts))
+        await asyncio.gather(*again)
+
+    async def _kept(self, name: str, read: GpuRead, regions: list[dict[str, tuple[int, int]]],
+                    raws: dict[str, Any], hosts: dict[str, np.ndarray]) -> None:
+        """A variable decoded on the host whose chunks the device cache tier keeps (``Reader.read_kept``)."""
+        try:
+            await self.reader.read_kept(read.src, read.coords, read.outs, regions, self.gpu, self.tier)
+            return
+        except GpuPathError as e:
+            if self.on_gpu.pop(name, None) is not None:
+                warnings.warn(f"xinsitu: keeping variable {name!r} in GPU memory failed its check on first use "
+                              f"({e}); it is read on the host from now on", RuntimeWarning, stacklevel=2)
+        raws.pop(name, None)
+        await self._on_host(name, regions, hosts)
+
+    def _convert_all(self, batch: Any, n: int, raws: dict[str, Any], hosts: dict[str, np.ndarray],
+                     static: dict[str, np.ndarray]) -> None:
+        """In a decode thread: the raw device arrays converted into place on the device (on the first batch
+        checked against the host), the host ones on the host and copied over, the variables without a split
+        dim copied in; the device's work done when it returns."""
+        b, gpu = self.builder, self.gpu
+        xp = gpu.xp
+        for name, raw in raws.items():
+            have = raw.transpose(0, *[1 + k for k in self._inv[name]])  # (n, split dims of 1, *output dims)
+            have = have.reshape(n, *have.shape[1 + self.n_split:])
+            view = b.value_view(batch, name, slice(None))
+            if self._host_convert:
+                xp.copyto(view, gpu.asarray(self._host_values(name, gpu.to_host(have), view.dtype)), casting="unsafe")
+                continue
+            xp.copyto(view, b.device_value(name, have), casting="unsafe")
+            if not self._checked:
+                ref = self._host_values(name, gpu.to_host(have), view.dtype)
+                got = np.ascontiguousarray(gpu.to_host(view))
+                if got.shape != ref.shape or got.tobytes() != ref.tobytes():
+                    warnings.warn(f"xinsitu: converting variable {name!r} (CF decoding, normalising, casting) on the "
+                                  "GPU failed its check on the first batch; it runs on the host from now on",
+                                  RuntimeWarning, stacklevel=2)
+                    self._host_convert = True
+                    xp.copyto(view, gpu.asarray(ref), casting="unsafe")
+        if raws:
+            self._checked = True
+        for name, raw in hosts.items():
+            view = b.value_view(batch, name, slice(None))
+            host = raw.reshape(n, *raw.shape[1 + self.n_split:])
+            xp.copyto(view, gpu.asarray(self._host_values(name, host, view.dtype)), casting="unsafe")
+        for name, values in static.items():
+            if isinstance(batch, dict):
+                batch[name] = gpu.asarray(values)  # a fresh copy per batch: a batch owns its arrays
+            else:
+                b.value_view(batch, name, slice(None))[...] = gpu.asarray(values)
+        gpu.synchronize()
+
+    def _host_values(self, name: str, raw: np.ndarray, dtype: Any) -> np.ndarray:
+        """A variable's raw host values as its output values, as ``DirectLoader`` converts them."""
+        return np.asarray(self.builder.decode({name: raw}, cast=False)[name]).astype(dtype, copy=False)
+
+    def output(self, item: Filled) -> Any:
+        """Batch ``item`` (in device memory) as arrays of the output kind."""
+        return self.builder.device_output(item.values)

@@ -1,0 +1,141 @@
+"""The torch surface: an ``IterableDataset`` over a ``BatchGenerator`` (imported lazily).
+
+Meant for ``DataLoader(ds, batch_size=None, num_workers=0)``: xinsitu already reads in
+parallel (many requests in flight on one event loop, decoding in threads), so workers
+add processes, not throughput.
+
+With ``num_workers = n > 0`` worker ``w`` yields one contiguous run of the rank's batches
+(``xinsitu.index.plan.worker_batches``) and reads only the shuffle blocks that run draws from,
+on its own event loop. The trade-off, chosen for I/O: the DataLoader yields the very
+batches of ``num_workers=0`` (same samples, same values, same ``len``, so every rank
+still yields the same number of batches), interleaved worker by worker — the order
+depends on ``n`` as well as on ``(seed, epoch, world_size, rank)``. The round-robin
+alternative (worker ``w`` takes batches ``w, w+n, ...``) keeps the serial order but
+makes every worker read every block: ``n`` times the I/O. Here only a block that a run
+boundary falls inside is read by two workers (at most ``n - 1`` blocks per epoch), and
+each worker holds its own few blocks in memory.
+
+``set_epoch`` on this dataset also reaches ``persistent_workers=True`` workers (the
+epoch lives in shared memory); calling ``gen.set_epoch`` directly does not reach them.
+Under ``fork`` a worker reads a local archive with plain file I/O, whether
+``xinsitu.open_zarr`` or ``xr.open_zarr`` opened it, even after the parent used obstore
+(which cannot run in a forked child); one that would have to call obstore or Icechunk
+(object storage, HTTP) fails at once with an error naming the fix instead of hanging
+(``xinsitu.io.loop.refuse_after_fork``). A progress bar is shown
+for ``num_workers=0`` only, and ``gen.io_stats`` counts the reads of this process only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils.data
+
+from xinsitu.index.plan import worker_batches
+from xinsitu.index.state import check_state, make_state
+from xinsitu.io import loop as _loop
+from xinsitu.stores.backend import backend_for
+
+
+class InsituIterableDataset(torch.utils.data.IterableDataset):
+    """Batches of a ``BatchGenerator`` for a torch ``DataLoader`` (use ``batch_size=None``).
+
+    Parameters
+    ----------
+    gen : BatchGenerator
+        The generator; its ``rank``/``world_size`` pick this process's share.
+
+    Notes
+    -----
+    ``state_dict``/``load_state_dict`` are what torchdata's ``StatefulDataLoader`` calls
+    (in each worker when ``num_workers > 0``). A worker's state carries its place among
+    the workers and only loads into that same worker; a state saved with
+    ``num_workers=0`` (or by ``gen.state_dict()``) loads into any number of workers.
+    """
+
+    def __init__(self, gen: Any):
+        super().__init__()
+        self.gen = gen
+        # set_epoch must reach persistent workers, which keep the copy of ``gen`` they started with
+        # (-1: never set through this dataset)
+        self._shared_epoch = torch.full((), -1, dtype=torch.int64).share_memory_()
+        self._resume: int | None = None  # next batch to yield, from a loaded state (workers)
+        self._pos: int | None = None  # next batch this worker yields (rank numbering)
+        self._iterated = False  # this copy has run an epoch in this worker process already
+
+    def __len__(self) -> int:
+        return len(self.gen)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use the order of ``epoch`` from the next iteration on, in this process and the workers."""
+        self.gen.set_epoch(epoch)
+        self._shared_epoch.fill_(int(epoch))
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Small JSON-able state (the generator's, plus the worker's place among the workers)."""
+        info = torch.utils.data.get_worker_info()
+        if info is None:
+            return self.gen.state_dict()
+        start, _ = worker_batches(len(self.gen), info.num_workers, info.id)
+        nxt = self._pos if self._pos is not None else max(start, self._resume or 0)
+        return {**make_state(self.gen, self.gen.epoch, nxt), "worker": [info.id, info.num_workers]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``: the next iteration yields the batch after the last one saved."""
+        info = torch.utils.data.get_worker_info()
+        saved = state.get("worker") if isinstance(state, dict) else None
+        here = None if info is None else [info.id, info.num_workers]
+        if saved is not None and saved != here:
+            where = "the main process (num_workers=0)" if here is None else f"worker {here[0]} of {here[1]}"
+            raise ValueError(f"state was saved by DataLoader worker {saved[0]} of {saved[1]} and cannot be "
+                             f"loaded into {where}: resume with the same num_workers (StatefulDataLoader "
+                             "does this), or save the state with num_workers=0")
+        if info is None:
+            self.gen.load_state_dict({k: v for k, v in state.items() if k != "worker"} if isinstance(state, dict)
+                                     else state)
+            self._shared_epoch.fill_(self.gen.epoch)
+            return
+        check_state(self.gen, state)
+        self.gen.set_epoch(int(state["epoch"]))
+        self._resume, self._pos = int(state["batch"]), None
+
+    # ------------------------------------------------------------------ iteration
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        if info is None:
+            return iter(self.gen)
+        # set up now, not at the first batch: StatefulDataLoader saves a worker's state as soon
+        # as it creates the iterator (a persistent worker, at the start of every epoch)
+        _check_fork(self.gen)
+        gen = self.gen
+        epoch = int(self._shared_epoch)
+        if self._iterated and epoch >= 0:  # a persistent worker: its copy of gen missed set_epoch
+            gen.set_epoch(epoch)
+        self._iterated = True
+        start, stop = worker_batches(len(gen), info.num_workers, info.id)
+        if self._resume is not None:
+            start = min(max(start, self._resume), stop)
+            self._resume = None
+        self._pos = start
+        return self._batches(start, stop)
+
+    def _batches(self, start: int, stop: int) -> Any:
+        # no bar per worker (it would mislead); the DataLoader's caller can wrap the loader in one
+        for batch in self.gen.iter_batches(start, stop, progress=False):
+            self._pos = (self._pos or 0) + 1
+            yield batch
+
+
+def _check_fork(gen: Any) -> None:
+    """Fail at once (never hang) where a forked worker would have to call obstore or Icechunk.
+
+    ``backend_for`` holds the fork policy: it gives a local archive plain file reads in a forked
+    child, whichever store opened it, and raises ``_loop.ForkError`` for anything else.
+    """
+    if not _loop.in_forked_child():
+        return
+    for src in gen.sources.values():
+        if src.stored:
+            backend_for(src.array.store)

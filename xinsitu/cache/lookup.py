@@ -1,0 +1,155 @@
+"""Chunks the cache has, put in place without a request or a decode: the reader's cache hits
+(``serve_cached`` for regions, ``take_cached`` for whole-chunk slots of a buffer). What the cache
+lacks goes on to be fetched as destinations that keep the chunk once decoded (``decode.Pieces``,
+``decode.Slot``)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from xinsitu.cache.chunk_cache import ChunkCache, ChunkKey
+from xinsitu.index.regions import Target
+from xinsitu.io.place import Pieces
+from xinsitu.io.place import plain as _plain
+from xinsitu.io.place import put_hits as _put_hits
+
+if TYPE_CHECKING:
+    from xinsitu.codecs.cpu import ChunkDecoder
+    from xinsitu.index.source import VarSource
+    from xinsitu.io.reader import Reader
+
+#: cache hits of one read copied in place on the I/O loop up to this many bytes (more: in a decode thread)
+INLINE_COPY_BYTES = 1 << 20
+
+
+async def serve_cached(reader: Reader, src: VarSource, targets: dict[tuple[int, ...], list[Target]],
+                        object_of: Any, dec: ChunkDecoder) -> dict[tuple[int, ...], Pieces]:
+    """Put the chunks the cache has in place; return the others (to fetch) as destinations that
+    hand the chunk to the cache once decoded (``decode.Pieces``).
+
+    Hits take no request, no in-flight slot and no task per chunk. The memory tier is looked up
+    here, on the I/O loop, all chunks of the read under one lock (its keys need no hashing and no
+    ``stat``: ``ChunkKey.memory_key``); its hits are copied in place here too where they are a
+    few plain copies (``INLINE_COPY_BYTES``), else in one decode-thread job. What memory lacks is
+    looked up on disk in one decode-thread job (a local chunk file's disk key needs a ``stat``,
+    an entry a file read), which also copies what it finds. ``object_of(coords)`` is the store
+    key holding chunk ``coords`` (its shard's, for a sharded array).
+    """
+    keys = _keys(reader, src)
+    if keys is None:
+        return {c: Pieces(t) for c, t in targets.items()}
+    cache = reader.cache
+    assert cache is not None
+    items = list(targets.items())
+    mkeys: list[Any] = [keys.memory_key(c) for c, _ in items]
+    disk = cache.disk is not None
+    got = cache.peek_many(mkeys, count_misses=not disk)
+    hits: list[tuple[np.ndarray, list[Target]]] = []
+    missing: list[tuple[tuple[int, ...], list[Target], Any]] = []
+    for (c, t), mk, arr in zip(items, mkeys, got, strict=True):
+        if arr is None:
+            missing.append((c, t, mk))
+        else:
+            hits.append((arr, t))
+    loop = asyncio.get_running_loop()
+    n_disk = 0
+    rest: dict[tuple[int, ...], Pieces] = {}
+    if disk and missing:
+        prefix = reader.route(src).prefix
+        n_disk, misses = await loop.run_in_executor(None, _disk_lookup_take, cache, keys, prefix, object_of,
+                                                    missing)
+        rest = {c: Pieces(t, cache, mk, dk) for c, t, mk, dk in misses}
+    else:
+        rest = {c: Pieces(t, cache, mk, None) for c, t, mk in missing}
+    if hits:
+        if _plain(hits) and len(hits) * dec.nbytes <= INLINE_COPY_BYTES:
+            _put_hits(hits)
+        else:
+            await loop.run_in_executor(None, _put_hits, hits)
+    reader._count_hits(len(hits) + n_disk, n_disk, dec.nbytes)
+    reader.counters.cache_misses += len(rest)
+    return rest
+
+
+async def take_cached(reader: Reader, src: VarSource, coords: list[tuple[int, ...]],
+                      out: np.ndarray | list[np.ndarray]) -> tuple[list[int], tuple[np.ndarray, np.ndarray] | None]:
+    """The whole chunks ``coords`` from the memory tier, for destinations ``out[i]`` of chunk
+    ``coords[i]``'s shape (``out``: a buffer with one chunk per row, or a list of arrays):
+    ``(the positions it lacks, for a read; slab)``.
+
+    The fast path of cached epochs: one lookup for all, no plan or target per chunk. Where ``out`` is a
+    buffer and the tier holds every chunk in one slab, nothing is copied: ``slab`` is ``(the slab, its
+    row of each chunk)`` and the batches are gathered from it (``out`` is left as it is). Else the
+    chunks it holds are copied into place (one copy per chunk, or all at once into a buffer where it
+    holds all), on the I/O loop when small, else in the decode threads, in shares; ``slab`` is None.
+    """
+    everything = list(range(len(coords)))
+    keys = _keys(reader, src) if reader.cache is not None and reader.cache.memory_budget else None
+    if keys is None:
+        return everything, None
+    places = reader.cache.locate_many([keys.memory_key(c) for c in coords])  # type: ignore[union-attr]
+    held = [i for i, p in enumerate(places) if p is not None]
+    if not held:
+        return everything, None
+    dec = reader._decoder(src)
+    n = len(held)
+    reader._count_hits(n, 0, dec.nbytes)
+    buffer = isinstance(out, np.ndarray)
+    if n == len(coords) and buffer:
+        slab = places[0][0]  # type: ignore[index]
+        if all(p[0] is slab for p in places):  # type: ignore[index]
+            return [], (slab, np.array([p[1] for p in places], dtype=np.int64))  # type: ignore[index]
+    chunks = [None if p is None else p[0][p[1]] for p in places]
+    if n == len(coords) and buffer and out.flags.c_contiguous:  # type: ignore[union-attr]
+        flat = out.reshape((-1,) + out.shape[2:])  # type: ignore[union-attr]
+        shares: list[Any] = [lambda: np.concatenate(chunks, axis=0, out=flat)]  # type: ignore[arg-type]
+    else:
+        k = max(1, min(n, reader.inflight.threads, n * dec.nbytes // INLINE_COPY_BYTES))
+
+        def share(part: list[int]) -> Any:
+            def copy() -> None:
+                for i in part:
+                    np.copyto(out[i], chunks[i])  # type: ignore[arg-type]
+            return copy
+        shares = [share(held[s::k]) for s in range(k)]
+    if n * dec.nbytes <= INLINE_COPY_BYTES:
+        for copy in shares:
+            copy()
+    else:
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(None, copy) for copy in shares))
+    return [i for i, p in enumerate(places) if p is None], None
+
+
+def _keys(reader: Reader, src: VarSource) -> ChunkKey | None:
+    """The cache keys of ``src``'s chunks (``Reader._chunk_keys``); None without a cache, or where its store
+    has no lasting identity: then the cache says once that it keeps nothing of it (``ChunkCache.notes``)."""
+    cache = reader.cache
+    if cache is None:
+        return None
+    keys = reader._chunk_keys(src)
+    if keys is None:
+        aa = getattr(src.array, "async_array", src.array)
+        store = aa.store_path.store if hasattr(aa, "store_path") else getattr(src.array, "store", None)
+        cache.note_uncached(f"variable {src.name!r}", store)
+    return keys
+
+
+def _disk_lookup_take(cache: ChunkCache, keys: ChunkKey, prefix: str, object_of: Any,
+                      missing: list[tuple[tuple[int, ...], list[Target], Any]]) -> tuple[int, list[Any]]:
+    """Look up on disk the chunks memory lacks and put those found in place (a decode-thread job: keys
+    of local chunk files ``stat`` them, entries are files): (disk hits, misses as (coords, targets,
+    memory key, disk key))."""
+    found, misses = [], []
+    dks = cache.disk_keys(keys, [(coords, prefix + object_of(coords)) for coords, _, _ in missing])
+    for (coords, t, mk), dk in zip(missing, dks, strict=True):
+        got = cache.get(mk, disk_key=dk)
+        if got is None:
+            misses.append((coords, t, mk, dk))
+        else:
+            found.append((got, t))
+    _put_hits(found)
+    return len(found), misses

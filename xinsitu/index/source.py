@@ -1,0 +1,440 @@
+"""Map each data variable of an ``xr.Dataset`` back to where its values live.
+
+A variable is either *stored* (a zarr array, plus, per dimension of that array, the
+positions the Dataset's selection took) or *in memory* (a numpy array plus a chunk
+grid), or *read through dask* (a dask array over files that are not Zarr, e.g.
+``xr.open_dataset(nc, chunks=...)`` or ``xr.open_mfdataset``: its dask chunks set the
+grid, and a read computes only the dask chunks it touches, ``DaskBlocks``). Nothing
+here reads data, except the small index coordinates needed to map a dask-backed
+selection back to its Zarr store.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import xarray as xr
+
+from xinsitu.index.channels import CF_KEYS
+from xinsitu.index.xr_adapter import (
+    IN_MEMORY,
+    LAZY,
+    LAZY_VECTORIZED,
+    is_zarr_wrapper,
+    lazy_key,
+    variable_data,
+    zarr_array_of,
+)
+
+#: dask layer names that only select, arrange or re-chunk the values they read (no arithmetic):
+#: ``concatenate-`` is how ``xr.open_mfdataset`` puts its files together.
+_SELECT_ONLY = ("original-", "open_dataset-", "getitem-", "rechunk-", "xarray-", "array-", "astype-",
+                "concatenate-")
+
+#: xarray's backend array wrappers (and where they come from), by the files they read.
+_NETCDF_WRAPPERS = ("NetCDF4ArrayWrapper", "H5NetCDFArrayWrapper", "ScipyArrayWrapper", "PydapArrayWrapper")
+_GRIB_MODULES = ("cfgrib", "xarray.backends.cfgrib_")
+_NETCDF_EXT = (".nc", ".nc4", ".netcdf", ".cdf", ".h5", ".hdf5", ".hdf", ".he5")
+_GRIB_EXT = (".grib", ".grb", ".grib1", ".grib2", ".grb2")
+
+
+class DaskBlocks:
+    """A dask array over files that are not Zarr, read block by block.
+
+    ``self[sel]`` computes only the dask chunks that ``sel`` touches, with dask's synchronous
+    scheduler in the calling thread (the reader calls it in a decode thread: xinsitu bounds
+    the parallelism and memory, not a second thread pool). Picklable (goes to workers).
+    """
+
+    def __init__(self, data: Any, where: str = "dask"):
+        self.data = data
+        self.where = where  # the file(s) it reads, for messages
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.data.dtype)
+
+    def __getitem__(self, sel: Any) -> np.ndarray:
+        import dask
+        from dask.callbacks import Callback
+
+        # The caller's dask callbacks (a ProgressBar, a task counter) are passed on explicitly: left to
+        # dask, each compute would take them from the global set and empty it for its duration, so
+        # computes in several decode threads at once would hide them from each other (and could lose them)
+        (out,) = dask.compute(self.data[sel], scheduler="synchronous", callbacks=tuple(Callback.active))
+        return np.asarray(out)
+
+
+@dataclass
+class VarSource:
+    """Where one data variable's values come from; picklable (goes to DataLoader workers)."""
+
+    name: str
+    dims: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: np.dtype  # what xarray returns (after CF decoding)
+    raw_dtype: np.dtype  # what the store holds
+    cf: dict[str, Any] = field(default_factory=dict)  # CF encoding to re-apply after a raw read
+    array: Any = None  # zarr.Array (stored variables)
+    src_dims: tuple[str, ...] = ()
+    index: tuple[Any, ...] = ()  # per source dim: int64 positions, or an int for a dropped dim
+    chunk_shape: tuple[int, ...] = ()  # inner chunk of the source array (unit of reading)
+    values: np.ndarray | DaskBlocks | None = None  # in-memory variables (or read through dask)
+    mem_chunks: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def stored(self) -> bool:
+        return self.array is not None
+
+    def chunk_ids(self, dim: str) -> np.ndarray:
+        """Chunk index (of the source grid) of every position of ``dim`` in this selection."""
+        if self.stored:
+            ax = self.src_dims.index(dim)
+            return np.asarray(self.index[ax], dtype=np.int64) // self.chunk_shape[ax]
+        sizes = self.mem_chunks[self.dims.index(dim)]
+        return np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+
+    def chunk_at(self, region: dict[str, tuple[int, int]]) -> tuple[int, ...]:
+        """Chunk coordinates where ``region`` starts, in the grid of a variable not stored (messages)."""
+        return tuple(int(np.searchsorted(np.cumsum(sizes), region[d][0], side="right")) if d in region else 0
+                     for d, sizes in zip(self.dims, self.mem_chunks, strict=True))
+
+
+class SourceError(ValueError):
+    """The Dataset cannot be mapped back to a store or to memory."""
+
+
+def resolve(ds: xr.Dataset, variables: list[str] | None = None) -> dict[str, VarSource]:
+    """Return a ``VarSource`` for each data variable (or the ones named)."""
+    names = [str(v) for v in ds.data_vars] if variables is None else list(variables)
+    if not names:
+        raise ValueError("the Dataset has no data variables")
+    missing = [v for v in names if v not in ds.data_vars]
+    if missing:
+        raise ValueError(f"unknown variable(s) {missing}; the Dataset has {list(ds.data_vars)}")
+    return {v: _resolve_var(ds, v) for v in names}
+
+
+def _resolve_var(ds: xr.Dataset, name: str) -> VarSource:
+    var = ds[name].variable
+    data = variable_data(var)
+    base = dict(name=name, dims=tuple(var.dims), shape=tuple(var.shape), dtype=np.dtype(var.dtype))
+    if _is_dask(data):
+        return _resolve_dask(ds, name, data, base)
+    if isinstance(data, np.ndarray):
+        chunks = _memory_chunks(var)
+        return VarSource(raw_dtype=np.dtype(var.dtype), values=data, mem_chunks=chunks, **base)
+    zarray, keys = _unwrap_lazy(data)
+    if zarray is None:
+        if _in_memory(data):  # e.g. a stored variable that xarray has already loaded and cached
+            values = np.asarray(var.values)
+            return VarSource(raw_dtype=values.dtype, values=values, mem_chunks=_memory_chunks(var), **base)
+        raise SourceError(f"variable {name!r} is backed by {type(data).__name__}, which xinsitu cannot map "
+                          f"back to a zarr store; {_how_to_open(ds, data)}")
+    src_dims = _array_dims(zarray, name)
+    index = _compose_keys(zarray.shape, keys)
+    return _stored(base, var, zarray, src_dims, index)
+
+
+def _stored(base: dict, var: xr.Variable, zarray: Any, src_dims: tuple[str, ...], index: list) -> VarSource:
+    kept = tuple(d for d, ix in zip(src_dims, index, strict=True) if not isinstance(ix, int))
+    if kept != base["dims"]:
+        raise SourceError(
+            f"variable {base['name']!r}: its dims {base['dims']} do not follow the stored array's {src_dims}; "
+            "transposed views are not supported, select variables without transposing them"
+        )
+    cf = {k: var.encoding[k] for k in CF_KEYS if k in var.encoding}
+    return VarSource(
+        raw_dtype=np.dtype(zarray.dtype),
+        cf=cf,
+        array=zarray,
+        src_dims=src_dims,
+        index=tuple(index),
+        chunk_shape=tuple(zarray.chunks),
+        **base,
+    )
+
+
+def _is_dask(data: Any) -> bool:
+    return type(data).__module__.startswith("dask") and hasattr(data, "__dask_graph__")
+
+
+def _in_memory(data: Any) -> bool:
+    """Whether xarray's wrappers around ``data`` end in values already in memory."""
+    node: Any = data
+    for _ in range(64):
+        if isinstance(node, (np.ndarray, *IN_MEMORY)):
+            return True
+        if isinstance(node, LAZY + LAZY_VECTORIZED):
+            return False
+        node = getattr(node, "array", None)
+        if node is None:
+            return False
+    return False
+
+
+def _memory_chunks(var: xr.Variable) -> tuple[tuple[int, ...], ...]:
+    """Chunk grid of an in-memory variable: dask chunks, else encoded chunks, else one per position."""
+    if var.chunks is not None:
+        return tuple(tuple(int(c) for c in cs) for cs in var.chunks)
+    enc = var.encoding.get("chunks")
+    out = []
+    for ax, n in enumerate(var.shape):
+        c = int(enc[ax]) if enc is not None and len(enc) == var.ndim and enc[ax] else 1
+        full, rest = divmod(n, c)
+        out.append((c,) * full + ((rest,) if rest else ()))
+    return tuple(out)
+
+
+def _unwrap_lazy(data: Any) -> tuple[Any, list]:
+    """Walk xarray's lazy wrappers down to the zarr array; return it and the keys, outermost first."""
+    keys: list = []
+    node: Any = data
+    for _ in range(64):
+        if isinstance(node, LAZY_VECTORIZED):
+            raise SourceError(
+                "vectorised (pointwise) indexing of a stored variable cannot be mapped back to its chunks; "
+                "use orthogonal selections (isel/sel with slices, lists or scalars)"
+            )
+        if isinstance(node, LAZY):
+            keys.append(lazy_key(node))
+            node = node.array
+            continue
+        if is_zarr_wrapper(node):
+            return zarr_array_of(node), keys
+        inner = getattr(node, "array", None)
+        if inner is None:
+            return None, keys
+        node = inner
+    return None, keys
+
+
+_ARANGES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _arange(n: int) -> np.ndarray:
+    """``0..n-1``, read-only and shared by every variable of that length (10^7 steps: one 80 MB
+    array for the archive, not one per variable and per call)."""
+    a = _ARANGES.get(n)
+    if a is None:
+        a = np.arange(n, dtype=np.int64)
+        a.setflags(write=False)
+        _ARANGES[n] = a
+    return a
+
+
+def _compose_keys(shape: tuple[int, ...], keys: list) -> list:
+    """Apply lazy indexing keys (outermost first) to per-dim positions of the stored array."""
+    index: list = [_arange(n) for n in shape]
+    for key in reversed(keys):
+        live = [ax for ax, ix in enumerate(index) if not isinstance(ix, int)]
+        if len(key) != len(live):
+            raise SourceError(f"cannot compose indexing key {key} with {len(live)} dims")
+        for ax, k in zip(live, key, strict=True):
+            pos = index[ax]
+            if isinstance(k, (int, np.integer)):
+                index[ax] = int(pos[int(k)])
+            else:
+                index[ax] = pos[np.asarray(k) if not isinstance(k, slice) else k]
+    return index
+
+
+def _array_dims(zarray: Any, name: str) -> tuple[str, ...]:
+    dims = getattr(zarray.metadata, "dimension_names", None)
+    if not dims:
+        dims = zarray.attrs.get("_ARRAY_DIMENSIONS")
+    if not dims:
+        raise SourceError(f"stored array for {name!r} has no dimension names")
+    return tuple(dims)
+
+
+# --------------------------------------------------------------------------- files
+def _file_kind(ds: xr.Dataset, name: str, data: Any) -> str | None:
+    """``"netcdf"``, ``"grib"`` or ``"zarr"``: the kind of file ``data`` is read from (None: unknown).
+
+    From xarray's backend array wrapper where one is found, else from the source file
+    (``encoding["source"]``): its extension, then its first bytes.
+    """
+    for node in _backend_arrays(data):
+        kind = type(node).__name__
+        if kind == "ZarrArrayWrapper":
+            return "zarr"
+        if kind in _NETCDF_WRAPPERS:
+            return "netcdf"
+        if type(node).__module__.startswith(_GRIB_MODULES) or "Grib" in kind:
+            return "grib"
+    source = ds[name].encoding.get("source") or ds.encoding.get("source")
+    if not isinstance(source, str):
+        return None
+    low = source.lower()
+    if low.endswith(_GRIB_EXT):
+        return "grib"
+    if low.endswith(_NETCDF_EXT):
+        return "netcdf"
+    try:
+        with open(source, "rb") as f:
+            head = f.read(8)
+    except OSError:
+        return None
+    if head.startswith(b"GRIB"):
+        return "grib"
+    if head.startswith((b"CDF", b"\x89HDF")):
+        return "netcdf"
+    return None
+
+
+def _backend_arrays(data: Any) -> list[Any]:
+    """xarray's wrappers under ``data`` (a lazily indexed array, or every one a dask graph holds)."""
+    tops = [data]
+    if _is_dask(data):
+        tops = [v for layer in data.__dask_graph__().layers.values() for v in layer.values()
+                if getattr(v, "array", None) is not None]
+    out = []
+    for top in tops:
+        node = top
+        for _ in range(64):
+            out.append(node)
+            node = getattr(node, "array", None)
+            if node is None:
+                break
+    return out
+
+
+def _how_to_open(ds: xr.Dataset, data: Any) -> str:
+    """What to do instead, for a variable xinsitu cannot read as it is opened."""
+    names = [str(v) for v in ds.data_vars if variable_data(ds[v].variable) is data]
+    kind = _file_kind(ds, names[0], data) if names else None
+    if kind == "netcdf":
+        return ("it is read from NetCDF/HDF5 files: open them in place with xinsitu.virtual.open_netcdf(paths), "
+                "or load the Dataset into memory")
+    if kind == "grib":
+        return ("it is read from GRIB files: open them in place with xinsitu.virtual.open_grib(paths), "
+                "or load the Dataset into memory")
+    return ("open a Zarr archive with xinsitu.open_zarr or xr.open_zarr, NetCDF/HDF5 files with "
+            "xinsitu.virtual.open_netcdf, GRIB files with xinsitu.virtual.open_grib, or load it into memory")
+
+
+# --------------------------------------------------------------------------- dask
+def _computed_layer(data: Any) -> str | None:
+    """The first layer of a dask graph that computes values (arithmetic, reductions), or None."""
+    for lname in getattr(data.__dask_graph__(), "layers", {}):
+        if not lname.startswith(_SELECT_ONLY):
+            return lname
+    return None
+
+
+def _dask_zarr_array(data: Any) -> Any:
+    """The one zarr array a dask-backed variable was opened from, or None (not from Zarr, or from
+    several arrays, e.g. ``xr.open_mfdataset`` over Zarr stores: then read through dask)."""
+    found: dict[tuple[int, str], Any] = {}
+    for layer in data.__dask_graph__().layers.values():
+        for v in layer.values():
+            adapter = getattr(v, "array", None)
+            if adapter is None:
+                continue
+            zarray, _ = _unwrap_lazy(adapter)
+            if zarray is not None:
+                found.setdefault((id(zarray.store), zarray.path), zarray)
+    return next(iter(found.values())) if len(found) == 1 else None
+
+
+def _dask_in_memory(data: Any) -> bool:
+    """Whether every array a dask graph starts from is already in memory (``.chunk()`` of numpy)."""
+    for layer in data.__dask_graph__().layers.values():
+        for v in layer.values():
+            if type(v).__name__ == "DataNode":  # a literal value in dask's task spec
+                v = v.value
+            elif type(v).__module__.startswith("dask") or isinstance(v, tuple | str | int):
+                continue  # a task, an alias, a key: it refers to other values of the graph
+            if not isinstance(v, np.ndarray | np.generic) and not _in_memory(v):
+                return False
+    return True
+
+
+def _resolve_dask(ds: xr.Dataset, name: str, data: Any, base: dict) -> VarSource:
+    var = ds[name].variable
+    computed = _computed_layer(data)
+    if computed is not None:
+        kind = _file_kind(ds, name, data)
+        what = {"netcdf": ("NetCDF/HDF5", "xinsitu.virtual.open_netcdf(paths)"),
+                "grib": ("GRIB", "xinsitu.virtual.open_grib(paths)")}.get(kind or "")
+        fix = ("Select variables and positions only (isel/sel)"
+               + (f", open the {what[0]} files in place with {what[1]}" if what else "")
+               + ", or .load()/.compute() the result to train from memory")
+        raise SourceError(
+            f"variable {name!r} is computed lazily by dask (graph layer {computed!r}), so its values are not "
+            f"the stored ones; xinsitu reads stored chunks and never computes a whole graph. {fix}"
+        )
+    zarray = _dask_zarr_array(data)
+    if zarray is None:
+        if _dask_in_memory(data):  # built from memory with .chunk(): computing costs no I/O
+            values = np.asarray(data.compute())
+            return VarSource(raw_dtype=values.dtype, values=values, mem_chunks=_memory_chunks(var), **base)
+        # files that are not Zarr (NetCDF, GRIB through dask): the dask chunks set the grid, and a
+        # read computes only the chunks it touches; never the whole array behind the user's back
+        source = var.encoding.get("source") or ds.encoding.get("source")
+        where = f"{source} through dask" if isinstance(source, str) else "dask"
+        return VarSource(raw_dtype=np.dtype(data.dtype), values=DaskBlocks(data, where),
+                         mem_chunks=_memory_chunks(var), **base)
+    src_dims = _array_dims(zarray, name)
+    index: list = []
+    source_ds = None
+    for ax, d in enumerate(src_dims):
+        n_src = zarray.shape[ax]
+        if d in var.dims:
+            n = var.sizes[d]
+            if d in ds.indexes:
+                source_ds = source_ds if source_ds is not None else _open_source(zarray)
+                index.append(_positions(ds.indexes[d], source_ds, d, name))
+            elif n == n_src:
+                index.append(np.arange(n, dtype=np.int64))
+            else:
+                raise SourceError(
+                    f"variable {name!r}: dim {d!r} was subset ({n} of {n_src}) but has no coordinate, so a "
+                    "dask-backed selection cannot be mapped back to the store; open with chunks=None or "
+                    "xinsitu.open_zarr"
+                )
+        else:  # dropped by a scalar selection: find the label of the scalar coordinate
+            if d not in ds.coords or ds.coords[d].ndim != 0:
+                raise SourceError(f"variable {name!r}: dim {d!r} was dropped and has no scalar coordinate")
+            source_ds = source_ds if source_ds is not None else _open_source(zarray)
+            pos = _positions(ds.coords[d].to_index() if ds.coords[d].ndim else [ds.coords[d].values[()]],
+                             source_ds, d, name)
+            index.append(int(pos[0]))
+    return _stored(base, var, zarray, src_dims, index)
+
+
+#: what the store of a reopen is read through: ``xinsitu.stores.opening`` (the I/O layer) sets it to a wrapper that
+#: bounds each request (``XINSITU_REQUEST_TIMEOUT``) when it is imported; as it is otherwise
+reopen_store: Any = None
+
+#: xarray's warning where ``consolidated=None`` finds no consolidated metadata: about the user's own
+#: open, not xinsitu's reopen of the same store (given once already, where the user opened it)
+CONSOLIDATED_WARNING = "Failed to open Zarr store with consolidated metadata"
+
+
+def _open_source(zarray: Any) -> xr.Dataset:
+    """Re-open the group holding ``zarray`` lazily (no dask) to read its index coordinates; xarray's
+    warning that the store has no consolidated metadata is not given again here."""
+    path = zarray.path.rsplit("/", 1)[0] if "/" in zarray.path else ""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=CONSOLIDATED_WARNING, category=RuntimeWarning)
+        store = zarray.store if reopen_store is None else reopen_store(zarray.store)
+        return xr.open_zarr(store, group=path or None, chunks=None, consolidated=None)
+
+
+def _positions(labels: Any, source: xr.Dataset, dim: str, name: str) -> np.ndarray:
+    if dim not in source.indexes:
+        raise SourceError(f"variable {name!r}: the store has no coordinate for dim {dim!r}")
+    pos = source.indexes[dim].get_indexer(labels)
+    if (pos < 0).any():
+        raise SourceError(f"variable {name!r}: some {dim!r} labels are not in the store's coordinate")
+    return pos.astype(np.int64)

@@ -1,0 +1,278 @@
+"""Chunk-aligned splits: pure index math on the chunk-block grid, and ``make_split``.
+
+A *chunk block* is one chunk along each split dim (the grid every variable shares, see
+``geometry.common_edges``). Splits are sets of flat chunk-block ids (C order over the split
+dims), so no read ever serves two splits. The record they go into, ``SplitManifest``, lives
+in ``xinsitu.index.manifest`` (re-exported here).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from xinsitu.index.geometry import Geometry, regular_edges
+from xinsitu.index.manifest import Blocks, SplitManifest, coord_span, fingerprint_of, json_label
+
+__all__ = ["SplitManifest", "check_fractions", "contiguous_split", "largest_remainder", "make_split",
+           "random_split", "range_split"]
+
+
+# ----------------------------------------------------------------------------- pure math
+def largest_remainder(fractions: dict[str, float], total: int) -> dict[str, int]:
+    """Whole counts summing to ``total``, proportional to ``fractions`` (largest remainder)."""
+    raw = {k: f * total for k, f in fractions.items()}
+    counts = {k: int(math.floor(v)) for k, v in raw.items()}
+    left = total - sum(counts.values())
+    # ties go to the split named first, so the result is deterministic
+    order = sorted(raw, key=lambda k: (-(raw[k] - counts[k]), list(raw).index(k)))
+    for k in order[:left]:
+        counts[k] += 1
+    return counts
+
+
+def check_fractions(fractions: dict[str, float]) -> dict[str, float]:
+    """``fractions`` checked, as plain floats: any real number (numpy scalars included) is taken;
+    a string or a bool raises ``TypeError`` naming ``fractions``."""
+    if not isinstance(fractions, dict) or not fractions:
+        raise ValueError("fractions must be a non-empty dict of split name -> fraction")
+    out: dict[str, float] = {}
+    for k, f in fractions.items():
+        if not isinstance(k, str) or not k:
+            raise ValueError(f"split names must be non-empty strings, got {k!r}")
+        if not isinstance(f, numbers.Real) or isinstance(f, (bool, np.bool_)):
+            raise TypeError(f"fractions[{k!r}] must be a number, got {type(f).__name__} {f!r}")
+        f = float(f)
+        if not math.isfinite(f):
+            raise ValueError(f"fractions[{k!r}] must be a finite number, got {f!r}")
+        if f < 0:
+            raise ValueError(f"fraction for split {k!r} is negative ({f})")
+        out[k] = f
+    total = sum(out.values())
+    if not math.isclose(total, 1.0, rel_tol=0, abs_tol=1e-6):
+        raise ValueError(f"fractions must sum to 1, they sum to {total:g}: {fractions}")
+    return out
+
+
+def contiguous_split(nblocks: int, fractions: dict[str, float], gap: int) -> dict[str, Blocks]:
+    """Consecutive runs of blocks in split order, ``gap`` blocks left out between runs."""
+    avail = nblocks - gap * (len(fractions) - 1)
+    if avail < len(fractions):
+        raise ValueError(
+            f"{nblocks} chunks cannot hold {len(fractions)} splits with gap={gap} "
+            f"({avail} chunks left after gaps)"
+        )
+    counts = largest_remainder(fractions, avail)
+    _check_nonempty(counts)
+    out, start = {}, 0
+    for k, c in counts.items():
+        out[k] = Blocks.range(start, start + c)
+        start += c + gap
+    return out
+
+
+def random_split(grid: tuple[int, ...], fractions: dict[str, float], gap: int, seed: int) -> dict[str, np.ndarray]:
+    """Blocks assigned at random by fraction; then, in split order, a later split loses the blocks
+    within ``gap`` blocks (Chebyshev distance on the block grid) of a block of an earlier split."""
+    n = int(np.prod(grid))
+    counts = largest_remainder(fractions, n)
+    _check_nonempty(counts)
+    perm = np.random.default_rng(seed).permutation(n)
+    label = np.empty(n, dtype=np.int64)
+    start = 0
+    for i, c in enumerate(counts.values()):
+        label[perm[start:start + c]] = i
+        start += c
+    label = label.reshape(grid)
+    if gap > 0:
+        taken = np.zeros(grid, dtype=bool)
+        for i in range(len(counts)):
+            mine = label == i
+            near = _dilate(taken, gap)
+            label[mine & near] = -1
+            taken |= label == i
+    flat = label.ravel()
+    out = {k: np.flatnonzero(flat == i).astype(np.int64) for i, k in enumerate(counts)}
+    _check_nonempty({k: len(v) for k, v in out.items()}, after_gap=True)
+    return out
+
+
+def _dilate(mask: np.ndarray, k: int) -> np.ndarray:
+    """Cells within Chebyshev distance k of a True cell."""
+    out = mask.copy()
+    for ax in range(mask.ndim):
+        cur = out.copy()
+        for s in range(1, k + 1):
+            lo = [slice(None)] * mask.ndim
+            hi = [slice(None)] * mask.ndim
+            lo[ax], hi[ax] = slice(s, None), slice(None, -s)
+            out[tuple(lo)] |= cur[tuple(hi)]
+            out[tuple(hi)] |= cur[tuple(lo)]
+    return out
+
+
+def _check_nonempty(counts: dict[str, int], after_gap: bool = False) -> None:
+    empty = [k for k, c in counts.items() if c == 0]
+    if empty:
+        why = " after removing chunks within the gap" if after_gap else ""
+        raise ValueError(f"split(s) {empty} would get no chunk{why}; use fewer splits, a smaller gap "
+                         "or larger fractions")
+
+
+def range_split(edges: np.ndarray, index: pd.Index, ranges: dict[str, slice], gap: int,
+                dim: str) -> dict[str, Blocks]:
+    """Blocks fully inside each label range (``.sel`` semantics, rounded inward to chunk edges)."""
+    out: dict[str, Blocks] = {}
+    spans: list[tuple[str, int, int]] = []
+    for name, rng in ranges.items():
+        if not isinstance(rng, slice) or rng.step is not None:
+            raise ValueError(f"range for split {name!r} must be a slice(start, stop), got {rng!r}")
+        try:
+            sl = index.slice_indexer(rng.start, rng.stop)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"range for split {name!r} ({rng.start!r}, {rng.stop!r}) does not fit the "
+                             f"{dim!r} coordinate: {e}") from None
+        a, b = int(sl.start or 0), int(sl.stop if sl.stop is not None else len(index))
+        if b <= a:
+            raise ValueError(
+                f"range for split {name!r} ({rng.start!r}..{rng.stop!r}) falls outside the {dim!r} coordinate "
+                f"({json_label(index[0])}..{json_label(index[-1])})"
+            )
+        first = int(np.searchsorted(edges, a, side="left"))  # first block starting at or after a
+        last = int(np.searchsorted(edges, b, side="right")) - 1  # blocks ending at or before b
+        if last <= first:
+            raise ValueError(f"range for split {name!r} covers no whole chunk of {dim!r} "
+                             f"(chunks are {int(edges[1] - edges[0])} long; block={{{dim!r}: n}} splits in "
+                             "blocks of n positions instead)")
+        spans.append((name, first, last))
+        out[name] = Blocks.range(first, last)
+    ordered = sorted(spans, key=lambda s: s[1])
+    for (n1, _, e1), (n2, s2, _) in zip(ordered, ordered[1:], strict=False):
+        if s2 < e1:
+            raise ValueError(f"ranges of splits {n1!r} and {n2!r} overlap")
+        if s2 - e1 < gap:
+            raise ValueError(f"splits {n1!r} and {n2!r} are {s2 - e1} chunk(s) apart, closer than gap={gap}: "
+                             "ranges= keeps each range where it is and does not carve a gap out of one; leave "
+                             f"{gap} chunk(s) of {dim!r} between the ranges, or use fractions= with gap={gap}, "
+                             "which does")
+    return out
+
+
+def check_block(block: Any, dims: list[str], sizes: dict[str, int]) -> dict[str, int]:
+    """``block=`` as ``{dim: positions per block}`` for split dims: ``TypeError``/``ValueError`` naming ``block``."""
+    if block is None:
+        return {}
+    if not isinstance(block, dict):
+        raise TypeError(f"block must be a dict of split dim -> positions per block, got {type(block).__name__} "
+                        f"{block!r}")
+    out = {}
+    for d, n in block.items():
+        if d not in dims:
+            raise ValueError(f"block: {d!r} is not a split dim (the split dims are {dims})")
+        if not isinstance(n, (int, np.integer)) or isinstance(n, (bool, np.bool_)):
+            raise TypeError(f"block[{d!r}] must be a whole number of positions, got {type(n).__name__} {n!r}")
+        if not 1 <= n <= sizes[d]:
+            raise ValueError(f"block[{d!r}] must be between 1 and the length of {d!r} ({sizes[d]}), got {n!r}")
+        out[d] = int(n)
+    return out
+
+
+def block_edges(size: int, n: int) -> np.ndarray:
+    """Edges ``0, n, 2n, .., size`` of blocks of ``n`` positions (the last one may be shorter), read-only."""
+    return regular_edges(0, size, n)
+
+
+def _unsplittable(geometry: Geometry, d: str) -> ValueError:
+    """The error for a split dim held in a single chunk: split it in blocks, or join files along it."""
+    whole = [v for v, g in geometry.variables.items()
+             if d in g.dims and g.chunks[g.dims.index(d)] >= g.shape[g.dims.index(d)]]
+    n = geometry.sizes[d]
+    return ValueError(
+        f"dim {d!r} is held in one chunk of {n}"
+        + (f" (variables {whole} hold it in a single chunk)" if whole else
+           f" (the variables' chunks of {geometry.dims[d]} share no edge inside it)")
+        + f", so its chunks cannot go to several splits: pass block={{{d!r}: n}} to split it in blocks of n "
+        f"positions instead (a chunk is then read by several splits, a sample never), or, for files that hold "
+        f"one step each, open them with xinsitu.virtual.open_netcdf(files, concat_dim={d!r}) "
+        f"(or open_grib(..., concat_dim={d!r})) so that each file is a chunk along {d!r}; "
+        "one split (fractions={'train': 1.0}) needs neither")
+
+
+def make_split(ds: Any, geometry: Geometry, dim: str | list[str], *, fractions: dict[str, float] | None = None,
+               ranges: dict[str, slice] | None = None, gap: int = 0, contiguous: bool | None = None,
+               seed: int | None = 0, block: dict[str, int] | None = None) -> SplitManifest:
+    """Split ``ds`` (with ``geometry``) along ``dim`` into a ``SplitManifest``; see ``Dataset.insitu.split``.
+
+    ``block={d: n}``: the blocks along ``d`` are runs of ``n`` positions instead of the chunk grid's."""
+    dims = [dim] if isinstance(dim, str) else list(dim)
+    if not dims or not all(isinstance(d, str) for d in dims):
+        raise ValueError(f"dim must be a dim name or a list of names, got {dim!r}")
+    if len(set(dims)) != len(dims):
+        twice = sorted({d for d in dims if dims.count(d) > 1})
+        raise ValueError(f"dim lists {twice} more than once ({dims}): name each split dim once")
+    for d in dims:
+        if d not in geometry.sizes:
+            have = sorted(geometry.sizes)
+            raise ValueError(f"unknown dim {d!r}: the data variables have dims {have}")
+    block = check_block(block, dims, geometry.sizes)
+    edges = {d: block_edges(geometry.sizes[d], block[d]) if d in block else geometry.edges[d] for d in dims}
+    nsplits = len(fractions) if isinstance(fractions, dict) else len(ranges) if isinstance(ranges, dict) else 2
+    for d in dims:
+        if len(edges[d]) - 1 < 2 and d not in block and nsplits > 1:
+            raise _unsplittable(geometry, d)
+    if not isinstance(gap, (int, np.integer)) or isinstance(gap, bool) or gap < 0:
+        raise ValueError(f"gap must be a non-negative whole number of chunks, got {gap!r}")
+    if (fractions is None) == (ranges is None):
+        raise ValueError("give exactly one of fractions= or ranges=")
+    if contiguous is None:
+        contiguous = len(dims) == 1
+    grid = tuple(len(edges[d]) - 1 for d in dims)
+    if fractions is not None:
+        fractions = check_fractions(fractions)
+        if contiguous:
+            if len(dims) != 1:
+                raise ValueError("contiguous=True needs a single split dim; use contiguous=False for several")
+            chosen: dict[str, Any] = contiguous_split(grid[0], fractions, int(gap))
+        else:
+            if seed is None:
+                raise ValueError("contiguous=False draws chunks at random and needs an integer seed")
+            chosen = random_split(grid, fractions, int(gap), int(seed))
+        method = "fractions"
+    else:
+        if not isinstance(ranges, dict) or not ranges:
+            raise ValueError("ranges must be a non-empty dict of split name -> slice of labels")
+        if len(dims) != 1:
+            raise ValueError("ranges= works on a single split dim")
+        # a dim without a coordinate is labelled by its positions
+        index = ds.indexes[dims[0]] if dims[0] in ds.indexes else pd.RangeIndex(geometry.sizes[dims[0]])
+        chosen = range_split(edges[dims[0]], index, ranges, int(gap), dims[0])
+        method = "ranges"
+    sizes = {d: int(geometry.sizes[d]) for d in dims}
+    splits = {k: Blocks.from_ids(v) for k, v in chosen.items()}
+    labels: dict[str, dict[str, list[Any]]] = {}
+    for name, blocks in splits.items():
+        idx: tuple[np.ndarray, ...]
+        if len(dims) == 1:  # O(runs)
+            lo, hi = blocks.bounds()
+            idx = (np.array([lo, hi]),)
+        else:
+            idx = np.unravel_index(blocks.ids(), grid)
+        labels[name] = {}
+        for k, d in enumerate(dims):
+            first = int(edges[d][int(idx[k].min())])
+            last = int(edges[d][int(idx[k].max()) + 1]) - 1
+            # without a coordinate, the labels are the positions
+            labels[name][d] = ([json_label(ds.indexes[d][first]), json_label(ds.indexes[d][last])] if d in ds.indexes
+                               else [first, last])
+    coords = {d: coord_span(ds, d) for d in dims}
+    fp = fingerprint_of(dims, sizes, edges, coords)
+    from xinsitu.index.snapshot import snapshot_of
+    return SplitManifest(dims=dims, sizes=sizes, edges=edges,
+                         splits=splits,
+                         labels=labels, seed=None if seed is None else int(seed), gap=int(gap),
+                         contiguous=bool(contiguous), method=method, fingerprint=fp,
+                         snapshot=snapshot_of(ds), extra={"coords": coords}, block=block)

@@ -1,0 +1,326 @@
+"""Producers of chunk bytes for the reader's one completion step (``decode.place``, then
+``Reader._finish``): local files read in the decode threads (``read_local``), whole objects fetched by
+callbacks with no task per chunk (``WholeFetches``), inner chunks of shards by byte ranges
+(``Shards``). Anything that fails there is fetched again the long way (``Reader._fetch``: one task,
+bounded in time, its failure named).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, NoReturn, cast
+
+import numpy as np
+
+from xinsitu.codecs.cpu import ShardLayout
+from xinsitu.io import loop as _loop
+from xinsitu.io.place import EMPTY, SCRATCH, ChunkOutcome, Destination, Pieces, place, place_async, place_each
+from xinsitu.stores.backend import (
+    ChunkReadError,
+    DamagedObjectError,
+    RangeBackend,
+    WholeBackend,
+    deadlines_here,
+    refetched,
+)
+
+if TYPE_CHECKING:
+    from xinsitu.index.source import VarSource
+    from xinsitu.io.reader import Reader, Route
+
+INDEX_CACHE = 4096  # shard indexes kept (each a few bytes per inner chunk)
+_EMPTY = 2**64 - 1  # shard index entry of an inner chunk never written
+
+
+async def all_or_none(coros: Any) -> None:
+    """Run ``coros`` concurrently; where one fails, cancel the others before raising its error.
+
+    Not a bare ``gather``: its other reads would run on (retrying, holding permits of the in-flight
+    limit) after the caller has given up, and delay the reads that come next.
+    """
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        raise
+
+
+def reraise(name: str, coords: tuple[int, ...], path: str, e: Exception) -> NoReturn:
+    """Raise for a failed read: the fork hint and an error naming its chunk already as they are,
+    anything else as an error naming the chunk."""
+    if isinstance(e, (_loop.ForkError, ChunkReadError)):
+        raise e
+    raise ChunkReadError(name, coords, path, e) from e
+
+
+# ----------------------------------------------------------------------------- local files
+def read_local(store: Any, prefix: str, dec: Any, name: str,
+               share: list[tuple[tuple[int, ...], Destination]],
+               scratch: Any = SCRATCH) -> list[tuple[tuple[int, ...], float, ChunkOutcome]]:
+    """One decode thread's share of local chunk files (``LocalBackend.read``), each read and placed
+    in turn: (coords, seconds reading, outcome) per chunk. A chunk that fails raises ``ChunkReadError``
+    naming it (a file reads the same bytes again: no second try). ``scratch``: what files are read
+    into (``ThreadScratch.take``'s protocol; the GPU path's page-locked staging)."""
+    out = []
+    for coords, dest in share:
+        path = prefix + dec.key(coords)
+        try:
+            t0 = time.perf_counter()
+            raw = store.read(path, scratch)
+            read_s = time.perf_counter() - t0
+            try:
+                outcome = place(dec, raw, dest, read_s)
+            except Exception as e:  # noqa: BLE001 - named below
+                raise DamagedObjectError(f"object {path!r} failed to decode (corrupt in the store?): "
+                                         f"{type(e).__name__}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - every failure names its chunk
+            raise ChunkReadError(name, coords, path, e) from e
+        out.append((coords, read_s, outcome))
+    return out
+
+
+# ----------------------------------------------------------------------------- callbacks
+class WholeFetches:
+    """The chunks of one read from a store that can start a request without awaiting it
+    (``start_whole``: obstore's), each fetched and then placed by callbacks: no task, coroutine or
+    timer per chunk. On one-sample-per-chunk archives over HTTP those cost the I/O loop more than the
+    rest of a chunk's way together (~70 of ~110 µs).
+
+    One coroutine (``run``) takes a slot of the in-flight limit for each chunk in turn and starts its
+    request; the request's end hands the bytes to the decode threads (``TurnBatch``: ``place``), and
+    the placing's end to ``Reader._finish``, which gives the slot back. Each request is bounded in
+    time by the loop's ``Deadlines``. Anything but bytes that decode -- an error, no answer in time,
+    bytes that fail to decode -- sends the chunk the long way (``Reader._fetch``: fetched again,
+    bounded, its failure named) in a task of its own, counting the fetch made here; an error obstore
+    gave after its own retries is raised as the long way would (``whole_error``). The first failure
+    ends the read: its other requests are cancelled, and so are they where the read is cancelled.
+    Every way a chunk ends gives its slot back (``InflightLimit.give`` gives a slot once).
+    """
+
+    def __init__(self, reader: Reader, route: Route):
+        self.reader, self.route = reader, route
+        self.store = cast(WholeBackend, route.store)  # (``Route.CALLBACKS``)
+        self.loop = asyncio.get_running_loop()
+        self.deadlines = deadlines_here()
+        self.limit_s = _loop.request_timeout()
+        self.done: asyncio.Future[None] = self.loop.create_future()
+        self.left = 0
+        self.pending: set[asyncio.Future] = set()  # requests and decodes under way, and long ways
+
+    async def run(self, items: list[tuple[tuple[int, ...], Destination]]) -> None:
+        inflight, r = self.reader.inflight, self.route
+        start = self.store.start_whole
+        self.left = len(items)
+        try:
+            async with self.reader.starting():
+                for i, (coords, dest) in enumerate(items):
+                    slot = (self, i)
+                    await inflight.take(slot)
+                    if self.done.done():  # failed: start nothing more
+                        inflight.give(slot)
+                        break
+                    path = r.path(coords)
+                    try:
+                        fut = await start(path)
+                    except BaseException:
+                        inflight.give(slot)
+                        raise
+                    if fut is None:  # this store takes the long way (it ignores ranges)
+                        inflight.give(slot)
+                        self._long(coords, dest, None)
+                        continue
+                    self.pending.add(fut)
+                    w = self.deadlines.watch(fut, self.limit_s, self.store)
+                    fut.add_done_callback(functools.partial(self._arrived, coords, dest, path, slot, w,
+                                                            time.perf_counter()))
+            if self.left:
+                await self.done
+        except BaseException:
+            if not self.done.done():
+                self.done.cancel()  # what ends from now on only gives its slot back
+            elif not self.done.cancelled():
+                self.done.exception()  # (seen: raised here, or the cancellation's instead)
+            for f in list(self.pending):
+                f.cancel()
+            raise
+
+    def _arrived(self, coords: tuple[int, ...], dest: Destination, path: str, slot: Any, w: Any, t0: float,
+                 fut: asyncio.Future) -> None:
+        self.pending.discard(fut)
+        self.deadlines.unwatch(w)
+        reader = self.reader
+        # (an error is always looked at: one never retrieved is logged, unscrubbed, by asyncio)
+        err = None if fut.cancelled() else fut.exception()
+        if self.done.done() or fut.cancelled() or (err is not None and not isinstance(err, FileNotFoundError)):
+            reader.inflight.give(slot)
+            if self.done.done():
+                return
+            if fut.cancelled():  # (else the read was cancelled, and ``done`` with it)
+                self._long(coords, dest, TimeoutError("no answer in time"))
+                return
+            raised = self.store.whole_error(err)  # type: ignore[arg-type]  # (an error: not cancelled)
+            if raised is None:  # a range refused: fetched without one there
+                self._long(coords, dest, None)
+            else:  # (obstore retried what was transient)
+                self._fail(ChunkReadError(self.route.src.name, coords, path, raised))
+            return
+        reader.counters.requests += 1
+        reader.inflight.arrived(slot)
+        raw = None if err is not None else fut.result()  # FileNotFoundError: no object, the fill value
+        job = reader.turn.run(place, self.route.dec, raw, dest, time.perf_counter() - t0)
+        self.pending.add(job)
+        job.add_done_callback(functools.partial(self._placed, coords, dest, slot, raw is not None))
+
+    def _placed(self, coords: tuple[int, ...], dest: Destination, slot: Any, fetched: bool,
+                job: asyncio.Future) -> None:
+        self.pending.discard(job)
+        err = None if job.cancelled() else job.exception()
+        if self.done.done() or job.cancelled() or err is not None:
+            self.reader.inflight.give(slot)
+            if self.done.done() or job.cancelled():
+                return
+            if fetched:
+                self._long(coords, dest, err)  # fetched again there, this fetch counted
+            else:  # filling failed: nothing to fetch again
+                self._fail(ChunkReadError(self.route.src.name, coords, self.route.path(coords), err))  # type: ignore[arg-type]
+            return
+        try:
+            self.reader._finish(self.route, coords, job.result(), slot)
+        except Exception as e:  # noqa: BLE001 - missing="raise": named like every failure
+            self._fail(e)
+            return
+        self._one_done()
+
+    def _long(self, coords: tuple[int, ...], dest: Destination, first: BaseException | None) -> None:
+        """The long way for one chunk (``Reader._fetch``), in a task of its own."""
+        task = asyncio.ensure_future(self.reader._fetch(self.route, coords, dest, first))
+        self.pending.add(task)
+        task.add_done_callback(self._long_ended)
+
+    def _long_ended(self, task: asyncio.Future) -> None:
+        self.pending.discard(task)
+        err = None if task.cancelled() else task.exception()
+        if task.cancelled() or self.done.done():
+            return
+        if err is not None:
+            self._fail(err)
+        else:
+            self._one_done()
+
+    def _one_done(self) -> None:
+        self.left -= 1
+        if not self.left and not self.done.done():
+            self.done.set_result(None)
+
+    def _fail(self, err: BaseException) -> None:
+        if not self.done.done():
+            self.done.set_exception(err)
+
+
+# ----------------------------------------------------------------------------- shards
+class Shards:
+    """Inner chunks of sharded arrays fetched by byte range: a shard's index once (kept, a few bytes
+    per inner chunk), then the inner chunks a read needs in one coalesced request per shard, each
+    placed (``place_each``) and settled by ``Reader._finish``."""
+
+    def __init__(self, reader: Reader):
+        self.reader = reader
+        self.layouts: dict[int, ShardLayout] = {}
+        self.indexes: OrderedDict[str, np.ndarray | None] = OrderedDict()
+
+    def layout(self, src: VarSource) -> ShardLayout:
+        key = id(src.array)
+        if key not in self.layouts:
+            self.layouts[key] = ShardLayout(src.array)
+        return self.layouts[key]
+
+    async def read(self, route: Route, lay: ShardLayout, chunks: dict[tuple[int, ...], Pieces]) -> None:
+        by_shard: dict[tuple[int, ...], dict[tuple[int, ...], Pieces]] = {}
+        for coords, dest in chunks.items():
+            shard = tuple(c // n for c, n in zip(coords, lay.per_shard, strict=True))
+            by_shard.setdefault(shard, {})[coords] = dest
+        await all_or_none(self._fetch(route, lay, sh, inner) for sh, inner in by_shard.items())
+
+    async def _index(self, lay: ShardLayout, store: Any, path: str) -> np.ndarray | None:
+        """The shard's index, fetched once and cached (a few bytes per inner chunk)."""
+        if path in self.indexes:
+            self.indexes.move_to_end(path)
+            return self.indexes[path]
+        counters = self.reader.counters
+
+        def fetch() -> Any:
+            counters.requests += 1
+            if lay.index_at_end:
+                return store.get_suffix(path, lay.index_size)
+            return store.get_range(path, 0, lay.index_size)
+
+        async def use(raw: Any) -> np.ndarray | None:
+            return None if raw is None else await lay.index(raw)
+
+        # an index that fails its checksum (a flipped bit in transit) is fetched again
+        index = await refetched(fetch, path, use, on_retry=self.reader.inflight.failed, source=store)
+        self.indexes[path] = index
+        while len(self.indexes) > INDEX_CACHE:
+            self.indexes.popitem(last=False)
+        return index
+
+    async def _fetch(self, route: Route, lay: ShardLayout, shard: tuple[int, ...],
+                     inner: dict[tuple[int, ...], Pieces]) -> None:
+        reader, store, dec = self.reader, cast(RangeBackend, route.store), route.dec
+        inflight = reader.inflight
+        path = route.prefix + lay.shard_key(shard)
+        loop = asyncio.get_running_loop()
+        slot = object()
+        await inflight.take(slot)
+        try:
+            index = await self._index(lay, store, path)
+            want: list[tuple[tuple[int, ...], Pieces]] = []
+            starts: list[int] = []
+            ends: list[int] = []
+            for coords, dest in inner.items():
+                local = tuple(c - s * n for c, s, n in zip(coords, shard, lay.per_shard, strict=True))
+                if index is None:  # no shard: each inner chunk is missing
+                    reader._finish(route, coords, await loop.run_in_executor(None, place, dec, None, dest), key=path)
+                    continue
+                off, nb = int(index[local][0]), int(index[local][1])
+                if off == _EMPTY:  # never written: the fill value, as zarr reads it
+                    reader._finish(route, coords, await loop.run_in_executor(None, place, dec, None, dest, 0.0,
+                                                                             EMPTY))
+                    continue
+                want.append((coords, dest))
+                starts.append(off)
+                ends.append(off + nb)
+            if want:
+                placed: list[ChunkOutcome] = []  # a fetch made again skips the inner chunks placed (hooks run once)
+                t_start = time.perf_counter()
+                waited = [0.0]
+
+                def fetch() -> Any:
+                    return store.get_ranges(path, starts[len(placed):], ends[len(placed):])  # coalesced
+
+                async def use(raws: Any) -> None:
+                    waited[0] = time.perf_counter() - t_start
+                    inflight.arrived(slot)
+                    reader.counters.requests += 1
+                    rest = [d for _, d in want[len(placed):]]
+                    if dec.sync:
+                        await loop.run_in_executor(None, place_each, dec, raws, rest, placed)
+                        return
+                    for raw, d in zip(raws, rest, strict=True):
+                        placed.append(await place_async(dec, raw, d))
+
+                await refetched(fetch, path, use, on_retry=inflight.failed, source=store)
+                for (coords, _), o in zip(want, placed, strict=True):
+                    reader._finish(route, coords, o, observe=False)
+                inflight.observe(waited[0], sum(o.took for o in placed), slot)
+        except Exception as e:  # noqa: BLE001 - every failure names its shard
+            reraise(route.src.name, shard, path, e)
+        finally:
+            inflight.give(slot)
+
+

@@ -1,0 +1,636 @@
+"""Asynchronous chunk reads: objects fetched through obstore (or a zarr store's own ``get``), a
+bounded number in flight (``xinsitu.io.inflight``), decoded in threads into place.
+
+A region is a range of positions along some dims of a variable (its other dims whole); reading it
+fetches each chunk it touches exactly once (``xinsitu.index.regions``). A read may also hand each chunk's
+piece of the region to a callback in the decode thread, while the piece is still in cache, with or
+without putting it in place (``read_many``). Where each slot of a buffer is one whole chunk, chunks
+are decoded straight into their slots (``read_whole``).
+
+The chunk's route, whatever the store: the read strategy of an array is chosen once, for its
+backend (``Route``); the strategy only produces the chunk's bytes -- local files read in the decode
+threads (``fetchers.read_local``), objects fetched by callbacks (``fetchers.WholeFetches``) or by a
+task each (``Reader._fetch``), inner chunks of shards by byte range (``fetchers.Shards``) -- and hands
+them with the chunk's destination (``decode.Slot``: a buffer's row; ``decode.Pieces``: pieces of
+regions and hooks, with the cache's keep) to the one completion step, ``decode.place``, in a decode
+thread. Its ``ChunkOutcome`` is settled by ``Reader._finish``: counted, fed to the in-flight policy,
+``missing=`` applied, the slot given back. Chunks the cache has are put in place before any of this
+(``cached.serve_cached``, ``cached.take_cached``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from xinsitu.cache.chunk_cache import ChunkCache, ChunkKey
+from xinsitu.cache.lookup import INLINE_COPY_BYTES, serve_cached, take_cached  # noqa: F401 - re-exported
+from xinsitu.codecs.cpu import ChunkDecoder, is_remote, is_sharded, store_root
+from xinsitu.codecs.gpu import GpuBatch, GpuChain, GpuPathError, GpuSlot
+from xinsitu.index.regions import REGION_PLANS, PieceHook, RegionPlans, Target  # noqa: F401 - re-exported
+from xinsitu.index.regions import axis_plan as _axis_plan  # noqa: F401 - re-exported
+from xinsitu.index.regions import range_plan as _range_plan  # noqa: F401 - re-exported
+from xinsitu.index.source import VarSource
+from xinsitu.io import loop as _loop
+from xinsitu.io.fetchers import Shards, WholeFetches, all_or_none, read_local, reraise
+from xinsitu.io.inflight import (  # noqa: F401 - re-exported: the limit's constants and class lived here
+    AUTO_BETTER,
+    AUTO_HEADROOM,
+    AUTO_HEALTHY,
+    AUTO_INFLATED,
+    AUTO_INFLIGHT,
+    AUTO_PROBE_S,
+    AUTO_REMOTE,
+    AUTO_STRIKES,
+    AUTO_WINDOW,
+    InflightLimit,
+)
+from xinsitu.io.place import (
+    DECODED,
+    MISSING,
+    QUEUED,
+    SCRATCH,
+    ChunkOutcome,
+    Destination,
+    Pieces,
+    Slot,
+    TurnBatch,
+    place,
+    place_async,
+)
+from xinsitu.stores.backend import (  # noqa: F401 - ChunkReadError: re-exported (xinsitu.io.reader.ChunkReadError)
+    Backend,
+    ChunkReadError,
+    LocalBackend,
+    RangeBackend,
+    WholeBackend,
+    backend_for,
+    fetch_decoded,
+)
+
+
+@dataclass
+class IOCounters:
+    """What the reads of one epoch cost."""
+
+    chunks: int = 0
+    requests: int = 0
+    bytes_read: int = 0
+    bytes_decoded: int = 0
+    decode_s: float = 0.0
+    missing: int = 0  # chunks with no object in the store, read as the fill value
+    cache_hits: int = 0  # chunks the cache had (memory or disk): not fetched, not decoded
+    cache_disk_hits: int = 0  # ... of which its disk tier had
+    cache_misses: int = 0  # chunks of cached arrays it did not have (fetched, then kept)
+
+
+class GpuRead(NamedTuple):
+    """One variable's whole chunks to decode on the GPU (``Reader.read_gpu``): chunks ``coords`` of ``src``
+    into ``outs`` (device arrays of the chunk's shape), its codec chain ``chain`` (a ``GpuChain``)."""
+
+    src: VarSource
+    coords: list[tuple[int, ...]]
+    outs: list[Any]
+    chain: GpuChain
+
+
+class Route:
+    """How the chunks of one array are read, chosen once for its backend: ``LOCAL`` (chunk files
+    read in the decode threads while the disk keeps up: ``LocalBackend.fused``), ``CALLBACKS``
+    (whole chunks by ``start_whole``), else ``TASKS`` (a task each, ``Reader._fetch``). ``dec`` is
+    the decoder of the array's objects (of its inner chunks, for shards read by byte range)."""
+
+    LOCAL, CALLBACKS, TASKS = "local", "callbacks", "tasks"
+    __slots__ = ("array", "src", "dec", "store", "prefix", "kind")
+
+    def __init__(self, src: VarSource, dec: ChunkDecoder, store: Backend):
+        self.array, self.src, self.dec, self.store = src.array, src, dec, store
+        self.prefix = f"{src.array.path}/" if src.array.path else ""
+        if isinstance(store, LocalBackend) and dec.sync:
+            self.kind = self.LOCAL
+        elif isinstance(store, WholeBackend) and dec.sync:
+            self.kind = self.CALLBACKS
+        else:
+            self.kind = self.TASKS
+
+    def path(self, coords: tuple[int, ...]) -> str:
+        """The store key of chunk ``coords`` (the one place it is written)."""
+        return self.prefix + self.dec.key(coords)
+
+    @property
+    def local(self) -> bool:
+        """Read in the decode threads now (a local disk found slow leaves them: ``LocalBackend.observe``)."""
+        return self.kind == self.LOCAL and self.store.fused  # type: ignore[attr-defined]
+
+
+class Reader:
+    """Reads regions of the variables of one Dataset; one per process (built lazily).
+
+    With a ``cache`` (``xinsitu.cache.chunk_cache.ChunkCache``), decoded chunks of stored arrays are kept
+    across reads: a chunk it has is copied into place without a request or a decode (see
+    ``_serve_cached``). Values and their order are the same either way.
+    """
+
+    def __init__(self, max_inflight: int | None = None, cache: ChunkCache | None = None):
+        self.inflight = InflightLimit(max_inflight, _loop.decode_threads())
+        self.cache = cache
+        self._keys: dict[int, ChunkKey | None] = {}
+        self._decoders: dict[int, ChunkDecoder] = {}
+        self._backends: dict[int, Backend] = {}
+        self._routes: dict[int, Route] = {}
+        self.counters = IOCounters()
+        self.regions = RegionPlans(is_sharded)
+        self.shards = Shards(self)
+        self.on_missing = "fill"  # or "raise": a chunk with no object is an error
+        #: decode-thread work asked for in one turn of the loop, sent to the threads together
+        self.turn = TurnBatch(self.inflight.threads)
+        self.last_missing: tuple[str, tuple[int, ...], str] | None = None  # (variable, chunk, key)
+        self._starts = _loop.PerLoop(lambda _: asyncio.Lock())  # see ``starting``
+
+    def starting(self) -> asyncio.Lock:
+        """Held by a ``WholeFetches`` while it starts its requests: those of one call all go out
+        before those of a call made after it, as they would queue for the in-flight limit one task
+        each. (Else two calls would take turns, slot by slot, and a read ahead whose requests hang
+        could hold every slot while the buffer the caller waits for has none.)"""
+        return self._starts.get()  # type: ignore[no-any-return]
+
+    # ------------------------------------------------------------------ the completion step
+    def _finish(self, route: Route, coords: tuple[int, ...], outcome: ChunkOutcome, slot: Any = None,
+                observe: bool = True, key: str | None = None) -> None:
+        """Settle one chunk placed (``decode.place``), whatever fetched it: counted; its decode and
+        wait fed to the in-flight policy (``observe``; strategies that settle many chunks at once
+        feed their mean); ``missing=`` applied to a chunk with no object (``key``: the object that
+        is missing, default the chunk's own); and ``slot``, where it holds one, given back -- once,
+        whatever happens here. A chunk only queued for a decode of many (``QUEUED``: the GPU path) is
+        counted as read here, as decoded where that decode happens (``read_gpu``)."""
+        try:
+            c = self.counters
+            status = outcome.status
+            if status == DECODED or status == QUEUED:
+                c.bytes_read += outcome.nbytes
+                c.decode_s += outcome.took
+                if observe:
+                    self.inflight.observe(outcome.waited, outcome.took, slot)
+            elif status == MISSING:
+                path = key or route.path(coords)
+                c.missing += 1  # counted and named: a deleted archive or a 404 would otherwise pass in silence
+                self.last_missing = (route.src.name, coords, path)
+                if self.on_missing == "raise":
+                    raise ChunkReadError(route.src.name, coords, path, FileNotFoundError(
+                        "no object at this key (missing='raise'; zarr would read the fill value)"))
+            if status != QUEUED:
+                c.chunks += 1
+                c.bytes_decoded += route.dec.nbytes
+        finally:
+            if slot is not None:
+                self.inflight.give(slot)
+
+    def _decoder(self, src: VarSource) -> ChunkDecoder:
+        key = id(src.array)
+        if key not in self._decoders:
+            self._decoders[key] = ChunkDecoder(src.array)
+        return self._decoders[key]
+
+    def _store(self, src: VarSource) -> Backend:
+        zstore = src.array.store
+        key = id(zstore)
+        if key not in self._backends:
+            self._backends[key] = backend_for(zstore)
+            if is_remote(zstore):
+                self.inflight.expect_remote()
+        return self._backends[key]
+
+    def route(self, src: VarSource) -> Route:
+        """How ``src``'s chunks are read (chosen once per array)."""
+        got = self._routes.get(id(src.array))
+        if got is None or got.array is not src.array:  # (an id is reused once its object is gone)
+            dec = self.shards.layout(src).inner if is_sharded(src.array) else self._decoder(src)
+            got = self._routes[id(src.array)] = Route(src, dec, self._store(src))
+        elif got.src.name != src.name:
+            got = Route(src, got.dec, got.store)  # the same array under another variable's name
+        return got
+
+    # ------------------------------------------------------------------ reads
+    async def read(self, src: VarSource, region: dict[str, tuple[int, int]],
+                   out: np.ndarray | None = None) -> np.ndarray:
+        """Raw (not CF-decoded) values of ``src`` over ``region`` (other dims whole), var dim order.
+
+        With ``out`` (any view of the right shape), chunks are decoded straight into it.
+        """
+        (res,) = await self.read_many(src, [(region, out)])
+        assert res is not None  # no hook: the values land somewhere
+        return res
+
+    async def read_many(self, src: VarSource, jobs: list[tuple[Any, ...]]) -> list[np.ndarray | None]:
+        """Read several regions of ``src``; a chunk that several regions touch is fetched and
+        decoded once, then copied into each of them.
+
+        A job is ``(region, out)`` or ``(region, out, hook)``. ``out`` is the destination (None: a
+        new array). With a ``hook``, each chunk's piece of the region is also passed to
+        ``hook(values, out_sel)`` (``out_sel``: where the piece lies in the region), in the decode
+        thread right after decoding; with a hook and ``out=None`` the values are put nowhere
+        (the job's result is None) and the chunk is decoded into a reused buffer. ``values`` is
+        only valid during the call; where it is writeable (the chunk's one consumer, in the reader's
+        own memory), the hook may use it as scratch space. A hook must not raise (a failure would
+        read as a damaged chunk).
+        """
+        outs: list[np.ndarray | None] = []
+        targets: dict[tuple[int, ...], list[Target]] = {}
+        sharded = src.stored and is_sharded(src.array) and not self._native_shards(src)
+        for job in jobs:
+            region, out = job[0], job[1]
+            hook = job[2] if len(job) > 2 else None
+            if not src.stored or sharded:
+                outs.append(await self._read_other(src, region, out, hook))
+                continue
+            shape, pieces = self.regions.plan(src, region)
+            if out is None and hook is None:
+                out = np.empty(shape, dtype=src.raw_dtype)
+            elif out is not None and out.shape != shape:
+                raise ValueError(f"read of {src.name!r}: destination shape {out.shape} != region shape {shape}")
+            outs.append(out)
+            for coords, out_sel, in_sel, drop in pieces:
+                got = targets.get(coords)
+                if got is None:
+                    targets[coords] = [Target(out, out_sel, in_sel, drop, hook)]
+                else:
+                    got.append(Target(out, out_sel, in_sel, drop, hook))
+        if not targets:
+            return outs
+        route = self.route(src)
+        if is_sharded(src.array):
+            lay = self.shards.layout(src)
+            chunks = await self._serve_cached(src, targets, lambda c: lay.shard_key(
+                tuple(i // n for i, n in zip(c, lay.per_shard, strict=True))), route.dec)
+            if chunks:
+                await self.shards.read(route, lay, chunks)
+            return outs
+        chunks = await self._serve_cached(src, targets, route.dec.key, route.dec)
+        if chunks:
+            await self._fetch_all(route, list(chunks.items()))
+        return outs
+
+    async def read_whole(self, src: VarSource, coords: list[tuple[int, ...]], outs: list[np.ndarray],
+                         regions: list[dict[str, tuple[int, int]]]) -> None:
+        """Read whole chunks ``coords`` (the chunks ``regions`` are exactly) into ``outs`` (each of the
+        chunk's shape): straight into them with no region plan or target per chunk (``decode.Slot``;
+        chunks the memory tier should keep are kept) where the array's route allows it, else as any
+        region (``read_many``: a codec chain decoded on the loop, a sharded array, a disk tier)."""
+        route = None if is_sharded(src.array) else self.route(src)
+        cache = self.cache
+        keys = self._chunk_keys(src) if cache is not None else None
+        if route is None or not route.dec.sync or (cache is not None and keys is not None and cache.disk is not None):
+            await self.read_many(src, list(zip(regions, outs, strict=True)))
+            return
+        keep = None
+        if cache is not None and keys is not None:
+            keep = (cache, keys)
+            cache.count_misses(len(coords))  # ``take_cached`` looked them up first
+            self.counters.cache_misses += len(coords)
+        items: list[tuple[tuple[int, ...], Destination]] = [
+            (c, Slot(out, keep, c)) for c, out in zip(coords, outs, strict=True)]
+        await self._fetch_all(route, items)
+
+    async def read_slots(self, src: VarSource, coords: list[tuple[int, ...]], outs: list[np.ndarray],
+                         regions: list[dict[str, tuple[int, int]]]) -> None:
+        """Whole chunks ``coords`` (the chunks ``regions`` are exactly) into ``outs`` (C-contiguous arrays of
+        the chunk's shape, anywhere: e.g. a sample's channels in a batch): those the memory tier has
+        copied from it, the others decoded straight in (``read_whole``)."""
+        rest, _ = await self.take_cached(src, coords, outs)
+        if rest:
+            await self.read_whole(src, [coords[i] for i in rest], [outs[i] for i in rest],
+                                  [regions[i] for i in rest])
+
+    async def read_gpu(self, reads: list[GpuRead], gpu: Any, tier: Any = None) -> dict[str, GpuPathError]:
+        """Whole chunks of several variables (a buffer's, a batch's) decoded on the GPU straight into their
+        ``outs`` (``GpuRead``). Each array's route fetches the bytes as for any read -- local files read
+        straight into the batch's page-locked staging -- and the completion step hands them to ONE
+        ``gpu_decode.GpuBatch`` (``GpuSlot``), which decodes them together once all are in: one transfer,
+        one batched call per compressor (``gpu``: the device side, ``gpu_decode.CupyGpu`` or its stand-in).
+        A chunk is counted decoded once it is. With a device cache tier (``tier``, a
+        ``device_cache.DeviceCache``), chunks it has are copied from it on the device, and those decoded are
+        kept there (keep what fits). A chunk the device cannot decode is fetched again and decoded the CPU
+        way (``_fetch``: up to ``FETCH_ATTEMPTS`` fetches, named where it never decodes), then copied over.
+
+        Returns the variables whose codec chain failed its check on first use (name -> why): their
+        ``outs`` are not filled (the caller reads them the CPU way); everything else is in place."""
+        plans = []
+        capacity = 0
+        for r in reads:
+            mkeys, places, todo = self._in_tier(r.src, r.coords, tier)
+            if mkeys is not None:
+                self.counters.cache_misses += len(todo)
+            plans.append((r, self.route(r.src), mkeys, places, todo))
+            capacity += len(todo) * r.chain.bound
+        batch = GpuBatch(gpu.decoder(), capacity, gpu.asarray)
+        jobs = []
+        for r, route, _, _, todo in plans:
+            items: list[tuple[tuple[int, ...], Destination]] = [
+                (r.coords[i], GpuSlot(batch, r.outs[i], r.chain, (r.src.name, r.coords[i], route.path(r.coords[i]))))
+                for i in todo]
+            if items:
+                jobs.append(self._fetch_all(route, items, batch.staging))
+        if jobs:
+            await all_or_none(jobs)
+
+        def run() -> Any:
+            if all(r.chain in gpu.checked for r in reads):
+                return land(False)
+            with gpu.first_use:  # one first use at a time: a buffer after it finds its chains checked
+                return land(any(r.chain not in gpu.checked for r in reads))
+
+        def land(first: bool) -> Any:
+            try:
+                for r, _, _, places, _ in plans:
+                    for out, got in zip(r.outs, places, strict=True):
+                        if got is not None:
+                            out[...] = got[0][got[1]]  # cached: copied on the device
+                flushed = batch.flush(gpu)
+                if tier is not None:
+                    redo = {id(d) for _, d, _ in flushed.refetch}
+                    for r, _, mkeys, _, todo in plans:
+                        if mkeys is not None and r.chain not in flushed.failed:
+                            for i in todo:
+                                if id(r.outs[i]) not in redo:
+                                    tier.put(mkeys[i], r.outs[i])
+                gpu.synchronize()
+            except GpuPathError:
+                raise
+            except Exception as e:
+                if first:  # the device's side failed on first use: the CPU path takes over
+                    raise GpuPathError(f"{type(e).__name__}: {e}") from e
+                raise
+            gpu.checked.update(flushed.checked)
+            return flushed
+
+        try:
+            flushed = await asyncio.get_running_loop().run_in_executor(None, run)
+        except GpuPathError as e:
+            return {r.src.name: e for r in reads}
+        c = self.counters
+        for chain, n in flushed.decoded.items():
+            c.chunks += n
+            c.bytes_decoded += n * chain.nbytes
+        c.decode_s += flushed.seconds
+        failed = {r.src.name: flushed.failed[r.chain] for r in reads if r.chain in flushed.failed}
+        redo = [x for x in flushed.refetch if x[2][0] not in failed]
+        if redo:
+            await self._refetch(redo, {r.src.name: (route, mkeys, r) for r, route, mkeys, _, _ in plans}, gpu, tier)
+        return failed
+
+    async def _refetch(self, redo: list[tuple[GpuChain, Any, tuple[str, tuple[int, ...], str]]],
+                       of: dict[str, tuple[Route, list[Any] | None, GpuRead]], gpu: Any, tier: Any) -> None:
+        """Chunks the device could not decode, fetched again and decoded the CPU way (``_fetch``: fetched
+        again while the bytes do not decode, its failure named), then copied onto the device."""
+        hosts = [np.empty(chain.shape, chain.dtype) for chain, _, _ in redo]
+        await all_or_none(self._fetch(of[name][0], coords, Slot(h))
+                          for h, (_, _, (name, coords, _)) in zip(hosts, redo, strict=True))
+
+        def upload() -> None:
+            for h, (_, dest, (name, coords, _)) in zip(hosts, redo, strict=True):
+                dest[...] = gpu.asarray(h)
+                _, mkeys, r = of[name]
+                if tier is not None and mkeys is not None:
+                    tier.put(mkeys[r.coords.index(coords)], dest)
+            gpu.synchronize()
+
+        await asyncio.get_running_loop().run_in_executor(None, upload)
+
+    async def read_kept(self, src: VarSource, coords: list[tuple[int, ...]], outs: list[Any],
+                        regions: list[dict[str, tuple[int, int]]], gpu: Any, tier: Any) -> None:
+        """Whole chunks ``coords`` of a variable decoded on the host, into ``outs`` (device arrays of
+        the chunk's shape): those the device cache tier ``tier`` has copied from it on the device, the
+        others read as any (``read_whole``), copied over in one transfer and kept there."""
+        mkeys, places, todo = self._in_tier(src, coords, tier)
+        host = np.empty((len(todo), *outs[0].shape), outs[0].dtype)
+        if todo:
+            await self.read_whole(src, [coords[i] for i in todo], list(host), [regions[i] for i in todo])
+
+        def upload(first: bool) -> bool:
+            there = gpu.asarray(host)  # one transfer
+            for k, i in enumerate(todo):
+                outs[i][...] = there[k]
+            return True
+
+        await self._land(gpu, "kept", outs, places, todo, tier, mkeys, upload if todo else lambda first: True)
+
+    def _in_tier(self, src: VarSource, coords: list[tuple[int, ...]],
+                 tier: Any) -> tuple[list[Any] | None, list[Any], list[int]]:
+        """For chunks ``coords`` and a device cache tier: their memory keys (None: not cached), where the
+        tier has each (``(slab, row)`` or None), and the positions of those it lacks; hits counted."""
+        keys = self._chunk_keys(src) if tier is not None else None
+        if keys is None:
+            return None, [None] * len(coords), list(range(len(coords)))
+        mkeys = [keys.memory_key(c) for c in coords]
+        places = tier.locate_many(mkeys)
+        todo = [i for i, p in enumerate(places) if p is None]
+        if len(todo) < len(coords):
+            self._count_hits(len(coords) - len(todo), 0, self.route(src).dec.nbytes)
+        return mkeys, places, todo
+
+    async def _land(self, gpu: Any, key: Any, outs: list[Any], places: list[Any], todo: list[int], tier: Any,
+                    mkeys: list[Any] | None, fill: Callable[[bool], bool]) -> float:
+        """In a decode thread, device work the loop does not wait on: chunks the tier has (``places``)
+        copied into ``outs`` on the device, the others (``todo``) put there by ``fill(first)`` and kept
+        in the tier, then the device's work completed (the buffer is gathered from in another thread).
+        On first use (``key`` not in ``gpu.checked``: ``fill`` says whether it checked), a failure of
+        the device's side raises ``GpuPathError``: the CPU path takes over. The seconds ``fill`` took."""
+        first = key not in gpu.checked
+
+        def run() -> float:
+            try:
+                for out, got in zip(outs, places, strict=True):
+                    if got is not None:
+                        out[...] = got[0][got[1]]  # cached: copied on the device
+                t0 = time.perf_counter()
+                checked = fill(first)
+                took = time.perf_counter() - t0
+                if mkeys is not None:
+                    for i in todo:
+                        tier.put(mkeys[i], outs[i])
+                gpu.synchronize()
+            except (GpuPathError, ChunkReadError):
+                raise
+            except Exception as e:
+                if first:
+                    raise GpuPathError(f"{type(e).__name__}: {e}") from e
+                raise
+            if first and checked:
+                gpu.checked.add(key)
+            return took
+
+        return await asyncio.get_running_loop().run_in_executor(None, run)
+
+    async def _fetch_all(self, route: Route, items: list[tuple[tuple[int, ...], Destination]],
+                         scratch: Any = SCRATCH) -> None:
+        """Every chunk of ``items`` fetched and placed by ``route``'s strategy, whatever its destination
+        (``scratch``: what local files are read into, see ``fetchers.read_local``)."""
+        if route.local:
+            await self._read_local(route, items, scratch)
+        elif route.kind == Route.CALLBACKS:
+            await WholeFetches(self, route).run(items)
+        elif len(items) == 1:  # one chunk (a chunk-aligned unit): no task of its own
+            await self._fetch(route, *items[0])
+        else:
+            await all_or_none(self._fetch(route, c, d) for c, d in items)
+
+    async def _read_local(self, route: Route, items: list[tuple[tuple[int, ...], Destination]],
+                          scratch: Any = SCRATCH) -> None:
+        """Local chunk files read and placed by the decode threads, each reading and placing its
+        share in turn: per chunk no task, no executor hand-off and no wake-up of the loop, which for
+        one-sample-per-chunk archives cost more than the decode itself. The reads asked for in one
+        turn of the loop (every variable of a buffer) go out together, in one job per decode thread
+        (``TurnBatch``)."""
+        k = max(1, min(len(items), self.inflight.threads))
+        store = route.store
+        parts = await asyncio.gather(*(self.turn.run(read_local, store, route.prefix, route.dec, route.src.name,
+                                                     items[i::k], scratch) for i in range(k)))
+        read_sum = took_sum = 0.0
+        n = 0
+        for part in parts:
+            for coords, read_s, outcome in part:
+                self.counters.requests += 1
+                self._finish(route, coords, outcome, observe=False)
+                store.observe(read_s, outcome.took)  # type: ignore[attr-defined]
+                read_sum += read_s
+                took_sum += outcome.took
+                n += 1
+        if n:
+            self.inflight.observe(read_sum / n, took_sum / n)
+
+    async def _fetch(self, route: Route, coords: tuple[int, ...], dest: Destination,
+                     first: BaseException | None = None) -> None:
+        """Fetch one chunk in this task, place it and settle it: fetched again when its bytes fail to
+        decode or no answer comes in time (``fetch_decoded``), its failure named. ``first``: how a
+        first fetch made already failed."""
+        dec, inflight = route.dec, self.inflight
+        path = route.path(coords)
+        slot = object()
+
+        async def use(raw: Any) -> ChunkOutcome:
+            self.counters.requests += 1
+            inflight.arrived(slot)
+            waited = time.perf_counter() - t_start
+            if dec.sync or not isinstance(dest, Pieces):  # timed in the thread: waiting for a thread is not decoding
+                return await self.turn.run(place, dec, raw, dest, waited)
+            return await place_async(dec, raw, dest, waited)  # type: ignore[arg-type]
+
+        await inflight.take(slot)
+        try:
+            t_start = time.perf_counter()
+            outcome = await fetch_decoded(route.store, path, use, on_retry=inflight.failed, first=first)
+            self._finish(route, coords, outcome, slot)
+        except Exception as e:  # noqa: BLE001 - every failure names its chunk
+            reraise(route.src.name, coords, path, e)
+        finally:
+            inflight.give(slot)
+
+    async def _read_other(self, src: VarSource, region: dict[str, tuple[int, int]], out: np.ndarray | None,
+                          hook: PieceHook | None) -> np.ndarray | None:
+        """A region of a variable not read chunk by chunk here: sharded arrays zarr reads, values in
+        memory, files read through dask."""
+        if out is None and hook is None:
+            out = np.empty(self.regions.shape(src, region), dtype=src.raw_dtype)
+        if src.stored:
+            from xinsitu.index.regions import positions
+
+            values = await self._read_with_zarr(src, positions(src, region))
+        elif isinstance(src.values, np.ndarray):
+            values = self._values(src, region)
+        else:  # read through dask (files that are not Zarr): file reads and decoding, in a thread
+            slot = object()
+            await self.inflight.take(slot)
+            try:
+                values = await asyncio.get_running_loop().run_in_executor(None, self._values, src, region)
+            except Exception as e:  # noqa: BLE001 - every failure names its chunk
+                raise ChunkReadError(src.name, src.chunk_at(region), getattr(src.values, "where", "?"), e) from e
+            finally:
+                self.inflight.give(slot)
+            self.counters.requests += 1  # what io_stats shows, and how far the loader reads ahead
+            self.counters.chunks += 1
+            self.counters.bytes_decoded += values.nbytes
+        if out is not None:
+            out[...] = values
+        if hook is not None:  # values may be the caller's own array
+            from xinsitu.index.regions import readonly
+
+            hook(readonly(np.asarray(values)), [slice(None)] * np.ndim(values))
+        return out
+
+    @staticmethod
+    def _values(src: VarSource, region: dict[str, tuple[int, int]]) -> np.ndarray:
+        """A region of a variable held in memory (or by dask)."""
+        sel = tuple(slice(*region[d]) if d in region else slice(None) for d in src.dims)
+        assert src.values is not None  # not stored: held in memory or by dask
+        return np.asarray(src.values[sel])
+
+    async def _read_with_zarr(self, src: VarSource, pos: list[Any]) -> np.ndarray:
+        """Sharded arrays: zarr reads the inner chunks it needs (range requests into shards)."""
+        path = f"{src.array.path} (sharded selection)"
+        slot = object()
+        await self.inflight.take(slot)
+        try:
+            if store_root(src.array.store)[0] == "obstore":  # zarr would call obstore here: a hang after fork
+                _loop.refuse_after_fork(f"sharded array {src.array.path!r} (through zarr)")
+            res = await src.array.async_array.get_orthogonal_selection(tuple(pos))
+        except Exception as e:  # noqa: BLE001 - every failure names its array
+            reraise(src.name, (), path, e)
+        finally:
+            self.inflight.give(slot)
+        arr = np.asarray(res.as_ndarray_like() if hasattr(res, "as_ndarray_like") else res)
+        self.counters.requests += 1
+        self.counters.chunks += 1
+        self.counters.bytes_decoded += arr.nbytes
+        return arr
+
+    def whole_chunk(self, src: VarSource, region: dict[str, tuple[int, int]]) -> tuple[int, ...] | None:
+        """The grid coordinates of the one chunk ``region`` is exactly (all of it and nothing else, in
+        order), else None: then the chunk can be decoded straight into, or copied whole into, a
+        destination of its shape (``RegionPlans.whole_chunk``)."""
+        return self.regions.whole_chunk(src, region)
+
+    def _native_shards(self, src: VarSource) -> bool:
+        """Whether inner chunks of ``src`` can be fetched by byte range here (else zarr reads them)."""
+        store = self._store(src)
+        if not isinstance(store, RangeBackend):
+            return False
+        try:
+            self.shards.layout(src)
+        except NotImplementedError:
+            return False
+        return True
+
+    # ------------------------------------------------------------------ cache
+    def _chunk_keys(self, src: VarSource) -> ChunkKey | None:
+        """The cache keys of ``src``'s chunks, made once; None where its store has no lasting identity
+        (a memory store, uncommitted Icechunk changes): such an array is read, not cached."""
+        k = id(src.array)
+        if k not in self._keys:
+            try:
+                self._keys[k] = ChunkKey.for_array(src.array)
+            except Exception:  # noqa: BLE001 - an array the keys cannot describe is simply not cached
+                self._keys[k] = None
+        return self._keys[k]
+
+    def _count_hits(self, n: int, n_disk: int, nbytes: int) -> None:
+        c = self.counters
+        c.cache_hits += n
+        c.cache_disk_hits += n_disk
+        c.chunks += n
+        c.bytes_decoded += n * nbytes
+
+    async def _serve_cached(self, src: VarSource, targets: dict[tuple[int, ...], list[Target]],
+                            object_of: Any, dec: ChunkDecoder) -> dict[tuple[int, ...], Pieces]:
+        """The chunks the cache has put in place; the others returned, to fetch (``cached.serve_cached``)."""
+        return await serve_cached(self, src, targets, object_of, dec)
+
+    async def take_cached(self, src: VarSource, coords: list[tuple[int, ...]],
+                          out: np.ndarray | list[np.ndarray]) -> tuple[list[int], tuple[np.ndarray, np.ndarray] | None]:
+        """The whole chunks ``coords`` from the memory tier, for a buffer whose row ``i`` is chunk
+        ``coords[i]``: ``(rows it lacks, for read_many; slab)`` (``cached.take_cached``)."""
+        return await take_cached(self, src, coords, out)

@@ -49,7 +49,7 @@ def _same(a, b) -> bool:
 
 def _split_bytes(gen) -> int:
     """Decoded bytes of the chunks the split reads (what a cache holding all of it keeps)."""
-    from xinsitu.repr.formatting import _epoch_bytes
+    from xinsitu.batches.describe import _epoch_bytes
 
     return _epoch_bytes(gen, gen.plan())
 
@@ -343,3 +343,40 @@ def test_http_store_memory_and_disk_tiers(tmp_path, sharded):
             assert _same(got, ref)
             assert srv.requests == 0 and gen.io_stats["requests"] == 0
             assert gen.io_stats["cache_hits"] == gen.io_stats["chunks"] > 0
+
+
+def test_cached_chunks_over_several_slabs_come_back_in_order(tmp_path, monkeypatch):
+    """Where the memory tier could not make one slab for a variable (no address space that large: its
+    slabs shrink), a buffer's chunks, all held but in several slabs, are copied in at once, each into its
+    own row: the cached epochs are the uncached ones, bit for bit."""
+    import types
+
+    import xinsitu.cache.chunk_cache as chunk_cache
+
+    path = str(tmp_path / "a.zarr")
+    write_era5_like(path, nt=61, ny=3, nx=4, chunk_time=3)
+    ref = _epochs(_gen(path, block_chunks=4))
+    real = np.empty
+
+    def small_slabs(shape, dtype=float, *a, **k):  # slabs of 2 rows at most: "no address space" for more
+        if isinstance(shape, tuple) and len(shape) == 4 and shape[0] > 2:
+            raise MemoryError
+        return real(shape, dtype, *a, **k)
+
+    monkeypatch.setattr(chunk_cache, "np", types.SimpleNamespace(**{**np.__dict__, "empty": small_slabs}))
+    from xinsitu.io.reader import Reader
+
+    copied = []
+    real_take = Reader.take_cached
+
+    async def spy(self, src, coords, out):
+        rest, slab = await real_take(self, src, coords, out)
+        copied.append(not rest and slab is None)
+        return rest, slab
+
+    monkeypatch.setattr(Reader, "take_cached", spy)
+    gen = _gen(path, cache=ChunkCache(memory="1GB"), block_chunks=4)
+    assert gen.buffer_reason is not None
+    got = _epochs(gen)
+    assert _same(got, ref)
+    assert any(copied)  # every chunk held, in several slabs: copied in at once

@@ -188,7 +188,7 @@ def test_hdf5_variable_manifest(nc_files):
 
 
 def test_zarr_sync_runs_on_zarrs_own_loop():
-    """``zarr.core.sync.sync`` (the loop an fsspec store's session is bound to; zarr_backend._home_loop)."""
+    """``zarr.core.sync.sync`` (the loop an fsspec store's session is bound to; zarr_backend.home_loop)."""
     import asyncio
 
     from xinsitu.compat.zarr_api import zarr_sync

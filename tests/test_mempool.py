@@ -109,3 +109,21 @@ def test_buffer_arrays_are_recycled_into_the_next_buffer(tmp_path):
     assert second.arrays["a"].shape == shape and second.arrays["a"].ctypes.data == at
     np.testing.assert_array_equal(loader.gather(second, np.arange(len(second.ids)))["a"],
                                   ds["a"].isel(time=xr.DataArray(second.starts[:, 0], dims="sample")).values)
+
+
+def test_take_waits_for_the_pool_s_lock():
+    """One array to one caller where several threads take (the prefetch thread, decode threads): ``take``
+    and ``give_back`` hold the pool's lock. Held here, a ``take`` in another thread waits for it (and a
+    slow machine only makes it wait longer), then goes on once it is let go."""
+    import threading
+
+    pool = ArrayPool(keep=2)
+    pool.give_back(pool.take((4,), np.float32))
+    got = []
+    with pool._lock:
+        t = threading.Thread(target=lambda: got.append(pool.take((4,), np.float32)), daemon=True)
+        t.start()
+        t.join(0.3)
+        waited = t.is_alive() and not got
+    t.join(30)
+    assert waited and len(got) == 1 and not t.is_alive()

@@ -8,23 +8,23 @@ import asyncio
 import numpy as np
 import pytest
 
-from xinsitu.formats.references import INLINE_SCHEME, _as_urls, _InlineStore, _jsonable, read_only_bytes_codec
+from xinsitu.formats.references import INLINE_SCHEME, _InlineStore, _jsonable, as_urls, read_only_bytes_codec
 
 
 def test_paths_globs_and_urls_become_urls(tmp_path):
     for name in ("b.nc", "a.nc", "c.txt"):
         (tmp_path / name).write_bytes(b"x")
-    assert _as_urls(str(tmp_path / "*.nc")) == [f"file://{tmp_path}/a.nc", f"file://{tmp_path}/b.nc"]  # sorted
-    assert _as_urls([tmp_path / "c.txt", "s3://bucket/k.nc"]) == [f"file://{tmp_path}/c.txt", "s3://bucket/k.nc"]
+    assert as_urls(str(tmp_path / "*.nc")) == [f"file://{tmp_path}/a.nc", f"file://{tmp_path}/b.nc"]  # sorted
+    assert as_urls([tmp_path / "c.txt", "s3://bucket/k.nc"]) == [f"file://{tmp_path}/c.txt", "s3://bucket/k.nc"]
 
 
 def test_missing_files_and_empty_lists_are_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="no file matches"):
-        _as_urls(str(tmp_path / "*.grib"))
+        as_urls(str(tmp_path / "*.grib"))
     with pytest.raises(FileNotFoundError, match="no file at"):
-        _as_urls(str(tmp_path / "none.nc"))
+        as_urls(str(tmp_path / "none.nc"))
     with pytest.raises(ValueError, match="no files given"):
-        _as_urls([])
+        as_urls([])
 
 
 def test_the_inline_store_serves_ranges_and_names_missing_objects():

@@ -38,19 +38,19 @@ import xarray as xr
 from xinsitu.compat.virtualizarr_api import chunk_shape, concat_manifests, hdf5_variable_manifest, manifest_group
 from xinsitu.formats.references import (
     PARSE_THREADS,
-    _as_urls,
-    _check_decodable,
-    _InlineCoords,
-    _registry_for,
+    InlineCoords,
+    as_urls,
+    check_decodable,
+    registry_for,
 )
 from xinsitu.stores.redact import secrets_of
 from xinsitu.stores.virtual_store import (  # noqa: F401 - ManifestBackend, is_manifest_store: re-exported
     ManifestBackend,
     VirtualReferenceError,
-    _file_error,
-    _path_in_store,
-    _where,
+    file_error,
     is_manifest_store,
+    named,
+    path_in_store,
 )
 
 #: Attributes that change how xarray decodes a variable: they must agree across files.
@@ -88,7 +88,7 @@ def _head(url: str, registry: Any) -> tuple[Any, Any, int]:
     import obstore
 
     store, path = registry.resolve(url)
-    path = _path_in_store(url, store) if store is not None else path
+    path = path_in_store(url, store) if store is not None else path
     try:
         size = int(obstore.head(store, path)["size"])
 
@@ -97,7 +97,7 @@ def _head(url: str, registry: Any) -> tuple[Any, Any, int]:
 
         return read, read(0, min(4, size)), size
     except Exception as e:  # noqa: BLE001
-        raise _file_error(e, url, secrets_of(store)) from None
+        raise file_error(e, url, secrets_of(store)) from None
 
 
 def _parse(url: str, registry: Any, group: str | None, drop: list[str], concat_dim: str = "time") -> Any:
@@ -109,7 +109,7 @@ def _parse(url: str, registry: Any, group: str | None, drop: list[str], concat_d
     read, head, size = _head(url, registry)
     if netcdf3.is_netcdf3(head):  # classic / 64-bit offset / CDF-5: byte ranges from the header
         if group:
-            raise VirtualReferenceError(f"{_where(url)} is a NetCDF-3 file: it has no groups (group={group!r})")
+            raise VirtualReferenceError(f"{named(url)} is a NetCDF-3 file: it has no groups (group={group!r})")
         return netcdf3.manifest_store(url, read, size, registry, concat_dim=concat_dim, drop=drop)
     try:
         store = HDFParser(group=group, drop_variables=drop)(url, registry)
@@ -145,7 +145,7 @@ def _typed_packing(store: Any, url: str, registry: Any, group: str | None) -> An
             for name in packed:
                 new[name] = typed_packing(arrays[name], dict(g[name].attrs))
     except Exception as e:  # noqa: BLE001
-        raise VirtualReferenceError(f"{_where(url)}: cannot read the packing attributes of {packed}: "
+        raise VirtualReferenceError(f"{named(url)}: cannot read the packing attributes of {packed}: "
                                     f"{type(e).__name__}: {e}") from None
     if all(new[n] is arrays[n] for n in packed):
         return store
@@ -154,7 +154,7 @@ def _typed_packing(store: Any, url: str, registry: Any, group: str | None) -> An
 
 
 def _diagnose(url: str, registry: Any, group: str | None, drop: list[str], cause: BaseException) -> Exception:
-    where = _where(url)
+    where = named(url)
     text = f"{type(cause).__name__}: {cause}"
     try:
         import h5py
@@ -217,7 +217,7 @@ def _check_same(name: str, first: tuple[str, Any], other: tuple[str, Any], conca
             elif k == "codecs":
                 hint = "; one zarr array has one codec chain: rewrite the files with the same compression"
             raise VirtualReferenceError(
-                f"variable {name!r} in {_where(u1)} differs from {_where(u0)} in its {k}: "
+                f"variable {name!r} in {named(u1)} differs from {named(u0)} in its {k}: "
                 f"{s1.get(k, '(absent)')} here, {s0.get(k, '(absent)')} there{hint}")
     ax = s0["dims"].index(concat_dim) if concat_dim in s0["dims"] else None
     sh0, sh1 = list(a0.shape), list(a1.shape)
@@ -225,8 +225,8 @@ def _check_same(name: str, first: tuple[str, Any], other: tuple[str, Any], conca
         sh0.pop(ax)
         sh1.pop(ax)
     if sh0 != sh1:
-        raise VirtualReferenceError(f"variable {name!r} has shape {tuple(a1.shape)} in {_where(u1)} but "
-                                    f"{tuple(a0.shape)} in {_where(u0)} (other than along {concat_dim!r})")
+        raise VirtualReferenceError(f"variable {name!r} has shape {tuple(a1.shape)} in {named(u1)} but "
+                                    f"{tuple(a0.shape)} in {named(u0)} (other than along {concat_dim!r})")
 
 
 def _concat(name: str, parts: list[tuple[str, Any]], axis: int, concat_dim: str) -> Any:
@@ -237,7 +237,7 @@ def _concat(name: str, parts: list[tuple[str, Any]], axis: int, concat_dim: str)
     for url, arr in parts[:-1]:
         if arr.shape[axis] % chunk:
             raise VirtualReferenceError(
-                f"variable {name!r} in {_where(url)} holds {arr.shape[axis]} steps of {concat_dim!r}, not a "
+                f"variable {name!r} in {named(url)} holds {arr.shape[axis]} steps of {concat_dim!r}, not a "
                 f"multiple of its chunk length {chunk}: a chunk would straddle two files, which one virtual "
                 "array cannot reference (only the last file may end with a partial chunk); "
                 + _REWRITE_HINT.format(dim=concat_dim))
@@ -295,8 +295,8 @@ def _netcdf_store(paths: Any, concat_dim: str, group: str | None, drop_variables
                   registry: Any, store_options: dict[str, Any]) -> Any:
     from virtualizarr.manifests import ManifestGroup, ManifestStore
 
-    urls = _as_urls(paths)
-    reg = _registry_for(urls, registry, store_options)
+    urls = as_urls(paths)
+    reg = registry_for(urls, registry, store_options)
     drop = list(drop_variables or ())
     def one(u: str) -> tuple[Any, dict[str, xr.Variable]]:
         s = _parse(u, reg, group, drop, concat_dim)
@@ -311,7 +311,7 @@ def _netcdf_store(paths: Any, concat_dim: str, group: str | None, drop_variables
 
     first = manifest_group(stores[0])
     inline_names = [n for n, v in coords[0].items() if concat_dim in v.dims]
-    inline = _InlineCoords()
+    inline = InlineCoords()
     arrays: dict[str, Any] = {}
     for name, arr in first.arrays.items():
         dims = tuple(arr.metadata.dimension_names or ())
@@ -323,28 +323,28 @@ def _netcdf_store(paths: Any, concat_dim: str, group: str | None, drop_variables
         if concat_dim not in dims:
             for u, c in zip(urls[1:], coords[1:], strict=True):  # a shared coordinate must be the same
                 if name in c and not c[name].equals(coords[0][name]):
-                    raise VirtualReferenceError(f"coordinate {name!r} in {_where(u)} differs from the one in "
-                                                f"{_where(urls[0])}: the files do not share one grid")
+                    raise VirtualReferenceError(f"coordinate {name!r} in {named(u)} differs from the one in "
+                                                f"{named(urls[0])}: the files do not share one grid")
             arrays[name] = arr
             continue
         parts = []
         for u, s in zip(urls, stores, strict=True):
             other = manifest_group(s).arrays.get(name)
             if other is None:
-                raise VirtualReferenceError(f"variable {name!r} is in {_where(urls[0])} but not in "
-                                            f"{_where(u)}; drop it with drop_variables=[{name!r}]")
+                raise VirtualReferenceError(f"variable {name!r} is in {named(urls[0])} but not in "
+                                            f"{named(u)}; drop it with drop_variables=[{name!r}]")
             _check_same(name, (urls[0], arr), (u, other), concat_dim)
             parts.append((u, other))
         arrays[name] = _concat(name, parts, dims.index(concat_dim), concat_dim)
     for u, s in zip(urls[1:], stores[1:], strict=True):
         extra = sorted(set(manifest_group(s).arrays) - set(first.arrays))
         if extra:
-            raise VirtualReferenceError(f"variable(s) {extra} are in {_where(u)} but not in "
-                                        f"{_where(urls[0])}; drop them with drop_variables={extra}")
+            raise VirtualReferenceError(f"variable(s) {extra} are in {named(u)} but not in "
+                                        f"{named(urls[0])}; drop them with drop_variables={extra}")
     inline.register(reg)
     out = ManifestStore(ManifestGroup(arrays=arrays, attributes=dict(first.metadata.attributes or {})),
                         registry=reg)
-    _check_decodable(out, urls[0])
+    check_decodable(out, urls[0])
     return out
 
 
@@ -361,7 +361,7 @@ def _file_coords(url: str, store: Any) -> dict[str, xr.Variable]:
         ds = xr.open_zarr(store, chunks=None, consolidated=False, drop_variables=sorted(set(arrays) - keep))
         return {n: ds[n].variable.load() for n in ds.variables if n in keep and n in ds.coords}
     except Exception as e:  # noqa: BLE001
-        raise VirtualReferenceError(f"cannot read the coordinates of {_where(url)}: "
+        raise VirtualReferenceError(f"cannot read the coordinates of {named(url)}: "
                                     f"{type(e).__name__}: {e}") from None
 
 
@@ -372,7 +372,7 @@ def _order(urls: list[str], coords: list[dict[str, xr.Variable]], concat_dim: st
     order = sorted(range(len(urls)), key=lambda i: coords[i][concat_dim].values[0])
     for a, b in zip(order, order[1:], strict=False):
         if not coords[a][concat_dim].values[-1] < coords[b][concat_dim].values[0]:
-            raise VirtualReferenceError(f"{_where(urls[a])} and {_where(urls[b])} overlap along "
+            raise VirtualReferenceError(f"{named(urls[a])} and {named(urls[b])} overlap along "
                                         f"{concat_dim!r}: files must follow each other")
     return order
 

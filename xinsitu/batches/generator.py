@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
+from xinsitu.batches import describe
 from xinsitu.batches.buffer import BUFFER_BUDGET, BufferLoader, default_block_chunks, unit_nbytes
 from xinsitu.batches.direct import DeviceDirectLoader, DirectLoader, direct_reason
 from xinsitu.batches.output import OutputBuilder
@@ -606,6 +607,10 @@ class BatchGenerator:
             return f"cpu ({chain.reason}: {verdict.words()})"
         return f"gpu ({chain.reason}, nvCOMP: {verdict.words()}" + ("" if self.decode == "auto" else
                                                                     "; decode='gpu'") + ")"
+
+    def _repr_parts(self, drawing: bool = False) -> tuple[str, str, list[Any]]:
+        """Title, headline and sections of both reprs (``xinsitu.repr.formatting.text_repr``)."""
+        return describe.generator_parts(self, drawing)
 
     def __repr__(self) -> str:
         return formatting.text_repr(self)

@@ -591,7 +591,7 @@ def fsspec_versions(zstore: Any, object_keys: list[str]) -> tuple[dict[str, str]
     ``({object key: version}, requests made)``; an object it lacks is ``MISSING``, one that got no
     answer within ``XINSITU_REQUEST_TIMEOUT`` unknown (``why_not``), one it could not tell about (an
     error) is left out."""
-    from xinsitu.stores.zarr_store import _home_loop
+    from xinsitu.stores.zarr_store import home_loop
 
     fs = zstore.fs
     base = str(getattr(zstore, "path", "")).rstrip("/")
@@ -609,7 +609,7 @@ def fsspec_versions(zstore: Any, object_keys: list[str]) -> tuple[dict[str, str]
             return None if why is None else _UNTRUSTED + why
         return _fsspec_version(info)
 
-    home = _home_loop(zstore)
+    home = home_loop(zstore)
     work = _ask_each(keys, one, limit)
     if home is None:
         got = _run_bounded(work)

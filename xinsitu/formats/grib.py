@@ -32,15 +32,15 @@ import xarray as xr
 from xinsitu.compat.virtualizarr_api import manifest_group
 from xinsitu.formats.references import (
     PARSE_THREADS,
-    _as_urls,
-    _check_decodable,
-    _InlineCoords,
+    InlineCoords,
     _jsonable,
-    _registry_for,
+    as_urls,
+    check_decodable,
     read_only_bytes_codec,
     register_codec_class,
+    registry_for,
 )
-from xinsitu.stores.virtual_store import VirtualReferenceError, _where
+from xinsitu.stores.virtual_store import VirtualReferenceError, named
 
 #: Packings gribberish 0.30 decodes to exactly ecCodes' values, by edition (measured; see the module doc).
 GRIBBERISH_PACKINGS = {
@@ -239,7 +239,7 @@ def _local_path(url: str) -> str:
 
     p = urlparse(url)
     if p.scheme != "file":
-        raise GribError(f"{_where(url)}: GRIB files are scanned with ecCodes, which reads local files only; "
+        raise GribError(f"{named(url)}: GRIB files are scanned with ecCodes, which reads local files only; "
                         "copy the files to a local disk (or a mounted file system) to read them in place")
     return unquote(p.path)
 
@@ -301,13 +301,13 @@ def _joined_coords(files: list[_File], concat_dim: str) -> xr.Dataset:
             if name == concat_dim or name not in first.variables:
                 continue
             if name in var.dims and not var.equals(first[name].variable):
-                raise GribError(f"coordinate {name!r} in {_where(f.url)} differs from the one in "
-                                f"{_where(files[0].url)}: the files do not share one grid")
+                raise GribError(f"coordinate {name!r} in {named(f.url)} differs from the one in "
+                                f"{named(files[0].url)}: the files do not share one grid")
     try:
         return xr.concat([f.coords for f in files], dim=concat_dim, coords="different", compat="equals",
                          join="exact", combine_attrs="override")
     except Exception as e:  # noqa: BLE001
-        raise GribError(f"the coordinates of {_where(files[0].url)} ... {_where(files[-1].url)} cannot be joined "
+        raise GribError(f"the coordinates of {named(files[0].url)} ... {named(files[-1].url)} cannot be joined "
                         f"along {concat_dim!r}: {type(e).__name__}: {e}") from None
 
 
@@ -315,12 +315,12 @@ def _order(files: list[_File], concat_dim: str) -> list[_File]:
     """Files in the order of their first ``concat_dim`` label; files that overlap raise."""
     if not all(concat_dim in f.coords.variables for f in files):
         missing = next(f for f in files if concat_dim not in f.coords.variables)
-        raise GribError(f"{_where(missing.url)} has no coordinate {concat_dim!r} to join the files along")
+        raise GribError(f"{named(missing.url)} has no coordinate {concat_dim!r} to join the files along")
     key = [np.atleast_1d(f.coords[concat_dim].values) for f in files]
     order = sorted(range(len(files)), key=lambda i: key[i][0])
     for a, b in zip(order, order[1:], strict=False):
         if not key[a][-1] < key[b][0]:
-            raise GribError(f"{_where(files[a].url)} and {_where(files[b].url)} overlap along {concat_dim!r}: "
+            raise GribError(f"{named(files[a].url)} and {named(files[b].url)} overlap along {concat_dim!r}: "
                             "files must follow each other")
     return [files[i] for i in order]
 
@@ -362,7 +362,7 @@ def _data_array(name: str, files: list[_File], concat_dim: str, decoder: str) ->
 
     missing = next((f for f in files if name not in f.data), None)
     if missing is not None:
-        raise GribError(f"variable {name!r} is in {_where(files[0].url)} but not in {_where(missing.url)}")
+        raise GribError(f"variable {name!r} is in {named(files[0].url)} but not in {named(missing.url)}")
     # where a file's scalar concat_dim becomes a dimension: where other files have it (cfgrib puts an
     # ensemble's ``number`` before ``time``), else first, as xr.concat puts a new dimension
     pos = next((f.data[name].dims.index(concat_dim) for f in files if concat_dim in f.data[name].dims), 0)
@@ -378,11 +378,11 @@ def _data_array(name: str, files: list[_File], concat_dim: str, decoder: str) ->
         ax = dims.index(concat_dim) if concat_dim in dims else 0
         if dims != dims0 or geo_ndim != geo0 or [s for i, s in enumerate(shape) if i != ax] != \
                 [s for i, s in enumerate(shape0) if i != ax]:
-            raise GribError(f"variable {name!r} has dims {dims} and shape {shape} in {_where(f.url)} but {dims0} and "
-                            f"{shape0} in {_where(files[0].url)} (other than along {concat_dim!r})")
+            raise GribError(f"variable {name!r} has dims {dims} and shape {shape} in {named(f.url)} but {dims0} and "
+                            f"{shape0} in {named(files[0].url)} (other than along {concat_dim!r})")
         if mv != mv0:
-            raise GribError(f"variable {name!r} has missingValue {mv} in {_where(f.url)} but {mv0} in "
-                            f"{_where(files[0].url)}: one codec cannot decode both")
+            raise GribError(f"variable {name!r} has missingValue {mv} in {named(f.url)} but {mv0} in "
+                            f"{named(files[0].url)}: one codec cannot decode both")
         parts.append((shape, paths, ol))
     assert dims0 is not None  # files is never empty
     ax = dims0.index(concat_dim) if concat_dim in dims0 else 0
@@ -440,7 +440,7 @@ def grib_store(paths: str | os.PathLike | Iterable[str | os.PathLike], *, concat
 
     if decoder not in ("auto", "gribberish", "eccodes"):
         raise ValueError(f"decoder must be 'auto', 'gribberish' or 'eccodes', not {decoder!r}")
-    urls = _as_urls(paths)
+    urls = as_urls(paths)
     kwargs = dict(cfgrib_kwargs)
     if filter_by_keys:
         kwargs["filter_by_keys"] = dict(filter_by_keys)
@@ -449,16 +449,16 @@ def grib_store(paths: str | os.PathLike | Iterable[str | os.PathLike], *, concat
         files = list(pool.map(lambda u: _read_file(u, kwargs), urls))
     if len(files) > 1:
         files = _order(files, concat_dim)
-    reg = _registry_for([f.url for f in files], registry, {})
+    reg = registry_for([f.url for f in files], registry, {})
     coords = _joined_coords(files, concat_dim)
-    inline = _InlineCoords()
+    inline = InlineCoords()
     arrays: dict[str, Any] = {}
     for name in files[0].data:
         arrays[name] = _data_array(name, files, concat_dim, _choose_decoder(name, files, decoder))
     for f in files[1:]:
         extra = sorted(set(f.data) - set(files[0].data))
         if extra:
-            raise GribError(f"variable(s) {extra} are in {_where(f.url)} but not in {_where(files[0].url)}; "
+            raise GribError(f"variable(s) {extra} are in {named(f.url)} but not in {named(files[0].url)}; "
                             "pass filter_by_keys= to open the same fields of every file")
     for key, var in coords.variables.items():
         name = str(key)
@@ -466,7 +466,7 @@ def grib_store(paths: str | os.PathLike | Iterable[str | os.PathLike], *, concat
     inline.register(reg)
     out = ManifestStore(ManifestGroup(arrays=arrays, attributes={k: _jsonable(v) for k, v in files[0].attrs.items()}),
                         registry=reg)
-    _check_decodable(out, files[0].url)
+    check_decodable(out, files[0].url)
     return out
 
 

@@ -441,12 +441,12 @@ def manifest_store(url: str, read: Callable[[int, int], bytes], size: int, regis
     from virtualizarr.manifests.utils import create_v3_array_metadata
 
     from xinsitu.formats.references import _jsonable
-    from xinsitu.stores.virtual_store import VirtualReferenceError, _where
+    from xinsitu.stores.virtual_store import VirtualReferenceError, named
 
     try:
         h = read_header(read, size)
     except Exception as e:  # noqa: BLE001
-        raise VirtualReferenceError(f"{_where(url)}: its NetCDF-3 header cannot be read ({type(e).__name__}: "
+        raise VirtualReferenceError(f"{named(url)}: its NetCDF-3 header cannot be read ({type(e).__name__}: "
                                     f"{e})") from None
     if h.numrecs == _STREAMING and h.version != 5:  # written by a stream: records until the end of the file
         first = min((v.begin for v in h.vars if v.record), default=size)
@@ -460,7 +460,7 @@ def manifest_store(url: str, read: Callable[[int, int], bytes], size: int, regis
             continue
         if v.dtype.kind == "S":
             raise VirtualReferenceError(
-                f"{_where(url)}: variable {v.name!r} holds characters (NC_CHAR), which this reader does not "
+                f"{named(url)}: variable {v.name!r} holds characters (NC_CHAR), which this reader does not "
                 f"reference in place; leave it out with drop_variables=[{v.name!r}]")
         coordinate = v.dims == (v.name,)  # x(x): read whole by xarray on open
         step = v.dims and (v.record or v.dims[0] == concat_dim or not coordinate or v.slab > WHOLE_CHUNK_BYTES)
@@ -473,7 +473,7 @@ def manifest_store(url: str, read: Callable[[int, int], bytes], size: int, regis
         offsets = (v.begin + stride * np.arange(n0, dtype=np.uint64)).reshape(grid)
         end = int(offsets.max()) + nbytes if n0 else 0
         if end > size:
-            raise VirtualReferenceError(f"{_where(url)}: variable {v.name!r} ends at byte {end}, past the end of "
+            raise VirtualReferenceError(f"{named(url)}: variable {v.name!r} ends at byte {end}, past the end of "
                                         f"the file ({size} bytes): the file is truncated")
         dtype, attrs, applied = _decoded_form(v)
         codecs: list[dict[str, Any]] | None

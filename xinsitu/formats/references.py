@@ -25,7 +25,7 @@ import numpy as np
 import xarray as xr
 
 from xinsitu.compat.virtualizarr_api import manifest_group
-from xinsitu.stores.virtual_store import VirtualReferenceError, _where
+from xinsitu.stores.virtual_store import VirtualReferenceError, named
 
 #: ``encoding`` keys of a decoded variable that describe its CF encoding (the rest is zarr's).
 _CF_ENCODING = ("units", "calendar", "dtype", "_FillValue", "missing_value", "scale_factor", "add_offset")
@@ -64,7 +64,7 @@ class _InlineStore:
         return f"_InlineStore({sorted(self.objects)})"
 
 
-def _as_urls(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[str]:
+def as_urls(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[str]:
     if isinstance(paths, (str, os.PathLike)):
         s = os.fspath(paths)
         if "://" not in s and any(c in s for c in "*?["):
@@ -90,7 +90,7 @@ def _as_urls(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[str
     return urls
 
 
-def _registry_for(urls: list[str], registry: Any, store_options: dict[str, Any]) -> Any:
+def registry_for(urls: list[str], registry: Any, store_options: dict[str, Any]) -> Any:
     from obspec_utils.registry import ObjectStoreRegistry
 
     if registry is not None:
@@ -144,7 +144,7 @@ def _encode_inline(name: str, var: xr.Variable) -> xr.Variable:
     raise VirtualReferenceError(f"coordinate {name!r} cannot be encoded exactly once joined across files")
 
 
-class _InlineCoords:
+class InlineCoords:
     """Joined coordinates kept in memory: one ``_InlineStore`` under a fresh token (``INLINE_SCHEME`` URLs)."""
 
     def __init__(self) -> None:
@@ -188,7 +188,7 @@ def _inline_array(name: str, var: xr.Variable, url: str) -> tuple[Any, bytes]:
     return ManifestArray(metadata=md, chunkmanifest=manifest), values.tobytes()
 
 
-def _check_decodable(store: Any, first_url: str) -> None:
+def check_decodable(store: Any, first_url: str) -> None:
     """Every array's codecs resolve in zarr (else reading would fail later, less clearly)."""
     import zarr
 
@@ -196,7 +196,7 @@ def _check_decodable(store: Any, first_url: str) -> None:
         try:
             zarr.open_array(store, path=name, mode="r")
         except Exception as e:  # noqa: BLE001
-            raise VirtualReferenceError(f"variable {name!r} (from {_where(first_url)}) cannot be read in "
+            raise VirtualReferenceError(f"variable {name!r} (from {named(first_url)}) cannot be read in "
                                         f"place: zarr cannot build its codecs ({type(e).__name__}: {e})") from None
 
 

@@ -29,8 +29,6 @@ if TYPE_CHECKING:
     from xinsitu.index.sampling import VarLayout
     from xinsitu.index.source import VarSource
 
-#: CF keys that xarray moves from attrs to ``encoding`` when it decodes a variable (kept in ``VarSource.cf``)
-CF_KEYS = ("_FillValue", "missing_value", "scale_factor", "add_offset", "_Unsigned", "units", "calendar", "dtype")
 #: top-level keys of a stats record that are not variables
 RESERVED = ("split", "channels", "variables")
 

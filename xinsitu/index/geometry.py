@@ -47,6 +47,10 @@ class Geometry:
     def nblocks(self, dim: str) -> int:
         return len(self.edges[dim]) - 1
 
+    def _repr_parts(self, drawing: bool = False) -> tuple[str, str, list[Any]]:
+        """Title, headline and sections of both reprs (``xinsitu.repr.formatting.text_repr``)."""
+        return formatting.geometry_parts(self, drawing)
+
     def __repr__(self) -> str:
         return formatting.text_repr(self)
 

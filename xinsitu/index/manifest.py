@@ -578,6 +578,10 @@ class SplitManifest:
 
         return plot_manifest(self, ax=ax)
 
+    def _repr_parts(self, drawing: bool = False) -> tuple[str, str, list[Any]]:
+        """Title, headline and sections of both reprs (``xinsitu.repr.formatting.text_repr``)."""
+        return formatting.manifest_parts(self, drawing)
+
     def __repr__(self) -> str:
         return formatting.text_repr(self)
 

@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from xinsitu.index.channels import CF_KEYS
 from xinsitu.index.xr_adapter import (
     IN_MEMORY,
     LAZY,
@@ -29,6 +28,9 @@ from xinsitu.index.xr_adapter import (
     variable_data,
     zarr_array_of,
 )
+
+#: CF keys that xarray moves from attrs to ``encoding`` when it decodes a variable (kept in ``VarSource.cf``)
+CF_KEYS = ("_FillValue", "missing_value", "scale_factor", "add_offset", "_Unsigned", "units", "calendar", "dtype")
 
 #: dask layer names that only select, arrange or re-chunk the values they read (no arithmetic):
 #: ``concatenate-`` is how ``xr.open_mfdataset`` puts its files together.

@@ -232,6 +232,7 @@ class Shards:
         self.reader = reader
         self.layouts: dict[int, ShardLayout] = {}
         self.indexes: OrderedDict[str, np.ndarray | None] = OrderedDict()
+        self.pending: dict[str, asyncio.Future[np.ndarray | None]] = {}  # indexes being fetched
 
     def layout(self, src: VarSource) -> ShardLayout:
         key = id(src.array)
@@ -247,10 +248,25 @@ class Shards:
         await all_or_none(self._fetch(route, lay, sh, inner) for sh, inner in by_shard.items())
 
     async def _index(self, lay: ShardLayout, store: Any, path: str) -> np.ndarray | None:
-        """The shard's index, fetched once and cached (a few bytes per inner chunk)."""
+        """The shard's index, fetched once and cached (a few bytes per inner chunk); reads of one shard
+        under way at once share the one fetch."""
         if path in self.indexes:
             self.indexes.move_to_end(path)
             return self.indexes[path]
+        pending = self.pending.get(path)
+        if pending is None:
+            pending = self.pending[path] = asyncio.ensure_future(self._fetch_index(lay, store, path))
+            pending.add_done_callback(functools.partial(self._fetched, path))
+        return await asyncio.shield(pending)
+
+    def _fetched(self, path: str, fut: asyncio.Future) -> None:
+        """An index fetch ended: the next read of the shard finds it kept (or fetches it again where it
+        failed); its failure is retrieved here too, where every read waiting for it was cancelled."""
+        self.pending.pop(path, None)
+        if not fut.cancelled():
+            fut.exception()
+
+    async def _fetch_index(self, lay: ShardLayout, store: Any, path: str) -> np.ndarray | None:
         counters = self.reader.counters
 
         def fetch() -> Any:

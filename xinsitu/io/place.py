@@ -32,8 +32,20 @@ from xinsitu.index.regions import Target, all_slices, assign, piece, readonly, w
 from xinsitu.io import loop as _loop
 
 if TYPE_CHECKING:
-    from xinsitu.cache.chunk_cache import ChunkCache, ChunkKey
     from xinsitu.codecs.cpu import ChunkDecoder
+
+
+class ChunkCache(Protocol):
+    """What the completion step asks of a chunk cache (``xinsitu.cache.ChunkCache``): keep a decoded chunk.
+    (A protocol, not the cache's type: the cache's modules import this one.)"""
+
+    def put(self, key: Any, array: np.ndarray, *, copy: bool = True, disk_key: str | None = None) -> None: ...
+
+
+class ChunkKey(Protocol):
+    """The cache keys of one array's chunks (``xinsitu.cache.ChunkKey``), as the completion step uses them."""
+
+    def memory_key(self, chunk: tuple[int, ...]) -> Any: ...
 
 T = TypeVar("T")
 

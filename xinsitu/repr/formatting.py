@@ -13,23 +13,19 @@ from __future__ import annotations
 
 import html as _html
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from xinsitu.index.plan import EpochPlan, epoch_size, plan_quality, rank_share
-
-#: a ``batches.generator.BatchGenerator``, taken duck-typed: reprs sit below the batches layer, and naming
-#: its type here (even for annotations only) would tie the layers between into one circle
-GeneratorLike = Any
-
-if TYPE_CHECKING:
-    from xinsitu.index.geometry import Geometry
-    from xinsitu.index.manifest import SplitManifest
+#: the objects described here, taken duck-typed: an ``index.manifest.SplitManifest``, an
+#: ``index.geometry.Geometry``. Their modules call these reprs, so naming their types here, even for
+#: annotations only, would tie the folders between into one circle.
+ManifestLike = Any
+GeometryLike = Any
 
 #: Colour of split ``i`` (``i`` in the manifest's split order), shared with ``xinsitu.repr.plot``
 #: (matplotlib's tab10 without its grey, which marks gaps).
@@ -357,34 +353,44 @@ def grid(owner: np.ndarray, row_edges: Sequence[int] | np.ndarray, col_edges: Se
 
 
 # ----------------------------------------------------------------------------- the objects' reprs
-# Each object's ``__repr__`` is ``text_repr(self)`` and its ``_repr_html_`` is ``html_repr(self)``:
-# one list of sections per object feeds both. The objects are taken duck-typed (their modules import
-# this one; their types are imported for annotations only).
+# Each object builds its own parts -- ``obj._repr_parts(drawing) -> (title, headline, sections)`` -- and its
+# ``__repr__`` is ``text_repr(self)``, its ``_repr_html_`` ``html_repr(self)``: one list of sections feeds
+# both. (``geometry_parts`` and ``manifest_parts`` below are those of a ``Geometry`` and a ``SplitManifest``;
+# a ``BatchGenerator``'s are in ``xinsitu.batches.describe``.)
 def text_repr(obj: Any) -> str:
-    """The text repr of a ``Geometry``, ``SplitManifest`` or ``BatchGenerator``."""
-    title, headline, make = _REPRS[type(obj).__name__]
-    return text(title, make(obj), headline(obj))
+    """The text repr of an object that builds its parts (``obj._repr_parts``)."""
+    title, headline, secs = obj._repr_parts(drawing=False)
+    return text(title, secs, headline)
 
 
 def html_repr(obj: Any) -> str:
     """The HTML repr of the same objects (with drawings; the text repr as its fallback)."""
-    title, headline, make = _REPRS[type(obj).__name__]
-    return html(title, make(obj, drawing=True), text_repr(obj), headline(obj))
+    title, headline, secs = obj._repr_parts(drawing=True)
+    return html(title, secs, text_repr(obj), headline)
 
 
 def sections(obj: Any, drawing: bool = False) -> list[Section]:
     """The sections both reprs of ``obj`` show (``drawing``: with the HTML-only drawings)."""
-    return _REPRS[type(obj).__name__][2](obj, drawing=drawing)
+    return obj._repr_parts(drawing=drawing)[2]  # type: ignore[no-any-return]
 
 
-# -- Geometry
-def _geometry_headline(g: Geometry) -> str:
+def geometry_parts(g: GeometryLike, drawing: bool = False) -> tuple[str, str, list[Section]]:
+    """A ``Geometry``'s repr: title, headline, sections."""
+    return "xinsitu.Geometry", _geometry_headline(g), _geometry_sections(g, drawing)
+
+
+def manifest_parts(m: ManifestLike, drawing: bool = False) -> tuple[str, str, list[Section]]:
+    """A ``SplitManifest``'s repr: title, headline, sections."""
+    return "xinsitu.SplitManifest", _manifest_headline(m), _manifest_sections(m, drawing)
+
+
+def _geometry_headline(g: GeometryLike) -> str:
     split = [f"{d} ({g.nblocks(d)} chunks)" for d in g.dims if g.nblocks(d) > 1]
     nv = len(g.variables)
     return f"{nv} variable{'s' if nv != 1 else ''}, chunked along " + (", ".join(split) or "no dim")
 
 
-def _geometry_sections(g: Geometry, drawing: bool = False) -> list[Section]:
+def _geometry_sections(g: GeometryLike, drawing: bool = False) -> list[Section]:
     sharded = any(v.shards for v in g.variables.values())
     header = ("variable", "dims", "shape", "chunk", *(("shard",) if sharded else ()), "dtype", "codecs",
               "chunk size", "chunks")
@@ -418,7 +424,7 @@ def _fmt_shape(shape: tuple[int, ...] | None) -> str:
 
 
 # -- SplitManifest
-def manifest_summary(m: SplitManifest) -> str:
+def manifest_summary(m: ManifestLike) -> str:
     """``SplitManifest.summary()``: a few plain lines."""
     lines = [f"split on {', '.join(m.dims)} ({' x '.join(map(str, m.grid))} chunk blocks{_blocks_of(m)}, "
              f"method={m.method}, gap={m.gap}, seed={m.seed})"]
@@ -427,12 +433,12 @@ def manifest_summary(m: SplitManifest) -> str:
     return "\n".join(lines)
 
 
-def _blocks_of(m: SplitManifest) -> str:
+def _blocks_of(m: ManifestLike) -> str:
     """Where a split dim is cut in blocks of positions (``split(..., block=)``): "; blocks of n along d"."""
     return "".join(f"; blocks of {n} along {d}" for d, n in m.block.items())
 
 
-def _manifest_rows(m: SplitManifest) -> list[tuple[str, tuple[str, ...]]]:
+def _manifest_rows(m: ManifestLike) -> list[tuple[str, tuple[str, ...]]]:
     rows: list[tuple[str, tuple[str, ...]]] = []
     for name, blocks in m.splits.items():
         rng = "; ".join(f"{d} {lab[0]} .. {lab[1]}" for d, lab in m.labels.get(name, {}).items())
@@ -440,14 +446,14 @@ def _manifest_rows(m: SplitManifest) -> list[tuple[str, tuple[str, ...]]]:
     return rows
 
 
-def _manifest_headline(m: SplitManifest) -> str:
+def _manifest_headline(m: ManifestLike) -> str:
     how = ("ranges" if m.method == "ranges" else
            "contiguous fractions" if m.contiguous else f"random fractions (seed {m.seed})")
     return (f"on {' x '.join(m.dims)}: {' x '.join(map(str, m.grid))} chunk blocks{_blocks_of(m)}, {how}, "
             f"gap {m.gap}")
 
 
-def _manifest_sections(m: SplitManifest, drawing: bool = False) -> list[Section]:
+def _manifest_sections(m: ManifestLike, drawing: bool = False) -> list[Section]:
     """The repr's sections; ``drawing``: with the timeline/grid (HTML only, O(chunk blocks))."""
     one = len(m.dims) == 1
     total = sum(m.sizes[d] for d in m.dims) if one else int(np.prod([m.sizes[d] for d in m.dims]))
@@ -494,150 +500,3 @@ def _manifest_sections(m: SplitManifest, drawing: bool = False) -> list[Section]
             Section("Manifest", (), info, collapsed=True)]
 
 
-# -- BatchGenerator
-def _generator_headline(gen: GeneratorLike) -> str:
-    return f"{gen.split!r}: {len(gen)} batches of {gen.batch_size}, output={gen.output!r}"
-
-
-def _display_plan(gen: GeneratorLike) -> tuple[EpochPlan, int]:
-    """The plan the repr describes (its first 50 batches at least) and how many units it reads:
-    where the unit order cannot change what the repr shows (units of equal size), the same cut
-    with the units in split order, and for one rank only its head (no permutation of, nor pass
-    over, 10^7 units just to print); else the plan."""
-    c = gen.space.counts
-    if gen.elastic_remainder or not len(c) or not bool((c == c[0]).all()) or not c[0]:
-        p = gen.plan()
-        return p, len(p.units)
-    kw: dict[str, Any] = dict(block_chunks=gen.block_chunks, batch_size=gen.batch_size, drop_last=gen.drop_last,
-              shuffle=gen.shuffle, seed=gen.seed, epoch=gen.epoch, rank=gen.rank, world_size=gen.world_size)
-    if gen.world_size == 1:
-        size = epoch_size(gen.space, world_size=1, rank=0, batch_size=gen.batch_size, drop_last=gen.drop_last)
-        assert size is not None  # one rank, units of equal size: the size is known without a plan
-        n, units = size
-        k = min(units, (-(-50 * gen.batch_size // int(c[0])) // gen.block_chunks + 1) * gen.block_chunks)
-        return EpochPlan(units=np.arange(k), lo=np.zeros(k, np.int64), hi=c[:k].copy(), n_samples=n, **kw), units
-    pos, lo, hi, n = rank_share(c, gen.world_size, gen.rank, gen.batch_size, gen.drop_last)
-    return EpochPlan(units=pos, lo=lo, hi=hi, n_samples=n, **kw), len(pos)
-
-
-def _epoch_bytes(gen: GeneratorLike, p: EpochPlan, n_units: int | None = None) -> int:
-    """Decoded bytes of the chunk blocks this rank reads in an epoch (halos and partial chunks aside)."""
-    sp = gen.space
-    split = {d.name for d in sp.split_dims}
-    n_units = len(p.units) if n_units is None else n_units
-    if n_units == len(sp.blocks) and all(lay.static or split <= set(lay.src.dims) for lay in gen.layouts.values()):
-        # every unit once (one rank): the split's positions, O(runs of the manifest)
-        n = gen.manifest.positions(gen.split)
-        total = 0
-        for lay in gen.layouts.values():
-            rest = lay.src.raw_dtype.itemsize * int(np.prod([k for d, k in zip(lay.src.dims, lay.src.shape,
-                                                                              strict=True) if d not in split]))
-            total += rest * (1 if lay.static else n)
-        return total
-    coords = np.unravel_index(sp.blocks[p.units], sp.grid)
-    extent = {d.name: np.diff(sp.edges[k])[coords[k]] for k, d in enumerate(sp.split_dims)}
-    total = 0
-    for lay in gen.layouts.values():
-        src = lay.src
-        per = np.ones(len(p.units), dtype=np.int64)
-        rest = src.raw_dtype.itemsize
-        for d, n in zip(src.dims, src.shape, strict=True):
-            if d in extent:
-                per = per * extent[d]
-            else:
-                rest *= n
-        total += rest if lay.static else int(per.sum()) * rest  # a static variable is read once
-    return total
-
-
-def _batch_shape(gen: GeneratorLike) -> str:
-    """What one batch is, its axes named: a stacked batch is ``(batch, channel, *window/patch and whole
-    dims)`` -- a window's axis after the channels, and the call that puts it before them."""
-    b = gen.builder
-    sizes = {d.name: d.width for d in gen.space.dims if d.keep}
-    n = gen.batch_size
-    if not b.stack:
-        if gen.output == "xarray":
-            return f"xr.Dataset: sample ({n}), then each variable's dims per sample (below)"
-        return f"dict: one array per variable, ({n}, *per sample) (below); a static variable: per sample only"
-    dims = [(d, sizes.get(d, gen.geometry.sizes.get(d, 0))) for d in b.base_dims]
-    lead = ("sample", "variable") if gen.output == "dataarray" else ("batch", "channel")
-    shape = ", ".join(f"{a}: {k}" for a, k in [(lead[0], n), (lead[1], len(gen.channels)), *dims])
-    window = next((d for d in gen.space.dims if d.keep and d.stride == 1 and d.width > 1), None)
-    if window is None or not dims or dims[0][0] != window.name:
-        return f"({shape})"
-    w = window.name
-    move = (f"b.transpose('sample', '{w}', ...)" if gen.output == "dataarray" else "x.swapaxes(1, 2)")
-    return f"({shape}); ({lead[0]}, {w}, {lead[1]}, ...): {move}"
-
-
-def _generator_sections(gen: GeneratorLike, drawing: bool = False) -> list[Section]:
-    p, n_units = _display_plan(gen)
-    nvar = sum(1 for lay in gen.layouts.values() if not lay.static)
-    batches = f"{p.n_batches} x {gen.batch_size} samples"
-    if p.n_samples % gen.batch_size:
-        batches += " (short last batch dropped)" if gen.drop_last else " (last one short)"
-    samples = f"{p.n_samples} of {gen.space.n_samples} in split {gen.split!r}"
-    if gen.world_size > 1:
-        samples += f" (rank {gen.rank} of {gen.world_size})"
-    if gen.shuffle:
-        shuffle = (f"seed {gen.seed}, epoch {gen.epoch}, blocks of {gen.block_chunks} chunk blocks; "
-                   f"quality {plan_quality(p, gen.space, gen.batch_size, 50):.2f} (1.0 ~ global)")
-    else:
-        shuffle = f"off: chunk blocks in split order (epoch {gen.epoch})"
-    once = ("" if any(d.width > 1 for d in gen.space.split_dims) or gen.manifest.block  # blocks: per buffer
-            else ", each chunk read once")
-    info = [("batches", batches), ("batch", _batch_shape(gen)), ("samples", samples),
-            ("reads / epoch", f"{n_units} chunk blocks x {nvar} variable{'s' if nvar != 1 else ''}, "
-                              f"~{fmt_bytes(_epoch_bytes(gen, p, n_units))} decoded{once}"),
-            ("shuffle", shuffle), ("buffer", gen.buffer_summary), ("output", gen.output + (f" on {gen.builder.device}"
-                                                           if getattr(gen.builder, "device", None) else ""))]
-    if getattr(gen, "decode_summary", None):
-        info.append(("decode", gen.decode_summary))
-    if gen.cache is not None:
-        info.append(("cache", gen.cache.summary()))
-        info.extend(("cache note", note) for note in getattr(gen.cache, "notes", ()))  # what it could not keep
-    roles: list[tuple[str, str, str, str]] = []
-    sampled = {d.name for d in gen.space.dims}
-    for d in gen.space.dims:
-        if d.width == 1:
-            what = "1 position"
-        elif d.stride == 1:
-            what = f"window of {d.width}"
-        else:
-            what = f"tile of {d.width}, stride {d.stride}"
-        role = "split dim" if d.split else ("over: one sample per position" if not d.keep else "window / patch")
-        roles.append((d.name, str(d.size), what, role))
-    for kept, n in gen.geometry.sizes.items():
-        if kept not in sampled:
-            roles.append((kept, str(n), f"whole ({n})", "kept"))
-    width = {d.name: d.width for d in gen.space.dims if d.keep}
-    var_rows = []
-    for name, lay in gen.layouts.items():
-        shape = ", ".join(f"{d}: {width.get(d, gen.geometry.sizes.get(d, 0))}" for d in lay.out_dims)
-        var_rows.append((name, f"({shape})", str(lay.src.dtype), "static: same in every batch" if lay.static
-                         else ""))
-    sections = [Section("Epoch", (), info),
-                Section("Sample", ("dim", "length", "takes", "role"), roles),
-                Section("Variables", ("variable", "per sample", "dtype", ""), var_rows, summary=f"({len(var_rows)})")]
-    last = gen.io_stats
-    io = {k: last.get(k, 0) for k in ("chunks", "requests", "bytes_read", "bytes_decoded", "samples_per_s",
-                                      "mb_per_s", "seconds", "wait_s", "epoch", "batches")}
-    if last:  # a repr never raises: missing counters read as 0
-        sections.append(Section("Last epoch I/O", (), [
-            ("read", f"{io['chunks']} chunks in {io['requests']} requests, {fmt_bytes(io['bytes_read'])} "
-                     f"stored -> {fmt_bytes(io['bytes_decoded'])} decoded"),
-            ("rate", f"{io['samples_per_s']:.0f} samples/s, {io['mb_per_s']:.1f} MB/s decoded "
-                     f"over {io['seconds']:.2f} s"),
-            ("waited for data", f"{io['wait_s']:.2f} s")]
-            + ([("cache", f"{last.get('cache_hits', 0)} hits ({last.get('cache_disk_hits', 0)} from disk), "
-                          f"{last.get('cache_misses', 0)} misses")] if gen.cache is not None else []),
-            summary=f"(epoch {io['epoch']}, {io['batches']} batches)", collapsed=True))
-    return sections
-
-
-_REPRS: dict[str, tuple[str, Callable[[Any], str], Callable[..., list[Section]]]] = {
-    "Geometry": ("xinsitu.Geometry", _geometry_headline, _geometry_sections),
-    "SplitManifest": ("xinsitu.SplitManifest", _manifest_headline, _manifest_sections),
-    "BatchGenerator": ("xinsitu.BatchGenerator", _generator_headline, _generator_sections),
-}

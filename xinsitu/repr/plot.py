@@ -16,13 +16,14 @@ from xinsitu.repr import formatting
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from xinsitu.index.manifest import SplitManifest
+#: an ``index.manifest.SplitManifest``, duck-typed (see ``formatting.ManifestLike``)
+ManifestLike = Any
 
 #: Draw chunk-block edges where there are at most this many blocks along a dim.
 MAX_EDGE_LINES = 64
 
 
-def plot_manifest(m: SplitManifest, ax: Axes | None = None) -> Axes:
+def plot_manifest(m: ManifestLike, ax: Axes | None = None) -> Axes:
     """Draw which chunk blocks each split owns.
 
     One split dim: a timeline along the dim (in positions), one coloured span per run
@@ -32,7 +33,7 @@ def plot_manifest(m: SplitManifest, ax: Axes | None = None) -> Axes:
 
     Parameters
     ----------
-    m : SplitManifest
+    m : ManifestLike
         The manifest (from ``ds.insitu.split``).
     ax : matplotlib.axes.Axes, optional
         Where to draw; a new figure is made when omitted.
@@ -94,7 +95,7 @@ def _count(n: int, what: str) -> str:
     return f"{n} {what}{'' if n == 1 else 's'}"
 
 
-def _legend(m: SplitManifest, ax: Axes, gaps: bool, loc: str) -> None:
+def _legend(m: ManifestLike, ax: Axes, gaps: bool, loc: str) -> None:
     from matplotlib.patches import Patch
 
     handles = []
@@ -107,7 +108,7 @@ def _legend(m: SplitManifest, ax: Axes, gaps: bool, loc: str) -> None:
               **({"bbox_to_anchor": (1.0, 1.0)} if loc == "upper left" else {}))
 
 
-def _timeline(m: SplitManifest, owner: np.ndarray, ax: Axes) -> None:
+def _timeline(m: ManifestLike, owner: np.ndarray, ax: Axes) -> None:
     dim = m.dims[0]
     edges = np.asarray(m.edges[dim], dtype=np.int64)
     total = int(edges[-1] - edges[0])
@@ -144,7 +145,7 @@ def _timeline(m: SplitManifest, owner: np.ndarray, ax: Axes) -> None:
     _legend(m, ax, gaps, "upper left")
 
 
-def _grid(m: SplitManifest, owner: np.ndarray, ax: Axes) -> None:
+def _grid(m: ManifestLike, owner: np.ndarray, ax: Axes) -> None:
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Rectangle
 

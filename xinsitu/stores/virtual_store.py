@@ -19,7 +19,7 @@ class VirtualReferenceError(ValueError):
     """Files that cannot be read in place as one virtual Zarr store; names the file and the variable."""
 
 
-def _where(url: str) -> str:
+def named(url: str) -> str:
     """How a file is named in messages: a local path as a path, a URL without credentials."""
     return url[len("file://"):] if url.startswith("file://") else redact_url(url)
 
@@ -42,7 +42,7 @@ def _chunk_coords(ckey: str, encoding: Any, ndim: int) -> tuple[int, ...]:
     return tuple(int(p) for p in parts)
 
 
-def _path_in_store(url: str, store: Any) -> str:
+def path_in_store(url: str, store: Any) -> str:
     """The path of ``url`` inside ``store``, exactly as VirtualiZarr's ``ManifestStore.get`` computes it."""
     path = urlparse(url).path
     prefix = getattr(store, "prefix", None)
@@ -138,8 +138,8 @@ class ManifestBackend:
         if got is None:
             store, _ = self._registry.resolve(url)
             if store is None:
-                raise VirtualReferenceError(f"no store registered for {_where(url)}")
-            got = self._stores[url] = _FileStore(store, _path_in_store(url, store), secrets_of(store))
+                raise VirtualReferenceError(f"no store registered for {named(url)}")
+            got = self._stores[url] = _FileStore(store, path_in_store(url, store), secrets_of(store))
         return got
 
     # -- fetching
@@ -153,7 +153,7 @@ class ManifestBackend:
         loop = asyncio.get_running_loop()
         if _is_obstore(store) and _loop.in_forked_child():
             if not url.startswith("file://"):
-                _loop.refuse_after_fork(f"{_where(url)}, referenced by the virtual store,")
+                _loop.refuse_after_fork(f"{named(url)}, referenced by the virtual store,")
             # obstore would hang here; a local file is read with plain file I/O instead (fork-safe)
             data = await loop.run_in_executor(None, _read_local, url, start, end)
             self.requests += 1
@@ -188,7 +188,7 @@ class ManifestBackend:
                 f.cancel()
             raise
         except Exception as e:  # noqa: BLE001 - every waiting chunk gets the error, naming the file
-            err = _file_error(e, url, secrets)
+            err = file_error(e, url, secrets)
             for _, _, f in items:
                 if not f.done():
                     f.set_exception(err)
@@ -200,7 +200,7 @@ class ManifestBackend:
 
 def _checked(data: Any, url: str, start: int, end: int, key: str) -> Any:
     if len(data) != end - start:
-        raise OSError(f"{_where(url)}: bytes {start}..{end} of chunk {key!r} came back as {len(data)} "
+        raise OSError(f"{named(url)}: bytes {start}..{end} of chunk {key!r} came back as {len(data)} "
                       "bytes; the file is shorter than its references say (changed since they were made?)")
     return data
 
@@ -240,8 +240,8 @@ def _groups(store: Any, items: list[tuple[int, int, asyncio.Future]]) -> list[li
     return out
 
 
-def _file_error(e: BaseException, url: str, secrets: list[str]) -> BaseException:
-    where = _where(url)
+def file_error(e: BaseException, url: str, secrets: list[str]) -> BaseException:
+    where = named(url)
     from obstore.exceptions import NotFoundError
 
     if isinstance(e, (FileNotFoundError, NotFoundError)):

@@ -25,14 +25,14 @@ class _ZarrBackend:
 
     def __init__(self, zstore: Any):
         self.zstore = zstore
-        self._home: tuple[int, asyncio.AbstractEventLoop | None] = (os.getpid(), _home_loop(zstore))
+        self._home: tuple[int, asyncio.AbstractEventLoop | None] = (os.getpid(), home_loop(zstore))
         self._retries = not getattr(zstore, "_xinsitu_bounded", False)
 
     @property
     def home(self) -> asyncio.AbstractEventLoop | None:
         """zarr's loop in this process (zarr makes a new one after ``fork``), for an fsspec store; else None."""
         if self._home[0] != os.getpid():
-            self._home = (os.getpid(), _home_loop(self.zstore))
+            self._home = (os.getpid(), home_loop(self.zstore))
         return self._home[1]
 
     async def get(self, key: str) -> Any:
@@ -58,7 +58,7 @@ async def _running_loop() -> asyncio.AbstractEventLoop:
     return asyncio.get_running_loop()
 
 
-def _home_loop(zstore: Any) -> asyncio.AbstractEventLoop | None:
+def home_loop(zstore: Any) -> asyncio.AbstractEventLoop | None:
     """zarr's own loop for a store of an asynchronous fsspec filesystem (whose sessions are bound to
     the loop zarr first used them on), else None."""
     fs = getattr(zstore, "fs", None)

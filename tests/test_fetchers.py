@@ -1,0 +1,37 @@
+"""``xinsitu.io.fetchers``: the read strategies. A shard's index is fetched once per reader (kept, a few
+bytes per inner chunk), however many of its inner chunks the epochs read."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+import xinsitu
+from xinsitu.codecs.cpu import ShardLayout
+from xinsitu.synthetic import write_era5_like
+
+
+def test_a_shards_index_is_fetched_once(tmp_path, monkeypatch):
+    path = str(tmp_path / "sharded.zarr")
+    src = write_era5_like(path, nt=64, ny=4, nx=6, chunk_time=4, shard_time=16)  # 4 inner chunks a shard
+    decoded: collections.Counter[int] = collections.Counter()
+    real = ShardLayout.index
+
+    async def counting(self, raw):
+        decoded[id(self)] += 1
+        return await real(self, raw)
+
+    monkeypatch.setattr(ShardLayout, "index", counting)
+    ds = xinsitu.open_zarr(path)
+    m = ds.insitu.split("time", fractions={"train": 0.75, "val": 0.25})
+    gen = ds.insitu.batches(m, "train", batch_size=5, block_chunks=2, output="numpy", variables=["t2m", "u10"])
+    for epoch in range(2):
+        gen.set_epoch(epoch)
+        n = 0
+        for b, ids in zip(gen, gen.batch_ids(), strict=True):
+            assert np.array_equal(b["t2m"], src.t2m.values[ids])
+            n += len(ids)
+        assert n == 48
+    # 48 train steps = 3 shards of each of 2 variables, read as 12 inner chunks each over two epochs
+    assert sum(decoded.values()) == 3 * 2

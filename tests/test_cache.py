@@ -90,7 +90,7 @@ def test_get_returns_the_kept_array_read_only_without_copy() -> None:
     assert not got.flags.writeable
     np.testing.assert_array_equal(got, value_of(1))
     b = value_of(2)
-    c.put(key_of(2), b, copy=False)  # handed over: copied into a slab all the same
+    c.put(key_of(2), b)  # copied into a slab
     b[:] = -1
     np.testing.assert_array_equal(c.get(key_of(2)), value_of(2))
     assert c.get(key_of(3)) is None
@@ -275,7 +275,7 @@ def test_the_reader_s_use(tmp_path: os.PathLike[str]) -> None:
         if got is None:
             with open(os.path.join(path, obj), "rb") as f:
                 got = dec.decode_sync(f.read())
-            c.put(key, got, copy=False)  # decoded into an array of its own: handed over
+            c.put(key, got)
         return got
 
     for _ in range(2):

@@ -35,3 +35,33 @@ def test_a_shards_index_is_fetched_once(tmp_path, monkeypatch):
         assert n == 48
     # 48 train steps = 3 shards of each of 2 variables, read as 12 inner chunks each over two epochs
     assert sum(decoded.values()) == 3 * 2
+
+
+def test_all_or_none_stops_the_others_before_it_raises():
+    """One read fails: the others are cancelled, and have stopped, when the error reaches the caller (a
+    sibling cannot write into a destination after its read has been given up)."""
+    import asyncio
+
+    import pytest
+
+    from xinsitu.io.fetchers import all_or_none
+
+    stopped: list[str] = []
+
+    async def slow(name: str) -> None:
+        try:
+            await asyncio.sleep(30)
+        finally:
+            await asyncio.sleep(0.05)  # cleaning up takes a while
+            stopped.append(name)
+
+    async def fails() -> None:
+        await asyncio.sleep(0.01)
+        raise OSError("boom")
+
+    async def main() -> list[str]:
+        with pytest.raises(OSError, match="boom"):
+            await all_or_none([slow("a"), fails(), slow("b")])
+        return list(stopped)
+
+    assert sorted(asyncio.run(main())) == ["a", "b"]

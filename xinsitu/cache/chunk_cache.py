@@ -955,7 +955,7 @@ class ChunkCache:
         with self._lock:
             self._stats.misses += n
 
-    def put(self, key: Hashable, array: np.ndarray, *, copy: bool = True, disk_key: str | None = None) -> None:
+    def put(self, key: Hashable, array: np.ndarray, *, disk_key: str | None = None) -> None:
         """Keep a decoded chunk under ``key``: in memory while the budget has room, and on disk.
 
         Parameters
@@ -963,10 +963,7 @@ class ChunkCache:
         key
             From ``ChunkKey.key`` (kept in both tiers), or ``ChunkKey.memory_key`` with ``disk_key``.
         array
-            The decoded chunk.
-        copy
-            Kept for callers that hand an array over (False): the memory tier copies every chunk
-            into a row of its slabs either way.
+            The decoded chunk: copied into a row of the memory tier's slabs (the caller keeps its array).
         disk_key
             The disk tier's key (``ChunkKey.key``) where ``key`` is a memory key.
         """

@@ -35,11 +35,17 @@ INDEX_CACHE = 4096  # shard indexes kept (each a few bytes per inner chunk)
 _EMPTY = 2**64 - 1  # shard index entry of an inner chunk never written
 
 
+#: seconds a failed read waits at most for its cancelled siblings to stop (each of their waits is bounded too)
+DRAIN_S = 10.0
+
+
 async def all_or_none(coros: Any) -> None:
-    """Run ``coros`` concurrently; where one fails, cancel the others before raising its error.
+    """Run ``coros`` concurrently; where one fails, cancel the others and wait until they have stopped
+    (as zarr's ``_cancel_and_drain``), then raise its error.
 
     Not a bare ``gather``: its other reads would run on (retrying, holding permits of the in-flight
-    limit) after the caller has given up, and delay the reads that come next.
+    limit) after the caller has given up, and delay the reads that come next; and a read that returns
+    before its siblings have stopped could see them write into a destination it hands on.
     """
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
@@ -47,6 +53,12 @@ async def all_or_none(coros: Any) -> None:
     except BaseException:
         for t in tasks:
             t.cancel()
+        live = [t for t in tasks if not t.done()]
+        if live:
+            await asyncio.wait(live, timeout=DRAIN_S)
+        for t in tasks:  # their outcomes are retrieved: the first error is the one raised
+            if t.done() and not t.cancelled():
+                t.exception()
         raise
 
 

@@ -55,6 +55,7 @@ class Slots:
         self.waiting: dict[Any, float] = {}  # slot -> when its request went out, until its bytes came
         self.sent: dict[Any, float] = {}  # slot -> when it was taken, until it is given back
         self._sem: asyncio.Semaphore | None = None
+        self._count = n  # the semaphore's free permits, counted here (asyncio.Semaphore has no public count)
         self._owed = 0  # permits to keep back as slots are given back (shrunk)
         self._paced = 0  # permits to add, one per slot given back (grown, paced)
         self.filled = False  # every slot was taken at once (since ``filled`` was last set False)
@@ -67,8 +68,9 @@ class Slots:
     async def take(self, slot: Any) -> None:
         sem = self.semaphore()
         await sem.acquire()
+        self._count -= 1
         self.waiting[slot] = self.sent[slot] = self.clock()
-        if sem._value <= self._owed and not self._paced:  # (asyncio.Semaphore has no public count)
+        if self._count <= self._owed and not self._paced:
             self.filled = True
 
     def arrived(self, slot: Any) -> None:
@@ -81,11 +83,10 @@ class Slots:
         if self._owed:
             self._owed -= 1
             return
-        sem = self.semaphore()
-        sem.release()
+        self._release()
         if self._paced:
             self._paced -= 1
-            sem.release()
+            self._release()
 
     def held(self) -> int:
         return len(self.sent)
@@ -95,12 +96,16 @@ class Slots:
         return self._paced > 0
 
     def free(self) -> int:
-        sem = self.semaphore()
-        return sem._value - self._owed  # (asyncio.Semaphore has no public count)
+        return self._count - self._owed
+
+    def _release(self) -> None:
+        self.semaphore().release()
+        self._count += 1
 
     def resize(self, n: int, paced: bool = False) -> None:
         grow, self.n = n - self.n, n
         if self._sem is None:
+            self._count = n
             return
         if grow < 0:
             taken = min(-grow, self._paced)  # not given out yet
@@ -113,7 +118,7 @@ class Slots:
             self._paced += grow - paid
             return
         for _ in range(grow - paid):
-            self._sem.release()
+            self._release()
 
 
 class InflightLimit:

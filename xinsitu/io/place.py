@@ -39,7 +39,7 @@ class ChunkCache(Protocol):
     """What the completion step asks of a chunk cache (``xinsitu.cache.ChunkCache``): keep a decoded chunk.
     (A protocol, not the cache's type: the cache's modules import this one.)"""
 
-    def put(self, key: Any, array: np.ndarray, *, copy: bool = True, disk_key: str | None = None) -> None: ...
+    def put(self, key: Any, array: np.ndarray, *, disk_key: str | None = None) -> None: ...
 
 
 class ChunkKey(Protocol):
@@ -145,9 +145,10 @@ class ThreadScratch(threading.local):
 SCRATCH = ThreadScratch()
 
 
-def _put_cache(cache: ChunkCache, key: Any, chunk: np.ndarray, copy: bool = True, disk_key: str | None = None) -> None:
+def _put_cache(cache: ChunkCache, key: Any, chunk: np.ndarray, disk_key: str | None = None) -> None:
+    """Hand a decoded chunk to the cache, which copies it (never a failed read: one it cannot keep is read)."""
     try:
-        cache.put(key, chunk, copy=copy, disk_key=disk_key)
+        cache.put(key, chunk, disk_key=disk_key)
     except (OSError, MemoryError):  # a chunk the cache cannot keep is still read: never a failed read
         pass
 
@@ -207,7 +208,7 @@ class Pieces:
     def put(self, chunk: np.ndarray) -> None:
         """Put a decoded chunk (the reader's own new array) in place, kept where cached."""
         if self.cache is not None:
-            _put_cache(self.cache, self.key, chunk, copy=False, disk_key=self.disk_key)  # handed over
+            _put_cache(self.cache, self.key, chunk, disk_key=self.disk_key)
         put_all(chunk, self.targets)
 
     def fill(self, dec: ChunkDecoder) -> None:

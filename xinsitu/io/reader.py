@@ -100,10 +100,12 @@ class GpuRead(NamedTuple):
 
 
 class Route:
-    """How the chunks of one array are read, chosen once for its backend: ``LOCAL`` (chunk files
-    read in the decode threads while the disk keeps up: ``LocalBackend.fused``), ``CALLBACKS``
-    (whole chunks by ``start_whole``), else ``TASKS`` (a task each, ``Reader._fetch``). ``dec`` is
-    the decoder of the array's objects (of its inner chunks, for shards read by byte range)."""
+    """How the chunks of one array are read: its ``kind``, chosen once for its backend -- ``LOCAL``
+    (chunk files), ``CALLBACKS`` (whole chunks by ``start_whole``), else ``TASKS`` (a task each,
+    ``Reader._fetch``). One choice is left to the backend and may change during a run: a ``LOCAL``
+    array's files are read in the decode threads while the disk keeps up, and by tasks on the loop
+    from the moment ``LocalBackend.observe`` finds it slow (a network file system): ``local``. ``dec``
+    is the decoder of the array's objects (of its inner chunks, for shards read by byte range)."""
 
     LOCAL, CALLBACKS, TASKS = "local", "callbacks", "tasks"
     __slots__ = ("array", "src", "dec", "store", "prefix", "kind")

@@ -31,7 +31,7 @@ LAYERS = {
     "inflight": 2, "decode": 2, "fetchers": 2, "cached": 2, "gpu_decode": 2, "device_cache": 2, "mempool": 2,
     # 3 -- batches
     "buffer": 3, "direct": 3, "device": 3, "output": 3, "pipeline": 3, "loader": 3, "stats": 3, "dataset": 3,
-    "validity": 3,
+    "validity": 3, "cluster": 3,
     # ``torch`` (the IterableDataset over a generator, public generator methods only) is listed under
     # "surface" in issue 17, but ``BatchGenerator.to_torch()`` (public API) makes it: an adapter of the
     # batches layer, importing nothing above it.

@@ -11,11 +11,13 @@ from xinsitu.loader import BatchGenerator
 from xinsitu.manifest import SplitManifest
 from xinsitu.reader import ChunkReadError
 from xinsitu.source import SourceError
+from xinsitu.stats import merge_stats
 from xinsitu.store import open_zarr
+from xinsitu.validity import merge_validity
 
 __version__ = "0.1.0"
 __all__ = ["BatchGenerator", "ChunkCache", "ChunkReadError", "Geometry", "InsituDataset", "SourceError",
-           "SplitManifest", "VarGeometry", "open_zarr", "__version__"]
+           "SplitManifest", "VarGeometry", "merge_stats", "merge_validity", "open_zarr", "__version__"]
 
 
 def __getattr__(name: str) -> object:

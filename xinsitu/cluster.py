@@ -25,6 +25,7 @@ Any engine can run the parts (a Slurm job array, Beam, a loop); ``run_parts`` ru
 from __future__ import annotations
 
 import copy
+import hashlib
 import io
 import json
 import math
@@ -48,6 +49,11 @@ COMPACT_MIN = 1024
 
 
 # ----------------------------------------------------------------------------- parts
+def job_digest(job: dict[str, Any]) -> str:
+    """A short hash of a job's identity (what its parts carry as ``job_id``; see ``parts_in_order``)."""
+    return hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def part_arg(part: Any) -> tuple[int, int]:
     """``part=(i, n)`` checked: ``0 <= i < n``; ``TypeError``/``ValueError`` naming ``part``."""
     if not isinstance(part, (tuple, list)) or len(part) != 2 or not all(
@@ -83,6 +89,8 @@ def parts_in_order(parts: Iterable[Any], kind: str, version: int, what: str) -> 
         if not (isinstance(place, list) and len(place) == 2 and all(isinstance(x, int) for x in place)
                 and place[1] >= 1 and 0 <= place[0] < place[1]):
             raise ValueError(f"{what}: a part's place must be [i, n], got {place!r}")
+        if not isinstance(p.get("job"), dict) or job_digest(p["job"]) != p.get("job_id"):
+            raise ValueError(f"{what}: part {place[0]}'s job does not match its job_id (edited or damaged)")
         got.append(p)
     if not got:
         raise ValueError(f"{what}: no parts given")
@@ -103,9 +111,9 @@ def parts_in_order(parts: Iterable[Any], kind: str, version: int, what: str) -> 
     twice = sorted(i for i, k in seen.items() if k > 1)
     missing = sorted(set(range(n)) - set(seen))
     if twice or missing:
-        raise ValueError(f"{what}: each of the {n} parts must be given once: "
-                         + (f"part(s) {_few(missing)} missing" if missing else "")
-                         + ("; " if missing and twice else "") + (f"part(s) {_few(twice)} given twice" if twice else ""))
+        said = [f"part(s) {_few(missing)} missing"] if missing else []
+        said += [f"part(s) {_few(twice)} given twice"] if twice else []
+        raise ValueError(f"{what}: each of the {n} parts must be given once: " + "; ".join(said))
     return sorted(got, key=lambda p: p["part"][0])
 
 

@@ -162,7 +162,7 @@ def _progression(a: np.ndarray) -> tuple[int, int] | None:
 def _dumps(obj: Any) -> bytes:
     """``obj`` pickled with cloudpickle (lambdas and local functions too), long arithmetic progressions
     written as three numbers."""
-    import cloudpickle
+    import cloudpickle  # type: ignore[import-untyped]
 
     class _Compact(cloudpickle.Pickler):  # type: ignore[misc, name-defined]
         def reducer_override(self, o: Any) -> Any:

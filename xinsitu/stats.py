@@ -545,7 +545,8 @@ class StatsPass:
         owners = self._owners()
         jobs: list[list[tuple[str, dict[str, tuple[int, int]], Any]]] = []
         if static:
-            still = [(n, {}, functools.partial(self._reduce, n)) for n, lay in self.layouts.items() if lay.static]
+            still: list[tuple[str, dict[str, tuple[int, int]], Any]] = [
+                (n, {}, functools.partial(self._reduce, n)) for n, lay in self.layouts.items() if lay.static]
             if still:
                 jobs.append(still)
         units = np.arange(a, b, dtype=np.int64)
@@ -712,7 +713,7 @@ class StatsPass:
             return [(0, None)]
         # each label (combination of labels) of the extra dims this piece holds is one channel
         labels = [np.arange(n)[out_sel[ax]] for ax, n in zip(axes, sizes, strict=True)]
-        out = []
+        out: list[tuple[int, tuple[Any, ...] | None]] = []
         for idx in itertools.product(*(range(len(lab)) for lab in labels)):
             sel: list[Any] = [slice(None)] * ndim
             for ax, i in zip(axes, idx, strict=True):

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Numcodecs codecs are not in the 
 @pytest.fixture(scope="module")
 def client():
     """Two worker processes of one thread each (the machine's two cores are shared)."""
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cl, \
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cl, \
             distributed.Client(cl) as c:
         yield c
 

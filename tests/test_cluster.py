@@ -69,6 +69,11 @@ def test_zarr_archives(client, kind, era5_path, era5_v2_path, sharded_path):
     ds = xinsitu.open_zarr({"v3": era5_path, "v2": era5_v2_path, "sharded": sharded_path}[kind])
     m = ds.insitu.split("time", fractions={"train": 0.6, "val": 0.2, "test": 0.2}, gap=1)
     check_both(ds, m, client, window={"time": 3} if kind == "v3" else None)
+    if kind == "v3":  # a predicate travels to the workers too (cloudpickle)
+        mid = float(ds["t2m"].mean(["lat", "lon"]).median())
+        warm = (lambda b: (b["t2m"].mean(["lat", "lon"]) > mid).values)  # noqa: E731 - a closure to ship
+        one = ds.insitu.validity(m, "train", where=warm)
+        assert ds.insitu.validity(m, "train", where=warm, client=client) == one and 0 < one["valid"] < one["total"]
 
 
 def test_icechunk_session(client, tmp_path):

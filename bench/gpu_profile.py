@@ -2,10 +2,11 @@
 
     python bench/gpu_profile.py ARCHIVE
 
-Wraps the GPU path's steps (the batch decoder's add and flush, packing into pinned memory, nvCOMP's
-decode -- synchronised, so that its device time is counted --, placing each chunk, the buffer's read
-and gathers) with timers summed over threads, after one untimed epoch of each path on the val split
-(CuPy's kernels compiled, nvCOMP set up). Sums over threads exceed the wall time where steps overlap.
+Wraps the GPU path's steps (a chunk landing in the batch's staging, the flush, the one transfer and the
+batched decodes -- waited for, so that their device time is counted --, the read of a buffer and its
+gathers, the batches filled in place) with timers summed over threads, after one untimed epoch of each
+path on the val split (CuPy's kernels compiled, nvCOMP set up, the first buffers' rates measured). Sums
+over threads exceed the wall time where steps overlap.
 """
 
 from __future__ import annotations
@@ -53,34 +54,32 @@ def timed(owner, name: str, label: str) -> None:
 
 def main() -> int:
     try:
-        import cupy
+        import cupy  # noqa: F401 - the GPU path needs it
         import torch
     except ImportError:
         print("needs torch and CuPy on a CUDA machine")
         return 0
     import xinsitu
-    from xinsitu import buffer, gpu_decode
+    from xinsitu import buffer, direct, gpu_decode
 
     timed(gpu_decode.GpuBatch, "add", "GpuBatch.add (decode threads)")
     timed(gpu_decode.GpuBatch, "flush", "GpuBatch.flush")
-    timed(gpu_decode._Packer, "pack", "  pack into pinned")
-    timed(gpu_decode, "_place", "  _place per chunk")
+    timed(gpu_decode.Staging, "put", "  Staging.put (bytes copied in once)")
+    timed(gpu_decode.Staging, "take", "  Staging.take (a local read's region)")
+    run = gpu_decode.NvcompDecoder._run
+
+    def synced(self, host, lo, hi, calls):
+        t0 = time.perf_counter()
+        copied, done = run(self, host, lo, hi, calls)
+        done.synchronize()
+        _count("  one transfer + batched decodes (synced)", t0)
+        return copied, done
+
+    gpu_decode.NvcompDecoder._run = synced
     for name in ("_read_gpu", "_first_gather", "gather", "_gather_var"):
         timed(buffer.BufferLoader, name, f"BufferLoader.{name}")
-    codec_of = gpu_decode._thread_codec
-
-    class Synced:
-        def __init__(self, codec):
-            self.codec = codec
-
-        def decode(self, arrays):
-            t0 = time.perf_counter()
-            out = self.codec.decode(arrays)
-            cupy.cuda.get_current_stream().synchronize()
-            _count("  nvcomp decode (synced)", t0)
-            return out
-
-    gpu_decode._thread_codec = lambda *a: Synced(codec_of(*a))
+    for name in ("load", "_convert_all"):
+        timed(direct.DeviceDirectLoader, name, f"DeviceDirectLoader.{name}")
 
     ds = xinsitu.open_zarr(sys.argv[1])
     m = ds.insitu.split("time", fractions={"train": 0.8, "val": 0.2})

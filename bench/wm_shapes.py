@@ -186,8 +186,13 @@ def run(a: argparse.Namespace) -> None:
     path = archive(a.dir, a.grid, a.chunk_time, a.level_vars)
     peers = a.peers.split(",")
     rounds = []
+    if not os.path.exists(path):
+        raise SystemExit(f"no archive at {path}: write it first with `make` (same --grid, --chunk-time, --level-vars)")
     for r in range(a.rounds):
         rows = {p: _child([path, p, str(a.batch)]) for p in peers}
+        for p, row in rows.items():
+            if "error" in row:
+                print(f"peer {p} failed: {row['error']}", file=sys.stderr)
         rounds.append(rows)
         print(json.dumps({"round": r, **{p: round(v.get("gb_per_s", float("nan")), 3) for p, v in rows.items()}}),
               flush=True)
@@ -197,7 +202,8 @@ def run(a: argparse.Namespace) -> None:
     for p in peers:
         gbs = [rows[p].get("gb_per_s", float("nan")) for rows in rounds]
         ref = "copy1" if p == "warm" and "copy1" in peers else "decode"
-        ratios = [rows[p].get("gb_per_s", float("nan")) / rows[ref]["gb_per_s"] for rows in rounds if ref in rows]
+        ratios = [rows[p].get("gb_per_s", float("nan")) / rows[ref].get("gb_per_s", float("nan"))
+                  for rows in rounds if ref in rows]
         print(f"| {p} | {' / '.join(f'{g:.2f}' for g in gbs)} | "
               f"{' / '.join(f'{x:.2f}' for x in ratios)}{'' if ref == 'decode' else ' (of copy1)'} |")
 

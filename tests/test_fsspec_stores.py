@@ -11,7 +11,7 @@ import pytest
 import xarray as xr
 
 import xinsitu
-from tests.support.servers import FileServer, MotoS3, write_archive
+from tests.support.servers import Faults, FileServer, MotoS3, assert_same_epoch, epoch_numpy, write_archive
 from tests.test_sampling import run_epoch
 
 pytest.importorskip("fsspec")
@@ -58,3 +58,50 @@ def test_s3fs_store_reads_like_xarray(archive, chunks):
                 "client_kwargs": {"endpoint_url": srv.endpoint, "region_name": srv.region}}
         ds = xr.open_zarr("s3://fsspec-bucket/era5.zarr", chunks=chunks, storage_options=opts)
         _check(ds, archive)
+
+
+CHUNKS = r"/(t2m|u10|v10|z500|tp|lsm)/c/"  # data chunk objects (not metadata, not coordinates)
+
+
+@pytest.mark.parametrize("kind", ["error_503", "truncate", "reset"])
+@pytest.mark.parametrize("opener", ["xr", "xinsitu"])
+def test_fsspec_store_rides_out_transient_faults(archive, kind, opener):
+    """SPEC 5: transient faults are retried whatever the store. Through fsspec's HTTP filesystem
+    (``xr.open_zarr(URL)``, or ``xinsitu.open_zarr`` of that ``FsspecStore``), every chunk answered
+    with a 503 or a cut body once, or with a reset connection twice (aiohttp itself makes a request
+    on a reused connection again, once): the epoch equals the local one (it failed with
+    ``ChunkReadError`` at the first fault)."""
+    import zarr.storage
+
+    m = xinsitu.open_zarr(archive).insitu.split("time", fractions={"train": 1.0})
+    kw = {"batch_size": 10, "block_chunks": 3, "output": "numpy", "seed": 3}
+    ref = epoch_numpy(xinsitu.open_zarr(archive).insitu.batches(m, "train", **kw))
+    per_key = 2 if kind == "reset" else 1
+    with FileServer(Path(archive).parent, Faults(**{kind: 1.0}, max_per_key=per_key, pattern=CHUNKS)) as srv:
+        url = f"{srv.url}/era5.zarr"
+        if opener == "xr":
+            ds = xr.open_zarr(url, chunks=None)
+        else:
+            ds = xinsitu.open_zarr(zarr.storage.FsspecStore.from_url(url, read_only=True))
+        got = epoch_numpy(ds.insitu.batches(m, "train", **kw))
+        assert srv.counts[kind] >= 12, srv.counts  # every chunk met its fault once
+    assert_same_epoch(got, ref)
+
+
+def test_fsspec_store_names_a_chunk_that_keeps_failing(archive, monkeypatch):
+    """A chunk answered 503 every time, through fsspec: retried (with backoff), then
+    ``ChunkReadError`` naming the variable, the chunk and the key; a 403 is an answer, not retried."""
+    from xinsitu import store_reads
+
+    monkeypatch.setattr(store_reads, "BACKOFF_S", (0.001, 0.01))
+    m = xinsitu.open_zarr(archive).insitu.split("time", fractions={"train": 1.0})
+    kw = {"batch_size": 10, "block_chunks": 24, "output": "numpy", "seed": 3}
+    for status, tries in ((503, 1 + store_reads.RETRIES), (403, 1)):
+        faults = Faults(always=r"/t2m/c/0/", always_status=status)
+        with FileServer(Path(archive).parent, faults) as srv:
+            gen = xr.open_zarr(f"{srv.url}/era5.zarr", chunks=None).insitu.batches(m, "train", **kw)
+            with pytest.raises(xinsitu.ChunkReadError) as err:
+                list(gen)
+            assert err.value.var == "t2m" and err.value.key == "t2m/c/0/0/0", str(err.value)
+            assert str(status) in str(err.value), str(err.value)
+            assert srv.counts["always"] == tries, (status, srv.counts)

@@ -1,8 +1,10 @@
 """GPU decode's host side (SPEC §4 "GPU"): which codec chains nvCOMP can decode (from the metadata,
 with the reason where not), the framing stripped on the host (crc32c verified), a buffer's chunks
-packed into one reused pinned buffer, copied in ONE transfer and decoded in ONE batched call -- run
-through the stand-in decoder (numpy + numcodecs for cupy + nvCOMP) and checked bit for bit against
-zarr's own decode. The nvCOMP decoder itself is tested on a GPU (``gpu`` marker)."""
+landing once in page-locked staging (a local file read straight into it, other bytes copied in once),
+staging buffers reused once their copy's event completed, copied in ONE transfer and decoded in ONE
+batched call straight into the destinations -- run through the stand-in decoder (numpy + numcodecs for
+cupy + nvCOMP) and checked bit for bit against zarr's own decode. The nvCOMP decoder itself is tested on
+a GPU (``gpu`` marker)."""
 
 from __future__ import annotations
 
@@ -16,14 +18,18 @@ from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, GzipCodec, Transpos
 
 from tests.support.gpu import CUDA
 from xinsitu.gpu_decode import (
+    ALIGN,
     ChecksumError,
     GpuBatch,
     GpuChain,
+    PinnedRing,
+    Staging,
     StandInDecoder,
     check_decode,
     gpu_chain,
     payload,
     resolve_decode,
+    zstd_content_size,
 )
 
 CHAINS = {
@@ -78,16 +84,17 @@ def test_stand_in_decoder_bit_identical_to_zarr(tmp_path, name):
     chain = gpu_chain(a)
     assert chain.gpu and chain.reason == words and chain.shape == (4, 3) and chain.dtype == np.float32
     chunks = raw_chunks(a, path)
-    dec = StandInDecoder(chain)
+    dec = StandInDecoder()
     dests = [np.full(chain.shape, np.nan, chain.dtype) for _ in chunks]
-    dec.decode_many([r for _, r in chunks], dests)
+    dec.decode_many([r for _, r in chunks], dests, chain)
     for (coords, _), d in zip(chunks, dests, strict=True):
         # edge chunks hold zarr's padding past the array's end: compare what the array has
         e = expected(a, coords)
         n = tuple(min(c, s - i * c) for i, c, s in zip(coords, a.chunks, a.shape, strict=True))
         inner = tuple(slice(0, k) for k in n)
         assert np.array_equal(d[inner].view("u4"), e[inner].view("u4"))  # bit for bit
-    assert (dec.transfers, dec.decode_calls) == (1, 1)  # one transfer, one batched call for the buffer
+    # one transfer, one batched call for the buffer (none where the chunks are stored as they are)
+    assert (dec.transfers, dec.decode_calls) == (1, int(chain.compressor is not None))
 
 
 @pytest.mark.parametrize("dtype", ["i2", "u1", "f8", "i8"])
@@ -96,7 +103,7 @@ def test_dtypes(tmp_path, dtype):
     chain = gpu_chain(a)
     chunks = raw_chunks(a, path)
     dests = [np.empty(chain.shape, chain.dtype) for _ in chunks]
-    StandInDecoder(chain).decode_many([r for _, r in chunks], dests)
+    StandInDecoder().decode_many([r for _, r in chunks], dests, chain)
     assert np.array_equal(dests[0], expected(a, chunks[0][0]))
 
 
@@ -104,22 +111,23 @@ def test_pinned_buffer_reused_across_batches(tmp_path):
     a, path = make(tmp_path, 3, dict(compressors=[ZstdCodec()]))
     chain = gpu_chain(a)
     chunks = [r for _, r in raw_chunks(a, path)]
-    dec = StandInDecoder(chain)
+    dec = StandInDecoder()
     for _ in range(4):
         dests = [np.empty(chain.shape, chain.dtype) for _c in chunks]
-        dec.decode_many(chunks, dests)
-    assert dec.packer.allocs == 1 and dec.transfers == 4 and dec.decode_calls == 4
+        dec.decode_many(chunks, dests, chain)
+    assert dec.ring.allocs == 1 and dec.transfers == 4 and dec.decode_calls == 4
 
 
 def test_payload_offsets_are_aligned_and_packed_in_order(tmp_path):
     a, path = make(tmp_path, 2, dict(compressors=numcodecs.LZ4()))
     chain = gpu_chain(a)
     raws = [r for _, r in raw_chunks(a, path)]
-    dec = StandInDecoder(chain)
     parts = [payload(r, chain) for r in raws]
-    host, spans = dec.packer.pack(parts)
-    assert [n for _, n in spans] == [len(r) - 4 for r in raws]  # lz4's size prefix stripped
-    assert all(off % 16 == 0 for off, _ in spans)
+    staging = Staging(PinnedRing(lambda n: np.zeros(n, np.uint8)), sum(chain.bound for _ in raws))
+    spans = [(staging.put(p), len(p)) for p in parts]
+    host, moved = staging.finish()
+    assert moved == [] and [n for _, n in spans] == [len(r) - 4 for r in raws]  # lz4's size prefix stripped
+    assert all(off % ALIGN == 0 for off, _ in spans)
     assert all(bytes(host[o:o + n]) == bytes(p) for (o, n), p in zip(spans, parts, strict=True))
 
 
@@ -129,9 +137,9 @@ def test_crc32c_verified_on_the_host(tmp_path):
     (coords, raw), *_ = raw_chunks(a, path)
     bad = bytearray(raw)
     bad[5] ^= 0xFF
-    dec = StandInDecoder(chain)
+    dec = StandInDecoder()
     with pytest.raises(ChecksumError, match=r"t2m chunk \(0, 0\).*crc32c"):
-        dec.decode_many([bytes(bad)], [np.empty(chain.shape, chain.dtype)], ["t2m chunk (0, 0)"])
+        dec.decode_many([bytes(bad)], [np.empty(chain.shape, chain.dtype)], chain, ["t2m chunk (0, 0)"])
     assert dec.transfers == 0  # nothing copied
 
 
@@ -139,11 +147,11 @@ def test_wrong_sizes_and_destinations_raise(tmp_path):
     a, path = make(tmp_path, 2, dict(compressors=numcodecs.GZip()))
     chain = gpu_chain(a)
     (_, raw), *_ = raw_chunks(a, path)
-    dec = StandInDecoder(chain)
+    dec = StandInDecoder()
     with pytest.raises(ValueError, match="destination"):
-        dec.decode_many([raw], [np.empty((3, 4), chain.dtype)])
+        dec.decode_many([raw], [np.empty((3, 4), chain.dtype)], chain)
     with pytest.raises(ValueError, match="2 chunks but 1 destinations"):
-        dec.decode_many([raw, raw], [np.empty(chain.shape, chain.dtype)])
+        dec.decode_many([raw, raw], [np.empty(chain.shape, chain.dtype)], chain)
     other = GpuChain(True, "gzip", "gzip", False, (5, 3), np.dtype("f4"))
     with pytest.raises(ValueError, match="gzip stream holds 48 bytes, the chunk 60"):
         payload(raw, other, "v chunk (0, 0)")
@@ -152,16 +160,110 @@ def test_wrong_sizes_and_destinations_raise(tmp_path):
 def test_gpu_batch_collects_and_flushes_once(tmp_path):
     a, path = make(tmp_path, 3, dict(compressors=[ZstdCodec()]))
     chain = gpu_chain(a)
-    dec = StandInDecoder(chain)
-    batch = GpuBatch(dec)
+    dec = StandInDecoder()
     chunks = raw_chunks(a, path)
+    batch = GpuBatch(dec, len(chunks) * chain.bound)
     dests = []
     for coords, raw in chunks:
         dests.append(np.empty(chain.shape, chain.dtype))
-        batch.add(raw, dests[-1], ("x", coords, f"x/c/{coords}"))
-    assert batch.flush() == len(chunks) and dec.transfers == 1
+        batch.add(raw, chain, dests[-1], ("x", coords, f"x/c/{coords}"))
+    got = batch.flush()
+    assert got.decoded == {chain: len(chunks)} and not got.refetch and dec.transfers == 1
     assert np.array_equal(dests[0], expected(a, chunks[0][0]))
-    assert batch.flush() == 0
+    assert batch.flush().decoded == {}
+
+
+@pytest.mark.parametrize("name", ["v3-zstd", "v3-zstd-crc32c", "v2-lz4", "v3-gzip", "v2-zlib", "v3-none"])
+def test_local_reads_land_in_the_staging_once(tmp_path, name):
+    """A local chunk file is read straight into the batch's page-locked staging (``LocalBackend.read``
+    with the staging as its scratch): no copy after the read -- a payload behind framing (lz4's size
+    prefix, gzip's and zlib's headers) is only moved back to its aligned start -- and the decode is
+    zarr's, bit for bit."""
+    from xinsitu.backend import LocalBackend
+
+    fmt, kw, _ = CHAINS[name]
+    a, path = make(tmp_path, fmt, kw)
+    chain = gpu_chain(a)
+    chunks = raw_chunks(a, path)
+    dec = StandInDecoder()
+    batch = GpuBatch(dec, len(chunks) * chain.bound)
+    store = LocalBackend(path, None)
+    dests = [np.full(chain.shape, np.nan, chain.dtype) for _ in chunks]
+    for (coords, raw), d in zip(chunks, dests, strict=True):
+        got = store.read(a.metadata.encode_chunk_key(coords), batch.staging)
+        assert bytes(got) == raw
+        batch.add(got, chain, d, ("x", coords, "x/c"))
+    # every region is the file's size and the one byte more a read asks, aligned: nothing was copied in
+    assert batch.staging.used == sum(-(-(len(r) + 1) // ALIGN) * ALIGN for _, r in chunks)
+    assert all(e.off % ALIGN == 0 for e in batch.entries)
+    out = batch.flush()
+    assert out.decoded == {chain: len(chunks)} and dec.transfers == 1
+    for (coords, _), d in zip(chunks, dests, strict=True):
+        e = expected(a, coords)
+        inner = tuple(slice(0, min(c, s - i * c)) for i, c, s in zip(coords, a.chunks, a.shape, strict=True))
+        assert np.array_equal(d[inner].view("u1"), e[inner].view("u1"))
+
+
+def test_bytes_that_do_not_fit_the_staging_are_packed_behind_it(tmp_path):
+    a, path = make(tmp_path, 3, dict(compressors=[ZstdCodec()]))
+    chain = gpu_chain(a)
+    chunks = raw_chunks(a, path)
+    dec = StandInDecoder()
+    batch = GpuBatch(dec, 2 * ALIGN)  # room for the first chunk or so: the others kept aside
+    dests = [np.empty(chain.shape, chain.dtype) for _ in chunks]
+    for (coords, raw), d in zip(chunks, dests, strict=True):
+        batch.add(raw, chain, d, ("x", coords, "x/c"))
+    assert batch.staging.aside
+    assert batch.flush().decoded == {chain: len(chunks)} and dec.transfers == 1
+    for (coords, _), d in zip(chunks, dests, strict=True):
+        assert np.array_equal(d, expected(a, coords))
+
+
+class _Event:
+    """A CUDA event of a copy still under way until ``synchronize`` (or ``done`` set)."""
+
+    def __init__(self):
+        self.done, self.waited = False, 0
+
+    def synchronize(self):
+        self.waited += 1
+        self.done = True
+
+
+def test_staging_buffer_reused_only_after_its_copy_completed():
+    ring = PinnedRing(lambda n: np.empty(n, np.uint8), slots=2)
+    a = ring.take(100)
+    first = _Event()
+    ring.give_back(a, first)
+    b = ring.take(100)  # a's copy is under way and the ring has room: a new buffer, no wait
+    assert b is not a and first.waited == 0 and ring.allocs == 2
+    second = _Event()
+    ring.give_back(b, second)
+    c = ring.take(100)  # both copies under way, the ring full: the oldest, once its copy completed
+    assert c is a and first.waited == 1 and second.waited == 0 and ring.waits == 1
+    second.done = True
+    assert ring.take(50) is b and second.waited == 0  # its copy done: reused at once
+    assert ring.allocs == 2
+
+
+def test_chunks_that_are_not_the_chains_go_the_cpu_way(tmp_path):
+    """A chunk whose stored bytes are not what its chain says -- a zstd frame of another size, garbage --
+    is not decoded on the device: the flush hands it back, to be fetched again and decoded the CPU way
+    (where a damaged chunk is named)."""
+    a, path = make(tmp_path, 3, dict(compressors=[ZstdCodec()]))
+    chain = gpu_chain(a)
+    (c0, raw), (c1, _), *_ = raw_chunks(a, path)
+    assert zstd_content_size(memoryview(raw)) == chain.nbytes
+    other = numcodecs.Zstd().encode(np.zeros(chain.nbytes // 2, "u1"))
+    dec = StandInDecoder()
+    batch = GpuBatch(dec, 4 * chain.bound)
+    dests = [np.empty(chain.shape, chain.dtype) for _ in range(3)]
+    batch.add(raw, chain, dests[0], ("x", c0, "x/c/0/0"))
+    batch.add(other, chain, dests[1], ("x", c1, "x/c/1/0"))
+    batch.add(b"\x28\xb5\x2f\xfd garbage that is no frame", chain, dests[2], ("x", (2, 0), "x/c/2/0"))
+    out = batch.flush()
+    assert out.decoded == {chain: 1} and np.array_equal(dests[0], expected(a, c0))
+    assert [n for _, _, n in out.refetch] == [("x", c1, "x/c/1/0"), ("x", (2, 0), "x/c/2/0")]
 
 
 @pytest.mark.parametrize("fmt,kw,more,why", [
@@ -179,7 +281,7 @@ def test_chains_nvcomp_cannot_decode_say_why(tmp_path, fmt, kw, more, why):
     assert not chain.gpu and why in chain.reason
     assert chain.describe().startswith("cpu (")
     with pytest.raises(ValueError, match="decodes on the CPU"):
-        StandInDecoder(chain)
+        StandInDecoder().decode_many([b""], [np.empty(a.chunks, a.dtype)], chain)
 
 
 @pytest.mark.parametrize("bad,exc", [(1, TypeError), (None, TypeError), ("GPU", ValueError), ("cuda", ValueError)])
@@ -228,9 +330,9 @@ def test_nvcomp_decoder_bit_identical_to_zarr(tmp_path, name):
     a, path = make(tmp_path, fmt, kw)
     chain = gpu_chain(a)
     chunks = raw_chunks(a, path)
-    dec = NvcompDecoder(chain)
+    dec = NvcompDecoder()
     dests = [cupy.empty(chain.shape, chain.dtype) for _ in chunks]
-    dec.decode_many([r for _, r in chunks], dests)
+    dec.decode_many([r for _, r in chunks], dests, chain)
     for (coords, _), d in zip(chunks, dests, strict=True):
         e = expected(a, coords)
         n = tuple(min(c, s - i * c) for i, c, s in zip(coords, a.chunks, a.shape, strict=True))

@@ -1,5 +1,6 @@
 """Index math of the GPU paths, as hypothesis properties: the packing of a buffer's compressed chunks
-into one transfer (offsets aligned, disjoint, in order, exact) and the staging ring of device copies
+into one page-locked staging for one transfer (offsets aligned, disjoint, exact, whatever fits and
+whatever is kept aside) and the staging ring of device copies
 (slots in order, every value intact whatever the caller's lag). Apart from the GPU tests' own files,
 so that those run on a GPU machine without hypothesis."""
 
@@ -10,20 +11,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xinsitu.device import DeviceMover, StandInDevice
-from xinsitu.gpu_decode import ALIGN, _Packer
+from xinsitu.gpu_decode import ALIGN, PinnedRing, Staging
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.binary(min_size=0, max_size=80), min_size=1, max_size=12))
-def test_packed_spans_aligned_disjoint_in_order_and_exact(parts):
-    packer = _Packer(lambda n: np.zeros(n, dtype=np.uint8))
-    host, spans = packer.pack([memoryview(p) for p in parts])
-    assert [n for _, n in spans] == [len(p) for p in parts]
-    assert all(off % ALIGN == 0 for off, _ in spans)
-    ends = [off + n for off, n in spans]
-    assert all(ends[i] <= spans[i + 1][0] for i in range(len(spans) - 1))  # disjoint, in order
-    assert ends[-1] <= host.nbytes
-    assert all(bytes(host[o:o + n]) == p for (o, n), p in zip(spans, parts, strict=True))
+@given(st.lists(st.binary(min_size=0, max_size=80), min_size=1, max_size=12), st.integers(0, 400))
+def test_packed_spans_aligned_disjoint_and_exact(parts, capacity):
+    staging = Staging(PinnedRing(lambda n: np.zeros(n, dtype=np.uint8)), capacity)
+    offs = [staging.put(memoryview(p)) for p in parts]
+    host, moved = staging.finish()
+    offs = [moved[-o - 1] if o < 0 else o for o in offs]  # those kept aside, packed behind the rest
+    spans = sorted(zip(offs, map(len, parts), strict=True))
+    assert all(off % ALIGN == 0 for off in offs)
+    assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:], strict=False))  # disjoint
+    assert max(o + len(p) for o, p in zip(offs, parts, strict=True)) <= staging.used <= host.nbytes
+    assert all(bytes(host[o:o + len(p)]) == p for o, p in zip(offs, parts, strict=True))
 
 
 @settings(max_examples=60, deadline=None)

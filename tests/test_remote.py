@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xarray as xr
+import zarr
 
 import xinsitu
 from tests.support.servers import Faults, FileServer, MotoS3, assert_same_epoch, epoch_numpy, write_archive
@@ -267,6 +268,94 @@ def test_open_on_a_server_that_never_answers_is_bounded_and_named(archive, conso
     assert float(said.split("took")[-1]) < 30, said
 
 
+@pytest.mark.parametrize("kind", ["ObjectStore", "FsspecStore"])
+def test_open_of_a_store_object_on_a_server_that_never_answers_is_bounded(archive, kind):
+    """A store object the user built -- ``zarr.storage.ObjectStore`` over their own obstore store,
+    ``zarr.storage.FsspecStore`` -- gets the bound of the metadata reads too: a server that accepts
+    and never answers gives a TimeoutError naming the object, after 3 tries of 0.5 s (both waited
+    minutes: only stores of the obstore module were bounded). In a process of its own, killed at
+    60 s: a regression fails, it does not hang the suite."""
+    if kind == "FsspecStore":
+        pytest.importorskip("fsspec")
+        pytest.importorskip("aiohttp")
+    script = textwrap.dedent(f"""
+        import sys, time, xinsitu, zarr.storage
+        if {kind!r} == "ObjectStore":
+            import obstore.store
+            store = zarr.storage.ObjectStore(obstore.store.HTTPStore.from_url(
+                sys.argv[1], client_options={{"allow_http": True}}), read_only=True)
+        else:
+            store = zarr.storage.FsspecStore.from_url(sys.argv[1], read_only=True)
+        t = time.monotonic()
+        try:
+            xinsitu.open_zarr(store)
+        except TimeoutError as e:
+            print("TimeoutError:", e)
+        print("took", time.monotonic() - t)
+    """)
+    with FileServer(Path(archive).parent, Faults(hang=1.0, max_per_key=None), max_lifetime_s=90) as srv:
+        url = f"{srv.url}/era5.zarr"
+        out = subprocess.run([sys.executable, "-c", script, url], capture_output=True,
+                             text=True, timeout=60, cwd=Path(__file__).parent.parent,
+                             env={**os.environ, "XINSITU_REQUEST_TIMEOUT": "0.5"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = out.stdout
+    assert f"TimeoutError: metadata object 'zarr.json' of {url}:" in said, said
+    assert "no answer within 0.5 s, 3 times" in said and "XINSITU_REQUEST_TIMEOUT" in said, said
+    assert float(said.split("took")[-1]) < 30, said
+
+
+def test_a_timeout_of_obstore_s_own_is_a_timeout_error_naming_the_object(archive):
+    """Where obstore gives up first (its read timeout, retried until its retry timeout: here 0.3 s and
+    1 s, under a request bound of 30 s), the open raises ``TimeoutError`` naming the object at once
+    -- not a generic ``OSError`` after the same wait made again for the next object."""
+    script = textwrap.dedent("""
+        import sys, time, xinsitu
+        from datetime import timedelta
+        t = time.monotonic()
+        try:
+            xinsitu.open_zarr(sys.argv[1], client_options={"read_timeout": "300ms"},
+                              retry_config={"max_retries": 3, "retry_timeout": timedelta(seconds=1)})
+        except TimeoutError as e:
+            print("TimeoutError:", e)
+        print("took", time.monotonic() - t)
+    """)
+    with FileServer(Path(archive).parent, Faults(hang=1.0, max_per_key=None), max_lifetime_s=90) as srv:
+        url = f"{srv.url}/era5.zarr"
+        out = subprocess.run([sys.executable, "-c", script, url], capture_output=True, text=True,
+                             timeout=60, cwd=Path(__file__).parent.parent,
+                             env={**os.environ, "XINSITU_REQUEST_TIMEOUT": "30"})
+        tries = srv.requests
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = out.stdout
+    import re
+
+    assert re.search(rf"TimeoutError: metadata object '(zarr\.json|\.zgroup|\.zattrs|\.zmetadata)' of {url}: no answer",
+                     said), said
+    assert float(said.split("took")[-1]) < 20, said
+    assert tries <= 16, tries  # obstore's own tries of the objects zarr asks for at once, not of each in turn
+
+
+def test_the_default_request_bound_ends_a_silent_server_s_wait(monkeypatch):
+    """Without ``XINSITU_REQUEST_TIMEOUT``: each try of a request is given long enough for obstore's
+    own stall detection (connect and read timeouts) to fire and retry once, and ends before obstore's
+    retry timeout -- so a server that never answers ends in xinsitu's ``TimeoutError`` naming the
+    object, not obstore's generic error -- and three tries end within three minutes (the bound was
+    360 s a try: an open on a silent server took 724 s, then raised ``OSError``)."""
+    from xinsitu import _loop
+    from xinsitu.store_reads import FETCH_ATTEMPTS
+
+    monkeypatch.delenv("XINSITU_REQUEST_TIMEOUT", raising=False)
+    limit = _loop.request_timeout()
+
+    def seconds(text: str) -> float:
+        return float(text.removesuffix("ms")) / 1000 if text.endswith("ms") else float(text.removesuffix("s"))
+
+    stall = seconds(DEFAULT_CLIENT_OPTIONS["connect_timeout"]) + seconds(DEFAULT_CLIENT_OPTIONS["read_timeout"])
+    assert stall < limit < DEFAULT_RETRY_CONFIG["retry_timeout"].total_seconds(), limit
+    assert limit * FETCH_ATTEMPTS <= 180, limit
+
+
 def test_the_reopen_of_a_dask_selection_is_bounded_too(archive):
     """xinsitu's own reopen of the store behind ``xr.open_zarr(URL)`` (fsspec, dask) to map a
     selection's labels: bounded like every metadata read once the server stops answering. In a
@@ -293,8 +382,67 @@ def test_the_reopen_of_a_dask_selection_is_bounded_too(archive):
                          cwd=Path(__file__).parent.parent, env={**os.environ, "XINSITU_REQUEST_TIMEOUT": "0.5"})
     assert out.returncode == 0, out.stderr[-3000:]
     said = out.stdout
-    assert "TimeoutError: object 'zarr.json' of FsspecStore: no answer within 0.5 s, 3 times" in said, said
+    assert "TimeoutError: metadata object 'zarr.json' of http://127.0.0.1:" in said, said
+    assert "/era5.zarr: no answer within 0.5 s, 3 times" in said, said
     assert float(said.split("took")[-1]) < 30, said
+
+
+# ----------------------------------------------------------------------------- no consolidated metadata over plain HTTP
+def _unconsolidated(path: Path, zarr_format: int) -> xr.Dataset:
+    """An archive without consolidated metadata at ``path``, with a group ``g`` inside; the Dataset."""
+    ds = xr.Dataset({"b": (("time", "x"), np.arange(24.0).reshape(6, 4)), "a": (("time",), np.arange(6, dtype="i4"))},
+                    coords={"time": np.arange(6), "x": np.arange(4.0)})
+    ds.to_zarr(path, zarr_format=zarr_format, consolidated=False, encoding={"b": {"chunks": (2, 4)}})
+    ds[["a"]].to_zarr(path, group="g", zarr_format=zarr_format, consolidated=False)
+    return ds
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_an_unconsolidated_archive_over_plain_http_opens_from_the_index_pages(tmp_path, zarr_format):
+    """``python -m http.server`` serving an archive written without consolidated metadata (someone
+    else's: the reader cannot consolidate it): ``xinsitu.open_zarr(url)`` finds the arrays from the
+    server's directory index pages, as fsspec does for ``xr.open_zarr(url)``, without a word and
+    without a ``PROPFIND`` (it refused: "consolidate the metadata"; with ``consolidated=False`` it
+    raised after ten ``PROPFIND`` answered 501). Batches equal plain xarray's."""
+    import warnings
+
+    from tests.support.servers import IndexServer
+
+    src = _unconsolidated(tmp_path / "noc.zarr", zarr_format)
+    with IndexServer(tmp_path) as srv:
+        url = f"{srv.url}/noc.zarr"
+        for consolidated in (None, False):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                ds = xinsitu.open_zarr(url, consolidated=consolidated)
+            assert list(ds.data_vars) == ["a", "b"], list(ds.data_vars)
+            xr.testing.assert_identical(ds.load(), src.load())
+        assert list(xinsitu.open_zarr(url, group="g").data_vars) == ["a"]
+        m = ds.insitu.split("time", fractions={"train": 1.0})
+        for b, ids in zip(ds.insitu.batches(m, "train", batch_size=3, output="numpy"),
+                          ds.insitu.batches(m, "train", batch_size=3, output="numpy").batch_ids(), strict=True):
+            assert np.array_equal(b["b"], src.b.values[ids]), ids
+        assert srv.methods["PROPFIND"] == 0, srv.methods
+
+
+def test_a_server_that_lists_nothing_is_said_at_once(tmp_path):
+    """A server with neither index pages (404) nor WebDAV (``PROPFIND`` answered 501): those are its
+    answers, not faults. The open raises at once -- one ``PROPFIND``, no retries -- saying what the
+    server answered (not its HTML page), why the arrays cannot be found, and what works; with
+    consolidated metadata written, the same URL opens."""
+    _unconsolidated(tmp_path / "noc.zarr", 3)
+    with FileServer(tmp_path) as srv:  # files only
+        url = f"{srv.url}/noc.zarr"
+        for consolidated in (None, False):
+            srv.reset_counts()
+            with pytest.raises(ValueError, match="lists no directory") as err:
+                xinsitu.open_zarr(url, consolidated=consolidated)
+            said = str(err.value)
+            assert "404" in said and "501" in said and "xr.open_zarr(url)" in said, said
+            assert "zarr.consolidate_metadata" in said and "html" not in said.lower(), said
+            assert srv.methods["PROPFIND"] == 1 and srv.state.attempts["/noc.zarr/"] == 1, srv.methods
+        zarr.consolidate_metadata(str(tmp_path / "noc.zarr"))
+        assert list(xinsitu.open_zarr(url).data_vars) == ["a", "b"]
 
 
 # ----------------------------------------------------------------------------- options

@@ -321,4 +321,4 @@ def test_weather_input_doc_example_runs(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out.splitlines()
     levels = [500, 700, 850]
     assert out == [str([f"z_{lev}" for lev in levels] + ["t2m"] + [f"{v}_{lev}" for v in "uv" for lev in levels]),
-                   "(8, 10, 8, 16)"]
+                   "(8, 10, 8, 16) float32"]

@@ -86,3 +86,26 @@ def test_open_zarr_refuses_arguments_of_the_wrong_type(era5_path, kw, name):
     with pytest.raises(TypeError, match=f"^{name} must be"):
         xinsitu.open_zarr(era5_path, **kw)
 
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_open_of_an_unconsolidated_archive_says_nothing(tmp_path, zarr_format):
+    """A local archive without consolidated metadata opens without xarray's six-line "Failed to open
+    Zarr store with consolidated metadata" RuntimeWarning (the first output of a notebook), and with
+    its arrays in name order as before; ``consolidated=True`` on it still raises."""
+    import warnings
+
+    import numpy as np
+    import xarray as xr
+
+    path = tmp_path / "noc.zarr"
+    xr.Dataset({"b": (("t",), np.arange(4.0)), "a": (("t",), np.arange(4.0) * 2)}).to_zarr(
+        path, zarr_format=zarr_format, consolidated=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (conftest ignores that warning for the other tests)
+        ds = xinsitu.open_zarr(str(path))
+        assert list(ds.data_vars) == ["a", "b"] and float(ds.a[1]) == 2.0
+        for consolidated in (None, False):
+            xinsitu.open_zarr(str(path), consolidated=consolidated, decode_times=False)
+    with pytest.raises((KeyError, ValueError)):  # as xarray says it
+        xinsitu.open_zarr(str(path), consolidated=True)

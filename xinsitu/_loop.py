@@ -36,10 +36,17 @@ T = TypeVar("T")
 
 #: seconds ``run`` waits for a result at most, by default (``XINSITU_TIMEOUT`` overrides it)
 RUN_TIMEOUT = 3600.0
-#: seconds one request may take before it is retried (``XINSITU_REQUEST_TIMEOUT`` overrides it).
-#: Longer than obstore's own whole-request limit (``xinsitu.store.DEFAULT_CLIENT_OPTIONS``), so
-#: obstore's retries come first; this bounds every backend, zarr stores and Icechunk included.
-REQUEST_TIMEOUT = 360.0
+#: seconds one request may wait for its answer before it is given up and made again
+#: (``XINSITU_REQUEST_TIMEOUT`` overrides it): this bounds every backend, zarr stores and Icechunk
+#: included, and the metadata reads of an open. Long enough for obstore's own stall detection
+#: (``xinsitu.store.DEFAULT_CLIENT_OPTIONS``: connect and read timeouts) to fire and retry within
+#: one try; shorter than obstore's retry timeout (``DEFAULT_RETRY_CONFIG``), so that a server that
+#: never answers ends in xinsitu's ``TimeoutError`` naming the object, three tries (3 minutes) at
+#: most. A chunk read waits longer while other requests to its store are answered (a slow link
+#: busy with large chunks, not a silent store): up to ``REQUEST_PATIENCE`` times this.
+REQUEST_TIMEOUT = 60.0
+#: ... the most a request waits, in multiples of the request timeout, while its store answers others
+REQUEST_PATIENCE = 6.0
 #: seconds the interpreter's exit waits at most for reads still in flight (see ``_shutdown``)
 EXIT_WAIT_S = 5.0
 

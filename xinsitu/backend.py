@@ -484,11 +484,14 @@ class _FileBackend:
 class _Watch:
     """One request's deadline (``Deadlines``)."""
 
-    __slots__ = ("deadline", "slack", "task", "cancelling", "fired")
+    __slots__ = ("deadline", "slack", "task", "cancelling", "fired", "limit", "until", "source")
 
-    def __init__(self, deadline: float, slack: float, task: asyncio.Future, cancelling: int):
+    def __init__(self, deadline: float, slack: float, task: asyncio.Future, cancelling: int, limit: float,
+                 source: int | None):
         self.deadline, self.slack, self.task, self.cancelling = deadline, slack, task, cancelling
         self.fired = False
+        self.limit, self.source = limit, source
+        self.until = deadline + limit * (_loop.REQUEST_PATIENCE - 1)  # the latest it may be put off to
 
 
 class Deadlines:
@@ -499,28 +502,44 @@ class Deadlines:
     small chunks. Here a request is a dict entry; one timer fires when the earliest deadline is
     past (at most ``SLACK`` of its limit late), cancels each task past its deadline the way
     ``asyncio.timeout`` does, and sets itself for the next.
+
+    A request with a ``source`` (its store) whose deadline is past while that store answered another
+    request within the last ``limit`` seconds is not given up yet: the store is alive and the request
+    waits behind others (large chunks on a slow link). Its deadline moves to ``limit`` after that
+    answer, never past ``_loop.REQUEST_PATIENCE`` times its limit. A store that answers nothing
+    (a server that accepts and never replies) sees each request given up after ``limit``.
     """
 
     SLACK = 0.125
+    SOURCES = 1024  # stores whose last answer is kept (the oldest forgotten past it)
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.watches: dict[_Watch, None] = {}
+        self.answered: dict[int, float] = {}  # id of a source -> when it last answered a watched request
         self._timer: asyncio.TimerHandle | None = None
         self._due = float("inf")
 
-    def watch(self, task: asyncio.Future, limit: float) -> _Watch:
+    def watch(self, task: asyncio.Future, limit: float, source: Any = None) -> _Watch:
         """Cancel ``task`` (a task, or a future: a request not awaited) once ``limit`` seconds passed,
-        unless ``unwatch`` came first; the watch's ``fired`` tells."""
+        unless ``unwatch`` came first (later where ``source``, the store it asks, answers others
+        meanwhile); the watch's ``fired`` tells."""
         cancelling = task.cancelling() if isinstance(task, asyncio.Task) else 0
-        w = _Watch(self.loop.time() + limit, limit * self.SLACK, task, cancelling)
+        w = _Watch(self.loop.time() + limit, limit * self.SLACK, task, cancelling, limit,
+                   None if source is None else id(source))
         self.watches[w] = None
         if w.deadline + w.slack < self._due:
             self._arm(w.deadline + w.slack)
         return w
 
     def unwatch(self, w: _Watch) -> None:
+        """The request of ``w`` ended (its answer came, or it was given up: ``fired``)."""
         self.watches.pop(w, None)
+        if w.source is not None and not w.fired:
+            answered = self.answered
+            answered[w.source] = self.loop.time()
+            if len(answered) > self.SOURCES:
+                del answered[next(iter(answered))]
 
     def _arm(self, due: float) -> None:
         if self._timer is not None:
@@ -531,6 +550,10 @@ class Deadlines:
         self._timer, self._due = None, float("inf")
         now, due = self.loop.time(), float("inf")
         for w in list(self.watches):
+            if w.deadline <= now and w.source is not None:  # put off while its store answers others
+                last = self.answered.get(w.source)
+                if last is not None:
+                    w.deadline = max(w.deadline, min(last + w.limit, w.until))
             if w.deadline <= now:
                 del self.watches[w]
                 w.fired = True
@@ -550,9 +573,10 @@ def deadlines_here() -> Deadlines:
 
 
 async def bounded(request: Callable[[], Awaitable[T]], key: str, on_retry: Callable[[], None] | None = None,
-                  attempts: int = FETCH_ATTEMPTS, tried: int = 0) -> T:
-    """``await request()``, each try given ``_loop.request_timeout()`` seconds (``Deadlines``),
-    ``attempts`` tries (``tried`` of them already made, and timed out, by the caller).
+                  attempts: int = FETCH_ATTEMPTS, tried: int = 0, source: Any = None) -> T:
+    """``await request()``, each try given ``_loop.request_timeout()`` seconds (``Deadlines``; longer
+    while ``source``, the store asked, answers other requests), ``attempts`` tries (``tried`` of them
+    already made, and timed out, by the caller).
 
     A request that gets no answer (a server that accepts and never replies, a stalled body the
     HTTP client does not time out) is cancelled and made again; after ``attempts`` it raises
@@ -567,7 +591,7 @@ async def bounded(request: Callable[[], Awaitable[T]], key: str, on_retry: Calla
     for i in range(min(tried, attempts - 1), attempts):
         if i and on_retry is not None:
             on_retry()
-        w = deadlines.watch(task, limit)
+        w = deadlines.watch(task, limit, source)
         try:
             return await request()
         except asyncio.CancelledError:
@@ -597,19 +621,20 @@ async def fetch_decoded(backend: Backend, key: str, use: Callable[[Any], Awaitab
     made itself failed (bytes that failed to decode, or ``TimeoutError``: no answer in time),
     counted among the ``attempts``.
     """
-    return await refetched(lambda: backend.get(key), key, use, attempts, on_retry, first)
+    return await refetched(lambda: backend.get(key), key, use, attempts, on_retry, first, source=backend)
 
 
 async def refetched(fetch: Callable[[], Awaitable[Any]], key: str, use: Callable[[Any], Awaitable[T]],
                     attempts: int = FETCH_ATTEMPTS, on_retry: Callable[[], None] | None = None,
-                    first: BaseException | None = None) -> T:
-    """``await use(await fetch())``, fetched again where ``use`` fails (see ``fetch_decoded``)."""
+                    first: BaseException | None = None, source: Any = None) -> T:
+    """``await use(await fetch())``, fetched again where ``use`` fails (see ``fetch_decoded``); ``source``:
+    the store asked (``bounded``)."""
     timed_out = isinstance(first, TimeoutError)
     last: BaseException | None = None if timed_out else first
     for i in range(1 if last is not None else 0, attempts):
         if i and on_retry is not None:
             on_retry()
-        raw = await bounded(fetch, key, on_retry, tried=int(timed_out and i == 0))
+        raw = await bounded(fetch, key, on_retry, tried=int(timed_out and i == 0), source=source)
         if raw is None:
             return await use(None)
         try:

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 
 from xinsitu import _loop
-from xinsitu.gpu_decode import GpuChain, GpuPathError
+from xinsitu.gpu_decode import GpuChain, GpuPathError, chain_on_gpu
 from xinsitu.mempool import ArrayPool
 from xinsitu.plan import EpochPlan, piece_ids
-from xinsitu.reader import Reader
+from xinsitu.reader import GpuRead, Reader
 from xinsitu.sampling import SampleSpace, VarLayout
 
 Region = dict[str, tuple[int, int]]
@@ -83,7 +83,8 @@ class BufferLoader:
     """Reads buffers and gathers batches from them."""
 
     def __init__(self, space: SampleSpace, layouts: dict[str, VarLayout], reader: Reader,
-                 gpu: Any = None, on_gpu: dict[str, GpuChain] | None = None, tier: Any = None):
+                 gpu: Any = None, on_gpu: dict[str, GpuChain] | None = None, tier: Any = None,
+                 follow_verdicts: bool = False):
         self.space = space
         self.layouts = layouts
         self.reader = reader
@@ -95,8 +96,10 @@ class BufferLoader:
         self._whole: dict[tuple[str, int, int, int], tuple[int, ...] | None] = {}
         # the GPU path (SPEC §4 "GPU"): variables whose chunks decode on the device (``on_gpu``: their
         # ``GpuChain``), into device buffers (``gpu``: ``gpu_decode.CupyGpu`` or its stand-in), with a
-        # device cache tier (``tier``) where the cache has one
+        # device cache tier (``tier``) where the cache has one; ``follow_verdicts`` (decode="auto"): a chain
+        # whose first buffer decoded faster by the CPU path (``gpu.verdicts``) leaves the GPU from then on
         self.gpu, self.on_gpu, self.tier = gpu, dict(on_gpu or {}), tier
+        self.follow_verdicts = follow_verdicts
         self._gather_ok: bool | None = None  # the device's gather passed its check on first use
 
     # ------------------------------------------------------------------ reading
@@ -173,11 +176,12 @@ class BufferLoader:
         slabbed: list[tuple[str, int]] = []  # (variable, its job) where the cache may hold every chunk
         on_device: list[str] = []
         uploads: list[str] = []  # of those, read on the host (then copied to the device)
+        gpu_reads: list[tuple[str, VarLayout, GpuChain, list[tuple[int, ...]], list[Region]]] = []
         for name, lay in self.layouts.items():
             if lay.static:
                 continue
             shape = [len(units)] + [self._axis_len(lay, ax, extent) for ax in lay.order]
-            chain = self.on_gpu.get(name)  # (one look: the prefetch thread may clear it, see ``_first_gather``)
+            chain = self.gpu_chain(name)  # (one look: the prefetch thread may clear it, see ``_first_gather``)
             if chain is not None:
                 on_device.append(name)
                 mine = self._regions_of(lay, regions)
@@ -185,7 +189,10 @@ class BufferLoader:
                     name, lay, shape, self._inverse(name, lay), keys, mine)
                 if whole is not None:  # decoded on the GPU straight into a device buffer
                     arrays[name] = self.gpu.empty(shape, lay.src.raw_dtype)
-                    jobs.append(self._read_gpu(name, lay, chain, whole, arrays, on_device, mine))
+                    if chain.gpu:  # every such variable of the buffer in one batch (below)
+                        gpu_reads.append((name, lay, chain, whole, mine))
+                    else:
+                        jobs.append(self._read_kept(name, lay, whole, arrays, on_device, mine))
                     continue
                 # a buffer whose slots are not whole chunks (a partial chunk at the end): read on the
                 # host as any, then copied to the device (below)
@@ -216,6 +223,8 @@ class BufferLoader:
                     step.held.setdefault(key, {})[name] = held
                     reads.append(({sp.split_dims[0].name: (a, b)}, np.transpose(held, np.argsort(lay.order))))
             jobs.append(self.reader.read_many(lay.src, reads))
+        if gpu_reads:
+            jobs.append(self._read_gpu(gpu_reads, arrays, on_device))
         rows: dict[str, np.ndarray] = {}
         try:
             done = await asyncio.gather(*jobs)
@@ -237,28 +246,53 @@ class BufferLoader:
         return Buffer(j, base_ids[perm], base_slot[perm], base_starts[perm], origin, arrays, rows,
                       frozenset(on_device))
 
-    async def _read_gpu(self, name: str, lay: VarLayout, chain: GpuChain, coords: list[tuple[int, ...]],
-                        arrays: dict[str, Any], on_device: list[str], regions: list[Region]) -> None:
-        """A GPU variable's buffer of whole chunks decoded on the device (``Reader.read_gpu``), or, for a
-        variable decoded on the host that a device cache tier keeps, copied there (``Reader.read_kept``). Where
-        the GPU path fails its check on first use, it says so once, and this variable's chunks are
-        read and decoded on the host from then on (this buffer's too)."""
-        dev = arrays[name]
-        rows = [dev[s] for s in range(len(coords))]
-        try:
-            if chain.gpu:
-                await self.reader.read_gpu(lay.src, coords, rows, self.gpu, chain, self.tier)
-            else:  # decoded on the host, kept in the device tier (``ChunkCache(device=)``)
-                await self.reader.read_kept(lay.src, coords, rows, regions, self.gpu, self.tier)
-            return
-        except GpuPathError as e:
+    def gpu_chain(self, name: str) -> GpuChain | None:
+        """Variable ``name``'s chain where its chunks go to the device, else None (``chain_on_gpu``)."""
+        return chain_on_gpu(self.on_gpu, name, self.gpu, self.follow_verdicts)
+
+    async def _read_gpu(self, reads: list[tuple[str, VarLayout, GpuChain, list[tuple[int, ...]], list[Region]]],
+                        arrays: dict[str, Any], on_device: list[str]) -> None:
+        """The GPU variables' buffers of whole chunks, decoded on the device together (``Reader.read_gpu``:
+        one batch for the buffer). A variable whose chain fails its check on first use says so once, and
+        its chunks are read and decoded on the host from then on (this buffer's too)."""
+        failed = await self.reader.read_gpu(
+            [GpuRead(lay.src, coords, [arrays[name][s] for s in range(len(coords))], chain)
+             for name, lay, chain, coords, _ in reads], self.gpu, self.tier)
+        again = []
+        for name, lay, _, coords, regions in reads:
+            e = failed.get(name)
+            if e is None:
+                continue
             if self.on_gpu.pop(name, None) is not None:
                 warnings.warn(f"xinsitu: decoding variable {name!r} on the GPU failed its check on first use "
                               f"({e}); its chunks are decoded on the CPU from now on", RuntimeWarning, stacklevel=2)
+            again.append(self._on_host(name, lay, len(coords), arrays, on_device, regions))
+        await asyncio.gather(*again)
+
+    async def _read_kept(self, name: str, lay: VarLayout, coords: list[tuple[int, ...]], arrays: dict[str, Any],
+                         on_device: list[str], regions: list[Region]) -> None:
+        """A variable decoded on the host whose chunks a device cache tier keeps (``ChunkCache(device=)``):
+        its buffer of whole chunks copied there (``Reader.read_kept``). Where that fails its check on first
+        use, it says so once, and the variable is read on the host from then on (this buffer's too)."""
+        dev = arrays[name]
+        try:
+            await self.reader.read_kept(lay.src, coords, [dev[s] for s in range(len(coords))], regions,
+                                        self.gpu, self.tier)
+            return
+        except GpuPathError as e:
+            if self.on_gpu.pop(name, None) is not None:
+                warnings.warn(f"xinsitu: keeping variable {name!r} in GPU memory failed its check on first use "
+                              f"({e}); it is read on the host from now on", RuntimeWarning, stacklevel=2)
+        await self._on_host(name, lay, len(coords), arrays, on_device, regions)
+
+    async def _on_host(self, name: str, lay: VarLayout, n: int, arrays: dict[str, Any], on_device: list[str],
+                       regions: list[Region]) -> None:
+        """A variable's buffer read on the host after all (its device buffer given back)."""
+        dev = arrays[name]
         self.gpu.give_back(dev)
         buf = arrays[name] = self._pool.take(list(dev.shape), lay.src.raw_dtype)
         on_device.remove(name)
-        await self.reader.read_many(lay.src, [(regions[s], buf[s]) for s in range(len(coords))])
+        await self.reader.read_many(lay.src, [(regions[s], buf[s]) for s in range(n)])
 
     def device_reason(self, name: str) -> str | None:
         """Why variable ``name``'s buffers cannot be decoded on the GPU straight into device memory

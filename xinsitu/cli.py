@@ -186,6 +186,7 @@ def _open(args: argparse.Namespace) -> Any:
     ``args.code``, the line of Python that opens it, and ``args.in_place``, whether they are files read in
     place (NetCDF or GRIB)."""
     import xinsitu
+    from xinsitu.store import opened_consolidated
 
     paths = _paths(args.url)
     kinds = {p: file_kind(p) for p in paths}
@@ -217,13 +218,13 @@ def _open(args: argparse.Namespace) -> Any:
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         ds = xinsitu.open_zarr(url, group=args.group, consolidated=args.consolidated, **dict(args.options))
-    for w in said:  # xarray's long advice on consolidated metadata becomes one line that names the option
-        if CONSOLIDATED_WARNING in str(w.message):
-            print(f"xinsitu {args.command}: note: no consolidated metadata (the open read each array's metadata); "
-                  "--consolidated false skips looking for it, zarr.consolidate_metadata(store) writes it",
-                  file=sys.stderr)
-        else:
+    for w in said:  # xarray's long advice on consolidated metadata, were it given, is the line below
+        if CONSOLIDATED_WARNING not in str(w.message):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    if args.consolidated is None and opened_consolidated(ds) is False:  # one line that names the option
+        print(f"xinsitu {args.command}: note: no consolidated metadata (the open read each array's metadata); "
+              "--consolidated false skips looking for it, zarr.consolidate_metadata(store) writes it",
+              file=sys.stderr)
     return ds
 
 

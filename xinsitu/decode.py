@@ -43,6 +43,9 @@ DECODED = "decoded"
 MISSING = "missing"
 #: ... an inner chunk its shard's index says was never written: the fill value, as zarr reads it
 EMPTY = "empty"
+#: ... the bytes were handed to a decoder that decodes many chunks at once, later (the GPU path's
+#: ``gpu_decode.GpuSlot``): counted as read now, as decoded once that decoder has decoded it
+QUEUED = "queued"
 
 
 class ChunkOutcome(NamedTuple):
@@ -59,8 +62,9 @@ class ChunkOutcome(NamedTuple):
 class Destination(Protocol):
     """Where a chunk lands (see the module)."""
 
-    def decode(self, dec: ChunkDecoder, raw: Any) -> None:
-        """Decode ``raw`` (the chunk's bytes) into place."""
+    def decode(self, dec: ChunkDecoder, raw: Any) -> str | None:
+        """Decode ``raw`` (the chunk's bytes) into place; ``QUEUED`` where it is only queued for a
+        decode of many chunks at once (None: decoded)."""
         ...
 
     def fill(self, dec: ChunkDecoder) -> None:
@@ -70,13 +74,14 @@ class Destination(Protocol):
 
 def place(dec: ChunkDecoder, raw: Any, dest: Destination, waited: float = 0.0, absent: str = MISSING) -> ChunkOutcome:
     """Decode ``raw`` into ``dest`` (None: the fill value, with status ``absent``): the one per-chunk
-    completion step of every read (a decode-thread call)."""
+    completion step of every read (a decode-thread call). A destination that only queues the bytes
+    for a later decode says so (``QUEUED``, its ``decode``'s return value)."""
     t0 = time.perf_counter()
     if raw is None:
         dest.fill(dec)
         return ChunkOutcome(absent, 0, waited, time.perf_counter() - t0)
-    dest.decode(dec, raw)
-    return ChunkOutcome(DECODED, len(raw), waited, time.perf_counter() - t0)
+    status = dest.decode(dec, raw) or DECODED
+    return ChunkOutcome(status, len(raw), waited, time.perf_counter() - t0)
 
 
 async def place_async(dec: ChunkDecoder, raw: Any, dest: Pieces, waited: float = 0.0) -> ChunkOutcome:

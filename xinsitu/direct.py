@@ -11,20 +11,26 @@ decode threads. Variables without a split dim are read once and copied (stacked)
 read-only (per variable) in every batch.
 
 The order of the samples is the plan's (``EpochPlan``): the same batches as the buffered path.
+
+On the GPU path (SPEC §4 "GPU") the same shape is filled on the device (``DeviceDirectLoader``): a
+sample's chunks decoded by nvCOMP straight into their place in a device batch, with no device buffer
+and no gather.
 """
 
 from __future__ import annotations
 
 import asyncio
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from xinsitu.gpu_decode import GpuChain, GpuPathError, chain_on_gpu
 from xinsitu.mempool import ArrayPool
 from xinsitu.output import OutputBuilder
 from xinsitu.plan import EpochPlan
-from xinsitu.reader import Reader
+from xinsitu.reader import GpuRead, Reader
 from xinsitu.sampling import SampleSpace, VarLayout
 
 #: a conversion into place is split into this many rows' worth of bytes per decode-thread job at least
@@ -176,3 +182,168 @@ class DirectLoader:
     def recycle(self, item: Filled) -> None:
         """Nothing to give back: a batch's arrays are its own (``OutputBuilder.arrays`` takes them back
         once nothing holds them)."""
+
+    def output(self, item: Filled) -> Any:
+        """Batch ``item`` as the output's kind, on the host (``transform=`` and a device copy come after)."""
+        return self.builder.assemble(item.values, item.starts)
+
+
+class DeviceDirectLoader(DirectLoader):
+    """``DirectLoader`` on the GPU path (SPEC §4 "GPU"): the batch is made in device memory and each
+    sample's chunks are decoded on the device straight into their place in it -- a variable's channel
+    slice of the stacked array, or its row -- with no device buffer and no gather: the chunks of every
+    variable of the batch in one ``Reader.read_gpu`` (one transfer, one batched call per compressor).
+
+    A variable whose raw values need work first (CF decoding, normalising, a cast), or whose place in the
+    batch is not laid out as its chunk is, is decoded into a raw device array and converted on the device
+    into place (``OutputBuilder.device_value``); the first batch's conversions are checked bit for bit
+    against the host's, and where they differ, that is said once and they run on the host from then on.
+    A variable on the CPU path (a codec chain nvCOMP cannot decode; with ``decode='auto'``, one whose first
+    buffer decoded faster by the CPU path; one whose chain failed its check on first use) is read as
+    ``DirectLoader`` reads it, converted on the host and copied over. ``on_gpu``: the variables whose chunks
+    go to the device (``BufferLoader.on_gpu``, shared); ``tier``: the device cache tier, if any."""
+
+    def __init__(self, space: SampleSpace, layouts: dict[str, VarLayout], reader: Reader, builder: OutputBuilder,
+                 gpu: Any, on_gpu: dict[str, GpuChain], tier: Any = None, follow_verdicts: bool = False):
+        super().__init__(space, layouts, reader, builder)
+        self.gpu, self.on_gpu, self.tier, self.follow_verdicts = gpu, on_gpu, tier, follow_verdicts
+        self._checked = False  # the first batch's conversions on the device were checked
+        self._host_convert = False  # they failed that check: converted on the host from then on
+        self._inv = {n: tuple(int(i) for i in np.argsort(p)) for n, p in self._to_var.items()}
+
+    async def load(self, plan: EpochPlan, i: int) -> Filled:
+        """Batch ``i`` of ``plan`` read into a new device batch (every chunk once)."""
+        ids = self.batch_ids(plan, i)
+        starts = self.starts_of(ids)
+        n = len(ids)
+        b, gpu, reader = self.builder, self.gpu, self.reader
+        batch = b.device_empty_batch(n)
+        names = [d.name for d in self.space.split_dims]
+        regions = [{d: (p, p + 1) for d, p in zip(names, row, strict=True)} for row in starts.tolist()]
+        reads: list[tuple[str, GpuRead]] = []
+        raws: dict[str, Any] = {}  # device raw arrays (n, *chunk shape) to convert into place
+        hosts: dict[str, np.ndarray] = {}  # host raw arrays of variables read the CPU way
+        jobs = []
+        for name, lay in self.layouts.items():
+            if lay.static:
+                continue
+            src = lay.src
+            chain = chain_on_gpu(self.on_gpu, name, gpu, self.follow_verdicts)
+            coords = [reader.whole_chunk(src, r) for r in regions] if chain is not None else []
+            if chain is None or any(c is None for c in coords):
+                jobs.append(self._on_host(name, regions, hosts))
+                continue
+            dests = None if b.converts(name) else self._in_place(batch, name, n)
+            if dests is None:
+                raw = raws[name] = gpu.new((n, *src.chunk_shape), src.raw_dtype)
+                dests = [raw[k] for k in range(n)]
+            read = GpuRead(src, coords, dests, chain)  # type: ignore[arg-type]
+            if chain.gpu:
+                reads.append((name, read))
+            else:  # decoded on the host, kept in the device tier
+                jobs.append(self._kept(name, read, regions, raws, hosts))
+        if reads:
+            jobs.append(self._decode(reads, regions, raws, hosts))
+        try:
+            await asyncio.gather(*jobs)
+            static = await self._static_values()
+            await asyncio.get_running_loop().run_in_executor(None, self._convert_all, batch, n, raws, hosts, static)
+        finally:
+            for raw in hosts.values():
+                self._raw.give_back(raw)
+        return Filled(i, ids, starts, batch)
+
+    def _in_place(self, batch: Any, name: str, n: int) -> list[Any] | None:
+        """Each sample's place of variable ``name`` in the device batch, in the chunk's layout (decoded
+        straight into), else None (it is not laid out as the chunk is)."""
+        view = self.builder.value_view(batch, name, slice(None))
+        view = view.reshape(n, *([1] * self.n_split), *view.shape[1:]) if self.n_split != 1 else view[:, None]
+        perm = self._to_var[name]
+        first = view[0].transpose(perm)
+        if not first.flags.c_contiguous or tuple(first.shape) != tuple(self.layouts[name].src.chunk_shape):
+            return None
+        return [first] + [view[k].transpose(perm) for k in range(1, n)]
+
+    async def _on_host(self, name: str, regions: list[dict[str, tuple[int, int]]],
+                       hosts: dict[str, np.ndarray]) -> None:
+        """Variable ``name``'s samples read the CPU way into a host raw array (``DirectLoader._read``)."""
+        lay, n = self.layouts[name], len(regions)
+        shape = [n] + [1] * self.n_split + [lay.src.shape[lay.src.dims.index(d)] for d in lay.out_dims]
+        raw = hosts[name] = self._raw.take(shape, lay.src.raw_dtype)
+        perm = self._to_var[name]
+        await self._read(lay, regions, [raw[k].transpose(perm) for k in range(n)])
+
+    async def _decode(self, reads: list[tuple[str, GpuRead]], regions: list[dict[str, tuple[int, int]]],
+                      raws: dict[str, Any], hosts: dict[str, np.ndarray]) -> None:
+        """The GPU variables' chunks decoded on the device together; a variable whose chain fails its check
+        on first use says so once, and is read the CPU way from then on (this batch's too)."""
+        failed = await self.reader.read_gpu([r for _, r in reads], self.gpu, self.tier)
+        again = []
+        for name, _ in reads:
+            e = failed.get(name)
+            if e is None:
+                continue
+            if self.on_gpu.pop(name, None) is not None:
+                warnings.warn(f"xinsitu: decoding variable {name!r} on the GPU failed its check on first use "
+                              f"({e}); its chunks are decoded on the CPU from now on", RuntimeWarning, stacklevel=2)
+            raws.pop(name, None)
+            again.append(self._on_host(name, regions, hosts))
+        await asyncio.gather(*again)
+
+    async def _kept(self, name: str, read: GpuRead, regions: list[dict[str, tuple[int, int]]],
+                    raws: dict[str, Any], hosts: dict[str, np.ndarray]) -> None:
+        """A variable decoded on the host whose chunks the device cache tier keeps (``Reader.read_kept``)."""
+        try:
+            await self.reader.read_kept(read.src, read.coords, read.outs, regions, self.gpu, self.tier)
+            return
+        except GpuPathError as e:
+            if self.on_gpu.pop(name, None) is not None:
+                warnings.warn(f"xinsitu: keeping variable {name!r} in GPU memory failed its check on first use "
+                              f"({e}); it is read on the host from now on", RuntimeWarning, stacklevel=2)
+        raws.pop(name, None)
+        await self._on_host(name, regions, hosts)
+
+    def _convert_all(self, batch: Any, n: int, raws: dict[str, Any], hosts: dict[str, np.ndarray],
+                     static: dict[str, np.ndarray]) -> None:
+        """In a decode thread: the raw device arrays converted into place on the device (on the first batch
+        checked against the host), the host ones on the host and copied over, the variables without a split
+        dim copied in; the device's work done when it returns."""
+        b, gpu = self.builder, self.gpu
+        xp = gpu.xp
+        for name, raw in raws.items():
+            have = raw.transpose(0, *[1 + k for k in self._inv[name]])  # (n, split dims of 1, *output dims)
+            have = have.reshape(n, *have.shape[1 + self.n_split:])
+            view = b.value_view(batch, name, slice(None))
+            if self._host_convert:
+                xp.copyto(view, gpu.asarray(self._host_values(name, gpu.to_host(have), view.dtype)), casting="unsafe")
+                continue
+            xp.copyto(view, b.device_value(name, have), casting="unsafe")
+            if not self._checked:
+                ref = self._host_values(name, gpu.to_host(have), view.dtype)
+                got = np.ascontiguousarray(gpu.to_host(view))
+                if got.shape != ref.shape or got.tobytes() != ref.tobytes():
+                    warnings.warn(f"xinsitu: converting variable {name!r} (CF decoding, normalising, casting) on the "
+                                  "GPU failed its check on the first batch; it runs on the host from now on",
+                                  RuntimeWarning, stacklevel=2)
+                    self._host_convert = True
+                    xp.copyto(view, gpu.asarray(ref), casting="unsafe")
+        if raws:
+            self._checked = True
+        for name, raw in hosts.items():
+            view = b.value_view(batch, name, slice(None))
+            host = raw.reshape(n, *raw.shape[1 + self.n_split:])
+            xp.copyto(view, gpu.asarray(self._host_values(name, host, view.dtype)), casting="unsafe")
+        for name, values in static.items():
+            if isinstance(batch, dict):
+                batch[name] = gpu.asarray(values)  # a fresh copy per batch: a batch owns its arrays
+            else:
+                b.value_view(batch, name, slice(None))[...] = gpu.asarray(values)
+        gpu.synchronize()
+
+    def _host_values(self, name: str, raw: np.ndarray, dtype: Any) -> np.ndarray:
+        """A variable's raw host values as its output values, as ``DirectLoader`` converts them."""
+        return np.asarray(self.builder.decode({name: raw}, cast=False)[name]).astype(dtype, copy=False)
+
+    def output(self, item: Filled) -> Any:
+        """Batch ``item`` (in device memory) as arrays of the output kind."""
+        return self.builder.device_output(item.values)

@@ -53,16 +53,18 @@ def reraise(name: str, coords: tuple[int, ...], path: str, e: Exception) -> NoRe
 
 # ----------------------------------------------------------------------------- local files
 def read_local(store: Any, prefix: str, dec: Any, name: str,
-               share: list[tuple[tuple[int, ...], Destination]]) -> list[tuple[tuple[int, ...], float, ChunkOutcome]]:
+               share: list[tuple[tuple[int, ...], Destination]],
+               scratch: Any = SCRATCH) -> list[tuple[tuple[int, ...], float, ChunkOutcome]]:
     """One decode thread's share of local chunk files (``LocalBackend.read``), each read and placed
     in turn: (coords, seconds reading, outcome) per chunk. A chunk that fails raises ``ChunkReadError``
-    naming it (a file reads the same bytes again: no second try)."""
+    naming it (a file reads the same bytes again: no second try). ``scratch``: what files are read
+    into (``ThreadScratch.take``'s protocol; the GPU path's page-locked staging)."""
     out = []
     for coords, dest in share:
         path = prefix + dec.key(coords)
         try:
             t0 = time.perf_counter()
-            raw = store.read(path, SCRATCH)
+            raw = store.read(path, scratch)
             read_s = time.perf_counter() - t0
             try:
                 outcome = place(dec, raw, dest, read_s)
@@ -126,7 +128,7 @@ class WholeFetches:
                         self._long(coords, dest, None)
                         continue
                     self.pending.add(fut)
-                    w = self.deadlines.watch(fut, self.limit_s)
+                    w = self.deadlines.watch(fut, self.limit_s, self.store)
                     fut.add_done_callback(functools.partial(self._arrived, coords, dest, path, slot, w,
                                                             time.perf_counter()))
             if self.left:
@@ -254,7 +256,7 @@ class Shards:
             return None if raw is None else await lay.index(raw)
 
         # an index that fails its checksum (a flipped bit in transit) is fetched again
-        index = await refetched(fetch, path, use, on_retry=self.reader.inflight.failed)
+        index = await refetched(fetch, path, use, on_retry=self.reader.inflight.failed, source=store)
         self.indexes[path] = index
         while len(self.indexes) > INDEX_CACHE:
             self.indexes.popitem(last=False)
@@ -305,7 +307,7 @@ class Shards:
                     for raw, d in zip(raws, rest, strict=True):
                         placed.append(await place_async(dec, raw, d))
 
-                await refetched(fetch, path, use, on_retry=inflight.failed)
+                await refetched(fetch, path, use, on_retry=inflight.failed, source=store)
                 for (coords, _), o in zip(want, placed, strict=True):
                     reader._finish(route, coords, o, observe=False)
                 inflight.observe(waited[0], sum(o.took for o in placed), slot)

@@ -29,20 +29,26 @@ AUTO_BETTER = 1.15
 #: ... that many windows in a row that bought no throughput and saw the latency rise: the
 #: requests past the limit that gave the most only queue (go back to it)
 AUTO_STRIKES = 2
-#: ... a window whose slowest answer came within this many times its quickest (no request
-#: queued behind another) while the latency stays healthy: slow start quadruples, not doubles
-AUTO_FLAT = 1.5
 #: ... seconds between probes past the limit at which the store last queued (each probe of an
-#: overloaded store can cost a SYN retransmit, ~1 s)
+#: overloaded store can cost a SYN retransmit, ~1 s); after a connect stall, twice the last wait,
+#: up to ``AUTO_PROBE_MAX_S``
 AUTO_PROBE_S = 5.0
+AUTO_PROBE_MAX_S = 160.0
+#: ... a request left behind (later ones came back first) waiting past this many times the quickest
+#: window's mean latency, and ``AUTO_STALL_S``, is a connect stall (a dropped connection waiting for the
+#: client's SYN retransmit, a second): the store is overloaded
+AUTO_STALL = 8.0
+AUTO_STALL_S = 0.5
 
 
 class Slots:
     """Permits for the requests in flight, ``n`` of them, resizable: where ``resize`` shrinks them while
-    more are held, the difference is kept back as held ones are given back (owed). Each slot is held
-    under a key (any hashable) from ``take`` to ``give``, with when it was taken (``sent``) and, until
-    its bytes came (``arrived``), when its request went out (``waiting``). ``give`` gives a slot back
-    once: a key given back already, or never taken, is left alone."""
+    more are held, the difference is kept back as held ones are given back (owed); where it grows them
+    ``paced``, the new ones come one with each slot given back (a request answered lets two go out,
+    as TCP's slow start sends: no burst of new requests at once). Each slot is held under a key (any
+    hashable) from ``take`` to ``give``, with when it was taken (``sent``) and, until its bytes came
+    (``arrived``), when its request went out (``waiting``). ``give`` gives a slot back once: a key
+    given back already, or never taken, is left alone."""
 
     def __init__(self, n: int, clock: Callable[[], float]):
         self.n, self.clock = n, clock
@@ -50,6 +56,8 @@ class Slots:
         self.sent: dict[Any, float] = {}  # slot -> when it was taken, until it is given back
         self._sem: asyncio.Semaphore | None = None
         self._owed = 0  # permits to keep back as slots are given back (shrunk)
+        self._paced = 0  # permits to add, one per slot given back (grown, paced)
+        self.filled = False  # every slot was taken at once (since ``filled`` was last set False)
 
     def semaphore(self) -> asyncio.Semaphore:
         if self._sem is None:
@@ -57,8 +65,11 @@ class Slots:
         return self._sem
 
     async def take(self, slot: Any) -> None:
-        await self.semaphore().acquire()
+        sem = self.semaphore()
+        await sem.acquire()
         self.waiting[slot] = self.sent[slot] = self.clock()
+        if sem._value <= self._owed and not self._paced:  # (asyncio.Semaphore has no public count)
+            self.filled = True
 
     def arrived(self, slot: Any) -> None:
         self.waiting.pop(slot, None)
@@ -69,25 +80,38 @@ class Slots:
             return
         if self._owed:
             self._owed -= 1
-        else:
-            self.semaphore().release()
+            return
+        sem = self.semaphore()
+        sem.release()
+        if self._paced:
+            self._paced -= 1
+            sem.release()
 
     def held(self) -> int:
         return len(self.sent)
+
+    def pacing(self) -> bool:
+        """Whether slots of a paced growth are still to come."""
+        return self._paced > 0
 
     def free(self) -> int:
         sem = self.semaphore()
         return sem._value - self._owed  # (asyncio.Semaphore has no public count)
 
-    def resize(self, n: int) -> None:
+    def resize(self, n: int, paced: bool = False) -> None:
         grow, self.n = n - self.n, n
         if self._sem is None:
             return
         if grow < 0:
-            self._owed -= grow  # taken back as slots are given back
+            taken = min(-grow, self._paced)  # not given out yet
+            self._paced -= taken
+            self._owed += -grow - taken  # taken back as slots are given back
             return
         paid = min(grow, self._owed)
         self._owed -= paid
+        if paced and self.sent:  # (with none held, nothing would give them out: at once)
+            self._paced += grow - paid
+            return
         for _ in range(grow - paid):
             self._sem.release()
 
@@ -107,19 +131,38 @@ class InflightLimit:
     it measures as they saturate, so latency alone takes a busy client for a store that queues.
     The limit follows what each window of completed requests (those sent since the limit last
     changed, at least ``AUTO_WINDOW``, at least half the limit) bought: it starts at
-    ``AUTO_REMOTE[0]`` and, in slow start, doubles per window -- quadruples while the answers
-    come back equally quick (the slowest within ``AUTO_FLAT`` times the quickest: none waited
-    behind another) and the latency stays near the quickest window's (``AUTO_HEALTHY``) -- as
-    long as the latency stays near it or the completions per second grew past ``AUTO_BETTER``
+    ``AUTO_REMOTE[0]`` and, in slow start, doubles per window -- two round trips: one for the new
+    requests to go out, one to see what they bought -- as long as the latency stays near the
+    quickest window's (``AUTO_HEALTHY``) or the completions per second grew past ``AUTO_BETTER``
     times the most seen (more requests, more throughput, whatever the latency). Past that it
-    grows by an eighth per window on the same test (additive increase). A window that bought no
-    throughput and saw the latency rise, at a limit past the one that gave the most completions
-    per second, goes back to that limit: a store that only queues gains nothing from more
-    requests, so it stays at the bottom, and a busy client keeps what it gained. A request that
-    fails or times out halves the limit, never below half that best limit nor below
-    ``AUTO_REMOTE[0]``. So it is never much slower than a fixed small limit on a store that
-    queues, reaches the top for a far, healthy one, and sits near the knee of the throughput
-    curve where the client's cores are the bound. Little's law bounds it from above.
+    grows by an eighth per window on the same test (additive increase). It grows only past a
+    limit the reads used -- every slot taken at once in the window --, never past one they did not
+    try (a reader asking a few chunks at a time). A window that bought no throughput and saw the
+    latency rise, at a limit past the one that gave the most completions per second, goes back to
+    that limit: a store that only queues gains nothing from more requests, so it stays at the
+    bottom, and a busy client keeps what it gained. A request that fails or times out halves the
+    limit, never below half that best limit nor below ``AUTO_REMOTE[0]``.
+
+    Bursts are what an overloaded server cannot take: one whose accept queue is full drops new
+    connections, which wait for the client's SYN retransmit (a second: hundreds of its answers;
+    and a burst of retransmits meets a full queue again). So the limit grows paced (``Slots``:
+    each answer lets two requests go out, none at once), and a window does not end while a request
+    is left behind: sent before one the window counted, and not back (a store answers in about
+    the order it is asked; a dropped connection is passed by every request after it). One left
+    behind ``AUTO_STALL`` times the quickest window's mean latency and ``AUTO_STALL_S`` (or coming
+    back that late) is a connect stall: the store is overloaded. As TCP after a timeout, the limit
+    goes back to the bottom (the requests turned away come back to an emptied queue) and slow
+    start runs to a quarter of the limit that stalled (the stall shows a second late: the limit
+    may have doubled since the first request was turned away). That is a ceiling: the limit goes
+    one step past it per ``AUTO_PROBE_S`` (twice as long after each stall, ``AUTO_PROBE_MAX_S`` at
+    most), and a step that comes back whole raises it. Going back to the best limit sets the
+    ceiling there; a failure, just below the limit that failed.
+
+    None of it asks the client's cores to be idle: a busy client slows every answer alike, a
+    stall is one answer left far behind its peers. So it is never much slower than a fixed small
+    limit on a store that queues or drops connections, reaches the top for a far, healthy one,
+    and sits near the knee of the throughput curve where the client's cores are the bound.
+    Little's law bounds it from above.
     """
 
     def __init__(self, fixed: int | None, threads: int):
@@ -136,16 +179,18 @@ class InflightLimit:
         self._slow_start = True
         self._best_rate = 0.0  # most completions per second of a window so far (remote)
         self._best_limit = AUTO_REMOTE[0]  # ... and the limit it had
-        self._last_rate = math.inf  # the last window's
         self._strikes = 0  # windows in a row that bought nothing and saw the latency rise
-        self._trouble = 0  # the limit at which the store last queued or failed (0: never)
-        self._probed = 0.0  # when growth last went to or past it
+        self._ceiling = 0  # the limit may grow past it only by probes (0: no ceiling): where the store
+        self._probed = 0.0  # last queued, stalled or failed ... when growth last went past it
+        self._probe_wait = AUTO_PROBE_S  # seconds between such probes (doubled by each stall)
+        self.stalls = 0  # connect stalls seen (``_stalled``)
+        self._stall_seen = -math.inf  # when the last one was: requests sent before it were seen then
         self._since = 0.0  # when the limit last changed: requests sent before do not count
         self._settled: float | None = 0.0  # ... nor those sent before its first answer came
         self._n = 0  # answers in this window (to requests sent since the limit last changed)
         self._sum = 0.0  # their latencies
-        self._lo = math.inf  # ... the quickest
-        self._hi = 0.0  # ... and the slowest
+        self._hi = 0.0  # ... the slowest
+        self._passed = -math.inf  # ... when the last of them was sent
         self.slots = Slots(self.limit, lambda: self.clock())  # the permits this policy sizes
 
     def semaphore(self) -> asyncio.Semaphore:
@@ -221,26 +266,41 @@ class InflightLimit:
         sent = self._sent_at(latency_s, decode_s, now, slot)
         if sent < self._since:  # sent under the limit before: its latency is not this limit's
             return
-        # answers equally quick (a burst sent at once, none queued behind another) or not
-        self._lo, self._hi = min(self._lo, latency_s), max(self._hi, latency_s)
-        if self._settled is None:  # the first answer sent under this limit: the queues it meets
-            self._settled = now  # are this limit's from now on (those before still ramp up)
+        self._hi = max(self._hi, latency_s)
+        if self._settled is None:  # the first answer with every slot of this limit out: the queues
+            if self.slots.pacing():  # it meets are this limit's from now on (those before still ramp up)
+                return
+            self._settled = now
         if sent < self._settled:
             return
         self._n += 1
         self._sum += latency_s
+        self._passed = max(self._passed, sent)
         if self._n < max(AUTO_WINDOW, self.limit // 2):
             return
-        # a window's requests that are still waiting count too: the ones a store queues (or a
-        # dropped connection delays) come back last, after quicker ones have filled the window
+        # the window ends once no request is left behind -- sent before one the window counted, and
+        # not back: one a dropped connection delays comes back a second late, after quicker ones have
+        # filled the window (``waiting`` is in the order the requests went out)
         waiting = self.slots.waiting
-        oldest = now - min(waiting.values()) if waiting else 0.0
+        typical = self._sum / self._n if self._base is None else self._base  # (not this window's: its late ones)
+        stall_s = max(AUTO_STALL_S, AUTO_STALL * typical)
+        oldest = next(iter(waiting.values()), None)
+        if oldest is not None and oldest < self._passed:
+            if oldest >= self._stall_seen and now - oldest >= stall_s:  # (those before the last stall:
+                self._stalled(now)  # seen then)
+            return
+        if self._hi >= stall_s:  # one came back that late (no answer came while it waited)
+            self._stalled(now)
+            return
+        # a window's requests that are still waiting count too: the ones a store queues come back
+        # last, after quicker ones have filled the window
+        oldest = now - oldest if oldest is not None else 0.0
         mean = max(self._sum / self._n, oldest)
-        self._window(now, mean, max(self._hi, oldest) <= AUTO_FLAT * self._lo)
+        self._window(now, mean)
 
-    def _window(self, now: float, mean: float, flat: bool) -> None:
+    def _window(self, now: float, mean: float) -> None:
         """A window's end: grow, hold, or go back (see the class)."""
-        self._n, self._sum, self._lo, self._hi = 0, 0.0, math.inf, 0.0
+        self._n, self._sum, self._hi, self._passed = 0, 0.0, 0.0, -math.inf
         self.history.append((self.limit, mean))
         base = self._base = mean if self._base is None else min(self._base, mean)
         # completions per second by Little's law (requests in flight / latency): counted answers
@@ -248,22 +308,29 @@ class InflightLimit:
         # twice the requests twice as late
         rate = self.limit / mean
         gained = rate > AUTO_BETTER * self._best_rate  # more requests bought more throughput
-        last, self._last_rate = self._last_rate, rate
         if gained:
             self._best_rate, self._best_limit = rate, self.limit
         healthy = mean <= AUTO_HEALTHY * base
+        used, self.slots.filled = self.slots.filled, False
+        if self._ceiling and self.limit > self._ceiling and (healthy or gained) and used:
+            self._ceiling = self.limit  # a probe came back whole: the store takes this limit now
+        if (healthy or gained) and not used:
+            return  # the reads never asked for as many requests at once: this limit is untried
         if healthy or gained:
             self._strikes = 0
-            if self._slow_start:  # faster while nothing queues, or the last step doubled the rate
-                grown = self.limit * (8 if healthy and flat else 4 if rate >= 2 * last else 2)
+            if self._slow_start:
+                grown = 2 * self.limit
             else:
                 grown = self.limit + max(1, self.limit // 8)
-            if self._trouble and grown >= self._trouble:  # where the store queued before: probe rarely
-                if now - self._probed < AUTO_PROBE_S:
-                    grown = min(grown, max(self.limit, self._trouble - 1))
-                else:
+            if self._ceiling and grown > self._ceiling:  # where the store queued before: probe rarely
+                self._slow_start = False
+                if now - self._probed < self._probe_wait:
+                    grown = max(self.limit, self._ceiling)
+                else:  # one step past it
                     self._probed = now
-            self._resize(max(AUTO_REMOTE[0], min(self._cap(), AUTO_REMOTE[1], grown)))
+                    grown = max(self.limit, self._ceiling) + max(1, self._ceiling // 8)
+            # the new requests go out as answers come (``Slots``: paced), not as a burst
+            self._resize(max(AUTO_REMOTE[0], min(self._cap(), AUTO_REMOTE[1], grown)), paced=True)
             return
         # the latency rose and throughput did not: the knee is behind (once may be this machine
         # busy for a moment -- its cores, not the store -- so twice in a row)
@@ -272,11 +339,32 @@ class InflightLimit:
             return
         self._slow_start = False
         if self.limit > self._best_limit:  # requests past the best limit only queue: back to it
-            self._trouble, self._probed = self.limit, now
-            self._resize(max(AUTO_REMOTE[0], self._best_limit))
+            self._ceiling, self._probed = max(AUTO_REMOTE[0], self._best_limit), now
+            self._resize(self._ceiling)
         elif self.limit < self._best_limit and mean <= AUTO_INFLATED * base:
             # below the best limit (after a failure) and no longer queueing: grow back
             self._resize(self.limit + max(1, self.limit // 8))
+
+    def _stalled(self, now: float) -> None:
+        """A request was left behind a connect stall's time while later ones came back: the store is
+        overloaded (a full accept queue drops new connections). Back to the bottom, slow start to a
+        quarter of this limit, the ceiling there; probes past it wait twice as long as the last ones
+        did. At the bottom already, only the window starts again."""
+        self.stalls += 1
+        self._stall_seen = now
+        self._strikes = 0
+        if self.limit <= AUTO_REMOTE[0]:  # at the bottom: the queue of a stall before, still draining
+            self._restart()
+            return
+        if self._ceiling:  # stalled again: probe half as often
+            self._probe_wait = min(AUTO_PROBE_MAX_S, 2 * self._probe_wait)
+        # as TCP after a timeout: from the bottom, where the requests turned away come back to an
+        # emptied queue, slow start to a quarter of the limit that stalled (seen a second late, the
+        # limit may have doubled past the one that first overflowed), probes past it
+        self._ceiling, self._probed = max(AUTO_REMOTE[0], self.limit // 4), now
+        self._slow_start = True
+        self._resize(AUTO_REMOTE[0])
+        self._restart()  # (at the bottom already: the window starts again all the same)
 
     def failed(self) -> None:
         """A request failed or timed out: fewer in flight (a store under load fails first)."""
@@ -287,14 +375,18 @@ class InflightLimit:
         # never far below the limit of the best window: a burst of failures halves it once or
         # twice, not down to the bottom
         self._slow_start = False
-        self._trouble, self._probed = self.limit, self.clock()
+        self._ceiling, self._probed = max(AUTO_REMOTE[0], self.limit - 1), self.clock()
         self._resize(max(AUTO_REMOTE[0], self._best_limit // 2, self.limit // 2))
 
-    def _resize(self, n: int) -> None:
+    def _resize(self, n: int, paced: bool = False) -> None:
         if n == self.limit:
             return
         self.limit = n
-        # the next window counts only requests sent once this limit's first answer came
+        self._restart()
+        self.slots.resize(n, paced)
+
+    def _restart(self) -> None:
+        """A new window: it counts only requests sent once this limit's first answer came."""
+        self.slots.filled = False
         self._since, self._settled = self.clock(), None
-        self._n, self._sum, self._lo, self._hi = 0, 0.0, math.inf, 0.0
-        self.slots.resize(n)
+        self._n, self._sum, self._hi, self._passed = 0, 0.0, 0.0, -math.inf

@@ -21,7 +21,7 @@ from xinsitu.buffer import BUFFER_BUDGET, BufferLoader, default_block_chunks, un
 from xinsitu.cache import ChunkCache, resolve_cache
 from xinsitu.channels import channel_names, check_stats_origin
 from xinsitu.device_cache import CupyArrays, HostArrays
-from xinsitu.direct import DirectLoader, direct_reason
+from xinsitu.direct import DeviceDirectLoader, DirectLoader, direct_reason
 from xinsitu.gpu_decode import CupyGpu, GpuChain, resolve_decode
 from xinsitu.manifest import SplitManifest
 from xinsitu.output import OutputBuilder
@@ -121,10 +121,14 @@ class BatchGenerator:
         Where chunks are decoded: ``"gpu"`` on the CUDA device the batches go to (nvCOMP: zstd,
         lz4, gzip, zlib), raising where that cannot be (no CUDA device, the ``gpu`` extra missing,
         a codec chain nvCOMP cannot decode); ``"cpu"`` never on the GPU; ``"auto"`` on the GPU
-        where it can. ``decode_paths`` (and the repr) say which path each variable takes. On the
-        GPU path a buffer's chunks are decoded together straight into device memory, and batches
-        are gathered, normalised and stacked there; it needs each buffer slot to be one whole chunk
-        and, with ``cache=``, keeps them in GPU memory (``ChunkCache(device=...)``'s budget, or the
+        where it can and where it is faster: the first buffer of each codec chain is decoded both
+        ways (the first-use check) and timed, and the faster path is kept for that chain for the
+        rest of the process on that device. ``decode_summary`` (and the repr) say which path each
+        variable takes and why, with the two rates. On the GPU path a buffer's chunks (every
+        variable's) are decoded together straight into device memory, and batches are gathered,
+        normalised and stacked there -- or, where each chunk block is one sample, decoded straight
+        into the device batch's channels; it needs each buffer slot to be one whole chunk and,
+        with ``cache=``, keeps them in GPU memory (``ChunkCache(device=...)``'s budget, or the
         memory tier's up to half the free device memory).
     """
 
@@ -178,6 +182,7 @@ class BatchGenerator:
         self.decode = decode
         self._gpu: Any = None  # the GPU path's device side (``gpu_decode.CupyGpu``), where a variable takes it
         self._kept: set[str] = set()  # variables decoded on the host whose chunks a device cache tier keeps
+        self._chains: dict[str, GpuChain] = {}  # what the codecs allow, before the first buffers' verdicts
         self._ds = ds
         self.epoch = 0
         self._resume_batch = 0
@@ -200,9 +205,9 @@ class BatchGenerator:
         self.decode_paths = resolve_decode(decode, cuda_target, {n: lay.src.array for n, lay in self.layouts.items()})
         if any(c.gpu for c in self.decode_paths.values()) or (self._device_tier() and cuda_target is None):
             self._use_gpu(CupyGpu(), self.decode_paths)
-        #: why batches go through a shuffle buffer (None: filled in place, ``xinsitu.direct``)
-        self.buffer_reason = "batches built on the GPU" if self._gpu is not None else direct_reason(
-            self.space, self.layouts, self.builder)
+        #: why batches go through a shuffle buffer (None: filled in place, ``xinsitu.direct``; on the device
+        #: too, on the GPU path)
+        self.buffer_reason = direct_reason(self.space, self.layouts, self.builder)
 
     def _check_not_empty(self) -> None:
         """Refuse a generator that would yield nothing: an empty epoch looks like a finished one."""
@@ -226,7 +231,8 @@ class BatchGenerator:
                 on_gpu = {n: c for n, c in self.decode_paths.items() if c.gpu or n in self._kept}
                 arrays = CupyArrays() if self._gpu.kind == "cupy" else HostArrays()  # the tier's device memory
                 tier = None if self.cache is None else self.cache.device_tier(arrays, self._gpu.free())
-            self._loader = BufferLoader(self.space, self.layouts, self._reader, self._gpu, on_gpu, tier)
+            self._loader = BufferLoader(self.space, self.layouts, self._reader, self._gpu, on_gpu, tier,
+                                        follow_verdicts=self.decode == "auto")
             self._direct = None
             self._pid = os.getpid()
         return self._loader
@@ -237,7 +243,11 @@ class BatchGenerator:
         if self.buffer_reason is not None:
             return loader
         if self._direct is None:
-            self._direct = DirectLoader(self.space, self.layouts, loader.reader, self.builder)
+            if self._gpu is not None:  # filled in place on the device: no device buffer, no gather
+                self._direct = DeviceDirectLoader(self.space, self.layouts, loader.reader, self.builder, self._gpu,
+                                                  loader.on_gpu, loader.tier, follow_verdicts=self.decode == "auto")
+            else:
+                self._direct = DirectLoader(self.space, self.layouts, loader.reader, self.builder)
         return self._direct
 
     def _device_tier(self) -> bool:
@@ -250,7 +260,10 @@ class BatchGenerator:
         tier in GPU memory (``ChunkCache.device_tier``); with a tier asked for (``ChunkCache(device=)``),
         the chunks of the others that such buffers can hold are decoded on the host and kept there too;
         ``decode='gpu'`` raises naming the others. Gathering, CF decoding, normalising and stacking
-        then happen on the device too."""
+        then happen on the device too. With ``decode='auto'``, a chain whose first buffer (in this process,
+        on this device) decoded faster by the CPU path than on the GPU (``gpu.verdicts``) stays on the CPU,
+        and where no variable is left on the GPU, batches are built on the host as without one."""
+        self._chains = dict(chains)
         paths, kept = {}, set()
         # transform= takes the batch on the host, before the device= copy (SPEC 4): only decode='gpu'
         # builds the batch on the device, and then the transform gets it there (no loader to ask then)
@@ -261,7 +274,9 @@ class BatchGenerator:
                    "included)") if loader is None else loader.device_reason(n)
             if c.gpu and why is not None:
                 c = GpuChain(False, why)
-            elif not c.gpu and why is None and self._device_tier():  # decoded on the host, kept on the device
+            elif c.gpu and self.decode == "auto" and not self._gpu_pays(gpu, c):
+                c = GpuChain(False, f"{c.reason}: {gpu.verdicts[c].words()}")
+            if not c.gpu and why is None and self._device_tier():  # decoded on the host, kept on the device
                 c = GpuChain(False, f"{c.reason}; its chunks kept in GPU memory")
                 kept.add(n)
             paths[n] = c
@@ -274,7 +289,31 @@ class BatchGenerator:
         self._kept = kept
         self._gpu = gpu if kept or any(c.gpu for c in paths.values()) else None
         self._loader = None  # made again, with the GPU's side
+        self._direct = None
         self.builder.use_gpu(self._gpu)
+
+    @staticmethod
+    def _gpu_pays(gpu: Any, chain: GpuChain) -> bool:
+        """Whether ``chain`` decodes on the GPU under ``decode='auto'``: not measured yet (its first buffer
+        decides), or its first buffer decoded faster there than by the CPU path."""
+        verdict = gpu.verdicts.get(chain)
+        return verdict is None or verdict.gpu_faster
+
+    def _follow_verdicts(self) -> None:
+        """Before an iteration (none under way), with ``decode='auto'``: the variables whose chain's first
+        buffer decoded faster by the CPU path go to the CPU path (``_use_gpu`` again); where none is left on
+        the GPU, batches are built on the host again, as without a GPU (filled in place where they can be).
+        A first buffer read ahead by the other path is dropped."""
+        gpu = self._gpu
+        if gpu is None or self.decode != "auto" or self._live:
+            return
+        if all(self._gpu_pays(gpu, c) for c in self.decode_paths.values() if c.gpu):
+            return
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == os.getpid():
+            _loop.run(_settle(ahead[2]), timeout=30)
+        self._use_gpu(gpu, self._chains)
+        self.buffer_reason = direct_reason(self.space, self.layouts, self.builder)
 
     # ------------------------------------------------------------------ epochs
     def set_epoch(self, epoch: int) -> None:
@@ -352,6 +391,7 @@ class BatchGenerator:
         return self._batches(self.epoch, start, stop, progress)
 
     def _batches(self, epoch: int, start: int, stop: int | None, progress: bool, ahead: bool = False) -> Any:
+        self._follow_verdicts()
         plan = self.plan(epoch)
         plan = plan_head(plan, plan.n_batches if stop is None else stop)  # blocks past the last batch: unread
         self._live += 1
@@ -545,11 +585,26 @@ class BatchGenerator:
 
     @property
     def decode_summary(self) -> str:
-        """Which path each variable's chunks decode on, in words (one line where all alike)."""
-        said = {n: c.describe() for n, c in self.decode_paths.items()}
+        """Which path each variable's chunks decode on, and why, in words (one line where all alike): on the
+        GPU path with the two rates its chain's first buffer decoded at (``decode='auto'`` keeps the faster
+        path), or the CPU path's reason."""
+        said = {n: self._describe(c) for n, c in self.decode_paths.items()}
         if len(set(said.values())) == 1:
             return next(iter(said.values()))
         return "; ".join(f"{n}: {w}" for n, w in said.items())
+
+    def _describe(self, chain: GpuChain) -> str:
+        gpu = self._gpu
+        if not chain.gpu or gpu is None:
+            return chain.describe()
+        verdict = gpu.verdicts.get(chain)
+        if verdict is None:
+            return f"gpu ({chain.reason}, nvCOMP; " + (
+                "its first buffer, decoded both ways, decides)" if self.decode == "auto" else "decode='gpu')")
+        if self.decode == "auto" and not verdict.gpu_faster:
+            return f"cpu ({chain.reason}: {verdict.words()})"
+        return f"gpu ({chain.reason}, nvCOMP: {verdict.words()}" + ("" if self.decode == "auto" else
+                                                                    "; decode='gpu'") + ")"
 
     def __repr__(self) -> str:
         return formatting.text_repr(self)

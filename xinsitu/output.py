@@ -347,20 +347,40 @@ class OutputBuilder:
             self._device_ok = False
             return self._build_host(host_raw, starts)
 
-    def _device_values(self, raw: dict[str, Any]) -> Any:
-        """The batch's values on the device (the GPU path): CF decoding there (``channels.ArrayCF``)
-        where array operations give xarray's values, else on the host as xarray does it; then
-        normalising and stacking on the device. Complete (the device's work done) when it returns."""
+    def device_value(self, name: str, raw: Any) -> Any:
+        """One variable's raw values (on the device, or the host) as its values on the device (the GPU path):
+        CF decoding there (``channels.ArrayCF``) where array operations give xarray's values, else on the
+        host as xarray does it; then normalising on the device (not cast to ``dtype=``)."""
         gpu = self.gpu
-        values = {}
-        for n, a in raw.items():
-            dec = self.decoders[n]
-            if dec is not identity:
-                there = self.device_cf.get(n)
-                a = there(a) if there is not None and gpu.is_device(a) else dec(self._host(a))
-            values[n] = a if gpu.is_device(a) else gpu.asarray(a)
-        if self.normalizer is not None:
-            values = self.normalizer(values)
+        dec = self.decoders[name]
+        a = raw
+        if dec is not identity:
+            there = self.device_cf.get(name)
+            a = there(a) if there is not None and gpu.is_device(a) else dec(self._host(a))
+        if not gpu.is_device(a):
+            a = gpu.asarray(a)
+        if self.normalizer is not None and name in self.normalizer.params:
+            a = self.normalizer.apply(name, a)
+        return a
+
+    def device_empty_batch(self, n: int) -> Any:
+        """The device arrays of a batch of ``n`` samples (the GPU path), to fill in place (``value_view``): new
+        ones each batch (handed out as they are), laid out as ``empty_batch``'s."""
+        gpu = self.gpu
+        if self.stack:
+            return gpu.new((n, len(self.channels), *self._stacked_shape()), self.dtype)
+        return {name: gpu.new((n, *self._out_shape(lay)), self.var_dtypes[name])
+                for name, lay in self.layouts.items() if lay.has_sample_axis}
+
+    def device_output(self, values: Any) -> Any:
+        """A batch filled in place on the device as arrays of the output kind (complete when it returns)."""
+        return self._out(values)
+
+    def _device_values(self, raw: dict[str, Any]) -> Any:
+        """The batch's values on the device (the GPU path, ``device_value``); then stacking on the device.
+        Complete (the device's work done) when it returns."""
+        gpu = self.gpu
+        values = {n: self.device_value(n, a) for n, a in raw.items()}
         if self.out_dtype is not None and not self.stack:
             values = {n: a.astype(self.out_dtype, copy=False) for n, a in values.items()}
         out = self.stacked(values, gpu.xp) if self.stack else values

@@ -389,7 +389,7 @@ class DirectRun(EpochRun):
                     raise item
                 if item is _END or item.i != i:
                     raise RuntimeError(f"xinsitu: batch {i} was never read (internal error)")
-                batch = builder.finish(builder.assemble(item.values, item.starts))
+                batch = builder.finish(self.loader.output(item))
                 del item
                 a, b = plan.batch_span(i)
                 if not self._put((i, batch, b - a)):

@@ -24,7 +24,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -41,12 +41,23 @@ from xinsitu.backend import (  # noqa: F401 - ChunkReadError: re-exported (xinsi
 from xinsitu.cache import ChunkCache, ChunkKey
 from xinsitu.cached import INLINE_COPY_BYTES, serve_cached, take_cached  # noqa: F401 - re-exported
 from xinsitu.codecs import ChunkDecoder, is_remote, is_sharded, store_root
-from xinsitu.decode import DECODED, MISSING, ChunkOutcome, Destination, Pieces, Slot, TurnBatch, place, place_async
+from xinsitu.decode import (
+    DECODED,
+    MISSING,
+    QUEUED,
+    SCRATCH,
+    ChunkOutcome,
+    Destination,
+    Pieces,
+    Slot,
+    TurnBatch,
+    place,
+    place_async,
+)
 from xinsitu.fetchers import Shards, WholeFetches, all_or_none, read_local, reraise
-from xinsitu.gpu_decode import GpuBatch, GpuPathError, GpuSlot
+from xinsitu.gpu_decode import GpuBatch, GpuChain, GpuPathError, GpuSlot
 from xinsitu.inflight import (  # noqa: F401 - re-exported: the limit's constants and class lived here
     AUTO_BETTER,
-    AUTO_FLAT,
     AUTO_HEADROOM,
     AUTO_HEALTHY,
     AUTO_INFLATED,
@@ -76,6 +87,16 @@ class IOCounters:
     cache_hits: int = 0  # chunks the cache had (memory or disk): not fetched, not decoded
     cache_disk_hits: int = 0  # ... of which its disk tier had
     cache_misses: int = 0  # chunks of cached arrays it did not have (fetched, then kept)
+
+
+class GpuRead(NamedTuple):
+    """One variable's whole chunks to decode on the GPU (``Reader.read_gpu``): chunks ``coords`` of ``src``
+    into ``outs`` (device arrays of the chunk's shape), its codec chain ``chain`` (a ``GpuChain``)."""
+
+    src: VarSource
+    coords: list[tuple[int, ...]]
+    outs: list[Any]
+    chain: GpuChain
 
 
 class Route:
@@ -145,23 +166,26 @@ class Reader:
         wait fed to the in-flight policy (``observe``; strategies that settle many chunks at once
         feed their mean); ``missing=`` applied to a chunk with no object (``key``: the object that
         is missing, default the chunk's own); and ``slot``, where it holds one, given back -- once,
-        whatever happens here."""
+        whatever happens here. A chunk only queued for a decode of many (``QUEUED``: the GPU path) is
+        counted as read here, as decoded where that decode happens (``read_gpu``)."""
         try:
             c = self.counters
-            if outcome.status == DECODED:
+            status = outcome.status
+            if status == DECODED or status == QUEUED:
                 c.bytes_read += outcome.nbytes
                 c.decode_s += outcome.took
                 if observe:
                     self.inflight.observe(outcome.waited, outcome.took, slot)
-            elif outcome.status == MISSING:
+            elif status == MISSING:
                 path = key or route.path(coords)
                 c.missing += 1  # counted and named: a deleted archive or a 404 would otherwise pass in silence
                 self.last_missing = (route.src.name, coords, path)
                 if self.on_missing == "raise":
                     raise ChunkReadError(route.src.name, coords, path, FileNotFoundError(
                         "no object at this key (missing='raise'; zarr would read the fill value)"))
-            c.chunks += 1
-            c.bytes_decoded += route.dec.nbytes
+            if status != QUEUED:
+                c.chunks += 1
+                c.bytes_decoded += route.dec.nbytes
         finally:
             if slot is not None:
                 self.inflight.give(slot)
@@ -282,30 +306,100 @@ class Reader:
             await self.read_whole(src, [coords[i] for i in rest], [outs[i] for i in rest],
                                   [regions[i] for i in rest])
 
-    async def read_gpu(self, src: VarSource, coords: list[tuple[int, ...]], outs: list[Any], gpu: Any,
-                       chain: Any, tier: Any = None) -> None:
-        """Whole chunks ``coords`` decoded on the GPU straight into ``outs`` (device arrays of the
-        chunk's shape: rows of a device buffer). The array's route fetches the bytes as for any read
-        and the completion step hands them to a ``gpu_decode.GpuBatch`` (``GpuSlot``), which decodes
-        them together once all are in: one transfer, one batched call (``gpu``: the device side,
-        ``gpu_decode.CupyGpu`` or its stand-in; ``chain``: the array's ``GpuChain``). With a device
-        cache tier (``tier``, a ``device_cache.DeviceCache``), chunks it has are copied from it on the
-        device, and those decoded are kept there (keep what fits)."""
-        route = self.route(src)
-        mkeys, places, todo = self._in_tier(src, coords, tier)
-        if mkeys is not None:
-            self.counters.cache_misses += len(todo)
-        batch = GpuBatch(gpu.decoder(chain), gpu.asarray)
-        items: list[tuple[tuple[int, ...], Destination]] = [
-            (coords[i], GpuSlot(batch, outs[i], (src.name, coords[i], route.path(coords[i])))) for i in todo]
-        if items:
-            await self._fetch_all(route, items)
+    async def read_gpu(self, reads: list[GpuRead], gpu: Any, tier: Any = None) -> dict[str, GpuPathError]:
+        """Whole chunks of several variables (a buffer's, a batch's) decoded on the GPU straight into their
+        ``outs`` (``GpuRead``). Each array's route fetches the bytes as for any read -- local files read
+        straight into the batch's page-locked staging -- and the completion step hands them to ONE
+        ``gpu_decode.GpuBatch`` (``GpuSlot``), which decodes them together once all are in: one transfer,
+        one batched call per compressor (``gpu``: the device side, ``gpu_decode.CupyGpu`` or its stand-in).
+        A chunk is counted decoded once it is. With a device cache tier (``tier``, a
+        ``device_cache.DeviceCache``), chunks it has are copied from it on the device, and those decoded are
+        kept there (keep what fits). A chunk the device cannot decode is fetched again and decoded the CPU
+        way (``_fetch``: up to ``FETCH_ATTEMPTS`` fetches, named where it never decodes), then copied over.
 
-        def decode(first: bool) -> bool:  # checked against the host on first use
-            batch.flush(check=gpu.to_host if first else None)
-            return batch.decoded > 0
+        Returns the variables whose codec chain failed its check on first use (name -> why): their
+        ``outs`` are not filled (the caller reads them the CPU way); everything else is in place."""
+        plans = []
+        capacity = 0
+        for r in reads:
+            mkeys, places, todo = self._in_tier(r.src, r.coords, tier)
+            if mkeys is not None:
+                self.counters.cache_misses += len(todo)
+            plans.append((r, self.route(r.src), mkeys, places, todo))
+            capacity += len(todo) * r.chain.bound
+        batch = GpuBatch(gpu.decoder(), capacity, gpu.asarray)
+        jobs = []
+        for r, route, _, _, todo in plans:
+            items: list[tuple[tuple[int, ...], Destination]] = [
+                (r.coords[i], GpuSlot(batch, r.outs[i], r.chain, (r.src.name, r.coords[i], route.path(r.coords[i]))))
+                for i in todo]
+            if items:
+                jobs.append(self._fetch_all(route, items, batch.staging))
+        if jobs:
+            await all_or_none(jobs)
 
-        self.counters.decode_s += await self._land(gpu, chain, outs, places, todo, tier, mkeys, decode)
+        def run() -> Any:
+            if all(r.chain in gpu.checked for r in reads):
+                return land(False)
+            with gpu.first_use:  # one first use at a time: a buffer after it finds its chains checked
+                return land(any(r.chain not in gpu.checked for r in reads))
+
+        def land(first: bool) -> Any:
+            try:
+                for r, _, _, places, _ in plans:
+                    for out, got in zip(r.outs, places, strict=True):
+                        if got is not None:
+                            out[...] = got[0][got[1]]  # cached: copied on the device
+                flushed = batch.flush(gpu)
+                if tier is not None:
+                    redo = {id(d) for _, d, _ in flushed.refetch}
+                    for r, _, mkeys, _, todo in plans:
+                        if mkeys is not None and r.chain not in flushed.failed:
+                            for i in todo:
+                                if id(r.outs[i]) not in redo:
+                                    tier.put(mkeys[i], r.outs[i])
+                gpu.synchronize()
+            except GpuPathError:
+                raise
+            except Exception as e:
+                if first:  # the device's side failed on first use: the CPU path takes over
+                    raise GpuPathError(f"{type(e).__name__}: {e}") from e
+                raise
+            gpu.checked.update(flushed.checked)
+            return flushed
+
+        try:
+            flushed = await asyncio.get_running_loop().run_in_executor(None, run)
+        except GpuPathError as e:
+            return {r.src.name: e for r in reads}
+        c = self.counters
+        for chain, n in flushed.decoded.items():
+            c.chunks += n
+            c.bytes_decoded += n * chain.nbytes
+        c.decode_s += flushed.seconds
+        failed = {r.src.name: flushed.failed[r.chain] for r in reads if r.chain in flushed.failed}
+        redo = [x for x in flushed.refetch if x[2][0] not in failed]
+        if redo:
+            await self._refetch(redo, {r.src.name: (route, mkeys, r) for r, route, mkeys, _, _ in plans}, gpu, tier)
+        return failed
+
+    async def _refetch(self, redo: list[tuple[GpuChain, Any, tuple[str, tuple[int, ...], str]]],
+                       of: dict[str, tuple[Route, list[Any] | None, GpuRead]], gpu: Any, tier: Any) -> None:
+        """Chunks the device could not decode, fetched again and decoded the CPU way (``_fetch``: fetched
+        again while the bytes do not decode, its failure named), then copied onto the device."""
+        hosts = [np.empty(chain.shape, chain.dtype) for chain, _, _ in redo]
+        await all_or_none(self._fetch(of[name][0], coords, Slot(h))
+                          for h, (_, _, (name, coords, _)) in zip(hosts, redo, strict=True))
+
+        def upload() -> None:
+            for h, (_, dest, (name, coords, _)) in zip(hosts, redo, strict=True):
+                dest[...] = gpu.asarray(h)
+                _, mkeys, r = of[name]
+                if tier is not None and mkeys is not None:
+                    tier.put(mkeys[r.coords.index(coords)], dest)
+            gpu.synchronize()
+
+        await asyncio.get_running_loop().run_in_executor(None, upload)
 
     async def read_kept(self, src: VarSource, coords: list[tuple[int, ...]], outs: list[Any],
                         regions: list[dict[str, tuple[int, int]]], gpu: Any, tier: Any) -> None:
@@ -372,10 +466,12 @@ class Reader:
 
         return await asyncio.get_running_loop().run_in_executor(None, run)
 
-    async def _fetch_all(self, route: Route, items: list[tuple[tuple[int, ...], Destination]]) -> None:
-        """Every chunk of ``items`` fetched and placed by ``route``'s strategy, whatever its destination."""
+    async def _fetch_all(self, route: Route, items: list[tuple[tuple[int, ...], Destination]],
+                         scratch: Any = SCRATCH) -> None:
+        """Every chunk of ``items`` fetched and placed by ``route``'s strategy, whatever its destination
+        (``scratch``: what local files are read into, see ``fetchers.read_local``)."""
         if route.local:
-            await self._read_local(route, items)
+            await self._read_local(route, items, scratch)
         elif route.kind == Route.CALLBACKS:
             await WholeFetches(self, route).run(items)
         elif len(items) == 1:  # one chunk (a chunk-aligned unit): no task of its own
@@ -383,7 +479,8 @@ class Reader:
         else:
             await all_or_none(self._fetch(route, c, d) for c, d in items)
 
-    async def _read_local(self, route: Route, items: list[tuple[tuple[int, ...], Destination]]) -> None:
+    async def _read_local(self, route: Route, items: list[tuple[tuple[int, ...], Destination]],
+                          scratch: Any = SCRATCH) -> None:
         """Local chunk files read and placed by the decode threads, each reading and placing its
         share in turn: per chunk no task, no executor hand-off and no wake-up of the loop, which for
         one-sample-per-chunk archives cost more than the decode itself. The reads asked for in one
@@ -392,7 +489,7 @@ class Reader:
         k = max(1, min(len(items), self.inflight.threads))
         store = route.store
         parts = await asyncio.gather(*(self.turn.run(read_local, store, route.prefix, route.dec, route.src.name,
-                                                     items[i::k]) for i in range(k)))
+                                                     items[i::k], scratch) for i in range(k)))
         read_sum = took_sum = 0.0
         n = 0
         for part in parts:

@@ -147,6 +147,9 @@ def scrubbed(e: BaseException, secrets: list[str] | tuple[str, ...] = ()) -> Bas
         base = PermissionError
     elif type(e).__name__ in ("UnknownConfigurationKeyError", "InvalidPathError"):
         base = ValueError
+    elif client_timed_out(e):  # obstore's own timeouts, after its retries: a TimeoutError, and says so
+        base = TimeoutError
+        msg += " (timed out: no answer)"
     elif isinstance(e, (TimeoutError, ConnectionError, ValueError, TypeError, KeyError, OSError)):
         base = next(t for t in (TimeoutError, ConnectionError, ValueError, TypeError, KeyError, OSError)
                     if isinstance(e, t))
@@ -154,6 +157,18 @@ def scrubbed(e: BaseException, secrets: list[str] | tuple[str, ...] = ()) -> Bas
         base = OSError
     name = type(e).__name__
     return base(msg if name == base.__name__ else f"{name}: {msg}")
+
+
+#: how obstore (reqwest) says a request timed out, in its error's debug text
+_TIMED_OUT = re.compile(r"kind:\s*Timeout\b|\bTimedOut\b|operation timed out", re.IGNORECASE)
+
+
+def client_timed_out(e: BaseException) -> bool:
+    """Whether ``e`` is an obstore error for a request its HTTP client gave up waiting for (its connect
+    or read timeout, or its whole-request limit, after its own retries): obstore raises those as a
+    ``GenericError`` whose debug text names the timeout."""
+    return type(e).__module__.startswith("obstore") and not isinstance(e, TimeoutError) \
+        and _TIMED_OUT.search(str(e)) is not None
 
 
 def _chain_text(e: BaseException) -> str:

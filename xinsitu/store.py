@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import re
 import sys
@@ -26,9 +25,9 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 
-from xinsitu import _loop
 from xinsitu.redact import RecordingProvider, _chain_text, redact, redact_url, scrubbed, secrets_in_options, secrets_of
-from xinsitu.store_reads import _checked_store, bounded_request
+from xinsitu.source import CONSOLIDATED_WARNING
+from xinsitu.store_reads import _checked_store, bounded_store
 from xinsitu.xr_adapter import (
     CACHING,
     ELEMENTWISE,
@@ -162,7 +161,9 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
         ``s3://``, ``gs://``, ``az://``, ``http(s)://``, ``file://``, ``memory://`` or a path;
         or a store already built (``zarr.storage.ObjectStore``, ``LocalStore``, an Icechunk
         session's ``store``...).
-    consolidated : use consolidated metadata (None: if present). Needed over plain HTTP.
+    consolidated : use consolidated metadata (None: if present). Over plain HTTP without it, the
+        arrays are found from the server's directory index pages (as fsspec finds them), else
+        from WebDAV; a server with neither raises at once, saying so.
     group : path of the group inside the store.
     decode_times : passed to xarray. One departure from xarray's default (True): an integer time
         axis xarray would leave as ``cftime`` objects only because its dates are out of
@@ -212,17 +213,22 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
         if store_options:
             raise TypeError(f"store options {sorted(store_options)} apply to URLs and paths only, "
                             "not to a store object")
-        mod = type(store).__module__
-        zstore = _checked_store()(store, read_only=True) if mod.startswith("obstore") else store
-        secrets = secrets_of(store) if mod.startswith("obstore") else []
+        # the same kind of store, each request bounded in time (and retried, for fsspec's): one that
+        # never answers is named in seconds, not waited for (an Icechunk or a local store as it is)
+        zstore = bounded_store(store, others=False)
+        obs = getattr(zstore, "store", None)
+        secrets = secrets_of(obs) if type(obs).__module__.startswith("obstore") else []
         where = type(store).__name__
-    if isinstance(store, (str, os.PathLike)) and consolidated is not False and _plain_http(os.fspath(store)):
-        _needs_consolidated(obs, group, where, secrets)
     try:
         ds = _open_xr(zstore, consolidated, group, decode_times)
         # without consolidated metadata the arrays are listed in no fixed order (an Icechunk
         # repository's differs from process to process): sort them, so channels never permute
         return ds if _read_consolidated(ds, zstore, group, consolidated) else _by_name(ds)
+    except TimeoutError as e:  # the store does not answer: asking it more (is it an array?) would wait again
+        text = _chain_text(e)
+        if redact(text, secrets) != text:
+            raise scrubbed(e, secrets) from None
+        raise
     except FileNotFoundError as e:
         _if_array(zstore, group, where)
         raise FileNotFoundError(f"no zarr group found at {where}: {scrubbed(e, secrets)}") from None
@@ -328,7 +334,9 @@ def _open_xr(zstore: Any, consolidated: bool | None, group: str | None, decode_t
     but for xarray's about that fallback, which would then be false."""
     kw = dict(chunks=None, consolidated=consolidated, group=group, decode_times=decode_times)
     if decode_times is False:
-        return xr.open_zarr(zstore, **kw)
+        with warnings.catch_warnings():
+            _no_fallback_warning()
+            return xr.open_zarr(zstore, **kw)
     said: list[warnings.WarningMessage] | None = [] if decode_times is True or decode_times is None else None
     try:  # xarray's indexes are made below, as xarray makes them (``_maybe_create_default_indexes``)
         with _held(said):
@@ -337,7 +345,9 @@ def _open_xr(zstore: Any, consolidated: bool | None, group: str | None, decode_t
         _reemit(said)
         if not isinstance(e, TypeError) or "create_default_indexes" not in str(e):
             raise
-        return xr.open_zarr(zstore, **kw)  # an xarray without create_default_indexes
+        with warnings.catch_warnings():
+            _no_fallback_warning()
+            return xr.open_zarr(zstore, **kw)  # an xarray without create_default_indexes
     to_index = {name: c.variable for name, c in ds.coords.items() if c.dims == (name,) and name not in ds.xindexes}
     try:
         for name, var in to_index.items():
@@ -354,15 +364,27 @@ def _open_xr(zstore: Any, consolidated: bool | None, group: str | None, decode_t
     return out
 
 
+def _no_fallback_warning() -> None:
+    """Ignore xarray's warning that ``consolidated=None`` found no consolidated metadata and read the
+    arrays without it (in the ``warnings.catch_warnings`` block of the caller): a six-line
+    ``RuntimeWarning`` that tells a reader of someone else's archive to consolidate it. xinsitu opens
+    such an archive as it is, its arrays in name order (``_by_name``)."""
+    warnings.filterwarnings("ignore", message=CONSOLIDATED_WARNING, category=RuntimeWarning)
+
+
 @contextlib.contextmanager
 def _held(said: list[warnings.WarningMessage] | None) -> Iterator[None]:
-    """Warnings given in the block are recorded into ``said`` (all of them, whatever the filters),
-    for ``_reemit``; with ``said`` None, the block is left alone."""
+    """Warnings given in the block are recorded into ``said`` (all of them, whatever the filters, but
+    xarray's about the fallback from consolidated metadata: ``_no_fallback_warning``), for ``_reemit``;
+    with ``said`` None, the block is left alone but for that warning."""
     if said is None:
-        yield
+        with warnings.catch_warnings():
+            _no_fallback_warning()
+            yield
         return
     with warnings.catch_warnings(record=True) as log:
         warnings.simplefilter("always")
+        _no_fallback_warning()
         try:
             yield
         finally:
@@ -510,6 +532,16 @@ def _out_of_ns_range(w: warnings.WarningMessage) -> bool:
             and "out of range" in text and "reform" not in text)
 
 
+def opened_consolidated(ds: xr.Dataset) -> bool | None:
+    """Whether ``ds`` was opened from its Zarr store's consolidated metadata (by ``open_zarr`` or
+    ``xr.open_zarr``); None where that cannot be told (another kind of open). ``open_zarr`` says
+    nothing when there is none (xarray's warning is not given): a caller that wants to say it asks."""
+    zgroup = zarr_group_of(ds)
+    if zgroup is None:
+        return None
+    return getattr(zgroup.metadata, "consolidated_metadata", None) is not None
+
+
 def _read_consolidated(ds: xr.Dataset, zstore: Any, group: str | None, consolidated: bool | None) -> bool:
     """Whether ``xr.open_zarr`` listed the arrays from consolidated metadata (a fixed order)."""
     if consolidated is False:
@@ -530,45 +562,6 @@ def _by_name(ds: xr.Dataset) -> xr.Dataset:
     out.attrs, out.encoding = dict(ds.attrs), dict(ds.encoding)
     out.set_close(closer(ds))
     return out
-
-
-def _plain_http(url: str) -> bool:
-    """An ``http(s)://`` URL read as plain HTTP (not S3 or Azure over https): no listing there."""
-    return urlsplit(url).scheme.lower() in ("http", "https") and not _signed_https(url)
-
-
-def _needs_consolidated(obs: Any, group: str | None, where: str, secrets: list[str]) -> None:
-    """Raise at once where a plain HTTP archive has no consolidated metadata: without it zarr lists
-    the directory (a ``PROPFIND`` a web server refuses, retried many times)."""
-    import obstore
-
-    prefix = f"{group.strip('/')}/" if group else ""
-
-    async def get(key: str) -> bytes | None:
-        try:
-            return bytes(await (await obstore.get_async(obs, key)).bytes_async())
-        except FileNotFoundError:
-            return None
-
-    def read(key: str) -> bytes | None:
-        return _loop.run(bounded_request(lambda: get(prefix + key), f"metadata object {prefix + key!r} at {where}"))
-
-    try:
-        v3 = read("zarr.json")
-        if v3 is not None:
-            meta = json.loads(v3)
-            if meta.get("consolidated_metadata") is not None or meta.get("node_type") == "array":
-                return  # an array is reported by the open itself
-        elif read(".zgroup") is None or read(".zmetadata") is not None:
-            return  # no group here (the open says so), or a consolidated v2 group
-    except TimeoutError:
-        raise
-    except Exception:  # noqa: BLE001 - unreadable: the open reports it, naming the key
-        return
-    raise ValueError(f"{where}: no consolidated metadata (no 'consolidated_metadata' in zarr.json, no "
-                     ".zmetadata), and plain HTTP cannot list a directory to find the arrays. Consolidate the "
-                     "metadata where the archive is written (zarr.consolidate_metadata(path), or "
-                     "ds.to_zarr(..., consolidated=True))")
 
 
 def _if_array(zstore: Any, group: str | None, where: str) -> None:

@@ -11,17 +11,22 @@ from typing import Any
 
 from xinsitu.codecs import zarr_store_get
 from xinsitu.redact import scrubbed
+from xinsitu.store_reads import retried
 
 
 class _ZarrBackend:
     """Whole objects through the zarr store's own async ``get`` (stores obstore cannot read).
 
     An fsspec store's client session (aiohttp for ``http://``, aiobotocore for s3fs) belongs to the
-    loop zarr opened it on: its ``get`` runs there, in a task of that loop (``home``)."""
+    loop zarr opened it on: its ``get`` runs there, in a task of that loop (``home``). Such a store
+    does not retry a transient fault (a 5xx, a dropped connection, a body cut short) as obstore does:
+    each ``get`` is made again after one, with backoff (``store_reads.retried``), unless the store
+    retries itself (a store ``xinsitu.open_zarr`` checked)."""
 
     def __init__(self, zstore: Any):
         self.zstore = zstore
         self._home: tuple[int, asyncio.AbstractEventLoop | None] = (os.getpid(), _home_loop(zstore))
+        self._retries = not getattr(zstore, "_xinsitu_bounded", False)
 
     @property
     def home(self) -> asyncio.AbstractEventLoop | None:
@@ -35,14 +40,18 @@ class _ZarrBackend:
         try:
             home = self.home
             if home is not None and home is not asyncio.get_running_loop():
-                return await asyncio.wrap_future(
-                    asyncio.run_coroutine_threadsafe(zarr_store_get(self.zstore, key), home))
-            return await zarr_store_get(self.zstore, key)
+                return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._get(key), home))
+            return await self._get(key)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - same message, without URL query strings
             err = scrubbed(e)
         raise err
+
+    async def _get(self, key: str) -> bytes | None:
+        if self._retries:
+            return await retried(lambda: zarr_store_get(self.zstore, key))
+        return await zarr_store_get(self.zstore, key)
 
 
 async def _running_loop() -> asyncio.AbstractEventLoop:

@@ -1,6 +1,6 @@
 """Real servers on 127.0.0.1 for remote-store tests: a static file server that can inject
 faults (503s, connection resets, truncated or short bodies, slow and stalled responses,
-fixed latency) and moto's S3 server.
+fixed latency), ``python -m http.server`` (directory index pages) and moto's S3 server.
 
 Both bind to 127.0.0.1 only, on a free port, and stop themselves: when their context
 ends, after ``max_lifetime_s`` seconds, or (file server) after ``max_requests`` requests.
@@ -14,6 +14,7 @@ separate process; it prints its URL on the first line (used by ``bench/soak.py``
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import logging
@@ -27,7 +28,7 @@ import threading
 import urllib.parse
 from collections import Counter
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,12 @@ class _State:
     missing: set = field(default_factory=set)  # paths answered 404
     queries: set = field(default_factory=set)  # query strings seen
     auth: set = field(default_factory=set)  # Authorization headers seen
+    methods: Counter = field(default_factory=Counter)  # requests per method (PROPFIND is answered 501)
+    capacity: int | None = None  # requests held at once at most (answered one at a time), or no bound
+    penalty_s: float = 1.0  # ... a request past it waits this long (then twice, 4x...) to come in again
+    held: int = 0  # requests held now (capacity)
+    turned_away: int = 0  # times a request found the server full
+    serving: threading.Lock = field(default_factory=threading.Lock)  # one answer at a time (capacity)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -128,6 +135,13 @@ class _Handler(BaseHTTPRequestHandler):
         super().setup()
         with self.st.lock:
             self.st.conns.add(self.connection)
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        if ok:
+            with self.st.lock:
+                self.st.methods[self.command] += 1
+        return ok
 
     def finish(self) -> None:
         try:
@@ -191,14 +205,39 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(msg)
 
     def _serve(self, head: bool) -> None:
-        with self.st.lock:
-            self.st.inflight += 1
-            self.st.peak = max(self.st.peak, self.st.inflight)
+        st = self.st
+        if st.capacity is not None:
+            self._admit()
+        with st.lock:
+            st.inflight += 1
+            st.peak = max(st.peak, st.inflight)
         try:
-            self._answer(head)
+            if st.capacity is None:
+                self._answer(head)
+            else:
+                with st.serving:
+                    self._answer(head)
         finally:
-            with self.st.lock:
-                self.st.inflight -= 1
+            with st.lock:
+                st.inflight -= 1
+                if st.capacity is not None:
+                    st.held -= 1
+
+    def _admit(self) -> None:
+        """Hold the request once fewer than ``capacity`` are held; till then it waits ``penalty_s``, then
+        twice that... (a connection past a full accept queue, dropped, waits for the client's SYN
+        retransmit: 1 s, 2 s, 4 s), each time counted in ``turned_away``."""
+        st = self.st
+        for tries in range(16):
+            with st.lock:
+                if st.held < st.capacity:  # type: ignore[operator]
+                    st.held += 1
+                    return
+                st.turned_away += 1
+            if st.stop.wait(st.penalty_s * 2 ** min(tries, 3)):
+                break
+        with st.lock:
+            st.held += 1  # (stopping: let it through)
 
     def _answer(self, head: bool) -> None:
         st, f = self.st, self.st.faults
@@ -323,15 +362,21 @@ class FileServer:
 
     ``overloaded=True`` serves like a plain ``http.server`` instead (HTTP/1.0, one request at a
     time, an accept backlog of 5): a store that more requests in flight only slow down.
+    ``capacity=n`` does the same by rule, whatever the timing: it holds ``n`` requests at most,
+    answers them one at a time, and a request past them waits ``penalty_s`` (then 2x, 4x...) before
+    it is let in, as a connection past a full accept queue waits for the client's SYN retransmit;
+    ``turned_away`` counts those waits.
 
     Use as a context manager (or ``start()``/``stop()``); ``url`` is the base URL,
     ``counts`` how many requests met each fault, ``requests`` how many were answered.
     """
 
     def __init__(self, root: str | os.PathLike, faults: Faults | None = None, *, max_lifetime_s: float = 300.0,
-                 max_requests: int = 200_000, overloaded: bool = False):
+                 max_requests: int = 200_000, overloaded: bool = False, capacity: int | None = None,
+                 penalty_s: float = 1.0):
         self.overloaded = overloaded
-        self.state = _State(Path(root).resolve(), faults or Faults(), threading.Event(), int(max_requests))
+        self.state = _State(Path(root).resolve(), faults or Faults(), threading.Event(), int(max_requests),
+                            capacity=capacity, penalty_s=float(penalty_s))
         self.max_lifetime_s = float(max_lifetime_s)
         self._server: _Server | None = None
         self._threads: list[threading.Thread] = []
@@ -372,6 +417,17 @@ class FileServer:
             return set(self.state.queries), set(self.state.auth)
 
     @property
+    def turned_away(self) -> int:
+        """Times a request found the server full (``capacity``) since the last ``reset_counts``."""
+        return self.state.turned_away
+
+    @property
+    def methods(self) -> Counter:
+        """Requests per method (``GET``, ``HEAD``, ``PROPFIND`` -- answered 501 ...) since the last ``reset_counts``."""
+        with self.state.lock:
+            return Counter(self.state.methods)
+
+    @property
     def missing(self) -> set[str]:
         """Paths answered ``404 Not Found``."""
         with self.state.lock:
@@ -396,6 +452,8 @@ class FileServer:
             self.state.peak = 0
             self.state.ranged = 0
             self.state.missing.clear()
+            self.state.methods.clear()
+            self.state.turned_away = 0
 
     def start(self) -> FileServer:
         srv = _OverloadedServer((HOST, 0), _OneAtATimeHandler) if self.overloaded else _Server((HOST, 0), _Handler)
@@ -435,6 +493,79 @@ class FileServer:
         self._shutdown()
 
     def __enter__(self) -> FileServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+class _IndexHandler(SimpleHTTPRequestHandler):
+    """``python -m http.server``'s handler, counting requests by method."""
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        if ok:
+            with self.server.lock:  # type: ignore[attr-defined]
+                self.server.methods[self.command] += 1  # type: ignore[attr-defined]
+        return ok
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        pass
+
+
+class _IndexServer(_QuietOnDisconnect, ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+    allow_reuse_address = True
+
+
+class IndexServer:
+    """What ``python -m http.server`` serves, on 127.0.0.1 in a thread: the files under ``root``, and an
+    index page for each directory (no WebDAV: a ``PROPFIND`` is answered ``501``). ``methods`` counts
+    the requests by method. Stops with its context, or after ``max_lifetime_s``."""
+
+    def __init__(self, root: str | os.PathLike, *, max_lifetime_s: float = 300.0):
+        self.root = str(Path(root).resolve())
+        self.max_lifetime_s = float(max_lifetime_s)
+        self._server: _IndexServer | None = None
+        self._timer: threading.Timer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None, "server not started"
+        return f"http://{HOST}:{self._server.server_address[1]}"
+
+    @property
+    def turned_away(self) -> int:
+        """Times a request found the server full (``capacity``) since the last ``reset_counts``."""
+        return self.state.turned_away
+
+    @property
+    def methods(self) -> Counter:
+        assert self._server is not None, "server not started"
+        with self._server.lock:  # type: ignore[attr-defined]
+            return Counter(self._server.methods)  # type: ignore[attr-defined]
+
+    def start(self) -> IndexServer:
+        srv = _IndexServer((HOST, 0), functools.partial(_IndexHandler, directory=self.root))
+        srv.lock, srv.methods = threading.Lock(), Counter()  # type: ignore[attr-defined]
+        self._server = srv
+        threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, name="test-indexserver",
+                         daemon=True).start()
+        self._timer = threading.Timer(self.max_lifetime_s, self.stop)
+        self._timer.daemon = True
+        self._timer.start()
+        return self
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        srv, self._server = self._server, None
+        if srv is not None:
+            srv.shutdown()
+            srv.server_close()
+
+    def __enter__(self) -> IndexServer:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

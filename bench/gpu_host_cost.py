@@ -1,0 +1,244 @@
+#!/usr/bin/env python
+"""Host-side time per chunk of the GPU decode path, without a GPU (issue "GPU decode that pays").
+
+    python bench/gpu_host_cost.py [--chunks 64] [--rounds 7] [--out FILE.json]
+
+Everything the GPU path does on the host for a chunk -- its bytes landing in page-locked staging, the
+framing stripped (and crc32c checked), packing, the batch's bookkeeping, the read path's settling and
+counters -- with the device's work replaced by no-ops: the stand-in device side (``StandInGpu``) whose
+decoder copies nothing to a device and decodes nothing (no transfer, no nvCOMP, no device-side copy into
+the destinations). The first-use check is not part of it (chains marked checked). Three stages, per
+chunk size (64 kB and the yardstick's 786 kB, float32 noise in zstd: about 1.1x), ``--chunks`` chunks a
+batch (the issue's 64-chunk batch), the median of ``--rounds``, one thread:
+
+* ``bytes``: chunks already in memory (what obstore hands over): added to a batch and flushed;
+* ``files``: chunk files read from the page cache as the local read path reads them, added, flushed
+  (``read_only``: the same files only read, as the CPU path reads them; ``files_minus_read``: the GPU
+  path's own host cost on top of the read);
+* ``read_gpu``: a whole batch through ``Reader.read_gpu`` (one decode thread: the loop, the completion
+  step, ``_finish``'s counters, the flush), from local files.
+
+It runs against whichever ``xinsitu`` is imported: with ``PYTHONPATH`` at a checkout of an older commit it
+measures that one (the code before issue 36's rework: one ``GpuBatch`` per variable, ``decode_payloads``
+per call, the bytes copied out of the read buffer in the decode thread and again into pinned memory at
+flush). Prints one line per stage and writes the JSON to ``--out`` (else ``$OUT/gpu_host_cost.json``,
+``/tmp/out`` by default). Nothing is timed-asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+SIZES = {"64kB": (16, 32, 32), "786kB": (24, 64, 128)}  # chunk shapes, float32
+
+
+def make_archive(root: str, label: str, shape: tuple[int, ...], n: int) -> str:
+    """``n`` chunks of ``shape`` along time of one float32 variable ``x``, zstd (zarr's default chain)."""
+    import xarray as xr
+    from zarr.codecs import ZstdCodec
+
+    path = os.path.join(root, f"{label}.zarr")
+    full = (shape[0] * n, *shape[1:])
+    rng = np.random.default_rng(0)
+    ds = xr.Dataset({"x": (("time", "lat", "lon"), rng.standard_normal(full).astype("f4"))})
+    ds.to_zarr(path, encoding={"x": {"chunks": shape, "compressors": [ZstdCodec(level=3)]}}, consolidated=False,
+               zarr_format=3)
+    return path
+
+
+def _array(path: str):
+    """The archive's zarr array and its chunk keys (from the store's root)."""
+    import zarr
+
+    a = zarr.open_group(path, mode="r")["x"]
+    return a, [f"x/{a.metadata.encode_chunk_key((i, 0, 0))}" for i in range(a.cdata_shape[0])]
+
+
+def new_api() -> bool:
+    from xinsitu import gpu_decode
+
+    return hasattr(gpu_decode, "PinnedRing")
+
+
+def noop_gpu():
+    """The stand-in device side with the device's work as no-ops (either version of the code)."""
+    from xinsitu import gpu_decode
+
+    if new_api():
+        class NoDeviceDecoder(gpu_decode.StandInDecoder):
+            def _run(self, host, lo, hi, calls):  # the host side of _run: no transfer, no decode
+                stream = gpu_decode.LIFETIMES.stream("stand-in", 0, gpu_decode.StandInStream)
+                for call in calls:
+                    gpu_decode._check_sizes(call)
+                    [host[o:o + n] for o, n in call.spans]
+                    [gpu_decode._bytes_of(d) for d in call.outs]
+                    if call.compressor is not None:
+                        gpu_decode.LIFETIMES.codec(stream.ptr, call.compressor, lambda: None)
+                return gpu_decode._COMPLETED, gpu_decode._COMPLETED
+
+        class NoDeviceGpu(gpu_decode.StandInGpu):
+            def _make_decoder(self):
+                return NoDeviceDecoder()
+    else:
+        class NoDeviceDecoder(gpu_decode.StandInDecoder):  # type: ignore[no-redef]
+            def decode_payloads(self, parts, dests, names):  # the host side of it: packing, counters, checks
+                with self._lock:
+                    host, spans = self.packer.pack(parts)
+                    [host[off:off + n] for off, n in spans]
+                    self.transfers += 1
+                    self.decode_calls += 1
+                c = self.chain
+                for dest, w in zip(dests, names, strict=True):
+                    if tuple(dest.shape) != c.shape or dest.dtype != c.dtype or not dest.flags.c_contiguous:
+                        raise ValueError(w)
+                    dest.reshape(-1).view(np.uint8)
+
+        class NoDeviceGpu(gpu_decode.StandInGpu):  # type: ignore[no-redef]
+            def _make_decoder(self, chain):
+                return NoDeviceDecoder(chain)
+    return NoDeviceGpu()
+
+
+def batch_of(gpu, chain, n):
+    from xinsitu import gpu_decode
+
+    if new_api():
+        return gpu_decode.GpuBatch(gpu.decoder(), n * chain.bound, gpu.asarray)
+    return gpu_decode.GpuBatch(gpu.decoder(chain), gpu.asarray)
+
+
+def add(batch, raw, chain, dest, name):
+    if new_api():
+        batch.add(raw, chain, dest, name)
+    else:
+        batch.add(raw, dest, name)
+
+
+def stage_bytes(path: str, n: int, rounds: int) -> float:
+    from xinsitu.gpu_decode import gpu_chain
+
+    a, keys = _array(path)
+    chain = gpu_chain(a)
+    raws = [open(os.path.join(path, k), "rb").read() for k in keys]
+    gpu = noop_gpu()
+    dests = [np.empty(chain.shape, chain.dtype) for _ in range(n)]
+    times = []
+    for _ in range(rounds + 1):
+        batch = batch_of(gpu, chain, n)
+        t0 = time.perf_counter()
+        for i, (raw, d) in enumerate(zip(raws, dests, strict=True)):
+            add(batch, raw, chain, d, ("x", (i, 0, 0), keys[i]))
+        batch.flush()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) / n
+
+
+def stage_read_only(path: str, n: int, rounds: int) -> float:
+    """The baseline of ``files``: the chunk files only read, as the CPU path reads them (no GPU path)."""
+    from xinsitu.backend import LocalBackend
+    from xinsitu.decode import SCRATCH
+
+    _, keys = _array(path)
+    store = LocalBackend(path, None)
+    times = []
+    for _ in range(rounds + 1):
+        t0 = time.perf_counter()
+        for k in keys[:n]:
+            store.read(k, SCRATCH)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) / n
+
+
+def stage_files(path: str, n: int, rounds: int) -> float:
+    from xinsitu.backend import LocalBackend
+    from xinsitu.decode import SCRATCH
+    from xinsitu.gpu_decode import gpu_chain
+
+    a, keys = _array(path)
+    chain = gpu_chain(a)
+    store = LocalBackend(path, None)
+    gpu = noop_gpu()
+    dests = [np.empty(chain.shape, chain.dtype) for _ in range(n)]
+    times = []
+    for _ in range(rounds + 1):
+        batch = batch_of(gpu, chain, n)
+        scratch = batch.staging if new_api() else SCRATCH  # what the read path reads a GPU chunk into
+        t0 = time.perf_counter()
+        for i, d in enumerate(dests):
+            add(batch, store.read(keys[i], scratch), chain, d, ("x", (i, 0, 0), keys[i]))
+        batch.flush()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) / n
+
+
+def stage_read_gpu(path: str, n: int, rounds: int) -> float:
+    import xinsitu
+    from xinsitu import _loop
+    from xinsitu.gpu_decode import gpu_chain
+    from xinsitu.reader import Reader
+    from xinsitu.source import resolve
+
+    src = resolve(xinsitu.open_zarr(path), ["x"])["x"]
+    chain = gpu_chain(src.array)
+    gpu = noop_gpu()
+    gpu.checked.add(chain)
+    coords = [(i, 0, 0) for i in range(n)]
+    outs = [np.empty(chain.shape, chain.dtype) for _ in range(n)]
+    reader = Reader()
+
+    async def one():
+        if new_api():
+            from xinsitu.reader import GpuRead
+
+            await reader.read_gpu([GpuRead(src, coords, outs, chain)], gpu)
+        else:
+            await reader.read_gpu(src, coords, outs, gpu, chain)
+
+    times = []
+    for _ in range(rounds + 1):
+        t0 = time.perf_counter()
+        _loop.run(one())
+        times.append(time.perf_counter() - t0)
+    assert reader.counters.chunks == n * (rounds + 1), reader.counters
+    return statistics.median(times[1:]) / n
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--chunks", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    os.environ.setdefault("XINSITU_DECODE_THREADS", "1")
+    import xinsitu
+
+    out = {"xinsitu": os.path.dirname(xinsitu.__file__), "api": "after" if new_api() else "before",
+           "chunks_per_batch": args.chunks, "us_per_chunk": {}}
+    with tempfile.TemporaryDirectory() as root:
+        for label, shape in SIZES.items():
+            path = make_archive(root, label, shape, args.chunks)
+            res = {}
+            for stage in (stage_bytes, stage_read_only, stage_files, stage_read_gpu):
+                name = stage.__name__.removeprefix("stage_")
+                res[name] = round(stage(path, args.chunks, args.rounds) * 1e6, 1)
+            res["files_minus_read"] = round(res["files"] - res["read_only"], 1)
+            out["us_per_chunk"][label] = res
+            print(f"{out['api']:6s} {label:6s} " + "  ".join(f"{k} {v:8.1f} us/chunk" for k, v in res.items()),
+                  flush=True)
+    dest = args.out or os.path.join(os.environ.get("OUT", "/tmp/out"), "gpu_host_cost.json")
+    os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
+    with open(dest, "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -519,3 +519,179 @@ def test_state_records_normalisation(tmp_path):
     assert plain.state_dict()["normalize"] is None
     with pytest.raises(ValueError, match="normalize"):
         plain.load_state_dict(state)
+
+
+# ----------------------------------------------------------------------------- parts and merge (issue 37)
+def parts_of(run, n: int, seed: int) -> list:
+    """The ``n`` parts of a job, through JSON, in a shuffled order (as they arrive from workers)."""
+    parts = [json.loads(json.dumps(run((i, n)), allow_nan=False)) for i in range(n)]
+    np.random.default_rng(seed).shuffle(parts)
+    return parts
+
+
+def same(a: dict, b: dict) -> bool:
+    """Equal to the bit (floats written exactly by json)."""
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+@pytest.mark.parametrize("case", ["gap", "random chunks", "levels", "time and lat blocks"])
+def test_parts_merge_to_the_bits_of_one_pass(era5_path, levels_path, case):
+    """Any number of parts, merged in any order, give the very bits of ``stats()`` (diffs included): the
+    sums are exact; the pairs across a part's edge are counted once (the earlier part reads a halo)."""
+    kw: dict = {"diffs": "time"}
+    if case == "levels":
+        ds = xinsitu.open_zarr(levels_path)
+        m = ds.insitu.split("time", fractions={"train": 0.6, "val": 0.4})
+        kw["stack"] = ["level"]
+    else:
+        ds = xinsitu.open_zarr(era5_path)
+        if case == "gap":
+            m = ds.insitu.split("time", fractions={"train": 0.6, "val": 0.2, "test": 0.2}, gap=1)
+        elif case == "random chunks":
+            m = ds.insitu.split("time", fractions={"train": 0.6, "val": 0.4}, contiguous=False, seed=3)
+        else:
+            m = ds.insitu.split(["time", "lat"], fractions={"train": 0.6, "val": 0.4}, contiguous=False, seed=2,
+                                block={"time": 5, "lat": 2})
+    whole = ds.insitu.stats(m, "train", **kw)
+    units = len(m.splits["train"])
+    for n in (1, 2, 3, units - 1, units + 2):
+        got = xinsitu.merge_stats(parts_of(lambda p: ds.insitu.stats_part(m, "train", part=p, **kw), n, n))
+        assert same(got, whole), n
+
+
+def diff_oracle(x: np.ndarray, inside: np.ndarray) -> np.ndarray:
+    """numpy float64 one-step differences along axis 0 of ``x``, for pairs whose two positions are inside the
+    split (``inside``: bool, broadcast like ``x``), NaNs left out."""
+    both = inside[:-1] & inside[1:]
+    d = (x[1:].astype(np.float64) - x[:-1].astype(np.float64))[np.broadcast_to(both, x[1:].shape)]
+    return d[~np.isnan(d)]
+
+
+@pytest.mark.parametrize("case", ["gap", "random chunks", "blocks inside chunks", "time and lat blocks"])
+def test_diffs_match_numpy(era5_path, case):
+    """``diffs="time"``: mean and std of x[t+1] - x[t] over the pairs both in the split -- never across a
+    gap, another split's chunks or blocks -- pairs across chunk and block edges inside a run included."""
+    ds = xinsitu.open_zarr(era5_path)
+    m = {"gap": lambda: ds.insitu.split("time", fractions={"val": 0.2, "train": 0.6, "test": 0.2}, gap=1),
+         "random chunks": lambda: ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5}, contiguous=False,
+                                                  seed=4),
+         "blocks inside chunks": lambda: ds.insitu.split("time", fractions={"train": 0.7, "val": 0.3},
+                                                         contiguous=False, seed=1, block={"time": 3}),
+         "time and lat blocks": lambda: ds.insitu.split(["time", "lat"], fractions={"train": 0.6, "val": 0.4},
+                                                        contiguous=False, seed=2, block={"time": 5, "lat": 2}),
+         }[case]()
+    st = ds.insitu.stats(m, "train", diffs="time", variables=["t2m", "tp", "z500", "lsm"])
+    inside = split_positions(m, "train")  # over m.dims
+    if inside.ndim == 2:  # (time, lat): broadcast over lon
+        inside = inside[:, :, None]
+    else:
+        inside = inside[:, None, None]
+    runs = np.flatnonzero(np.diff(inside[:, 0, 0].astype(int)))
+    assert len(runs) >= 2 or case == "time and lat blocks"  # the split has edges inside the archive
+    for v in ("t2m", "tp", "z500"):
+        d = diff_oracle(ds[v].values, inside)
+        e = st[v]
+        assert e["diff_count"] == d.size and e["diff_dim"] == "time"
+        np.testing.assert_allclose([e["diff_mean"], e["diff_std"]], [d.mean(), d.std()], rtol=RTOL, atol=1e-12)
+    assert st["lsm"]["diff_mean"] is None and st["lsm"]["diff_count"] == 0  # no time dim: no differences
+    assert "diff_mean" not in ds.insitu.stats(m, "train")["t2m"]
+
+
+def test_diffs_per_level_channel(levels_path):
+    ds = xinsitu.open_zarr(levels_path)
+    m = ds.insitu.split("time", fractions={"train": 0.6, "val": 0.4})
+    st = ds.insitu.stats(m, "train", stack=["level"], diffs="time")
+    inside = split_positions(m, "train")
+    z = ds["z"].values
+    for k in range(len(LEVELS)):
+        d = diff_oracle(z[:, k], inside[:, None, None])
+        np.testing.assert_allclose([st["z"]["diff_mean"][k], st["z"]["diff_std"][k]], [d.mean(), d.std()], rtol=RTOL)
+        assert st["z"]["diff_count"][k] == d.size
+    assert st["z"]["channels"] == ["z_500", "z_850"] and isinstance(st["t2m"]["diff_std"], float)
+    json.dumps(st, allow_nan=False)
+
+
+def test_bad_parts_and_diffs_arguments(era5_path):
+    ds = xinsitu.open_zarr(era5_path)
+    m = ds.insitu.split("time", fractions={"train": 0.8, "val": 0.2})
+    with pytest.raises(ValueError, match="diffs='lat'"):
+        ds.insitu.stats(m, "train", diffs="lat")
+    with pytest.raises(TypeError, match="diffs"):
+        ds.insitu.stats(m, "train", diffs=["time"])
+    for part, error in (((3, 3), ValueError), ((0, 0), ValueError), ("0/3", TypeError), ((0.0, 2), TypeError),
+                        ((True, 2), TypeError)):
+        with pytest.raises(error, match="part"):
+            ds.insitu.stats_part(m, "train", part=part)
+    with pytest.raises(TypeError, match="part"):
+        ds.insitu.stats_part(m, "train")  # part= is required
+
+
+def test_merge_refuses_other_jobs_and_missing_parts(era5_path):
+    ds = xinsitu.open_zarr(era5_path)
+    m = ds.insitu.split("time", fractions={"train": 0.8, "val": 0.2})
+    parts = [ds.insitu.stats_part(m, "train", part=(i, 3)) for i in range(3)]
+    xinsitu.merge_stats(json.dumps(p) for p in parts)  # JSON text is read too
+    with pytest.raises(ValueError, match=r"part\(s\) \[1\] missing"):
+        xinsitu.merge_stats([parts[0], parts[2]])
+    with pytest.raises(ValueError, match=r"part\(s\) \[2\] given twice"):
+        xinsitu.merge_stats([*parts, parts[2]])
+    for other in (ds.insitu.stats_part(m, "val", part=(1, 3)),
+                  ds.insitu.stats_part(m, "train", part=(1, 3), diffs="time"),
+                  ds.insitu.stats_part(m, "train", part=(1, 3), variables=["t2m"])):
+        with pytest.raises(ValueError, match="different jobs"):
+            xinsitu.merge_stats([parts[0], other, parts[2]])
+    with pytest.raises(ValueError, match="different numbers of shares"):
+        xinsitu.merge_stats([*parts, ds.insitu.stats_part(m, "train", part=(0, 2))])
+    bad = json.loads(json.dumps(parts[1]))
+    bad["stats"]["t2m"][0]["s1"] = "zz"  # a damaged sum
+    with pytest.raises(ValueError, match="part 1"):
+        xinsitu.merge_stats([parts[0], bad, parts[2]])
+    bad = json.loads(json.dumps(parts[1]))
+    bad["job"]["split"] = "val"
+    with pytest.raises(ValueError, match="edited or damaged"):
+        xinsitu.merge_stats([bad])
+    with pytest.raises(ValueError, match="no parts"):
+        xinsitu.merge_stats([])
+    with pytest.raises(ValueError, match="stats_part"):
+        xinsitu.merge_stats([{"xinsitu": "validity_part"}])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 300), st.data(), st.sampled_from(["float32", "float64", "int16"]),
+       st.floats(-1e5, 1e5), st.floats(1e-3, 1e3), st.floats(0, 0.5))
+def test_merge_any_cut_any_order(size, data, dtype, loc, scale, nan_frac):
+    """Values cut into pieces anyhow, pieces dealt into parts anyhow, parts merged in any order (through
+    JSON): the same bits as all pieces added in one pass; min, max and NaN counts exactly numpy's."""
+    from xinsitu.batches.stats import ChannelSums
+
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    x = loc + scale * rng.standard_normal(size)
+    if dtype != "int16":
+        x[rng.random(size) < nan_frac] = np.nan
+        if data.draw(st.booleans()):  # zeros of both signs as extremes: of pieces' -0.0 and 0.0, min takes -0.0
+            x = np.abs(x) * (1 if rng.random() < .5 else -1)
+            x[rng.integers(0, size, 2)] = [0.0, -0.0] if rng.random() < .5 else [-0.0, 0.0]
+    x = x.astype(dtype) if dtype != "int16" else np.clip(x, -3e4, 3e4).astype(dtype)
+    cuts = sorted(data.draw(st.lists(st.integers(0, size), max_size=12)))
+    pieces = [chunk_moments(p) for p in np.split(x, cuts)]
+    owner = data.draw(st.lists(st.integers(0, 5), min_size=len(pieces), max_size=len(pieces)))
+    one = ChannelSums()
+    for p in pieces:
+        one.add(*p)
+    parts = {k: ChannelSums() for k in set(owner)}
+    for k, p in zip(owner, pieces, strict=True):
+        parts[k].add(*p)
+    order = data.draw(st.permutations(sorted(parts)))
+    merged = ChannelSums()
+    for k in order:
+        merged.merge(ChannelSums.from_json(json.loads(json.dumps(parts[k].to_json(), allow_nan=False)), "part"))
+    assert merged.to_json() == one.to_json()
+    got = merged.result()
+    assert repr(got) == repr(one.result())  # -0.0 and 0.0 told apart
+    v = x.astype(np.float64)
+    v = v[~np.isnan(v)]
+    assert merged.nan_count == size - v.size and merged.count == v.size
+    if v.size:
+        assert (got[2], got[3]) == (v.min(), v.max())
+        assert got[0] == pytest.approx(v.mean(), rel=1e-12, abs=1e-12 * scale)
+        assert got[1] == pytest.approx(v.std(), rel=1e-6, abs=1e-9 * scale)

@@ -4,6 +4,7 @@ ranks, resumable, elastic)."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -333,7 +334,49 @@ def test_pass_in_many_batches(ds: xr.Dataset, m: xinsitu.SplitManifest, monkeypa
     ds.insitu.validity(m, "train", variables=["x"], **kw)
     whole = decode_mask(m.validity["train"])
     monkeypatch.setattr(validity, "PASS_BYTES", 3 * 2 * NLON * 4)  # three samples per batch of the pass
-    assert validity._pass_batch(ds, m, "train", variables=["x"], **kw) == 3
+    assert validity._pass_batch(sampling(ds, m, "train", variables=["x"], **kw)) == 3
     ds.insitu.validity(m, "train", variables=["x"], **kw)
     assert np.array_equal(decode_mask(m.validity["train"]), whole)
     assert np.array_equal(whole, oracle_mask(ds, m, "train", ["x"], **kw))
+
+
+# ----------------------------------------------------------------------------- parts (issue 37)
+@pytest.mark.parametrize("kw", [*SAMPLINGS[1:], {"where": "fn"}])
+def test_parts_merge_to_the_mask_of_one_pass(ds: xr.Dataset, m: xinsitu.SplitManifest, kw: dict) -> None:
+    """``validity_part`` in any number of shares, merged in any order (through JSON), gives what
+    ``validity()`` gives, and stores the same mask in the manifest."""
+    kw = dict(kw)
+    if kw.pop("where", None):
+        kw["where"] = lambda b: (b["x"].isnull().sum(["lat", "lon"]) <= 6).values
+    whole = ds.insitu.validity(m, "train", variables=["x"], **kw)
+    assert m.validity["train"] == whole["record"] and 0 < whole["valid"] < whole["total"]
+    units = len(m.splits["train"])
+    for n in (1, 2, 5, units + 3):
+        parts = [json.loads(json.dumps(ds.insitu.validity_part(m, "train", variables=["x"], part=(i, n), **kw)))
+                 for i in range(n)]
+        np.random.default_rng(n).shuffle(parts)
+        other = copy.deepcopy(m)
+        other.set_validity("train", None)
+        assert xinsitu.merge_validity(parts, other) == whole
+        assert other.validity["train"] == whole["record"]
+
+
+def test_merge_validity_refuses(ds: xr.Dataset, m: xinsitu.SplitManifest) -> None:
+    parts = [ds.insitu.validity_part(m, "train", variables=["x"], part=(i, 3)) for i in range(3)]
+    with pytest.raises(ValueError, match=r"part\(s\) \[0\] missing"):
+        xinsitu.merge_validity(parts[1:])
+    with pytest.raises(ValueError, match="different jobs"):
+        xinsitu.merge_validity([parts[0], ds.insitu.validity_part(m, "train", variables=["y"], part=(1, 3)), parts[2]])
+    with pytest.raises(ValueError, match="different jobs"):
+        xinsitu.merge_validity([parts[0], ds.insitu.validity_part(m, "train", variables=["x"], part=(1, 3),
+                                                                  window={"time": 2}), parts[2]])
+    with pytest.raises(ValueError, match="another manifest"):
+        xinsitu.merge_validity(parts, ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5}))
+    bad = json.loads(json.dumps(parts[1]))
+    bad["mask"]["bitmap"] = bad["mask"]["bitmap"][:-4] + "AAAA"
+    with pytest.raises(ValueError, match="part 1"):
+        xinsitu.merge_validity([parts[0], bad, parts[2]])
+    with pytest.raises(TypeError, match="part"):
+        ds.insitu.validity_part(m, "train", part=[0, 1, 2])
+    with pytest.raises(ValueError, match="stats_part"):
+        xinsitu.merge_stats(parts)

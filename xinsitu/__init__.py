@@ -6,6 +6,8 @@
 from xinsitu import accessor as _accessor  # noqa: F401  (registers ds.insitu)
 from xinsitu.batches.generator import BatchGenerator
 from xinsitu.batches.mapstyle import InsituDataset
+from xinsitu.batches.stats import merge_stats
+from xinsitu.batches.validity import merge_validity
 from xinsitu.cache.chunk_cache import ChunkCache
 from xinsitu.index.geometry import Geometry, VarGeometry
 from xinsitu.index.manifest import SplitManifest
@@ -15,7 +17,7 @@ from xinsitu.stores.opening import open_zarr
 
 __version__ = "0.1.0"
 __all__ = ["BatchGenerator", "ChunkCache", "ChunkReadError", "Geometry", "InsituDataset", "SourceError",
-           "SplitManifest", "VarGeometry", "open_zarr", "__version__"]
+           "SplitManifest", "VarGeometry", "merge_stats", "merge_validity", "open_zarr", "__version__"]
 
 
 def __getattr__(name: str) -> object:

@@ -17,6 +17,8 @@ from xinsitu.index.manifest import SplitManifest
 from xinsitu.index.split import make_split
 
 if TYPE_CHECKING:
+    from distributed import Client
+
     from xinsitu.batches.mapstyle import InsituDataset
 
 
@@ -226,7 +228,8 @@ class InsituAccessor:
     def stats(self, manifest: SplitManifest, split: str = "train", *, variables: str | list[str] | None = None,
               block_chunks: int = 16, max_inflight: int | None = None,
               cache: bool | str | os.PathLike[str] | ChunkCache | None = None,
-              stack: list[str] | None = None) -> dict[str, Any]:
+              stack: list[str] | None = None, diffs: str | None = None, client: Client | None = None,
+              progress: bool = False) -> dict[str, Any]:
         """Normalisation statistics of ``split``, from one streaming pass over its chunks.
 
         Per channel (as ``gen.channels`` names them for the same variables): mean, std (ddof=0),
@@ -237,36 +240,99 @@ class InsituAccessor:
 
         Parameters
         ----------
-        manifest : a ``SplitManifest`` from ``ds.insitu.split``.
-        split : the split to reduce (default ``"train"``).
-        variables : variables to reduce (default: the data variables on the split dims, as for batches).
-        block_chunks : units (chunk blocks) read ahead: at least 3 × ``block_chunks``.
-        max_inflight : chunk reads in flight at once.
-        cache : as for :meth:`batches`; pass the ``ChunkCache`` the training epochs use, and this
-            pass fills it.
+        manifest : SplitManifest
+            From :meth:`split`.
+        split : str, default "train"
+            The split to reduce.
+        variables : str or list of str, optional
+            Variables to reduce (default: the data variables on the split dims, as for batches).
+        block_chunks : int, default 16
+            Units (chunk blocks) read ahead: at least 3 × ``block_chunks``.
+        max_inflight : int, optional
+            Chunk reads in flight at once.
+        cache : bool, str, os.PathLike or ChunkCache, optional
+            As for :meth:`batches`; pass the ``ChunkCache`` the training epochs use, and this pass fills
+            it (not with ``client``: the chunks are read on the workers).
         stack : list of str, optional
             Dims to make channels of, as ``stack=["level"]`` of :meth:`batches`: statistics per
             label (per-level mean/std, a list in label order) rather than pooled over the dim; a
             variable lacking the dim (a surface field) keeps one number per key.
+        diffs : str, optional
+            A split dim, e.g. ``"time"``: also ``diff_mean``, ``diff_std`` and ``diff_count`` per channel,
+            of the one-step differences ``x[t + 1] - x[t]`` along it (what models that predict tendencies
+            normalise their outputs by), over pairs of positions both in the split: never across a gap
+            or another split's blocks.
+        client : distributed.Client, optional
+            Read the split on a Dask cluster: its chunk blocks are dealt into tasks, each worker opens the
+            archive itself (from the path, URL and store options, Icechunk session or virtual references the
+            Dataset was opened from; a Dataset held in memory is refused, ``ValueError``), and the tasks'
+            partial results are merged here: the same result as without ``client``, bit for bit, whatever
+            the number of workers. A chunk that cannot be read raises ``ChunkReadError`` here.
+        progress : bool, default False
+            Show a tqdm bar (units read; with ``client``, tasks done).
 
         Returns
         -------
         dict
             ``{"split": ..., "channels": [...], "variables": [...], var: {"mean", "std", "min", "max",
             "nan_count", "count", ...}}``; see ``xinsitu.batches.stats.compute_stats``.
+
+        See Also
+        --------
+        stats_part, xinsitu.merge_stats : the same pass in parts, for any engine (a Slurm job array).
         """
         from xinsitu.batches.stats import compute_stats
 
         st = compute_stats(self._ds, manifest, split, self._variables(manifest, variables),
-                           block_chunks=block_chunks, max_inflight=max_inflight, cache=cache, stack=stack)
+                           block_chunks=block_chunks, max_inflight=max_inflight, cache=cache, stack=stack,
+                           diffs=diffs, client=client, progress=progress)
         manifest.set_stats(st)
         return st
+
+    def stats_part(self, manifest: SplitManifest, split: str = "train", *, part: tuple[int, int],
+                   variables: str | list[str] | None = None, block_chunks: int = 16, max_inflight: int | None = None,
+                   cache: bool | str | os.PathLike[str] | ChunkCache | None = None,
+                   stack: list[str] | None = None, diffs: str | None = None, progress: bool = False) -> dict[str, Any]:
+        """Share ``i`` of ``n`` of :meth:`stats`: a small JSON-able partial result; ``xinsitu.merge_stats``
+        merges the ``n`` parts, in any order, into what :meth:`stats` gives.
+
+        For an engine of your own: a Slurm job array (task ``i`` of ``n`` writes
+        ``json.dumps(ds.insitu.stats_part(m, "train", part=(i, n)))``, one last job merges), Beam, a loop.
+        Share ``i`` is units (chunk blocks) ``i*U//n`` to ``(i+1)*U//n - 1`` of the split's ``U``, in split
+        order. A part names its job (split, manifest, variables, channels, ``stack``, ``diffs``): parts of
+        different jobs, a missing or a repeated part are refused by the merge.
+
+        Parameters
+        ----------
+        manifest : SplitManifest
+            From :meth:`split`.
+        split : str, default "train"
+            The split to reduce.
+        part : tuple of int
+            ``(i, n)``: share ``i`` of ``n`` (``0 <= i < n``).
+        variables, block_chunks, max_inflight, cache, stack, diffs
+            As for :meth:`stats` (the same in every part).
+        progress : bool, default False
+            Show a tqdm bar of this part's units.
+
+        Returns
+        -------
+        dict
+            ``{"xinsitu": "stats_part", "job_id", "job", "part": [i, n], "units": [a, b], "stats": ...}``:
+            exact sums per channel, plain JSON (no NaN or infinity).
+        """
+        from xinsitu.batches.stats import stats_part
+
+        return stats_part(self._ds, manifest, split, self._variables(manifest, variables), part=part,
+                          block_chunks=block_chunks, max_inflight=max_inflight, cache=cache, stack=stack,
+                          diffs=diffs, progress=progress)
 
     def validity(self, manifest: SplitManifest, split: str, where: str | Callable[[xr.Dataset], Any] = "finite",
                  variables: str | list[str] | None = None, *, window: dict[str, int] | None = None,
                  patch: dict[str, int] | None = None, stride: dict[str, int] | None = None,
                  over: str | list[str] | None = None, block_chunks: int = 16, max_inflight: int | None = None,
-                 cache: bool | str | os.PathLike[str] | ChunkCache | None = None) -> dict[str, Any]:
+                 cache: bool | str | os.PathLike[str] | ChunkCache | None = None, client: Client | None = None,
+                 progress: bool = False) -> dict[str, Any]:
         """Mark which samples of ``split`` are valid, from one streaming pass; batches then draw only those.
 
         The samples are read once, unshuffled, through the batches' own reader (each chunk once,
@@ -287,24 +353,73 @@ class InsituAccessor:
             ``"finite"``: a sample is valid when no value of the chosen variables in it (every
             position of its window/patch and other dims) is NaN or infinite. A callable gets a batch
             of samples (an ``xr.Dataset`` with a ``sample`` dim, as ``output="xarray"`` gives) and
-            returns one bool per sample.
+            returns one bool per sample (with ``client``, it must pickle: cloudpickle sends it).
         variables : str or list of str, optional
             Variables tested (default: the data variables on the split dims). Batches may read others.
         window, patch, stride, over : optional
             The sampling, as for :meth:`batches`.
         block_chunks, max_inflight, cache : optional
-            As for :meth:`batches`.
+            As for :meth:`batches` (not ``cache`` with ``client``).
+        client : distributed.Client, optional
+            Test the split on a Dask cluster, as :meth:`stats` reads it: the same mask as without.
+        progress : bool, default False
+            Show a tqdm bar.
 
         Returns
         -------
         dict
-            ``{"split", "valid", "total", "where", "sampling"}``: how many samples are valid of how many.
+            ``{"split", "valid", "total", "where", "sampling", "record"}``: how many samples are valid of how
+            many, and the mask record now in ``manifest.validity[split]``.
+
+        See Also
+        --------
+        validity_part, xinsitu.merge_validity : the same pass in parts, for any engine.
         """
         from xinsitu.batches.validity import compute_validity
 
         return compute_validity(self._ds, manifest, split, where, self._variables(manifest, variables),
                                 window=window, patch=patch, stride=stride, over=over, block_chunks=block_chunks,
-                                max_inflight=max_inflight, cache=cache)
+                                max_inflight=max_inflight, cache=cache, client=client, progress=progress)
+
+    def validity_part(self, manifest: SplitManifest, split: str, where: str | Callable[[xr.Dataset], Any] = "finite",
+                      variables: str | list[str] | None = None, *, part: tuple[int, int],
+                      window: dict[str, int] | None = None, patch: dict[str, int] | None = None,
+                      stride: dict[str, int] | None = None, over: str | list[str] | None = None,
+                      block_chunks: int = 16, max_inflight: int | None = None,
+                      cache: bool | str | os.PathLike[str] | ChunkCache | None = None,
+                      progress: bool = False) -> dict[str, Any]:
+        """Share ``i`` of ``n`` of :meth:`validity`: the bitmap of the samples of units ``i*U//n`` to
+        ``(i+1)*U//n - 1`` of the split's ``U``; ``xinsitu.merge_validity(parts, manifest)`` puts the ``n``
+        parts together (in any order) and stores the mask in the manifest, as :meth:`validity` does.
+
+        Parameters
+        ----------
+        manifest : SplitManifest
+            From :meth:`split` (not changed here).
+        split : str
+            The split whose samples are tested.
+        where : "finite" or callable, default "finite"
+            As for :meth:`validity`.
+        variables : str or list of str, optional
+            As for :meth:`validity`.
+        part : tuple of int
+            ``(i, n)``: share ``i`` of ``n`` (``0 <= i < n``).
+        window, patch, stride, over, block_chunks, max_inflight, cache : optional
+            As for :meth:`validity` (the same in every part).
+        progress : bool, default False
+            Show a tqdm bar of this part's samples.
+
+        Returns
+        -------
+        dict
+            ``{"xinsitu": "validity_part", "job_id", "job", "part": [i, n], "samples": [a, b], "mask": ...}``,
+            plain JSON.
+        """
+        from xinsitu.batches.validity import validity_part
+
+        return validity_part(self._ds, manifest, split, where, self._variables(manifest, variables), part=part,
+                             window=window, patch=patch, stride=stride, over=over, block_chunks=block_chunks,
+                             max_inflight=max_inflight, cache=cache, progress=progress)
 
     def dataset(self, manifest: SplitManifest, split: str, *, window: dict[str, int] | None = None,
                 patch: dict[str, int] | None = None, stride: dict[str, int] | None = None,

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Set up and run xinsitu on a fresh machine (only Python >= 3.11 and pip needed).
 #   bash dev.sh demo [ARCHIVE]   set up, then train a tiny model from ARCHIVE (a synthetic one if none)
-#   bash dev.sh test [ARGS...]   set up, then run the whole test suite twice (pytest ARGS): Python 3.11 with torch,
-#                                and Python 3.12 with the newest zarr/numpy/xarray, without torch; both must pass
+#   bash dev.sh test [ARGS...]   set up, then run everything twice (pytest ARGS): Python 3.11 with torch, and
+#                                Python 3.12 with the newest zarr/numpy/xarray, without torch; both must pass. Each
+#                                leg: the library's tests, then ruff (3.11), then the tools step (mypy, the docs
+#                                build, the notebook, the benchmarks' smoke: tests marked `tools`)
+#   bash dev.sh test --fast [ARGS...]  the library's tests on 3.11 only, without `slow` and `tools` (minutes)
 #   bash dev.sh bench [ARGS...]  set up (with benchmark extras), then run bench/run.py
 # PYTHON (python3) makes .venv; PYTHON312 (python3.12, else pyenv's 3.12.1) makes .venv-py312 for the second leg.
 set -euo pipefail
@@ -69,14 +72,23 @@ case "$cmd" in
     ;;
   test)
     setup "$VENV" "$PY" "torch,dev,bench"
+    if [ "${1:-}" = "--fast" ]; then
+      shift
+      leg "fast: python3.11 + torch, without slow and tools tests" -m "not slow and not tools" "$@"
+      exit
+    fi
     rc1=0
-    leg "python3.11 + torch" "$@" || rc1=$?
+    leg "python3.11 + torch" -m "not tools" "$@" || rc1=$?
+    echo "==== ruff"
+    python -m ruff check xinsitu tests bench examples || rc1=$?
+    leg "python3.11: tools (mypy, docs build, notebook, bench smoke)" -m tools "$@" || rc1=$?
     deactivate
     rc2=0
     py312="$(python312)"
     if [ -n "$py312" ]; then
       setup "$VENV312" "$py312" "dev,bench" eager
-      leg "python3.12, newest deps, no torch" "$@" || rc2=$?
+      leg "python3.12, newest deps, no torch" -m "not tools" "$@" || rc2=$?
+      leg "python3.12: tools" -m tools "$@" || rc2=$?
     else
       echo "no Python 3.12 found (set PYTHON312): the second leg cannot run: failing" >&2
       rc2=1
@@ -89,7 +101,7 @@ case "$cmd" in
     exec python bench/run.py "$@"
     ;;
   *)
-    sed -n '2,7p' "$0" >&2
+    sed -n '2,10p' "$0" >&2
     exit 2
     ;;
 esac

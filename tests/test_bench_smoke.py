@@ -12,7 +12,7 @@ for mod in ("matplotlib", "aiohttp", "psutil", "torch"):
     pytest.importorskip(mod)
 
 
-@pytest.mark.slow
+@pytest.mark.tools
 def test_bench_run_smoke(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, str(ROOT / "bench" / "run.py"), "--sections", "peers,wait,memory",
@@ -40,7 +40,7 @@ def test_bench_run_smoke(tmp_path):
         assert (out / name).stat().st_size > 0
 
 
-@pytest.mark.slow
+@pytest.mark.tools
 def test_wm_shapes_smoke(tmp_path):
     """bench/wm_shapes.py (the weather-model shape) runs end to end on a tiny grid: every peer reports a
     rate, and the RSS run reports its peak against the batch's bytes."""

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 
 
+@pytest.mark.tools
 def test_docs_build_strict(tmp_path: Path) -> None:
     pytest.importorskip("mkdocs", reason="mkdocs is needed to build the docs")
     pytest.importorskip("mkdocstrings", reason="mkdocstrings is needed for the API reference")

@@ -1,7 +1,8 @@
 """The package's layout, read from the source: the folders are the layers.
 
 ``xinsitu/<folder>/`` holds the modules of one layer (``FOLDERS``); the surface -- the accessor, the
-command line, the public faces ``xinsitu.virtual`` and ``xinsitu.synthetic`` -- sits at the top. A
+command line, the public faces ``xinsitu.virtual`` and ``xinsitu.synthetic`` and the documented paths
+``xinsitu.grib``, ``xinsitu.torch``, ``xinsitu.dataset``, ``xinsitu.plot`` (re-exports) -- sits at the top. A
 module imports only from its own layer or below. Imports inside functions count (a lazy import is still
 a dependency); imports under ``if TYPE_CHECKING:`` (annotations only) do not make a runtime cycle, but
 they may not tie more than ``MAX_ANNOTATION_CIRCLE`` files into a circle either. A name with a leading
@@ -28,7 +29,9 @@ FOLDERS = {
     "formats": 4,  # files read in place: virtual references, GRIB, NetCDF-3
 }
 #: modules at the top of the package: the surface
-TOP = {"__init__": 4, "__main__": 4, "accessor": 4, "cli": 4, "virtual": 4, "synthetic": 4}
+TOP = {"__init__": 4, "__main__": 4, "accessor": 4, "cli": 4, "virtual": 4, "synthetic": 4,
+       # the public faces of documented paths (``from xinsitu.grib import write_grib``): re-exports only
+       "grib": 4, "torch": 4, "dataset": 4, "plot": 4}
 #: files an annotation-only circle may tie together at most
 MAX_ANNOTATION_CIRCLE = 3
 

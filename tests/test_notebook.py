@@ -42,6 +42,7 @@ def test_notebook_is_committed_without_outputs() -> None:
         assert not c.get("outputs") and c.get("execution_count") is None, f"cell with outputs: {c.source[:60]!r}"
 
 
+@pytest.mark.tools
 def test_notebook_runs(kernel_name: str, tmp_path: Path) -> None:
     nb = nbformat.read(NOTEBOOK, as_version=4)
     # proves which interpreter ran it

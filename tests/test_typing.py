@@ -17,6 +17,7 @@ def test_py_typed_ships() -> None:
     assert "py.typed" in (ROOT / "pyproject.toml").read_text()
 
 
+@pytest.mark.tools
 def test_mypy_is_clean(tmp_path: Path) -> None:
     pytest.importorskip("mypy", reason="mypy is in the dev extra")
     probe = tmp_path / "probe.py"

@@ -16,7 +16,7 @@ batch (the issue's 64-chunk batch), the median of ``--rounds``, one thread:
   (``read_only``: the same files only read, as the CPU path reads them; ``files_minus_read``: the GPU
   path's own host cost on top of the read);
 * ``read_gpu``: a whole batch through ``Reader.read_gpu`` (one decode thread: the loop, the completion
-  step, ``_finish``'s counters, the flush), from local files.
+  step, ``Reader.settle``'s counters, the flush), from local files.
 
 It runs against whichever ``xinsitu`` is imported: with ``PYTHONPATH`` at a checkout of an older commit it
 measures that one (the code before issue 36's rework: one ``GpuBatch`` per variable, ``decode_payloads``

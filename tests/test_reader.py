@@ -82,7 +82,7 @@ def test_missing_chunk_reads_fill_value(tmp_path):
 def test_one_completion_step_takes_any_destination(path):
     """``decode.place`` lands a chunk's bytes in any destination with ``decode``/``fill`` (the seam a
     device buffer plugs into) and says how: decoded with its byte count, or missing and filled. The
-    values equal xarray's for that chunk; ``Reader._finish`` counts it and applies ``missing=``."""
+    values equal xarray's for that chunk; ``Reader.settle`` counts it and applies ``missing=``."""
     from pathlib import Path
 
     from xinsitu.codecs.cpu import ChunkDecoder
@@ -114,11 +114,11 @@ def test_one_completion_step_takes_any_destination(path):
 
     r = Reader()
     route = Route(src, dec, r._store(src))
-    r._finish(route, (1, 1, 0), got)
-    r._finish(route, (0, 0, 0), place(dec, None, Recorded()))
+    r.settle(route, (1, 1, 0), got)
+    r.settle(route, (0, 0, 0), place(dec, None, Recorded()))
     assert (r.counters.chunks, r.counters.bytes_read, r.counters.missing) == (2, len(raw), 1)
     assert r.last_missing == ("a", (0, 0, 0), "a/" + dec.key((0, 0, 0)))
     r.on_missing = "raise"
     with pytest.raises(ChunkReadError, match="missing='raise'") as err:
-        r._finish(route, (0, 0, 0), place(dec, None, Recorded()))
+        r.settle(route, (0, 0, 0), place(dec, None, Recorded()))
     assert err.value.var == "a" and err.value.chunk == (0, 0, 0)

@@ -12,7 +12,7 @@ import numpy as np
 
 from xinsitu.cache.chunk_cache import ChunkCache, ChunkKey
 from xinsitu.index.regions import Target
-from xinsitu.io.place import Pieces
+from xinsitu.io.place import SETTLED_DISK_HIT, SETTLED_HIT, Pieces
 from xinsitu.io.place import plain as _plain
 from xinsitu.io.place import put_hits as _put_hits
 
@@ -69,7 +69,11 @@ async def serve_cached(reader: Reader, src: VarSource, targets: dict[tuple[int, 
             _put_hits(hits)
         else:
             await loop.run_in_executor(None, _put_hits, hits)
-    reader._count_hits(len(hits) + n_disk, n_disk, dec.nbytes)
+    route = reader.route(src)
+    if hits:
+        reader.settle(route, None, SETTLED_HIT, n=len(hits))
+    if n_disk:
+        reader.settle(route, None, SETTLED_DISK_HIT, n=n_disk)
     reader.counters.cache_misses += len(rest)
     return rest
 
@@ -94,9 +98,10 @@ async def take_cached(reader: Reader, src: VarSource, coords: list[tuple[int, ..
     held = [i for i, p in enumerate(places) if p is not None]
     if not held:
         return everything, None
-    dec = reader._decoder(src)
+    route = reader.route(src)
+    dec = route.dec
     n = len(held)
-    reader._count_hits(n, 0, dec.nbytes)
+    reader.settle(route, None, SETTLED_HIT, n=n)
     buffer = isinstance(out, np.ndarray)
     if n == len(coords) and buffer:
         slab = places[0][0]  # type: ignore[index]
@@ -125,12 +130,12 @@ async def take_cached(reader: Reader, src: VarSource, coords: list[tuple[int, ..
 
 
 def _keys(reader: Reader, src: VarSource) -> ChunkKey | None:
-    """The cache keys of ``src``'s chunks (``Reader._chunk_keys``); None without a cache, or where its store
+    """The cache keys of ``src``'s chunks (``Reader.chunk_keys``); None without a cache, or where its store
     has no lasting identity: then the cache says once that it keeps nothing of it (``ChunkCache.notes``)."""
     cache = reader.cache
     if cache is None:
         return None
-    keys = reader._chunk_keys(src)
+    keys = reader.chunk_keys(src)
     if keys is None:
         aa = getattr(src.array, "async_array", src.array)
         store = aa.store_path.store if hasattr(aa, "store_path") else getattr(src.array, "store", None)

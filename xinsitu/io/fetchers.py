@@ -1,5 +1,5 @@
 """Producers of chunk bytes for the reader's one completion step (``decode.place``, then
-``Reader._finish``): local files read in the decode threads (``read_local``), whole objects fetched by
+``Reader.settle``): local files read in the decode threads (``read_local``), whole objects fetched by
 callbacks with no task per chunk (``WholeFetches``), inner chunks of shards by byte ranges
 (``Shards``). Anything that fails there is fetched again the long way (``Reader._fetch``: one task,
 bounded in time, its failure named).
@@ -105,7 +105,7 @@ class WholeFetches:
 
     One coroutine (``run``) takes a slot of the in-flight limit for each chunk in turn and starts its
     request; the request's end hands the bytes to the decode threads (``TurnBatch``: ``place``), and
-    the placing's end to ``Reader._finish``, which gives the slot back. Each request is bounded in
+    the placing's end to ``Reader.settle``, which gives the slot back. Each request is bounded in
     time by the loop's ``Deadlines``. Anything but bytes that decode -- an error, no answer in time,
     bytes that fail to decode -- sends the chunk the long way (``Reader._fetch``: fetched again,
     bounded, its failure named) in a task of its own, counting the fetch made here; an error obstore
@@ -202,7 +202,7 @@ class WholeFetches:
                 self._fail(ChunkReadError(self.route.src.name, coords, self.route.path(coords), err))  # type: ignore[arg-type]
             return
         try:
-            self.reader._finish(self.route, coords, job.result(), slot)
+            self.reader.settle(self.route, coords, job.result(), slot)
         except Exception as e:  # noqa: BLE001 - missing="raise": named like every failure
             self._fail(e)
             return
@@ -238,7 +238,7 @@ class WholeFetches:
 class Shards:
     """Inner chunks of sharded arrays fetched by byte range: a shard's index once (kept, a few bytes
     per inner chunk), then the inner chunks a read needs in one coalesced request per shard, each
-    placed (``place_each``) and settled by ``Reader._finish``."""
+    placed (``place_each``) and settled by ``Reader.settle``."""
 
     def __init__(self, reader: Reader):
         self.reader = reader
@@ -313,11 +313,11 @@ class Shards:
             for coords, dest in inner.items():
                 local = tuple(c - s * n for c, s, n in zip(coords, shard, lay.per_shard, strict=True))
                 if index is None:  # no shard: each inner chunk is missing
-                    reader._finish(route, coords, await loop.run_in_executor(None, place, dec, None, dest), key=path)
+                    reader.settle(route, coords, await loop.run_in_executor(None, place, dec, None, dest), key=path)
                     continue
                 off, nb = int(index[local][0]), int(index[local][1])
                 if off == _EMPTY:  # never written: the fill value, as zarr reads it
-                    reader._finish(route, coords, await loop.run_in_executor(None, place, dec, None, dest, 0.0,
+                    reader.settle(route, coords, await loop.run_in_executor(None, place, dec, None, dest, 0.0,
                                                                              EMPTY))
                     continue
                 want.append((coords, dest))
@@ -344,7 +344,7 @@ class Shards:
 
                 await refetched(fetch, path, use, on_retry=inflight.failed, source=store)
                 for (coords, _), o in zip(want, placed, strict=True):
-                    reader._finish(route, coords, o, observe=False)
+                    reader.settle(route, coords, o, observe=False)
                 inflight.observe(waited[0], sum(o.took for o in placed), slot)
         except Exception as e:  # noqa: BLE001 - every failure names its shard
             reraise(route.src.name, shard, path, e)

@@ -5,7 +5,7 @@ batching of the calls of one loop turn (``TurnBatch``).
 Every read strategy of the reader -- local files read in the decode threads, remote objects
 fetched by callbacks or by tasks, inner chunks of shards -- only produces the chunk's bytes
 (None: no object, the fill value) and hands them to ``place`` with the chunk's destination; the
-reader then settles the outcome in one place (``Reader._finish``: counters, the in-flight policy,
+reader then settles the outcome in one place (``Reader.settle``: counters, the in-flight policy,
 ``missing=``, the slot given back once).
 
 A destination is anything with ``decode(dec, raw)`` and ``fill(dec)`` (``Destination``). Two exist:
@@ -14,7 +14,7 @@ A destination is anything with ``decode(dec, raw)`` and ``fill(dec)`` (``Destina
 the decoded chunk is handed to the cache in the decode thread, where copying it costs the loop
 nothing. A new destination (a device buffer: the decode writes into device memory; a decoder that
 takes many raws at once: a destination that queues the raw and is flushed per batch) is one more
-class with these two methods, not a new route: the fetchers and ``Reader._finish`` stay as they are.
+class with these two methods, not a new route: the fetchers and ``Reader.settle`` stay as they are.
 """
 
 from __future__ import annotations
@@ -58,17 +58,32 @@ EMPTY = "empty"
 #: ... the bytes were handed to a decoder that decodes many chunks at once, later (the GPU path's
 #: ``gpu_decode.GpuSlot``): counted as read now, as decoded once that decoder has decoded it
 QUEUED = "queued"
+#: chunks a decoder of many decoded (``QUEUED`` before): ``nbytes`` decoded, ``took`` its seconds
+BATCH_DECODED = "batch decoded"
+#: chunks a cache tier had (memory or device): put in place without a request or a decode
+HIT = "hit"
+#: ... chunks the disk tier had
+DISK_HIT = "disk hit"
+#: a region another reader read whole in one request (zarr for shards it cannot split, dask):
+#: ``nbytes`` decoded
+READ_ELSEWHERE = "read elsewhere"
 
 
 class ChunkOutcome(NamedTuple):
-    """How one chunk landed: ``status`` (``DECODED``, ``MISSING``, ``EMPTY``), the bytes read, the
-    seconds its request waited for them (0 where unknown) and the seconds its decode took (measured
-    in the thread that decoded it: waiting for a free thread is not decoding)."""
+    """How one chunk landed: ``status`` (``DECODED``, ``MISSING``, ``EMPTY``, ``QUEUED``; and for the
+    outcomes settled without ``place``: ``BATCH_DECODED``, ``HIT``, ``DISK_HIT``, ``READ_ELSEWHERE``),
+    the bytes read, the seconds its request waited for them (0 where unknown) and the seconds its decode
+    took (measured in the thread that decoded it: waiting for a free thread is not decoding)."""
 
     status: str
     nbytes: int
     waited: float
     took: float
+
+
+#: the outcome of chunks a cache tier had (settled ``n`` at a time)
+SETTLED_HIT = ChunkOutcome(HIT, 0, 0.0, 0.0)
+SETTLED_DISK_HIT = ChunkOutcome(DISK_HIT, 0, 0.0, 0.0)
 
 
 class Destination(Protocol):
@@ -178,7 +193,7 @@ class Slot:
 class Pieces:
     """A chunk's pieces: each target's piece copied into its region and handed to its hook. With a
     cache (``cache``, its memory ``key`` and, where it has a disk tier, ``disk_key``) the decoded
-    chunk is kept (see ``Reader._serve_cached``), before any hook (which may use it as scratch)."""
+    chunk is kept (see ``cache.lookup.serve_cached``), before any hook (which may use it as scratch)."""
 
     __slots__ = ("targets", "cache", "key", "disk_key")
 

@@ -13,9 +13,10 @@ threads (``fetchers.read_local``), objects fetched by callbacks (``fetchers.Whol
 task each (``Reader._fetch``), inner chunks of shards by byte range (``fetchers.Shards``) -- and hands
 them with the chunk's destination (``decode.Slot``: a buffer's row; ``decode.Pieces``: pieces of
 regions and hooks, with the cache's keep) to the one completion step, ``decode.place``, in a decode
-thread. Its ``ChunkOutcome`` is settled by ``Reader._finish``: counted, fed to the in-flight policy,
-``missing=`` applied, the slot given back. Chunks the cache has are put in place before any of this
-(``cached.serve_cached``, ``cached.take_cached``).
+thread. Its ``ChunkOutcome`` is settled by ``Reader.settle``: counted, fed to the in-flight policy,
+``missing=`` applied, the slot given back. Every other way a chunk lands settles there too: cache hits of
+every tier (``cache.lookup``, the device tier), chunks the GPU decoded in one batched call, regions zarr or
+dask read whole.
 """
 
 from __future__ import annotations
@@ -51,10 +52,15 @@ from xinsitu.io.inflight import (  # noqa: F401 - re-exported: the limit's const
     InflightLimit,
 )
 from xinsitu.io.place import (
+    BATCH_DECODED,
     DECODED,
+    DISK_HIT,
+    HIT,
     MISSING,
     QUEUED,
+    READ_ELSEWHERE,
     SCRATCH,
+    SETTLED_HIT,
     ChunkOutcome,
     Destination,
     Pieces,
@@ -135,7 +141,7 @@ class Reader:
 
     With a ``cache`` (``xinsitu.cache.chunk_cache.ChunkCache``), decoded chunks of stored arrays are kept
     across reads: a chunk it has is copied into place without a request or a decode (see
-    ``_serve_cached``). Values and their order are the same either way.
+    ``cache.lookup.serve_cached``). Values and their order are the same either way.
     """
 
     def __init__(self, max_inflight: int | None = None, cache: ChunkCache | None = None):
@@ -162,14 +168,22 @@ class Reader:
         return self._starts.get()  # type: ignore[no-any-return]
 
     # ------------------------------------------------------------------ the completion step
-    def _finish(self, route: Route, coords: tuple[int, ...], outcome: ChunkOutcome, slot: Any = None,
-                observe: bool = True, key: str | None = None) -> None:
-        """Settle one chunk placed (``decode.place``), whatever fetched it: counted; its decode and
-        wait fed to the in-flight policy (``observe``; strategies that settle many chunks at once
-        feed their mean); ``missing=`` applied to a chunk with no object (``key``: the object that
-        is missing, default the chunk's own); and ``slot``, where it holds one, given back -- once,
-        whatever happens here. A chunk only queued for a decode of many (``QUEUED``: the GPU path) is
-        counted as read here, as decoded where that decode happens (``read_gpu``)."""
+    def settle(self, route: Route | None, coords: tuple[int, ...] | None, outcome: ChunkOutcome, slot: Any = None,
+               *, observe: bool = True, key: str | None = None, n: int = 1) -> None:
+        """THE completion step: every chunk that lands, however it came, is settled here -- counted
+        (the one place ``IOCounters``' chunk counts change); a fetched chunk's decode and wait fed to
+        the in-flight policy (``observe``; strategies that settle many chunks at once feed their mean);
+        ``missing=`` applied to a chunk with no object (``key``: the object that is missing, default the
+        chunk's own); and ``slot``, where it holds one, given back -- once, whatever happens here.
+
+        ``outcome.status`` says how it came: fetched and placed (``DECODED``, ``MISSING``, ``EMPTY``; a
+        chunk only queued for a decode of many, ``QUEUED``: counted as read now), or settled ``n`` at a
+        time without ``place``: decoded by that decoder of many (``BATCH_DECODED``: the GPU path, once
+        nvCOMP has decoded them), put in place from a cache tier (``HIT``, ``DISK_HIT``), or a region
+        another reader read in one request (``READ_ELSEWHERE``: zarr, dask). For those two last kinds
+        and ``BATCH_DECODED``, ``outcome.nbytes`` is what was decoded (``route`` may be None); else a
+        chunk decodes to ``route.dec.nbytes``. Requests are counted where their answer arrives (one may
+        bring several chunks, or none: a shard's index)."""
         try:
             c = self.counters
             status = outcome.status
@@ -179,15 +193,27 @@ class Reader:
                 if observe:
                     self.inflight.observe(outcome.waited, outcome.took, slot)
             elif status == MISSING:
+                assert route is not None and coords is not None  # a fetched chunk
                 path = key or route.path(coords)
                 c.missing += 1  # counted and named: a deleted archive or a 404 would otherwise pass in silence
                 self.last_missing = (route.src.name, coords, path)
                 if self.on_missing == "raise":
                     raise ChunkReadError(route.src.name, coords, path, FileNotFoundError(
                         "no object at this key (missing='raise'; zarr would read the fill value)"))
-            if status != QUEUED:
-                c.chunks += 1
-                c.bytes_decoded += route.dec.nbytes
+            elif status == HIT or status == DISK_HIT:
+                c.cache_hits += n
+                if status == DISK_HIT:
+                    c.cache_disk_hits += n
+            elif status == BATCH_DECODED:
+                c.decode_s += outcome.took
+            if status == QUEUED:
+                return
+            c.chunks += n
+            if status == BATCH_DECODED or status == READ_ELSEWHERE:
+                c.bytes_decoded += outcome.nbytes
+            else:
+                assert route is not None
+                c.bytes_decoded += n * route.dec.nbytes
         finally:
             if slot is not None:
                 self.inflight.give(slot)
@@ -285,7 +311,7 @@ class Reader:
         region (``read_many``: a codec chain decoded on the loop, a sharded array, a disk tier)."""
         route = None if is_sharded(src.array) else self.route(src)
         cache = self.cache
-        keys = self._chunk_keys(src) if cache is not None else None
+        keys = self.chunk_keys(src) if cache is not None else None
         if route is None or not route.dec.sync or (cache is not None and keys is not None and cache.disk is not None):
             await self.read_many(src, list(zip(regions, outs, strict=True)))
             return
@@ -374,11 +400,10 @@ class Reader:
             flushed = await asyncio.get_running_loop().run_in_executor(None, run)
         except GpuPathError as e:
             return {r.src.name: e for r in reads}
-        c = self.counters
-        for chain, n in flushed.decoded.items():
-            c.chunks += n
-            c.bytes_decoded += n * chain.nbytes
-        c.decode_s += flushed.seconds
+        took = flushed.seconds  # the batched decode's seconds, counted once
+        for chain, n in flushed.decoded.items():  # settled once nvCOMP has decoded them (``QUEUED`` until now)
+            self.settle(None, None, ChunkOutcome(BATCH_DECODED, n * chain.nbytes, 0.0, took), n=n)
+            took = 0.0
         failed = {r.src.name: flushed.failed[r.chain] for r in reads if r.chain in flushed.failed}
         redo = [x for x in flushed.refetch if x[2][0] not in failed]
         if redo:
@@ -425,14 +450,14 @@ class Reader:
                  tier: Any) -> tuple[list[Any] | None, list[Any], list[int]]:
         """For chunks ``coords`` and a device cache tier: their memory keys (None: not cached), where the
         tier has each (``(slab, row)`` or None), and the positions of those it lacks; hits counted."""
-        keys = self._chunk_keys(src) if tier is not None else None
+        keys = self.chunk_keys(src) if tier is not None else None
         if keys is None:
             return None, [None] * len(coords), list(range(len(coords)))
         mkeys = [keys.memory_key(c) for c in coords]
         places = tier.locate_many(mkeys)
         todo = [i for i, p in enumerate(places) if p is None]
         if len(todo) < len(coords):
-            self._count_hits(len(coords) - len(todo), 0, self.route(src).dec.nbytes)
+            self.settle(self.route(src), None, SETTLED_HIT, n=len(coords) - len(todo))
         return mkeys, places, todo
 
     async def _land(self, gpu: Any, key: Any, outs: list[Any], places: list[Any], todo: list[int], tier: Any,
@@ -497,7 +522,7 @@ class Reader:
         for part in parts:
             for coords, read_s, outcome in part:
                 self.counters.requests += 1
-                self._finish(route, coords, outcome, observe=False)
+                self.settle(route, coords, outcome, observe=False)
                 store.observe(read_s, outcome.took)  # type: ignore[attr-defined]
                 read_sum += read_s
                 took_sum += outcome.took
@@ -526,7 +551,7 @@ class Reader:
         try:
             t_start = time.perf_counter()
             outcome = await fetch_decoded(route.store, path, use, on_retry=inflight.failed, first=first)
-            self._finish(route, coords, outcome, slot)
+            self.settle(route, coords, outcome, slot)
         except Exception as e:  # noqa: BLE001 - every failure names its chunk
             reraise(route.src.name, coords, path, e)
         finally:
@@ -554,8 +579,7 @@ class Reader:
             finally:
                 self.inflight.give(slot)
             self.counters.requests += 1  # what io_stats shows, and how far the loader reads ahead
-            self.counters.chunks += 1
-            self.counters.bytes_decoded += values.nbytes
+            self.settle(None, None, ChunkOutcome(READ_ELSEWHERE, values.nbytes, 0.0, 0.0))
         if out is not None:
             out[...] = values
         if hook is not None:  # values may be the caller's own array
@@ -586,8 +610,7 @@ class Reader:
             self.inflight.give(slot)
         arr = np.asarray(res.as_ndarray_like() if hasattr(res, "as_ndarray_like") else res)
         self.counters.requests += 1
-        self.counters.chunks += 1
-        self.counters.bytes_decoded += arr.nbytes
+        self.settle(None, None, ChunkOutcome(READ_ELSEWHERE, arr.nbytes, 0.0, 0.0))
         return arr
 
     def whole_chunk(self, src: VarSource, region: dict[str, tuple[int, int]]) -> tuple[int, ...] | None:
@@ -608,7 +631,7 @@ class Reader:
         return True
 
     # ------------------------------------------------------------------ cache
-    def _chunk_keys(self, src: VarSource) -> ChunkKey | None:
+    def chunk_keys(self, src: VarSource) -> ChunkKey | None:
         """The cache keys of ``src``'s chunks, made once; None where its store has no lasting identity
         (a memory store, uncommitted Icechunk changes): such an array is read, not cached."""
         k = id(src.array)
@@ -618,13 +641,6 @@ class Reader:
             except Exception:  # noqa: BLE001 - an array the keys cannot describe is simply not cached
                 self._keys[k] = None
         return self._keys[k]
-
-    def _count_hits(self, n: int, n_disk: int, nbytes: int) -> None:
-        c = self.counters
-        c.cache_hits += n
-        c.cache_disk_hits += n_disk
-        c.chunks += n
-        c.bytes_decoded += n * nbytes
 
     async def _serve_cached(self, src: VarSource, targets: dict[tuple[int, ...], list[Target]],
                             object_of: Any, dec: ChunkDecoder) -> dict[tuple[int, ...], Pieces]:

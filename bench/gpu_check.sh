@@ -59,9 +59,9 @@ run)
     (timeout 150 python3 -W ignore bench/wm_shapes.py make /tmp/wm --grid 1deg --nt 96 > "$OUT/make_wm.txt" 2>&1) &
     wait
     echo "== archives written at $((SECONDS - T0)) s: $(du -sh /tmp/era5.zarr $WM 2>&1 | tr '\n' ' ')" >> "$L"
-    step 100 "GPU tests" py -m pytest -q -rfE --tb=short -p no:cacheprovider -m gpu tests/test_gpu_lifetimes.py \
-        tests/test_gpu_path.py tests/test_gpu_direct.py tests/test_gpu_device.py tests/test_gpu_decode.py \
-        tests/test_gpu_cache.py tests/test_transform.py
+    step 100 "GPU tests" py -m pytest -q -rfE --tb=short -p no:cacheprovider -m gpu tests/codecs/test_gpu_lifetimes.py \
+        tests/batches/test_gpu_path.py tests/batches/test_gpu_direct.py tests/batches/test_gpu_device.py tests/codecs/test_gpu_decode.py \
+        tests/cache/test_gpu_cache.py tests/batches/test_transform.py
     # the GPU yardstick: decode="gpu" and "auto" (correctness first: the first use of each path in the
     # process, outside the timed epochs), "cpu" the baseline of the same machine
     for d in gpu auto; do

@@ -20,7 +20,7 @@ sample of the split once. The verdict (exit status 1 when it fails):
 * connections bounded: never more than ``2 x max_inflight + 16``, and no more in the last
   third of the epochs than in the first third after the warm-up (plus 2). Requests in
   flight are bounded by ``max_inflight`` (the server never sees more:
-  ``tests/test_remote.py`` checks it); the client's pool may open a connection for a
+  ``tests/stores/test_remote.py`` checks it); the client's pool may open a connection for a
   request while another is on its way back to the pool, and keeps the ones zarr opened
   for metadata;
 * threads bounded: xinsitu's own (Python) threads are no more after the warm-up than

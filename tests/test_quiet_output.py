@@ -69,8 +69,8 @@ def test_no_jax_fork_warning_after_the_jax_tests() -> None:
     pytest.importorskip("jax")
     env = {k: v for k, v in os.environ.items() if k not in ("XINSITU_TEST_CHILD", "PYTEST_CURRENT_TEST")}
     env["PYTHONPATH"] = str(ROOT)
-    targets = ["tests/test_acceptance_spec.py::test_output_jax", "tests/test_jax.py",
-               "tests/test_loop.py::test_a_forked_child_gets_its_own_loop_and_the_fork_policy"]
+    targets = ["tests/test_acceptance_spec.py::test_output_jax", "tests/batches/test_jax.py",
+               "tests/io/test_loop.py::test_a_forked_child_gets_its_own_loop_and_the_fork_policy"]
     p = subprocess.run([sys.executable, "-m", "pytest", *targets, "-q", "-p", "no:cacheprovider"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""One rank of a distributed run, launched by tests/test_distributed.py with
+"""One rank of a distributed run, launched by tests/batches/test_distributed.py with
 ``torchrun --nproc_per_node=N`` on the gloo backend.
 
 Each rank builds its generators without ``rank``/``world_size`` (they come from

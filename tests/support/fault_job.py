@@ -3,7 +3,7 @@ process (in process, or through a torch DataLoader with workers), and write what
 as JSON: how many batches, and the error (type, message, and the variable, chunk and key
 it names).
 
-Run by tests/test_unreadable.py under a timeout (a hang fails the test, never freezes CI)::
+Run by tests/io/test_unreadable.py under a timeout (a hang fails the test, never freezes CI)::
 
     python -m tests.support.fault_job ARCHIVE OUT.json [--workers 2 --method fork] [--open xr] [--options JSON]
 """

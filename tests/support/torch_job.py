@@ -1,7 +1,7 @@
 """Run epochs of ``gen.to_torch()`` through a torch DataLoader in a fresh process, and
 write what came out (each batch's sample timestamps and a digest of its values) as JSON.
 
-Run by tests/test_torch.py under a timeout (a hang fails the test, never freezes CI)::
+Run by tests/batches/test_torch.py under a timeout (a hang fails the test, never freezes CI)::
 
     python -m tests.support.torch_job ARCHIVE OUT.json --workers 2 --method spawn [--open xr] ...
 """

@@ -1,5 +1,5 @@
 """A small training job for the resume tests: it checkpoints the generator's state after
-every batch and logs every batch it trains on. Run by tests/test_resume.py::
+every batch and logs every batch it trains on. Run by tests/batches/test_resume.py::
 
     python -m tests.support.train_job ARCHIVE WORKDIR [--resume] [--hang-after I]
 

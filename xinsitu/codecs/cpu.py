@@ -1,7 +1,7 @@
 """Decode stored chunks with zarr's own codecs.
 
 zarr's private API (``zarr.core``, underscored codec members) is used only through
-``xinsitu.compat.zarr_api``, feature-detected there and held by ``tests/test_compat.py``.
+``xinsitu.compat.zarr_api``, feature-detected there and held by ``tests/compat/test_compat.py``.
 """
 
 from __future__ import annotations

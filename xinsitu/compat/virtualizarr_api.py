@@ -1,7 +1,7 @@
 """The one place xinsitu touches VirtualiZarr's private API.
 
 Supported: VirtualiZarr 2.5 to 2.8 (and newer 2.x while the contract test holds). Where releases
-differ, the path is chosen by feature, never by version string; ``tests/test_compat.py``
+differ, the path is chosen by feature, never by version string; ``tests/compat/test_compat.py``
 exercises every symbol named here.
 
 Private symbols still used, and why:

@@ -4,7 +4,7 @@ Supported: zarr 3.1.6 to 3.4 (and newer while the contract test holds). Everythi
 uses zarr's public API: ``zarr.abc.codec`` (codec base classes, the ``SupportsSyncCodec``
 protocol whose ``_decode_sync`` is zarr's synchronous decode entry point), ``zarr.buffer``,
 ``zarr.dtype``, ``zarr.registry``. Where zarr releases differ, the path is chosen once, by
-feature (never by version string). ``tests/test_compat.py`` exercises every symbol named
+feature (never by version string). ``tests/compat/test_compat.py`` exercises every symbol named
 here, so a zarr release that removes one fails there, loudly, and not deep in a batch.
 
 Private symbols still used, and why:

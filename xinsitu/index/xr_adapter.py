@@ -4,7 +4,7 @@ xinsitu reads the chunks a Dataset's variables are stored in, so it looks throug
 wrappers down to the zarr array; xarray has no public way to do that. Every private name xinsitu
 uses is here, looked up once, at import, by feature (a slot, a class, a function; not by version
 number); the rest of xinsitu calls the functions below and never names an xarray private itself.
-``tests/test_compat_xarray.py`` exercises each one, so a new xarray that moves one fails that test,
+``tests/compat/test_compat_xarray.py`` exercises each one, so a new xarray that moves one fails that test,
 by name, rather than a read somewhere else.
 
 Private names used:

@@ -1,0 +1,382 @@
+"""``cache=`` on batches and stats: cached epochs give the very same batches in the same order
+(memory tier, disk tier, a budget of half the split, ranks, shards), memory stays within the
+budget, a disk cache serves a second generator and a second process from its first epoch, a
+rewritten chunk file is never served stale, and DataLoader workers (fork, spawn) get the same
+epochs. Every subprocess runs under a timeout; no timed assertion."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import zarr
+
+import xinsitu
+from tests.batches.test_torch import _job  # the DataLoader job in a subprocess, under a timeout
+from xinsitu.cache.chunk_cache import ChunkCache
+from xinsitu.synthetic import write_era5_like
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VARS = ["t2m", "u10", "tp"]
+
+
+def _gen(path: str, cache=None, **kw):
+    ds = xinsitu.open_zarr(path)
+    m = ds.insitu.split("time", fractions={"train": 0.8, "val": 0.2})
+    kw = {"batch_size": 5, "block_chunks": 2, "output": "numpy", "variables": VARS, **kw}
+    return ds.insitu.batches(m, "train", cache=cache, **kw)
+
+
+def _epochs(gen, epochs=(0, 1, 2)) -> list[list[dict[str, np.ndarray]]]:
+    out = []
+    for e in epochs:
+        gen.set_epoch(e)
+        out.append([{k: np.array(v, copy=True) for k, v in b.items()} for b in gen])
+    return out
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(
+        len(ea) == len(eb) and all(x.keys() == y.keys() and all(np.array_equal(x[k], y[k], equal_nan=True) for k in x)
+                                   for x, y in zip(ea, eb, strict=True))
+        for ea, eb in zip(a, b, strict=True))
+
+
+def _split_bytes(gen) -> int:
+    """Decoded bytes of the chunks the split reads (what a cache holding all of it keeps)."""
+    from xinsitu.batches.describe import _epoch_bytes
+
+    return _epoch_bytes(gen, gen.plan())
+
+
+# ------------------------------------------------------------------------------------- the oracle
+@pytest.mark.parametrize("tier", ["memory", "disk", "half"])
+def test_cached_epochs_equal_uncached(era5_path, tmp_path, tier):
+    """Epochs 0..2 with the cache are the epochs without it, bit for bit and in order."""
+    ref = _epochs(_gen(era5_path))
+    probe = _gen(era5_path)
+    split = _split_bytes(probe)
+    cache = {"memory": ChunkCache(memory="1GB"), "disk": ChunkCache(memory=0, disk=tmp_path / "c"),
+             "half": ChunkCache(memory=split // 2)}[tier]
+    gen = _gen(era5_path, cache=cache)
+    got = _epochs(gen, (0,))
+    first = gen.io_stats
+    got += _epochs(gen, (1, 2))
+    assert _same(got, ref)
+    n = first["chunks"]
+    assert first["cache_misses"] == n and first["cache_hits"] == 0 and first["requests"] == n
+    st = gen.io_stats
+    assert st["chunks"] == n and st["cache_hits"] + st["cache_misses"] == n
+    if tier == "memory":
+        assert st["cache_hits"] == n and st["requests"] == 0 and st["bytes_read"] == 0
+    elif tier == "disk":
+        assert st["cache_hits"] == st["cache_disk_hits"] == n and st["requests"] == 0
+    else:  # keeps what fits: about half the chunks hit, every epoch after the first
+        assert 0.3 * n <= st["cache_hits"] <= 0.7 * n, st
+        assert st["requests"] == st["cache_misses"]
+    assert cache.stats.memory_bytes <= cache.memory_budget  # the cache's own accounting
+
+
+@pytest.mark.parametrize("chunk_time", [1, 3])
+@pytest.mark.parametrize("budget", ["all", "half"])
+def test_whole_chunk_slots_are_copied_from_the_cache_at_once(tmp_path, monkeypatch, chunk_time, budget):
+    """Where each slot of a buffer is one whole chunk (time chunks holding whole maps), batches are
+    gathered straight from the cache's slab where it holds every chunk of the buffer; where each chunk
+    is one sample (no buffer), the chunks it holds are copied straight into the batch; else the chunks
+    it holds go in with one copy per variable and buffer (``Reader.take_cached``) and those it lacks are
+    read as usual: the epochs are the uncached ones, bit for bit, also when only some of a buffer's
+    chunks are held."""
+    from xinsitu.io.reader import Reader
+
+    path = str(tmp_path / "a.zarr")
+    write_era5_like(path, nt=61, ny=3, nx=4, chunk_time=chunk_time)  # the last chunk partial where chunk_time=3
+    ref = _epochs(_gen(path, block_chunks=4))
+    served, slabs = [], []
+    real = Reader.take_cached
+
+    async def spy(self, src, coords, out):
+        rest, slab = await real(self, src, coords, out)
+        served.append(len(coords) - len(rest))
+        slabs.append(slab is not None)
+        return rest, slab
+
+    monkeypatch.setattr(Reader, "take_cached", spy)
+    split = _split_bytes(_gen(path, block_chunks=4))
+    cache = ChunkCache(memory="1GB" if budget == "all" else split // 2)
+    gen = _gen(path, cache=cache, block_chunks=4)
+    gen.read_ahead = False  # else the next epoch's first buffer is read (and counted) before the clear
+    assert _same(_epochs(gen), ref)
+    served.clear()
+    slabs.clear()
+    _epochs(gen, (3,))
+    st = gen.io_stats
+    assert 0 < sum(served) <= st["cache_hits"]
+    if chunk_time == 1:  # every slot is a whole chunk: every hit went in through the fast path
+        assert sum(served) == st["cache_hits"]
+    if gen.buffer_reason is None:  # one sample per chunk: no buffer, each hit copied once, into the batch
+        assert chunk_time == 1 and slabs and not any(slabs)
+    elif budget == "all":  # the cache holds every chunk, in one slab per variable: gathered from it, no copy
+        assert all(slabs)
+    else:
+        assert not all(slabs)
+    if budget == "all":
+        assert st["cache_hits"] == st["chunks"] and st["requests"] == 0
+    else:
+        assert 0 < st["cache_hits"] < st["chunks"] and st["requests"] == st["cache_misses"]
+
+
+def test_cache_true_and_memory_string(era5_path):
+    for spelling in (True, "memory"):
+        gen = _gen(era5_path, cache=spelling)
+        assert isinstance(gen.cache, ChunkCache) and gen.cache.disk is None
+        _epochs(gen, (0, 1))
+        assert gen.io_stats["cache_hits"] == gen.io_stats["chunks"] > 0
+    assert _gen(era5_path).cache is None
+
+
+def test_directory_spelling_gives_a_disk_tier(era5_path, tmp_path):
+    gen = _gen(era5_path, cache=str(tmp_path / "cachedir"))
+    assert gen.cache.disk == str(tmp_path / "cachedir")
+    _epochs(gen, (0,))
+    assert any(f.endswith(".chunk") for _, _, fs in os.walk(tmp_path / "cachedir") for f in fs)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_with_a_cache(era5_path, world_size):
+    for rank in range(world_size):
+        ref = _epochs(_gen(era5_path, rank=rank, world_size=world_size))
+        gen = _gen(era5_path, cache=ChunkCache(memory="1GB"), rank=rank, world_size=world_size)
+        assert _same(_epochs(gen), ref)
+
+
+def test_shuffle_off_windows_and_xarray_output(era5_path):
+    """Other read shapes: windows spanning chunks (halo hand-over) and unshuffled xarray batches."""
+    for kw in ({"window": {"time": 3}}, {"shuffle": False, "output": "xarray"}):
+        ref_gen, gen = _gen(era5_path, **kw), _gen(era5_path, cache=True, **kw)
+        for e in range(3):
+            ref_gen.set_epoch(e)
+            gen.set_epoch(e)
+            for a, b in zip(ref_gen, gen, strict=True):
+                if isinstance(a, dict):
+                    assert all(np.array_equal(a[k], b[k], equal_nan=True) for k in a)
+                else:
+                    assert a.identical(b)
+        assert gen.io_stats["cache_hits"] > 0 and gen.io_stats["cache_misses"] == 0
+
+
+def test_sharded_archive(tmp_path):
+    path = str(tmp_path / "sharded.zarr")
+    write_era5_like(path, nt=120, ny=6, nx=10, chunk_time=8, shard_time=32)
+    ref = _epochs(_gen(path))
+    gen = _gen(path, cache=ChunkCache(memory="1GB"))
+    assert _same(_epochs(gen), ref)
+    assert gen.io_stats["cache_hits"] == gen.io_stats["chunks"] > 0 and gen.io_stats["requests"] == 0
+
+
+def test_repr_shows_the_cache(era5_path):
+    gen = _gen(era5_path, cache=ChunkCache(memory="10MB"))
+    assert "cache" in repr(gen) and "10.0 MB" in repr(gen)
+    _epochs(gen, (0, 1))
+    text = repr(gen)
+    assert "hits" in text and "misses" in text
+    assert "cache" not in repr(_gen(era5_path)).split("Last epoch")[0].split("output")[1]
+
+
+# ------------------------------------------------------------------------------------------ disk tier
+def test_a_disk_cache_serves_a_second_generator_from_its_first_epoch(era5_path, tmp_path):
+    ref = _epochs(_gen(era5_path), (0,))
+    first = _gen(era5_path, cache=tmp_path)
+    _epochs(first, (0,))
+    second = _gen(era5_path, cache=ChunkCache(memory=0, disk=tmp_path))
+    assert _same(_epochs(second, (0,)), ref)
+    st = second.io_stats
+    assert st["cache_disk_hits"] == st["chunks"] > 0 and st["requests"] == 0
+
+
+_SECOND_PROCESS = """
+import json, sys
+sys.path.insert(0, sys.argv[3])
+from tests.cache.test_cache_reads import _gen, _epochs
+from xinsitu.cache.chunk_cache import ChunkCache
+gen = _gen(sys.argv[1], cache=ChunkCache(memory=0, disk=sys.argv[2]))
+got = _epochs(gen, (0,))
+print(json.dumps({"stats": {k: gen.io_stats[k] for k in ("chunks", "requests", "cache_disk_hits")},
+                  "sums": [[float(np.nansum(v)) for v in b.values()] for b in got[0]]}))
+""".replace("import json, sys", "import json, sys\nimport numpy as np")
+
+
+def test_a_disk_cache_serves_another_process(era5_path, tmp_path):
+    _epochs(_gen(era5_path, cache=tmp_path), (0,))
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", _SECOND_PROCESS, era5_path, str(tmp_path), ROOT], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["stats"]["cache_disk_hits"] == out["stats"]["chunks"] > 0 and out["stats"]["requests"] == 0
+    ref = _epochs(_gen(era5_path), (0,))[0]
+    assert out["sums"] == [[float(np.nansum(v)) for v in b.values()] for b in ref]
+
+
+def _rewrite_first_chunk(path: str) -> None:
+    """New values for t2m's first time chunk (the file is written again)."""
+    arr = zarr.open_array(os.path.join(path, "t2m"), mode="r+")
+    ct = arr.chunks[0]
+    arr[:ct] = np.asarray(arr[:ct]) + 100.0
+
+
+@pytest.mark.parametrize("tier", ["disk", "memory"])
+def test_a_rewritten_chunk_file_is_never_served_stale(tmp_path, tier):
+    """The disk tier outlives the process: it keys each local chunk file by size, modification time
+    and inode, so a rewritten file is a miss for the next run. The memory tier lives with its
+    ``ChunkCache`` and takes the archive as it found it (as an open Dataset does; its keys cost no
+    ``stat``): a new cache -- ``cache=True`` makes one per generator -- reads the new values."""
+    path = str(tmp_path / "era5.zarr")
+    write_era5_like(path, nt=64, ny=4, nx=6, chunk_time=8)
+    cache = ChunkCache(memory=0, disk=tmp_path / "c") if tier == "disk" else ChunkCache(memory="1GB")
+    kw = {"shuffle": False}
+    gen = _gen(path, cache=cache, **kw)
+    _epochs(gen, (0, 1))
+    assert gen.io_stats["cache_hits"] == gen.io_stats["chunks"]
+    _rewrite_first_chunk(path)
+    ref = _epochs(_gen(path, **kw), (0,))
+    again = _gen(path, cache=ChunkCache(memory=0, disk=tmp_path / "c") if tier == "disk" else True, **kw)
+    got = _epochs(again, (0,))
+    assert _same(got, ref)
+    st = again.io_stats
+    if tier == "disk":
+        assert st["cache_misses"] == 1 and st["cache_disk_hits"] == st["cache_hits"] == st["chunks"] - 1
+    else:
+        assert st["cache_misses"] == st["chunks"] and st["cache_hits"] == 0
+
+
+# --------------------------------------------------------------------------------------------- stats
+def test_stats_with_a_cache_then_batches(era5_path):
+    """A stats pass fills the cache (its reductions use chunks as scratch: the cached copies stay
+    intact), a second pass and the epochs that follow are served from it, all values unchanged."""
+    ds = xinsitu.open_zarr(era5_path)
+    m = ds.insitu.split("time", fractions={"train": 0.8, "val": 0.2})
+    ref_stats = ds.insitu.stats(m, "train", variables=VARS)
+    cache = ChunkCache(memory="1GB")
+    assert ds.insitu.stats(m, "train", variables=VARS, cache=cache) == ref_stats
+    held = cache.stats.memory_entries
+    assert held > 0 and cache.stats.misses == held
+    assert ds.insitu.stats(m, "train", variables=VARS, cache=cache) == ref_stats
+    assert cache.stats.hits == held
+    gen = _gen(era5_path, cache=cache)
+    assert _same(_epochs(gen, (0, 1)), _epochs(_gen(era5_path), (0, 1)))
+    assert gen.io_stats["cache_hits"] == gen.io_stats["chunks"]
+
+
+# -------------------------------------------------------------------------------------------- workers
+def _forked_epoch(gen, conn) -> None:
+    try:
+        gen.set_epoch(1)
+        sums = [[float(np.nansum(v)) for v in b.values()] for b in gen]
+        conn.send({"stats": gen.io_stats, "sums": sums})
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        conn.send({"error": repr(e)})
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork start method")
+def test_a_forked_child_keeps_the_parent_s_memory_tier(era5_path):
+    gen = _gen(era5_path, cache=ChunkCache(memory="1GB"))
+    _epochs(gen, (0,))  # fills the memory tier (and runs the I/O loop and obstore in this process)
+    ref = _gen(era5_path)
+    ref.set_epoch(1)
+    want = [[float(np.nansum(v)) for v in b.values()] for b in ref]
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_forked_epoch, args=(gen, child))
+    p.start()
+    try:
+        assert parent.poll(120), "the forked child hung"
+        out = parent.recv()
+    finally:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    assert "error" not in out, out
+    assert out["sums"] == want
+    assert out["stats"]["cache_hits"] == out["stats"]["chunks"] > 0 and out["stats"]["requests"] == 0
+
+
+@pytest.mark.parametrize("method, cache", [("fork", "memory"), ("spawn", "memory"), ("fork", "disk"),
+                                           ("spawn", "disk")])
+def test_dataloader_workers_with_a_cache(era5_path, tmp_path, method, cache):
+    """2 persistent workers, 2 epochs, the parent warmed by a whole epoch first: the same batches as
+    the same job without a cache, each epoch exactly once."""
+    pytest.importorskip("torch")
+    spec = "memory" if cache == "memory" else str(tmp_path / "c")
+    args = ("--open", "xinsitu", "--method", method, "--workers", "2", "--epochs", "2", "--persistent", "--warm")
+    ref = _job(era5_path, tmp_path, *args)
+    got = _job(era5_path, tmp_path, *args, "--cache", spec)
+    assert "error" not in got, got.get("traceback")
+    assert got["epochs"] == ref["epochs"] and got["len"] == ref["len"]
+    if cache == "disk":
+        assert any(f.endswith(".chunk") for _, _, fs in os.walk(tmp_path / "c") for f in fs)
+
+
+# --------------------------------------------------------------------------------------------- remote
+@pytest.mark.parametrize("sharded", [False, True])
+def test_http_store_memory_and_disk_tiers(tmp_path, sharded):
+    """A remote store (keys without a file to stat: looked up on the I/O loop for a memory tier, in a
+    decode thread for a disk tier): cached epochs equal uncached ones and send no request."""
+    from tests.support.servers import FileServer
+
+    path = tmp_path / "era5.zarr"
+    write_era5_like(str(path), nt=64, ny=4, nx=6, chunk_time=8, shard_time=32 if sharded else None)
+    ref = _epochs(_gen(str(path)))
+    with FileServer(tmp_path) as srv:
+        url = f"{srv.url}/era5.zarr"
+        for cache in (ChunkCache(memory="1GB"), ChunkCache(memory=0, disk=tmp_path / "c")):
+            gen = _gen(url, cache=cache)
+            srv.reset_counts()
+            got = _epochs(gen, (0,))
+            assert srv.requests > 0 and gen.io_stats["cache_misses"] == gen.io_stats["chunks"]
+            srv.reset_counts()
+            got += _epochs(gen, (1, 2))
+            assert _same(got, ref)
+            assert srv.requests == 0 and gen.io_stats["requests"] == 0
+            assert gen.io_stats["cache_hits"] == gen.io_stats["chunks"] > 0
+
+
+def test_cached_chunks_over_several_slabs_come_back_in_order(tmp_path, monkeypatch):
+    """Where the memory tier could not make one slab for a variable (no address space that large: its
+    slabs shrink), a buffer's chunks, all held but in several slabs, are copied in at once, each into its
+    own row: the cached epochs are the uncached ones, bit for bit."""
+    import types
+
+    import xinsitu.cache.chunk_cache as chunk_cache
+
+    path = str(tmp_path / "a.zarr")
+    write_era5_like(path, nt=61, ny=3, nx=4, chunk_time=3)
+    ref = _epochs(_gen(path, block_chunks=4))
+    real = np.empty
+
+    def small_slabs(shape, dtype=float, *a, **k):  # slabs of 2 rows at most: "no address space" for more
+        if isinstance(shape, tuple) and len(shape) == 4 and shape[0] > 2:
+            raise MemoryError
+        return real(shape, dtype, *a, **k)
+
+    monkeypatch.setattr(chunk_cache, "np", types.SimpleNamespace(**{**np.__dict__, "empty": small_slabs}))
+    from xinsitu.io.reader import Reader
+
+    copied = []
+    real_take = Reader.take_cached
+
+    async def spy(self, src, coords, out):
+        rest, slab = await real_take(self, src, coords, out)
+        copied.append(not rest and slab is None)
+        return rest, slab
+
+    monkeypatch.setattr(Reader, "take_cached", spy)
+    gen = _gen(path, cache=ChunkCache(memory="1GB"), block_chunks=4)
+    assert gen.buffer_reason is not None
+    got = _epochs(gen)
+    assert _same(got, ref)
+    assert any(copied)  # every chunk held, in several slabs: copied in at once

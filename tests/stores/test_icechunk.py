@@ -1,0 +1,159 @@
+"""Icechunk: a read-only session's store (by branch or by snapshot id) read end to end, and the
+snapshot a split was made on recorded in its manifest (another snapshot warns)."""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+
+import numpy as np
+import pytest
+import xarray as xr
+
+import xinsitu
+from tests.conftest import CT, NT, NX, NY
+from tests.index.test_sampling import run_epoch
+from xinsitu.index.snapshot import snapshot_of
+from xinsitu.synthetic import era5_like, packing
+
+icechunk = pytest.importorskip("icechunk", reason="the icechunk extra is not installed")
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A repository on local storage: commit 1 the synthetic archive, commit 2 a change to t2m."""
+    icechunk.set_logs_filter("error")  # "LocalFileSystem storage is not safe for concurrent commits"
+    path = str(tmp_path_factory.mktemp("icechunk") / "repo")
+    repo = icechunk.Repository.create(icechunk.local_filesystem_storage(path))
+    ds = era5_like(NT, NY, NX)
+    enc = {v: {"chunks": (CT, NY, NX) if "time" in ds[v].dims else (NY, NX)} for v in ds.data_vars}
+    enc["tp"].update(packing())
+    s = repo.writable_session("main")
+    ds.to_zarr(s.store, encoding=enc, zarr_format=3, consolidated=False)
+    first = s.commit("synthetic archive")
+    s = repo.writable_session("main")
+    (ds[["t2m"]].isel(time=slice(0, CT)) + 100).drop_vars(["lat", "lon"]).to_zarr(
+        s.store, region={"time": slice(0, CT)}, consolidated=False)
+    second = s.commit("t2m of the first chunk changed")
+    return {"path": path, "repo": repo, "first": first, "second": second, "ds": ds}
+
+
+def _session(repo: dict, how: str):
+    r = icechunk.Repository.open(icechunk.local_filesystem_storage(repo["path"]))
+    if how == "branch":
+        return r.readonly_session(branch="main")
+    return r.readonly_session(snapshot_id=repo[how])
+
+
+@pytest.mark.parametrize("opener", ["xinsitu", "xr_nodask", "xr_dask"])
+@pytest.mark.parametrize("how", ["branch", "first"])
+def test_readonly_session_epoch_matches_xarray(repo, how, opener):
+    store = _session(repo, how).store
+    if opener == "xinsitu":
+        ds = xinsitu.open_zarr(store)
+    else:
+        ds = xr.open_zarr(store, chunks=None if opener == "xr_nodask" else {}, consolidated=False)
+    m = ds.insitu.split("time", fractions={"train": 0.7, "val": 0.3}, gap=1)
+    for split, output in (("train", "xarray"), ("val", "numpy")):
+        gen = ds.insitu.batches(m, split, batch_size=6, output=output, block_chunks=2, seed=2)
+        seen = run_epoch(ds, gen, output)
+        assert np.array_equal(np.sort(seen), np.arange(gen.n_samples))
+
+
+@pytest.mark.parametrize(("how", "shift"), [("first", 0.0), ("second", 100.0), ("branch", 100.0)])
+def test_session_reads_its_snapshot(repo, how, shift):
+    """The batches hold the data of the snapshot asked for (the first chunk of t2m differs between them)."""
+    ds = xinsitu.open_zarr(_session(repo, how).store)
+    m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    gen = ds.insitu.batches(m, "train", batch_size=CT, output="numpy", shuffle=False, variables=["t2m", "tp"])
+    b = next(iter(gen))
+    exp = repo["ds"].t2m.isel(time=slice(0, CT)).values + np.float32(shift)
+    assert np.array_equal(b["t2m"], exp)
+    tp = xr.open_zarr(_session(repo, how).store, chunks=None).tp.isel(time=slice(0, CT)).values
+    assert np.array_equal(b["tp"], tp, equal_nan=True) and np.isnan(tp).any()
+
+
+def test_resume_on_a_session(repo):
+    from tests.support.resume_check import run_test_save_load_state
+
+    ds = xinsitu.open_zarr(_session(repo, "first").store)
+    m = ds.insitu.split("time", fractions={"train": 0.8, "val": 0.2})
+
+    def make():
+        return ds.insitu.batches(m, "train", batch_size=7, window={"time": 3}, block_chunks=2, seed=5)
+
+    run_test_save_load_state(make, len(make()) // 2, epochs=2)
+
+
+def test_session_dataset_pickles(repo):
+    """spawn/forkserver DataLoader workers receive the Dataset pickled: a read-only session store pickles."""
+    ds = xinsitu.open_zarr(_session(repo, "first").store)
+    ds2 = pickle.loads(pickle.dumps(ds))
+    m = ds2.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    run_epoch(ds, ds2.insitu.batches(m, "val", batch_size=8, output="numpy"), "numpy")
+
+
+def _epoch_in_child(gen, conn) -> None:
+    try:
+        conn.send(("ok", len(list(gen))))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def test_forked_child_fails_at_once_naming_the_fix(repo):
+    """Icechunk's runtime, like obstore's, cannot run in a process forked after it was used (a DataLoader
+    worker under Linux's default start method): the read fails at once with the fix, never hangs."""
+    import multiprocessing as mp
+
+    ds = xinsitu.open_zarr(_session(repo, "first").store)
+    m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    gen = ds.insitu.batches(m, "train", batch_size=5, output="numpy")
+    n = len(list(gen))  # the parent has used Icechunk now
+    parent, child = mp.get_context("fork").Pipe()
+    p = mp.get_context("fork").Process(target=_epoch_in_child, args=(gen, child), daemon=True)
+    p.start()
+    try:
+        assert parent.poll(30), "the forked child neither read nor failed within 30 s: it hung"
+        status, got = parent.recv()
+    finally:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+    if status == "ok":
+        assert got == n
+    else:
+        assert "spawn" in got and "num_workers=0" in got, got
+
+
+# ----------------------------------------------------------------------------- snapshot ids
+def test_snapshot_of(repo, era5_path):
+    assert snapshot_of(xinsitu.open_zarr(_session(repo, "first").store)) == repo["first"]
+    assert snapshot_of(xr.open_zarr(_session(repo, "branch").store)) == repo["second"]  # dask-backed too
+    assert snapshot_of(xinsitu.open_zarr(_session(repo, "first").store)[["t2m"]].isel(lat=1)) == repo["first"]
+    assert snapshot_of(xinsitu.open_zarr(era5_path)) is None  # plain Zarr: no snapshot
+    assert snapshot_of(repo["ds"]) is None  # in memory
+    s = repo["repo"].writable_session("main")
+    assert snapshot_of(xinsitu.open_zarr(s.store)) == repo["second"]  # nothing changed yet: the base snapshot
+    xr.Dataset({"extra": ("x", np.arange(3.0))}).to_zarr(s.store, group="other", zarr_format=3, consolidated=False)
+    assert snapshot_of(xinsitu.open_zarr(s.store)) is None  # uncommitted changes: no snapshot
+
+
+def test_manifest_records_the_snapshot(repo, tmp_path):
+    ds = xinsitu.open_zarr(_session(repo, "first").store)
+    m = ds.insitu.split("time", fractions={"train": 0.8, "val": 0.2})
+    assert m.snapshot == repo["first"]
+    m.to_json(tmp_path / "m.json")
+    assert xinsitu.SplitManifest.from_json(tmp_path / "m.json").snapshot == repo["first"]
+    assert repo["first"] in m.summary() or repo["first"] in repr(m)
+
+
+def test_split_used_on_another_snapshot_warns(repo):
+    m = xinsitu.open_zarr(_session(repo, "first").store).insitu.split("time", fractions={"train": 0.8, "val": 0.2})
+    same = xinsitu.open_zarr(_session(repo, "first").store)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same snapshot: no warning
+        same.insitu.batches(m, "train", batch_size=4)
+    other = xinsitu.open_zarr(_session(repo, "branch").store)
+    with pytest.warns(UserWarning, match=f"{repo['first']}.*{repo['second']}"):
+        gen = other.insitu.batches(m, "train", batch_size=4)
+    assert len(list(gen)) == len(gen)  # a warning, not an error: the chunk grid is the same

@@ -12,7 +12,7 @@ from xinsitu.cache.chunk_cache import ChunkCache
 from xinsitu.index.geometry import Geometry, VarGeometry
 from xinsitu.index.manifest import SplitManifest
 from xinsitu.index.source import SourceError
-from xinsitu.io.reader import ChunkReadError
+from xinsitu.stores.backend import ChunkReadError
 from xinsitu.stores.opening import open_zarr
 
 __version__ = "0.1.0"

@@ -529,7 +529,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """``xinsitu bench URL``: raw fetch pass, then the loader over the same chunk blocks."""
     from xinsitu.index.manifest import Blocks
     from xinsitu.index.split import SplitManifest
-    from xinsitu.io.reader import AUTO_INFLIGHT
+    from xinsitu.io.inflight import AUTO_INFLIGHT
 
     ds = _open(args)
     if args.manifest:

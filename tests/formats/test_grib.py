@@ -15,8 +15,8 @@ import pandas as pd
 import pytest
 import xarray as xr
 
-from tests.support.resume_check import run_test_save_load_state
 from tests.index.test_sampling import run_epoch
+from tests.support.resume_check import run_test_save_load_state
 
 pytest.importorskip("virtualizarr", reason="the virtual extra is not installed")
 pytest.importorskip("eccodes", reason="the grib extra is not installed")

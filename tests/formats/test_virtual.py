@@ -16,9 +16,9 @@ import pytest
 import xarray as xr
 
 import xinsitu
+from tests.index.test_sampling import run_epoch
 from tests.support.forked import epoch_in_fork
 from tests.support.resume_check import record, run_test_save_load_state
-from tests.index.test_sampling import run_epoch
 from xinsitu.synthetic import era5_like, packing
 
 pytest.importorskip("virtualizarr", reason="the virtual extra is not installed")

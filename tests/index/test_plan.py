@@ -278,7 +278,8 @@ def test_worker_batches_rejects_bad_worker():
 @given(st.integers(0, 500), st.integers(1, 200), st.integers(1, 64))
 def test_range_plan_equals_axis_plan(start, n, chunk):
     """The integer-arithmetic plan of a run of positions is the general plan of the same positions."""
-    from xinsitu.io.reader import _axis_plan, _range_plan
+    from xinsitu.index.regions import axis_plan as _axis_plan
+    from xinsitu.index.regions import range_plan as _range_plan
 
     got = _range_plan(start, start + n, chunk)
     ref = _axis_plan(np.arange(start, start + n, dtype=np.int64), chunk)

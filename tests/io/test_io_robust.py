@@ -125,7 +125,7 @@ class _Clock:
 
 def _remote(fixed: int | None = None):
     """An in-flight limit for a remote store, on simulated time."""
-    from xinsitu.io.reader import InflightLimit
+    from xinsitu.io.inflight import InflightLimit
 
     lim = InflightLimit(fixed, threads=2)
     lim.clock = _Clock()
@@ -144,7 +144,7 @@ def _jitter(latency, amount: float = 0.15, seed: int = 0):
 def test_inflight_limit_is_aimd_for_remote_stores():
     """Synthetic stores: a queueing one (latency grows with the limit) keeps it low; a far one with
     flat latency sends it to the top; a failure halves it; a fixed limit never moves."""
-    from xinsitu.io.reader import AUTO_REMOTE
+    from xinsitu.io.inflight import AUTO_REMOTE
 
     seen = _simulate(queue := _remote(), lambda k: 0.002 * k, 2000)  # one at a time: latency is queueing
     assert max(seen) <= 16 and seen[-1] <= 8, (max(seen), seen[-1], queue.history[:8])
@@ -166,7 +166,7 @@ def test_inflight_limit_follows_throughput_not_latency_alone(seed):
     where the latency first rose (latency alone holds it at 32). A store that only queues
     (latency proportional to the requests, completions per second flat) still backs off, with the
     same noise."""
-    from xinsitu.io.reader import AUTO_REMOTE
+    from xinsitu.io.inflight import AUTO_REMOTE
 
     def noisy(f):
         return f if seed is None else _jitter(f, seed=seed)
@@ -185,7 +185,7 @@ def test_inflight_limit_reaches_a_far_store_within_a_few_round_trips():
     round trips -- one to send the new requests as answers come (paced: no burst an overloaded
     server would drop), one to see what they bought -- so the top is reached in 12 round trips
     (1.2 s), with no step down on the way."""
-    from xinsitu.io.reader import AUTO_REMOTE
+    from xinsitu.io.inflight import AUTO_REMOTE
 
     far = _remote()
     at: list[float] = []

@@ -7,6 +7,7 @@ import asyncio
 import os
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -153,7 +154,7 @@ def test_exit_waits_for_reads_in_flight_then_ends(tmp_path, how):
     with FileServer(tmp_path) as srv:
         srv.faults = Faults(latency=0.3) if how == "slow" else Faults(hang=1.0, pattern=r"/c/(1[6-9]|[2-9]\d)/")
         p = subprocess.run([sys.executable, str(script), srv.url + "/a.zarr"], capture_output=True, text=True,
-                           timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+                           timeout=120, cwd=str(Path(__file__).resolve().parents[2]))
     assert p.returncode == 0, p.stderr[-2000:]
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("native left at exit:")]
     assert line, p.stdout

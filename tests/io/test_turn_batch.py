@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from xinsitu.io import loop as _loop
-from xinsitu.io.reader import TurnBatch
+from xinsitu.io.place import TurnBatch
 
 
 def test_calls_of_one_turn_go_out_as_one_job_per_thread():

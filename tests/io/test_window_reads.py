@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import xinsitu
-from tests.support.servers import write_archive
 from tests.index.test_sampling import run_epoch
+from tests.support.servers import write_archive
 
 NVAR = 5  # t2m, u10, v10, z500, tp along time (lsm is static: read once per generator)
 SAMPLING = {

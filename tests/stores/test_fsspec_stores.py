@@ -11,8 +11,8 @@ import pytest
 import xarray as xr
 
 import xinsitu
-from tests.support.servers import Faults, FileServer, MotoS3, assert_same_epoch, epoch_numpy, write_archive
 from tests.index.test_sampling import run_epoch
+from tests.support.servers import Faults, FileServer, MotoS3, assert_same_epoch, epoch_numpy, write_archive
 
 pytest.importorskip("fsspec")
 pytest.importorskip("aiohttp")

@@ -175,7 +175,7 @@ def test_automatic_max_inflight_grows_with_latency(archive, manifest, monkeypatc
 
 def test_inflight_limit_follows_littles_law():
     """Enough requests to keep the decode threads busy while each waits, twice over, within the bounds."""
-    from xinsitu.io.reader import AUTO_INFLIGHT, AUTO_REMOTE, InflightLimit
+    from xinsitu.io.inflight import AUTO_INFLIGHT, AUTO_REMOTE, InflightLimit
 
     fast = InflightLimit(None, threads=2)
     for _ in range(20):

@@ -106,7 +106,7 @@ class BatchGenerator:
         shapes the shuffle.
     max_inflight : int, optional
         Chunk requests in flight at most. Default: sized from the store's latency, from 64
-        (local disk) up to 256 (object stores; see ``xinsitu.io.reader.InflightLimit``).
+        (local disk) up to 256 (object stores; see ``xinsitu.io.inflight.InflightLimit``).
     drop_last : bool, default False
     rank, world_size : int, optional
         Default: torch.distributed's when it is initialised, else 0 and 1.

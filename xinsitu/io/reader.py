@@ -30,27 +30,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from xinsitu.cache.chunk_cache import ChunkCache, ChunkKey
-from xinsitu.cache.lookup import INLINE_COPY_BYTES, serve_cached, take_cached  # noqa: F401 - re-exported
+from xinsitu.cache.lookup import serve_cached, take_cached
 from xinsitu.codecs.cpu import ChunkDecoder, is_remote, is_sharded, store_root
 from xinsitu.codecs.gpu import GpuBatch, GpuChain, GpuPathError, GpuSlot
-from xinsitu.index.regions import REGION_PLANS, PieceHook, RegionPlans, Target  # noqa: F401 - re-exported
-from xinsitu.index.regions import axis_plan as _axis_plan  # noqa: F401 - re-exported
-from xinsitu.index.regions import range_plan as _range_plan  # noqa: F401 - re-exported
+from xinsitu.index.regions import PieceHook, RegionPlans, Target
 from xinsitu.index.source import VarSource
 from xinsitu.io import loop as _loop
 from xinsitu.io.fetchers import Shards, WholeFetches, all_or_none, read_local, reraise
-from xinsitu.io.inflight import (  # noqa: F401 - re-exported: the limit's constants and class lived here
-    AUTO_BETTER,
-    AUTO_HEADROOM,
-    AUTO_HEALTHY,
-    AUTO_INFLATED,
-    AUTO_INFLIGHT,
-    AUTO_PROBE_S,
-    AUTO_REMOTE,
-    AUTO_STRIKES,
-    AUTO_WINDOW,
-    InflightLimit,
-)
+from xinsitu.io.inflight import InflightLimit
 from xinsitu.io.place import (
     BATCH_DECODED,
     DECODED,
@@ -69,7 +56,7 @@ from xinsitu.io.place import (
     place,
     place_async,
 )
-from xinsitu.stores.backend import (  # noqa: F401 - ChunkReadError: re-exported (xinsitu.io.reader.ChunkReadError)
+from xinsitu.stores.backend import (
     Backend,
     ChunkReadError,
     LocalBackend,

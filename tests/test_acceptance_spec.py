@@ -149,6 +149,7 @@ OPENERS = {
 
 
 @pytest.mark.parametrize("how", list(OPENERS))
+@pytest.mark.slow
 def test_open_ways_batches_equal_xarray(v3_path, how):
     ds = OPENERS[how](v3_path)
     ref = xr.open_zarr(v3_path, chunks=None, consolidated=False)
@@ -242,6 +243,7 @@ SUBSETS = {
 
 @pytest.mark.parametrize("sub", list(SUBSETS))
 @pytest.mark.parametrize("opener", ["xinsitu", "xr_dask", "xr_nodask"])
+@pytest.mark.slow
 def test_subsets_equal_xarray(v3_path, sub, opener):
     base = {"xinsitu": lambda: xinsitu.open_zarr(v3_path),
             "xr_dask": lambda: xr.open_zarr(v3_path, consolidated=False),
@@ -459,6 +461,7 @@ def test_manifest_json_roundtrip(ds3, tmp_path):
     assert "<" in m._repr_html_()
 
 
+@pytest.mark.slow
 def test_manifest_compact_contiguous_large(tmp_path):
     # 10^7 chunks along time, metadata only (no chunk written): zarr.create_array
     import zarr
@@ -713,6 +716,7 @@ def test_stack_level_list(ds3):
 
 
 @own_process  # jax's threads and its at-fork warning stay in a child process
+@pytest.mark.slow
 def test_output_jax(ds3):
     jax = pytest.importorskip("jax")
     m = ds3.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
@@ -923,6 +927,7 @@ TORCH_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("nw", [0, 2])
+@pytest.mark.slow
 def test_to_torch_fork(v3_path, tmp_path, nw):
     pytest.importorskip("torch")
     script = tmp_path / "t.py"
@@ -1067,6 +1072,7 @@ def test_unknown_split_name(ds3):
     assert "tset" in str(ei.value)
 
 
+@pytest.mark.slow
 def test_virtual_attribute_after_plain_import():
     r = subprocess.run([sys.executable, "-c", "import xinsitu; xinsitu.virtual.open_netcdf; xinsitu.virtual.open_grib"],
                        capture_output=True, text=True, timeout=120)

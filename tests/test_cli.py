@@ -27,6 +27,7 @@ def run(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
     return p
 
 
+@pytest.mark.slow
 def test_inspect_text(era5_path: str) -> None:
     out = run("inspect", era5_path).stdout
     assert "<xinsitu.Geometry>" in out and "t2m" in out and "zstd" in out
@@ -35,6 +36,7 @@ def test_inspect_text(era5_path: str) -> None:
     assert "1979-01-01T00:00:00" in out  # the summary's label range of train
 
 
+@pytest.mark.slow
 def test_inspect_json_matches_the_library(era5_path: str) -> None:
     got = json.loads(run("inspect", era5_path, "--json").stdout)
     ds = xinsitu.open_zarr(era5_path)
@@ -64,6 +66,7 @@ def test_inspect_falls_back_and_explains(tmp_path: Path, capsys: pytest.CaptureF
     assert "nowhere.zarr" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_bench_reads_every_chunk_once(era5_path: str, tmp_path: Path) -> None:
     ds = xinsitu.open_zarr(era5_path)
     m = ds.insitu.split("time", fractions={"train": 0.6, "val": 0.4})
@@ -82,6 +85,7 @@ def test_bench_reads_every_chunk_once(era5_path: str, tmp_path: Path) -> None:
     assert got["verdict"] and all(isinstance(s, str) for s in got["verdict"])
 
 
+@pytest.mark.slow
 def test_bench_text_names_the_bottleneck(era5_path: str) -> None:
     out = run("bench", era5_path, "--max-blocks", "3", "--step-ms", "100000").stdout
     assert "split 'train': 3 of" in out
@@ -129,6 +133,7 @@ def test_verdict_sentences() -> None:
     assert np.isclose(float(cli.verdict(None, io, 32, 5.0)[0].split("needs ")[1].split(" ms")[0]), 100.0)
 
 
+@pytest.mark.slow
 def test_inspect_says_whether_chunks_carry_checksums(tmp_path: Path) -> None:
     """Without a checksum, transfer corruption cannot be detected: ``inspect`` says so; with crc32c it says
     chunks are verified."""
@@ -168,6 +173,7 @@ def _netcdf_files(tmp_path: Path) -> dict[str, list[str]]:
     return out
 
 
+@pytest.mark.slow
 def test_inspect_opens_netcdf_files_in_place(tmp_path: Path) -> None:
     files = _netcdf_files(tmp_path)
     for fmt in ("NETCDF3_CLASSIC", "NETCDF3_64BIT"):
@@ -183,6 +189,7 @@ def test_inspect_opens_netcdf_files_in_place(tmp_path: Path) -> None:
     assert f"ds = xinsitu.virtual.open_netcdf({files['NETCDF4']!r})" in out
 
 
+@pytest.mark.slow
 def test_inspect_opens_grib_files_in_place(tmp_path: Path) -> None:
     pytest.importorskip("virtualizarr", reason="the virtual extra is not installed")
     pytest.importorskip("eccodes", reason="the grib extra is not installed")
@@ -208,6 +215,7 @@ def test_inspect_on_another_file_names_the_functions(tmp_path: Path) -> None:
     assert "notes.txt" in p.stderr
 
 
+@pytest.mark.slow
 def test_inspect_says_one_line_on_consolidated_metadata_and_takes_the_option(tmp_path: Path) -> None:
     """Without consolidated metadata: one line naming --consolidated, not xarray's paragraph (which a
     process run with warnings shown would print); --consolidated false: nothing."""
@@ -230,6 +238,7 @@ def test_inspect_says_one_line_on_consolidated_metadata_and_takes_the_option(tmp
 
 
 # ----------------------------------------------------------------------------- doctor
+@pytest.mark.slow
 def test_doctor_one_line_to_paste() -> None:
     """``python -m xinsitu doctor``: one line, every version that matters, and the decode path chosen."""
     import platform
@@ -260,6 +269,7 @@ def _inspect_without(module: str, path: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("module", ["virtualizarr", "eccodes", "cfgrib"])
+@pytest.mark.slow
 def test_inspect_grib_without_the_grib_extra_says_so_in_one_line(tmp_path: Path, module: str) -> None:
     pytest.importorskip("eccodes", reason="writing a GRIB file needs ecCodes")
     import pandas as pd
@@ -276,6 +286,7 @@ def test_inspect_grib_without_the_grib_extra_says_so_in_one_line(tmp_path: Path,
 
 
 @pytest.mark.parametrize("module", ["virtualizarr", "h5py"])
+@pytest.mark.slow
 def test_inspect_netcdf_without_the_virtual_extra_says_so_in_one_line(tmp_path: Path, module: str) -> None:
     files = _netcdf_files(tmp_path)
     p = _inspect_without(module, files["NETCDF4"][0])
@@ -289,6 +300,7 @@ def test_inspect_netcdf_without_the_virtual_extra_says_so_in_one_line(tmp_path: 
     assert p.returncode != 0 and "Traceback" not in p.stderr and "'xinsitu[virtual]'" in p.stderr, p.stderr
 
 
+@pytest.mark.slow
 def test_open_netcdf_without_the_extra_names_it(tmp_path: Path) -> None:
     """The library's own error (not only the command line's) names the extra."""
     files = _netcdf_files(tmp_path)
@@ -318,6 +330,7 @@ def test_inspect_suggests_a_split_of_two_or_three_chunks(tmp_path: Path, capsys:
     assert all(ns["m"].positions(k) > 0 for k in ns["m"].splits)
 
 
+@pytest.mark.slow
 def test_inspect_of_files_in_place_suggests_no_rewrite(tmp_path: Path) -> None:
     """GRIB and NetCDF files are read as they are: no advice to write them with a crc32c codec; a
     NetCDF-3 file of two records (two time steps, one chunk each) gets a train/val split."""

@@ -128,6 +128,7 @@ def docs_home(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(ROOT).as_posix() for p in PAGES])
+@pytest.mark.slow
 def test_page_blocks_run(page: Path, docs_home, tmp_path: Path) -> None:
     pytest.importorskip("torch", reason="the docs' blocks train torch models (the leg with torch runs them)")
     bs = blocks(page)

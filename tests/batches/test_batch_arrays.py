@@ -29,6 +29,7 @@ def test_an_array_nothing_holds_is_handed_out_again():
 
 
 @pytest.mark.parametrize("keep", ["array", "view", "channel", "copy_of_base", "torch", "memoryview"])
+@pytest.mark.slow
 def test_an_array_something_holds_is_never_handed_out(keep):
     arrays = BatchArrays()
     a = arrays.empty((4, 3, 5), np.float32)
@@ -119,6 +120,7 @@ def test_an_interpreter_without_getrefcount_imports_and_reuses_nothing(monkeypat
 
 @pytest.mark.parametrize("output", ["numpy", "torch"])
 @pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.slow
 def test_stacked_batches_held_all_at_once_match_xarray(era5_path, output, shuffle):
     if output == "torch":
         pytest.importorskip("torch")

@@ -35,6 +35,7 @@ def check_epoch(ds: xr.Dataset, gen, output: str, variables=None) -> int:
 
 @pytest.mark.parametrize("how", ["xinsitu", "xr_nodask", "xr_dask"])
 @pytest.mark.parametrize("output", OUTPUTS)
+@pytest.mark.slow
 def test_epoch_matches_xarray(era5_path, how, output):
     ds = open_three_ways(era5_path)[how]
     m = ds.insitu.split("time", fractions={"train": 0.8, "val": 0.1, "test": 0.1}, gap=1)
@@ -57,6 +58,7 @@ def test_epoch_matches_xarray(era5_path, how, output):
     ids=["vars", "isel_lat", "isel_lon_list", "sel_time", "mid_chunk", "step", "scalar"],
 )
 @pytest.mark.parametrize("how", ["xinsitu", "xr_dask"])
+@pytest.mark.slow
 def test_subsets_match_xarray(era5_path, subset, how):
     ds = subset(open_three_ways(era5_path)[how])
     m = ds.insitu.split("time", fractions={"train": 0.7, "val": 0.3})

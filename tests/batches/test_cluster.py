@@ -65,6 +65,7 @@ def sharded_path(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("kind", ["v3", "v2", "sharded"])
+@pytest.mark.slow
 def test_zarr_archives(client, kind, era5_path, era5_v2_path, sharded_path):
     ds = xinsitu.open_zarr({"v3": era5_path, "v2": era5_v2_path, "sharded": sharded_path}[kind])
     m = ds.insitu.split("time", fractions={"train": 0.6, "val": 0.2, "test": 0.2}, gap=1)
@@ -94,6 +95,7 @@ def test_icechunk_session(client, tmp_path):
     check_both(ds, m, client, window={"time": 2})
 
 
+@pytest.mark.slow
 def test_virtual_netcdf(client, tmp_path):
     for mod in ("virtualizarr", "h5py", "h5netcdf"):
         pytest.importorskip(mod, reason="the virtual extra is not installed")
@@ -136,6 +138,7 @@ def test_block_split(client, tmp_path):
 
 
 # ----------------------------------------------------------------------------- faults
+@pytest.mark.slow
 def test_worker_killed_mid_task(client, tmp_path):
     """A worker process killed while it reads a task: the scheduler runs the task again on a worker, and the
     result is the very one of one process."""
@@ -204,6 +207,7 @@ def test_what_workers_cannot_open_is_refused(client, era5_path):
         ds.insitu.validity(m, "train", client=object())
 
 
+@pytest.mark.slow
 def test_no_credential_in_tasks_logs_or_errors(client, era5_path, capsys):
     """An S3 archive opened with keys: the job a worker gets shows none, nor do the workers' and the
     scheduler's logs, nor the error of a chunk that cannot be read; progress=True draws a bar."""
@@ -231,6 +235,7 @@ def test_no_credential_in_tasks_logs_or_errors(client, era5_path, capsys):
         assert s3.secret_access_key not in text and s3.access_key_id not in text
 
 
+@pytest.mark.slow
 def test_tasks_independent_of_threads_and_timing(client, era5_path, monkeypatch):
     """More or fewer tasks than workers: the same bits."""
     import xinsitu.batches.cluster as cluster

@@ -111,6 +111,7 @@ def era5(era5_path):
 # ---------------------------------------------------------------- values
 @pytest.mark.parametrize("output, stack", [("numpy", False), ("torch", False), ("xarray", False), ("numpy", True),
                                            ("torch", True), ("dataarray", False)])
+@pytest.mark.slow
 def test_items_and_batches_match_xarray(era5, output, stack, read_path):
     if output == "torch":
         pytest.importorskip("torch")
@@ -149,6 +150,7 @@ def test_item_equals_gen_sample(era5):
     dict(variables="t2m", output="xarray", patch={"lon": 5}),
     dict(variables=["t2m", "u10"], stack=True, window={"time": 2}),  # gathered straight into the stacked batch
 ])
+@pytest.mark.slow
 def test_batches_equal_generator_batches(era5, kw, read_path):
     """Every batch of a shuffled epoch of ``batches()``, read back through the dataset by its ids."""
     ds, m = era5
@@ -171,6 +173,7 @@ def test_batches_equal_generator_batches(era5, kw, read_path):
             assert got.dtype == b.dtype and np.array_equal(got, b, equal_nan=True)
 
 
+@pytest.mark.slow
 def test_patches_over_spatial_split_and_static_var(tmp_path, read_path):
     ds = write(tmp_path / "g.zarr", grid_ds(ny=16, nx=16), {"a": {"time": 8, "lat": 4, "lon": 4},
                                                             "b": {"time": 8, "lat": 4, "lon": 4},
@@ -388,6 +391,7 @@ def _job(path: str, tmp_path, method: str, how: str, timeout: int = 150) -> dict
 
 
 @pytest.mark.parametrize("method, how", [("spawn", "xinsitu"), ("fork", "xinsitu"), ("fork", "xr")])
+@pytest.mark.slow
 def test_dataloader_workers(era5_path, tmp_path, method, how):
     pytest.importorskip("torch")
     out = _job(era5_path, tmp_path, method, how)
@@ -395,6 +399,7 @@ def test_dataloader_workers(era5_path, tmp_path, method, how):
     assert out["ok"] and out["batches"] == out["expected"] > 0
 
 
+@pytest.mark.slow
 def test_dataloader_fork_remote_fails_at_once(era5_path, tmp_path):
     pytest.importorskip("torch")
     from tests.support.servers import FileServer
@@ -464,6 +469,7 @@ def test_in_range_indices_of_any_integer_type(era5):
     assert np.array_equal(d.batch([-1, 2**3])["t2m"][0], last)
 
 
+@pytest.mark.slow
 def test_hypothesis_index_range_like_python(era5):
     """Property: any integer, of any size, as a Python int, a numpy scalar or in an int64/uint64 array,
     selects what ``range(n)[i]`` selects, or raises IndexError where that does."""
@@ -530,6 +536,7 @@ def test_argument_errors(era5):
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ct=st.integers(1, 7), k=st.integers(1, 5), py=st.integers(1, 6), sy=st.integers(1, 4),
        seed=st.integers(0, 9), n=st.integers(1, 40), sparse=st.sampled_from([0, 4, 10**9]))
+@pytest.mark.slow
 def test_hypothesis_random_indices(tmp_path_factory, monkeypatch, ct, k, py, sy, seed, n, sparse):
     """Random chunking, window, tile and indices (duplicates, any order): the batch, each item and
     the chunk count of the call against xarray."""
@@ -668,6 +675,7 @@ def check_shape_case(ds, m, kw, variables, output, stack, ids) -> None:
 
 @pytest.mark.parametrize("split, kw", SHAPES, ids=[f"{s}-{kw}" for s, kw in SHAPES])
 @pytest.mark.parametrize("output, stack", [("numpy", False), ("xarray", False), ("numpy", True)])
+@pytest.mark.slow
 def test_every_sample_shape_matches_isel(shapes_archive, split, kw, output, stack, read_path):
     """``d[i]`` and ``d.__getitems__`` for every sample shape, bit for bit against ``ds.isel`` of
     each sample: a point sample was once read into a scalar copy and handed out unfilled."""
@@ -684,6 +692,7 @@ def test_every_sample_shape_matches_isel(shapes_archive, split, kw, output, stac
 @given(case=st.sampled_from(SHAPES), variables=st.sampled_from(VARIABLE_SETS),
        output=st.sampled_from(["numpy", "xarray", "stack"]), sparse=st.sampled_from([0, 4, 10**9]),
        ids=st.lists(st.integers(0, 10**6), min_size=1, max_size=12))
+@pytest.mark.slow
 def test_hypothesis_sample_shapes(shapes_archive, monkeypatch, case, variables, output, sparse, ids):
     """Any sample shape, variables, output, read path and indices (duplicates, any order) against isel."""
     import xinsitu.batches.mapstyle as mod

@@ -82,6 +82,7 @@ def _epoch(gen):
 
 @pytest.mark.parametrize("variables", [LEVEL_VARS + SURF, LEVEL_VARS + ["t2m", "lsm"]])
 @pytest.mark.parametrize("dtype", [None, "float32"])
+@pytest.mark.slow
 def test_stacked_batches_filled_in_place_equal_xarray(wm, variables, dtype):
     """One step per chunk: no buffer (chunks decode straight into each sample's channels), and every
     batch equals xarray's stacking of ``ds.isel(time=...)`` bit for bit, CF decoding included; with
@@ -249,6 +250,7 @@ def test_resume_and_elastic_in_place(wm):
 
 
 @pytest.mark.parametrize("layout", ["tiles", "time_last", "missing"])
+@pytest.mark.slow
 def test_in_place_on_other_layouts(tmp_path, layout):
     """Samples that span several chunks (spatial tiles), a split dim that is not a variable's first,
     and chunks with no object (the fill value, as xarray reads it): still straight into the batch, bit

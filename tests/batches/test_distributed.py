@@ -60,6 +60,7 @@ def _expected_times(era5_path: str, cfg: dict, rank: int, world: int, epoch: int
     return out
 
 
+@pytest.mark.slow
 def test_ranks_exactly_once_equal_batches(run, era5_path):
     world = run["world_size"]
     by = {(r["config"], r["epoch"]): [] for ranks in run["ranks"] for r in ranks}

@@ -60,6 +60,7 @@ def _check_epoch(space: SampleSpace, hops: list[tuple[int, int]], new_world: int
 
 
 @given(spaces(), configs, st.integers(1, 5), st.integers(1, 6), st.data())
+@pytest.mark.slow
 def test_elastic_exactly_once(space, cfg, old_world, new_world, data):
     n = epoch_plan(space, rank=0, world_size=old_world, **cfg).n_batches
     stop = data.draw(st.integers(0, n))
@@ -67,6 +68,7 @@ def test_elastic_exactly_once(space, cfg, old_world, new_world, data):
 
 
 @given(spaces(), configs, st.lists(st.integers(1, 5), min_size=2, max_size=3), st.integers(1, 6), st.data())
+@pytest.mark.slow
 def test_elastic_twice_in_one_epoch(space, cfg, worlds, new_world, data):
     """Resized twice (or more) inside one epoch: the hops chain, still exactly once."""
     hops: list[tuple[int, int]] = []
@@ -77,6 +79,7 @@ def test_elastic_twice_in_one_epoch(space, cfg, worlds, new_world, data):
 
 
 @given(spaces(), configs, st.integers(1, 5))
+@pytest.mark.slow
 def test_no_hop_is_the_epoch_plan(space, cfg, world_size):
     for r in range(world_size):
         a = epoch_plan(space, rank=r, world_size=world_size, **cfg)
@@ -129,6 +132,7 @@ def _times(batch) -> list[int]:
 @pytest.mark.parametrize(("old", "new", "stop", "drop_last"),
                          [(2, 4, 3, False), (2, 3, 1, True), (4, 2, 2, False), (3, 1, 4, False), (1, 3, 5, True),
                           (2, 4, 0, False), (2, 5, 10, False)])
+@pytest.mark.slow
 def test_generators_resume_elastically(ds, old, new, stop, drop_last):
     m = ds.insitu.split("time", fractions={"train": 0.9, "val": 0.1})
     kw = dict(batch_size=4, output="numpy", block_chunks=2, seed=5, drop_last=drop_last)

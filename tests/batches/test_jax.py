@@ -169,5 +169,6 @@ if not in_child():
     for _name in [n for n in globals() if n.startswith("test_")]:
         del globals()[_name]
 
+    @pytest.mark.slow
     def test_jax_tests_in_their_own_process() -> None:
         run_in_child(__file__)

@@ -90,6 +90,7 @@ def _span(ds: xr.Dataset, blk: int) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("output", ["xarray", "numpy"])
+@pytest.mark.slow
 def test_batches_equal_plain_xarray_merge(two, output):
     a, b, _, _ = two
     ds = merged(a, b)

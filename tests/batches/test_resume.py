@@ -35,6 +35,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("where", ["start", "middle", "last", "end"])
+@pytest.mark.slow
 def test_save_load_state(era5_path, case, where):
     ds = xinsitu.open_zarr(era5_path)
     m = _split(ds)
@@ -158,6 +159,7 @@ def _read_log(path: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("hang_after", [4])
+@pytest.mark.slow
 def test_resume_after_sigkill(era5_path, tmp_path, hang_after):
     """Kill a training process mid-epoch (after its checkpoint of batch i, with reads in
     flight); a fresh process resumed from that checkpoint trains on batch i+1 next and

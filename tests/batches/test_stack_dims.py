@@ -236,6 +236,7 @@ def weather_oracle(ds, times, variables=WEATHER):
 
 
 @pytest.mark.parametrize("output", ["numpy", "torch", "jax", "dataarray", "xarray"])
+@pytest.mark.slow
 def test_surface_variables_beside_levels_match_xarray(ds_m, output):
     """SPEC §4: stack=['level'] with t2m beside z, u, v: one channel `t2m`, `{var}_{label}` for the
     others, in variable-then-label order, bit for bit what xarray gives."""

@@ -535,6 +535,7 @@ def same(a: dict, b: dict) -> bool:
 
 
 @pytest.mark.parametrize("case", ["gap", "random chunks", "levels", "time and lat blocks"])
+@pytest.mark.slow
 def test_parts_merge_to_the_bits_of_one_pass(era5_path, levels_path, case):
     """Any number of parts, merged in any order, give the very bits of ``stats()`` (diffs included): the
     sums are exact; the pairs across a part's edge are counted once (the earlier part reads a halo)."""

@@ -148,6 +148,7 @@ def test_dataset_pickles_without_buffers(era5_path):
 
 
 # ---------------------------------------------------------------------- workers, in subprocesses
+@pytest.mark.slow
 def test_spawn_workers_disjoint_reads_persistent_epochs(era5_path, tmp_path):
     """spawn, 2 persistent workers, 2 epochs: exactly once per epoch, set_epoch reaches the
     workers, and each worker reads its own chunks (only a block a boundary falls in twice)."""
@@ -171,12 +172,14 @@ def test_spawn_workers_disjoint_reads_persistent_epochs(era5_path, tmp_path):
         assert len(every) - len(set(every)) <= len(VARIABLES) * JOB["block_chunks"], "more than one block read twice"
 
 
+@pytest.mark.slow
 def test_forkserver_workers(era5_path, tmp_path):
     out = _job(era5_path, tmp_path, "--open", "xinsitu", "--method", "forkserver", "--workers", "2")
     assert "error" not in out, out.get("traceback")
     _check_workers_epoch(out["epochs"][0], _reference(era5_path), 2)
 
 
+@pytest.mark.slow
 def test_fork_local_archive_works(era5_path, tmp_path):
     """fork, 3 workers, after the parent used obstore (--touch, its reads still in flight):
     the workers read the local archive with plain file I/O."""
@@ -186,6 +189,7 @@ def test_fork_local_archive_works(era5_path, tmp_path):
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+@pytest.mark.slow
 def test_workers_xinsitu_local_after_parent_epoch(era5_path, tmp_path, method):
     """The most common set-up: ``xinsitu.open_zarr(path)``, a whole epoch in the parent (obstore's
     runtime used there), then 2 workers: exactly once under every start method. Under fork the
@@ -195,6 +199,7 @@ def test_workers_xinsitu_local_after_parent_epoch(era5_path, tmp_path, method):
     _check_workers_epoch(out["epochs"][0], _reference(era5_path), 2)
 
 
+@pytest.mark.slow
 def test_fork_xinsitu_sharded_local_after_parent_epoch(tmp_path):
     """Shards of a local archive (byte ranges of one file) are read without obstore after fork too."""
     from xinsitu.synthetic import write_era5_like
@@ -207,6 +212,7 @@ def test_fork_xinsitu_sharded_local_after_parent_epoch(tmp_path):
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.slow
 def test_workers_netcdf_through_dask(era5_path, tmp_path, method):
     """A NetCDF copy of the archive opened with dask chunks (read through dask, chunk by chunk),
     after a whole epoch in the parent: the same batches as the Zarr archive, exactly once."""
@@ -219,6 +225,7 @@ def test_workers_netcdf_through_dask(era5_path, tmp_path, method):
     _check_workers_epoch(out["epochs"][0], _reference(era5_path), 2)
 
 
+@pytest.mark.slow
 def test_fork_remote_fails_at_once(era5_path, tmp_path):
     """fork with a remote (HTTP) store the parent has read from: an error naming the store and
     the fix, at the worker's first step, never a hang."""
@@ -236,6 +243,7 @@ def test_fork_remote_fails_at_once(era5_path, tmp_path):
     assert out["seconds"] < 30
 
 
+@pytest.mark.slow
 def test_stateful_dataloader_workers(era5_path, tmp_path):
     """StatefulDataLoader, 2 persistent workers: a state saved mid-epoch (through JSON)
     resumes the remaining batches exactly, and the next epoch matches."""

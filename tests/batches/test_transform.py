@@ -131,6 +131,7 @@ def test_generator_with_transform_pickles(ds_m):
         assert np.array_equal(a[1], b[1], equal_nan=True)
 
 
+@pytest.mark.slow
 def test_transform_in_spawned_dataloader_workers(ds_m):
     """A picklable transform travels into spawned DataLoader workers with the generator."""
     ds, m = ds_m
@@ -178,6 +179,7 @@ def test_transform_non_numeric_arrays_stay_as_they_are(ds_m):
 
 
 @own_process  # jax's threads and its at-fork warning stay in a child process
+@pytest.mark.slow
 def test_transform_output_jax_takes_numpy_and_cpu_tensors(ds_m):
     jax = pytest.importorskip("jax")
     ds, m = ds_m

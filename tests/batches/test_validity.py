@@ -64,6 +64,7 @@ SAMPLINGS = [{}, {"window": {"time": 3}}, {"patch": {"lat": 3, "lon": 2}, "strid
 
 
 @pytest.mark.parametrize("kw", SAMPLINGS)
+@pytest.mark.slow
 def test_finite_mask_equals_oracle(ds: xr.Dataset, m: xinsitu.SplitManifest, kw: dict) -> None:
     r = ds.insitu.validity(m, "train", variables=["x"], **kw)
     mask = decode_mask(m.validity["train"])
@@ -121,6 +122,7 @@ def valid_keys(ds: xr.Dataset, m: xinsitu.SplitManifest, split: str, **kw) -> np
 
 @pytest.mark.parametrize("kw", [{"window": {"time": 2}}, {"over": "lat"}])
 @pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.slow
 def test_batches_exactly_valid_once(ds: xr.Dataset, m: xinsitu.SplitManifest, kw: dict, world_size: int) -> None:
     ds.insitu.validity(m, "train", variables=["x"], **kw)
     want = valid_keys(ds, m, "train", **kw)
@@ -180,6 +182,7 @@ def test_resume_mid_epoch(ds: xr.Dataset, m: xinsitu.SplitManifest) -> None:
         ds.insitu.batches(m, "train", **kw).load_state_dict(state)
 
 
+@pytest.mark.slow
 def test_elastic_resume(ds: xr.Dataset, m: xinsitu.SplitManifest) -> None:
     ds.insitu.validity(m, "train", variables=["x"], over="lat")
     kw = dict(batch_size=2, output="numpy", over="lat", seed=4, block_chunks=2, variables=["x", "key"])
@@ -326,6 +329,7 @@ def test_masked_space_properties(chunks: list[int], width: int, free: int, data:
         SampleSpace(dims, {"t": edges}, blocks, valid=np.ones(n + 1, bool))
 
 
+@pytest.mark.slow
 def test_pass_in_many_batches(ds: xr.Dataset, m: xinsitu.SplitManifest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Large samples are tested in smaller batches of the pass: the same mask."""
     import xinsitu.batches.validity as validity

@@ -130,6 +130,7 @@ def test_keep_what_fits_gives_half_the_hits_for_a_split_twice_the_budget() -> No
         assert 0.4 <= r <= 0.6, rates
 
 
+@pytest.mark.slow
 def test_concurrent_threads_get_and_put(tmp_path: os.PathLike[str]) -> None:
     c = ChunkCache(memory="2MB", disk=tmp_path)
     errors: list[BaseException] = []
@@ -217,6 +218,7 @@ def _keys_in_subprocess(path: str) -> list[str]:
     return out.stdout.split()
 
 
+@pytest.mark.slow
 def test_keys_are_the_same_in_every_process(tmp_path: os.PathLike[str]) -> None:
     path = os.path.join(tmp_path, "a.zarr")
     _zarr_array(path)
@@ -413,6 +415,7 @@ def _share_worker(directory: str, seed: int, rounds: int) -> tuple[int, int, int
     return s.disk_hits, s.misses, s.corrupt
 
 
+@pytest.mark.slow
 def test_processes_share_a_directory(tmp_path: os.PathLike[str]) -> None:
     ctx = mp.get_context("spawn")
     with ctx.Pool(2) as pool:
@@ -441,6 +444,7 @@ while True:
 """
 
 
+@pytest.mark.slow
 def test_kill_9_mid_write_leaves_no_corrupt_entry(tmp_path: os.PathLike[str]) -> None:
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     rng = np.random.default_rng(0)

@@ -84,6 +84,7 @@ def test_cached_epochs_equal_uncached(era5_path, tmp_path, tier):
 
 @pytest.mark.parametrize("chunk_time", [1, 3])
 @pytest.mark.parametrize("budget", ["all", "half"])
+@pytest.mark.slow
 def test_whole_chunk_slots_are_copied_from_the_cache_at_once(tmp_path, monkeypatch, chunk_time, budget):
     """Where each slot of a buffer is one whole chunk (time chunks holding whole maps), batches are
     gathered straight from the cache's slab where it holds every chunk of the buffer; where each chunk
@@ -210,6 +211,7 @@ print(json.dumps({"stats": {k: gen.io_stats[k] for k in ("chunks", "requests", "
 """.replace("import json, sys", "import json, sys\nimport numpy as np")
 
 
+@pytest.mark.slow
 def test_a_disk_cache_serves_another_process(era5_path, tmp_path):
     _epochs(_gen(era5_path, cache=tmp_path), (0,))
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -307,6 +309,7 @@ def test_a_forked_child_keeps_the_parent_s_memory_tier(era5_path):
 
 @pytest.mark.parametrize("method, cache", [("fork", "memory"), ("spawn", "memory"), ("fork", "disk"),
                                            ("spawn", "disk")])
+@pytest.mark.slow
 def test_dataloader_workers_with_a_cache(era5_path, tmp_path, method, cache):
     """2 persistent workers, 2 epochs, the parent warmed by a whole epoch first: the same batches as
     the same job without a cache, each epoch exactly once."""
@@ -323,6 +326,7 @@ def test_dataloader_workers_with_a_cache(era5_path, tmp_path, method, cache):
 
 # --------------------------------------------------------------------------------------------- remote
 @pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.slow
 def test_http_store_memory_and_disk_tiers(tmp_path, sharded):
     """A remote store (keys without a file to stat: looked up on the I/O loop for a memory tier, in a
     decode thread for a disk tier): cached epochs equal uncached ones and send no request."""

@@ -72,6 +72,7 @@ def _remote_gen(url, opts, cache):
                              shuffle=False, cache=cache)
 
 
+@pytest.mark.slow
 def test_a_rewritten_remote_object_is_never_served_stale(tmp_path, remote):
     """Run 1 fills the disk cache; the objects are replaced with new values; run 2 (a new process's
     cache on the same directory) gives the new values, as an uncached run does, not the old ones; an
@@ -101,6 +102,7 @@ def test_a_rewritten_remote_object_is_never_served_stale(tmp_path, remote):
         assert srv.requests == cache.stats.version_requests == st["chunks"]
 
 
+@pytest.mark.slow
 def test_immutable_skips_the_version_check(tmp_path, remote):
     """The opt-out: ``immutable=True`` declares that the archive is never rewritten; its disk entries
     are keyed without versions (no listing, no HEAD) -- and, as declared, a rewritten archive then
@@ -302,6 +304,7 @@ print(json.dumps({"same": same, "stats": gen.io_stats, "fifo": os.path.exists(en
 """
 
 
+@pytest.mark.slow
 def test_a_fifo_in_place_of_an_entry_is_a_miss(tmp_path):
     """An entry replaced by a FIFO blocked the decode thread in ``open`` for ever; it is a miss now
     (the epoch runs in a subprocess under a timeout: a regression fails, it does not hang)."""
@@ -341,6 +344,7 @@ print(json.dumps({"warnings": ours, "errors": s.disk_errors, "writes": s.disk_wr
 
 @pytest.mark.skipif(not shutil.which("setpriv") or os.geteuid() != 0,
                     reason="needs root and setpriv to run the job as another (non-root) user")
+@pytest.mark.slow
 def test_an_unreadable_shard_is_counted_and_warned_once(tmp_path):
     """A shard directory the (non-root) user cannot list: the disk tier went on without writing anything,
     silently. Now the other shards are written, the failures counted and warned of once."""

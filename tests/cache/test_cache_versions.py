@@ -108,6 +108,7 @@ def test_a_local_rewrite_keeping_size_mtime_and_inode_is_a_miss(tmp_path):
 @pytest.mark.filterwarnings("ignore:the chunk cache's disk tier:RuntimeWarning")  # those of the runs after the first
 @pytest.mark.parametrize("opener", list(OPENERS))
 @pytest.mark.parametrize("head", ["plain", "405", "bare"])
+@pytest.mark.slow
 def test_an_http_store_without_versions_keeps_nothing_on_disk_and_says_so(tmp_path, head, opener):
     """``python -m http.server`` (and poorer servers): nothing is kept on disk, the first epoch warns
     once, naming the store and why, and the repr says it; a rewrite within the same second, or with its
@@ -176,6 +177,7 @@ def test_an_archive_read_through_fsspec_is_kept_on_disk_by_its_versions(tmp_path
 
 # ------------------------------------------------------------------ two endpoints, one bucket and key
 @pytest.mark.parametrize("opener", ["s3fs", "obstore"])
+@pytest.mark.slow
 def test_two_endpoints_serving_the_same_bucket_and_key_never_share_keys(tmp_path, opener):
     """Two S3 servers, the same bucket and key, other values; one ``ChunkCache`` (memory and disk): each
     archive gets its own chunks."""
@@ -229,6 +231,7 @@ print(json.dumps({"same": all(np.array_equal(a, b) for a, b in zip(got, ref)) an
 
 
 @pytest.mark.parametrize("opener", list(OPENERS))
+@pytest.mark.slow
 def test_version_checks_on_a_silent_server_are_bounded(tmp_path, opener):
     """A server that takes HEAD and never answers it (GET is answered): with
     ``XINSITU_REQUEST_TIMEOUT=1`` the epoch ends with the right values, the chunks read as without a disk

@@ -32,6 +32,7 @@ def borrowed_from_freed_streams() -> list[tuple[int, int, str]]:
             if isinstance(c, gpu_decode.StandInCodec) and c.stream not in live]
 
 
+@pytest.mark.slow
 def test_generators_collected_mid_epoch_leave_no_codec_without_its_stream(era5_path):
     ds = xinsitu.open_zarr(era5_path)
     m = ds.insitu.split("time", fractions={"train": 0.8, "val": 0.2})
@@ -79,6 +80,7 @@ def _run(script: str, path: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120, env=env, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_a_process_exiting_mid_epoch_frees_codecs_before_their_streams(era5_path):
     make = textwrap.dedent("""
         from xinsitu.codecs.gpu import StandInGpu, gpu_chain

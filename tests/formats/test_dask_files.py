@@ -142,6 +142,7 @@ def _epoch_peak(ds: xr.Dataset, block_chunks: int) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("block_chunks", [2, 4])
+@pytest.mark.slow
 def test_netcdf_epoch_memory_bounded_as_zarr(nc_path, tmp_path, block_chunks):
     """An epoch holds a few shuffle blocks (as many as from a Zarr copy of the file), never the file."""
     ds = xr.open_dataset(nc_path, chunks={"time": CT})

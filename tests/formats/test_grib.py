@@ -103,6 +103,7 @@ def test_isel_equals_cfgrib(one_file):
 
 
 @pytest.mark.parametrize("output", ["xarray", "numpy"])
+@pytest.mark.slow
 def test_epoch_matches_cfgrib(one_file, output):
     ds = open_grib(one_file)
     ref = with_history(cfgrib(one_file), ds)
@@ -169,6 +170,7 @@ def test_bitmap_reads_as_nan(tmp_path, edition):
     (2, "grid_png", "gribberish"),
     (2, "grid_ieee", "eccodes"),
 ])
+@pytest.mark.slow
 def test_packings(tmp_path, edition, packing, decoder):
     """Each packing reads as cfgrib reads it; gribberish decodes only the packings it was verified on."""
     pytest.importorskip("gribberish", reason="the grib extra is not installed")
@@ -223,6 +225,7 @@ def test_missing_field_reads_as_nan(tmp_path):
 
 
 # ----------------------------------------------------------------------------- several files
+@pytest.mark.slow
 def test_files_join_along_time(tmp_path, edition):
     """Daily files, each one reference time (cfgrib makes ``time`` a scalar there): joined along time as
     ``xr.concat`` joins them; the order of the files given does not matter."""

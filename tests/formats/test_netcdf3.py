@@ -73,6 +73,7 @@ def test_records_are_byte_ranges_of_the_file(nc3):
 
 
 @pytest.mark.parametrize("output", ["xarray", "numpy"])
+@pytest.mark.slow
 def test_epoch_matches_xarray(nc3, output):
     ds, ref = open_netcdf(nc3), xr.open_dataset(nc3).load()
     m = ds.insitu.split("time", fractions={"train": 0.6, "val": 0.4}, gap=1)
@@ -199,6 +200,7 @@ def era_interim_like(nm: int = 12, nl: int = 3, ny: int = NY, nx: int = NX, seed
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.slow
 def test_fixed_size_variables_split_along_their_first_dim(tmp_path, fmt):
     """Contiguous fixed-size variables are addressed in slabs of one index of their first dim (month, not the
     join dim): splits along month work as on a chunked array, values equal xr.open_dataset bit for bit."""

@@ -72,6 +72,7 @@ def ref(days) -> xr.Dataset:
 
 
 # ----------------------------------------------------------------------------- the Dataset
+@pytest.mark.slow
 def test_same_dataset_as_open_mfdataset(days, ref):
     ds = open_netcdf(days)
     xr.testing.assert_identical(ds.load(), ref)
@@ -80,6 +81,7 @@ def test_same_dataset_as_open_mfdataset(days, ref):
     assert ds.t2m.encoding["chunks"] == (CT, NY, NX)
 
 
+@pytest.mark.slow
 def test_order_of_files_does_not_matter(days, ref):
     xr.testing.assert_identical(open_netcdf(list(reversed(days))).load(), ref)
     xr.testing.assert_identical(open_netcdf(os.path.join(os.path.dirname(days[0]), "day*.nc")).load(), ref)
@@ -96,6 +98,7 @@ def test_data_stays_in_the_files(days):
 
 # ----------------------------------------------------------------------------- batches
 @pytest.mark.parametrize("output", ["xarray", "numpy"])
+@pytest.mark.slow
 def test_epoch_matches_open_mfdataset(days, ref, output):
     ds = open_netcdf(days)
     m = ds.insitu.split("time", fractions={"train": 0.6, "val": 0.2, "test": 0.2}, gap=1)
@@ -113,6 +116,7 @@ def test_store_through_xr_open_zarr(days, ref):
     run_epoch(ref, ds.insitu.batches(m, "val", batch_size=4, output="xarray", seed=1), "xarray")
 
 
+@pytest.mark.slow
 def test_ranges_and_windows(days, ref):
     ds = open_netcdf(days)
     m = ds.insitu.split("time", ranges={"train": slice("1979-01-01", "1979-01-08"),
@@ -126,6 +130,7 @@ def test_ranges_and_windows(days, ref):
     run_epoch(ref, gen, "xarray")
 
 
+@pytest.mark.slow
 def test_resume(days):
     ds = open_netcdf(days)
     m = ds.insitu.split("time", fractions={"train": 0.8, "val": 0.2})
@@ -188,6 +193,7 @@ def test_backend_reads_the_referenced_ranges(days):
     assert be.requests == len(keys)
 
 
+@pytest.mark.slow
 def test_files_over_http(days, ref):
     """Remote files (here plain HTTP): references resolve through obstore; chunks of one file asked for
     together go out as one request (obstore merges nearby ranges), not one per chunk."""

@@ -71,6 +71,7 @@ def _assert_same_sorted(runs: list[dict]) -> None:
         assert r == first
 
 
+@pytest.mark.slow
 def test_unconsolidated_v3_store_has_one_order(tmp_path):
     path = str(tmp_path / "u.zarr")
     _dataset().to_zarr(path, zarr_format=3, consolidated=False, encoding={n: {"chunks": (4, 3)} for n in NAMES})
@@ -78,6 +79,7 @@ def test_unconsolidated_v3_store_has_one_order(tmp_path):
 
 
 @pytest.mark.parametrize("how", ["xr", "xrds"])
+@pytest.mark.slow
 def test_unconsolidated_store_through_xarray_has_one_order(tmp_path, how):
     """xr.open_zarr / xr.open_dataset(engine="zarr") list an unconsolidated store's arrays in no fixed
     order; the accessor sorts them by name for the channels, statistics and state (SPEC §1)."""
@@ -111,6 +113,7 @@ def test_accessor_sorts_only_a_listed_order(tmp_path):
     assert ds.insitu.batches(m, "train", **kw).channels == list(ds.data_vars)
 
 
+@pytest.mark.slow
 def test_icechunk_repository_has_one_order(tmp_path):
     icechunk = pytest.importorskip("icechunk")
     icechunk.set_logs_filter("error")

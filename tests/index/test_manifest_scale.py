@@ -278,6 +278,7 @@ def refined_path(era5_path, tmp_path_factory):
 @pytest.mark.parametrize("how", [dict(fractions=FR, gap=1),
                                  dict(fractions={"train": 0.6, "val": 0.4}, contiguous=False, seed=4)])
 @pytest.mark.parametrize("window", [None, {"time": 3}])
+@pytest.mark.slow
 def test_manifest_on_refined_grid_keeps_every_sample_in_its_split(era5_path, refined_path, how, window):
     coarse, fine = xinsitu.open_zarr(era5_path), xinsitu.open_zarr(refined_path)
     assert fine.insitu.chunks["time"] == CT // 2

@@ -44,6 +44,7 @@ SHAPES = {
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("output", ["xarray", "numpy"])
 @pytest.mark.parametrize("kind", ["stored", "memory", "dask", "aux"])
+@pytest.mark.slow
 def test_batches_equal_isel_without_coords(stored, kind, output, shape):
     ds = _datasets(stored)[kind]
     m = ds.insitu.split("time", fractions={"train": 0.75, "val": 0.25})
@@ -85,6 +86,7 @@ def test_sample_without_coords(stored, kind):
         xr.testing.assert_identical(ds.insitu.sample(m, "val", i, window={"time": 3}, patch={"lon": 5}), ref)
 
 
+@pytest.mark.slow
 def test_ranges_use_positions_without_coords(stored):
     """ranges= takes positions as labels (``.sel`` semantics: both ends included); the manifest
     reports the positions each split covers."""

@@ -92,6 +92,7 @@ def test_exactly_once_across_ranks(space, cfg, world_size):
 
 
 @given(spaces(), configs, world_sizes)
+@pytest.mark.slow
 def test_whole_units_are_read_by_one_rank(space, cfg, world_size):
     ps = plans(space, world_size, **cfg)
     whole = all(np.array_equal(p.lo, np.zeros_like(p.lo)) and np.array_equal(p.hi, space.counts[p.units])

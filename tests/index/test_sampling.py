@@ -73,6 +73,7 @@ def grid_ds(nt=24, ny=12, nx=10, seed=0) -> xr.Dataset:
 # ---------------------------------------------------------------- windows
 @pytest.mark.parametrize("k", [1, 2, 3, 9, 17])
 @pytest.mark.parametrize("output", ["numpy", "xarray"])
+@pytest.mark.slow
 def test_windows(era5_path, k, output):
     ds = xinsitu.open_zarr(era5_path)
     m = ds.insitu.split("time", fractions={"train": 0.6, "val": 0.2, "test": 0.2}, gap=1)
@@ -105,6 +106,7 @@ def test_window_reads_each_chunk_once_per_block(era5_path):
 # ---------------------------------------------------------------- patches
 @pytest.mark.parametrize("patch, stride", [({"lat": 4, "lon": 5}, None), ({"lat": 5}, {"lat": 2}),
                                            ({"lat": 12, "lon": 3}, {"lon": 4}), ({"lon": 7}, {"lon": 3})])
+@pytest.mark.slow
 def test_patches(tmp_path, patch, stride):
     ds = write(tmp_path / "g.zarr", grid_ds(), {"a": {"time": 4, "lat": 5, "lon": 4},
                                                 "b": {"time": 4, "lat": 6, "lon": 10}})
@@ -134,6 +136,7 @@ def test_window_and_patch_with_static_var(tmp_path):
 
 # ---------------------------------------------------------------- multi-dim splits
 @pytest.mark.parametrize("over", [None, "time"])
+@pytest.mark.slow
 def test_spatial_split(tmp_path, over):
     ds = write(tmp_path / "g.zarr", grid_ds(), {"a": {"time": 24, "lat": 3, "lon": 2},
                                                 "b": {"time": 12, "lat": 3, "lon": 4}, "mask": {"lat": 6, "lon": 10}})
@@ -150,6 +153,7 @@ def test_spatial_split(tmp_path, over):
         assert gen.n_samples == m.positions(split) * per_point
 
 
+@pytest.mark.slow
 def test_spatial_split_with_patches_across_blocks(tmp_path):
     ds = write(tmp_path / "g.zarr", grid_ds(ny=16, nx=16), {"a": {"time": 8, "lat": 4, "lon": 4},
                                                             "b": {"time": 8, "lat": 4, "lon": 4},
@@ -237,6 +241,7 @@ def test_missing_chunks_read_as_fill(tmp_path, era5_path):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ct=st.integers(1, 7), k=st.integers(1, 5), py=st.integers(1, 6), sy=st.integers(1, 4),
        bs=st.integers(1, 9), nblock=st.integers(1, 4), seed=st.integers(0, 9), shuffle=st.booleans())
+@pytest.mark.slow
 def test_hypothesis_windows_patches(tmp_path_factory, ct, k, py, sy, bs, nblock, seed, shuffle):
     path = tmp_path_factory.mktemp("h") / "h.zarr"
     ds = write(path, grid_ds(nt=30, ny=6, nx=3, seed=seed), {"a": {"time": ct, "lat": 4}, "b": {"time": ct}})

@@ -153,6 +153,7 @@ def test_units_at_mixes_like_a_random_permutation():
 
 
 @pytest.mark.parametrize("n", [3, 4, 5, 4097])
+@pytest.mark.slow
 def test_units_at_draws_orders_alike(n):
     """Over many seeds, every order of a few units comes about equally often, as from a uniform random
     permutation (chi-square per degree of freedom near 1; a Feistel network on a domain of 3 bits, as

@@ -55,6 +55,7 @@ def test_one_split_on_a_dim_in_one_chunk(whole):
 @pytest.mark.parametrize("kw", [{}, {"over": "time"}, {"over": "time", "cache": True},
                                 {"patch": {"lat": 4, "lon": 2}, "over": "time"},
                                 {"patch": {"lat": 3, "lon": 3}, "stride": {"lat": 1, "lon": 2}, "window": {"time": 2}}])
+@pytest.mark.slow
 def test_spatial_hold_out_in_blocks(whole, kw):
     m = whole.insitu.split(["lat", "lon"], fractions={"train": 0.7, "val": 0.3}, contiguous=False, seed=3,
                            block={"lat": 4, "lon": 3})
@@ -226,6 +227,7 @@ def test_in_memory_dataset_splits_in_blocks():
     assert gen.sample(0).time.values == ds.time.values[16]
 
 
+@pytest.mark.slow
 def test_spatial_hold_out_on_a_grib_file(tmp_path):
     """Issue 29: split(["latitude", "longitude"], contiguous=False) on a GRIB file (one field per chunk) is
     refused naming block=; with block= every epoch equals cfgrib's values, exactly once."""

@@ -65,6 +65,7 @@ def block_points(m: SplitManifest, split: str) -> list[tuple[int, ...]]:
 
 @settings(max_examples=300, deadline=None)
 @given(manifests())
+@pytest.mark.slow
 def test_indices_are_the_blocks_positions(m):
     """Per split: one int64 array per split dim, all as long as ``m.positions(split)``; point k is
     ``(ind[d][k] for d in m.dims)``; the points are the split's blocks' positions, in split order

@@ -73,6 +73,7 @@ MATRIX = {
 
 
 @pytest.mark.parametrize("name", list(MATRIX))
+@pytest.mark.slow
 def test_epoch_through_faults_equals_local(server, manifest, reference, name):
     faults = MATRIX[name]
     got = _remote_epoch(server, faults, manifest)
@@ -105,6 +106,7 @@ SHARD_FAULTS = {
 
 
 @pytest.mark.parametrize("name", list(SHARD_FAULTS))
+@pytest.mark.slow
 def test_sharded_epoch_through_faults_equals_local(server, sharded, manifest, reference, name):
     """Inner chunks fetched by byte range (shard index, then coalesced ranges) ride out faults too."""
     got = _remote_epoch(server, SHARD_FAULTS[name], manifest, name="sharded.zarr")
@@ -133,6 +135,7 @@ def _check_partial(batches: list, reference: tuple) -> None:
 
 
 @pytest.mark.parametrize("status", [503, 500, 403])
+@pytest.mark.slow
 def test_chunk_that_keeps_failing_names_itself(server, manifest, reference, status):
     server.faults = Faults(always=r"/era5.zarr/z500/c/3/0/0$", always_status=status)
     server.reset_counts()

@@ -38,6 +38,7 @@ def reference(archive: str, manifest: xinsitu.SplitManifest) -> tuple:
 
 
 # ----------------------------------------------------------------------------- 5. in-flight limit
+@pytest.mark.slow
 def test_automatic_limit_backs_off_on_an_overloaded_store(archive, manifest, reference):
     """A server that holds 6 requests at most and answers them one at a time (a plain ``http.server``:
     one in hand, 5 in its accept queue); a request past them waits a second, then two, as a dropped
@@ -62,6 +63,7 @@ def test_automatic_limit_backs_off_on_an_overloaded_store(archive, manifest, ref
         assert not srv.turned_away or lim.stalls, (srv.turned_away, lim.history)  # noticed
 
 
+@pytest.mark.slow
 def test_automatic_limit_climbs_for_a_far_healthy_store(archive, manifest, monkeypatch):
     """100 ms away, latency that does not grow with load: the limit doubles to the top, where the reads
     ask for that many chunks at once (one buffer for the whole split: 144), in two short epochs."""
@@ -292,6 +294,7 @@ def _epoch_in_thread(gen, limit_s: float) -> tuple[bool, BaseException | None]:
 
 
 @pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.slow
 def test_read_that_never_answers_times_out_naming_the_chunk(archive, manifest, tmp_path, monkeypatch, sharded):
     """A server that accepts chunk requests and never answers: with the default store options (obstore
     would wait 30 s per try, 10 tries), the request timeout gives up on each try, retries, then
@@ -418,6 +421,7 @@ def crc_archive(archive: str) -> str:
 
 
 @pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.slow
 def test_bit_flips_never_become_wrong_values_with_crc32c(crc_archive, manifest, tmp_path, sharded):
     """A body with a flipped bit: with crc32c in the codec chain the checksum catches it and the chunk
     is fetched again -- the epoch equals the local one; one that flips every time raises."""
@@ -443,6 +447,7 @@ def test_bit_flips_never_become_wrong_values_with_crc32c(crc_archive, manifest, 
 
 
 # ----------------------------------------------------------------------------- 16. smaller
+@pytest.mark.slow
 def test_client_options_from_the_environment_are_respected(archive, manifest, reference, tmp_path, monkeypatch):
     """``AWS_ALLOW_HTTP=true`` (and the endpoint, credentials) from the environment: xinsitu's own
     client defaults no longer replace it (obstore failed with ``builder error``)."""
@@ -509,6 +514,7 @@ def test_damaged_metadata_is_fetched_again_then_named(archive):
             xinsitu.open_zarr(f"{srv.url}/era5.zarr")
 
 
+@pytest.mark.slow
 def test_abandoned_epochs_stop_reading_and_threads_stay_bounded(tmp_path):
     """An epoch abandoned after one batch stops its reads (they used to run on, holding connections
     and threads of obstore's runtime); after several, obstore's threads stay within the process-wide

@@ -135,6 +135,7 @@ left["t"] = time.monotonic()
 
 
 @pytest.mark.parametrize("how", ["slow", "hang"])
+@pytest.mark.slow
 def test_exit_waits_for_reads_in_flight_then_ends(tmp_path, how):
     """A script that ends while reads are in flight exits cleanly: the exit handler cancels them and
     waits until obstore's runtime threads are done with Python. (A runtime thread that takes the GIL

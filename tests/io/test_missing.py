@@ -77,6 +77,7 @@ def _raises(gen) -> None:
     assert "'z500'" in str(e) and "(2, 0, 0)" in str(e) and KEY in str(e) and "missing='raise'" in str(e)
 
 
+@pytest.mark.slow
 def test_missing_raise_local_and_remote(clean, holed):
     _raises(_gen(holed, missing="raise"))
     with FileServer(Path(holed).parent) as srv:

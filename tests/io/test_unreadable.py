@@ -90,6 +90,7 @@ LOCAL = ["garbage", "empty", "truncated"]
 
 @pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "2-workers"])
 @pytest.mark.parametrize("kind", LOCAL)
+@pytest.mark.slow
 def test_damaged_local_chunk_raises(archive, failing, tmp_path, kind, workers):
     if workers:
         pytest.importorskip("torch", reason="DataLoader workers need torch")
@@ -100,6 +101,7 @@ def test_damaged_local_chunk_raises(archive, failing, tmp_path, kind, workers):
 
 @pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "2-workers"])
 @pytest.mark.parametrize("kind", ["503 every time", "undecodable body"])
+@pytest.mark.slow
 def test_failing_remote_chunk_raises(archive, failing, tmp_path, kind, workers):
     if workers:
         pytest.importorskip("torch", reason="DataLoader workers need torch")
@@ -121,6 +123,7 @@ def test_failing_remote_chunk_raises(archive, failing, tmp_path, kind, workers):
 
 
 @pytest.mark.parametrize("window", [2, 3])
+@pytest.mark.slow
 def test_damaged_chunk_with_windows_raises(archive, failing, tmp_path, window):
     """Windows: blocks pass the chunks they spill into on to later blocks; a failed one fails its takers."""
     path = _damage(archive, tmp_path, failing[1], "garbage")

@@ -55,6 +55,7 @@ def _slots_back(gen, wait_s: float = 10.0) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_whole_chunks_over_http_equal_xarray_and_every_slot_comes_back(root, expected):
     with FileServer(root) as srv:
         ds = xinsitu.open_zarr(f"{srv.url}/c1.zarr")[VARS]
@@ -88,6 +89,7 @@ def test_an_error_is_one_request_and_names_the_chunk(root):
 
 
 @pytest.mark.parametrize("kind", ["hang", "short"])
+@pytest.mark.slow
 def test_no_answer_or_bytes_that_fail_to_decode_go_the_long_way(root, expected, monkeypatch, kind):
     """A request that never answers (past ``XINSITU_REQUEST_TIMEOUT``) or a body cut short where
     HTTP cannot see it: fetched again, the epoch is exact."""

@@ -31,6 +31,7 @@ def ds(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.mark.parametrize("block_chunks", [16, 4, 1])
 @pytest.mark.parametrize("name", list(SAMPLING))
+@pytest.mark.slow
 def test_windowed_epoch_reads_each_chunk_about_once(ds, name, block_chunks):
     m = ds.insitu.split("time", fractions={"train": 1.0})
     gen = ds.insitu.batches(m, "train", batch_size=16, output="numpy", block_chunks=block_chunks, seed=0,

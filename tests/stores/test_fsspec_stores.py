@@ -44,12 +44,14 @@ def _check(ds: xr.Dataset, archive: str) -> None:
 
 
 @pytest.mark.parametrize("chunks", [None, {}], ids=["nodask", "dask"])
+@pytest.mark.slow
 def test_fsspec_http_store_reads_like_xarray(http, archive, chunks):
     ds = xr.open_zarr(f"{http.url}/era5.zarr", chunks=chunks)
     _check(ds, archive)
 
 
 @pytest.mark.parametrize("chunks", [None, {}], ids=["nodask", "dask"])
+@pytest.mark.slow
 def test_s3fs_store_reads_like_xarray(archive, chunks):
     pytest.importorskip("s3fs", reason="s3fs (the dev extra) is not installed here")
     with MotoS3() as srv:
@@ -65,6 +67,7 @@ CHUNKS = r"/(t2m|u10|v10|z500|tp|lsm)/c/"  # data chunk objects (not metadata, n
 
 @pytest.mark.parametrize("kind", ["error_503", "truncate", "reset"])
 @pytest.mark.parametrize("opener", ["xr", "xinsitu"])
+@pytest.mark.slow
 def test_fsspec_store_rides_out_transient_faults(archive, kind, opener):
     """SPEC 5: transient faults are retried whatever the store. Through fsspec's HTTP filesystem
     (``xr.open_zarr(URL)``, or ``xinsitu.open_zarr`` of that ``FsspecStore``), every chunk answered
@@ -88,6 +91,7 @@ def test_fsspec_store_rides_out_transient_faults(archive, kind, opener):
     assert_same_epoch(got, ref)
 
 
+@pytest.mark.slow
 def test_fsspec_store_names_a_chunk_that_keeps_failing(archive, monkeypatch):
     """A chunk answered 503 every time, through fsspec: retried (with backoff), then
     ``ChunkReadError`` naming the variable, the chunk and the key; a 403 is an answer, not retried."""

@@ -47,6 +47,7 @@ def _session(repo: dict, how: str):
 
 @pytest.mark.parametrize("opener", ["xinsitu", "xr_nodask", "xr_dask"])
 @pytest.mark.parametrize("how", ["branch", "first"])
+@pytest.mark.slow
 def test_readonly_session_epoch_matches_xarray(repo, how, opener):
     store = _session(repo, how).store
     if opener == "xinsitu":

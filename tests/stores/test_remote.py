@@ -70,6 +70,7 @@ def _check_epochs(ds: xr.Dataset, manifest, local_epochs, splits=("train", "val"
 
 
 # ----------------------------------------------------------------------------- S3
+@pytest.mark.slow
 def test_s3_epochs_equal_local(s3, manifest, local_epochs):
     ds = xinsitu.open_zarr(f"s3://{BUCKET}/data/era5.zarr", **s3.options)
     assert "dask" not in type(ds.t2m.variable._data).__module__
@@ -131,6 +132,7 @@ def test_gcs_and_azure_protocols_equal_local(archive, tmp_path, manifest, local_
         assert not [p for p in srv.missing if "/c/" in p]  # every chunk was found where expected
 
 
+@pytest.mark.slow
 def test_sharded_archive_by_byte_ranges_equals_local(tmp_path, manifest, local_epochs, s3):
     """Shards of 4 inner chunks: inner chunks are fetched by byte range, over HTTP and S3."""
     path = write_archive(tmp_path / "sharded.zarr", shard_time=32)
@@ -145,6 +147,7 @@ def test_sharded_archive_by_byte_ranges_equals_local(tmp_path, manifest, local_e
         assert srv.ranged > 0  # byte ranges, not whole shards
 
 
+@pytest.mark.slow
 def test_max_inflight_bounds_requests(archive, manifest):
     """With latency on every request, the server never sees more than max_inflight at once."""
     with FileServer(Path(archive).parent, Faults(latency=0.05)) as srv:
@@ -217,6 +220,7 @@ def test_missing_chunk_reads_as_fill_value(archive, tmp_path, manifest):
         assert sorted(p for p in srv.missing if "/c/" in p) == ["/holes.zarr/t2m/c/2/0/0", "/holes.zarr/tp/c/5/0/0"]
 
 
+@pytest.mark.slow
 def test_no_dask_no_fsspec_on_the_read_path(http, manifest):
     """A fresh process where dask and fsspec cannot be imported (as if not installed) reads an
     epoch over HTTP, through obstore."""
@@ -242,6 +246,7 @@ def test_no_dask_no_fsspec_on_the_read_path(http, manifest):
 
 
 @pytest.mark.parametrize("consolidated", [None, False, True])
+@pytest.mark.slow
 def test_open_on_a_server_that_never_answers_is_bounded_and_named(archive, consolidated):
     """The metadata reads of an open get the request timeout of chunk reads: a server that accepts
     and never answers gives a TimeoutError naming the object and XINSITU_REQUEST_TIMEOUT, after
@@ -269,6 +274,7 @@ def test_open_on_a_server_that_never_answers_is_bounded_and_named(archive, conso
 
 
 @pytest.mark.parametrize("kind", ["ObjectStore", "FsspecStore"])
+@pytest.mark.slow
 def test_open_of_a_store_object_on_a_server_that_never_answers_is_bounded(archive, kind):
     """A store object the user built -- ``zarr.storage.ObjectStore`` over their own obstore store,
     ``zarr.storage.FsspecStore`` -- gets the bound of the metadata reads too: a server that accepts
@@ -305,6 +311,7 @@ def test_open_of_a_store_object_on_a_server_that_never_answers_is_bounded(archiv
     assert float(said.split("took")[-1]) < 30, said
 
 
+@pytest.mark.slow
 def test_a_timeout_of_obstore_s_own_is_a_timeout_error_naming_the_object(archive):
     """Where obstore gives up first (its read timeout, retried until its retry timeout: here 0.3 s and
     1 s, under a request bound of 30 s), the open raises ``TimeoutError`` naming the object at once
@@ -356,6 +363,7 @@ def test_the_default_request_bound_ends_a_silent_server_s_wait(monkeypatch):
     assert limit * FETCH_ATTEMPTS <= 180, limit
 
 
+@pytest.mark.slow
 def test_the_reopen_of_a_dask_selection_is_bounded_too(archive):
     """xinsitu's own reopen of the store behind ``xr.open_zarr(URL)`` (fsspec, dask) to map a
     selection's labels: bounded like every metadata read once the server stops answering. In a
@@ -398,6 +406,7 @@ def _unconsolidated(path: Path, zarr_format: int) -> xr.Dataset:
 
 
 @pytest.mark.parametrize("zarr_format", [2, 3])
+@pytest.mark.slow
 def test_an_unconsolidated_archive_over_plain_http_opens_from_the_index_pages(tmp_path, zarr_format):
     """``python -m http.server`` serving an archive written without consolidated metadata (someone
     else's: the reader cannot consolidate it): ``xinsitu.open_zarr(url)`` finds the arrays from the

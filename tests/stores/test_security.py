@@ -90,6 +90,7 @@ def _epoch_until_error(gen) -> BaseException | None:
     return None
 
 
+@pytest.mark.slow
 def test_s3_credentials_never_shown(archive, logs):
     import obstore
 

@@ -54,6 +54,7 @@ def open_with(opener: str, store: object) -> xr.Dataset:
 
 @pytest.mark.parametrize("opener", ["xinsitu", "xr_nodask", "xr_dask"])
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.slow
 def test_store_object_epoch_matches_xarray(era5_path, kind, opener):
     ds = open_with(opener, make_store(kind, era5_path))
     m = ds.insitu.split("time", fractions={"train": 0.7, "val": 0.3}, gap=1)

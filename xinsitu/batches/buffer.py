@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from xinsitu.codecs.gpu import GpuChain, GpuPathError, chain_on_gpu
+from xinsitu.codecs.gpu import GpuChain, GpuPathError, chain_on_gpu, leave_gpu
 from xinsitu.index.plan import EpochPlan, piece_ids
 from xinsitu.index.sampling import SampleSpace, VarLayout
 from xinsitu.io import loop as _loop
@@ -263,9 +263,7 @@ class BufferLoader:
             e = failed.get(name)
             if e is None:
                 continue
-            if self.on_gpu.pop(name, None) is not None:
-                warnings.warn(f"xinsitu: decoding variable {name!r} on the GPU failed its check on first use "
-                              f"({e}); its chunks are decoded on the CPU from now on", RuntimeWarning, stacklevel=2)
+            leave_gpu(self.on_gpu, name, e)
             again.append(self._on_host(name, lay, len(coords), arrays, on_device, regions))
         await asyncio.gather(*again)
 

@@ -220,8 +220,12 @@ def where_of(sources: dict[str, Any]) -> str:
 
 
 # ----------------------------------------------------------------------------- the cluster
-def check_client(client: Any) -> None:
-    """``client`` is a ``distributed.Client`` (``TypeError`` naming ``client``); the dask extra is there."""
+def check_client(client: Any, cache: Any = None) -> None:
+    """``client`` is a ``distributed.Client`` (``TypeError`` naming ``client``); the dask extra is there;
+    no ``cache`` beside it (``ValueError``: a cache keeps chunks in this process, the workers read them)."""
+    if cache is not None:
+        raise ValueError("cache= keeps chunks in this process; with client= the chunks are read on the "
+                         "workers: leave cache out (or run the pass here, without client=)")
     try:
         from distributed import Client
     except ImportError:

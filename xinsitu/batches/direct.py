@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from xinsitu.batches.output import OutputBuilder
-from xinsitu.codecs.gpu import GpuChain, GpuPathError, chain_on_gpu
+from xinsitu.codecs.gpu import GpuChain, GpuPathError, chain_on_gpu, leave_gpu
 from xinsitu.index.plan import EpochPlan
 from xinsitu.index.sampling import SampleSpace, VarLayout
 from xinsitu.io.mempool import ArrayPool
@@ -283,9 +283,7 @@ class DeviceDirectLoader(DirectLoader):
             e = failed.get(name)
             if e is None:
                 continue
-            if self.on_gpu.pop(name, None) is not None:
-                warnings.warn(f"xinsitu: decoding variable {name!r} on the GPU failed its check on first use "
-                              f"({e}); its chunks are decoded on the CPU from now on", RuntimeWarning, stacklevel=2)
+            leave_gpu(self.on_gpu, name, e)
             raws.pop(name, None)
             again.append(self._on_host(name, regions, hosts))
         await asyncio.gather(*again)

@@ -918,10 +918,7 @@ def compute_stats(ds: xr.Dataset, manifest: SplitManifest, split: str, variables
     """
     progress = flag("progress", progress)
     if client is not None:
-        check_client(client)
-        if cache is not None:
-            raise ValueError("cache= keeps chunks in this process; with client= the chunks are read on the "
-                             "workers: leave cache out (or compute the statistics here, without client=)")
+        check_client(client, cache)
     sp = StatsPass(ds, manifest, split, variables, block_chunks=block_chunks, max_inflight=max_inflight,
                    cache=cache, stack=stack, diffs=diffs)
     if client is None:

@@ -287,10 +287,7 @@ def compute_validity(ds: xr.Dataset, manifest: SplitManifest, split: str, where:
     ``validity``); returns ``{"split", "valid", "total", "where", "sampling", "record"}``."""
     progress = flag("progress", progress)
     if client is not None:
-        check_client(client)
-        if cache is not None:
-            raise ValueError("cache= keeps chunks in this process; with client= the chunks are read on the "
-                             "workers: leave cache out (or run the pass here, without client=)")
+        check_client(client, cache)
     vp = ValidityPass(ds, manifest, split, where, variables, window=window, patch=patch, stride=stride, over=over,
                       block_chunks=block_chunks, max_inflight=max_inflight, cache=cache)
     if client is None:

@@ -39,6 +39,7 @@ import struct
 import sys
 import threading
 import time
+import warnings
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,6 +69,14 @@ class ChecksumError(ValueError):
 
 class GpuPathError(RuntimeError):
     """The GPU path failed its check on first use (see ``GpuBatch.flush``): the CPU path takes over."""
+
+
+def leave_gpu(on_gpu: dict[str, Any], name: str, why: BaseException) -> None:
+    """Variable ``name``'s chain failed its check on first use: off the GPU (``on_gpu``) for good, said
+    once (a warning naming the variable and why)."""
+    if on_gpu.pop(name, None) is not None:
+        warnings.warn(f"xinsitu: decoding variable {name!r} on the GPU failed its check on first use "
+                      f"({why}); its chunks are decoded on the CPU from now on", RuntimeWarning, stacklevel=3)
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,9 @@ def test_automatic_limit_backs_off_on_an_overloaded_store(archive, manifest, ref
     one in hand, 5 in its accept queue); a request past them waits a second, then two, as a dropped
     connection waits for the SYN retransmit. By rule, not by timing: whatever this machine's load,
     the automatic limit grows paced, notices each request turned away (left a second behind the
-    ones after it) and backs off. Over three epochs 10-25 requests are turned away (the old limit:
-    ~220, and epochs of 6-18 s where the first took 1.3 s), and every epoch is exact."""
+    ones after it) and backs off. Over three epochs 10-25 requests are turned away on an idle machine,
+    54 on a loaded one (the old limit: ~220, and epochs of 6-18 s where the first took 1.3 s), and every
+    epoch is exact."""
     reference_of = {0: reference}
     with FileServer(Path(archive).parent, capacity=6) as srv:
         gen = xinsitu.open_zarr(f"{srv.url}/era5.zarr").insitu.batches(manifest, "train", **KW)
@@ -59,7 +60,9 @@ def test_automatic_limit_backs_off_on_an_overloaded_store(archive, manifest, ref
             assert_same_epoch(epoch_numpy(gen), reference_of[epoch])
         lim = gen._reader.inflight
         assert lim.remote and lim.history, "the limit never adapted"
-        assert srv.turned_away <= 48, (srv.turned_away, lim.history, lim.stalls)
+        # 10-25 on an idle machine, 54 seen on a loaded one (the server's threads share its cores); the
+        # limit that never backed off: ~220. Half of that is the bound: load cannot fail it, no back-off does
+        assert srv.turned_away <= 110, (srv.turned_away, lim.history, lim.stalls)
         assert not srv.turned_away or lim.stalls, (srv.turned_away, lim.history)  # noticed
 
 
@@ -254,6 +257,25 @@ def _overloaded_epoch(lim, n: int = 600, *, client_s: float, spikes: float, seed
         loop.close()
     return now[0], dropped
 
+
+
+def test_a_connect_stall_sends_the_limit_to_the_bottom_then_slow_start_to_a_quarter():
+    """By rule, in simulated time: a far store's limit climbs; one request is then left a connect stall's
+    time behind the others (a dropped connection waiting for the SYN retransmit). The limit goes back to
+    the bottom, then climbs again to a quarter of where it stalled, and no higher (no probe is due yet)."""
+    import itertools
+
+    from xinsitu.io.inflight import AUTO_REMOTE
+
+    lim = _remote()
+    sends = itertools.count()
+    seen = _simulate(lim, lambda k: 1.5 if next(sends) == 200 else 0.05, answers=1500)
+    assert lim.stalls == 1
+    peak = max(seen)
+    assert peak >= 16 * AUTO_REMOTE[0], seen
+    after = seen[seen.index(peak):]
+    bottom = after.index(AUTO_REMOTE[0])  # back to the bottom ...
+    assert max(after[bottom:]) == peak // 4, after  # ... then up to a quarter of the peak
 
 @pytest.mark.parametrize(("client_s", "spikes"), [(0.0005, 0.0), (0.002, 0.01), (0.005, 0.05), (0.02, 0.05)],
                          ids=["idle", "busy", "busier", "saturated"])

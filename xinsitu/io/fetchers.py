@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import numpy as np
@@ -72,14 +72,20 @@ def reraise(name: str, coords: tuple[int, ...], path: str, e: Exception) -> NoRe
 
 # ----------------------------------------------------------------------------- local files
 def read_local(store: Any, prefix: str, dec: Any, name: str,
-               share: list[tuple[tuple[int, ...], Destination]],
+               todo: deque[tuple[tuple[int, ...], Destination]],
                scratch: Any = SCRATCH) -> list[tuple[tuple[int, ...], float, ChunkOutcome]]:
-    """One decode thread's share of local chunk files (``LocalBackend.read``), each read and placed
-    in turn: (coords, seconds reading, outcome) per chunk. A chunk that fails raises ``ChunkReadError``
-    naming it (a file reads the same bytes again: no second try). ``scratch``: what files are read
-    into (``ThreadScratch.take``'s protocol; the GPU path's page-locked staging)."""
+    """Local chunk files (``LocalBackend.read``) taken from ``todo`` until none is left, each read and
+    placed in turn by this decode thread: (coords, seconds reading, outcome) per chunk. Every decode
+    thread takes from the same ``todo`` (work stealing: chunks of uneven size keep every thread busy
+    to the end). A chunk that fails raises ``ChunkReadError`` naming it (a file reads the same bytes
+    again: no second try). ``scratch``: what files are read into (``ThreadScratch.take``'s protocol;
+    the GPU path's page-locked staging)."""
     out = []
-    for coords, dest in share:
+    while True:
+        try:
+            coords, dest = todo.popleft()  # atomic: each chunk is taken by one thread
+        except IndexError:
+            return out
         path = prefix + dec.key(coords)
         try:
             t0 = time.perf_counter()
@@ -91,9 +97,9 @@ def read_local(store: Any, prefix: str, dec: Any, name: str,
                 raise DamagedObjectError(f"object {path!r} failed to decode (corrupt in the store?): "
                                          f"{type(e).__name__}: {e}") from e
         except Exception as e:  # noqa: BLE001 - every failure names its chunk
+            todo.clear()  # the read fails: the other threads take no more of its chunks
             raise ChunkReadError(name, coords, path, e) from e
         out.append((coords, read_s, outcome))
-    return out
 
 
 # ----------------------------------------------------------------------------- callbacks

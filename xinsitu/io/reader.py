@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -495,15 +496,16 @@ class Reader:
 
     async def _read_local(self, route: Route, items: list[tuple[tuple[int, ...], Destination]],
                           scratch: Any = SCRATCH) -> None:
-        """Local chunk files read and placed by the decode threads, each reading and placing its
-        share in turn: per chunk no task, no executor hand-off and no wake-up of the loop, which for
-        one-sample-per-chunk archives cost more than the decode itself. The reads asked for in one
-        turn of the loop (every variable of a buffer) go out together, in one job per decode thread
-        (``TurnBatch``)."""
+        """Local chunk files read and placed by the decode threads, each taking the next chunk left
+        (``fetchers.read_local``): per chunk no task, no executor hand-off and no wake-up of the loop,
+        which for one-sample-per-chunk archives cost more than the decode itself. The reads asked for
+        in one turn of the loop (every variable of a buffer) go out together, in one job per decode
+        thread (``TurnBatch``)."""
         k = max(1, min(len(items), self.inflight.threads))
         store = route.store
+        todo = deque(items)
         parts = await asyncio.gather(*(self.turn.run(read_local, store, route.prefix, route.dec, route.src.name,
-                                                     items[i::k], scratch) for i in range(k)))
+                                                     todo, scratch) for _ in range(k)))
         read_sum = took_sum = 0.0
         n = 0
         for part in parts:

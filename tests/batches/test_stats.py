@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import xinsitu
 from tests.conftest import open_three_ways
 from xinsitu.accessor import InsituAccessor
-from xinsitu.batches.stats import STAT_KEYS, Moments, StatsPass, chunk_moments, compute_stats
+from xinsitu.batches.stats import STAT_KEYS, Moments, StatsPass, channel_moments, chunk_moments, compute_stats
 from xinsitu.index.channels import normalizer
 from xinsitu.synthetic import era5_like, packing, write_era5_like
 
@@ -380,6 +380,55 @@ def test_chunk_reduction_accuracy(kind):
         return
     assert res["mean"] == pytest.approx(v.mean(), rel=1e-12, abs=0)  # a float64 sum, as numpy's
     assert res["std"] == pytest.approx(v.std(), rel=2e-7, abs=1e-300)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 3000), st.data(), st.sampled_from(["float32", "float64", "int16"]),
+       st.booleans())
+def test_channel_moments_equal_chunk_moments_row_by_row(channels, n, data, dtype, scratch):
+    """The channels of a chunk reduced together (``channel_moments``) give what each row reduced alone
+    gives: counts, NaN counts and extremes exactly, mean and M2 to the last bits or nearly (the same
+    arithmetic; only the place of a row in memory differs). Rows of every kind mixed: NaNs, constant,
+    a tiny or huge spread (the row-by-row way), ordinary data; lengths across ``ROW`` (body and tail)."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    x = 300 + 20 * rng.standard_normal((channels, n))
+    for c in range(channels):
+        kind = data.draw(st.sampled_from(["plain", "plain", "nan", "constant", "tiny", "huge"]))
+        if kind == "nan":
+            x[c, rng.integers(0, n)] = np.nan
+        elif kind == "constant":
+            x[c] = 5.0
+        elif kind == "tiny":
+            x[c] = 1.0 + 1e-12 * rng.standard_normal(n)
+        elif kind == "huge":
+            x[c] *= 1e30
+    x = x.astype(dtype) if dtype != "int16" else np.nan_to_num(np.clip(x, -3e4, 3e4)).astype(dtype)
+    rows = [chunk_moments(r.copy(), scratch) for r in x]
+    together = channel_moments(x.copy(), scratch)
+    assert len(together) == channels
+    for one, many in zip(rows, together, strict=True):
+        assert (one[0], one[1]) == (many[0], many[1])
+        np.testing.assert_equal(one[4:], many[4:])  # NaN where no value is left, as chunk_moments
+        np.testing.assert_allclose(many[2:4], one[2:4], rtol=1e-12, atol=0)
+
+
+def test_stats_of_one_step_chunks_reduce_a_chunk_s_levels_together(tmp_path, monkeypatch):
+    """Level variables chunked one time step at a time (ARCO-ERA5): each chunk's levels reduced in one
+    ``channel_moments`` call, and the statistics numpy's."""
+    import xinsitu.batches.stats as stats_mod
+
+    path = str(tmp_path / "one_step.zarr")
+    ds0 = write_levels(path, nt=12, chunk_time=1)
+    calls = []
+    real = stats_mod.channel_moments
+    monkeypatch.setattr(stats_mod, "channel_moments", lambda v, s=False: calls.append(v.shape) or real(v, s))
+    ds = xinsitu.open_zarr(path)
+    m = ds.insitu.split("time", fractions={"train": 0.75, "val": 0.25})
+    st_ = compute_stats(ds, m, "train", variables=["t2m", "z"], stack=["level"])
+    assert calls and set(calls) == {(2, 24)}  # z's 2 levels of 4 x 6, once per time step read
+    assert len(calls) == m.positions("train")
+    assert_stats_close(st_["z"], numpy_stats(ds0.z, m, "train", channel_dim="level"))
+    assert_stats_close(st_["t2m"], numpy_stats(ds0.t2m, m, "train"))
 
 
 # ----------------------------------------------------------------------------- normalizer

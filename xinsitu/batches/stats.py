@@ -331,6 +331,39 @@ def chunk_moments(values: np.ndarray, scratch: bool = False) -> tuple[int, int, 
     return values.size, nans, mean, m2, lo, hi
 
 
+def channel_moments(values: np.ndarray, scratch: bool = False) -> list[tuple[int, int, float, float, float, float]]:
+    """``chunk_moments`` of each row of ``values`` (``(channels, n)``, C-contiguous): the channels of a
+    chunk (13 pressure levels) reduced by a handful of numpy calls for all of them, not a dozen per
+    channel. Each call lets go of the GIL and takes it back, and where two decode threads reduce
+    chunks the hand-offs cost more than the arithmetic. Rows with a NaN, a span outside ``_SPANS`` or
+    no spread go ``chunk_moments``' way, one by one; the others get the same arithmetic, so the same
+    values give the same bits every run (``scratch``: as ``chunk_moments``)."""
+    c, n = values.shape
+    spans = _SPANS.get(values.dtype)
+    if spans is None or not c or not n:
+        return [chunk_moments(row, scratch) for row in values]
+    lo, hi = _min(values, axis=1), _max(values, axis=1)
+    span = hi.astype(np.float64) - lo
+    if not np.all((span >= spans[0]) & (span <= spans[1])):  # also NaN and infinities: row by row
+        return [chunk_moments(row, scratch) for row in values]
+    dt = values.dtype
+    mean = _einsum("ij->i", values, dtype=np.float64) / n
+    grid = np.spacing(np.maximum(-lo, hi))  # in the values' dtype, as ``_centred_moments``'
+    shift = (np.round(mean / grid) * grid).astype(dt)
+    if scratch and values.flags.writeable:
+        dev = _sub(values, shift[:, None], out=values)
+    else:
+        dev = _sub(values, shift[:, None], out=_deviations(c * n, dt).reshape(c, n))
+    body = n - n % ROW
+    s2 = _sum(_vecdot(dev[:, :body].reshape(c, -1, ROW), dev[:, :body].reshape(c, -1, ROW)), axis=1,
+              dtype=np.float64)
+    if body < n:
+        s2 += _vecdot(dev[:, body:], dev[:, body:])
+    off = mean - shift
+    m2 = np.maximum(s2 - n * off * off, 0.0)
+    return [(n, 0, float(mean[k]), float(m2[k]), float(lo[k]), float(hi[k])) for k in range(c)]
+
+
 def _exact_moments(values: np.ndarray) -> tuple[int, int, float, float, float, float]:
     """``chunk_moments`` in float64 throughout (integers, float16, extreme spans, infinities)."""
     v = values.astype(np.float64).ravel()  # a copy: the values passed in are never written
@@ -391,6 +424,25 @@ def _centred_moments(values: np.ndarray, scratch: bool, top: float) -> tuple[flo
 # ----------------------------------------------------------------------------- the pass
 #: a piece's moments per channel: ``(channel, chunk_moments(...))``
 Piece = tuple[int, tuple[int, int, float, float, float, float]]
+
+
+def _channel_rows(values: np.ndarray, chans: list[tuple[int, tuple[Any, ...] | None]]) -> np.ndarray | None:
+    """``values`` as ``(channels, n)`` rows, one per entry of ``chans`` in order, where each channel is
+    one index along one axis, all of it in order and nothing but size-1 axes before it (a chunk of one
+    time step and its levels, C-contiguous); else None."""
+    if len(chans) < 2 or not values.flags.c_contiguous:
+        return None
+    first = chans[0][1]
+    if first is None:
+        return None
+    axes = [k for k, x in enumerate(first) if not isinstance(x, slice)]
+    if len(axes) != 1 or any(x != slice(None) for x in first if isinstance(x, slice)):
+        return None
+    ax = axes[0]
+    if values.shape[ax] != len(chans) or any(values.shape[k] != 1 for k in range(ax)) \
+            or any(sel is None or sel[ax] != k for k, (_, sel) in enumerate(chans)):
+        return None
+    return values.reshape(len(chans), -1)
 
 
 def diff_dim(diffs: Any, manifest: SplitManifest) -> str | None:
@@ -469,6 +521,7 @@ class StatsPass:
         self._channel_axes = {n: [lay.src.dims.index(d) for d in self.extra[n]] for n, lay in self.layouts.items()}
         self._channel_sizes = {n: [lay.src.shape[ax] for ax in self._channel_axes[n]]
                                for n, lay in self.layouts.items()}
+        self._chans_seen: dict[tuple[Any, ...], list[tuple[int, tuple[Any, ...] | None]]] = {}  # ``_channels_of``
         # per variable with the diffs dim: its axis
         self._diff_axis = {n: lay.src.dims.index(self.diffs) for n, lay in self.layouts.items()
                            if self.diffs is not None and not lay.static and self.diffs in lay.src.dims}
@@ -711,6 +764,11 @@ class StatsPass:
         axes, sizes = self._channel_axes[name], self._channel_sizes[name]
         if not axes:
             return [(0, None)]
+        key = (name, ndim, *(("s", s.start, s.stop, s.step) if isinstance(s, slice)
+                             else ("a", np.ndim(s), *np.ravel(s).tolist()) for s in (out_sel[ax] for ax in axes)))
+        known = self._chans_seen.get(key)
+        if known is not None:  # the same channels as a piece before (every time step of a level variable)
+            return known
         # each label (combination of labels) of the extra dims this piece holds is one channel
         labels = [np.arange(n)[out_sel[ax]] for ax, n in zip(axes, sizes, strict=True)]
         out: list[tuple[int, tuple[Any, ...] | None]] = []
@@ -720,11 +778,16 @@ class StatsPass:
                 sel[ax] = i
             c = int(np.ravel_multi_index(tuple(lab[i] for lab, i in zip(labels, idx, strict=True)), sizes))
             out.append((c, tuple(sel)))
+        self._chans_seen[key] = out
         return out
 
     @staticmethod
     def _moments(into: list[Piece], values: np.ndarray, chans: list[tuple[int, tuple[Any, ...] | None]],
                  scratch: bool) -> None:
+        rows = _channel_rows(values, chans)
+        if rows is not None:  # every channel of the piece a row of it (levels of one time step)
+            into.extend(zip((c for c, _ in chans), channel_moments(rows, scratch), strict=True))
+            return
         for c, sel in chans:
             into.append((c, chunk_moments(values if sel is None else values[sel], scratch)))
 

@@ -80,7 +80,7 @@ def read_local(store: Any, prefix: str, dec: Any, name: str,
     to the end). A chunk that fails raises ``ChunkReadError`` naming it (a file reads the same bytes
     again: no second try). ``scratch``: what files are read into (``ThreadScratch.take``'s protocol;
     the GPU path's page-locked staging)."""
-    out = []
+    out: list[tuple[tuple[int, ...], float, ChunkOutcome]] = []
     while True:
         try:
             coords, dest = todo.popleft()  # atomic: each chunk is taken by one thread

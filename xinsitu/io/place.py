@@ -304,7 +304,7 @@ def _run_calls(todo: deque[tuple[int, Callable[..., Any], tuple[Any, ...]]], ran
             i, fn, args = todo.popleft()  # atomic: each call is taken by one job
         except IndexError:
             return
-        rec = [i, False, None]
+        rec: list[Any] = [i, False, None]
         ran.append(rec)
         try:
             rec[2] = fn(*args)

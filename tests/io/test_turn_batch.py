@@ -127,3 +127,4 @@ def test_calls_of_later_turns_and_a_cancelled_awaiter():
         return first, second
 
     assert _loop.run(go(), timeout=30) == ("a", [2, None])
+

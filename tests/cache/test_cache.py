@@ -328,6 +328,23 @@ def test_disk_tier_persists_and_promotes(tmp_path: os.PathLike[str]) -> None:
         assert back is not None and back.dtype == a.dtype and back.tobytes() == a.tobytes()
 
 
+def test_a_disk_entry_is_read_into_memory_whose_page_boundaries_meet_the_file_s(tmp_path: os.PathLike[str]) -> None:
+    """The payload after an entry's first page is read into memory where the file's page boundary falls
+    on a page boundary: the kernel copies page-cache pages into memory 16 bytes into a page (where an
+    np.empty of this size starts) at a ninth of the speed (AMD EPYC, measured)."""
+    from xinsitu.io.mempool import PAGE
+
+    a = np.arange(200_000, dtype=np.float32).reshape(100, 2000)  # 800 kB
+    ChunkCache(memory=0, disk=tmp_path).put(key_of(1), a)
+    c = ChunkCache(memory=0, disk=tmp_path)
+    payload_at = os.path.getsize(c._path(key_of(1))) - a.nbytes  # the payload's offset in the file
+    for _ in range(2):
+        got = c.get(key_of(1))
+        assert got is not None
+        np.testing.assert_array_equal(got, a)
+        assert (got.ctypes.data + (PAGE - payload_at)) % PAGE == 0  # the file's second page, on a page
+
+
 def test_a_bad_entry_is_a_miss_and_is_deleted(tmp_path: os.PathLike[str]) -> None:
     c = ChunkCache(memory=0, disk=tmp_path)
     for i in range(4):

@@ -114,7 +114,8 @@ def test_local_backend_reads_into_the_threads_scratch(root, tmp_path, monkeypatc
 def test_a_decode_thread_reads_files_into_memory_that_starts_on_a_page(tmp_path):
     """The file's bytes land at the start of a page: a large bytearray or np.empty starts 16 bytes into
     one, where the kernel copies page-cache pages at a third of the speed on AMD EPYC (measured)."""
-    from xinsitu.io.place import PAGE, ThreadScratch
+    from xinsitu.io.mempool import PAGE
+    from xinsitu.io.place import ThreadScratch
 
     data = np.random.default_rng(0).integers(0, 256, 700_000, dtype=np.uint8).tobytes()
     (tmp_path / "chunk").write_bytes(data)

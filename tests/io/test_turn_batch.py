@@ -128,3 +128,21 @@ def test_calls_of_later_turns_and_a_cancelled_awaiter():
 
     assert _loop.run(go(), timeout=30) == ("a", [2, None])
 
+
+
+def test_calls_fail_where_the_pool_refuses_their_jobs():
+    """A pool shut down (at exit) runs no job: every call of the turn fails with the pool's error,
+    none waits forever."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    turn = TurnBatch(threads=2)
+
+    async def go():
+        pool = ThreadPoolExecutor(2)
+        asyncio.get_running_loop().set_default_executor(pool)
+        pool.shutdown()
+        futs = [turn.run(lambda i=i: i) for i in range(5)]
+        return await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 30)
+
+    out = asyncio.run(go())
+    assert len(out) == 5 and all(isinstance(e, RuntimeError) and "shutdown" in str(e) for e in out)

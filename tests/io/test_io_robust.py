@@ -258,7 +258,6 @@ def _overloaded_epoch(lim, n: int = 600, *, client_s: float, spikes: float, seed
     return now[0], dropped
 
 
-
 def test_a_connect_stall_sends_the_limit_to_the_bottom_then_slow_start_to_a_quarter():
     """By rule, in simulated time: a far store's limit climbs; one request is then left a connect stall's
     time behind the others (a dropped connection waiting for the SYN retransmit). The limit goes back to
@@ -276,6 +275,7 @@ def test_a_connect_stall_sends_the_limit_to_the_bottom_then_slow_start_to_a_quar
     after = seen[seen.index(peak):]
     bottom = after.index(AUTO_REMOTE[0])  # back to the bottom ...
     assert max(after[bottom:]) == peak // 4, after  # ... then up to a quarter of the peak
+
 
 @pytest.mark.parametrize(("client_s", "spikes"), [(0.0005, 0.0), (0.002, 0.01), (0.005, 0.05), (0.02, 0.05)],
                          ids=["idle", "busy", "busier", "saturated"])

@@ -129,7 +129,6 @@ def test_calls_of_later_turns_and_a_cancelled_awaiter():
     assert _loop.run(go(), timeout=30) == ("a", [2, None])
 
 
-
 def test_calls_fail_where_the_pool_refuses_their_jobs():
     """A pool shut down (at exit) runs no job: every call of the turn fails with the pool's error,
     none waits forever."""

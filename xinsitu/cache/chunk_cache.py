@@ -1308,8 +1308,8 @@ class ChunkCache:
         dtype, shape, _ = got
         pos = min(len(first) - meta_end, payload_len)
         # the rest of the payload is read from a page boundary of the file (the first read took a page)
-        # into a page boundary (``page_aligned``: 11-14 GB/s against 1.5 into an np.empty's memory)
-        # (an array, not a memoryview: google-crc32c takes only these)
+        # into a page boundary (``page_aligned``: 11-14 GB/s against 1.5 into an np.empty's memory); an
+        # array, not a memoryview: google-crc32c takes only these
         flat = page_aligned(payload_len, at=pos if pos < payload_len else 0)
         arr = flat.view(dtype).reshape(shape)
         flat[:pos] = np.frombuffer(first, np.uint8, pos, meta_end)

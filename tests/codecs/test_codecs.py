@@ -72,3 +72,33 @@ def test_fill_and_key(tmp_path):
     assert f.shape == (3, 4) and f.dtype == np.dtype("int32")
     assert (f == np.asarray(arr.metadata.fill_value)).all()
     assert dec.key((1, 0)) == arr.metadata.encode_chunk_key((1, 0)) == "c/1/0"
+
+
+def test_zstd_straight_into_place_checks_what_it_decodes(tmp_path):
+    """A zstd chunk decoded into place by libzstd itself (``_zstd_decompress``: no Python argument checks):
+    the same values as zarr, from bytes or a view of reused memory; a truncated frame or a frame of
+    another size raises naming zstd, before anything passes as decoded."""
+    import ctypes
+
+    import numcodecs.zstd
+
+    from xinsitu.codecs.cpu import _zstd_decompress
+
+    arr, data = _write(tmp_path, [zarr.codecs.ZstdCodec()])
+    dec, raw = _raw(arr, (1, 1))
+    assert dec._zstd is not None
+    if hasattr(ctypes.CDLL(numcodecs.zstd.__file__), "ZSTD_decompress"):  # (exported by the Linux wheels)
+        assert dec._zstd is not numcodecs.zstd.decompress
+    scratch = bytearray(len(raw) + 100)
+    scratch[:len(raw)] = raw
+    for source in (raw, memoryview(scratch)[:len(raw)]):
+        out = np.full((3, 4), -1, dtype="int32")
+        assert dec.decode_into(source, out)
+        np.testing.assert_array_equal(out, data[3:6, 4:8])
+    decompress = _zstd_decompress()
+    with pytest.raises(RuntimeError, match="Zstd"):
+        decompress(raw[:-3], np.empty((3, 4), "int32"))
+    with pytest.raises(RuntimeError, match="Zstd"):
+        decompress(raw, np.empty((3, 2), "int32"))  # too small
+    with pytest.raises(RuntimeError, match="Zstd"):
+        decompress(raw, np.empty((3, 8), "int32"))  # too big: part of it would stay unwritten

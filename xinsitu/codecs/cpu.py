@@ -7,6 +7,7 @@ zarr's private API (``zarr.core``, underscored codec members) is used only throu
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import math
 import sys
 from typing import Any
@@ -18,11 +19,35 @@ from xinsitu.compat.zarr_api import prototype as _prototype
 
 
 def _zstd_decompress() -> Any:
-    """numcodecs' ``zstd.decompress(source, dest)``, or None where it is not there."""
+    """``fn(source, dest)``: a zstd frame decoded into ``dest`` (a C-contiguous array it fills exactly).
+    libzstd's ``ZSTD_decompress`` as numcodecs' own extension exports it, called through ``ctypes`` (which
+    lets the GIL go for the call), where it does; else numcodecs' ``zstd.decompress``; None without either.
+
+    numcodecs' ``decompress`` checks its arguments in Python first (``ensure_contiguous_ndarray_like``:
+    protocol checks, views); for chunks of tens of kB, read by several decode threads at once, that is
+    as much time holding the GIL as the rest of a chunk's way together. Here the caller has checked the
+    destination, and the source is any buffer."""
     try:
-        from numcodecs.zstd import decompress
+        import numcodecs.zstd as nz
     except ImportError:
         return None
+    try:
+        lib = ctypes.CDLL(nz.__file__)  # (loaded already: the same library, its symbols)
+        fn, is_error, name = lib.ZSTD_decompress, lib.ZSTD_isError, lib.ZSTD_getErrorName
+    except (OSError, AttributeError):  # symbols not exported (a static build): numcodecs' own call
+        return nz.decompress
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t]
+    fn.restype = ctypes.c_size_t
+    is_error.argtypes, is_error.restype = [ctypes.c_size_t], ctypes.c_uint
+    name.argtypes, name.restype = [ctypes.c_size_t], ctypes.c_char_p
+
+    def decompress(source: Any, dest: np.ndarray) -> None:
+        src = np.frombuffer(source, np.uint8)
+        n = fn(dest.__array_interface__["data"][0], dest.nbytes, src.__array_interface__["data"][0], src.nbytes)
+        if n != dest.nbytes:
+            why = name(n).decode() if is_error(n) else f"{n} bytes decoded, {dest.nbytes} expected"
+            raise RuntimeError(f"Zstd decompression error: {why}")
+
     return decompress
 
 
@@ -102,7 +127,7 @@ class ChunkDecoder:
         if self._direct is None or out.dtype != self.dtype or not out.flags.c_contiguous \
                 or out.shape != self.shape:
             return False
-        if self._zstd is not None:  # what Zstd.decode(raw, out=out) calls, without its argument checks
+        if self._zstd is not None:  # what Zstd.decode(raw, out=out) does, without its argument checks
             self._zstd(raw, out)
         else:
             self._direct.decode(raw, out=out)

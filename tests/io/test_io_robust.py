@@ -572,3 +572,30 @@ def test_abandoned_epochs_stop_reading_and_threads_stay_bounded(tmp_path):
             time.sleep(1.0)
             assert srv.requests - before <= 2, f"an abandoned epoch kept reading: {srv.requests - before} requests"
             assert runtime_threads() <= 16 + PROCESS_INFLIGHT
+
+
+def test_a_paced_growth_is_whole_once_the_last_slot_is_back():
+    """Slots of a paced growth come one per slot given back; where the reads end first (an epoch ended
+    by an error, or by its last chunk), the rest are free at once, not owed until reads start again."""
+    import asyncio
+    import time
+
+    from xinsitu.io.inflight import Slots
+
+    slots = Slots(4, time.monotonic)
+    loop = asyncio.new_event_loop()
+    try:
+        for r in range(3):
+            loop.run_until_complete(slots.take(r))
+        slots.resize(20, paced=True)
+        assert slots.free() == 1 and slots.pacing()
+        slots.give(0)
+        assert slots.free() == 3 and slots.pacing()  # its own and one of the growth
+        slots.give(1)
+        slots.give(2)  # the last: every slot is free
+        assert slots.held() == 0 and slots.free() == 20 and not slots.pacing()
+        for r in range(20):  # and taken without waiting
+            loop.run_until_complete(asyncio.wait_for(slots.take(r), 1))
+        assert slots.free() == 0
+    finally:
+        loop.close()

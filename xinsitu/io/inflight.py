@@ -87,6 +87,10 @@ class Slots:
         if self._paced:
             self._paced -= 1
             self._release()
+            if not self.sent:  # the last one back: nothing would give the rest out (as ``resize``: at once)
+                for _ in range(self._paced):
+                    self._release()
+                self._paced = 0
 
     def held(self) -> int:
         return len(self.sent)

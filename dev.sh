@@ -50,13 +50,23 @@ python312() {
   done
 }
 
+# workers: pytest-xdist worker processes per leg, XINSITU_TEST_WORKERS or one more than the cores (at most 6):
+# the suite waits on servers, child processes and sleeps a good part of its time (one process keeps about
+# 1.3 of 2 cores busy), so on 2 cores 3 workers take about half the time of one. 0: no workers (one process).
+workers() {
+  if [ -n "${XINSITU_TEST_WORKERS:-}" ]; then echo "$XINSITU_TEST_WORKERS"; return; fi
+  python -c 'import os; n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(); print(min(6, (n or 1) + 1))'
+}
+
 # leg NAME ARGS...: run pytest in the active venv under a header; prints and returns its status (5: no test ran).
 leg() {
   local name="$1"
   shift
   echo "==== xinsitu test leg: $name ($(python -c 'import platform; print(platform.python_version())'))"
   python -m xinsitu doctor || true
-  local t0=$SECONDS rc=0
+  local t0=$SECONDS rc=0 n
+  n="$(workers)"
+  if [ "$n" -gt 0 ]; then set -- -n "$n" "$@"; fi
   python -m pytest "$@" || rc=$?
   echo "==== leg $name: pytest exit $rc in $((SECONDS - t0)) s"
   if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: failing" >&2; rc=1; fi

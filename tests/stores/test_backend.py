@@ -170,7 +170,17 @@ def test_fetch_decoded_fetches_again_then_names_the_object(root):
         _loop.run(fetch_decoded(be, "small", never, attempts=2), timeout=30)
 
 
-def test_bounded_gives_each_try_its_limit_then_names_the_object(monkeypatch):
+@pytest.fixture
+def on_own_loop():
+    """``run(coro, timeout)`` on one event loop of the test's own: its ``Deadlines`` watch this test's
+    requests only (on the shared I/O loop, reads another test left running in this process -- e.g. under
+    pytest-xdist -- are watched too)."""
+    loop = asyncio.new_event_loop()
+    yield lambda coro, timeout: loop.run_until_complete(asyncio.wait_for(coro, timeout))
+    loop.close()
+
+
+def test_bounded_gives_each_try_its_limit_then_names_the_object(monkeypatch, on_own_loop):
     """A request that never answers is cancelled after the limit (at most an eighth late) and made
     again, ``attempts`` times, then ``TimeoutError`` names the object; one that answers on its second
     try returns; the store's own ``TimeoutError`` is not repeated; nothing stays watched."""
@@ -186,7 +196,7 @@ def test_bounded_gives_each_try_its_limit_then_names_the_object(monkeypatch):
 
     t0 = time.perf_counter()
     with pytest.raises(TimeoutError, match=r"object 'k/0': no answer within 0.2 s, 3 times"):
-        _loop.run(bounded(never, "k/0", on_retry=lambda: retries.append(1)), timeout=30)
+        on_own_loop(bounded(never, "k/0", on_retry=lambda: retries.append(1)), timeout=30)
     took = time.perf_counter() - t0
     assert len(tries) == 3 and retries == [1, 1]
     assert 0.6 <= took < 0.6 * 1.125 + 2.0, took  # (generous above: a loaded machine)
@@ -201,7 +211,7 @@ def test_bounded_gives_each_try_its_limit_then_names_the_object(monkeypatch):
             await asyncio.sleep(3600)
         return "bytes"
 
-    assert _loop.run(bounded(second, "k/1"), timeout=30) == "bytes" and n[0] == 2
+    assert on_own_loop(bounded(second, "k/1"), timeout=30) == "bytes" and n[0] == 2
 
     async def store_gave_up():
         n[0] += 1
@@ -209,16 +219,16 @@ def test_bounded_gives_each_try_its_limit_then_names_the_object(monkeypatch):
 
     n[0] = 0
     with pytest.raises(TimeoutError, match="the store's own"):
-        _loop.run(bounded(store_gave_up, "k/2"), timeout=30)
+        on_own_loop(bounded(store_gave_up, "k/2"), timeout=30)
     assert n[0] == 1
 
     async def watched():
         return len(deadlines_here().watches)
 
-    assert _loop.run(watched(), timeout=30) == 0
+    assert on_own_loop(watched(), timeout=30) == 0
 
 
-def test_bounded_lets_a_cancellation_from_outside_through(monkeypatch):
+def test_bounded_lets_a_cancellation_from_outside_through(monkeypatch, on_own_loop):
     """Cancelling the task that waits raises ``CancelledError`` at once (no retry, no ``TimeoutError``),
     also where it meets the deadline's own cancellation; many requests with their own limits end
     each by its own."""
@@ -237,7 +247,7 @@ def test_bounded_lets_a_cancellation_from_outside_through(monkeypatch):
             await t
         return len(started), len(deadlines_here().watches)
 
-    assert _loop.run(outside(), timeout=30) == (1, 0)
+    assert on_own_loop(outside(), timeout=30) == (1, 0)
 
     async def both():  # the deadline passes and the task is cancelled in the same turn of the loop
         started.clear()
@@ -252,7 +262,7 @@ def test_bounded_lets_a_cancellation_from_outside_through(monkeypatch):
             await t
         return len(started), len(d.watches)
 
-    assert _loop.run(both(), timeout=30) == (1, 0)
+    assert on_own_loop(both(), timeout=30) == (1, 0)
 
     async def mixed():
         async def one(limit):
@@ -265,7 +275,7 @@ def test_bounded_lets_a_cancellation_from_outside_through(monkeypatch):
 
         return await asyncio.gather(one(0.6), one(0.1), one(0.3))
 
-    long, short, mid = _loop.run(mixed(), timeout=30)
+    long, short, mid = on_own_loop(mixed(), timeout=30)
     assert 0.1 <= short < 0.3 and 0.3 <= mid < 0.6 and long >= 0.6, (short, mid, long)
 
 

@@ -50,22 +50,16 @@ python312() {
   done
 }
 
-# workers: pytest-xdist worker processes per step, XINSITU_TEST_WORKERS (default 0: one process, as CI runs).
-# The suite waits on servers, child processes and timeouts a good part of its time (one process keeps
-# about 1.3 of 2 cores busy): on 2 cores 3 workers take about half the time of one. Not the default
-# yet: tests that share a process's I/O loop in another order have failed under workers (README).
-workers() {
-  echo "${XINSITU_TEST_WORKERS:-0}"
-}
-
 # leg NAME ARGS...: run pytest in the active venv under a header; prints and returns its status (5: no test ran).
 leg() {
   local name="$1"
   shift
   echo "==== xinsitu test leg: $name ($(python -c 'import platform; print(platform.python_version())'))"
   python -m xinsitu doctor || true
-  local t0=$SECONDS rc=0 n
-  n="$(workers)"
+  local t0=$SECONDS rc=0 n="${XINSITU_TEST_WORKERS:-0}"
+  # XINSITU_TEST_WORKERS: pytest-xdist worker processes (default 0: one process, as CI runs). The suite
+  # waits on servers, child processes and timeouts a good part of its time (one process keeps about 1.3
+  # of 2 cores busy): on 2 cores 3 workers take about half the time. Not the default yet (README).
   if [ "$n" -gt 0 ]; then set -- -n "$n" "$@"; fi
   python -m pytest "$@" || rc=$?
   echo "==== leg $name: pytest exit $rc in $((SECONDS - t0)) s"

@@ -192,3 +192,13 @@ def test_units_at_a_range_is_units_at_its_positions(n, seed, epoch, data):
     np.testing.assert_array_equal(units_at(range(a, b), n, seed, epoch), units_at(np.arange(a, b), n, seed, epoch))
     with pytest.raises(IndexError):
         units_at(range(a, n + 1), n, seed, epoch)
+
+
+@settings(max_examples=100, deadline=None)
+@given(key=st.lists(st.integers(0, 2**40), min_size=1, max_size=6), n=st.integers(0, 50))
+def test_block_seeds_are_numpys_seed_of_the_same_ints(key, n):
+    """The fast seed of a block's permutation (a uint32 array where every int fits) draws what
+    ``default_rng`` of the list of ints draws: the order of every epoch is unchanged by it."""
+    from xinsitu.index.shuffle import _rng
+
+    np.testing.assert_array_equal(_rng(*key).permutation(n), np.random.default_rng(key).permutation(n))

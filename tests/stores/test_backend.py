@@ -80,9 +80,10 @@ def test_local_backend_reads_in_the_caller_and_forwards_ranges(root):
 
 
 def test_local_backend_reads_into_the_threads_scratch(root, tmp_path, monkeypatch):
-    """With a scratch, a file is read into the calling thread's own buffer (no new bytes per chunk):
-    each view holds the file read, a larger file takes a larger buffer while older views stay intact,
-    and a file that grows between ``fstat`` and the read is still read whole."""
+    """With a scratch, a file is read into the calling thread's own buffer (no new bytes per chunk): each
+    view holds the file read; a file that fits in the buffer is read without asking its size (no
+    ``fstat``), one that fills it is read whole the sized way into a larger buffer; and a file that grows
+    between ``fstat`` and the read is still read whole."""
     from xinsitu.io.place import ThreadScratch
 
     be = LocalBackend(root, _FileBackend(root))
@@ -91,13 +92,20 @@ def test_local_backend_reads_into_the_threads_scratch(root, tmp_path, monkeypatc
     assert isinstance(small, memoryview) and bytes(small) == b"xyz"
     buf = scratch.buf
     big = be.read("a/obj", scratch)
-    assert bytes(big) == PAYLOAD and scratch.buf is not buf and bytes(small) == b"xyz"  # grown: a new one
+    assert bytes(big) == PAYLOAD and scratch.buf is not buf  # it filled the buffer: grown, a new one
+    real_fstat = os.fstat
+
+    def no_fstat(fd):
+        raise AssertionError("fstat called for a file that fits in the scratch")
+
+    monkeypatch.setattr(os, "fstat", no_fstat)
     again = be.read("small", scratch)
-    assert bytes(again) == b"xyz" and scratch.buf is not buf and be.read("nothing", scratch) is None
+    assert bytes(again) == b"xyz" and be.read("nothing", scratch) is None
+    assert bytes(be.read("a/obj", scratch)) == PAYLOAD
+    monkeypatch.undo()
 
     grows = tmp_path / "grows"
     grows.write_bytes(b"a" * 10)
-    real_fstat = os.fstat
 
     def fstat_then_grow(fd):  # the file gets longer right after its size is taken
         st = real_fstat(fd)
@@ -106,7 +114,7 @@ def test_local_backend_reads_into_the_threads_scratch(root, tmp_path, monkeypatc
         return st
 
     monkeypatch.setattr(os, "fstat", fstat_then_grow)
-    got = LocalBackend(str(tmp_path), _FileBackend(str(tmp_path))).read("grows", scratch)
+    got = LocalBackend(str(tmp_path), _FileBackend(str(tmp_path))).read("grows", ThreadScratch())  # no room yet
     monkeypatch.undo()
     assert bytes(got) == b"a" * 10 + b"b" * 5000
 

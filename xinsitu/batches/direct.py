@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import warnings
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +75,7 @@ class DirectLoader:
         self.n_split = len(space.split_dims)
         self._raw = ArrayPool(keep=2)  # raw arrays of variables converted into place
         self._static: asyncio.Future[dict[str, np.ndarray]] | None = None
+        self._orders: deque[tuple[EpochPlan, int, np.ndarray]] = deque(maxlen=4)  # (plan, block, its order)
         # a variable's batch layout (sample, *output dims) -> its own dim order (split dims of length 1)
         self._to_var: dict[str, tuple[int, ...]] = {}
         for name, lay in layouts.items():
@@ -89,9 +91,20 @@ class DirectLoader:
         parts = []
         for j in plan.buffers_of(a, b):
             off = int(plan.buffer_offsets[j])
-            ids = plan.buffer_order(j, self.space.offsets)
+            ids = self._buffer_order(plan, j)
             parts.append(ids[max(a, off) - off:min(b, int(plan.buffer_offsets[j + 1])) - off])
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _buffer_order(self, plan: EpochPlan, j: int) -> np.ndarray:
+        """``plan.buffer_order(j)``, kept for the next batch: batches and blocks do not line up, so most
+        blocks hold the end of one batch and the start of the next (a block's order draws a permutation:
+        ~80 us of the I/O loop's time per block, which the decode threads wait for)."""
+        for p, k, ids in self._orders:
+            if p is plan and k == j:
+                return ids
+        ids = plan.buffer_order(j, self.space.offsets)
+        self._orders.append((plan, j, ids))
+        return ids
 
     def starts_of(self, ids: np.ndarray) -> np.ndarray:
         """Each sample's position along the split dims, shape (n, split dims)."""
@@ -112,6 +125,7 @@ class DirectLoader:
         names = [d.name for d in self.space.split_dims]
         rows = starts.tolist()
         regions = [{d: (p, p + 1) for d, p in zip(names, row, strict=True)} for row in rows]
+        at = {d: starts[:, k] for k, d in enumerate(names)}
         jobs, raws = [], {}
         for name, lay in self.layouts.items():
             if lay.static:
@@ -125,7 +139,7 @@ class DirectLoader:
                 view = b.value_view(batch, name, slice(None))
                 view = view.reshape(n, *([1] * self.n_split), *view.shape[1:]) if self.n_split != 1 else view[:, None]
                 dests = [view[k].transpose(perm) for k in range(n)]
-            jobs.append(self._read(lay, regions, dests))
+            jobs.append(self._read(lay, at, regions, dests))
         try:
             await asyncio.gather(*jobs)
             if raws:
@@ -141,13 +155,14 @@ class DirectLoader:
                 b.value_view(batch, name, slice(None))[...] = values
         return Filled(i, ids, starts, batch)
 
-    async def _read(self, lay: VarLayout, regions: list[dict[str, tuple[int, int]]], dests: list[np.ndarray]) -> None:
-        """One variable's samples read into ``dests`` (views in its own dim order): whole chunks decoded
-        straight in, else as regions."""
+    async def _read(self, lay: VarLayout, at: dict[str, np.ndarray], regions: list[dict[str, tuple[int, int]]],
+                    dests: list[np.ndarray]) -> None:
+        """One variable's samples (at positions ``at`` along the split dims; as ``regions``) read into
+        ``dests`` (views in its own dim order): whole chunks decoded straight in, else as regions."""
         reader, src = self.reader, lay.src
-        coords = [reader.whole_chunk(src, r) for r in regions]
-        if all(c is not None for c in coords) and all(d.flags.c_contiguous for d in dests):
-            await reader.read_slots(src, coords, dests, regions)  # type: ignore[arg-type]
+        coords = reader.whole_chunks(src, at)
+        if coords is not None and all(d.flags.c_contiguous for d in dests):
+            await reader.read_slots(src, list(map(tuple, coords.tolist())), dests, regions)
         else:
             await reader.read_many(src, list(zip(regions, dests, strict=True)))
 
@@ -271,7 +286,8 @@ class DeviceDirectLoader(DirectLoader):
         shape = [n] + [1] * self.n_split + [lay.src.shape[lay.src.dims.index(d)] for d in lay.out_dims]
         raw = hosts[name] = self._raw.take(shape, lay.src.raw_dtype)
         perm = self._to_var[name]
-        await self._read(lay, regions, [raw[k].transpose(perm) for k in range(n)])
+        at = {d.name: np.array([r[d.name][0] for r in regions], dtype=np.int64) for d in self.space.split_dims}
+        await self._read(lay, at, regions, [raw[k].transpose(perm) for k in range(n)])
 
     async def _decode(self, reads: list[tuple[str, GpuRead]], regions: list[dict[str, tuple[int, int]]],
                       raws: dict[str, Any], hosts: dict[str, np.ndarray]) -> None:

@@ -205,6 +205,32 @@ class RegionPlans:
             coords.append(p0 // cs)
         return tuple(coords) if axes[1] is not None else None
 
+    def whole_chunks(self, src: VarSource, at: dict[str, np.ndarray]) -> np.ndarray | None:
+        """``whole_chunk`` of many regions at once, each one position wide along the dims of ``at`` (the
+        regions' positions there, one array per dim) and all of every other dim: their grid coordinates,
+        shape (regions, stored dims), or None where any region is not exactly one chunk. The I/O loop's
+        per-batch work on one-sample-per-chunk archives: one pass of numpy, not a Python call per sample
+        and variable."""
+        axes = self._whole_axes.get(id(src))
+        if axes is None or axes[0] is not src:
+            axes = self._whole_axes[id(src)] = (src, self._axes_of(src))
+        if axes[1] is None or not at:
+            return None
+        n = len(next(iter(at.values())))
+        cols = []
+        for d, ix, size, cs in axes[1]:
+            first = int(ix[0])  # the positions run by one (``_axes_of``)
+            a = at.get(d)
+            if a is None:  # all of the dim: one whole chunk
+                if size != cs or first % cs:
+                    return None
+                cols.append(np.full(n, first // cs, dtype=np.int64))
+            else:  # one position: a chunk of one, inside the selection
+                if cs != 1 or (n and (int(a.min()) < 0 or int(a.max()) >= size)):
+                    return None
+                cols.append(first + np.asarray(a, dtype=np.int64))
+        return np.stack(cols, axis=1) if cols else None
+
     def _axes_of(self, src: VarSource) -> list[tuple[str, Any, int, int]] | None:
         """(dim, positions, their count, chunk length) per stored dim where every dim selects a run of
         positions (``whole_chunk`` can apply), else None."""

@@ -146,6 +146,11 @@ class ThreadScratch(threading.local):
             self.buf = page_aligned(n + n // 4).data  # a new one: views of the old may still be alive
         return self.buf[:n]
 
+    def room(self) -> memoryview:
+        """All of this thread's buffer (empty before its first ``take``), valid until its next ``take``: a
+        file that reads short of its end is whole (``LocalBackend.read``)."""
+        return self.buf
+
     def chunk(self, dec: ChunkDecoder) -> np.ndarray:
         """This thread's reused array of the chunk's shape and dtype."""
         if self.chunks is None:

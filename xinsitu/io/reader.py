@@ -608,6 +608,11 @@ class Reader:
         destination of its shape (``RegionPlans.whole_chunk``)."""
         return self.regions.whole_chunk(src, region)
 
+    def whole_chunks(self, src: VarSource, at: dict[str, np.ndarray]) -> np.ndarray | None:
+        """``whole_chunk`` of regions one position wide along the dims of ``at``, at once
+        (``RegionPlans.whole_chunks``)."""
+        return self.regions.whole_chunks(src, at)
+
     def _native_shards(self, src: VarSource) -> bool:
         """Whether inner chunks of ``src`` can be fetched by byte range here (else zarr reads them)."""
         store = self._store(src)

@@ -506,18 +506,22 @@ class Reader:
         todo = deque(items)
         parts = await asyncio.gather(*(self.turn.run(read_local, store, route.prefix, route.dec, route.src.name,
                                                      todo, scratch) for _ in range(k)))
-        read_sum = took_sum = 0.0
-        n = 0
-        for part in parts:
-            for coords, read_s, outcome in part:
-                self.counters.requests += 1
-                self.settle(route, coords, outcome, observe=False)
-                store.observe(read_s, outcome.took)  # type: ignore[attr-defined]
-                read_sum += read_s
-                took_sum += outcome.took
-                n += 1
-        if n:
-            self.inflight.observe(read_sum / n, took_sum / n)
+        done = [x for part in parts for x in part]
+        if not done:
+            return
+        self.counters.requests += len(done)
+        times = [(read_s, outcome.took) for _, read_s, outcome in done]
+        store.observe_all(times)  # type: ignore[attr-defined]
+        # the chunks decoded settled at once (their sums: what settling each adds up to), any other one by one
+        decoded = [outcome for _, _, outcome in done if outcome.status == DECODED]
+        if decoded:
+            self.settle(route, None, ChunkOutcome(DECODED, sum(o.nbytes for o in decoded), 0.0,
+                                                  sum(o.took for o in decoded)), observe=False, n=len(decoded))
+        if len(decoded) < len(done):
+            for coords, _, outcome in done:
+                if outcome.status != DECODED:
+                    self.settle(route, coords, outcome, observe=False)
+        self.inflight.observe(sum(r for r, _ in times) / len(times), sum(t for _, t in times) / len(times))
 
     async def _fetch(self, route: Route, coords: tuple[int, ...], dest: Destination,
                      first: BaseException | None = None) -> None:

@@ -433,13 +433,22 @@ class LocalBackend:
         leave the decode threads for good where the window's median read takes ``SLOW_READ_S`` and
         ``SLOW_READ_RATIO`` times the median decode: a disk whose every read waits.
         """
-        self._times.append((read_s, decode_s))
-        if len(self._times) == self.WINDOW:
-            reads = sorted(r for r, _ in self._times)[self.WINDOW // 2]
-            decodes = sorted(d for _, d in self._times)[self.WINDOW // 2]
-            if reads >= self.SLOW_READ_S and reads >= self.SLOW_READ_RATIO * decodes:
-                self.fused = False
-            self._times.clear()
+        self.observe_all([(read_s, decode_s)])
+
+    def observe_all(self, times: list[tuple[float, float]]) -> None:
+        """``observe`` of many files' (read, decode) times."""
+        for t in times:
+            self._times.append(t)
+            if len(self._times) == self.WINDOW:
+                self._judge()
+
+    def _judge(self) -> None:
+        """A full window of times: reads leave the decode threads where they are slow (``observe``)."""
+        reads = sorted(r for r, _ in self._times)[self.WINDOW // 2]
+        decodes = sorted(d for _, d in self._times)[self.WINDOW // 2]
+        if reads >= self.SLOW_READ_S and reads >= self.SLOW_READ_RATIO * decodes:
+            self.fused = False
+        self._times.clear()
 
     async def get(self, key: str) -> Data | None:
         return await self.inner.get(key)

@@ -302,6 +302,7 @@ def test_buffered_path_gathers_levels_into_their_channels(tmp_path, monkeypatch,
     xarray."""
     if big == "row_copy":
         monkeypatch.setattr("xinsitu.batches.buffer.ROW_COPY_BYTES", 1)
+        monkeypatch.setattr("xinsitu.batches.buffer.ROW_COPY_SLICE_BYTES", 1)  # (into a channel slice)
     if big == "parallel":
         monkeypatch.setattr("xinsitu.batches.buffer.PARALLEL_GATHER_BYTES", 1)
         monkeypatch.setattr("xinsitu.batches.buffer.SHARE_BYTES", 600)  # z: shares of 2 samples (420 bytes each)

@@ -235,6 +235,7 @@ class DeviceDirectLoader(DirectLoader):
         batch = b.device_empty_batch(n)
         names = [d.name for d in self.space.split_dims]
         regions = [{d: (p, p + 1) for d, p in zip(names, row, strict=True)} for row in starts.tolist()]
+        at = {d: starts[:, k] for k, d in enumerate(names)}
         reads: list[tuple[str, GpuRead]] = []
         raws: dict[str, Any] = {}  # device raw arrays (n, *chunk shape) to convert into place
         hosts: dict[str, np.ndarray] = {}  # host raw arrays of variables read the CPU way
@@ -244,10 +245,11 @@ class DeviceDirectLoader(DirectLoader):
                 continue
             src = lay.src
             chain = chain_on_gpu(self.on_gpu, name, gpu, self.follow_verdicts)
-            coords = [reader.whole_chunk(src, r) for r in regions] if chain is not None else []
-            if chain is None or any(c is None for c in coords):
+            whole = reader.whole_chunks(src, at) if chain is not None else None
+            if chain is None or whole is None:
                 jobs.append(self._on_host(name, regions, hosts))
                 continue
+            coords = list(map(tuple, whole.tolist()))
             dests = None if b.converts(name) else self._in_place(batch, name, n)
             if dests is None:
                 raw = raws[name] = gpu.new((n, *src.chunk_shape), src.raw_dtype)

@@ -96,9 +96,9 @@ class DirectLoader:
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def _buffer_order(self, plan: EpochPlan, j: int) -> np.ndarray:
-        """``plan.buffer_order(j)``, kept for the next batch: batches and blocks do not line up, so most
-        blocks hold the end of one batch and the start of the next (a block's order draws a permutation:
-        ~80 us of the I/O loop's time per block, which the decode threads wait for)."""
+        """``plan.buffer_order(j)``, kept for the next batch: where batches and blocks do not line up, a
+        block holds the end of one batch and the start of the next, and its order (a permutation drawn on
+        the I/O loop, which the decode threads wait on for the GIL) is made once, not twice."""
         for p, k, ids in self._orders:
             if p is plan and k == j:
                 return ids

@@ -191,11 +191,9 @@ class RegionPlans:
     def whole_chunk(self, src: VarSource, region: dict[str, tuple[int, int]]) -> tuple[int, ...] | None:
         """The grid coordinates of the one chunk ``region`` is exactly (all of it and nothing else, in
         order), else None. Integer math on the selection, no region plan."""
-        axes = self._whole_axes.get(id(src))
-        if axes is None or axes[0] is not src:
-            axes = self._whole_axes[id(src)] = (src, self._axes_of(src))
+        axes = self._whole_axes_of(src)
         coords = []
-        for d, ix, n, cs in axes[1] or ():
+        for d, ix, n, cs in axes or ():
             a, b = region[d] if d in region else (0, n)
             if b - a != cs or not 0 <= a < b <= n:
                 return None
@@ -203,7 +201,7 @@ class RegionPlans:
             if p0 % cs:
                 return None
             coords.append(p0 // cs)
-        return tuple(coords) if axes[1] is not None else None
+        return tuple(coords) if axes is not None else None
 
     def whole_chunks(self, src: VarSource, at: dict[str, np.ndarray]) -> np.ndarray | None:
         """``whole_chunk`` of many regions at once, each one position wide along the dims of ``at`` (the
@@ -211,14 +209,12 @@ class RegionPlans:
         shape (regions, stored dims), or None where any region is not exactly one chunk. The I/O loop's
         per-batch work on one-sample-per-chunk archives: one pass of numpy, not a Python call per sample
         and variable."""
-        axes = self._whole_axes.get(id(src))
-        if axes is None or axes[0] is not src:
-            axes = self._whole_axes[id(src)] = (src, self._axes_of(src))
-        if axes[1] is None or not at:
+        axes = self._whole_axes_of(src)
+        if axes is None or not at:
             return None
         n = len(next(iter(at.values())))
         cols = []
-        for d, ix, size, cs in axes[1]:
+        for d, ix, size, cs in axes:
             first = int(ix[0])  # the positions run by one (``_axes_of``)
             a = at.get(d)
             if a is None:  # all of the dim: one whole chunk
@@ -230,6 +226,13 @@ class RegionPlans:
                     return None
                 cols.append(first + np.asarray(a, dtype=np.int64))
         return np.stack(cols, axis=1) if cols else None
+
+    def _whole_axes_of(self, src: VarSource) -> list[tuple[str, Any, int, int]] | None:
+        """``_axes_of(src)``, made once per array."""
+        got = self._whole_axes.get(id(src))
+        if got is None or got[0] is not src:  # (an id is reused once its object is gone)
+            got = self._whole_axes[id(src)] = (src, self._axes_of(src))
+        return got[1]
 
     def _axes_of(self, src: VarSource) -> list[tuple[str, Any, int, int]] | None:
         """(dim, positions, their count, chunk length) per stored dim where every dim selects a run of

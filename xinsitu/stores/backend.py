@@ -389,23 +389,19 @@ class LocalBackend:
         object of a chunk's size each read makes glibc map, unmap and fault pages in again
         (0.3 s of system time in a 0.4 s cold epoch of the yardstick, with 20k page faults).
 
-        A scratch with ``room()`` is read into whole first: a read that ends short of its end has the file
-        whole (a local file's read ends short only at its end), with no ``fstat`` -- one system call less per
-        chunk, each of which gives up the GIL and waits to take it back from the other decode threads
-        (a plain two-thread read + decode loop over the yardstick's 32 kB chunks: 47 against 54 us per
-        chunk). A file that fills it is read again the sized way, and the scratch grows."""
+        A scratch with ``room()`` is read into whole first, with no ``fstat``: a local file's read ends short
+        only at its end (a system call less per chunk, each one a wait to take the GIL back: 47 against 54
+        us per 32 kB chunk in a plain two-thread loop); a file that fills it is read again the sized way."""
         try:
             fd = os.open(self._prefix + key, os.O_RDONLY)
         except FileNotFoundError:
             return None
         try:
             room = getattr(scratch, "room", None)
-            if room is not None:
-                view = room()
-                n = os.readv(fd, [view]) if len(view) else 0
-                if n < len(view):
+            if room is not None and len(view := room()):
+                if (n := os.readv(fd, [view])) < len(view):
                     return view[:n]
-                os.lseek(fd, 0, os.SEEK_SET)
+                os.lseek(fd, 0, os.SEEK_SET)  # it filled the room: read again, sized
             size = os.fstat(fd).st_size
             if scratch is not None:
                 view = scratch.take(size + 1)
@@ -431,8 +427,7 @@ class LocalBackend:
         reads of a busy process slower than its quickest decodes (reads give the GIL up; decodes of
         small chunks may not): medians, and a floor in milliseconds, are not moved by them. Reads
         leave the decode threads for good where the window's median read takes ``SLOW_READ_S`` and
-        ``SLOW_READ_RATIO`` times the median decode: a disk whose every read waits.
-        """
+        ``SLOW_READ_RATIO`` times the median decode: a disk whose every read waits."""
         self.observe_all([(read_s, decode_s)])
 
     def observe_all(self, times: list[tuple[float, float]]) -> None:
@@ -440,15 +435,11 @@ class LocalBackend:
         for t in times:
             self._times.append(t)
             if len(self._times) == self.WINDOW:
-                self._judge()
-
-    def _judge(self) -> None:
-        """A full window of times: reads leave the decode threads where they are slow (``observe``)."""
-        reads = sorted(r for r, _ in self._times)[self.WINDOW // 2]
-        decodes = sorted(d for _, d in self._times)[self.WINDOW // 2]
-        if reads >= self.SLOW_READ_S and reads >= self.SLOW_READ_RATIO * decodes:
-            self.fused = False
-        self._times.clear()
+                reads = sorted(r for r, _ in self._times)[self.WINDOW // 2]
+                decodes = sorted(d for _, d in self._times)[self.WINDOW // 2]
+                if reads >= self.SLOW_READ_S and reads >= self.SLOW_READ_RATIO * decodes:
+                    self.fused = False
+                self._times.clear()
 
     async def get(self, key: str) -> Data | None:
         return await self.inner.get(key)

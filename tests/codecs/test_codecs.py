@@ -76,7 +76,7 @@ def test_fill_and_key(tmp_path):
 
 def test_zstd_straight_into_place_checks_what_it_decodes(tmp_path):
     """A zstd chunk decoded into place by libzstd itself (``_zstd_decompress``: no Python argument checks):
-    the same values as zarr, from bytes or a view of reused memory; a truncated frame or a frame of
+    the same values as zarr, from bytes, a view of reused memory (read-only or not) or an array; a truncated frame or a frame of
     another size raises naming zstd, before anything passes as decoded."""
     import ctypes
 
@@ -91,7 +91,8 @@ def test_zstd_straight_into_place_checks_what_it_decodes(tmp_path):
         assert dec._zstd is not numcodecs.zstd.decompress
     scratch = bytearray(len(raw) + 100)
     scratch[:len(raw)] = raw
-    for source in (raw, memoryview(scratch)[:len(raw)]):
+    # bytes, a view of reused memory, a read-only view, an array of bytes
+    for source in (raw, memoryview(scratch)[:len(raw)], memoryview(bytes(raw)), np.frombuffer(raw, np.uint8).copy()):
         out = np.full((3, 4), -1, dtype="int32")
         assert dec.decode_into(source, out)
         np.testing.assert_array_equal(out, data[3:6, 4:8])

@@ -105,3 +105,29 @@ def test_missing_sample_raises(holed):
 def test_missing_argument_is_validated(clean, bad):
     with pytest.raises(ValueError, match="missing"):
         _gen(clean, missing=bad)
+
+
+def test_missing_chunk_of_one_variable_among_a_batchs_one_step_chunks(tmp_path):
+    """One step per chunk (batches filled in place, every variable's chunk files read by one set of
+    decode-thread jobs): a missing chunk of the last variable reads as its fill value while the other
+    variables' chunks of the same batch land, is counted and named as that variable's, and with
+    ``missing="raise"`` fails naming it."""
+    path = write_archive(tmp_path / "c1.zarr", nt=24, ny=4, nx=4, chunk_time=1)
+    ds = xinsitu.open_zarr(path)
+    names = [v for v in ds.data_vars if "time" in ds[v].dims]
+    last = names[-1]
+    key = f"{last}/c/5/0/0"
+    (Path(path) / key).unlink()
+    gen = _gen(path, variables=names, stack=True)
+    assert gen.buffer_reason is None  # filled in place, no shuffle buffer
+    ref = xr.open_zarr(path, chunks=None)
+    with pytest.warns(UserWarning, match="1 chunk"):
+        batches = list(gen)
+    for ids, b in zip(gen.batch_ids(), batches, strict=True):
+        want = np.stack([ref[v].values[ids] for v in names], axis=1)
+        assert np.array_equal(b, want, equal_nan=True)
+    assert gen.io_stats["missing"] == 1
+    assert gen.io_stats["missing_chunk"] == (last, (5, 0, 0), key)
+    with pytest.raises(xinsitu.ChunkReadError) as info:
+        list(_gen(path, variables=names, stack=True, missing="raise"))
+    assert (info.value.var, info.value.chunk, info.value.key) == (last, (5, 0, 0), key)

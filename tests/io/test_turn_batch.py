@@ -93,16 +93,19 @@ class _RawDecoder:
 def test_read_local_threads_take_chunks_from_one_queue():
     """Two decode threads reading one variable's chunks: the thread held on chunk 0 leaves every other
     chunk to the other one, and every chunk lands in its own destination once."""
+    from types import SimpleNamespace
+
     from xinsitu.io.place import Slot
 
     n = 9
-    store, dec = _SlowFirstStore(n), _RawDecoder()
+    route = SimpleNamespace(store=_SlowFirstStore(n), dec=_RawDecoder(), prefix="v/", src=SimpleNamespace(name="v"))
+    store = route.store
     outs = [np.zeros(4, "u1") for _ in range(n)]
-    todo = deque(((i,), Slot(outs[i])) for i in range(n))
+    todo = deque((route, (i,), Slot(outs[i])) for i in range(n))
     parts: list = [None, None]
 
     def work(j: int) -> None:
-        parts[j] = read_local(store, "v/", dec, "v", todo)
+        parts[j] = read_local(todo)
 
     threads = [threading.Thread(target=work, args=(j,)) for j in range(2)]
     for t in threads:
@@ -110,7 +113,7 @@ def test_read_local_threads_take_chunks_from_one_queue():
     for t in threads:
         t.join(timeout=60)
     assert store.first_saw_others is True
-    assert sorted(c for part in parts for c, *_ in part) == [(i,) for i in range(n)]
+    assert sorted(c for part in parts for _, c, *_ in part) == [(i,) for i in range(n)]
     assert [int(o[0]) for o in outs] == list(range(n))
 
 

@@ -123,25 +123,31 @@ class DirectLoader:
         b = self.builder
         batch = b.empty_batch(n)
         names = [d.name for d in self.space.split_dims]
-        rows = starts.tolist()
-        regions = [{d: (p, p + 1) for d, p in zip(names, row, strict=True)} for row in rows]
+        regions = [{d: (p, p + 1) for d, p in zip(names, row, strict=True)} for row in starts.tolist()]
         at = {d: starts[:, k] for k, d in enumerate(names)}
-        jobs, raws = [], {}
+        jobs: list[Any] = []
+        raws = {}
+        slots: list[tuple[Any, list[tuple[int, ...]], list[np.ndarray]]] = []  # whole chunks, every variable's
         for name, lay in self.layouts.items():
             if lay.static:
                 continue
-            perm = self._to_var[name]
             if b.converts(name):  # raw values first, converted into place below
                 shape = [n] + [1] * self.n_split + [lay.src.shape[lay.src.dims.index(d)] for d in lay.out_dims]
                 raw = raws[name] = self._raw.take(shape, lay.src.raw_dtype)
-                dests = [raw[k].transpose(perm) for k in range(n)]
+                dests = self._dests(name, raw)
             else:
                 view = b.value_view(batch, name, slice(None))
                 view = view.reshape(n, *([1] * self.n_split), *view.shape[1:]) if self.n_split != 1 else view[:, None]
-                dests = [view[k].transpose(perm) for k in range(n)]
-            jobs.append(self._read(lay, at, regions, dests))
+                dests = self._dests(name, view)
+            coords = self.reader.whole_chunks(lay.src, at)
+            if coords is not None and dests[0].flags.c_contiguous:  # (every dest has the same strides)
+                slots.append((lay.src, list(map(tuple, coords.tolist())), dests))
+            else:
+                jobs.append(self.reader.read_many(lay.src, list(zip(regions, dests, strict=True))))
+        if slots:
+            jobs.append(self.reader.read_slots_many(slots, regions))
         try:
-            await asyncio.gather(*jobs)
+            await (jobs[0] if len(jobs) == 1 else asyncio.gather(*jobs))
             if raws:
                 await self._convert(batch, raws)
         finally:
@@ -154,6 +160,14 @@ class DirectLoader:
             for name, values in static.items():  # broadcast into the stacked batch's channels
                 b.value_view(batch, name, slice(None))[...] = values
         return Filled(i, ids, starts, batch)
+
+    def _dests(self, name: str, rows: np.ndarray) -> list[np.ndarray]:
+        """Each sample's row of ``rows`` (sample, split dims of 1, *output dims) in variable ``name``'s own
+        dim order: views, all of the same strides."""
+        perm = self._to_var[name]
+        if perm == tuple(range(len(perm))):
+            return list(rows)
+        return [r.transpose(perm) for r in rows]
 
     async def _read(self, lay: VarLayout, at: dict[str, np.ndarray], regions: list[dict[str, tuple[int, int]]],
                     dests: list[np.ndarray]) -> None:

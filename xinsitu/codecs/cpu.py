@@ -41,9 +41,17 @@ def _zstd_decompress() -> Any:
     is_error.argtypes, is_error.restype = [ctypes.c_size_t], ctypes.c_uint
     name.argtypes, name.restype = [ctypes.c_size_t], ctypes.c_char_p
 
+    byref, at = ctypes.byref, ctypes.c_char.from_buffer
+
     def decompress(source: Any, dest: np.ndarray) -> None:
-        src = np.frombuffer(source, np.uint8)
-        n = fn(dest.__array_interface__["data"][0], dest.nbytes, src.__array_interface__["data"][0], src.nbytes)
+        # pointers by ``c_char.from_buffer`` (1 us), not ``__array_interface__`` (3.5 us, a dict each): held
+        # GIL per chunk, which one-sample chunks of 32 kB pay once per 40 us decode
+        try:
+            src: Any = byref(at(source))
+        except (TypeError, ValueError):  # read-only (bytes: passed as they are) or empty
+            src = source if type(source) is bytes else np.frombuffer(source, np.uint8).ctypes.data
+        dst = byref(at(dest)) if dest.nbytes else dest.ctypes.data  # type: ignore[arg-type]
+        n = fn(dst, dest.nbytes, src, memoryview(source).nbytes)
         if n != dest.nbytes:
             why = name(n).decode() if is_error(n) else f"{n} bytes decoded, {dest.nbytes} expected"
             raise RuntimeError(f"Zstd decompression error: {why}")

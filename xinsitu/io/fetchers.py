@@ -71,25 +71,25 @@ def reraise(name: str, coords: tuple[int, ...], path: str, e: Exception) -> NoRe
 
 
 # ----------------------------------------------------------------------------- local files
-def read_local(store: Any, prefix: str, dec: Any, name: str,
-               todo: deque[tuple[tuple[int, ...], Destination]],
-               scratch: Any = SCRATCH) -> list[tuple[tuple[int, ...], float, ChunkOutcome]]:
-    """Local chunk files (``LocalBackend.read``) taken from ``todo`` until none is left, each read and
-    placed in turn by this decode thread: (coords, seconds reading, outcome) per chunk. Every decode
-    thread takes from the same ``todo`` (work stealing: chunks of uneven size keep every thread busy
-    to the end). A chunk that fails raises ``ChunkReadError`` naming it (a file reads the same bytes
-    again: no second try). ``scratch``: what files are read into (``ThreadScratch.take``'s protocol;
-    the GPU path's page-locked staging)."""
-    out: list[tuple[tuple[int, ...], float, ChunkOutcome]] = []
+def read_local(todo: deque[tuple[Route, tuple[int, ...], Destination]],
+               scratch: Any = SCRATCH) -> list[tuple[Route, tuple[int, ...], float, ChunkOutcome]]:
+    """Local chunk files (``LocalBackend.read``; items ``(route, coords, destination)``, of one array or
+    several) taken from ``todo`` until none is left, each read and placed in turn by this decode thread:
+    (route, coords, seconds reading, outcome) per chunk. Every decode thread takes from the same ``todo``
+    (work stealing: chunks of uneven size keep every thread busy to the end). A chunk that fails raises
+    ``ChunkReadError`` naming it (a file reads the same bytes again: no second try). ``scratch``: what
+    files are read into (``ThreadScratch.take``'s protocol; the GPU path's page-locked staging)."""
+    out: list[tuple[Route, tuple[int, ...], float, ChunkOutcome]] = []
     while True:
         try:
-            coords, dest = todo.popleft()  # atomic: each chunk is taken by one thread
+            route, coords, dest = todo.popleft()  # atomic: each chunk is taken by one thread
         except IndexError:
             return out
-        path = prefix + dec.key(coords)
+        dec = route.dec
+        path = route.prefix + dec.key(coords)
         try:
             t0 = time.perf_counter()
-            raw = store.read(path, scratch)
+            raw = route.store.read(path, scratch)  # type: ignore[attr-defined]
             read_s = time.perf_counter() - t0
             try:
                 outcome = place(dec, raw, dest, read_s)
@@ -98,8 +98,8 @@ def read_local(store: Any, prefix: str, dec: Any, name: str,
                                          f"{type(e).__name__}: {e}") from e
         except Exception as e:  # noqa: BLE001 - every failure names its chunk
             todo.clear()  # the read fails: the other threads take no more of its chunks
-            raise ChunkReadError(name, coords, path, e) from e
-        out.append((coords, read_s, outcome))
+            raise ChunkReadError(route.src.name, coords, path, e) from e
+        out.append((route, coords, read_s, outcome))
 
 
 # ----------------------------------------------------------------------------- callbacks

@@ -297,30 +297,65 @@ class Reader:
         chunk's shape): straight into them with no region plan or target per chunk (``decode.Slot``;
         chunks the memory tier should keep are kept) where the array's route allows it, else as any
         region (``read_many``: a codec chain decoded on the loop, a sharded array, a disk tier)."""
+        slots = self._slots(src, coords, outs)
+        if slots is None:
+            await self.read_many(src, list(zip(regions, outs, strict=True)))
+        else:
+            await self._fetch_all(*slots)
+
+    def _slots(self, src: VarSource, coords: list[tuple[int, ...]],
+               outs: list[np.ndarray]) -> tuple[Route, list[tuple[tuple[int, ...], Destination]]] | None:
+        """``read_whole``'s chunks as ``(route, [(coords, Slot)])``, None where they must be read as regions."""
         route = None if is_sharded(src.array) else self.route(src)
         cache = self.cache
         keys = self.chunk_keys(src) if cache is not None else None
         if route is None or not route.dec.sync or (cache is not None and keys is not None and cache.disk is not None):
-            await self.read_many(src, list(zip(regions, outs, strict=True)))
-            return
+            return None
         keep = None
         if cache is not None and keys is not None:
             keep = (cache, keys)
             cache.count_misses(len(coords))  # ``take_cached`` looked them up first
             self.counters.cache_misses += len(coords)
-        items: list[tuple[tuple[int, ...], Destination]] = [
-            (c, Slot(out, keep, c)) for c, out in zip(coords, outs, strict=True)]
-        await self._fetch_all(route, items)
+        return route, [(c, Slot(out, keep, c)) for c, out in zip(coords, outs, strict=True)]
 
     async def read_slots(self, src: VarSource, coords: list[tuple[int, ...]], outs: list[np.ndarray],
                          regions: list[dict[str, tuple[int, int]]]) -> None:
         """Whole chunks ``coords`` (the chunks ``regions`` are exactly) into ``outs`` (C-contiguous arrays of
         the chunk's shape, anywhere: e.g. a sample's channels in a batch): those the memory tier has
         copied from it, the others decoded straight in (``read_whole``)."""
-        rest, _ = await self.take_cached(src, coords, outs)
-        if rest:
-            await self.read_whole(src, [coords[i] for i in rest], [outs[i] for i in rest],
-                                  [regions[i] for i in rest])
+        await self.read_slots_many([(src, coords, outs)], regions)
+
+    async def read_slots_many(self, reads: list[tuple[VarSource, list[tuple[int, ...]], list[np.ndarray]]],
+                              regions: list[dict[str, tuple[int, int]]]) -> None:
+        """``read_slots`` of several variables at the same positions (``regions``, one per destination: a
+        batch's samples): the local files of all of them read by one set of decode-thread jobs
+        (``_read_local``), not one per variable -- a batch of one-sample chunks is then one hand-off of
+        the I/O loop, which the decode threads wait on for the GIL."""
+        local: list[tuple[Route, tuple[int, ...], Destination]] = []
+        jobs: list[Any] = []
+        for src, coords, outs in reads:
+            rest, _ = await self.take_cached(src, coords, outs)
+            if len(rest) < len(coords):
+                coords, outs = [coords[i] for i in rest], [outs[i] for i in rest]
+                places = [regions[i] for i in rest]
+            else:
+                places = regions
+            if not coords:
+                continue
+            slots = self._slots(src, coords, outs)
+            if slots is None:
+                jobs.append(self.read_many(src, list(zip(places, outs, strict=True))))
+            elif slots[0].local:
+                route = slots[0]
+                local.extend((route, c, d) for c, d in slots[1])
+            else:
+                jobs.append(self._fetch_all(*slots))
+        if local:
+            jobs.append(self._read_local(local))
+        if len(jobs) == 1:
+            await jobs[0]
+        elif jobs:
+            await asyncio.gather(*jobs)
 
     async def read_gpu(self, reads: list[GpuRead], gpu: Any, tier: Any = None) -> dict[str, GpuPathError]:
         """Whole chunks of several variables (a buffer's, a batch's) decoded on the GPU straight into their
@@ -486,7 +521,7 @@ class Reader:
         """Every chunk of ``items`` fetched and placed by ``route``'s strategy, whatever its destination
         (``scratch``: what local files are read into, see ``fetchers.read_local``)."""
         if route.local:
-            await self._read_local(route, items, scratch)
+            await self._read_local([(route, c, d) for c, d in items], scratch)
         elif route.kind == Route.CALLBACKS:
             await WholeFetches(self, route).run(items)
         elif len(items) == 1:  # one chunk (a chunk-aligned unit): no task of its own
@@ -494,34 +529,43 @@ class Reader:
         else:
             await all_or_none(self._fetch(route, c, d) for c, d in items)
 
-    async def _read_local(self, route: Route, items: list[tuple[tuple[int, ...], Destination]],
+    async def _read_local(self, items: list[tuple[Route, tuple[int, ...], Destination]],
                           scratch: Any = SCRATCH) -> None:
-        """Local chunk files read and placed by the decode threads, each taking the next chunk left
-        (``fetchers.read_local``): per chunk no task, no executor hand-off and no wake-up of the loop,
-        which for one-sample-per-chunk archives cost more than the decode itself. The reads asked for
-        in one turn of the loop (every variable of a buffer) go out together, in one job per decode
-        thread (``TurnBatch``)."""
+        """Local chunk files (of one or several arrays: ``(route, coords, destination)``) read and placed by
+        the decode threads, each taking the next chunk left (``fetchers.read_local``): per chunk no task,
+        no executor hand-off and no wake-up of the loop, which for one-sample-per-chunk archives cost more
+        than the decode itself. The reads asked for in one turn of the loop go out together, in one job per
+        decode thread (``TurnBatch``)."""
         k = max(1, min(len(items), self.inflight.threads))
-        store = route.store
         todo = deque(items)
-        parts = await asyncio.gather(*(self.turn.run(read_local, store, route.prefix, route.dec, route.src.name,
-                                                     todo, scratch) for _ in range(k)))
+        parts = await asyncio.gather(*(self.turn.run(read_local, todo, scratch) for _ in range(k)))
         done = [x for part in parts for x in part]
         if not done:
             return
         self.counters.requests += len(done)
-        times = [(read_s, outcome.took) for _, read_s, outcome in done]
-        store.observe_all(times)  # type: ignore[attr-defined]
-        # the chunks decoded settled at once (their sums: what settling each adds up to), any other one by one
-        decoded = [outcome for _, _, outcome in done if outcome.status == DECODED]
-        if decoded:
-            self.settle(route, None, ChunkOutcome(DECODED, sum(o.nbytes for o in decoded), 0.0,
-                                                  sum(o.took for o in decoded)), observe=False, n=len(decoded))
-        if len(decoded) < len(done):
-            for coords, _, outcome in done:
-                if outcome.status != DECODED:
-                    self.settle(route, coords, outcome, observe=False)
-        self.inflight.observe(sum(r for r, _ in times) / len(times), sum(t for _, t in times) / len(times))
+        groups: dict[int, tuple[Route, list[tuple[Route, tuple[int, ...], float, ChunkOutcome]]]] = {}
+        for x in done:  # by array (a route each)
+            g = groups.get(id(x[0]))
+            if g is None:
+                groups[id(x[0])] = (x[0], [x])
+            else:
+                g[1].append(x)
+        read_sum = took_sum = 0.0
+        for route, got in groups.values():
+            times = [(read_s, outcome.took) for _, _, read_s, outcome in got]
+            route.store.observe_all(times)  # type: ignore[attr-defined]
+            # the chunks decoded settled at once (their sums: what settling each adds up to), any other one by one
+            decoded = [outcome for _, _, _, outcome in got if outcome.status == DECODED]
+            if decoded:
+                self.settle(route, None, ChunkOutcome(DECODED, sum(o.nbytes for o in decoded), 0.0,
+                                                      sum(o.took for o in decoded)), observe=False, n=len(decoded))
+            if len(decoded) < len(got):
+                for _, coords, _, outcome in got:
+                    if outcome.status != DECODED:
+                        self.settle(route, coords, outcome, observe=False)
+            read_sum += sum(r for r, _ in times)
+            took_sum += sum(t for _, t in times)
+        self.inflight.observe(read_sum / len(done), took_sum / len(done))
 
     async def _fetch(self, route: Route, coords: tuple[int, ...], dest: Destination,
                      first: BaseException | None = None) -> None:

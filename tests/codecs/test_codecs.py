@@ -76,8 +76,8 @@ def test_fill_and_key(tmp_path):
 
 def test_zstd_straight_into_place_checks_what_it_decodes(tmp_path):
     """A zstd chunk decoded into place by libzstd itself (``_zstd_decompress``: no Python argument checks):
-    the same values as zarr, from bytes, a view of reused memory (read-only or not) or an array; a truncated frame or a frame of
-    another size raises naming zstd, before anything passes as decoded."""
+    the same values as zarr, from bytes, a view of reused memory (read-only or not) or an array; a truncated
+    frame or a frame of another size raises naming zstd, before anything passes as decoded."""
     import ctypes
 
     import numcodecs.zstd

@@ -150,6 +150,19 @@ def test_local_backend_leaves_the_decode_threads_when_reads_are_slow(root):
     assert not be.fused  # for good: no more reads are timed in the decode threads
 
 
+def test_local_backend_judges_each_window_of_the_times_given_at_once(root):
+    """``observe_all``: the times of many reads, judged window by window as one by one would."""
+    w = LocalBackend.WINDOW
+    be = LocalBackend(root, _FileBackend(root))
+    be.observe_all([(0.0001, 0.001)] * w + [(0.010, 0.001)] * (w - 1))  # a quick window, then most of a slow one
+    assert be.fused
+    be.observe_all([(0.010, 0.001)] * 2)  # the slow window is full: judged slow
+    assert not be.fused
+    be = LocalBackend(root, _FileBackend(root))
+    be.observe_all([(0.010, 0.001)] * (w // 2 - 1) + [(0.0001, 0.001)] * (w // 2 + 1) + [(0.010, 0.001)] * (w - 1))
+    assert be.fused  # a window of under half slow reads (median quick), then a slow one not yet full
+
+
 def test_backend_for_a_local_zarr_store_reads_files_directly(tmp_path):
     path = str(tmp_path / "d.zarr")
     zarr.create_array(path, shape=(4,), chunks=(2,), dtype="i4")[:] = np.arange(4, dtype="i4")

@@ -17,7 +17,7 @@ import numpy as np
 
 from xinsitu.codecs.cpu import ShardLayout
 from xinsitu.io import loop as _loop
-from xinsitu.io.place import EMPTY, SCRATCH, ChunkOutcome, Destination, Pieces, place, place_async, place_each
+from xinsitu.io.place import DECODED, EMPTY, SCRATCH, ChunkOutcome, Destination, Pieces, place, place_async, place_each
 from xinsitu.stores.backend import (
     ChunkReadError,
     DamagedObjectError,
@@ -71,20 +71,37 @@ def reraise(name: str, coords: tuple[int, ...], path: str, e: Exception) -> NoRe
 
 
 # ----------------------------------------------------------------------------- local files
-def read_local(todo: deque[tuple[Route, tuple[int, ...], Destination]],
-               scratch: Any = SCRATCH) -> list[tuple[Route, tuple[int, ...], float, ChunkOutcome]]:
+class LocalTally:
+    """What one ``read_local`` job did for the chunks of one array (``route``): how many it read
+    (``n``; seconds reading and placing them, summed), the chunks decoded (``decoded``; their bytes read
+    and seconds decoding, summed: ``nbytes``, ``decode_s``), each
+    chunk's (seconds reading, seconds decoding) for ``LocalBackend.observe_all``, and every other
+    outcome as ``(coords, outcome)``, to settle one by one. Summed in the decode thread: the loop's
+    work per chunk, which the decode threads wait on for the GIL, is none."""
+
+    __slots__ = ("route", "n", "read_s", "took", "decoded", "nbytes", "decode_s", "times", "others")
+
+    def __init__(self, route: Route):
+        self.route = route
+        self.n = self.decoded = self.nbytes = 0
+        self.read_s = self.took = self.decode_s = 0.0
+        self.times: list[tuple[float, float]] = []
+        self.others: list[tuple[tuple[int, ...], ChunkOutcome]] = []
+
+
+def read_local(todo: deque[tuple[Route, tuple[int, ...], Destination]], scratch: Any = SCRATCH) -> list[LocalTally]:
     """Local chunk files (``LocalBackend.read``; items ``(route, coords, destination)``, of one array or
     several) taken from ``todo`` until none is left, each read and placed in turn by this decode thread:
-    (route, coords, seconds reading, outcome) per chunk. Every decode thread takes from the same ``todo``
-    (work stealing: chunks of uneven size keep every thread busy to the end). A chunk that fails raises
+    what it did, per array (``LocalTally``). Every decode thread takes from the same ``todo`` (work
+    stealing: chunks of uneven size keep every thread busy to the end). A chunk that fails raises
     ``ChunkReadError`` naming it (a file reads the same bytes again: no second try). ``scratch``: what
     files are read into (``ThreadScratch.take``'s protocol; the GPU path's page-locked staging)."""
-    out: list[tuple[Route, tuple[int, ...], float, ChunkOutcome]] = []
+    tallies: dict[int, LocalTally] = {}
     while True:
         try:
             route, coords, dest = todo.popleft()  # atomic: each chunk is taken by one thread
         except IndexError:
-            return out
+            return list(tallies.values())
         dec = route.dec
         path = route.prefix + dec.key(coords)
         try:
@@ -99,7 +116,19 @@ def read_local(todo: deque[tuple[Route, tuple[int, ...], Destination]],
         except Exception as e:  # noqa: BLE001 - every failure names its chunk
             todo.clear()  # the read fails: the other threads take no more of its chunks
             raise ChunkReadError(route.src.name, coords, path, e) from e
-        out.append((route, coords, read_s, outcome))
+        t = tallies.get(id(route))
+        if t is None:
+            t = tallies[id(route)] = LocalTally(route)
+        t.n += 1
+        t.read_s += read_s
+        t.took += outcome.took
+        t.times.append((read_s, outcome.took))
+        if outcome.status == DECODED:
+            t.decoded += 1
+            t.nbytes += outcome.nbytes
+            t.decode_s += outcome.took
+        else:
+            t.others.append((coords, outcome))
 
 
 # ----------------------------------------------------------------------------- callbacks

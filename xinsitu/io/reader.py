@@ -539,33 +539,18 @@ class Reader:
         k = max(1, min(len(items), self.inflight.threads))
         todo = deque(items)
         parts = await asyncio.gather(*(self.turn.run(read_local, todo, scratch) for _ in range(k)))
-        done = [x for part in parts for x in part]
-        if not done:
-            return
-        self.counters.requests += len(done)
-        groups: dict[int, tuple[Route, list[tuple[Route, tuple[int, ...], float, ChunkOutcome]]]] = {}
-        for x in done:  # by array (a route each)
-            g = groups.get(id(x[0]))
-            if g is None:
-                groups[id(x[0])] = (x[0], [x])
-            else:
-                g[1].append(x)
-        read_sum = took_sum = 0.0
-        for route, got in groups.values():
-            times = [(read_s, outcome.took) for _, _, read_s, outcome in got]
-            route.store.observe_all(times)  # type: ignore[attr-defined]
-            # the chunks decoded settled at once (their sums: what settling each adds up to), any other one by one
-            decoded = [outcome for _, _, _, outcome in got if outcome.status == DECODED]
-            if decoded:
-                self.settle(route, None, ChunkOutcome(DECODED, sum(o.nbytes for o in decoded), 0.0,
-                                                      sum(o.took for o in decoded)), observe=False, n=len(decoded))
-            if len(decoded) < len(got):
-                for _, coords, _, outcome in got:
-                    if outcome.status != DECODED:
-                        self.settle(route, coords, outcome, observe=False)
-            read_sum += sum(r for r, _ in times)
-            took_sum += sum(t for _, t in times)
-        self.inflight.observe(read_sum / len(done), took_sum / len(done))
+        n = read_s = took = 0.0
+        for t in (t for part in parts for t in part):
+            route = t.route
+            self.counters.requests += t.n
+            route.store.observe_all(t.times)  # type: ignore[attr-defined]
+            if t.decoded:  # settled at once (their sums: what settling each adds up to)
+                self.settle(route, None, ChunkOutcome(DECODED, t.nbytes, 0.0, t.decode_s), observe=False, n=t.decoded)
+            for coords, outcome in t.others:
+                self.settle(route, coords, outcome, observe=False)
+            n, read_s, took = n + t.n, read_s + t.read_s, took + t.took
+        if n:
+            self.inflight.observe(read_s / n, took / n)
 
     async def _fetch(self, route: Route, coords: tuple[int, ...], dest: Destination,
                      first: BaseException | None = None) -> None:

@@ -432,14 +432,17 @@ class LocalBackend:
 
     def observe_all(self, times: list[tuple[float, float]]) -> None:
         """``observe`` of many files' (read, decode) times."""
-        for t in times:
-            self._times.append(t)
-            if len(self._times) == self.WINDOW:
-                reads = sorted(r for r, _ in self._times)[self.WINDOW // 2]
-                decodes = sorted(d for _, d in self._times)[self.WINDOW // 2]
+        w, i = self._times, 0
+        while i < len(times):  # the window filled, judged and emptied in turn
+            k = min(self.WINDOW - len(w), len(times) - i)
+            w.extend(times[i:i + k])
+            i += k
+            if len(w) == self.WINDOW:
+                reads = sorted(r for r, _ in w)[self.WINDOW // 2]
+                decodes = sorted(d for _, d in w)[self.WINDOW // 2]
                 if reads >= self.SLOW_READ_S and reads >= self.SLOW_READ_RATIO * decodes:
                     self.fused = False
-                self._times.clear()
+                w.clear()
 
     async def get(self, key: str) -> Data | None:
         return await self.inner.get(key)

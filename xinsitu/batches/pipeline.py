@@ -259,8 +259,10 @@ class EpochRun:
                         else raw_parts[0][n]) for n in raw_parts[0] if direct is None or n not in direct[1]}
                 starts = np.concatenate(start_parts)
                 batch = builder.build(raw, starts) if direct is None else builder.finish_direct(direct, raw, starts)
+                del raw, raw_parts, direct
                 if not self._put((i, batch, b - a)):
                     return
+                del batch  # not held while the next is made: its memory goes back to the pool once the caller's done
             self._put(_END)
         except BaseException as e:  # noqa: BLE001 - delivered to the caller
             self._put(e)
@@ -306,7 +308,9 @@ class EpochRun:
             i, batch, n = item
             self.samples += n
             self.n_batches += 1
+            del item
             yield i, batch
+            del batch  # not held while the next is awaited: only the caller decides how long a batch lives
 
     def _next_batch(self) -> Any:
         """The next finished batch (or error, or ``_END``), waiting in short steps while the
@@ -394,6 +398,7 @@ class DirectRun(EpochRun):
                 a, b = plan.batch_span(i)
                 if not self._put((i, batch, b - a)):
                     return
+                del batch  # not held while the next is read (see ``EpochRun._assemble``)
                 self._release()  # its place in the read-ahead is free once it waits in the queue
             self._put(_END)
         except BaseException as e:  # noqa: BLE001 - delivered to the caller

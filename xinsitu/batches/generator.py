@@ -416,7 +416,7 @@ class BatchGenerator:
                 if bar is not None:
                     bar.update(1)
                 yield self.builder.hand_out(batch)  # a CUDA batch: safe on the caller's current stream
-                del batch  # not held while the next is awaited (its memory goes back to the pool once the caller's done)
+                del batch  # not held while the next is awaited: its memory goes back to the pool once the caller's done
         finally:
             run.close()
             self._io = run.report()

@@ -72,12 +72,12 @@ def reraise(name: str, coords: tuple[int, ...], path: str, e: Exception) -> NoRe
 
 # ----------------------------------------------------------------------------- local files
 class LocalTally:
-    """What one ``read_local`` job did for the chunks of one array (``route``): how many it read
-    (``n``; seconds reading and placing them, summed), the chunks decoded (``decoded``; their bytes read
-    and seconds decoding, summed: ``nbytes``, ``decode_s``), each
-    chunk's (seconds reading, seconds decoding) for ``LocalBackend.observe_all``, and every other
-    outcome as ``(coords, outcome)``, to settle one by one. Summed in the decode thread: the loop's
-    work per chunk, which the decode threads wait on for the GIL, is none."""
+    """What one ``read_local`` job did for the chunks of one array (``route``): how many it read (``n``;
+    their seconds reading and placing, summed), the chunks decoded (``decoded``; their bytes read and
+    seconds decoding, summed), each chunk's (seconds reading, seconds placing) for
+    ``LocalBackend.observe_all``, and every other outcome as ``(coords, outcome)``, to settle one by one.
+    Summed in the decode thread: the loop, which the decode threads wait on for the GIL, does no work
+    per chunk."""
 
     __slots__ = ("route", "n", "read_s", "took", "decoded", "nbytes", "decode_s", "times", "others")
 

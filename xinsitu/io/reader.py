@@ -539,7 +539,7 @@ class Reader:
         k = max(1, min(len(items), self.inflight.threads))
         todo = deque(items)
         parts = await asyncio.gather(*(self.turn.run(read_local, todo, scratch) for _ in range(k)))
-        n = read_s = took = 0.0
+        n, read_s, took = 0, 0.0, 0.0
         for t in (t for part in parts for t in part):
             route = t.route
             self.counters.requests += t.n

@@ -125,29 +125,19 @@ class DirectLoader:
         names = [d.name for d in self.space.split_dims]
         regions = [{d: (p, p + 1) for d, p in zip(names, row, strict=True)} for row in starts.tolist()]
         at = {d: starts[:, k] for k, d in enumerate(names)}
-        jobs: list[Any] = []
         raws = {}
-        slots: list[tuple[Any, list[tuple[int, ...]], list[np.ndarray]]] = []  # whole chunks, every variable's
+        reads: list[tuple[VarLayout, list[np.ndarray]]] = []
         for name, lay in self.layouts.items():
             if lay.static:
                 continue
             if b.converts(name):  # raw values first, converted into place below
-                shape = [n] + [1] * self.n_split + [lay.src.shape[lay.src.dims.index(d)] for d in lay.out_dims]
-                raw = raws[name] = self._raw.take(shape, lay.src.raw_dtype)
-                dests = self._dests(name, raw)
+                raws[name] = rows = self._take_raw(lay, n)
             else:
-                view = b.value_view(batch, name, slice(None))
-                view = view.reshape(n, *([1] * self.n_split), *view.shape[1:]) if self.n_split != 1 else view[:, None]
-                dests = self._dests(name, view)
-            coords = self.reader.whole_chunks(lay.src, at)
-            if coords is not None and dests[0].flags.c_contiguous:  # (every dest has the same strides)
-                slots.append((lay.src, list(map(tuple, coords.tolist())), dests))
-            else:
-                jobs.append(self.reader.read_many(lay.src, list(zip(regions, dests, strict=True))))
-        if slots:
-            jobs.append(self.reader.read_slots_many(slots, regions))
+                rows = b.value_view(batch, name, slice(None))
+                rows = rows.reshape(n, *([1] * self.n_split), *rows.shape[1:]) if self.n_split != 1 else rows[:, None]
+            reads.append((lay, self._dests(name, rows)))
         try:
-            await (jobs[0] if len(jobs) == 1 else asyncio.gather(*jobs))
+            await self._read_all(reads, at, regions)
             if raws:
                 await self._convert(batch, raws)
         finally:
@@ -169,16 +159,28 @@ class DirectLoader:
             return list(rows)
         return [r.transpose(perm) for r in rows]
 
-    async def _read(self, lay: VarLayout, at: dict[str, np.ndarray], regions: list[dict[str, tuple[int, int]]],
-                    dests: list[np.ndarray]) -> None:
-        """One variable's samples (at positions ``at`` along the split dims; as ``regions``) read into
-        ``dests`` (views in its own dim order): whole chunks decoded straight in, else as regions."""
-        reader, src = self.reader, lay.src
-        coords = reader.whole_chunks(src, at)
-        if coords is not None and all(d.flags.c_contiguous for d in dests):
-            await reader.read_slots(src, list(map(tuple, coords.tolist())), dests, regions)
-        else:
-            await reader.read_many(src, list(zip(regions, dests, strict=True)))
+    def _take_raw(self, lay: VarLayout, n: int) -> np.ndarray:
+        """A raw array for ``n`` samples of a variable: (sample, split dims of 1, *output dims), its stored dtype."""
+        shape = [n] + [1] * self.n_split + [lay.src.shape[lay.src.dims.index(d)] for d in lay.out_dims]
+        return self._raw.take(shape, lay.src.raw_dtype)
+
+    async def _read_all(self, reads: list[tuple[VarLayout, list[np.ndarray]]], at: dict[str, np.ndarray],
+                        regions: list[dict[str, tuple[int, int]]]) -> None:
+        """Variables' samples (at positions ``at`` along the split dims; as ``regions``) read into their
+        ``dests`` (``_dests``): whole chunks decoded straight in, every variable's at once
+        (``Reader.read_slots_many``: one hand-off to the decode threads), else as regions."""
+        reader = self.reader
+        slots: list[tuple[Any, list[tuple[int, ...]], list[np.ndarray]]] = []
+        jobs: list[Any] = []
+        for lay, dests in reads:
+            coords = reader.whole_chunks(lay.src, at)
+            if coords is not None and dests[0].flags.c_contiguous:  # (every dest has the same strides)
+                slots.append((lay.src, list(map(tuple, coords.tolist())), dests))
+            else:
+                jobs.append(reader.read_many(lay.src, list(zip(regions, dests, strict=True))))
+        if slots:
+            jobs.append(reader.read_slots_many(slots, regions))
+        await asyncio.gather(*jobs)
 
     async def _convert(self, batch: Any, raws: dict[str, np.ndarray]) -> None:
         """Raw values CF-decoded, normalised and cast into place, in the decode threads (rows in shares)."""
@@ -297,13 +299,11 @@ class DeviceDirectLoader(DirectLoader):
 
     async def _on_host(self, name: str, regions: list[dict[str, tuple[int, int]]],
                        hosts: dict[str, np.ndarray]) -> None:
-        """Variable ``name``'s samples read the CPU way into a host raw array (``DirectLoader._read``)."""
-        lay, n = self.layouts[name], len(regions)
-        shape = [n] + [1] * self.n_split + [lay.src.shape[lay.src.dims.index(d)] for d in lay.out_dims]
-        raw = hosts[name] = self._raw.take(shape, lay.src.raw_dtype)
-        perm = self._to_var[name]
+        """Variable ``name``'s samples read the CPU way into a host raw array (``DirectLoader._read_all``)."""
+        lay = self.layouts[name]
+        raw = hosts[name] = self._take_raw(lay, len(regions))
         at = {d.name: np.array([r[d.name][0] for r in regions], dtype=np.int64) for d in self.space.split_dims}
-        await self._read(lay, at, regions, [raw[k].transpose(perm) for k in range(n)])
+        await self._read_all([(lay, self._dests(name, raw))], at, regions)
 
     async def _decode(self, reads: list[tuple[str, GpuRead]], regions: list[dict[str, tuple[int, int]]],
                       raws: dict[str, Any], hosts: dict[str, np.ndarray]) -> None:

@@ -318,19 +318,14 @@ class Reader:
             self.counters.cache_misses += len(coords)
         return route, [(c, Slot(out, keep, c)) for c, out in zip(coords, outs, strict=True)]
 
-    async def read_slots(self, src: VarSource, coords: list[tuple[int, ...]], outs: list[np.ndarray],
-                         regions: list[dict[str, tuple[int, int]]]) -> None:
-        """Whole chunks ``coords`` (the chunks ``regions`` are exactly) into ``outs`` (C-contiguous arrays of
-        the chunk's shape, anywhere: e.g. a sample's channels in a batch): those the memory tier has
-        copied from it, the others decoded straight in (``read_whole``)."""
-        await self.read_slots_many([(src, coords, outs)], regions)
-
     async def read_slots_many(self, reads: list[tuple[VarSource, list[tuple[int, ...]], list[np.ndarray]]],
                               regions: list[dict[str, tuple[int, int]]]) -> None:
-        """``read_slots`` of several variables at the same positions (``regions``, one per destination: a
-        batch's samples): the local files of all of them read by one set of decode-thread jobs
-        (``_read_local``), not one per variable -- a batch of one-sample chunks is then one hand-off of
-        the I/O loop, which the decode threads wait on for the GIL."""
+        """Whole chunks of several variables at the same positions (``regions``, one per destination: a
+        batch's samples), each ``(src, coords, outs)``: ``outs`` C-contiguous arrays of the chunk's shape,
+        anywhere (e.g. a sample's channels in a batch). Those the memory tier has are copied from it, the
+        others decoded straight in (``read_whole``'s way), the local files of all the variables by one set
+        of decode-thread jobs (``_read_local``), not one per variable: a batch of one-sample chunks is then
+        one hand-off of the I/O loop, which the decode threads wait on for the GIL."""
         local: list[tuple[Route, tuple[int, ...], Destination]] = []
         jobs: list[Any] = []
         for src, coords, outs in reads:
@@ -352,10 +347,7 @@ class Reader:
                 jobs.append(self._fetch_all(*slots))
         if local:
             jobs.append(self._read_local(local))
-        if len(jobs) == 1:
-            await jobs[0]
-        elif jobs:
-            await asyncio.gather(*jobs)
+        await asyncio.gather(*jobs)
 
     async def read_gpu(self, reads: list[GpuRead], gpu: Any, tier: Any = None) -> dict[str, GpuPathError]:
         """Whole chunks of several variables (a buffer's, a batch's) decoded on the GPU straight into their

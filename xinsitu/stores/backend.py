@@ -438,8 +438,7 @@ class LocalBackend:
             w.extend(times[i:i + k])
             i += k
             if len(w) == self.WINDOW:
-                reads = sorted(r for r, _ in w)[self.WINDOW // 2]
-                decodes = sorted(d for _, d in w)[self.WINDOW // 2]
+                reads, decodes = (sorted(x)[self.WINDOW // 2] for x in zip(*w, strict=True))  # medians
                 if reads >= self.SLOW_READ_S and reads >= self.SLOW_READ_RATIO * decodes:
                     self.fused = False
                 w.clear()

@@ -60,3 +60,22 @@ def test_wm_shapes_smoke(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     row = json.loads(p.stdout.splitlines()[0])
     assert row["peak_rss_gb"] > 0 and row["batch_gb"] == 3 * 30 * 12 * 24 * 4 / 1e9 and row["buffer"].startswith("none")
+
+
+@pytest.mark.tools
+def test_floor_smoke(tmp_path):
+    """bench/floor.py (what a hand-written in-place loader reaches beside xinsitu) runs on both layouts of a
+    tiny yardstick archive; its floor's last batch is checked against xarray inside the script."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from archives import write_archive
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    for chunk_time in (8, 1):
+        path = str(tmp_path / f"c{chunk_time}.zarr")
+        write_archive(path, 240, 16, 32, chunk_time)
+        p = subprocess.run([sys.executable, str(ROOT / "bench" / "floor.py"), path, "--rounds", "1"],
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+        for peer in ("decode", "decode, kept", "read+decode", "floor", "xinsitu"):
+            assert f"  {peer} " in p.stdout, (peer, p.stdout)

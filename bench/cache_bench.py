@@ -38,7 +38,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from xinsitu.cache.chunk_cache import ChunkCache, ChunkKey  # noqa: E402
+from xinsitu.cache.chunk_cache import ChunkCache  # noqa: E402
+from xinsitu.cache.keys import ChunkKey  # noqa: E402
 
 
 def _crc() -> Any:

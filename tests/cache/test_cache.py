@@ -16,8 +16,10 @@ import time
 import numpy as np
 import pytest
 
-from xinsitu.cache import chunk_cache as cache_mod
-from xinsitu.cache.chunk_cache import ChunkCache, ChunkKey, chunk_key, parse_size, resolve_cache, store_identity
+from xinsitu.cache import budget as budget_mod
+from xinsitu.cache.budget import parse_size
+from xinsitu.cache.chunk_cache import ChunkCache, resolve_cache
+from xinsitu.cache.keys import ChunkKey, chunk_key, store_identity
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 META = {"shape": [96, 64, 128], "data_type": "float32", "chunk_grid": [24, 64, 128], "codecs": ["bytes", "zstd"],
@@ -63,8 +65,8 @@ def test_parse_size_rejects(value: object, error: type) -> None:
 
 def test_auto_memory_budget_is_sensible() -> None:
     budget = ChunkCache().memory_budget
-    assert 0 < budget <= cache_mod.AUTO_MEMORY_CAP
-    assert budget <= cache_mod.available_memory()
+    assert 0 < budget <= budget_mod.AUTO_MEMORY_CAP
+    assert budget <= budget_mod.available_memory()
     assert ChunkCache(memory=True).memory_budget > 0
     assert ChunkCache(memory=False).memory_budget == ChunkCache(memory=None).memory_budget == 0
 
@@ -206,7 +208,7 @@ def _zarr_array(path: str) -> object:
 
 def _keys_in_subprocess(path: str) -> list[str]:
     code = (
-        "import sys, zarr; from xinsitu.cache.chunk_cache import ChunkKey, chunk_key\n"
+        "import sys, zarr; from xinsitu.cache.keys import ChunkKey, chunk_key\n"
         f"k = ChunkKey.for_array(zarr.open_array({path!r}, mode='r'))\n"
         f"print(k.key((1, 0), k.file_of('c/1/0')))\n"
         f"print(chunk_key('s3://b/x.zarr', 't2m', (5, 0, 0), {META!r}, snapshot='S'))\n"
@@ -448,7 +450,8 @@ def test_processes_share_a_directory(tmp_path: os.PathLike[str]) -> None:
 
 _WRITER = """
 import sys, numpy as np
-from xinsitu.cache.chunk_cache import ChunkCache, chunk_key
+from xinsitu.cache.chunk_cache import ChunkCache
+from xinsitu.cache.keys import chunk_key
 c = ChunkCache(memory=0, disk=sys.argv[1])
 n = 2_000_000  # 16 MB entries: a write takes long enough to be killed in the middle of one
 i = 0

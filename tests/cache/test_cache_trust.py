@@ -23,7 +23,8 @@ import pytest
 import zarr
 
 from tests.cache.test_cache_reads import _epochs, _gen, _same
-from xinsitu.cache.chunk_cache import _SUBDIR, ChunkCache, ChunkKey, resolve_cache
+from xinsitu.cache.chunk_cache import _SUBDIR, ChunkCache, resolve_cache
+from xinsitu.cache.keys import ChunkKey
 from xinsitu.synthetic import write_era5_like
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -125,7 +126,7 @@ def test_immutable_skips_the_version_check(tmp_path, remote):
 def test_versions_of_objects(tmp_path):
     """``object_versions``: a listing and HEADs give the same versions; a missing object is MISSING."""
     from tests.support.servers import MotoS3
-    from xinsitu.cache.chunk_cache import MISSING, object_versions
+    from xinsitu.cache.keys import MISSING, object_versions
 
     path = _archive(tmp_path / "era5.zarr")
     with MotoS3() as s3:
@@ -324,7 +325,8 @@ _UNREADABLE_JOB = """
 import json, os, sys, warnings
 import numpy as np
 from tests.cache.test_cache_reads import _gen, _epochs
-from xinsitu.cache.chunk_cache import ChunkCache, ChunkKey, _SUBDIR
+from xinsitu.cache.chunk_cache import ChunkCache, _SUBDIR
+from xinsitu.cache.keys import ChunkKey
 path, disk = sys.argv[1], sys.argv[2]
 cache = ChunkCache(memory=0, disk=disk, disk_size="1GB")
 gen = _gen(path, cache=cache, shuffle=False)

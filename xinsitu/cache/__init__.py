@@ -1,8 +1,9 @@
 """Layer 2: decoded chunks kept across epochs and runs.
 
-``chunk_cache`` (``ChunkCache``: keys and versions, the memory tier, the disk tier and its trust checks),
-``lookup`` (the reader's cache hits, put in place before any fetch), ``device_tier`` (chunks kept in GPU
-memory).
+``chunk_cache`` (``ChunkCache``: the memory tier, the disk tier and its trust checks), ``keys`` (what names
+a chunk: ``ChunkKey``, object versions, store identities), ``budget`` (sizes and the memory tier's default
+budget), ``lookup`` (the reader's cache hits, put in place before any fetch), ``device_tier`` (chunks kept in
+GPU memory).
 """
 
 from xinsitu.cache.chunk_cache import ChunkCache

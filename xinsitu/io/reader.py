@@ -30,7 +30,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from xinsitu.cache.chunk_cache import ChunkCache, ChunkKey
+from xinsitu.cache.chunk_cache import ChunkCache
+from xinsitu.cache.keys import ChunkKey
 from xinsitu.cache.lookup import serve_cached, take_cached
 from xinsitu.codecs.cpu import ChunkDecoder, is_remote, is_sharded, store_root
 from xinsitu.codecs.gpu import GpuBatch, GpuChain, GpuPathError, GpuSlot

@@ -1,0 +1,549 @@
+"""What names a chunk in the cache: keys, object versions and store identities.
+
+A key (``ChunkKey``) is a digest of the store's identity (``store_identity``: what locates the data,
+never credentials), the array's path, a hash of its metadata, the Icechunk snapshot where there is one
+and the chunk's coordinates; the disk tier's keys also name each chunk file's size, modification and
+change times and inode, or each remote object's version (``object_versions``, ``fsspec_versions``): a
+strong ETag and the size (``trusted``), else a reason why none can be had (``why_not``). Every request
+for a version is bounded by ``XINSITU_REQUEST_TIMEOUT``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import json
+import os
+import re
+import threading
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from xinsitu.index.snapshot import snapshot_of_store
+from xinsitu.io import loop as _loop
+
+
+def _metadata_bytes(metadata: bytes | str | dict[str, Any]) -> bytes:
+    if isinstance(metadata, bytes):
+        return metadata
+    if isinstance(metadata, str):
+        return metadata.encode()
+    if isinstance(metadata, dict):  # canonical: the same dict gives the same bytes in every process
+        return json.dumps(metadata, sort_keys=True, default=str, separators=(",", ":")).encode()
+    raise TypeError(f"metadata must be bytes, str or dict, not {type(metadata).__name__}")
+
+
+class ChunkKey:
+    """Cache keys for the chunks of one array: computed once per array, then one short hash per chunk.
+
+    A key is a 32-character hex digest (BLAKE2b) of the store's identity, the array's path,
+    a hash of its metadata, the Icechunk snapshot (where there is one), the chunk's grid
+    coordinates and, for a chunk file of a local directory, its size, modification time, change
+    time and inode (for an object of a remote store, its version: ``versions``). It is the same in
+    every process (no Python ``hash``) and never contains
+    credentials (only a digest of the identity is kept).
+
+    Parameters
+    ----------
+    store_id
+        What names the store: a URL or a directory, without credentials or query strings.
+    array_path
+        The array's path inside the store.
+    metadata
+        The array's metadata (dtype, shape, chunks, codecs, fill value), as a dict (e.g.
+        ``zarr_array.metadata.to_dict()`` without ``attributes``), a string or bytes.
+    snapshot
+        The Icechunk snapshot id, or None.
+    local_root
+        For a store that is a local directory: its path, so that ``key`` can stat chunk files.
+    remote
+        For a remote store: what its objects' versions are asked of (``versions``): an obstore
+        store, or a zarr ``FsspecStore`` (its filesystem's ``info``).
+    needs_version
+        Whether disk keys must name each object's version (a remote store without snapshots).
+    store_name
+        The store as messages name it (a URL without credentials); default ``store_id``.
+    """
+
+    __slots__ = ("store_id", "array_path", "metadata_hash", "snapshot", "local_root", "ident", "_prefix",
+                 "remote", "needs_version", "_versions", "_listed", "_vlock", "store_name", "_silent")
+
+    def __init__(self, store_id: str, array_path: str, metadata: bytes | str | dict[str, Any],
+                 snapshot: str | None = None, local_root: str | os.PathLike[str] | None = None, *,
+                 remote: Any = None, needs_version: bool = False, store_name: str | None = None):
+        self.store_id = str(store_id)
+        self.store_name = self.store_id if store_name is None else str(store_name)
+        self.array_path = str(array_path)
+        self.metadata_hash = hashlib.blake2b(_metadata_bytes(metadata), digest_size=16).hexdigest()
+        self.snapshot = snapshot
+        self.local_root = None if local_root is None else os.fspath(local_root)
+        parts = ("xinsitu-chunk-v1", self.store_id, self.array_path, self.metadata_hash, snapshot or "")
+        self._prefix = hashlib.blake2b("\0".join(parts).encode(), digest_size=16)
+        self.ident = self._prefix.hexdigest()  # names the array's data: what the memory tier's keys start with
+        #: an archive whose objects may be rewritten in place (object storage, HTTP): its disk keys name
+        #: each object's version (``versions``), asked of ``remote`` (None: cannot be asked)
+        self.remote, self.needs_version = remote, bool(needs_version)
+        self._versions: dict[str, str] = {}  # object key -> its version, as this process found it
+        self._listed = False
+        self._silent: str | None = None  # the store got no answer in time: not asked again (its version)
+        self._vlock = threading.Lock()
+
+    def memory_key(self, chunk: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
+        """The memory tier's key of chunk ``chunk``: ``(ident, chunk)``, a dict lookup without hashing
+        or ``stat`` (0.2 against 5-6 us for ``key`` of a local chunk file). The memory tier lives as
+        long as the process and, like an open Dataset, takes the archive as it found it; the disk
+        tier, which outlives it, keys each local file by its size, modification and change times and
+        inode.
+        """
+        return (self.ident, chunk)
+
+    def key(self, chunk: tuple[int, ...], local_file: str | os.PathLike[str] | None = None,
+            version: str | None = None) -> str:
+        """The key of chunk ``chunk`` (grid coordinates; for sharded arrays, the inner chunk's).
+
+        Parameters
+        ----------
+        chunk
+            The chunk's coordinates in the array's chunk grid.
+        local_file
+            The chunk's file, for a store that is a local directory: its size, modification time,
+            change time and inode become part of the key (a missing file too), so a rewritten file
+            is a miss, whatever the rewrite kept (the change time cannot be set back).
+        version
+            The version of the chunk's object in a remote store (``versions``): part of the key, so
+            a rewritten object is a miss.
+
+        Returns
+        -------
+        str
+            32 hex characters.
+        """
+        h = self._prefix.copy()
+        h.update(("\0" + ",".join(str(int(c)) for c in chunk)).encode())
+        if local_file is not None:
+            try:
+                st = os.stat(local_file)
+                h.update(f"\0{st.st_size},{st.st_mtime_ns},{st.st_ctime_ns},{st.st_ino}".encode())
+            except FileNotFoundError:
+                h.update(b"\0missing")
+        if version is not None:
+            h.update(("\0version " + version).encode())
+        return h.hexdigest()
+
+    def versions(self, object_keys: list[str]) -> tuple[list[str | None], int]:
+        """The current versions of objects ``object_keys`` of the remote store (see ``object_versions``
+        and ``fsspec_versions``), each asked once per ``ChunkKey`` (the archive as this process found it,
+        like the memory tier): (versions, None where the store could not tell; requests made). Only a
+        version that ``trusted`` accepts may key a disk entry; the others say why not.
+
+        The first call lists the array's prefix, one request per 1000 objects (stores that cannot
+        list, such as HTTP, and fsspec's are asked one ``HEAD``, or ``info``, per object instead).
+        Every request is bounded by ``XINSITU_REQUEST_TIMEOUT``: what got no answer in time is unknown
+        (``why_not``), and a store that did not answer is not asked again through this ``ChunkKey``."""
+        n = 0
+        memo = self._versions
+        fsspec = type(self.remote).__name__ == "FsspecStore"
+        if self._silent is not None:  # one wait per array and process for a store that does not answer
+            return [memo.get(k, self._silent) for k in object_keys], 0
+        with self._vlock:  # one listing per array: the other threads wait for it (bounded by its requests)
+            if (not self._listed and self.remote is not None and not fsspec
+                    and type(self.remote).__name__ != "HTTPStore"):
+                self._listed = True  # once, whatever comes of it
+                try:
+                    listed, n = object_versions(self.remote, prefix=self.array_path)
+                except TimeoutError:  # a silent store: its objects are not asked one by one either
+                    self._silent = _no_answer(_loop.request_timeout())
+                    return [memo.get(k, self._silent) for k in object_keys], 1
+                except Exception:  # noqa: BLE001 - a store that cannot list (no permission): asked per object below
+                    n = 1
+                else:  # what the listing lacks has no object (it reads as the fill value)
+                    memo.update(listed)
+                    for k in object_keys:
+                        memo.setdefault(k, MISSING)
+            need = [k for k in dict.fromkeys(object_keys) if k not in memo]
+        if need and self.remote is not None:
+            got, asked = (fsspec_versions if fsspec else object_versions)(self.remote, need)
+            n += asked
+            memo.update(got)
+            self._silent = next((v for v in got.values() if v.startswith(_UNKNOWN)), None)
+        return [memo.get(k) for k in object_keys], n
+
+    def file_of(self, object_key: str) -> str | None:
+        """The local file of store object ``object_key`` (e.g. ``"t2m/c/3/0/0"``), None for a remote store."""
+        return None if self.local_root is None else os.path.join(self.local_root, object_key)
+
+    @classmethod
+    def for_array(cls, array: Any, snapshot: str | None = None) -> ChunkKey | None:
+        """Keys for the chunks of a zarr array, or None where its store has no stable identity
+        (a ``MemoryStore``, an Icechunk session with uncommitted changes, a store kind not
+        known here): such an array is not cached.
+
+        Parameters
+        ----------
+        array
+            A ``zarr.Array`` (or ``AsyncArray``).
+        snapshot
+            The Icechunk snapshot id, where the caller knows it already (else read from the store).
+        """
+        aa = getattr(array, "async_array", array)
+        store = aa.store_path.store if hasattr(aa, "store_path") else array.store
+        ident = store_identity(store)
+        if ident is None:
+            return None
+        store_id, root = ident
+        remote = None
+        if type(store).__name__ == "IcechunkStore":
+            snapshot = snapshot or snapshot_of_store(store)
+            if snapshot is None:
+                return None
+        elif root is None and type(store).__name__ == "ObjectStore":
+            remote = store.store
+        elif root is None and type(store).__name__ == "FsspecStore":
+            remote = store  # versions from its filesystem's ``info`` (on the loop its session belongs to)
+        meta = aa.metadata.to_dict()
+        meta.pop("attributes", None)  # attributes do not change the stored bytes (CF decoding comes later)
+        path = getattr(array, "path", "") or ""
+        return cls(store_id, path, meta, snapshot=snapshot, local_root=root, remote=remote,
+                   needs_version=root is None and snapshot is None, store_name=store_label(store))
+
+    def __repr__(self) -> str:
+        return f"ChunkKey(array_path={self.array_path!r}, metadata={self.metadata_hash[:8]}, snapshot={self.snapshot})"
+
+
+def chunk_key(store_id: str, array_path: str, chunk: tuple[int, ...], metadata: bytes | str | dict[str, Any],
+              snapshot: str | None = None, local_file: str | os.PathLike[str] | None = None) -> str:
+    """The cache key of one chunk (``ChunkKey(store_id, array_path, metadata, snapshot).key(chunk, local_file)``).
+
+    Parameters
+    ----------
+    store_id, array_path, metadata, snapshot
+        As for ``ChunkKey``.
+    chunk
+        The chunk's grid coordinates.
+    local_file
+        The chunk's file, for a store that is a local directory.
+
+    Returns
+    -------
+    str
+        32 hex characters, the same in every process.
+    """
+    return ChunkKey(store_id, array_path, metadata, snapshot).key(chunk, local_file)
+
+
+#: the version of an object the store does not have (its chunk reads as the fill value). Such a chunk is not
+#: kept on disk: a store may say "not found" of an object it has (obstore takes a HEAD answered 405 for a 404)
+MISSING = "missing"
+#: how a version that may key a disk entry starts: a strong ETag (or a generation), then the size
+_TRUSTED = "etag "
+#: how a version that is none starts; the rest says why (no ETag, a refused HEAD ...)
+_UNTRUSTED = "untrusted: "
+#: how the version of an object whose store did not answer in time starts (the rest says so)
+_UNKNOWN = "unknown: "
+#: ``HEAD`` requests in flight at once when versions are asked one object at a time
+HEAD_CONCURRENCY = 16
+
+
+def trusted(version: str | None) -> bool:
+    """Whether ``version`` (from ``object_versions``/``fsspec_versions``) names the object's bytes: a
+    strong ETag and the size. A modification time does not (``cp -p``, ``rsync -t`` and ``tar x`` set
+    it back; HTTP gives it in whole seconds), nor does a missing object (its store may be wrong)."""
+    return version is not None and version.startswith(_TRUSTED)
+
+
+def why_not(version: str | None) -> tuple[str, str] | None:
+    """Why ``version`` cannot key a disk entry, where that is known: ``("untrusted", why)`` for a store
+    that gives no trustworthy version, ``("unknown", why)`` for one that did not answer in time; None
+    for a trusted version, a missing object or an error that may pass."""
+    for kind in (_UNTRUSTED, _UNKNOWN):
+        if version is not None and version.startswith(kind):
+            return kind[:-2], version[len(kind):]
+    return None
+
+
+def _version(tag: Any, size: Any, modified: Any) -> str:
+    """An object's version from its ETag (or generation), size and modification time (None where the
+    store gave none): ``etag <tag> <size>`` for a strong ETag, else ``untrusted: <why>``."""
+    tag = "" if tag is None else str(tag).strip()
+    if tag and not tag.startswith(("W/", "w/")):
+        return f"{_TRUSTED}{tag} {size}"
+    if tag:
+        return f"{_UNTRUSTED}a weak ETag ({tag}), which does not name the bytes"
+    if modified is None:
+        return f"{_UNTRUSTED}neither ETag nor Last-Modified"
+    seconds = getattr(modified, "microsecond", None) == 0 or isinstance(modified, str)
+    return (_UNTRUSTED + "no ETag, only a Last-Modified" + (" of whole seconds, which a rewrite within the second"
+                                                             if seconds else ", which a rewrite")
+            + " keeps and cp -p, rsync -t or tar x set back")
+
+
+def _version_of(meta: Any) -> str:
+    """An object's version from obstore's ``ObjectMeta`` (``_version``): obstore gives a ``last_modified``
+    of 1970-01-01 where the server sent none."""
+    modified = meta.get("last_modified")
+    if modified is not None and modified.timestamp() == 0:
+        modified = None
+    return _version(meta.get("e_tag"), meta.get("size"), modified)
+
+
+def _refused(e: BaseException) -> str | None:
+    """Why a ``HEAD`` that failed with ``e`` is a refusal (a 4xx other than 404 and 410, or an operation
+    the store does not support), or None (the object is missing, or the failure may pass)."""
+    text = str(e)
+    m = re.search(r"status(?: code)?:? (\d{3})\b([ A-Za-z-]*)", text)
+    status = int(m.group(1)) if m else None
+    if status is not None and 400 <= status < 500 and status not in (404, 410):
+        return f"its HEAD requests are refused ({status}{m.group(2).rstrip() if m else ''})"
+    if type(e).__name__ == "NotSupportedError":
+        return "it does not answer HEAD requests"
+    return None
+
+
+def _run_bounded(coro: Any) -> Any:
+    """``asyncio.run(coro)`` here, or in a thread of its own where this thread runs an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def _no_answer(limit: float) -> str:
+    """The version of an object whose store did not answer in time (``why_not``: unknown)."""
+    return f"{_UNKNOWN}no answer within {limit:g} s (XINSITU_REQUEST_TIMEOUT sets the limit)"
+
+
+async def _ask_each(keys: list[str], one: Callable[[str], Any], limit: float) -> list[str | None]:
+    """``await one(k)`` for each key, ``HEAD_CONCURRENCY`` at a time, each given ``limit`` seconds. Once
+    one of them gets no answer in time, the store is taken as silent and the keys not asked yet are
+    not: a silent server costs one bound, not one per key. Such keys get ``_no_answer``."""
+    sem = asyncio.Semaphore(HEAD_CONCURRENCY)
+    silent = False
+
+    async def each(k: str) -> str | None:
+        nonlocal silent
+        async with sem:
+            if silent:
+                return _no_answer(limit)
+            try:
+                async with asyncio.timeout(limit):
+                    return await one(k)  # type: ignore[no-any-return]
+            except TimeoutError:
+                silent = True
+                return _no_answer(limit)
+
+    return list(await asyncio.gather(*(each(k) for k in keys)))
+
+
+def object_versions(store: Any, object_keys: list[str] | None = None, *,
+                    prefix: str | None = None) -> tuple[dict[str, str], int]:
+    """The current versions of objects of an obstore store: ``({object key: version}, requests
+    made)``. A version is ``etag <ETag> <size>`` where the store gives a strong ETag (``trusted``),
+    else it says why it is none (``why_not``).
+
+    Each request is given ``XINSITU_REQUEST_TIMEOUT`` seconds (``_loop.request_timeout``), one try:
+    obstore's own retries of a silent store would take minutes.
+
+    Parameters
+    ----------
+    store
+        An obstore store (``S3Store``, ``HTTPStore`` ...).
+    object_keys
+        Objects to ask one ``HEAD`` each (``HEAD_CONCURRENCY`` at once); one the store lacks is
+        ``MISSING``, one whose ``HEAD`` is refused (405 ...) untrusted, one that got no answer in time
+        unknown (``why_not``), one it could not tell about (an error) is left out.
+    prefix
+        Instead: list every object under ``prefix`` (one request per 1000 objects); raises where the
+        store cannot list (``TimeoutError`` where a page got no answer in time).
+    """
+    import obstore
+
+    limit = _loop.request_timeout()
+    if prefix is not None:
+        async def listing() -> dict[str, str]:
+            out: dict[str, str] = {}
+            pages = obstore.list(store, prefix=prefix or None, chunk_size=1000)
+            while True:
+                try:
+                    async with asyncio.timeout(limit):
+                        batch = await pages.__anext__()
+                except StopAsyncIteration:
+                    return out
+                for meta in batch:
+                    out[meta["path"]] = _version_of(meta)
+
+        listed = _run_bounded(listing())
+        return listed, max(1, -(-len(listed) // 1000))
+    keys = list(dict.fromkeys(object_keys or ()))
+
+    async def one(k: str) -> str | None:
+        try:
+            return _version_of(await obstore.head_async(store, k))
+        except FileNotFoundError as e:
+            why = _refused(e)
+            return MISSING if why is None else _UNTRUSTED + why
+        except Exception as e:  # noqa: BLE001 - not known: the chunk is not kept on disk (and its read reports the error)
+            why = _refused(e)
+            return None if why is None else _UNTRUSTED + why
+
+    got = _run_bounded(_ask_each(keys, one, limit))
+    return {k: v for k, v in zip(keys, got, strict=True) if v is not None}, len(keys)
+
+
+def _fsspec_version(info: dict[str, Any]) -> str:
+    """An object's version from an fsspec ``info()``: HTTP's ``ETag`` and s3fs's, gcsfs's ``etag`` or
+    ``generation``, a ``VersionId``; else why there is none."""
+    low = {str(k).lower(): v for k, v in info.items() if v not in (None, "")}
+    tag = low.get("etag") or low.get("e_tag")
+    gen = low.get("generation") or low.get("versionid") or low.get("version_id")
+    if gen is not None and (tag is None or str(tag).startswith(("W/", "w/"))):
+        tag = f"generation {gen}"
+    modified = low.get("last-modified") or low.get("lastmodified") or low.get("last_modified") or low.get("mtime")
+    return _version(tag, low.get("size"), modified)
+
+
+def fsspec_versions(zstore: Any, object_keys: list[str]) -> tuple[dict[str, str], int]:
+    """The current versions of objects of a zarr ``FsspecStore`` (``_fsspec_version`` of its
+    filesystem's ``info``, run on the loop its session belongs to), as ``object_versions`` gives them:
+    ``({object key: version}, requests made)``; an object it lacks is ``MISSING``, one that got no
+    answer within ``XINSITU_REQUEST_TIMEOUT`` unknown (``why_not``), one it could not tell about (an
+    error) is left out."""
+    from xinsitu.stores.zarr_store import home_loop
+
+    fs = zstore.fs
+    base = str(getattr(zstore, "path", "")).rstrip("/")
+    keys = list(dict.fromkeys(object_keys))
+    limit = _loop.request_timeout()
+
+    async def one(k: str) -> str | None:
+        path = f"{base}/{k}" if base else k
+        try:
+            info = await fs._info(path) if getattr(fs, "async_impl", False) else await asyncio.to_thread(fs.info, path)
+        except FileNotFoundError:
+            return MISSING
+        except Exception as e:  # noqa: BLE001 - not known: the chunk is not kept on disk (its read reports the error)
+            why = _refused(e)
+            return None if why is None else _UNTRUSTED + why
+        return _fsspec_version(info)
+
+    home = home_loop(zstore)
+    work = _ask_each(keys, one, limit)
+    if home is None:
+        got = _run_bounded(work)
+    else:
+        try:
+            if asyncio.get_running_loop() is home:  # its own loop would wait on itself: not asked here
+                work.close()
+                return {}, 0
+        except RuntimeError:
+            pass
+        # each request is bounded in ``_ask_each``; this bound is the backstop
+        got = asyncio.run_coroutine_threadsafe(work, home).result(timeout=_loop.run_timeout())
+    return {k: v for k, v in zip(keys, got, strict=True) if v is not None}, len(keys)
+
+
+def _strip_url(url: str) -> str:
+    """A URL without user info, query string or fragment (signatures and tokens live there)."""
+    p = urlsplit(url)
+    netloc = p.netloc.rsplit("@", 1)[-1]
+    return urlunsplit((p.scheme, netloc, p.path, "", ""))
+
+
+def store_identity(store: Any) -> tuple[str, str | None] | None:
+    """``(identity, local root or None)`` of a zarr store, or None where it has none that lasts.
+
+    Only what locates the data goes in (scheme, bucket, endpoint, prefix, URL path), never
+    credentials: obstore's ``config`` is read through an allow-list.
+    """
+    name = type(store).__name__
+    if name == "IcechunkStore":
+        return "icechunk:", None  # the snapshot id (random, unique) names the data
+    if name == "LocalStore" and getattr(store, "root", None) is not None:
+        root = os.path.abspath(os.fspath(store.root))
+        return "file://" + root, root
+    if name == "ObjectStore" and getattr(store, "store", None) is not None:
+        obs = store.store
+        oname = type(obs).__name__
+        prefix = getattr(obs, "prefix", None)
+        if oname == "LocalStore":
+            root = os.path.abspath(os.fspath(prefix)) if prefix is not None else os.sep
+            return "file://" + root, root
+        if oname == "MemoryStore":
+            return None
+        config = getattr(obs, "config", None) or {}
+        allowed = ("bucket", "container_name", "account_name", "endpoint", "url")
+        located = {k: str(v) for k, v in config.items() if k in allowed}
+        url = getattr(obs, "url", None)
+        if url is not None:
+            located["url"] = _strip_url(str(url))
+        if "endpoint" in located:
+            located["endpoint"] = _strip_url(located["endpoint"])
+        if not located:
+            return None
+        located["prefix"] = "" if prefix is None else str(prefix)
+        return f"{oname}:" + json.dumps(located, sort_keys=True), None
+    if name == "FsspecStore" and getattr(store, "fs", None) is not None:
+        protocol = store.fs.protocol
+        protocol = protocol[0] if isinstance(protocol, (tuple, list)) else protocol
+        path = str(getattr(store, "path", ""))
+        if protocol in ("file", "local"):
+            root = os.path.abspath(path)
+            return "file://" + root, root
+        url = _strip_url(path if "://" in path else f"{protocol}://{path}")
+        located = _fsspec_location(store.fs)  # the endpoint: two servers may hold the same bucket and key
+        return url + (" " + json.dumps(located, sort_keys=True) if located else ""), None
+    return None
+
+
+#: fsspec filesystem options that say where the data is (never credentials): read through this allow-list
+_FSSPEC_LOCATED = ("endpoint_url", "endpoint", "host", "port", "account_name", "account_url", "project",
+                   "base_url", "url")
+
+
+def _fsspec_location(fs: Any) -> dict[str, str]:
+    """Where an fsspec filesystem's data is, beyond its paths: its endpoint, host, account... from its
+    ``storage_options`` (and their ``client_kwargs``) through an allow-list; URLs without user info
+    or query."""
+    opts = dict(getattr(fs, "storage_options", None) or {})
+    client = opts.get("client_kwargs")
+    if isinstance(client, dict):
+        opts = {**{k: v for k, v in client.items() if k in _FSSPEC_LOCATED}, **opts}
+    endpoint = getattr(fs, "endpoint_url", None)
+    if endpoint:
+        opts.setdefault("endpoint_url", endpoint)
+    located = {}
+    for k in _FSSPEC_LOCATED:
+        v = opts.get(k)
+        if v not in (None, ""):
+            located[k] = _strip_url(str(v)) if "://" in str(v) else str(v)
+    return located
+
+
+def store_label(store: Any) -> str:
+    """A zarr store as messages name it: its URL, or scheme, bucket and prefix, and the endpoint where one
+    was given; never credentials or query strings."""
+    name = type(store).__name__
+    if name == "ObjectStore" and getattr(store, "store", None) is not None:
+        obs = store.store
+        url = getattr(obs, "url", None)
+        if url:
+            return _strip_url(str(url))
+        config = getattr(obs, "config", None) or {}
+        scheme = {"S3Store": "s3", "GCSStore": "gs", "AzureStore": "az"}.get(type(obs).__name__, type(obs).__name__)
+        prefix = getattr(obs, "prefix", None)
+        label = f"{scheme}://{config.get('bucket') or config.get('container_name') or ''}"
+        label += f"/{prefix}" if prefix else ""
+        endpoint = config.get("endpoint")
+        return label + (f" at {_strip_url(str(endpoint))}" if endpoint else "")
+    if name == "FsspecStore" and getattr(store, "fs", None) is not None:
+        protocol = store.fs.protocol
+        protocol = protocol[0] if isinstance(protocol, (tuple, list)) else protocol
+        path = str(getattr(store, "path", ""))
+        label = _strip_url(path if "://" in path else f"{protocol}://{path}")
+        endpoint = _fsspec_location(store.fs).get("endpoint_url")
+        return label + (f" at {endpoint}" if endpoint and endpoint not in label else "")
+    ident = store_identity(store)
+    return ident[0] if ident is not None else name

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 import xinsitu
 from tests.conftest import open_three_ways
 from xinsitu.accessor import InsituAccessor
-from xinsitu.batches.stats import STAT_KEYS, Moments, StatsPass, channel_moments, chunk_moments, compute_stats
+from xinsitu.batches.moments import STAT_KEYS, Moments, channel_moments, chunk_moments
+from xinsitu.batches.stats import StatsPass, compute_stats
 from xinsitu.index.channels import normalizer
 from xinsitu.synthetic import era5_like, packing, write_era5_like
 
@@ -712,7 +713,7 @@ def test_merge_refuses_other_jobs_and_missing_parts(era5_path):
 def test_merge_any_cut_any_order(size, data, dtype, loc, scale, nan_frac):
     """Values cut into pieces anyhow, pieces dealt into parts anyhow, parts merged in any order (through
     JSON): the same bits as all pieces added in one pass; min, max and NaN counts exactly numpy's."""
-    from xinsitu.batches.stats import ChannelSums
+    from xinsitu.batches.moments import ChannelSums
 
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     x = loc + scale * rng.standard_normal(size)

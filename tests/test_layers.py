@@ -174,3 +174,21 @@ def test_no_private_name_crosses_a_folder() -> None:
                  if n.startswith("_") and not n.startswith("__") and folder(m) != folder(d))
     assert bad == [], "private names imported from another folder: " + ", ".join(
         f"{m} takes {n} from {d}" for m, d, n in bad)
+
+
+def test_readme_layout_names_every_folder_and_module() -> None:
+    """The README's layout table is the house as it is: each folder at its layer, with all its modules."""
+    text = (PKG.parent / "README.md").read_text()
+    table = text[text.index("## Layout"):].split("\n## ", 1)[0]
+    rows = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].isdigit():
+            folder = cells[1].strip("`/")
+            rows[folder] = (int(cells[0]), {m.strip(" `") for m in cells[2].split(",")})
+    want = {name: (lay, {p.stem for p in (PKG / name).glob("*.py") if p.stem != "__init__"})
+            for name, lay in FOLDERS.items()}
+    want["xinsitu"] = (4, {m for m in TOP if not m.startswith("__")})
+    assert rows == want, "README.md's layout table differs from the package: " + ", ".join(
+        f"{k}: README {rows.get(k)} package {want.get(k)}" for k in sorted(set(rows) | set(want))
+        if rows.get(k) != want.get(k))

@@ -16,6 +16,9 @@ alternating in one process (ratios within a round), on an archive of ``peers.py`
   while the main thread copies the previous block's samples, in a shuffled order, into stacked
   ``(batch, variable, y, x)`` batches; one sample per chunk: each chunk decoded straight into its
   batch row, no buffer;
+* ``floor, scatter`` (chunks of several steps): the floor without the copy out of a block buffer in memory:
+  each chunk decoded into a small buffer of its thread and its samples copied from there, still in the
+  caches, into a stacked block of batches in yield order; batches are views of it;
 * ``xinsitu``: a shuffled epoch of ``ds.insitu.batches(..., stack=True, output="numpy")``.
 
     python bench/floor.py ../bench-data/era5_v3.zarr --rounds 5
@@ -28,6 +31,7 @@ import glob
 import json
 import os
 import statistics
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -118,6 +122,41 @@ class Archive:
             self.last = block[ids // self.ct] * self.ct + ids % self.ct
         return time.perf_counter() - t0
 
+    def scatter(self, seed: int, blocks_out: list[np.ndarray]) -> float:
+        """The floor without the copy out of a block buffer: each chunk decoded into a small buffer of the
+        decoding thread (still in its caches), its samples copied from there straight into their rows of a
+        stacked block of batches in yield order, and each batch a view of that block."""
+        rng = np.random.default_rng(seed)
+        local = threading.local()
+        t0 = time.perf_counter()
+        blocks = np.array_split(rng.permutation(self.n_chunks), -(-self.n_chunks // BLOCK_CHUNKS))
+
+        def one(v: int, i: int, c: int, rows: np.ndarray, out: np.ndarray) -> None:
+            scratch = getattr(local, "scratch", None)
+            if scratch is None:
+                scratch = local.scratch = np.empty((self.ct, *self.field), "f4")
+            self.zstd.decode(self._read(self.files[self.vars[v]][c]), out=scratch)
+            for t, r in enumerate(rows[i * self.ct:(i + 1) * self.ct].tolist()):
+                np.copyto(out[r, v], scratch[t])
+
+        def load(block: np.ndarray, out: np.ndarray) -> tuple[list, np.ndarray]:
+            order = rng.permutation(len(block) * self.ct)  # yield order of the block's samples
+            rows = np.empty_like(order)
+            rows[order] = np.arange(len(order))  # each sample's row in the block of batches
+            return [self.pool.submit(one, v, i, c, rows, out) for v in range(len(self.vars))
+                    for i, c in enumerate(block)], order
+
+        pending, order = load(blocks[0], blocks_out[0])
+        for j, block in enumerate(blocks):
+            for fut in pending:
+                fut.result()
+            done, ids = blocks_out[j % 2], order
+            pending, order = load(blocks[j + 1], blocks_out[(j + 1) % 2]) if j + 1 < len(blocks) else ([], order)
+            for b0 in range(0, len(ids), self.batch_size):
+                batch = done[b0:b0 + self.batch_size]  # a view: nothing copied
+            self.last, self.last_batch = block[ids[b0:] // self.ct] * self.ct + ids[b0:] % self.ct, batch
+        return time.perf_counter() - t0
+
     def check(self, out: np.ndarray) -> None:
         """The last batch ``floor`` made holds the steps it says, as xarray reads them (its work is real)."""
         import xarray as xr
@@ -156,9 +195,13 @@ def main() -> None:
     runs = {"decode": lambda r: arc.decode(objects), "decode, kept": lambda r: arc.decode_kept(objects, every),
             "read+decode": lambda r: arc.read_decode(),
             "floor": lambda r: arc.floor(r, bufs, out), "xinsitu": xin}
-    for fn in runs.values():  # a pass of each untimed: threads, pools and pages warm
+    if arc.ct > 1:
+        blks = [np.zeros((BLOCK_CHUNKS * arc.ct, len(arc.vars), *arc.field), "f4") for _ in range(2)]
+        runs["floor, scatter"] = lambda r: arc.scatter(r, blks)
+    for name, fn in runs.items():  # a pass of each untimed: threads, pools and pages warm
         fn(0)
-    arc.check(out)
+        if name.startswith("floor"):
+            arc.check(arc.last_batch if name == "floor, scatter" else out)
     rates: dict[str, list[float]] = {k: [] for k in runs}
     cores: dict[str, list[float]] = {k: [] for k in runs}
     for r in range(1, a.rounds + 1):

@@ -77,5 +77,6 @@ def test_floor_smoke(tmp_path):
         p = subprocess.run([sys.executable, str(ROOT / "bench" / "floor.py"), path, "--rounds", "1"],
                            capture_output=True, text=True, timeout=600)
         assert p.returncode == 0, p.stderr[-2000:]
-        for peer in ("decode", "decode, kept", "read+decode", "floor", "xinsitu"):
+        peers = ["decode", "decode, kept", "read+decode", "floor", "xinsitu"] + ["floor, scatter"] * (chunk_time > 1)
+        for peer in peers:
             assert f"  {peer} " in p.stdout, (peer, p.stdout)

@@ -157,7 +157,7 @@ class Archive:
         for j, block in enumerate(blocks):
             for fut in pending:
                 fut.result()
-            done, ids = blocks_out[j % 2], order
+            done, ids = blocks_out[j % 2][:len(order)], order  # a short block fills only its first rows
             pending, order = load(blocks[j + 1], blocks_out[(j + 1) % 2]) if j + 1 < len(blocks) else ([], order)
             for b0 in range(0, len(ids), self.batch_size):
                 batch = done[b0:b0 + self.batch_size]  # a view: nothing copied

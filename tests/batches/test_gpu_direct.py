@@ -11,7 +11,9 @@ import pytest
 
 import xinsitu
 from tests.batches.test_direct import LEVEL_VARS, SURF, _source
+from tests.support.gpu import CountingArrays
 from xinsitu.batches.direct import DeviceDirectLoader
+from xinsitu.cache.device_tier import DeviceCache
 from xinsitu.codecs.gpu import StandInGpu, Verdict, gpu_chain
 
 NL, NY, NX = 3, 5, 7
@@ -138,16 +140,33 @@ def test_a_variable_on_the_cpu_path_is_copied_into_the_device_batch(tmp_path):
     assert gpu.decoded == len(LEVEL_VARS) * m.positions("train")
 
 
-def test_cached_epochs_from_the_device_tier(wm):
+@pytest.mark.parametrize("slab_rows,part", [(256, False), (3, False), (256, True)])
+def test_cached_epochs_from_the_device_tier(wm, monkeypatch, slab_rows, part):
+    """Later epochs from the device tier: nothing decoded again, each variable's samples of a batch copied
+    into its channels in one take per slab (not one copy per chunk); with small slabs, and with a tier that
+    keeps only some chunks (the rest decoded again each epoch), bit-identical still."""
+    monkeypatch.setattr(DeviceCache, "SLAB_ROWS", slab_rows)
     ds, m = wm
-    kw = dict(KW, variables=LEVEL_VARS + ["t2m"], stack=["level"])
+    variables = LEVEL_VARS + ["t2m"]
+    kw = dict(KW, variables=variables, stack=["level"])
     ref = list(ds.insitu.batches(m, "train", **kw))
-    gen, gpu = on_gpu(ds.insitu.batches(m, "train", cache=True, **kw))
+    cache = xinsitu.ChunkCache(memory=0)
+    cache.device_budget = 40 * NL * NY * NX * 4 if part else 1 << 30  # (set as ChunkCache(device=) would)
+    gen, gpu = on_gpu(ds.insitu.batches(m, "train", cache=cache, **kw))
     same(ref, list(gen))
     decoded = gpu.decoded
-    gen.set_epoch(0)
-    same(ref, list(gen))
+    tier = cache.device_tier(None)
+    tier.arrays = counting = CountingArrays()
+    for _ in range(2):
+        gen.set_epoch(0)
+        same(ref, list(gen))
+    assert (tier.stats.refused > 0) == part and counting.calls > 0
+    if part:
+        assert gpu.decoded > decoded and 0 < gen.io_stats["cache_hits"] < gen.io_stats["chunks"]
+        return
     assert gpu.decoded == decoded and gen.io_stats["cache_hits"] == gen.io_stats["chunks"] > 0
+    if slab_rows == 256:  # one slab per chunk shape: a take per variable and batch, whatever its samples
+        assert counting.calls == 2 * len(ref) * len(variables)
 
 
 def test_a_conversion_that_differs_on_the_device_gives_way_to_the_host(wm, monkeypatch):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import xinsitu
-from tests.support.gpu import CUDA
+from tests.support.gpu import CUDA, CountingArrays
 from xinsitu.codecs import gpu as gpu_decode
 from xinsitu.codecs.gpu import StandInGpu, Verdict, gpu_chain
 
@@ -141,22 +141,28 @@ def test_normalised_on_the_device_bit_identical(ds_m):
         same(r, g)
 
 
-def test_device_cache_tier_serves_later_epochs(ds_m):
+@pytest.mark.parametrize("block_chunks", [2, 4])
+def test_device_cache_tier_serves_later_epochs(ds_m, block_chunks):
     ds, m = ds_m
     cache = xinsitu.ChunkCache()
     cache.device_budget = 1 << 30  # (ChunkCache(device=) checks for a CUDA device: set as it would be)
-    kw = dict(batch_size=5, seed=2, block_chunks=2, output="numpy", stack=True, variables=["t2m", "u10"])
+    kw = dict(batch_size=5, seed=2, block_chunks=block_chunks, output="numpy", stack=True, variables=["t2m", "u10"])
     ref = [list(ds.insitu.batches(m, "train", **kw)) for _ in range(2)]
     gen, gpu = on_gpu(ds.insitu.batches(m, "train", cache=cache, **kw))
     first = list(gen)
     decoded = gpu.decoded
     assert gen.io_stats["cache_hits"] == 0
+    tier = cache.device_tier(None, 0)
+    tier.arrays = counting = CountingArrays()
     gen.set_epoch(0)
     second = list(gen)
     assert gpu.decoded == decoded  # nothing decoded again: every whole chunk came from the device tier
     assert gen.io_stats["cache_hits"] >= decoded
-    tier = cache.device_tier(None, 0)
     assert tier is not None and len(tier) == decoded and tier.stats.hits >= decoded
+    # a buffer's chunks of a variable copied into its device buffer in one take (one slab), not one by one
+    # (buffers: the epoch's and the next epoch's first, read ahead)
+    buffers = -(-decoded // len(kw["variables"]) // block_chunks) + 1
+    assert 0 < counting.calls <= buffers * len(kw["variables"])
     for r, g in zip(ref[0], first, strict=True):
         same(r, g)
     for r, g in zip(ref[0], second, strict=True):

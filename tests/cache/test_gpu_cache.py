@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import xinsitu
-from tests.support.gpu import CUDA
+from tests.support.gpu import CUDA, CountingArrays
 from xinsitu.cache.device_tier import DeviceCache, HostArrays
 
 
@@ -62,6 +62,74 @@ def test_shapes_and_dtypes_keep_their_own_slabs():
     c.put("b", chunk(2, (2, 3), "i2"))
     c.put("c", chunk(3, (3, 3), "f4"))
     assert c.get("b").dtype == np.int16 and c.get("c").shape == (3, 3)
+
+
+def strided_stack(n, fill=-1.0):
+    """``n`` rows of chunk shape (4, 5) as a channel slice of a batch (not contiguous across rows), and the
+    batch."""
+    batch = np.full((n, 3, 4, 5), fill, "f4")
+    return batch[:, 1], batch
+
+
+@pytest.mark.parametrize("slab_rows", [2, 256])
+@pytest.mark.parametrize("cached", ["all", "some"])
+def test_copy_out_takes_once_per_slab_into_a_strided_stack(slab_rows, cached):
+    arrays = CountingArrays()
+    c = DeviceCache(10**6, arrays)
+    c.SLAB_ROWS = slab_rows
+    have = list(range(7)) if cached == "all" else [0, 2, 4, 6]
+    for k in have:
+        c.put(k, chunk(k))
+    order = [5, 0, 6, 3, 1, 4, 2]
+    places = c.locate_many(order)
+    stack, batch = strided_stack(len(order))
+    before = arrays.calls
+    c.copy_out(places, [stack[i] for i in range(len(order))], stack)
+    per_slab: dict[int, int] = {}
+    for p in places:
+        if p is not None:
+            per_slab[id(p[0])] = per_slab.get(id(p[0]), 0) + 1
+    # per slab: one take into the stack where it holds every row, else a take and a scatter (a lone chunk:
+    # copied as it is)
+    want = sum(1 if k == len(order) else 0 if k == 1 else 2 for k in per_slab.values())
+    assert arrays.calls - before == want <= 2 * len(per_slab)
+    for i, k in enumerate(order):
+        np.testing.assert_array_equal(stack[i], chunk(k) if k in have else np.full((4, 5), -1, "f4"))
+    assert (batch[:, 0] == -1).all() and (batch[:, 2] == -1).all()  # nothing beside the channel slice
+
+
+def test_copy_out_without_a_stack_copies_each_chunk():
+    c = DeviceCache(10**6, HostArrays())
+    for k in range(3):
+        c.put(k, chunk(k))
+    outs = [np.zeros((4, 5), "f4") for _ in range(4)]
+    c.copy_out(c.locate_many([2, 9, 0, 1]), outs)
+    assert [int(o[0, 0]) for o in outs] == [2, 0, 0, 1]
+
+
+@pytest.mark.parametrize("slab_rows", [2, 256])
+@pytest.mark.parametrize("with_stack", [True, False])
+def test_put_many_keeps_what_fits_once_per_key(slab_rows, with_stack):
+    n = chunk(0).nbytes
+    arrays = CountingArrays()
+    c = DeviceCache(5 * n, arrays)
+    c.SLAB_ROWS = slab_rows
+    stack, _ = strided_stack(8)
+    for i in range(8):
+        stack[i] = chunk(i)
+    keys = ["a", "b", "c", "b", "d", "e", "f", "g"]  # "b" twice: one row
+    kept = c.put_many(keys, list(range(8)), [stack[i] for i in range(8)], stack if with_stack else None)
+    assert kept == 6 and len(c) == 5 and c.stats.refused == 2 and c.stats.bytes == 5 * n
+    for key, i in [("a", 0), ("b", 1), ("c", 2), ("d", 4), ("e", 5)]:
+        np.testing.assert_array_equal(c.get(key), chunk(i))
+    assert c.get("f") is None and c.get("g") is None
+    slabs = -(-5 // min(slab_rows, 5))
+    assert arrays.calls <= (slabs if with_stack else 0)  # at most a take per slab, never one per chunk
+    # a run of positions in one slab is copied as one slice; a later call adds to the slab's rows
+    c2 = DeviceCache(10**6, arrays)
+    assert c2.put_many([1, 2, 3], [0, 1, 2], [stack[i] for i in range(8)], stack) == 3
+    assert c2.put_many([4], [7], [stack[i] for i in range(8)], stack) == 1
+    assert [int(c2.get(k)[0, 0]) for k in (1, 2, 3, 4)] == [0, 1, 2, 7]
 
 
 @pytest.mark.parametrize("bad", [-1, True, "1GB", 1.5])

@@ -261,7 +261,7 @@ class BufferLoader:
         one batch for the buffer). A variable whose chain fails its check on first use says so once, and
         its chunks are read and decoded on the host from then on (this buffer's too)."""
         failed = await self.reader.read_gpu(
-            [GpuRead(lay.src, coords, [arrays[name][s] for s in range(len(coords))], chain)
+            [GpuRead(lay.src, coords, [arrays[name][s] for s in range(len(coords))], chain, arrays[name])
              for name, lay, chain, coords, _ in reads], self.gpu, self.tier)
         again = []
         for name, lay, _, coords, regions in reads:
@@ -280,7 +280,7 @@ class BufferLoader:
         dev = arrays[name]
         try:
             await self.reader.read_kept(lay.src, coords, [dev[s] for s in range(len(coords))], regions,
-                                        self.gpu, self.tier)
+                                        self.gpu, self.tier, dev)
             return
         except GpuPathError as e:
             if self.on_gpu.pop(name, None) is not None:

@@ -266,11 +266,10 @@ class DeviceDirectLoader(DirectLoader):
                 jobs.append(self._on_host(name, regions, hosts))
                 continue
             coords = list(map(tuple, whole.tolist()))
-            dests = None if b.converts(name) else self._in_place(batch, name, n)
-            if dests is None:
-                raw = raws[name] = gpu.new((n, *src.chunk_shape), src.raw_dtype)
-                dests = [raw[k] for k in range(n)]
-            read = GpuRead(src, coords, dests, chain)  # type: ignore[arg-type]
+            stack = None if b.converts(name) else self._in_place(batch, name, n)
+            if stack is None:
+                stack = raws[name] = gpu.new((n, *src.chunk_shape), src.raw_dtype)
+            read = GpuRead(src, coords, [stack[k] for k in range(n)], chain, stack)  # type: ignore[arg-type]
             if chain.gpu:
                 reads.append((name, read))
             else:  # decoded on the host, kept in the device tier
@@ -286,16 +285,15 @@ class DeviceDirectLoader(DirectLoader):
                 self._raw.give_back(raw)
         return Filled(i, ids, starts, batch)
 
-    def _in_place(self, batch: Any, name: str, n: int) -> list[Any] | None:
-        """Each sample's place of variable ``name`` in the device batch, in the chunk's layout (decoded
-        straight into), else None (it is not laid out as the chunk is)."""
+    def _in_place(self, batch: Any, name: str, n: int) -> Any:
+        """Variable ``name``'s place in the device batch as ``(n, *chunk shape)``, each sample's row in the
+        chunk's layout (decoded straight into), else None (it is not laid out as the chunk is)."""
         view = self.builder.value_view(batch, name, slice(None))
         view = view.reshape(n, *([1] * self.n_split), *view.shape[1:]) if self.n_split != 1 else view[:, None]
-        perm = self._to_var[name]
-        first = view[0].transpose(perm)
-        if not first.flags.c_contiguous or tuple(first.shape) != tuple(self.layouts[name].src.chunk_shape):
+        stack = view.transpose(0, *[1 + p for p in self._to_var[name]])
+        if not stack[0].flags.c_contiguous or tuple(stack.shape[1:]) != tuple(self.layouts[name].src.chunk_shape):
             return None
-        return [first] + [view[k].transpose(perm) for k in range(1, n)]
+        return stack
 
     async def _on_host(self, name: str, regions: list[dict[str, tuple[int, int]]],
                        hosts: dict[str, np.ndarray]) -> None:
@@ -324,7 +322,7 @@ class DeviceDirectLoader(DirectLoader):
                     raws: dict[str, Any], hosts: dict[str, np.ndarray]) -> None:
         """A variable decoded on the host whose chunks the device cache tier keeps (``Reader.read_kept``)."""
         try:
-            await self.reader.read_kept(read.src, read.coords, read.outs, regions, self.gpu, self.tier)
+            await self.reader.read_kept(read.src, read.coords, read.outs, regions, self.gpu, self.tier, read.stack)
             return
         except GpuPathError as e:
             if self.on_gpu.pop(name, None) is not None:

@@ -38,6 +38,10 @@ class HostArrays:
     def take(self, slab: Any, rows: np.ndarray) -> Any:
         return slab[rows]
 
+    def take_into(self, slab: Any, rows: np.ndarray, out: Any) -> None:
+        """``out[...] = slab[rows]`` (``out`` may be a strided view, e.g. a channel slice of a batch)."""
+        np.take(slab, rows, axis=0, out=out, mode="clip")  # rows are in range: unbuffered where it can
+
     def asarray(self, a: Any) -> Any:
         return np.asarray(a)
 
@@ -62,6 +66,10 @@ class CupyArrays:
 
     def take(self, slab: Any, rows: np.ndarray) -> Any:
         return self.cupy.take(slab, self.cupy.asarray(rows), axis=0)
+
+    def take_into(self, slab: Any, rows: np.ndarray, out: Any) -> None:
+        """``out[...] = slab[rows]`` (``out`` may be a strided view): a take, then one strided copy."""
+        out[...] = self.take(slab, rows)
 
     def asarray(self, a: Any) -> Any:
         return self.cupy.asarray(a)
@@ -126,19 +134,41 @@ class DeviceCache:
 
     def put(self, key: Hashable, chunk: Any) -> bool:
         """Keep ``chunk`` under ``key`` where the budget has room; False where it was not kept."""
+        return self.put_many([key], [0], [chunk]) == 1
+
+    def put_many(self, keys: list[Hashable], pos: list[int], outs: list[Any], stack: Any = None) -> int:
+        """Keep chunks ``outs[pos[k]]`` (host or device arrays) under ``keys[k]`` where the budget has room;
+        how many are kept. With ``stack`` (an array whose row ``i`` is ``outs[i]``), the rows a slab gets are
+        filled by one copy per slab instead of one per chunk."""
         with self._lock:
-            self.stats.puts += 1
-            if key in self._rows:
-                return True
-            place = self._reserve(tuple(chunk.shape), np.dtype(chunk.dtype), int(chunk.nbytes))
-            if place is None:
-                self.stats.refused += 1
-                return False
-            slab, row = place
-            slab[row] = self.arrays.asarray(chunk)
-            self._rows[key] = place
-            self.stats.entries += 1
-            return True
+            self.stats.puts += len(keys)
+            todo: list[tuple[Hashable, int, Any, int]] = []  # key, position, slab, row
+            mine: set[Hashable] = set()
+            kept = 0
+            for key, i in zip(keys, pos, strict=True):
+                if key in self._rows or key in mine:
+                    kept += 1
+                    continue
+                mine.add(key)
+                chunk = outs[i]
+                place = self._reserve(tuple(chunk.shape), np.dtype(chunk.dtype), int(chunk.nbytes))
+                if place is None:
+                    self.stats.refused += 1
+                    continue
+                todo.append((key, i, *place))
+            for slab, at, rows in _by_slab([(p[2], p[3]) for p in todo]):
+                got = [todo[k][1] for k in at.tolist()]  # positions of this slab's chunks
+                if stack is None or len(got) == 1:
+                    for i, r in zip(got, rows.tolist(), strict=True):
+                        slab[r] = self.arrays.asarray(outs[i])
+                    continue
+                r0, n, p0 = int(rows[0]), len(rows), got[0]  # (a slab's rows are reserved in a run)
+                run = got == list(range(p0, p0 + n))
+                slab[r0:r0 + n] = stack[p0:p0 + n] if run else self.arrays.take(stack, np.asarray(got))
+            for key, _, slab, row in todo:  # published once their copies are queued
+                self._rows[key] = (slab, row)
+            self.stats.entries += len(todo)
+            return kept + len(todo)
 
     def _reserve(self, shape: tuple[int, ...], dtype: np.dtype, n: int) -> tuple[Any, int] | None:
         """A free row (the lock held), counted against the budget; None where the budget is full. A new
@@ -174,6 +204,21 @@ class DeviceCache:
         (got,) = self.locate_many([key])
         return None if got is None else got[0][got[1]]
 
+    def copy_out(self, places: list[tuple[Any, int] | None], outs: list[Any], stack: Any = None) -> None:
+        """The chunks ``locate_many`` found (``places[i]``; None for those it did not) copied into their
+        destinations on the device: ``outs[i]``, a row of ``stack`` where given (an array whose row ``i`` is
+        ``outs[i]``, e.g. a device buffer, or a variable's channels in a batch). With ``stack``, one take per
+        slab instead of one copy per chunk: a batch served from the tier costs the host a few calls, however
+        many chunks it holds."""
+        for slab, pos, rows in _by_slab(places):
+            if stack is None or len(pos) == 1:
+                for i, r in zip(pos.tolist(), rows.tolist(), strict=True):
+                    outs[i][...] = slab[r]
+            elif len(pos) == len(stack):  # every row of the stack, in order
+                self.arrays.take_into(slab, rows, stack)
+            else:
+                self.arrays.scatter(stack, pos, self.arrays.take(slab, rows))
+
     def gather(self, keys: list[Hashable]) -> Any:
         """The chunks of ``keys`` (all cached, one shape and dtype) as one ``(len(keys), *chunk)`` device
         array, in one take per slab; KeyError naming the first one missing."""
@@ -182,21 +227,29 @@ class DeviceCache:
         if missing:
             raise KeyError(f"not in the device cache: {missing[0]!r}" + (f" and {len(missing) - 1} more"
                                                                           if len(missing) > 1 else ""))
-        slabs: dict[int, tuple[Any, list[int], list[int]]] = {}
-        for i, (slab, row) in enumerate(p for p in places if p is not None):
-            s = slabs.setdefault(id(slab), (slab, [], []))
-            s[1].append(i)
-            s[2].append(row)
-        if len(slabs) == 1:
-            slab, _, rows = next(iter(slabs.values()))
-            return self.arrays.take(slab, np.asarray(rows))
+        groups = _by_slab(places)
+        if len(groups) == 1:
+            slab, _, rows = groups[0]
+            return self.arrays.take(slab, rows)
         first = places[0]
         assert first is not None
         out = self.arrays.empty((len(keys), *first[0].shape[1:]), first[0].dtype)
-        for slab, pos, rows in slabs.values():
-            self.arrays.scatter(out, np.asarray(pos), self.arrays.take(slab, np.asarray(rows)))
+        for slab, pos, rows in groups:
+            self.arrays.scatter(out, pos, self.arrays.take(slab, rows))
         return out
 
     def summary(self) -> str:
         s = self.stats
         return f"device {s.bytes / 1e6:.1f} MB of {self.budget / 1e6:.1f} MB ({s.entries} chunks)"
+
+
+def _by_slab(places: list[tuple[Any, int] | None]) -> list[tuple[Any, np.ndarray, np.ndarray]]:
+    """``places`` (``(slab, row)`` or None) grouped by slab: ``(slab, positions in places, rows)``, positions
+    ascending, slabs in order of first appearance."""
+    groups: dict[int, tuple[Any, list[int], list[int]]] = {}
+    for i, p in enumerate(places):
+        if p is not None:
+            g = groups.setdefault(id(p[0]), (p[0], [], []))
+            g[1].append(i)
+            g[2].append(p[1])
+    return [(slab, np.asarray(pos, np.int64), np.asarray(rows, np.int64)) for slab, pos, rows in groups.values()]

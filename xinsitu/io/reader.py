@@ -86,12 +86,15 @@ class IOCounters:
 
 class GpuRead(NamedTuple):
     """One variable's whole chunks to decode on the GPU (``Reader.read_gpu``): chunks ``coords`` of ``src``
-    into ``outs`` (device arrays of the chunk's shape), its codec chain ``chain`` (a ``GpuChain``)."""
+    into ``outs`` (device arrays of the chunk's shape), its codec chain ``chain`` (a ``GpuChain``);
+    ``stack``, where there is one, a device array whose row ``i`` is ``outs[i]`` (the device cache tier
+    then copies to and from it in one call per slab, not one per chunk)."""
 
     src: VarSource
     coords: list[tuple[int, ...]]
     outs: list[Any]
     chain: GpuChain
+    stack: Any = None
 
 
 class Route:
@@ -390,18 +393,17 @@ class Reader:
 
         def land(first: bool) -> Any:
             try:
-                for r, _, _, places, _ in plans:
-                    for out, got in zip(r.outs, places, strict=True):
-                        if got is not None:
-                            out[...] = got[0][got[1]]  # cached: copied on the device
+                if tier is not None:  # cached: copied on the device
+                    for r, _, _, places, todo in plans:
+                        if len(todo) < len(places):
+                            tier.copy_out(places, r.outs, r.stack)
                 flushed = batch.flush(gpu)
                 if tier is not None:
                     redo = {id(d) for _, d, _ in flushed.refetch}
                     for r, _, mkeys, _, todo in plans:
                         if mkeys is not None and r.chain not in flushed.failed:
-                            for i in todo:
-                                if id(r.outs[i]) not in redo:
-                                    tier.put(mkeys[i], r.outs[i])
+                            keep = [i for i in todo if id(r.outs[i]) not in redo]
+                            tier.put_many([mkeys[i] for i in keep], keep, r.outs, r.stack)
                 gpu.synchronize()
             except GpuPathError:
                 raise
@@ -445,10 +447,11 @@ class Reader:
         await asyncio.get_running_loop().run_in_executor(None, upload)
 
     async def read_kept(self, src: VarSource, coords: list[tuple[int, ...]], outs: list[Any],
-                        regions: list[dict[str, tuple[int, int]]], gpu: Any, tier: Any) -> None:
+                        regions: list[dict[str, tuple[int, int]]], gpu: Any, tier: Any, stack: Any = None) -> None:
         """Whole chunks ``coords`` of a variable decoded on the host, into ``outs`` (device arrays of
-        the chunk's shape): those the device cache tier ``tier`` has copied from it on the device, the
-        others read as any (``read_whole``), copied over in one transfer and kept there."""
+        the chunk's shape; ``stack``: as ``GpuRead``'s): those the device cache tier ``tier`` has copied
+        from it on the device, the others read as any (``read_whole``), copied over in one transfer and
+        kept there."""
         mkeys, places, todo = self._in_tier(src, coords, tier)
         host = np.empty((len(todo), *outs[0].shape), outs[0].dtype)
         if todo:
@@ -456,11 +459,17 @@ class Reader:
 
         def upload(first: bool) -> bool:
             there = gpu.asarray(host)  # one transfer
-            for k, i in enumerate(todo):
-                outs[i][...] = there[k]
+            if stack is not None and len(todo) == len(outs):
+                stack[...] = there
+            elif stack is not None and len(todo) > 1:
+                stack[gpu.index(np.asarray(todo, np.int64))] = there
+            else:
+                for k, i in enumerate(todo):
+                    outs[i][...] = there[k]
             return True
 
-        await self._land(gpu, "kept", outs, places, todo, tier, mkeys, upload if todo else lambda first: True)
+        await self._land(gpu, "kept", outs, places, todo, tier, mkeys, upload if todo else lambda first: True,
+                         stack)
 
     def _in_tier(self, src: VarSource, coords: list[tuple[int, ...]],
                  tier: Any) -> tuple[list[Any] | None, list[Any], list[int]]:
@@ -477,25 +486,24 @@ class Reader:
         return mkeys, places, todo
 
     async def _land(self, gpu: Any, key: Any, outs: list[Any], places: list[Any], todo: list[int], tier: Any,
-                    mkeys: list[Any] | None, fill: Callable[[bool], bool]) -> float:
+                    mkeys: list[Any] | None, fill: Callable[[bool], bool], stack: Any = None) -> float:
         """In a decode thread, device work the loop does not wait on: chunks the tier has (``places``)
-        copied into ``outs`` on the device, the others (``todo``) put there by ``fill(first)`` and kept
-        in the tier, then the device's work completed (the buffer is gathered from in another thread).
+        copied into ``outs`` (rows of ``stack``, where given) on the device, the others (``todo``) put there
+        by ``fill(first)`` and kept in the tier, then the device's work completed (the buffer is gathered
+        from in another thread).
         On first use (``key`` not in ``gpu.checked``: ``fill`` says whether it checked), a failure of
         the device's side raises ``GpuPathError``: the CPU path takes over. The seconds ``fill`` took."""
         first = key not in gpu.checked
 
         def run() -> float:
             try:
-                for out, got in zip(outs, places, strict=True):
-                    if got is not None:
-                        out[...] = got[0][got[1]]  # cached: copied on the device
+                if len(todo) < len(places):  # cached: copied on the device
+                    tier.copy_out(places, outs, stack)
                 t0 = time.perf_counter()
                 checked = fill(first)
                 took = time.perf_counter() - t0
                 if mkeys is not None:
-                    for i in todo:
-                        tier.put(mkeys[i], outs[i])
+                    tier.put_many([mkeys[i] for i in todo], todo, outs, stack)
                 gpu.synchronize()
             except (GpuPathError, ChunkReadError):
                 raise

@@ -16,7 +16,10 @@ batch (the issue's 64-chunk batch), the median of ``--rounds``, one thread:
   (``read_only``: the same files only read, as the CPU path reads them; ``files_minus_read``: the GPU
   path's own host cost on top of the read);
 * ``read_gpu``: a whole batch through ``Reader.read_gpu`` (one decode thread: the loop, the completion
-  step, ``Reader.settle``'s counters, the flush), from local files.
+  step, ``Reader.settle``'s counters, the flush), from local files;
+* ``tier``: a whole batch that the device cache tier holds, through ``Reader.read_gpu`` (a warm epoch of
+  ``ChunkCache(device=)``), with the tier's copies on the device as no-ops; beside it
+  ``tier_device_copies_per_batch``, the copies a GPU would launch (before: one per chunk).
 
 It runs against whichever ``xinsitu`` is imported: with ``PYTHONPATH`` at a checkout of an older commit it
 measures that one (the code before issue 36's rework: one ``GpuBatch`` per variable, ``decode_payloads``
@@ -211,6 +214,93 @@ def stage_read_gpu(path: str, n: int, rounds: int) -> float:
     return statistics.median(times[1:]) / n
 
 
+class NoopDev:
+    """A device array whose device work is a no-op: a view costs what a view costs on the host, and each
+    copy on the device (``a[...] = b``, a take) is counted where a GPU would launch a kernel."""
+
+    copies = 0
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
+
+    def __len__(self):
+        return self.shape[0]
+
+    def __getitem__(self, k):
+        if isinstance(k, (int, np.integer)):
+            return NoopDev(self.shape[1:], self.dtype)
+        if isinstance(k, slice):
+            return NoopDev((len(range(*k.indices(self.shape[0]))), *self.shape[1:]), self.dtype)
+        NoopDev.copies += 1  # an index array: a take
+        return NoopDev((len(k), *self.shape[1:]), self.dtype)
+
+    def __setitem__(self, k, v):
+        NoopDev.copies += 1
+
+
+class NoopArrays:
+    """The device cache tier's device memory as ``NoopDev`` arrays (its copies counted, not made)."""
+
+    kind = "noop"
+    allocs = 0
+
+    def empty(self, shape, dtype):
+        return NoopDev(shape, dtype)
+
+    def take(self, slab, rows):
+        NoopDev.copies += 1
+        return NoopDev((len(rows), *slab.shape[1:]), slab.dtype)
+
+    def take_into(self, slab, rows, out):
+        NoopDev.copies += 1
+
+    def scatter(self, out, pos, values):
+        NoopDev.copies += 1
+
+    def asarray(self, a):
+        return a
+
+
+def stage_tier(path: str, n: int, rounds: int) -> tuple[float, float]:
+    """A batch of ``n`` chunks that the device cache tier holds, through ``Reader.read_gpu`` into a device
+    array (its rows the destinations): host seconds per chunk, and copies on the device per batch (the
+    kernels a GPU would launch). The first round decodes (no-op) and keeps the chunks; the others hit."""
+    import xinsitu
+    from xinsitu.cache.device_tier import DeviceCache
+    from xinsitu.codecs.gpu import gpu_chain
+    from xinsitu.index.source import resolve
+    from xinsitu.io import loop as _loop
+    from xinsitu.io.reader import GpuRead, Reader
+
+    src = resolve(xinsitu.open_zarr(path), ["x"])["x"]
+    chain = gpu_chain(src.array)
+    gpu = noop_gpu()
+    gpu.checked.add(chain)
+    coords = [(i, 0, 0) for i in range(n)]
+    tier = DeviceCache(1 << 40, NoopArrays())
+    reader = Reader(cache=xinsitu.ChunkCache(memory=0))
+    stacked = "stack" in GpuRead._fields
+
+    async def one(stack):
+        outs = [stack[i] for i in range(n)]
+        read = GpuRead(src, coords, outs, chain, stack) if stacked else GpuRead(src, coords, outs, chain)
+        await reader.read_gpu([read], gpu, tier)
+
+    _loop.run(one(np.empty((n, *chain.shape), chain.dtype)))  # decoded (no-op), kept
+    assert len(tier) == n, len(tier)
+    times, copies = [], []
+    for _ in range(rounds):
+        before = NoopDev.copies
+        stack = NoopDev((n, *chain.shape), chain.dtype)
+        t0 = time.perf_counter()
+        _loop.run(one(stack))
+        times.append(time.perf_counter() - t0)
+        copies.append(NoopDev.copies - before)
+    assert tier.stats.hits == n * rounds, tier.stats
+    return statistics.median(times) / n, statistics.median(copies)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--chunks", type=int, default=64)
@@ -230,9 +320,12 @@ def main() -> int:
                 name = stage.__name__.removeprefix("stage_")
                 res[name] = round(stage(path, args.chunks, args.rounds) * 1e6, 1)
             res["files_minus_read"] = round(res["files"] - res["read_only"], 1)
+            tier_s, tier_copies = stage_tier(path, args.chunks, args.rounds)
+            res["tier"] = round(tier_s * 1e6, 1)
+            res["tier_device_copies_per_batch"] = tier_copies
             out["us_per_chunk"][label] = res
-            print(f"{out['api']:6s} {label:6s} " + "  ".join(f"{k} {v:8.1f} us/chunk" for k, v in res.items()),
-                  flush=True)
+            cells = [f"{k} {v:6.1f}" + ("" if k.endswith("_per_batch") else " us/chunk") for k, v in res.items()]
+            print(f"{out['api']:6s} {label:6s} " + "  ".join(cells), flush=True)
     dest = args.out or os.path.join(os.environ.get("OUT", "/tmp/out"), "gpu_host_cost.json")
     os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
     with open(dest, "w") as f:

@@ -80,3 +80,18 @@ def test_floor_smoke(tmp_path):
         peers = ["decode", "decode, kept", "read+decode", "floor", "xinsitu"] + ["floor, scatter"] * (chunk_time > 1)
         for peer in peers:
             assert f"  {peer} " in p.stdout, (peer, p.stdout)
+
+
+@pytest.mark.tools
+def test_gpu_host_cost_smoke(tmp_path):
+    """bench/gpu_host_cost.py (the GPU path's host-side cost, the device's work as no-ops) runs: every stage
+    reports, and a batch from the device cache tier asks the device for one copy, not one per chunk."""
+    out = tmp_path / "cost.json"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_host_cost.py"), "--chunks", "8", "--rounds", "2",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["api"] == "after" and set(res["us_per_chunk"]) == {"64kB", "786kB"}
+    for cost in res["us_per_chunk"].values():
+        assert all(cost[k] > 0 for k in ("bytes", "files", "read_gpu", "tier"))
+        assert cost["tier_device_copies_per_batch"] == 1

@@ -168,3 +168,16 @@ def test_cupy_device_cache():
     out = c.gather([3, 1, 5])
     assert isinstance(out, cupy.ndarray)
     assert [int(v) for v in cupy.asnumpy(out[:, 0, 0])] == [3, 1, 5]
+    # a batch's channel slice (strided) filled from the tier in a take per slab, and kept from it
+    c.SLAB_ROWS = 4
+    batch = cupy.full((5, 3, 4, 5), -1, "f4")
+    stack = batch[:, 1]
+    order = [3, 8, 1, 5, 0]  # 8: not cached; 0..3 and 4..5 in two slabs
+    c.copy_out(c.locate_many(order), [stack[i] for i in range(5)], stack)
+    got = cupy.asnumpy(batch)
+    for i, k in enumerate(order):
+        np.testing.assert_array_equal(got[i, 1], chunk(k) if k != 8 else np.full((4, 5), -1, "f4"))
+    assert (got[:, 0] == -1).all() and (got[:, 2] == -1).all()
+    stack[...] = cupy.asarray(np.stack([chunk(10 + i) for i in range(5)]))
+    assert c.put_many(["a", "b", "c"], [0, 1, 3], [stack[i] for i in range(5)], stack) == 3
+    assert [int(c.get(k)[0, 0]) for k in ("a", "b", "c")] == [10, 11, 13]

@@ -163,13 +163,13 @@ def test_cupy_device_cache():
     cc = xinsitu.ChunkCache(memory="1MB", device="1MB")
     assert pickle.loads(pickle.dumps(cc)).device_budget == 10**6
     c = DeviceCache(cc.device_budget)
+    c.SLAB_ROWS = 4
     for i in range(6):
         assert c.put(i, chunk(i))
     out = c.gather([3, 1, 5])
     assert isinstance(out, cupy.ndarray)
     assert [int(v) for v in cupy.asnumpy(out[:, 0, 0])] == [3, 1, 5]
     # a batch's channel slice (strided) filled from the tier in a take per slab, and kept from it
-    c.SLAB_ROWS = 4
     batch = cupy.full((5, 3, 4, 5), -1, "f4")
     stack = batch[:, 1]
     order = [3, 8, 1, 5, 0]  # 8: not cached; 0..3 and 4..5 in two slabs

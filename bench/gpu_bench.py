@@ -15,7 +15,7 @@ Stages (each a JSON object in ``$OUT/gpu_bench.json``, else /tmp/out; one line p
   then copy (xinsitu before the ring), a plain pageable ``.cuda(non_blocking=True)``, and
   ``xinsitu.batches.device_copy.DeviceMover`` (reused pinned ring, own stream, event per batch) -- GB/s, and the
   overlap with a GPU step of ~1.4 ms (efficiency = steps on resident data / steps fed by the copies).
-* ``decode``: the archive's zstd chunks decoded by ``xinsitu.codecs.gpu.NvcompDecoder`` (one pinned
+* ``decode``: the archive's zstd chunks decoded by ``xinsitu.codecs.nvcomp.NvcompDecoder`` (one pinned
   transfer and one batched nvCOMP call per 64 chunks, bit-checked against numcodecs) against numcodecs
   on 2 and on every CPU core -- GB/s of decoded bytes.
 * ``kvikio``: reading the chunk files into device memory: Python ``readinto`` into pinned memory then
@@ -118,7 +118,8 @@ def _decode_one(args, v):
     import numcodecs
     import zarr
 
-    from xinsitu.codecs.gpu import NvcompDecoder, gpu_chain
+    from xinsitu.codecs.gpu_chain import gpu_chain
+    from xinsitu.codecs.nvcomp import NvcompDecoder
 
     a = zarr.open_array(args.archive, path=v, mode="r")
     chain = gpu_chain(a)

@@ -66,32 +66,33 @@ def _array(path: str):
 
 
 def new_api() -> bool:
-    from xinsitu.codecs import gpu as gpu_decode
+    from xinsitu.codecs import staging
 
-    return hasattr(gpu_decode, "PinnedRing")
+    return hasattr(staging, "PinnedRing")
 
 
 def noop_gpu():
     """The stand-in device side with the device's work as no-ops (either version of the code)."""
     from xinsitu.codecs import gpu as gpu_decode
+    from xinsitu.codecs import nvcomp
 
     if new_api():
-        class NoDeviceDecoder(gpu_decode.StandInDecoder):
+        class NoDeviceDecoder(nvcomp.StandInDecoder):
             def _run(self, host, lo, hi, calls):  # the host side of _run: no transfer, no decode
-                stream = gpu_decode.LIFETIMES.stream("stand-in", 0, gpu_decode.StandInStream)
+                stream = nvcomp.LIFETIMES.stream("stand-in", 0, nvcomp.StandInStream)
                 for call in calls:
-                    gpu_decode._check_sizes(call)
+                    nvcomp._check_sizes(call)
                     [host[o:o + n] for o, n in call.spans]
-                    [gpu_decode._bytes_of(d) for d in call.outs]
+                    [nvcomp._bytes_of(d) for d in call.outs]
                     if call.compressor is not None:
-                        gpu_decode.LIFETIMES.codec(stream.ptr, call.compressor, lambda: None)
-                return gpu_decode._COMPLETED, gpu_decode._COMPLETED
+                        nvcomp.LIFETIMES.codec(stream.ptr, call.compressor, lambda: None)
+                return nvcomp._COMPLETED, nvcomp._COMPLETED
 
         class NoDeviceGpu(gpu_decode.StandInGpu):
             def _make_decoder(self):
                 return NoDeviceDecoder()
     else:
-        class NoDeviceDecoder(gpu_decode.StandInDecoder):  # type: ignore[no-redef]
+        class NoDeviceDecoder(nvcomp.StandInDecoder):  # type: ignore[no-redef]
             def decode_payloads(self, parts, dests, names):  # the host side of it: packing, counters, checks
                 with self._lock:
                     host, spans = self.packer.pack(parts)
@@ -111,11 +112,11 @@ def noop_gpu():
 
 
 def batch_of(gpu, chain, n):
-    from xinsitu.codecs import gpu as gpu_decode
+    from xinsitu.codecs import gpu_batch
 
     if new_api():
-        return gpu_decode.GpuBatch(gpu.decoder(), n * chain.bound, gpu.asarray)
-    return gpu_decode.GpuBatch(gpu.decoder(chain), gpu.asarray)
+        return gpu_batch.GpuBatch(gpu.decoder(), n * chain.bound, gpu.asarray)
+    return gpu_batch.GpuBatch(gpu.decoder(chain), gpu.asarray)
 
 
 def add(batch, raw, chain, dest, name):
@@ -126,7 +127,7 @@ def add(batch, raw, chain, dest, name):
 
 
 def stage_bytes(path: str, n: int, rounds: int) -> float:
-    from xinsitu.codecs.gpu import gpu_chain
+    from xinsitu.codecs.gpu_chain import gpu_chain
 
     a, keys = _array(path)
     chain = gpu_chain(a)
@@ -161,7 +162,7 @@ def stage_read_only(path: str, n: int, rounds: int) -> float:
 
 
 def stage_files(path: str, n: int, rounds: int) -> float:
-    from xinsitu.codecs.gpu import gpu_chain
+    from xinsitu.codecs.gpu_chain import gpu_chain
     from xinsitu.io.place import SCRATCH
     from xinsitu.stores.backend import LocalBackend
 
@@ -184,7 +185,7 @@ def stage_files(path: str, n: int, rounds: int) -> float:
 
 def stage_read_gpu(path: str, n: int, rounds: int) -> float:
     import xinsitu
-    from xinsitu.codecs.gpu import gpu_chain
+    from xinsitu.codecs.gpu_chain import gpu_chain
     from xinsitu.index.source import resolve
     from xinsitu.io import loop as _loop
     from xinsitu.io.reader import Reader
@@ -268,7 +269,7 @@ def stage_tier(path: str, n: int, rounds: int) -> tuple[float, float]:
     kernels a GPU would launch). The first round decodes (no-op) and keeps the chunks; the others hit."""
     import xinsitu
     from xinsitu.cache.device_tier import DeviceCache
-    from xinsitu.codecs.gpu import gpu_chain
+    from xinsitu.codecs.gpu_chain import gpu_chain
     from xinsitu.index.source import resolve
     from xinsitu.io import loop as _loop
     from xinsitu.io.reader import GpuRead, Reader

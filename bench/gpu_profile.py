@@ -61,13 +61,13 @@ def main() -> int:
         return 0
     import xinsitu
     from xinsitu.batches import buffer, direct
-    from xinsitu.codecs import gpu as gpu_decode
+    from xinsitu.codecs import gpu_batch, nvcomp, staging
 
-    timed(gpu_decode.GpuBatch, "add", "GpuBatch.add (decode threads)")
-    timed(gpu_decode.GpuBatch, "flush", "GpuBatch.flush")
-    timed(gpu_decode.Staging, "put", "  Staging.put (bytes copied in once)")
-    timed(gpu_decode.Staging, "take", "  Staging.take (a local read's region)")
-    run = gpu_decode.NvcompDecoder._run
+    timed(gpu_batch.GpuBatch, "add", "GpuBatch.add (decode threads)")
+    timed(gpu_batch.GpuBatch, "flush", "GpuBatch.flush")
+    timed(staging.Staging, "put", "  Staging.put (bytes copied in once)")
+    timed(staging.Staging, "take", "  Staging.take (a local read's region)")
+    run = nvcomp.NvcompDecoder._run
 
     def synced(self, host, lo, hi, calls):
         t0 = time.perf_counter()
@@ -76,7 +76,7 @@ def main() -> int:
         _count("  one transfer + batched decodes (synced)", t0)
         return copied, done
 
-    gpu_decode.NvcompDecoder._run = synced
+    nvcomp.NvcompDecoder._run = synced
     for name in ("_read_gpu", "_first_gather", "gather", "_gather_var"):
         timed(buffer.BufferLoader, name, f"BufferLoader.{name}")
     for name in ("load", "_convert_all"):

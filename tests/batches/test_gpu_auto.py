@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 import xinsitu
-from xinsitu.codecs.gpu import GpuChain, StandInGpu, Verdict, gpu_chain
+from xinsitu.codecs.gpu import StandInGpu
+from xinsitu.codecs.gpu_batch import Verdict
+from xinsitu.codecs.gpu_chain import GpuChain, gpu_chain
 
 
 @pytest.fixture

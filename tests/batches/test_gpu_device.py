@@ -13,7 +13,7 @@ import pytest
 import xinsitu
 from tests.support.gpu import CUDA
 from xinsitu.batches.device_copy import DeviceMover, StandInDevice
-from xinsitu.codecs.gpu import gpu_extra_hint
+from xinsitu.codecs.nvcomp import gpu_extra_hint
 
 
 @pytest.fixture

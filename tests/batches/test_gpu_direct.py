@@ -14,7 +14,9 @@ from tests.batches.test_direct import LEVEL_VARS, SURF, _source
 from tests.support.gpu import CountingArrays
 from xinsitu.batches.direct import DeviceDirectLoader
 from xinsitu.cache.device_tier import DeviceCache
-from xinsitu.codecs.gpu import StandInGpu, Verdict, gpu_chain
+from xinsitu.codecs.gpu import StandInGpu
+from xinsitu.codecs.gpu_batch import Verdict
+from xinsitu.codecs.gpu_chain import gpu_chain
 
 NL, NY, NX = 3, 5, 7
 

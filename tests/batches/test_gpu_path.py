@@ -2,7 +2,7 @@
 nvCOMP decodes are fetched as bytes, handed by the read path's completion step to a batch decoder
 (one transfer, one batched decode per variable and buffer) into device buffers, gathered, normalised
 and stacked on the device, with a device cache tier across epochs -- numpy and numcodecs standing in
-for CuPy and nvCOMP (``gpu_decode.StandInGpu``), so that CI runs the very steps a GPU runs. Every
+for CuPy and nvCOMP (``gpu.StandInGpu``), so that CI runs the very steps a GPU runs. Every
 batch is checked bit for bit against the CPU path. On a real GPU the same runs with CuPy (``gpu``)."""
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ import pytest
 
 import xinsitu
 from tests.support.gpu import CUDA, CountingArrays
-from xinsitu.codecs import gpu as gpu_decode
-from xinsitu.codecs.gpu import StandInGpu, Verdict, gpu_chain
+from xinsitu.codecs.gpu import StandInGpu
+from xinsitu.codecs.gpu_batch import Verdict
+from xinsitu.codecs.gpu_chain import gpu_chain
+from xinsitu.codecs.nvcomp import gpu_modules
 
 
 @pytest.fixture
@@ -102,7 +104,7 @@ def test_one_transfer_and_one_batched_call_per_buffer_for_every_variable(ds_m, m
     transfer and decode in one batched call; only the first buffer of each chain is decoded on its own
     too (the first-use check, timed per chain). Each chunk is counted decoded once. The local chunk
     files are read straight into the page-locked staging (no copy after the read)."""
-    from xinsitu.codecs.gpu import Staging
+    from xinsitu.codecs.staging import Staging
 
     found, missed = [], []
     locate = Staging.locate
@@ -312,7 +314,7 @@ def test_sample_reads_back_to_the_host(ds_m):
 def test_real_gpu_decode_bit_identical(ds_m, stack, cached):
     pytest.importorskip("cupy")
     try:
-        gpu_decode.gpu_modules()
+        gpu_modules()
     except RuntimeError as e:
         pytest.skip(str(e))
     import torch

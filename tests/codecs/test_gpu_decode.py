@@ -17,20 +17,11 @@ import zarr
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, GzipCodec, TransposeCodec, ZstdCodec
 
 from tests.support.gpu import CUDA
-from xinsitu.codecs.gpu import (
-    ALIGN,
-    ChecksumError,
-    GpuBatch,
-    GpuChain,
-    PinnedRing,
-    Staging,
-    StandInDecoder,
-    check_decode,
-    gpu_chain,
-    payload,
-    resolve_decode,
-    zstd_content_size,
-)
+from xinsitu.codecs.gpu import check_decode, resolve_decode
+from xinsitu.codecs.gpu_batch import GpuBatch
+from xinsitu.codecs.gpu_chain import ChecksumError, GpuChain, gpu_chain, payload, zstd_content_size
+from xinsitu.codecs.nvcomp import StandInDecoder
+from xinsitu.codecs.staging import ALIGN, PinnedRing, Staging
 
 CHAINS = {
     "v3-zstd": (3, dict(compressors=[ZstdCodec(level=3)]), "zstd"),
@@ -324,7 +315,7 @@ def test_resolve_decode(tmp_path):
 def test_nvcomp_decoder_bit_identical_to_zarr(tmp_path, name):
     cupy = pytest.importorskip("cupy")
     pytest.importorskip("nvidia.nvcomp")
-    from xinsitu.codecs.gpu import NvcompDecoder
+    from xinsitu.codecs.nvcomp import NvcompDecoder
 
     fmt, kw, _ = CHAINS[name]
     a, path = make(tmp_path, fmt, kw)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xinsitu.batches.device_copy import DeviceMover, StandInDevice
-from xinsitu.codecs.gpu import ALIGN, PinnedRing, Staging
+from xinsitu.codecs.staging import ALIGN, PinnedRing, Staging
 
 
 @settings(max_examples=200, deadline=None)

@@ -2,7 +2,7 @@
 crashed at garbage collection). nvCOMP's codecs hold their CUDA stream's raw handle: a stream freed
 before the codecs that borrow it crashes the process when they are freed. Streams (one per device and
 decode thread) and codecs (one per thread, stream and compressor) therefore live for the process
-(``gpu_decode.LIFETIMES``), and at exit the codecs are freed first. The stand-in models the rule --
+(``nvcomp.LIFETIMES``), and at exit the codecs are freed first. The stand-in models the rule --
 its codecs hold only a stream handle, and one freed after its stream is recorded -- so CI checks it
 with generators collected mid-epoch and a process exiting mid-epoch; the ``gpu`` variant runs the same
 on a real device."""
@@ -19,17 +19,19 @@ import pytest
 
 import xinsitu
 from tests.support.gpu import CUDA
-from xinsitu.codecs import gpu as gpu_decode
-from xinsitu.codecs.gpu import LIFETIME_ERRORS, LIFETIMES, StandInGpu, gpu_chain
+from xinsitu.codecs import nvcomp
+from xinsitu.codecs.gpu import StandInGpu
+from xinsitu.codecs.gpu_chain import gpu_chain
+from xinsitu.codecs.nvcomp import LIFETIME_ERRORS, LIFETIMES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def borrowed_from_freed_streams() -> list[tuple[int, int, str]]:
     """Codecs of the stand-in whose stream (by handle) was freed: what would crash nvCOMP."""
-    live = gpu_decode._LIVE_STREAMS
+    live = nvcomp._LIVE_STREAMS
     return [k for k, c in LIFETIMES.codecs.items()
-            if isinstance(c, gpu_decode.StandInCodec) and c.stream not in live]
+            if isinstance(c, nvcomp.StandInCodec) and c.stream not in live]
 
 
 @pytest.mark.slow
@@ -46,7 +48,7 @@ def test_generators_collected_mid_epoch_leave_no_codec_without_its_stream(era5_p
         next(it)  # mid-epoch: buffers read ahead, decodes under way
         del it, gen
         gc.collect()
-    assert any(isinstance(c, gpu_decode.StandInCodec) for c in LIFETIMES.codecs.values())  # (exercised)
+    assert any(isinstance(c, nvcomp.StandInCodec) for c in LIFETIMES.codecs.values())  # (exercised)
     assert borrowed_from_freed_streams() == []
     assert LIFETIME_ERRORS[errors:] == []
 
@@ -58,7 +60,7 @@ import sys
 
 @atexit.register  # first registered: runs last, after xinsitu's own exit hooks
 def freed():
-    from xinsitu.codecs.gpu import _LIVE_STREAMS, LIFETIME_ERRORS, LIFETIMES
+    from xinsitu.codecs.nvcomp import _LIVE_STREAMS, LIFETIME_ERRORS, LIFETIMES
     print(f"at exit: codecs {{len(LIFETIMES.codecs)}}, streams {{len(LIFETIMES.streams)}}, "
           f"stand-in streams alive {{len(_LIVE_STREAMS)}}, out of order {{len(LIFETIME_ERRORS)}}", flush=True)
 
@@ -83,7 +85,8 @@ def _run(script: str, path: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_a_process_exiting_mid_epoch_frees_codecs_before_their_streams(era5_path):
     make = textwrap.dedent("""
-        from xinsitu.codecs.gpu import StandInGpu, gpu_chain
+        from xinsitu.codecs.gpu import StandInGpu
+        from xinsitu.codecs.gpu_chain import gpu_chain
         gen = ds.insitu.batches(m, "train", output="numpy", **kw)
         gen._use_gpu(StandInGpu(), {n: gpu_chain(lay.src.array) for n, lay in gen.layouts.items()})
     """)
@@ -101,7 +104,7 @@ def test_real_gpu_no_crash_at_garbage_collection_or_exit(era5_path):
     mid-epoch -- no crash (a freed stream under a live codec segfaults: a negative return code)."""
     pytest.importorskip("cupy")
     try:
-        gpu_decode.gpu_modules()
+        nvcomp.gpu_modules()
     except RuntimeError as e:
         pytest.skip(str(e))
     make = textwrap.dedent("""

@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from xinsitu.codecs.gpu import GpuChain, GpuPathError, chain_on_gpu, leave_gpu
+from xinsitu.codecs.gpu import chain_on_gpu
+from xinsitu.codecs.gpu_chain import GpuChain, GpuPathError, leave_gpu
 from xinsitu.index.plan import EpochPlan, piece_ids
 from xinsitu.index.sampling import SampleSpace, VarLayout
 from xinsitu.io import loop as _loop

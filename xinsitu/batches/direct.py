@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from xinsitu.batches.output import OutputBuilder
-from xinsitu.codecs.gpu import GpuChain, GpuPathError, chain_on_gpu, leave_gpu
+from xinsitu.codecs.gpu import chain_on_gpu
+from xinsitu.codecs.gpu_chain import GpuChain, GpuPathError, leave_gpu
 from xinsitu.index.plan import EpochPlan
 from xinsitu.index.sampling import SampleSpace, VarLayout
 from xinsitu.io.mempool import ArrayPool

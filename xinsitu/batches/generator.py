@@ -23,7 +23,8 @@ from xinsitu.batches.output import OutputBuilder
 from xinsitu.batches.pipeline import DirectRun, EpochRun
 from xinsitu.cache.chunk_cache import ChunkCache, resolve_cache
 from xinsitu.cache.device_tier import CupyArrays, HostArrays
-from xinsitu.codecs.gpu import CupyGpu, GpuChain, resolve_decode
+from xinsitu.codecs.gpu import CupyGpu, resolve_decode
+from xinsitu.codecs.gpu_chain import GpuChain
 from xinsitu.index.channels import channel_names, check_stats_origin
 from xinsitu.index.manifest import SplitManifest
 from xinsitu.index.plan import EpochPlan, epoch_plan, epoch_size, plan_head, plan_quality, segment_plan

@@ -84,7 +84,7 @@ def require_cupy(what: str, missing: str) -> None:
     try:
         import cupy
     except ImportError:
-        from xinsitu.codecs.gpu import gpu_extra_hint
+        from xinsitu.codecs.nvcomp import gpu_extra_hint
 
         raise RuntimeError(missing.format(hint=gpu_extra_hint())) from None
     try:

@@ -58,7 +58,7 @@ MISSING = "missing"
 #: ... an inner chunk its shard's index says was never written: the fill value, as zarr reads it
 EMPTY = "empty"
 #: ... the bytes were handed to a decoder that decodes many chunks at once, later (the GPU path's
-#: ``gpu_decode.GpuSlot``): counted as read now, as decoded once that decoder has decoded it
+#: ``gpu_batch.GpuSlot``): counted as read now, as decoded once that decoder has decoded it
 QUEUED = "queued"
 #: chunks a decoder of many decoded (``QUEUED`` before): ``nbytes`` decoded, ``took`` its seconds
 BATCH_DECODED = "batch decoded"

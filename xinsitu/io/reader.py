@@ -34,7 +34,8 @@ from xinsitu.cache.chunk_cache import ChunkCache
 from xinsitu.cache.keys import ChunkKey
 from xinsitu.cache.lookup import serve_cached, take_cached
 from xinsitu.codecs.cpu import ChunkDecoder, is_remote, is_sharded, store_root
-from xinsitu.codecs.gpu import GpuBatch, GpuChain, GpuPathError, GpuSlot
+from xinsitu.codecs.gpu_batch import GpuBatch, GpuSlot
+from xinsitu.codecs.gpu_chain import GpuChain, GpuPathError
 from xinsitu.index.regions import PieceHook, RegionPlans, Target
 from xinsitu.index.source import VarSource
 from xinsitu.io import loop as _loop
@@ -357,7 +358,7 @@ class Reader:
         """Whole chunks of several variables (a buffer's, a batch's) decoded on the GPU straight into their
         ``outs`` (``GpuRead``). Each array's route fetches the bytes as for any read -- local files read
         straight into the batch's page-locked staging -- and the completion step hands them to ONE
-        ``gpu_decode.GpuBatch`` (``GpuSlot``), which decodes them together once all are in: one transfer,
+        ``gpu_batch.GpuBatch`` (``GpuSlot``), which decodes them together once all are in: one transfer,
         one batched call per compressor (``gpu``: the device side, ``gpu_decode.CupyGpu`` or its stand-in).
         A chunk is counted decoded once it is. With a device cache tier (``tier``, a
         ``device_cache.DeviceCache``), chunks it has are copied from it on the device, and those decoded are

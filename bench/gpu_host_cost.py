@@ -21,11 +21,10 @@ batch (the issue's 64-chunk batch), the median of ``--rounds``, one thread:
   ``ChunkCache(device=)``), with the tier's copies on the device as no-ops; beside it
   ``tier_device_copies_per_batch``, the copies a GPU would launch (before: one per chunk).
 
-It runs against whichever ``xinsitu`` is imported: with ``PYTHONPATH`` at a checkout of an older commit it
-measures that one (the code before issue 36's rework: one ``GpuBatch`` per variable, ``decode_payloads``
-per call, the bytes copied out of the read buffer in the decode thread and again into pinned memory at
-flush). Prints one line per stage and writes the JSON to ``--out`` (else ``$OUT/gpu_host_cost.json``,
-``/tmp/out`` by default). Nothing is timed-asserted.
+It runs against whichever ``xinsitu`` is imported, from the split of ``codecs/gpu.py`` on (the code before
+issue 36's rework was measured with an earlier version of this file, see docs/performance.md). Prints one
+line per size and writes the JSON to ``--out`` (else ``$OUT/gpu_host_cost.json``, ``/tmp/out`` by default).
+Nothing is timed-asserted.
 """
 
 from __future__ import annotations
@@ -65,65 +64,33 @@ def _array(path: str):
     return a, [f"x/{a.metadata.encode_chunk_key((i, 0, 0))}" for i in range(a.cdata_shape[0])]
 
 
-def new_api() -> bool:
-    from xinsitu.codecs import staging
-
-    return hasattr(staging, "PinnedRing")
-
-
 def noop_gpu():
-    """The stand-in device side with the device's work as no-ops (either version of the code)."""
-    from xinsitu.codecs import gpu as gpu_decode
+    """The stand-in device side with the device's work as no-ops."""
     from xinsitu.codecs import nvcomp
+    from xinsitu.codecs.gpu import StandInGpu
 
-    if new_api():
-        class NoDeviceDecoder(nvcomp.StandInDecoder):
-            def _run(self, host, lo, hi, calls):  # the host side of _run: no transfer, no decode
-                stream = nvcomp.LIFETIMES.stream("stand-in", 0, nvcomp.StandInStream)
-                for call in calls:
-                    nvcomp._check_sizes(call)
-                    [host[o:o + n] for o, n in call.spans]
-                    [nvcomp._bytes_of(d) for d in call.outs]
-                    if call.compressor is not None:
-                        nvcomp.LIFETIMES.codec(stream.ptr, call.compressor, lambda: None)
-                return nvcomp._COMPLETED, nvcomp._COMPLETED
+    class NoDeviceDecoder(nvcomp.StandInDecoder):
+        def _run(self, host, lo, hi, calls):  # the host side of _run: no transfer, no decode
+            stream = nvcomp.LIFETIMES.stream("stand-in", 0, nvcomp.StandInStream)
+            for call in calls:
+                nvcomp._check_sizes(call)
+                [host[o:o + n] for o, n in call.spans]
+                [nvcomp._bytes_of(d) for d in call.outs]
+                if call.compressor is not None:
+                    nvcomp.LIFETIMES.codec(stream.ptr, call.compressor, lambda: None)
+            return nvcomp._COMPLETED, nvcomp._COMPLETED
 
-        class NoDeviceGpu(gpu_decode.StandInGpu):
-            def _make_decoder(self):
-                return NoDeviceDecoder()
-    else:
-        class NoDeviceDecoder(nvcomp.StandInDecoder):  # type: ignore[no-redef]
-            def decode_payloads(self, parts, dests, names):  # the host side of it: packing, counters, checks
-                with self._lock:
-                    host, spans = self.packer.pack(parts)
-                    [host[off:off + n] for off, n in spans]
-                    self.transfers += 1
-                    self.decode_calls += 1
-                c = self.chain
-                for dest, w in zip(dests, names, strict=True):
-                    if tuple(dest.shape) != c.shape or dest.dtype != c.dtype or not dest.flags.c_contiguous:
-                        raise ValueError(w)
-                    dest.reshape(-1).view(np.uint8)
+    class NoDeviceGpu(StandInGpu):
+        def _make_decoder(self):
+            return NoDeviceDecoder()
 
-        class NoDeviceGpu(gpu_decode.StandInGpu):  # type: ignore[no-redef]
-            def _make_decoder(self, chain):
-                return NoDeviceDecoder(chain)
     return NoDeviceGpu()
 
 
 def batch_of(gpu, chain, n):
-    from xinsitu.codecs import gpu_batch
+    from xinsitu.codecs.gpu_batch import GpuBatch
 
-    if new_api():
-        return gpu_batch.GpuBatch(gpu.decoder(), n * chain.bound, gpu.asarray)
-    return gpu_batch.GpuBatch(gpu.decoder(chain), gpu.asarray)
-
-
-def add(batch, raw, chain, dest, name):
-    if new_api():
-        batch.add(raw, chain, dest, name)
-    else:
-        batch.add(raw, dest, name)
+    return GpuBatch(gpu.decoder(), n * chain.bound, gpu.asarray)
 
 
 def stage_bytes(path: str, n: int, rounds: int) -> float:
@@ -139,7 +106,7 @@ def stage_bytes(path: str, n: int, rounds: int) -> float:
         batch = batch_of(gpu, chain, n)
         t0 = time.perf_counter()
         for i, (raw, d) in enumerate(zip(raws, dests, strict=True)):
-            add(batch, raw, chain, d, ("x", (i, 0, 0), keys[i]))
+            batch.add(raw, chain, d, ("x", (i, 0, 0), keys[i]))
         batch.flush()
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:]) / n
@@ -163,7 +130,6 @@ def stage_read_only(path: str, n: int, rounds: int) -> float:
 
 def stage_files(path: str, n: int, rounds: int) -> float:
     from xinsitu.codecs.gpu_chain import gpu_chain
-    from xinsitu.io.place import SCRATCH
     from xinsitu.stores.backend import LocalBackend
 
     a, keys = _array(path)
@@ -174,10 +140,10 @@ def stage_files(path: str, n: int, rounds: int) -> float:
     times = []
     for _ in range(rounds + 1):
         batch = batch_of(gpu, chain, n)
-        scratch = batch.staging if new_api() else SCRATCH  # what the read path reads a GPU chunk into
+        scratch = batch.staging  # what the read path reads a GPU chunk into
         t0 = time.perf_counter()
         for i, d in enumerate(dests):
-            add(batch, store.read(keys[i], scratch), chain, d, ("x", (i, 0, 0), keys[i]))
+            batch.add(store.read(keys[i], scratch), chain, d, ("x", (i, 0, 0), keys[i]))
         batch.flush()
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:]) / n
@@ -188,7 +154,7 @@ def stage_read_gpu(path: str, n: int, rounds: int) -> float:
     from xinsitu.codecs.gpu_chain import gpu_chain
     from xinsitu.index.source import resolve
     from xinsitu.io import loop as _loop
-    from xinsitu.io.reader import Reader
+    from xinsitu.io.reader import GpuRead, Reader
 
     src = resolve(xinsitu.open_zarr(path), ["x"])["x"]
     chain = gpu_chain(src.array)
@@ -199,12 +165,7 @@ def stage_read_gpu(path: str, n: int, rounds: int) -> float:
     reader = Reader()
 
     async def one():
-        if new_api():
-            from xinsitu.io.reader import GpuRead
-
-            await reader.read_gpu([GpuRead(src, coords, outs, chain)], gpu)
-        else:
-            await reader.read_gpu(src, coords, outs, gpu, chain)
+        await reader.read_gpu([GpuRead(src, coords, outs, chain)], gpu)
 
     times = []
     for _ in range(rounds + 1):
@@ -281,12 +242,8 @@ def stage_tier(path: str, n: int, rounds: int) -> tuple[float, float]:
     coords = [(i, 0, 0) for i in range(n)]
     tier = DeviceCache(1 << 40, NoopArrays())
     reader = Reader(cache=xinsitu.ChunkCache(memory=0))
-    stacked = "stack" in GpuRead._fields
-
     async def one(stack):
-        outs = [stack[i] for i in range(n)]
-        read = GpuRead(src, coords, outs, chain, stack) if stacked else GpuRead(src, coords, outs, chain)
-        await reader.read_gpu([read], gpu, tier)
+        await reader.read_gpu([GpuRead(src, coords, [stack[i] for i in range(n)], chain, stack)], gpu, tier)
 
     _loop.run(one(np.empty((n, *chain.shape), chain.dtype)))  # decoded (no-op), kept
     assert len(tier) == n, len(tier)
@@ -311,8 +268,7 @@ def main() -> int:
     os.environ.setdefault("XINSITU_DECODE_THREADS", "1")
     import xinsitu
 
-    out = {"xinsitu": os.path.dirname(xinsitu.__file__), "api": "after" if new_api() else "before",
-           "chunks_per_batch": args.chunks, "us_per_chunk": {}}
+    out = {"xinsitu": os.path.dirname(xinsitu.__file__), "chunks_per_batch": args.chunks, "us_per_chunk": {}}
     with tempfile.TemporaryDirectory() as root:
         for label, shape in SIZES.items():
             path = make_archive(root, label, shape, args.chunks)
@@ -326,7 +282,7 @@ def main() -> int:
             res["tier_device_copies_per_batch"] = tier_copies
             out["us_per_chunk"][label] = res
             cells = [f"{k} {v:6.1f}" + ("" if k.endswith("_per_batch") else " us/chunk") for k, v in res.items()]
-            print(f"{out['api']:6s} {label:6s} " + "  ".join(cells), flush=True)
+            print(f"{label:6s} " + "  ".join(cells), flush=True)
     dest = args.out or os.path.join(os.environ.get("OUT", "/tmp/out"), "gpu_host_cost.json")
     os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
     with open(dest, "w") as f:

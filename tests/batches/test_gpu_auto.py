@@ -10,57 +10,16 @@ import numpy as np
 import pytest
 
 import xinsitu
+from tests.support.gpu import CountingGpu, on_gpu, same
 from xinsitu.codecs.gpu import StandInGpu
 from xinsitu.codecs.gpu_batch import Verdict
-from xinsitu.codecs.gpu_chain import GpuChain, gpu_chain
+from xinsitu.codecs.gpu_chain import GpuChain
 
 
 @pytest.fixture
 def ds_m(era5_path):
     ds = xinsitu.open_zarr(era5_path)
     return ds, ds.insitu.split("time", fractions={"train": 0.8, "val": 0.2})
-
-
-class RatedGpu(StandInGpu):
-    """The stand-in whose first buffers measure the given rates (decoded bytes per second, GPU and CPU),
-    per chain dtype (``rates``: dtype name -> (gpu, cpu)); counting what it decodes and judges."""
-
-    def __init__(self, rates):
-        super().__init__()
-        self.rates, self.judged, self.decoded = rates, [], 0
-
-    def judge(self, chain, nbytes, cpu_s, gpu_s):
-        assert nbytes > 0 and cpu_s >= 0 and gpu_s >= 0
-        self.judged.append((chain.dtype.name, nbytes))
-        return Verdict(*self.rates[chain.dtype.name])
-
-    def _make_decoder(self):
-        dec = super()._make_decoder()
-        parent, gpu = dec.decode_staged, self
-
-        def counting(host, calls):
-            gpu.decoded += sum(len(c.spans) for c in calls)
-            return parent(host, calls)
-
-        dec.decode_staged = counting
-        return dec
-
-
-def on_gpu(gen, gpu, decode="auto"):
-    """``gen`` with its GPU path on the stand-in device (as a CUDA device turns it on)."""
-    gen.decode = decode
-    gen.read_ahead = False  # (what an epoch decodes is its own: not the next one's first buffer too)
-    gen._use_gpu(gpu, {n: gpu_chain(lay.src.array) for n, lay in gen.layouts.items()})
-    return gen
-
-
-def same(ref, got):
-    assert len(ref) == len(got)
-    for r, g in zip(ref, got, strict=True):
-        if isinstance(r, dict):
-            assert r.keys() == g.keys() and all(np.array_equal(r[k], g[k], equal_nan=True) for k in r)
-        else:
-            assert r.dtype == g.dtype and np.array_equal(r, g, equal_nan=True)
 
 
 FAST, SLOW = (9.1e9, 7.8e9), (2.1e9, 7.8e9)
@@ -71,8 +30,8 @@ def test_auto_keeps_the_gpu_where_its_first_buffer_decoded_faster(ds_m):
     ds, m = ds_m
     kw = dict(KW, variables=["t2m", "u10"])
     ref = list(ds.insitu.batches(m, "train", **kw))
-    gpu = RatedGpu({"float32": FAST})
-    gen = on_gpu(ds.insitu.batches(m, "train", **kw), gpu)
+    gpu = CountingGpu({"float32": FAST})
+    gen, _ = on_gpu(ds.insitu.batches(m, "train", **kw), gpu)
     assert "its first buffer, decoded both ways, decides" in repr(gen)
     same(ref, list(gen))
     assert gen.decode_paths["t2m"].gpu and gen._gpu is gpu
@@ -91,8 +50,8 @@ def test_auto_takes_the_cpu_path_where_the_cpu_decoded_faster(ds_m):
     ds, m = ds_m
     kw = dict(KW, variables=["t2m", "u10"])
     ref = list(ds.insitu.batches(m, "train", **kw))
-    gpu = RatedGpu({"float32": SLOW})
-    gen = on_gpu(ds.insitu.batches(m, "train", **kw), gpu)
+    gpu = CountingGpu({"float32": SLOW})
+    gen, _ = on_gpu(ds.insitu.batches(m, "train", **kw), gpu)
     same(ref, list(gen))
     # within the first epoch already: the buffers started once the first was in (its verdict given)
     # decoded on the CPU; only those read ahead beside the first (3 of the 6) on the device
@@ -113,8 +72,8 @@ def test_auto_judges_each_chain_on_its_own(ds_m):
     ds, m = ds_m
     kw = dict(KW, variables=["t2m", "tp"])
     ref = list(ds.insitu.batches(m, "train", **kw))
-    gpu = RatedGpu({"float32": FAST, "int16": SLOW})
-    gen = on_gpu(ds.insitu.batches(m, "train", **kw), gpu)
+    gpu = CountingGpu({"float32": FAST, "int16": SLOW})
+    gen, _ = on_gpu(ds.insitu.batches(m, "train", **kw), gpu)
     same(ref, list(gen))
     assert sorted(d for d, _ in gpu.judged) == ["float32", "int16"]
     assert gen.decode_summary == ("t2m: gpu (zstd, nvCOMP: GPU 9.1 GB/s > CPU 7.8 GB/s, measured on the first "
@@ -132,10 +91,10 @@ def test_a_later_generator_starts_on_the_path_measured(ds_m):
     from its first batch, without decoding its first buffer twice again."""
     ds, m = ds_m
     kw = dict(KW, variables=["t2m"])
-    gpu = RatedGpu({"float32": SLOW})
-    list(on_gpu(ds.insitu.batches(m, "train", **kw), gpu))
+    gpu = CountingGpu({"float32": SLOW})
+    list(on_gpu(ds.insitu.batches(m, "train", **kw), gpu)[0])
     judged, decoded = len(gpu.judged), gpu.decoded
-    later = on_gpu(ds.insitu.batches(m, "val", **kw), gpu)
+    later, _ = on_gpu(ds.insitu.batches(m, "val", **kw), gpu)
     assert later._gpu is None and "GPU 2.1 GB/s < CPU 7.8 GB/s" in later.decode_summary
     same(list(ds.insitu.batches(m, "val", **kw)), list(later))
     assert (len(gpu.judged), gpu.decoded) == (judged, decoded)
@@ -145,8 +104,8 @@ def test_decode_gpu_stays_on_the_gpu_and_says_the_rates(ds_m):
     ds, m = ds_m
     kw = dict(KW, variables=["t2m"])
     ref = list(ds.insitu.batches(m, "train", **kw))
-    gpu = RatedGpu({"float32": SLOW})
-    gen = on_gpu(ds.insitu.batches(m, "train", **kw), gpu, decode="gpu")
+    gpu = CountingGpu({"float32": SLOW})
+    gen, _ = on_gpu(ds.insitu.batches(m, "train", **kw), gpu, decode="gpu")
     assert gen.decode_summary == "gpu (zstd, nvCOMP; decode='gpu')"
     same(ref, list(gen))
     gen.set_epoch(0)

@@ -6,17 +6,13 @@ own oracle is xarray, ``test_direct``)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 import xinsitu
 from tests.batches.test_direct import LEVEL_VARS, SURF, _source
-from tests.support.gpu import CountingArrays
+from tests.support.gpu import CountingArrays, on_gpu, same
 from xinsitu.batches.direct import DeviceDirectLoader
 from xinsitu.cache.device_tier import DeviceCache
-from xinsitu.codecs.gpu import StandInGpu
-from xinsitu.codecs.gpu_batch import Verdict
-from xinsitu.codecs.gpu_chain import gpu_chain
 
 NL, NY, NX = 3, 5, 7
 
@@ -41,57 +37,6 @@ def wm(tmp_path_factory):
     _write(path)
     ds = xinsitu.open_zarr(path)
     return ds, ds.insitu.split("time", fractions={"train": 0.75, "val": 0.25})
-
-
-class CountingGpu(StandInGpu):
-    """The stand-in (its first buffers measured faster on the GPU), counting the chunks decoded on the
-    "device", the device buffers asked for (``empty``) and the new device arrays (``new``: batches, raw
-    arrays)."""
-
-    def __init__(self):
-        super().__init__()
-        self.decoded = self.buffers = self.arrays = 0
-
-    def judge(self, chain, nbytes, cpu_s, gpu_s):
-        return Verdict(2e9, 1e9)
-
-    def empty(self, shape, dtype):
-        self.buffers += 1
-        return super().empty(shape, dtype)
-
-    def new(self, shape, dtype):
-        self.arrays += 1
-        return super().new(shape, dtype)
-
-    def _make_decoder(self):
-        dec = super()._make_decoder()
-        parent, gpu = dec.decode_staged, self
-
-        def counting(host, calls):
-            gpu.decoded += sum(len(c.spans) for c in calls)
-            return parent(host, calls)
-
-        dec.decode_staged = counting
-        return dec
-
-
-def on_gpu(gen, gpu=None, decode="auto"):
-    gen.decode = decode
-    gen.read_ahead = False
-    gpu = gpu or CountingGpu()
-    gen._use_gpu(gpu, {n: gpu_chain(lay.src.array) for n, lay in gen.layouts.items()})
-    return gen, gpu
-
-
-def same(ref, got):
-    assert len(ref) == len(got)
-    for r, g in zip(ref, got, strict=True):
-        if isinstance(r, dict):
-            assert r.keys() == g.keys()
-            for k in r:
-                assert r[k].dtype == g[k].dtype and np.array_equal(r[k], g[k], equal_nan=True), k
-        else:
-            assert r.dtype == g.dtype and r.shape == g.shape and np.array_equal(r, g, equal_nan=True)
 
 
 KW = dict(batch_size=5, seed=3, output="numpy")

@@ -28,7 +28,7 @@ import warnings
 import numpy as np
 
 import xinsitu
-from xinsitu.index.manifest import encode_mask
+from xinsitu.index.runs import encode_mask
 from xinsitu.synthetic import write_era5_like
 
 warnings.filterwarnings("ignore", message=".*[Cc]onsolidated metadata.*")

@@ -527,7 +527,7 @@ def verdict(raw: dict[str, Any] | None, io: dict[str, Any], batch_size: int, ste
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """``xinsitu bench URL``: raw fetch pass, then the loader over the same chunk blocks."""
-    from xinsitu.index.manifest import Blocks
+    from xinsitu.index.runs import Blocks
     from xinsitu.index.split import SplitManifest
     from xinsitu.io.inflight import AUTO_INFLIGHT
 

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import xinsitu
-from xinsitu.index.manifest import decode_mask, encode_mask
 from xinsitu.index.plan import epoch_plan
+from xinsitu.index.runs import decode_mask, encode_mask
 from xinsitu.index.sampling import SampleDim, SampleSpace, sampling
 
 NT, NLAT, NLON = 48, 6, 5

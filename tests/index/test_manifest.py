@@ -1,5 +1,5 @@
-"""The split record and its compact encodings (``xinsitu.index.manifest``): runs of block ids, runs of
-equal steps, and the manifest's JSON round trip (hypothesis where the math is)."""
+"""The split record (``xinsitu.index.manifest``) and its compact encodings (``xinsitu.index.runs``): runs of
+block ids, runs of equal steps, and the manifest's JSON round trip (hypothesis where the math is)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import xinsitu  # noqa: F401 - registers ds.insitu
-from xinsitu.index.manifest import Blocks, SplitManifest, decode_steps, encode_steps
+from xinsitu.index.manifest import SplitManifest
+from xinsitu.index.runs import Blocks, decode_steps, encode_steps
 from xinsitu.synthetic import era5_like
 
 id_lists = st.lists(st.integers(0, 200), max_size=60)

@@ -19,16 +19,8 @@ import xinsitu
 import xinsitu.index.manifest as manifest_module
 from tests.conftest import CT, NT
 from xinsitu.index.geometry import chunk_breaks, common_edges, geometry_of
-from xinsitu.index.manifest import (
-    Blocks,
-    SplitManifest,
-    _decode_owner,
-    _encode_owner,
-    decode_steps,
-    encode_steps,
-    fingerprint_of,
-    fingerprint_v1,
-)
+from xinsitu.index.manifest import SplitManifest, fingerprint_of, fingerprint_v1
+from xinsitu.index.runs import Blocks, _decode_owner, _encode_owner, decode_steps, encode_steps
 from xinsitu.index.source import resolve
 from xinsitu.index.split import contiguous_split, random_split
 
@@ -382,17 +374,17 @@ def _encode_steps_whole(values):
 @settings(max_examples=300, deadline=None)
 @given(steps=st.lists(st.integers(0, 3), max_size=40), block=st.integers(1, 6))
 def test_steps_in_blocks_are_the_steps_of_the_whole(steps, block):
-    import xinsitu.index.manifest as man
+    import xinsitu.index.runs as runs_module
 
     v = np.cumsum([0, *steps]).astype(np.int64)
-    old = man._STEP_BLOCK
-    man._STEP_BLOCK = block  # runs that cross block boundaries
+    old = runs_module._STEP_BLOCK
+    runs_module._STEP_BLOCK = block  # runs that cross block boundaries
     try:
-        runs = man.encode_steps(v)
+        runs = runs_module.encode_steps(v)
     finally:
-        man._STEP_BLOCK = old
+        runs_module._STEP_BLOCK = old
     assert runs == _encode_steps_whole(v)
-    assert np.array_equal(man.decode_steps(runs, "edges"), v)
+    assert np.array_equal(runs_module.decode_steps(runs, "edges"), v)
 
 
 def test_regular_edges_are_one_shared_array():

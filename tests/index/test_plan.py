@@ -172,7 +172,7 @@ def test_a_regular_split_holds_no_per_unit_array():
 
 
 def _blocks_range(a: int, b: int):
-    from xinsitu.index.manifest import Blocks
+    from xinsitu.index.runs import Blocks
 
     return Blocks.range(a, b)
 

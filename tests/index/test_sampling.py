@@ -297,7 +297,7 @@ def test_unit_size_is_known_from_the_grid_without_per_unit_arrays():
 def test_unit_blocks_index_like_the_ids(ids, data):
     """A split's block ids read from its runs (``UnitBlocks``): int, negative, slice and array indexing
     give what indexing the array of ids gives; out of range raises IndexError."""
-    from xinsitu.index.manifest import Blocks
+    from xinsitu.index.runs import Blocks
     from xinsitu.index.sampling import UnitBlocks
 
     ids = np.array(data.draw(st.permutations(ids)), dtype=np.int64)

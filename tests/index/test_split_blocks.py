@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 import xinsitu
 from tests.batches.test_stats import assert_stats_close, numpy_stats
 from tests.index.test_sampling import grid_ds, run_epoch, write
-from xinsitu.index.manifest import SplitManifest, decode_mask
+from xinsitu.index.manifest import SplitManifest
+from xinsitu.index.runs import decode_mask
 from xinsitu.index.sampling import sampling
 
 

@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import xinsitu
-from xinsitu.index.manifest import Blocks, SplitManifest
+from xinsitu.index.manifest import SplitManifest
+from xinsitu.index.runs import Blocks
 from xinsitu.index.split import block_edges, contiguous_split, random_split
 
 

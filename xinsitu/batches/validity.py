@@ -31,7 +31,8 @@ from xinsitu.batches.cluster import check_client, job_digest, part_arg, parts_in
 from xinsitu.batches.generator import BatchGenerator
 from xinsitu.batches.mapstyle import InsituDataset
 from xinsitu.cache.chunk_cache import ChunkCache
-from xinsitu.index.manifest import SplitManifest, decode_mask, encode_mask
+from xinsitu.index.manifest import SplitManifest
+from xinsitu.index.runs import decode_mask, encode_mask
 from xinsitu.index.sampling import check_split, flag, positive_int, sampling, sampling_key
 from xinsitu.index.snapshot import snapshot_of_sources
 

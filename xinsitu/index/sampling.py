@@ -22,7 +22,8 @@ import numpy as np
 import xarray as xr
 
 from xinsitu.index.geometry import Geometry, dataset_geometry
-from xinsitu.index.manifest import MASK_SAMPLING, Blocks, SplitManifest, coord_span, decode_mask
+from xinsitu.index.manifest import SplitManifest, coord_span
+from xinsitu.index.runs import MASK_SAMPLING, Blocks, decode_mask
 from xinsitu.index.snapshot import snapshot_of_sources
 from xinsitu.index.source import VarSource
 
@@ -136,7 +137,7 @@ def _index(i: Any, n: int) -> tuple[np.ndarray | None, int | None]:
 
 class UnitBlocks:
     """The block id of each unit of a split (unit ``k``: its ``k``-th block), read from the
-    manifest's runs (:class:`~xinsitu.index.manifest.Blocks`): indexing (an int, a slice or an int
+    manifest's runs (:class:`~xinsitu.index.runs.Blocks`): indexing (an int, a slice or an int
     array) is arithmetic on the runs, so a split of 10^7 chunk blocks in one run holds two
     numbers, not 80 MB of ids. ``np.asarray`` (or ``ids()``) gives them all."""
 

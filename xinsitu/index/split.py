@@ -16,7 +16,8 @@ import numpy as np
 import pandas as pd
 
 from xinsitu.index.geometry import Geometry, regular_edges
-from xinsitu.index.manifest import Blocks, SplitManifest, coord_span, fingerprint_of, json_label
+from xinsitu.index.manifest import SplitManifest, coord_span, fingerprint_of, json_label
+from xinsitu.index.runs import Blocks
 
 __all__ = ["SplitManifest", "check_fractions", "contiguous_split", "largest_remainder", "make_split",
            "random_split", "range_split"]

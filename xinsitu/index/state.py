@@ -43,7 +43,7 @@ def _normalize_id(gen: Any) -> str | None:
 def _manifest_id(gen: Any) -> str:
     """Which manifest and split: a hash of the geometry fingerprint and the split's block runs
     (the runs' hash is computed once per split, so a state of a 10^7-chunk split costs no pass)."""
-    from xinsitu.index.manifest import Blocks
+    from xinsitu.index.runs import Blocks
 
     m = gen.manifest
     blob = json.dumps({"fp": m.fingerprint, "blocks": Blocks.from_ids(m.splits[gen.split]).digest()})

@@ -4,7 +4,8 @@
 #   bash dev.sh test [ARGS...]   set up, then run everything twice (pytest ARGS): Python 3.11 with torch, and
 #                                Python 3.12 with the newest zarr/numpy/xarray, without torch; both must pass. Each
 #                                leg: the library's tests, then ruff (3.11), then the tools step (mypy, the docs
-#                                build, the notebook, the benchmarks' smoke: tests marked `tools`)
+#                                build, the notebook, the benchmarks' smoke: tests marked `tools`), each step in
+#                                3 pytest-xdist workers (XINSITU_TEST_WORKERS=N sets how many; 0: one process)
 #   bash dev.sh test --fast [ARGS...]  the library's tests on 3.11 only, without `slow` and `tools` (minutes)
 #   bash dev.sh bench [ARGS...]  set up (with benchmark extras), then run bench/run.py
 # PYTHON (python3) makes .venv; PYTHON312 (python3.12, else pyenv's 3.12.1) makes .venv-py312 for the second leg.
@@ -56,10 +57,10 @@ leg() {
   shift
   echo "==== xinsitu test leg: $name ($(python -c 'import platform; print(platform.python_version())'))"
   python -m xinsitu doctor || true
-  local t0=$SECONDS rc=0 n="${XINSITU_TEST_WORKERS:-0}"
-  # XINSITU_TEST_WORKERS: pytest-xdist worker processes (default 0: one process, as CI runs). The suite
-  # waits on servers, child processes and timeouts a good part of its time (one process keeps about 1.3
-  # of 2 cores busy): on 2 cores 3 workers take about half the time. Not the default yet (README).
+  local t0=$SECONDS rc=0 n="${XINSITU_TEST_WORKERS:-3}"
+  # XINSITU_TEST_WORKERS: pytest-xdist worker processes (default 3; 0: one process). The suite waits on
+  # servers, child processes and timeouts a good part of its time (one process keeps about 1.3 of 2 cores
+  # busy): on 2 cores 3 workers take less than half the time of one process (README).
   if [ "$n" -gt 0 ]; then set -- -n "$n" "$@"; fi
   python -m pytest "$@" || rc=$?
   echo "==== leg $name: pytest exit $rc in $((SECONDS - t0)) s"

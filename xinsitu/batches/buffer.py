@@ -101,7 +101,7 @@ class BufferLoader:
         self._unit_slots: dict[tuple[int, int, int], tuple[np.ndarray, list[int], np.ndarray]] = {}
         self._whole: dict[tuple[str, int, int, int], tuple[int, ...] | None] = {}
         # the GPU path (SPEC §4 "GPU"): variables whose chunks decode on the device (``on_gpu``: their
-        # ``GpuChain``), into device buffers (``gpu``: ``gpu_decode.CupyGpu`` or its stand-in), with a
+        # ``GpuChain``), into device buffers (``gpu``: ``codecs.gpu.CupyGpu`` or its stand-in), with a
         # device cache tier (``tier``) where the cache has one; ``follow_verdicts`` (decode="auto"): a chain
         # whose first buffer decoded faster by the CPU path (``gpu.verdicts``) leaves the GPU from then on
         self.gpu, self.on_gpu, self.tier = gpu, dict(on_gpu or {}), tier

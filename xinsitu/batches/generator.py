@@ -183,7 +183,7 @@ class BatchGenerator:
         self.output = output
         # where each variable's chunks decode (SPEC §4 GPU); raises where decode='gpu' cannot be honoured
         self.decode = decode
-        self._gpu: Any = None  # the GPU path's device side (``gpu_decode.CupyGpu``), where a variable takes it
+        self._gpu: Any = None  # the GPU path's device side (``codecs.gpu.CupyGpu``), where a variable takes it
         self._kept: set[str] = set()  # variables decoded on the host whose chunks a device cache tier keeps
         self._chains: dict[str, GpuChain] = {}  # what the codecs allow, before the first buffers' verdicts
         self._ds = ds

@@ -107,7 +107,7 @@ class OutputBuilder:
         return f"output={self.output!r}" + ("" if self.output in ("torch", "jax") else " (host arrays)")
 
     def use_gpu(self, gpu: Any) -> None:
-        """Build batches on the device (``gpu``: ``gpu_decode.CupyGpu`` or its stand-in): variables
+        """Build batches on the device (``gpu``: ``codecs.gpu.CupyGpu`` or its stand-in): variables
         gathered there from device buffers stay there, the others are copied there after their CF
         decoding; normalising and stacking then run on the device (None: on the host, as before)."""
         self.gpu, self._device_ok, self._direct = gpu, None, None

@@ -247,7 +247,7 @@ class ChunkCache:
 
     # ------------------------------------------------------------------ pickling (configuration only)
     def device_tier(self, arrays: Any, free: int = 0) -> Any:
-        """The tier in GPU memory (a ``device_cache.DeviceCache`` over the device memory API
+        """The tier in GPU memory (a ``device_tier.DeviceCache`` over the device memory API
         ``arrays``), made on first use in this process: ``device_budget`` bytes, or, where none was
         given, the memory tier's budget up to half the device memory ``free`` (chunks decoded on the
         GPU are kept there, not on the host); None where neither."""

@@ -9,8 +9,9 @@ take per slab, on the device, with no host work. Rows are never reused while the
 Device memory goes through a small API (:class:`CupyArrays` on a GPU; :class:`HostArrays`, numpy,
 standing in for it in CI), the seam ``xinsitu.batches.device_copy`` and ``xinsitu.codecs.gpu`` use too.
 
-Wiring (after the read path's rebuild): a buffer's chunks found here skip the read and the decode;
-a chunk decoded on the device (``gpu_decode``) or copied there is ``put`` as it lands.
+Wiring: a buffer's (or, one sample per chunk, a batch's) chunks found here skip the read and the decode,
+and are copied into place in one take per slab (``copy_out``); the chunks decoded on the device
+(``codecs.gpu``) or copied there are kept as they land, in one copy per slab (``put_many``).
 """
 
 from __future__ import annotations
@@ -113,8 +114,9 @@ class DeviceCacheStats:
 class DeviceCache:
     """Decoded chunks in device memory within ``budget`` bytes: keep what fits.
 
-    Thread-safe. ``put`` copies a chunk (a host or device array) into a row of its slab; ``locate_many``
-    says where chunks are; ``gather`` takes rows of cached chunks into one device array."""
+    Thread-safe. ``put``/``put_many`` copy chunks (host or device arrays) into rows of their slab;
+    ``locate_many`` says where chunks are; ``copy_out`` copies them from there into their destinations,
+    ``gather`` into one new device array."""
 
     def __init__(self, budget: int, arrays: Any = None):
         if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 0:

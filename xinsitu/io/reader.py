@@ -359,9 +359,9 @@ class Reader:
         ``outs`` (``GpuRead``). Each array's route fetches the bytes as for any read -- local files read
         straight into the batch's page-locked staging -- and the completion step hands them to ONE
         ``gpu_batch.GpuBatch`` (``GpuSlot``), which decodes them together once all are in: one transfer,
-        one batched call per compressor (``gpu``: the device side, ``gpu_decode.CupyGpu`` or its stand-in).
+        one batched call per compressor (``gpu``: the device side, ``codecs.gpu.CupyGpu`` or its stand-in).
         A chunk is counted decoded once it is. With a device cache tier (``tier``, a
-        ``device_cache.DeviceCache``), chunks it has are copied from it on the device, and those decoded are
+        ``device_tier.DeviceCache``), chunks it has are copied from it on the device, and those decoded are
         kept there (keep what fits). A chunk the device cannot decode is fetched again and decoded the CPU
         way (``_fetch``: up to ``FETCH_ATTEMPTS`` fetches, named where it never decodes), then copied over.
 

@@ -44,9 +44,11 @@ def test_automatic_limit_backs_off_on_an_overloaded_store(archive, manifest, ref
     one in hand, 5 in its accept queue); a request past them waits a second, then two, as a dropped
     connection waits for the SYN retransmit. By rule, not by timing: whatever this machine's load,
     the automatic limit grows paced, notices each request turned away (left a second behind the
-    ones after it) and backs off. Over three epochs 10-25 requests are turned away on an idle machine,
-    54 on a loaded one (the old limit: ~220, and epochs of 6-18 s where the first took 1.3 s), and every
-    epoch is exact."""
+    ones after it) and backs off to the bottom, then grows past a quarter of the limit that stalled
+    only by single probes -- so it ends at 8 at most, where one that never went back stays at 16 and
+    turns away ~200 requests. How many are turned away before the first stall shows depends on this
+    machine's load (11-48 idle, 121 under a 3-worker test run on 2 cores: slow start reached 32 in
+    the second it took), so that count is reported, not bounded. Every epoch is exact."""
     reference_of = {0: reference}
     with FileServer(Path(archive).parent, capacity=6) as srv:
         gen = xinsitu.open_zarr(f"{srv.url}/era5.zarr").insitu.batches(manifest, "train", **KW)
@@ -60,10 +62,9 @@ def test_automatic_limit_backs_off_on_an_overloaded_store(archive, manifest, ref
             assert_same_epoch(epoch_numpy(gen), reference_of[epoch])
         lim = gen._reader.inflight
         assert lim.remote and lim.history, "the limit never adapted"
-        # 10-25 on an idle machine, 54 seen on a loaded one (the server's threads share its cores); the
-        # limit that never backed off: ~220. Half of that is the bound: load cannot fail it, no back-off does
-        assert srv.turned_away <= 110, (srv.turned_away, lim.history, lim.stalls)
         assert not srv.turned_away or lim.stalls, (srv.turned_away, lim.history)  # noticed
+        # backed off: past the capacity (6) only a probe of one step (to 7) before the next stall
+        assert lim.limit <= 8, (lim.limit, srv.turned_away, lim.history, lim.stalls)
 
 
 @pytest.mark.slow

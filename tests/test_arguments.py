@@ -133,6 +133,26 @@ def test_meta_device_is_refused(ds, m):
         ds.insitu.batches(m, "train", output="torch", device="meta")
 
 
+@pytest.mark.parametrize("device, err", [("nope", ValueError), ("cuda:x", ValueError), (3.5, TypeError),
+                                         (object(), TypeError)])
+def test_a_bad_torch_device_is_refused_naming_it(ds, m, device, err):
+    pytest.importorskip("torch")
+    with pytest.raises(err, match="device="):
+        ds.insitu.batches(m, "train", output="torch", device=device)
+
+
+@pytest.mark.parametrize("dtype", ["complex256", "float128"])
+def test_a_dtype_torch_has_no_tensor_for_is_refused_naming_it(ds, m, dtype):
+    """Refused when the generator is made, not by torch in the first batch."""
+    pytest.importorskip("torch")
+    if not hasattr(np, dtype):  # (platforms without extended precision)
+        pytest.skip(f"numpy has no {dtype} here")
+    for stack in (False, True):
+        with pytest.raises(TypeError, match="dtype: output='torch' has no tensor type"):
+            ds.insitu.batches(m, "train", output="torch", dtype=dtype, stack=stack)
+    ds.insitu.batches(m, "train", output="torch", dtype="uint16")  # torch >= 2.3 has it
+
+
 def test_accessor_signatures_are_spelled_out():
     from xinsitu.accessor import InsituAccessor
 

@@ -73,8 +73,10 @@ class OutputBuilder:
         self.gpu: Any = None  # the GPU path's device side: batches built on the device (``use_gpu``)
         self._device_ok: bool | None = None  # the device's build passed its check on the first batch
         self._ds_coords = ds.coords
-        if output in ("torch",):
-            import torch  # noqa: F401  - fail now, not in the prefetch thread
+        if output == "torch":  # fail now, not in the prefetch thread
+            if transform is None:  # else the transform may cast
+                for n, dt in ({"the stacked batch": self.dtype} if self.stack else self.var_dtypes).items():
+                    _check_torch_dtype(n, dt, dtype)
         if output == "jax":
             self.device = _jax_device(device)
             if transform is None:  # else the transform may cast; checked per array in _to_jax
@@ -119,7 +121,13 @@ class OutputBuilder:
     def _check_device(self, device: Any) -> None:
         import torch
 
-        dev = torch.device(device)
+        if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+            raise TypeError(f"device={device!r}: a torch device is a str, an int or a torch.device, "
+                            f"not {type(device).__name__}; use e.g. 'cpu' or 'cuda:0'")
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError) as e:  # torch's own words do not name the argument
+            raise ValueError(f"device={device!r} is not a torch device ({e}); use e.g. 'cpu' or 'cuda:0'") from None
         if dev.type == "meta":  # meta tensors have a shape but no values: every batch would be empty
             raise ValueError(f"device={device!r} holds no data; use 'cpu' or a GPU such as 'cuda:0'")
         if dev.type == "cuda" and not torch.cuda.is_available():
@@ -556,6 +564,20 @@ def _check_jax_dtype(what: str, dtype: Any) -> None:
         raise ValueError(f"output='jax': {name} is {dtype}, but jax has 64-bit types off and would turn it into "
                          f"{dtype.kind}32; enable them (jax.config.update('jax_enable_x64', True)), leave the "
                          "variable out (variables=[...]), or cast it in transform=")
+
+
+def _check_torch_dtype(what: str, dtype: Any, asked: Any) -> None:
+    """Refuse a dtype torch has no tensor type for (e.g. float128): else the first batch would fail in
+    torch, in the prefetch thread, without naming ``dtype``."""
+    import torch
+
+    try:
+        torch.from_numpy(np.empty(0, np.dtype(dtype)))
+    except TypeError:
+        name = repr(what) if what.isidentifier() else what
+        hint = ("leave it out (variables=[...]) or cast it (dtype='float32', or in transform=)" if asked is None
+                else "use e.g. 'float32'")
+        raise TypeError(f"dtype: output='torch' has no tensor type for {np.dtype(dtype)} ({name}); {hint}") from None
 
 
 def _jax_device(device: Any) -> Any:

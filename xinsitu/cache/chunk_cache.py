@@ -1039,8 +1039,10 @@ def _open_disk(disk: str) -> int:
         try:
             return _open_dir(root, _SUBDIR, create=True)  # type: ignore[return-value]
         except OSError as e:
-            raise ValueError(f"refusing {os.path.join(disk, _SUBDIR)!r} as the cache's disk tier: it must be a "
-                             f"directory of your own, not a link ({type(e).__name__}: {e})") from e
+            need = ("made in a directory you can write" if e.errno in (errno.EACCES, errno.EROFS)
+                    else "a directory of your own, not a link")
+            raise ValueError(f"refusing {os.path.join(disk, _SUBDIR)!r} as the cache's disk tier: it must be "
+                             f"{need} ({type(e).__name__}: {e})") from e
     finally:
         os.close(root)
 

@@ -103,3 +103,38 @@ def test_zstd_straight_into_place_checks_what_it_decodes(tmp_path):
         decompress(raw, np.empty((3, 2), "int32"))  # too small
     with pytest.raises(RuntimeError, match="Zstd"):
         decompress(raw, np.empty((3, 8), "int32"))  # too big: part of it would stay unwritten
+
+
+@pytest.mark.parametrize("chunk_time", [1, 3])
+@pytest.mark.parametrize("cache", [None, "disk"])
+def test_v2_column_major_chunks_read_as_xarray(tmp_path, chunk_time, cache):
+    """A zarr v2 array stored in ``"order": "F"`` (older writers, ``create_array(order="F")``): each chunk
+    is column-major on disk. Batches (straight into the batch where a chunk is one sample, from a shuffle
+    buffer, from the disk cache) equal xarray's values, not the chunk read as row-major."""
+    import xinsitu
+
+    p = str(tmp_path / "f.zarr")
+    data = (np.arange(12 * 4 * 5, dtype="float32").reshape(12, 4, 5) * 1.5) - 7
+    xr.Dataset(coords={"time": np.arange(12)}).to_zarr(p, zarr_format=2, consolidated=False)
+    g = zarr.open_group(p, mode="a", zarr_format=2)
+    for name, comp in (("v", "default"), ("w", None)):
+        kw = {} if comp == "default" else {"compressors": None}
+        a = g.create_array(name, shape=data.shape, dtype=data.dtype, chunks=(chunk_time, 4, 5), order="F",
+                           fill_value=np.nan, **kw)
+        a[...] = data if name == "v" else -data
+        a.attrs["_ARRAY_DIMENSIONS"] = ["time", "y", "x"]
+    assert zarr.open_array(p, path="v").metadata.order == "F"
+    ref = xr.open_dataset(p, engine="zarr", chunks=None, consolidated=False)
+    for ds in (xinsitu.open_zarr(p), xr.open_zarr(p, consolidated=False)):
+        m = ds.insitu.split("time", fractions={"train": 1.0})
+        gen = ds.insitu.batches(m, "train", batch_size=5, output="xarray", seed=1,
+                                cache=str(tmp_path / "cache") if cache else None)
+        for epoch in (0, 1):
+            gen.set_epoch(epoch)
+            seen = []
+            for b in gen:
+                exp = ref.isel(time=b.time.values).rename(time="sample")
+                for v in ("v", "w"):
+                    np.testing.assert_array_equal(b[v].values, exp[v].values)
+                seen += b.time.values.tolist()
+            assert sorted(seen) == list(range(12))

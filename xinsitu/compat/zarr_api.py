@@ -47,10 +47,17 @@ def stored_chunk_spec(aa: Any) -> Any:
     """The ``ArraySpec`` of one stored object of ``aa`` (an ``AsyncArray``): its chunk, or its whole shard.
 
     Built from public attributes (``shards``, ``chunks``, ``metadata.dtype``, ``metadata.fill_value``,
-    ``config``), the same spec as zarr < 3.3's ``metadata.get_chunk_spec`` gave for a regular grid.
+    ``config``, ``order``), the same spec as zarr < 3.3's ``metadata.get_chunk_spec`` gave for a regular
+    grid. A v2 array's chunks are laid out in its metadata's ``order`` (``"F"``: column-major), whatever
+    the array's config says: zarr's ``V2Codec`` reshapes a chunk by the spec's order.
     """
     shape = tuple(aa.shards or aa.chunks)
-    return array_spec(shape, aa.metadata.dtype, aa.metadata.fill_value, aa.config)
+    config = aa.config
+    if aa.metadata.zarr_format == 2 and aa.order != config.order:
+        import dataclasses
+
+        config = dataclasses.replace(config, order=aa.order)
+    return array_spec(shape, aa.metadata.dtype, aa.metadata.fill_value, config)
 
 
 def parse_named_configuration(data: Any, name: str, require_configuration: bool = True) -> tuple[str, Any]:

@@ -106,3 +106,33 @@ def test_transform_applied_in_finish(path):
     x = np.ones((2, 2, 3), dtype="float32")
     out = b.build({"a": x}, np.array([[0], [1]]))
     np.testing.assert_array_equal(out["a"], x * 2)
+
+
+@pytest.mark.parametrize("where", ["zarr", "memory"])
+def test_a_datetime_variable_beside_numbers(tmp_path, where):
+    """A datetime variable (an analysis time per step) beside float ones: each array keeps its own dtype,
+    values as xarray's; only stacking them, which has no common dtype, is refused naming ``stack``."""
+    nt = 8
+    hours = np.datetime64("2000-01-01T00", "ns") + np.arange(nt) * np.timedelta64(1, "h")
+    src = xr.Dataset({"x": (("time",), np.arange(nt, dtype="float32")), "when": (("time",), hours)},
+                     coords={"time": np.arange(nt)})
+    if where == "zarr":
+        p = str(tmp_path / "d.zarr")
+        src.to_zarr(p, encoding={"x": {"chunks": (2,)}, "when": {"chunks": (2,)}}, consolidated=False)
+        ds, ref = xinsitu.open_zarr(p), xr.open_zarr(p, chunks=None).load()
+    else:
+        ds = ref = src
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    for output in ("numpy", "xarray"):
+        gen = ds.insitu.batches(m, "train", batch_size=3, output=output, seed=2)
+        seen = 0
+        for b, pos in zip(gen, gen.batch_ids(), strict=True):
+            idx = [int(i) for i in np.asarray(pos).ravel()] if output == "numpy" else b.time.values
+            for v in ("x", "when"):
+                got = np.asarray(b[v])
+                assert got.dtype == ref[v].dtype
+                np.testing.assert_array_equal(got, ref[v].values[idx])
+            seen += len(idx)
+        assert seen == nt
+    with pytest.raises(TypeError, match="stack: the variables have no common dtype"):
+        ds.insitu.batches(m, "train", output="numpy", stack=True)

@@ -64,7 +64,7 @@ class OutputBuilder:
         self.value_dtypes = {n: self.normalizer.dtype(lay.src.dtype) if self.normalizer is not None
                              else np.dtype(lay.src.dtype) for n, lay in layouts.items()}
         #: the stacked batch's dtype: ``dtype=``, else the variables' common result dtype (as ``to_dataarray``)
-        self.dtype = self.out_dtype if self.out_dtype is not None else np.result_type(*self.value_dtypes.values())
+        self.dtype = self.out_dtype if self.out_dtype is not None else self._common_dtype()
         #: each output array's dtype (a variable's own, or the stacked batch's)
         self.var_dtypes = {n: self.dtype if self.stack or self.out_dtype is not None else dt
                            for n, dt in self.value_dtypes.items()}
@@ -107,6 +107,18 @@ class OutputBuilder:
         if self.output == "torch" and self.device is not None:
             return f"device={self.device!r}"
         return f"output={self.output!r}" + ("" if self.output in ("torch", "jax") else " (host arrays)")
+
+    def _common_dtype(self) -> np.dtype:
+        """The variables' common result dtype (the stacked batch's); one that does not exist (datetimes beside
+        numbers) refuses ``stack`` naming the variables, and is not needed where nothing is stacked."""
+        try:
+            return np.result_type(*self.value_dtypes.values())
+        except (TypeError, ValueError) as e:  # (numpy's DTypePromotionError is a TypeError)
+            if not self.stack:
+                return np.dtype(object)  # (never used: each array keeps its variable's dtype)
+            kinds = ", ".join(f"{n!r} {dt}" for n, dt in self.value_dtypes.items())
+            raise TypeError(f"stack: the variables have no common dtype to stack them in ({kinds}: {e}); leave "
+                            "the ones of another kind out (variables=[...]) or give dtype=") from None
 
     def use_gpu(self, gpu: Any) -> None:
         """Build batches on the device (``gpu``: ``codecs.gpu.CupyGpu`` or its stand-in): variables

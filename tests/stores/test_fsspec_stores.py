@@ -109,3 +109,28 @@ def test_fsspec_store_names_a_chunk_that_keeps_failing(archive, monkeypatch):
             assert err.value.var == "t2m" and err.value.key == "t2m/c/0/0/0", str(err.value)
             assert str(status) in str(err.value), str(err.value)
             assert srv.counts["always"] == tries, (status, srv.counts)
+
+
+@pytest.mark.slow
+def test_a_script_ends_quietly_after_an_epoch_on_an_fsspec_store(http):
+    """A script that reads an epoch over ``xr.open_zarr("http://...")`` and ends, the next epoch's first
+    reads still under way on zarr's loop: no "Event loop is closed" or "Task was destroyed" traceback
+    (zarr's exit handler closed its loop before xinsitu's cancelled the reads there)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import xarray as xr, xinsitu
+        ds = xr.open_zarr({http.url + "/era5.zarr"!r})
+        m = ds.insitu.split("time", fractions={{"train": 1.0}})
+        gen = ds.insitu.batches(m, "train", batch_size=4, block_chunks=2, output="numpy")
+        print("batches", sum(1 for _ in gen), flush=True)
+    """)
+    root = Path(__file__).parents[2]
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0 and "batches" in out.stdout, out.stderr[-3000:]
+    for noise in ("Event loop is closed", "Task was destroyed", "Traceback"):
+        assert noise not in out.stderr, out.stderr[-3000:]

@@ -325,5 +325,15 @@ def _shutdown() -> None:
             p.shutdown(wait=False, cancel_futures=True)
 
 
+def exit_first() -> None:
+    """Run this loop's exit (``_shutdown``) before every exit handler registered so far (``atexit`` runs
+    the last registered first): reads that run on another library's loop (zarr's, for an fsspec store)
+    are then cancelled while that loop still runs -- zarr's own handler, registered once zarr's loop
+    is made, closes it, and a read cancelled after that printed "Event loop is closed" and "Task was
+    destroyed but it is pending" tracebacks at the end of a user's script."""
+    atexit.unregister(_shutdown)
+    atexit.register(_shutdown)
+
+
 os.register_at_fork(after_in_child=_after_fork_in_child)
 atexit.register(_shutdown)

@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 from xinsitu.codecs.cpu import zarr_store_get
+from xinsitu.io import loop as _loop
 from xinsitu.stores.reads import retried
 from xinsitu.stores.redact import scrubbed
 
@@ -67,4 +68,6 @@ def home_loop(zstore: Any) -> asyncio.AbstractEventLoop | None:
         return None
     from xinsitu.compat.zarr_api import zarr_sync
 
-    return zarr_sync(_running_loop())
+    home: asyncio.AbstractEventLoop = zarr_sync(_running_loop())
+    _loop.exit_first()  # reads on zarr's loop are stopped at exit before zarr closes it
+    return home

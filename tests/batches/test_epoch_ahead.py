@@ -92,3 +92,35 @@ def test_read_ahead_off(era5_path):
     assert gen._ahead is None
     gen.set_epoch(1)
     assert _same(_epoch(gen), _oracle(ds, gen, 1))
+
+
+def test_read_ahead_stays_within_the_buffers_held(era5_path):
+    """The next epoch's first buffer is read once the run gives a buffer back, never as one more buffer
+    beside those the run holds (SPEC §5: memory within the buffers' byte budget); every buffer, the
+    last ones too, goes back to the pool. Batches of one buffer each (8 steps a chunk): none spans two,
+    so the run borrows no buffer past its depth."""
+    from xinsitu.batches.pipeline import EpochRun
+
+    ds, _, gen = _gen(era5_path, block_chunks=1, batch_size=8)
+    gen.buffer_budget = 1  # the read-ahead depth stays at its start (3 buffers), however small they are
+    loader = gen._item_loader()
+    held, most = [0], [0]
+    load, recycle = loader.load, loader.recycle
+
+    async def counted_load(*a, **k):
+        buf = await load(*a, **k)
+        held[0] += 1  # (on the I/O loop: one thread counts up)
+        most[0] = max(most[0], held[0])
+        return buf
+
+    def counted_recycle(buf):
+        held[0] -= 1  # (the GIL makes the count exact enough for a bound)
+        recycle(buf)
+
+    loader.load, loader.recycle = counted_load, counted_recycle
+    for e in range(3):
+        gen.set_epoch(e)
+        assert _same(_epoch(gen), _oracle(ds, gen, e))
+        assert gen._ahead is not None and gen._ahead[1] == e + 1
+        assert held[0] <= 1  # at most the buffer read ahead: the run gave back all of its own
+    assert most[0] <= EpochRun.start_depth, most[0]

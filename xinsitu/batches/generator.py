@@ -191,6 +191,7 @@ class BatchGenerator:
         self._resume_batch = 0
         self._yielded_at = (0, 0)  # (epoch, batches) of the last batch handed out: what state_dict saves
         self._live = 0  # iterations under way
+        self._runs = 0  # iterations begun (the read ahead an iteration asks for is made only while it is the last)
         self._reader: Reader | None = None
         self._loader: BufferLoader | None = None
         self._direct: DirectLoader | None = None
@@ -402,7 +403,9 @@ class BatchGenerator:
         loader = self._item_loader()
         first, counters_from = self._take_ahead(epoch, start)
         # a whole epoch (not a worker's range of batches): read the next one's first buffer as it ends
-        then = (lambda: self._read_ahead(epoch + 1)) if ahead and stop is None and self.read_ahead else None
+        self._runs += 1
+        run_no = self._runs
+        then = (lambda: self._read_ahead(epoch + 1, run_no)) if ahead and stop is None and self.read_ahead else None
         kind = DirectRun if isinstance(loader, DirectLoader) else EpochRun
         run = kind(plan, start, loader, self.builder, first=first, counters_from=counters_from, then=then,
                    budget=self.buffer_budget)
@@ -428,13 +431,14 @@ class BatchGenerator:
             if bar is not None:
                 bar.close()
 
-    def _read_ahead(self, epoch: int) -> None:
-        """On the I/O loop, once every buffer of an epoch is loaded: start reading ``epoch``'s first
-        buffer (it depends only on the seed and the epoch), so that a training loop that goes on
-        with ``set_epoch(epoch)`` finds it read. At most one buffer is held this way; the next
-        iteration takes it where its plan starts with those very samples, else drops it."""
+    def _read_ahead(self, epoch: int, run_no: int) -> None:
+        """On the I/O loop, once every buffer of an epoch is loaded and one is given back (``EpochRun``'s
+        ``then``): start reading ``epoch``'s first buffer (it depends only on the seed and the epoch), so
+        that a training loop that goes on with ``set_epoch(epoch)`` finds it read. At most one buffer is
+        held this way; the next iteration takes it where its plan starts with those very samples, else
+        drops it. Not made once another iteration than the one asking (``run_no``) began: it reads its own."""
         loader: Any = self._direct if self.buffer_reason is None else self._loader
-        if loader is None or self._pid != os.getpid() or self._elastic:
+        if loader is None or self._pid != os.getpid() or self._elastic or run_no != self._runs:
             return
         if not all(lay.src.stored for lay in self.layouts.values()):
             # files read through dask (NetCDF, HDF5) hold library locks while read: a read running on

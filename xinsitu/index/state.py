@@ -57,8 +57,22 @@ def make_state(gen: Any, epoch: int, batch: int) -> dict[str, Any]:
             "world_size": gen.world_size, "rank": gen.rank, "sampling": _sampling(gen),
             "normalize": _normalize_id(gen),
             # the validity mask's digest (None: every sample): another mask is another sample space
-            "valid": getattr(gen.space, "valid_digest", None), "channels": list(gen.channels),
+            "valid": getattr(gen.space, "valid_digest", None), "channels": _channels(gen.channels),
             "elastic": _hops(gen, epoch)}
+
+
+#: channel names a state lists in full; past this many, their count, a digest and the first and last few
+#: (a field's lat/lon labels as channels -- a time-only variable beside it -- are 65k on a 1-degree grid)
+MAX_STATE_CHANNELS = 256
+
+
+def _channels(names: list[str]) -> list[str] | dict[str, Any]:
+    """The channel order as a state records it: the names, or where they are many, what tells one order
+    from another (a digest) and what a person reads of it (the count, the first and last names)."""
+    if len(names) <= MAX_STATE_CHANNELS:
+        return list(names)
+    return {"n": len(names), "sha256": hashlib.sha256(json.dumps(names).encode()).hexdigest()[:16],
+            "first": list(names[:4]), "last": list(names[-4:])}
 
 
 def _hops(gen: Any, epoch: int) -> list[list[int]]:

@@ -35,6 +35,8 @@ READ_AHEAD_BYTES = 32 << 20
 FAR_READ_AHEAD_BYTES = 64 << 20
 #: finished batches waiting for the caller
 PREFETCH_BATCHES = 2
+#: ``close`` waits this long at most for the next epoch's read ahead to start (on the I/O loop, at once)
+THEN_WAIT_S = 1.0
 WAIT_STEP_S = 0.05  # queue waits are this long at most, then check that the other side still runs
 
 
@@ -82,6 +84,8 @@ class EpochRun:
         self.n_loaded = 0
         self.failed = False  # a buffer failed to load (set on the I/O loop)
         self.tasks: set[asyncio.Task] = set()  # buffer loads in flight
+        self.then_pending = False  # ``then`` waits for an item's room (``_then``) ...
+        self.then_done = threading.Event()  # ... and has been called or let go
         self.items = self._items()  # what the I/O loop reads, in order
         self.first = first if self.reads_first else None
         if first is not None and self.first is None:
@@ -155,6 +159,7 @@ class EpochRun:
         room is free (``_then``)."""
         self.counters_end = _copy_counters(self.loader.reader.counters)
         if self.then is not None:
+            self.then_pending = True
             task = asyncio.ensure_future(self._then())
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
@@ -165,14 +170,17 @@ class EpochRun:
         budget (SPEC §5), where it was one item more at every epoch's end (a 0.33 GB buffer over a 1 GiB
         budget). A run closed before its last batch was handed out (the caller stopped early) reads
         nothing ahead."""
-        if self.credits is not None:
-            await self.credits.acquire()  # (kept: the run has no item left to read)
-        if self.stop.is_set() and self.n_batches < self.plan.n_batches - self.start:
-            return
         try:
-            self.then()  # type: ignore[misc]
-        except Exception:  # noqa: BLE001 - a read ahead that cannot start is only not made
-            pass
+            if self.credits is not None:
+                await self.credits.acquire()  # (kept: the run has no item left to read)
+            if self.stop.is_set() and self.n_batches < self.plan.n_batches - self.start:
+                return
+            try:
+                self.then()  # type: ignore[misc]
+            except Exception:  # noqa: BLE001 - a read ahead that cannot start is only not made
+                pass
+        finally:
+            self.then_done.set()
 
     async def _first(self, j: int) -> Any:
         """Buffer ``j`` as read ahead (``first``), or None where it failed or holds other samples."""
@@ -354,6 +362,8 @@ class EpochRun:
         self._release()  # the producer waits for one credit at a time: woken, it sees ``stop`` and ends
         self.io_future.cancel()
         self.thread.join(timeout=5)
+        if self.then_pending:  # the credit just given back lets ``then`` go: an epoch that ended has its
+            self.then_done.wait(THEN_WAIT_S)  # next epoch's read ahead under way when the iteration returns
 
     def report(self) -> dict[str, Any]:
         c = dict(self.counters_end) if self.counters_end is not None else _copy_counters(self.loader.reader.counters)

@@ -365,3 +365,23 @@ def test_fork_policy_local_files_read_remote_stores_refused(root):
     ok, msg = in_fork(check, lambda: backend_for(zremote))
     assert ok
     assert "127.0.0.1:9" in msg and msg.endswith(_loop.FORK_HELP)
+
+
+def test_a_metadata_read_is_counted_as_a_call_into_obstore():
+    """``bounded_request`` (an open's metadata reads, on zarr's loop) counts its fetch while in flight,
+    as the chunk reads on xinsitu's loop are: the exit waits for it (``loop.native``)."""
+    from xinsitu.io import loop as _loop
+    from xinsitu.stores.reads import bounded_request
+
+    seen = []
+
+    async def fetch():
+        seen.append(asyncio.current_task() in _loop._foreign and _loop._native >= 1)
+        return b"x"
+
+    async def main():
+        got = await bounded_request(fetch, "object 'k'")
+        return got, asyncio.current_task() in _loop._foreign
+
+    got, still = asyncio.run(main())
+    assert got == b"x" and seen == [True] and not still

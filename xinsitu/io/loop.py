@@ -28,6 +28,7 @@ import atexit
 import concurrent.futures
 import os
 import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -57,6 +58,10 @@ _pool: ThreadPoolExecutor | None = None
 _copies: ThreadPoolExecutor | None = None  # see ``in_parallel``
 _forked = False
 _native = 0  # calls into a Rust runtime (obstore) awaited on the loop now: waited for at exit
+#: ... those awaited on another loop (zarr's: the metadata reads of an open), by task: cancelled and
+#: waited for at exit too
+_foreign: dict[asyncio.Task, asyncio.AbstractEventLoop] = {}
+_count_lock = threading.Lock()  # (two loops' threads count)
 
 
 class PerLoop:
@@ -229,23 +234,34 @@ async def native(awaitable: Awaitable[T]) -> T:
     before the interpreter finalizes.
     """
     global _native
-    _native += 1
+    running = asyncio.get_running_loop()
+    task = asyncio.current_task() if running is not _loop else None  # on another loop (zarr's)
+    with _count_lock:
+        _native += 1
+        if task is not None:
+            _foreign[task] = running
+            exit_first()  # (that loop's own exit handler, zarr's, must not stop it before ours ran)
     try:
         return await awaitable
     finally:
-        _native -= 1
+        with _count_lock:
+            _native -= 1
+            if task is not None:
+                _foreign.pop(task, None)
 
 
 def native_future(fut: asyncio.Future) -> None:
     """Count ``fut``, a call into a Rust runtime not awaited (see ``native``), until it ends."""
     global _native
-    _native += 1
+    with _count_lock:
+        _native += 1
     fut.add_done_callback(_native_ended)
 
 
 def _native_ended(_: asyncio.Future) -> None:
     global _native
-    _native -= 1
+    with _count_lock:
+        _native -= 1
 
 
 def in_forked_child() -> bool:
@@ -313,6 +329,12 @@ def _shutdown() -> None:
     epoch's first buffer, read ahead -- and wait for the Rust runtime's threads to be done with
     Python (see ``native``), then stop the loop."""
     loop, pool = _loop, _pool
+    deadline = time.monotonic() + EXIT_WAIT_S
+    with _count_lock:
+        foreign = list(_foreign.items())
+    for task, home in foreign:  # calls awaited on another loop (zarr's): cancelled there, waited for below
+        if home.is_running():
+            home.call_soon_threadsafe(task.cancel)
     if loop is not None and not loop.is_closed():
         if loop.is_running() and _thread is not None and _thread.is_alive():
             try:
@@ -320,6 +342,10 @@ def _shutdown() -> None:
             except BaseException:  # noqa: BLE001 - exiting: nothing left to report to
                 pass
         loop.call_soon_threadsafe(loop.stop)
+    if foreign:
+        while _native and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.05)  # a cancelled call's runtime thread takes the GIL once more, right after: let it
     for p in (pool, _copies):
         if p is not None:
             p.shutdown(wait=False, cancel_futures=True)
@@ -327,10 +353,11 @@ def _shutdown() -> None:
 
 def exit_first() -> None:
     """Run this loop's exit (``_shutdown``) before every exit handler registered so far (``atexit`` runs
-    the last registered first): reads that run on another library's loop (zarr's, for an fsspec store)
-    are then cancelled while that loop still runs -- zarr's own handler, registered once zarr's loop
-    is made, closes it, and a read cancelled after that printed "Event loop is closed" and "Task was
-    destroyed but it is pending" tracebacks at the end of a user's script."""
+    the last registered first): reads that run on another library's loop (zarr's: an fsspec store's
+    reads, an open's metadata reads) are then cancelled and waited for while that loop still runs --
+    zarr's own handler, registered once zarr's loop is made, stops it: a read cancelled after that
+    printed "Event loop is closed" and "Task was destroyed but it is pending" tracebacks at the end of
+    a user's script, and an obstore call left in flight there aborted it (see ``native``)."""
     atexit.unregister(_shutdown)
     atexit.register(_shutdown)
 

@@ -97,8 +97,8 @@ async def bounded_request(fetch: Callable[[], Awaitable[T]], what: str) -> T:
         cm = asyncio.timeout(limit)
         err: BaseException | None = None
         try:
-            async with cm:
-                return await fetch()
+            async with cm:  # counted as a call into obstore's runtime: an exit waits for it (``native``)
+                return await _loop.native(fetch())
         except TimeoutError:
             if not cm.expired():
                 raise

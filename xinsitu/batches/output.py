@@ -73,14 +73,17 @@ class OutputBuilder:
         self.gpu: Any = None  # the GPU path's device side: batches built on the device (``use_gpu``)
         self._device_ok: bool | None = None  # the device's build passed its check on the first batch
         self._ds_coords = ds.coords
-        if output == "torch":  # fail now, not in the prefetch thread
+        # each output array's dtype, by what a message calls it
+        arrays = {"the stacked batch": self.dtype} if self.stack else self.var_dtypes
+        if output == "torch":
+            import torch  # noqa: F401  - fail now, not in the prefetch thread
             if transform is None:  # else the transform may cast
-                for n, dt in ({"the stacked batch": self.dtype} if self.stack else self.var_dtypes).items():
+                for n, dt in arrays.items():
                     _check_torch_dtype(n, dt, dtype)
         if output == "jax":
             self.device = _jax_device(device)
             if transform is None:  # else the transform may cast; checked per array in _to_jax
-                for n, dt in ({"the stacked batch": self.dtype} if self.stack else self.var_dtypes).items():
+                for n, dt in arrays.items():
                     _check_jax_dtype(n, dt)
         elif device is not None and output != "torch":
             raise ValueError(f"device={device!r} applies to output='torch' or 'jax' (output='cupy' uses the "

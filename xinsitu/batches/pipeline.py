@@ -84,8 +84,7 @@ class EpochRun:
         self.n_loaded = 0
         self.failed = False  # a buffer failed to load (set on the I/O loop)
         self.tasks: set[asyncio.Task] = set()  # buffer loads in flight
-        self.then_pending = False  # ``then`` waits for an item's room (``_then``) ...
-        self.then_done = threading.Event()  # ... and has been called or let go
+        self.then_done = threading.Event()  # ``then`` has been called or let go (``_then``)
         self.items = self._items()  # what the I/O loop reads, in order
         self.first = first if self.reads_first else None
         if first is not None and self.first is None:
@@ -159,7 +158,6 @@ class EpochRun:
         room is free (``_then``)."""
         self.counters_end = _copy_counters(self.loader.reader.counters)
         if self.then is not None:
-            self.then_pending = True
             task = asyncio.ensure_future(self._then())
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
@@ -262,11 +260,7 @@ class EpochRun:
                             raise RuntimeError(f"xinsitu: buffer {j} was never read (internal error)")
                         loaded[item.j] = item
                 for old in [k for k in loaded if k < js[0]]:
-                    self.loader.recycle(loaded.pop(old))
-                    if self.borrowed:
-                        self.borrowed -= 1
-                    else:
-                        self._release()
+                    self._give_back(loaded.pop(old))
                 direct = builder.direct_stack(b - a)  # gather straight into the stacked batch
                 raw_parts, start_parts, done = [], [], 0
                 for j in js:
@@ -287,14 +281,19 @@ class EpochRun:
                     return
                 del batch  # not held while the next is made: its memory goes back to the pool once the caller's done
             for old in list(loaded):  # the last buffers too: their arrays back to the pool, their credits freed
-                self.loader.recycle(loaded.pop(old))
-                if self.borrowed:
-                    self.borrowed -= 1
-                else:
-                    self._release()
+                self._give_back(loaded.pop(old))
             self._put(_END)
         except BaseException as e:  # noqa: BLE001 - delivered to the caller
             self._put(e)
+
+    def _give_back(self, buffer: Any) -> None:
+        """A buffer no batch is gathered from again: its arrays back to the pool, and its credit to the
+        producer (or, where it lent one more buffer, that loan paid back)."""
+        self.loader.recycle(buffer)
+        if self.borrowed:
+            self.borrowed -= 1
+        else:
+            self._release()
 
     def _next_buffer(self) -> Any:
         """The next loaded buffer (or error, or ``_END``); None once closed. Waits in short steps and
@@ -362,8 +361,9 @@ class EpochRun:
         self._release()  # the producer waits for one credit at a time: woken, it sees ``stop`` and ends
         self.io_future.cancel()
         self.thread.join(timeout=5)
-        if self.then_pending:  # the credit just given back lets ``then`` go: an epoch that ended has its
-            self.then_done.wait(THEN_WAIT_S)  # next epoch's read ahead under way when the iteration returns
+        if self.then is not None and self.counters_end is not None:  # ``then`` waits for an item's room: the
+            self.then_done.wait(THEN_WAIT_S)  # credit just given back lets it go, so an epoch that ended has
+            # its next epoch's read ahead under way when the iteration returns
 
     def report(self) -> dict[str, Any]:
         c = dict(self.counters_end) if self.counters_end is not None else _copy_counters(self.loader.reader.counters)

@@ -95,3 +95,16 @@ def test_gpu_host_cost_smoke(tmp_path):
     for cost in res["us_per_chunk"].values():
         assert all(cost[k] > 0 for k in ("bytes", "files", "read_gpu", "tier"))
         assert cost["tier_device_copies_per_batch"] == 1
+
+
+@pytest.mark.tools
+def test_halo_reads_smoke(tmp_path):
+    """bench/halo_reads.py (chunk reads and the halo held where tiles spill over a grid of blocks) runs:
+    every case reports, and buffers of 16 blocks read each chunk once."""
+    out = tmp_path / "halo.json"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "halo_reads.py"), "--grid", "4", "5", "--epochs", "1",
+                        "--block-chunks", "16", "4", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 4 * 2
+    assert all(r["reads"] == 1.0 for r in rows if r["block_chunks"] == 16), rows

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xinsitu.index.shuffle import buffer_permutation, neighbour_order, quality, unit_order
+from xinsitu.index.shuffle import buffer_permutation, neighbour_order, neighbour_order_nd, quality, unit_order
 
 sizes = st.integers(0, 500)
 seeds = st.integers(0, 2**32 - 1)
@@ -48,6 +48,50 @@ def test_neighbour_order_is_a_permutation_whose_neighbours_share_or_follow_a_buf
     # where the serpentine wraps (at most one pair per row turn)
     far = np.abs(np.diff(buffer_of)) > 1
     assert far.sum() <= block
+
+
+@st.composite
+def _grids(draw: st.DrawFn) -> tuple[np.ndarray, tuple[bool, ...]]:
+    """The block coordinates of a split's units on a grid of 2-3 split dims (a random subset of the
+    blocks, in C order), and which dims tiles spill along (at least one)."""
+    shape = draw(st.lists(st.integers(1, 6), min_size=2, max_size=3))
+    spill = tuple(draw(st.lists(st.booleans(), min_size=len(shape), max_size=len(shape))))
+    if not any(spill):
+        spill = (True,) + spill[1:]
+    keep = draw(st.lists(st.booleans(), min_size=int(np.prod(shape)), max_size=int(np.prod(shape))))
+    ids = np.flatnonzero(keep)
+    return np.stack(np.unravel_index(ids, shape), axis=1).reshape(len(ids), len(shape)), spill
+
+
+@settings(max_examples=80, deadline=None)
+@given(grid=_grids(), block=st.integers(1, 20), seed=seeds, epoch=epochs)
+def test_the_order_of_tiles_spilling_over_several_dims_is_a_permutation_after_their_neighbours(grid, block, seed,
+                                                                                             epoch):
+    """A permutation, a pure function of its arguments, in which each unit comes after every neighbour
+    its tiles spill into (one block further along any spilling dims), so only edges are passed on."""
+    coords, spill = grid
+    order = neighbour_order_nd(coords, spill, block, seed, epoch)
+    assert _is_permutation(order, len(coords))
+    np.testing.assert_array_equal(order, neighbour_order_nd(coords, spill, block, seed, epoch))
+    at = {tuple(c): p for p, c in enumerate(coords[order].tolist())}
+    for c in coords.tolist():
+        for step in np.ndindex(*(2 if s else 1 for s in spill)):
+            target = tuple(a + b for a, b in zip(c, step, strict=True))
+            if any(step) and target in at:
+                assert at[target] < at[tuple(c)], (c, target)
+
+
+def test_the_order_of_tiles_spilling_over_several_dims_changes_with_the_epoch_and_mixes_groups():
+    """Other orders per (seed, epoch); where a split dim does not spill (time blocks beside a grid), a
+    buffer's units come from several of its blocks, a few more when buffers are bigger."""
+    coords = np.stack(np.unravel_index(np.arange(80), (8, 10)), axis=1)
+    orders = {tuple(neighbour_order_nd(coords, (True, True), 4, s, e)) for s in range(3) for e in range(3)}
+    assert len(orders) == 9
+    grouped = np.stack(np.unravel_index(np.arange(400), (100, 2, 2)), axis=1)  # 100 time blocks, 2 x 2 tiles
+    for block, least in ((4, 1), (8, 4), (16, 8)):
+        order = neighbour_order_nd(grouped, (False, True, True), block, 0, 0)
+        groups = [len(set(grouped[order[a:a + block], 0].tolist())) for a in range(0, 400, block)]
+        assert np.mean(groups) >= least, (block, np.mean(groups))
 
 
 @settings(max_examples=60, deadline=None)

@@ -95,12 +95,32 @@ def test_a_state_of_the_earlier_shuffled_order_is_refused(ds, m):
     unit): resuming one would yield other samples than the saved run had left, so it is refused."""
     from xinsitu.index.state import STATE_VERSION
 
-    assert STATE_VERSION == 2
+    assert STATE_VERSION == 3
     state = {**_gen(ds, m).state_dict(), "version": 1, "batch": 2}
     with pytest.raises(ValueError, match=r"saved by an older xinsitu \(state version 1.*cannot resume that order"):
         _gen(ds, m).load_state_dict(state)
     with pytest.raises(ValueError, match="older xinsitu"):
         _gen(ds, m).load_state_dict({k: v for k, v in state.items() if k != "version"})
+
+
+def test_a_version_2_state_of_tiles_spilling_over_several_split_dims_is_refused(ds):
+    """Version 3 orders the units of tiles spilling over several split dims by their neighbours
+    (``neighbour_order_nd``); a version 2 state of such an epoch meant another order: refused. One of
+    windows spilling along one split dim (the order of version 2) still resumes."""
+    grid = ds.chunk({"time": 6, "lat": 2, "lon": 4})
+    m2 = grid.insitu.split(["lat", "lon"], fractions={"train": 1.0})
+    gen = grid.insitu.batches(m2, "train", batch_size=4, seed=3, output="numpy", patch={"lat": 2, "lon": 3})
+    assert gen.space.spills
+    state = {**gen.state_dict(), "version": 2, "batch": 1}
+    with pytest.raises(ValueError, match=r"state version 2.*cannot resume that order"):
+        grid.insitu.batches(m2, "train", batch_size=4, seed=3, output="numpy",
+                            patch={"lat": 2, "lon": 3}).load_state_dict(state)
+    m1 = ds.insitu.split("time", fractions={"train": 1.0})
+    gen = ds.insitu.batches(m1, "train", batch_size=4, seed=3, output="numpy", window={"time": 3})
+    assert gen.space.spills
+    again = ds.insitu.batches(m1, "train", batch_size=4, seed=3, output="numpy", window={"time": 3})
+    again.load_state_dict({**gen.state_dict(), "version": 2, "batch": 1})
+    assert again.state_dict()["batch"] == 1
 
 
 def test_a_state_of_an_earlier_version_resumes_where_the_order_is_unchanged(ds, m):

@@ -85,3 +85,70 @@ def test_halo_entries_are_let_go(ds):
     most = _loop.run(walk())
     assert most <= 2 * 2 * 2  # entries: at most ~ (blocks ahead) x (units per block) x 2
     assert not halo.held
+
+
+# ---------------------------------------------------------------- tiles spilling over several split dims
+TILES = {
+    "4x4, stride 2x3": {"patch": {"lat": 4, "lon": 4}, "stride": {"lat": 2, "lon": 3}},
+    "3x8, stride 1x2": {"patch": {"lat": 3, "lon": 8}, "stride": {"lat": 1, "lon": 2}},
+    "3 along lat, a window in time": {"patch": {"lat": 3}, "window": {"time": 2}},
+}
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory: pytest.TempPathFactory):
+    """8 x 10 chunk blocks of 5 x 6 (lat x lon), 3 variables (one in another dim order), time whole."""
+    from tests.index.test_sampling import grid_ds, write
+
+    ds = grid_ds(nt=3, ny=40, nx=60)[["a", "b"]]
+    ds["c"] = ds["a"].transpose("lat", "lon", "time") * 2
+    return write(tmp_path_factory.mktemp("g") / "g.zarr", ds, {v: {"lat": 5, "lon": 6} for v in ("a", "b", "c")})
+
+
+@pytest.mark.parametrize("block_chunks", [None, 8])
+@pytest.mark.parametrize("name", list(TILES))
+@pytest.mark.slow
+def test_tiles_spilling_over_several_split_dims_read_each_chunk_about_once(grid, name, block_chunks):
+    """A spatial split whose tiles spill into the next block along lat, lon or both (SPEC §5: at most
+    1.15x the split's chunks): the boxes a tile spills into are passed on from the buffer that read
+    them (``HaloPlan``), in an order where a unit follows its neighbours (``neighbour_order_nd``);
+    batches equal xarray's, every sample once."""
+    m = grid.insitu.split(["lat", "lon"], fractions={"train": 1.0})
+    gen = grid.insitu.batches(m, "train", batch_size=16, output="numpy", block_chunks=block_chunks, seed=0,
+                              **TILES[name])
+    split_chunks = len(m.splits["train"]) * 3
+    for epoch in range(2):
+        gen.set_epoch(epoch)
+        ids = run_epoch(grid, gen)
+        assert np.array_equal(np.sort(ids), np.arange(gen.n_samples))
+        reads = gen.io_stats["chunks"]
+        assert reads <= 1.15 * split_chunks, (epoch, reads, split_chunks)
+
+
+def test_a_grid_halo_holds_edges_within_its_bound(grid):
+    """What buffers pass on over a grid of blocks stays within two buffers of units (``HALO_HELD_BUFFERS``),
+    and all of it is let go by the end; in a random split (some neighbours in the other split) too."""
+    from xinsitu.batches.buffer import HALO_HELD_BUFFERS
+    from xinsitu.io import loop as _loop
+
+    for fractions in ({"train": 1.0}, {"train": 0.7, "val": 0.3}):
+        m = grid.insitu.split(["lat", "lon"], fractions=fractions, seed=1)
+        for block_chunks in (16, 2):
+            gen = grid.insitu.batches(m, "train", batch_size=16, output="numpy", block_chunks=block_chunks,
+                                      patch={"lat": 4, "lon": 4}, stride={"lat": 2, "lon": 3})
+            loader, plan = gen._buffer_loader(), gen.plan()
+            halo = loader.halo_plan(plan, 0)
+            assert halo is not None and halo.n_entries > 0
+            unit_bytes = 5 * 6 * 3 * (4 + 8 + 4)
+            most = _loop.run(_most_held(loader, plan, halo))
+            assert 0 < most <= HALO_HELD_BUFFERS * block_chunks * unit_bytes, (fractions, block_chunks, most)
+            assert not halo.held
+
+
+async def _most_held(loader, plan, halo) -> int:
+    """Load an epoch's buffers one after another; the most bytes passed on and not yet taken."""
+    most = 0
+    for j in range(plan.n_buffers):
+        await loader.load(plan, j, halo)
+        most = max(most, sum(a.nbytes for held in halo.held.values() for a in held.values()))
+    return most

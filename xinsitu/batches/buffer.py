@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +45,13 @@ ROW_COPY_SLICE_BYTES = 16 << 10
 PARALLEL_GATHER_BYTES = 8 << 20
 SHARE_BYTES = 4 << 20
 UNIT_SLOTS = 1 << 17  # units whose slot planning is kept (a few hundred bytes each)
-HALO_BUFFERS = 2  # a buffer passes the chunks a window spills into on to the buffers up to this many later
+#: a buffer passes the chunks a window spills into on to the buffers up to this many later (at most: a
+#: plan reaches as far as its order needs, 1-2 buffers along one split dim, a few more over a grid)
+HALO_BUFFERS = 64
+#: ... as long as what is passed on and not yet taken stays within this many buffers of whole units
+#: (as much as the buffers read ahead and held): where it would hold more, it reaches less far and a
+#: chunk is read again (a grid of many blocks, in buffers of few units, whose tiles are as big as a chunk)
+HALO_HELD_BUFFERS = 3
 
 
 def unit_nbytes(space: SampleSpace, layouts: dict[str, VarLayout]) -> int:
@@ -219,15 +226,13 @@ class BufferLoader:
                 if step is None:
                     reads.append((region, view))
                     continue
-                dim, o = sp.split_dims[0].name, int(origin[s, 0])
-                for a, b, _ in step.segments[s]:
-                    if _ is None:  # read here (else copied from an earlier buffer, below)
-                        reads.append(({dim: (a, b)}, _cut(lay, view, dim, a - o, b - o)))
+                for lo, hi, got in step.segments[s]:
+                    if got is None:  # read here (else copied from what an earlier buffer passes on, below)
+                        reads.append((step.region(lo, hi), step.piece(lay, view, lo, hi, ol[s])))
             if step is not None:
-                for key, (a, b) in step.give.items():
-                    held = np.empty([b - a] + list(shape[2:]), lay.src.raw_dtype)
-                    step.held.setdefault(key, {})[name] = held
-                    reads.append(({sp.split_dims[0].name: (a, b)}, np.transpose(held, np.argsort(lay.order))))
+                for key, (lo, hi) in step.give.items():
+                    held = step.held.setdefault(key, {})[name] = step.held_array(lay, lo, hi)
+                    reads.append((step.region(lo, hi), held))
             jobs.append(self.reader.read_many(lay.src, reads))
         if gpu_reads:
             jobs.append(self._read_gpu(gpu_reads, arrays, on_device))
@@ -239,7 +244,7 @@ class BufferLoader:
                     self._pool.give_back(arrays[name])
                     arrays[name], rows[name] = done[k]
             if step is not None:
-                await step.take(arrays, origin)
+                await step.take(arrays, origin, self._inverses, self.layouts)
             if uploads:
                 await asyncio.get_running_loop().run_in_executor(None, self._to_device, arrays, uploads)
         except BaseException as e:
@@ -364,12 +369,21 @@ class BufferLoader:
                                          [regions[s] for s in rest])
         return slab
 
-    def halo_plan(self, plan: EpochPlan, first: int, ahead: int = HALO_BUFFERS) -> HaloPlan | None:
-        """Where windows or tiles spill over a split dim into the next unit: which buffer passes which
-        unit's data on to which later one (None where nothing spills; several split dims: not yet)."""
+    @functools.cached_property
+    def passes_halo(self) -> bool:
+        """Whether buffers pass on what windows or tiles spill into (``halo_plan``)."""
         sp = self.space
-        if len(sp.split_dims) != 1 or sp.split_dims[0].width == 1:
+        names = {d.name for d in sp.split_dims}
+        return sp.spills and all(lay.static or names <= set(lay.src.dims) for lay in self.layouts.values())
+
+    def halo_plan(self, plan: EpochPlan, first: int, ahead: int = HALO_BUFFERS) -> HaloPlan | None:
+        """Where windows or tiles spill over split dims into neighbouring units: which buffer passes
+        which boxes of a unit on to which later one, up to ``ahead`` buffers later (None where nothing
+        spills, or where a variable lacks one of the split dims: its chunks are then read again)."""
+        if not self.passes_halo:
             return None
+        for name, lay in self.layouts.items():
+            self._inverse(name, lay)  # (made here: the halo's copies use them in a thread)
         return HaloPlan(self, plan, first, ahead)
 
     def _axis_len(self, lay: VarLayout, ax: int, extent: np.ndarray) -> int:
@@ -517,10 +531,18 @@ class BufferLoader:
         return res
 
 
-def _cut(lay: VarLayout, view: np.ndarray, dim: str, a: int, b: int) -> np.ndarray:
-    """Positions ``a..b`` of ``view`` (a variable's slot in its own dim order) along ``dim``."""
-    ax = lay.src.dims.index(dim)
-    return view[(slice(None),) * ax + (slice(a, b),)]
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (first, end) positions per split dim
+#: an entry a buffer passes on: (the buffer, the unit, the box of the unit's positions)
+Entry = tuple[int, int, tuple[int, ...], tuple[int, ...]]
+
+
+def _box(dims: tuple[str, ...], names: list[str], lo: tuple[int, ...], hi: tuple[int, ...],
+         origin: list[int] | tuple[int, ...]) -> tuple[slice, ...]:
+    """Where box ``[lo, hi)`` (per split dim ``names``) lies in an array of ``dims`` whose first position
+    along each split dim is ``origin`` (its other dims whole)."""
+    at = {n: k for k, n in enumerate(names)}
+    return tuple(slice(lo[at[d]] - origin[at[d]], hi[at[d]] - origin[at[d]]) if d in at else slice(None)
+                 for d in dims)
 
 
 class _Step:
@@ -528,28 +550,45 @@ class _Step:
 
     def __init__(self, halo: HaloPlan, j: int):
         self.halo, self.j = halo, j
-        self.segments = halo.segments[j]  # per slot: [(a, b, entry or None)]
-        self.give = halo.gives[j]  # entry -> (a, b): positions this buffer reads for later buffers
-        self.held = halo.held  # entry -> {var: array (positions, rest of the slot layout)}
+        self.segments = halo.segments[j]  # per slot: [(lo, hi, entry or None)]
+        self.give = halo.gives[j]  # entry -> (lo, hi): the box this buffer reads for later buffers
+        self.held = halo.held  # entry -> {var: array (the box, in the variable's dim order)}
 
-    async def take(self, arrays: dict[str, np.ndarray], origin: np.ndarray) -> None:
+    def region(self, lo: tuple[int, ...], hi: tuple[int, ...]) -> Region:
+        return {n: (a, b) for n, a, b in zip(self.halo.names, lo, hi, strict=True)}
+
+    def piece(self, lay: VarLayout, view: np.ndarray, lo: tuple[int, ...], hi: tuple[int, ...],
+              origin: list[int]) -> np.ndarray:
+        """Box ``[lo, hi)`` of ``view``: a variable's slot in its own dim order, whose first position is
+        ``origin``."""
+        return view[_box(lay.src.dims, self.halo.names, lo, hi, origin)]
+
+    def held_array(self, lay: VarLayout, lo: tuple[int, ...], hi: tuple[int, ...]) -> np.ndarray:
+        """A new array for box ``[lo, hi)`` of a variable (its own dim order, its other dims whole)."""
+        ext = {n: b - a for n, a, b in zip(self.halo.names, lo, hi, strict=True)}
+        return np.empty([ext.get(d, n) for d, n in zip(lay.src.dims, lay.src.shape, strict=True)],
+                        lay.src.raw_dtype)
+
+    async def take(self, arrays: dict[str, np.ndarray], origin: np.ndarray, inverse: dict[str, tuple[int, ...]],
+                   layouts: dict[str, VarLayout]) -> None:
         """Copy what earlier buffers passed on into this buffer's slots (after they are loaded)."""
         h = self.halo
         want = {e for seg in self.segments for _, _, e in seg if e is not None}
-        for e in sorted(want):
-            await asyncio.shield(h.ready(e[0]))
+        for g in sorted({e[0] for e in want}):
+            await asyncio.shield(h.ready(g))
         if not want:
             return
 
         def copy() -> None:
             for s, seg in enumerate(self.segments):
-                o = int(origin[s, 0])
-                for a, b, e in seg:
+                o = origin[s].tolist()
+                for lo, hi, e in seg:
                     if e is None:
                         continue
-                    ea = h.entry_start[e]
                     for name, held in h.held[e].items():
-                        arrays[name][s, a - o:b - o] = held[a - ea:b - ea]
+                        dims = layouts[name].src.dims
+                        view = arrays[name][s].transpose(inverse[name])
+                        view[_box(dims, h.names, lo, hi, o)] = held[_box(dims, h.names, lo, hi, e[2])]
 
         await asyncio.get_running_loop().run_in_executor(None, copy)
         for e in want:
@@ -570,77 +609,52 @@ class _Step:
 
 
 class HaloPlan:
-    """Windows and tiles that spill into the next unit, in one epoch: a unit's first positions are
-    needed by its own buffer and by the buffer of the unit before it. Rather than read such a chunk
-    twice, the buffer that reads it first passes the positions a later buffer needs on to it (up to
-    ``ahead`` buffers later: memory stays bounded by a few buffers); values and order are unchanged.
+    """Windows and tiles that spill into neighbouring units, in one epoch: a slot's region reaches
+    from its unit into the next ones along the split dims it spills along (and the diagonals between
+    them). Rather than read such a chunk again, the first buffer that reads a unit reads the boxes of
+    it that later buffers need and passes them on, up to ``ahead`` buffers later: as far as the
+    epoch's order needs (``shuffle.neighbour_order``, ``neighbour_order_nd``), as long as what is held
+    stays within ``HALO_HELD_BUFFERS`` buffers of units. Values and order are unchanged. A box inside
+    one passed on already is taken from that one; each is let go after its last taker.
 
-    Planned once per epoch (pure index math, one split dim): per buffer and slot the segments of its
-    region, each read or taken from an entry ``(buffer, unit)`` that an earlier buffer fills.
+    Planned once per epoch (pure index math): per buffer and slot the boxes of its region, one per
+    unit it touches, each read or taken from an entry ``(buffer, unit, box)`` an earlier buffer fills.
     """
 
     def __init__(self, loader: BufferLoader, plan: EpochPlan, first: int, ahead: int):
         sp = loader.space
-        edges = sp.edges[0]
+        self.names = [d.name for d in sp.split_dims]
         unit_of = {int(b): u for u, b in enumerate(sp.blocks)}
-        buffers = range(first, plan.n_buffers)
-        need: dict[int, list[list[tuple[int, int, int]]]] = {}  # buffer -> per slot [(unit, a, b)]
+        n_buf = plan.n_buffers
+        buffers = range(first, n_buf)
+        need: dict[int, list[list[tuple[int | None, tuple[int, ...], tuple[int, ...]]]]] = {}
+        first_need: dict[int, int] = {}  # unit -> the first buffer that needs any of it
         for j in buffers:
             _, origin, end = loader._slots(plan, j)
-            per_slot = []
-            for o, e in zip(origin[:, 0].tolist(), end[:, 0].tolist(), strict=True):
-                segs, pos = [], o
-                while pos < e:
-                    c = int(np.searchsorted(edges, pos, side="right")) - 1
-                    b = min(e, int(edges[c + 1]))
-                    segs.append((unit_of[c], pos, b))
-                    pos = b
-                per_slot.append(segs)
-            need[j] = per_slot
-        # every need of a unit is a prefix of it (its own buffer: whole; the unit before: its head)
-        ends: dict[int, dict[int, int]] = {j: {} for j in buffers}
-        for j in buffers:
+            need[j] = [_boxes(sp.edges, sp.grid, unit_of, o, e) for o, e in zip(origin.tolist(), end.tolist(),
+                                                                                 strict=True)]
             for segs in need[j]:
-                for u, _, b in segs:
-                    ends[j][u] = max(ends[j].get(u, 0), b)
-        self.segments: dict[int, list[list[tuple[int, int, Any]]]] = {}
-        self.gives: dict[int, dict[tuple[int, int], tuple[int, int]]] = {j: {} for j in buffers}
-        self.entry_start: dict[tuple[int, int], int] = {}
-        self.takers: dict[tuple[int, int], int] = {}
-        live: dict[int, tuple[tuple[int, int], int]] = {}  # unit -> (entry, end held)
-        for j in buffers:
-            later: dict[int, int] = {}
-            for k in range(j + 1, min(j + ahead + 1, plan.n_buffers)):
-                for u, b in ends[k].items():
-                    later[u] = max(later.get(u, 0), b)
-            per_slot, taken = [], set()
-            for segs in need[j]:
-                out: list[tuple[int, int, Any]] = []
-                for u, a, b in segs:
-                    got = live.get(u)
-                    if got is not None and got[1] >= b and j - got[0][0] <= ahead:
-                        out.append((a, b, got[0]))
-                        taken.add(got[0])
-                    else:
-                        out.append((a, b, None))
-                per_slot.append(out)
-            for key in taken:  # buffers taking from an entry (it is let go after the last one)
-                self.takers[key] += 1
-            self.segments[j] = per_slot
-            for u, b in ends[j].items():
-                got = live.get(u)
-                if u in later and later[u] > (got[1] if got is not None and j + 1 - got[0][0] <= ahead else 0):
-                    start = int(edges[int(sp.blocks[u])])
-                    key = (j, u)
-                    self.gives[j][key] = (start, max(b, later[u]))
-                    self.entry_start[key] = start
-                    self.takers[key] = 0
-                    live[u] = (key, max(b, later[u]))
-        for key in [k for k, n in self.takers.items() if n == 0]:  # passed on to nobody: not read for it
-            del self.gives[key[0]][key]
-            del self.takers[key]
-            del self.entry_start[key]
-        self.held: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+                for u, _, _ in segs:
+                    if u is not None:
+                        first_need.setdefault(u, j)
+        boxes = {j: [(s, i, u, lo, hi) for s, segs in enumerate(need[j]) for i, (u, lo, hi) in enumerate(segs)
+                     if u is not None] for j in buffers}
+        reach = max((j - first_need[b[2]] for j in buffers for b in boxes[j]), default=0)
+        # hold at most about HALO_HELD_BUFFERS buffers of units at once: reach less far where that would
+        # hold more (a grid of many blocks in buffers of few units); beyond it a chunk is read again
+        block = int(np.prod([int(np.diff(e).max()) for e in sp.edges]))
+        most = HALO_HELD_BUFFERS * block * max((len(plan.units[plan.buffer_pieces(j)]) for j in buffers), default=1)
+        plans = {a: _assign(need, boxes, buffers, a) for a in {1, max(1, min(ahead, reach))}}
+        lo, hi = 1, max(1, min(ahead, reach))
+        if plans[hi][3] <= most:
+            lo = hi
+        while hi - lo > 1:  # the farthest reach that holds no more than that (held grows with the reach)
+            mid = (lo + hi) // 2
+            plans[mid] = _assign(need, boxes, buffers, mid)
+            lo, hi = (mid, hi) if plans[mid][3] <= most else (lo, mid)
+        self.segments, self.gives, self.takers, self.peak = plans[lo]
+        self.ahead, self.block = lo, block  # (peak and block: positions of the split dims)
+        self.held: dict[Entry, dict[str, np.ndarray]] = {}
         self._ready: dict[int, asyncio.Future] = {}
 
     def ready(self, j: int) -> asyncio.Future:
@@ -655,3 +669,72 @@ class HaloPlan:
     @property
     def n_entries(self) -> int:
         return len(self.takers)
+
+
+def _assign(need: dict[int, list[list[tuple[int | None, tuple[int, ...], tuple[int, ...]]]]],
+            boxes: dict[int, list[tuple[int, int, int, tuple[int, ...], tuple[int, ...]]]], buffers: range,
+            ahead: int) -> tuple[dict, dict, dict, int]:
+    """A ``HaloPlan`` reaching ``ahead`` buffers: per buffer and slot its boxes, each ``(lo, hi, entry)``
+    (entry None: read here); per buffer the entries it gives; per entry its takers; and the most
+    positions held at once (summed over the boxes that are given and not yet taken by their last taker)."""
+    segments: dict[int, list[list[tuple[tuple[int, ...], tuple[int, ...], Entry | None]]]] = {}
+    gives: dict[int, dict[Entry, Box]] = {j: {} for j in buffers}
+    takers: dict[Entry, int] = {}  # entry -> buffers taking from it (it is let go after the last)
+    last: dict[Entry, int] = {}
+    assigned: dict[tuple[int, int, int], Entry] = {}  # (buffer, slot, box) -> the entry it takes
+    for j in buffers:
+        reads = set()
+        per_slot = []
+        for s, segs in enumerate(need[j]):
+            out = []
+            for i, (u, lo, hi) in enumerate(segs):
+                key = assigned.pop((j, s, i), None)
+                out.append((lo, hi, key))
+                if key is None and u is not None:
+                    reads.add(u)
+            per_slot.append(out)
+        segments[j] = per_slot
+        # what later buffers need of the units read here, biggest boxes first: a box inside one given
+        # already is taken from that one (a unit's whole box and its neighbours' edges: held once)
+        wanted = [(k, s, i, u, lo, hi) for k in range(j + 1, min(j + ahead + 1, buffers.stop))
+                  for s, i, u, lo, hi in boxes[k] if u in reads and (k, s, i) not in assigned]
+        wanted.sort(key=lambda w: -int(np.prod(np.subtract(w[5], w[4]))))
+        mine: dict[int, list[Entry]] = {}
+        takes: set[tuple[Entry, int]] = set()
+        for k, s, i, u, lo, hi in wanted:
+            key = next((e for e in mine.get(u, ()) if _inside(lo, hi, e[2], e[3])), None)
+            if key is None:
+                key = (j, u, lo, hi)
+                gives[j][key] = (lo, hi)
+                mine.setdefault(u, []).append(key)
+            assigned[(k, s, i)] = key
+            takes.add((key, k))
+        for key, k in takes:
+            takers[key] = takers.get(key, 0) + 1
+            last[key] = max(last.get(key, k), k)
+    held = np.zeros(len(buffers) + 1, np.int64)
+    for key, k in last.items():
+        held[key[0] - buffers.start] += int(np.prod(np.subtract(key[3], key[2])))
+        held[k - buffers.start] -= int(np.prod(np.subtract(key[3], key[2])))
+    return segments, gives, takers, int(np.cumsum(held).max()) if len(held) else 0
+
+
+def _inside(lo: tuple[int, ...], hi: tuple[int, ...], lo2: tuple[int, ...], hi2: tuple[int, ...]) -> bool:
+    """Whether box ``[lo, hi)`` lies inside box ``[lo2, hi2)``."""
+    return all(a >= a2 and b <= b2 for a, b, a2, b2 in zip(lo, hi, lo2, hi2, strict=True))
+
+
+def _boxes(edges: list[np.ndarray], grid: tuple[int, ...], unit_of: dict[int, int], origin: list[int],
+           end: list[int]) -> list[tuple[int | None, tuple[int, ...], tuple[int, ...]]]:
+    """A slot's region ``[origin, end)`` cut at the chunk-block edges: per block it touches, the block's
+    unit (None where the block is not the split's) and the box of the region in it."""
+    per_dim = []
+    for e, o, z in zip(edges, origin, end, strict=True):
+        c0 = int(np.searchsorted(e, o, side="right")) - 1
+        c1 = int(np.searchsorted(e, z - 1, side="right")) - 1
+        per_dim.append([(c, max(o, int(e[c])), min(z, int(e[c + 1]))) for c in range(c0, c1 + 1)])
+    out = []
+    for combo in itertools.product(*per_dim):
+        block = int(np.ravel_multi_index(tuple(c for c, _, _ in combo), grid))
+        out.append((unit_of.get(block), tuple(a for _, a, _ in combo), tuple(b for _, _, b in combo)))
+    return out

@@ -452,7 +452,7 @@ class BatchGenerator:
             plan = await loop.run_in_executor(None, self.plan, epoch)  # pure math, off the loop
             if isinstance(loader, DirectLoader):
                 return await loader.load(plan, 0) if plan.n_batches else None
-            if plan.n_buffers == 0 or loader.halo_plan(plan, 0) is not None:
+            if plan.n_buffers == 0 or loader.passes_halo:
                 return None  # windows spilling into later buffers: their halo plan starts with the run
             return await loader.load(plan, 0)
 

@@ -221,7 +221,10 @@ def _equalise(per_rank: np.ndarray, batch_size: int, drop_last: bool) -> np.ndar
 def unit_order(space: SampleSpace, *, seed: int, epoch: int, shuffle: bool, block_chunks: int) -> np.ndarray:
     """The epoch's order of the split's units, before ranks take their shares."""
     if shuffle and space.spills:  # neighbours share a block or follow each other: chunks read once
-        return _shuffle.neighbour_order(space.n_units, block_chunks, seed, epoch)
+        if len(space.split_dims) == 1:
+            return _shuffle.neighbour_order(space.n_units, block_chunks, seed, epoch)
+        coords = np.stack(np.unravel_index(space.blocks.ids(), space.grid), axis=1)
+        return _shuffle.neighbour_order_nd(coords, space.spill_dims, block_chunks, seed, epoch)
     return _shuffle.unit_order(space.n_units, seed, epoch, shuffle)
 
 

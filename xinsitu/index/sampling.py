@@ -430,13 +430,19 @@ class SampleSpace:
         return sizes * self._free_n if self._free_n != 1 else sizes
 
     @cached_property
+    def spill_dims(self) -> tuple[bool, ...]:
+        """Per split dim, whether windows or tiles along it reach from a unit into the next one."""
+        out = []
+        for d, e in zip(self.split_dims, self.edges, strict=True):
+            s = d.starts()
+            out.append(d.width > 1 and bool(np.any(np.searchsorted(e, s, side="right")
+                                                   != np.searchsorted(e, s + d.width - 1, side="right"))))
+        return tuple(out)
+
+    @property
     def spills(self) -> bool:
-        """Whether windows or tiles along the (one) split dim reach from a unit into the next one."""
-        if len(self.split_dims) != 1 or self.split_dims[0].width == 1:
-            return False
-        d, e = self.split_dims[0], self.edges[0]
-        s = d.starts()
-        return bool(np.any(np.searchsorted(e, s, side="right") != np.searchsorted(e, s + d.width - 1, side="right")))
+        """Whether windows or tiles reach from a unit into a neighbouring one (along any split dim)."""
+        return any(self.spill_dims)
 
     @cached_property
     def offsets(self) -> Offsets:

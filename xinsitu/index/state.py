@@ -19,8 +19,10 @@ from xinsitu.index.plan import segment_plan
 
 #: 2: a shuffled epoch visits the units in the order of ``shuffle.units_at`` (a keyed bijection
 #: evaluated per position, so a rank computes only its share); version 1 states were saved with
-#: the earlier order (a NumPy permutation of every unit), which this xinsitu no longer makes
-STATE_VERSION = 2
+#: the earlier order (a NumPy permutation of every unit), which this xinsitu no longer makes.
+#: 3: a shuffled epoch whose tiles spill over several split dims visits the units in the order of
+#: ``shuffle.neighbour_order_nd`` (version 2: as any shuffled epoch without spills)
+STATE_VERSION = 3
 
 # what must match for the saved position to mean the same batches
 _DEFINING = ("split", "manifest", "seed", "batch_size", "shuffle", "block_chunks", "drop_last",
@@ -85,11 +87,15 @@ def _hops(gen: Any, epoch: int) -> list[list[int]]:
 
 
 def _check_order_version(gen: Any, state: dict[str, Any]) -> None:
-    """Refuse a state saved before the current unit order where the order it resumes has changed
-    (a shuffled epoch without windows that spill into the next unit); an unshuffled epoch, or the
-    neighbour order of spilling windows, are what they were, so such a state resumes."""
+    """Refuse a state saved before the current unit order where the order it resumes has changed: a
+    shuffled epoch without windows that spill into the next unit (before version 2), or whose tiles
+    spill over several split dims (before 3). An unshuffled epoch, or the neighbour order of windows
+    spilling along one split dim, are what they were, so such a state resumes."""
     version = state.get("version", 1)
-    if version >= STATE_VERSION or not gen.shuffle or gen.space.spills:
+    sp = gen.space
+    one_dim = sp.spills and len(sp.split_dims) == 1
+    changed = (version < 2 and not one_dim) or (version < 3 and sp.spills and not one_dim)
+    if not gen.shuffle or not changed:
         return
     raise ValueError(f"state was saved by an older xinsitu (state version {version}, this is {STATE_VERSION}): "
                      "its shuffled epochs visit chunk blocks in another order, so this xinsitu cannot resume "

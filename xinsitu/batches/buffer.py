@@ -624,7 +624,7 @@ class HaloPlan:
     def __init__(self, loader: BufferLoader, plan: EpochPlan, first: int, ahead: int):
         sp = loader.space
         self.names = [d.name for d in sp.split_dims]
-        unit_of = {int(b): u for u, b in enumerate(sp.blocks)}
+        unit_of = dict(zip(sp.blocks.ids().tolist(), range(sp.n_units), strict=True))  # block id -> unit
         n_buf = plan.n_buffers
         buffers = range(first, n_buf)
         need: dict[int, list[list[tuple[int | None, tuple[int, ...], tuple[int, ...]]]]] = {}
@@ -644,15 +644,16 @@ class HaloPlan:
         # hold more (a grid of many blocks in buffers of few units); beyond it a chunk is read again
         block = int(np.prod([int(np.diff(e).max()) for e in sp.edges]))
         most = HALO_HELD_BUFFERS * block * max((len(plan.units[plan.buffer_pieces(j)]) for j in buffers), default=1)
-        plans = {a: _assign(need, boxes, buffers, a) for a in {1, max(1, min(ahead, reach))}}
         lo, hi = 1, max(1, min(ahead, reach))
+        plans = {hi: _assign(need, boxes, buffers, hi)}
         if plans[hi][3] <= most:
             lo = hi
         while hi - lo > 1:  # the farthest reach that holds no more than that (held grows with the reach)
             mid = (lo + hi) // 2
             plans[mid] = _assign(need, boxes, buffers, mid)
             lo, hi = (mid, hi) if plans[mid][3] <= most else (lo, mid)
-        self.segments, self.gives, self.takers, self.peak = plans[lo]
+        got = plans.get(lo) or _assign(need, boxes, buffers, lo)
+        self.segments, self.gives, self.takers, self.peak = got
         self.ahead, self.block = lo, block  # (peak and block: positions of the split dims)
         self.held: dict[Entry, dict[str, np.ndarray]] = {}
         self._ready: dict[int, asyncio.Future] = {}

@@ -134,8 +134,8 @@ def neighbour_order_nd(coords: np.ndarray, spill: tuple[bool, ...], block_chunks
     diagonals between them). The units go by anti-diagonal, counted down from the far corner (the
     sum of a unit's coordinates along the spilling dims, largest first), in a random order along
     each anti-diagonal: a unit comes after every neighbour it spills into, so what a ``HaloPlan``
-    passes on is their edges, never whole units, and the edges are held for about two
-    anti-diagonals. Units that differ along the other split dims (e.g. time blocks beside a spatial
+    passes on is their edges (whole units only where a tile is as wide as a block), held for about
+    two anti-diagonals. Units that differ along the other split dims (e.g. time blocks beside a spatial
     grid) share no tiles: their groups are shuffled and taken a few at a time, as many as put about
     ``block_chunks`` units on an anti-diagonal, so a buffer mixes several groups. Random per
     ``(seed, epoch)``: the order along an anti-diagonal and of the groups. (A serpentine of columns as

@@ -152,3 +152,26 @@ async def _most_held(loader, plan, halo) -> int:
         await loader.load(plan, j, halo)
         most = max(most, sum(a.nbytes for held in halo.held.values() for a in held.values()))
     return most
+
+
+@pytest.mark.parametrize("big", [False, True])
+def test_big_windows_are_gathered_as_xarray_gives_them(tmp_path, monkeypatch, big):
+    """Windows gathered from buffers: by fancy indexing, or (``big``: samples past ``ROW_COPY_BYTES``) by a
+    copy of each sample's block, transposed where the output's dims are in another order (variable ``c``),
+    and into the channels of a stacked batch; equal to xarray, stacked or not."""
+    from tests.index.test_sampling import grid_ds, write
+
+    if big:
+        monkeypatch.setattr("xinsitu.batches.buffer.ROW_COPY_BYTES", 1)
+        monkeypatch.setattr("xinsitu.batches.buffer.ROW_COPY_SLICE_BYTES", 1)  # (into a channel slice)
+    ds = grid_ds(nt=40, ny=6, nx=5)[["a", "b"]]
+    ds["c"] = ds["a"].transpose("lat", "lon", "time") * 2
+    ds = write(tmp_path / "w.zarr", ds, {v: {"time": 4} for v in ("a", "b", "c")})
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    kw = dict(batch_size=4, window={"time": 3}, variables=["a", "b", "c"], seed=1)
+    gen = ds.insitu.batches(m, "train", output="numpy", **kw)
+    run_epoch(ds, gen)
+    stacked = ds.insitu.batches(m, "train", output="numpy", stack=True, **kw)
+    for s, b in zip(stacked, gen, strict=True):
+        ref = np.stack([b["a"], b["b"], b["c"].transpose(0, 3, 1, 2)], axis=1)
+        assert s.dtype == ref.dtype and np.array_equal(s, ref)

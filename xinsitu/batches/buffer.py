@@ -510,6 +510,19 @@ class BufferLoader:
                 return res
             # indices are in range by construction: mode="clip" lets numpy write into `into` unbuffered
             return np.take(flat, at, axis=0, out=into, mode="clip")
+        if len(lay.sampled) == 1 and nk == 1 and dev is None and buf.flags.c_contiguous:
+            # one window or tile along the buffer's first axis: each sample is one block of the buffer; big
+            # ones a plain copy each (fancy indexing gathers a 42 MB window of the 1-degree shape at ~1 GB/s)
+            w = sp.dims[lay.sampled[0]].width
+            big = ROW_COPY_BYTES if into is None or into.flags.c_contiguous else ROW_COPY_SLICE_BYTES
+            if w * buf[0, 0].nbytes >= big:
+                q = None if lay.out_perm is None else tuple(p - 1 for p in lay.out_perm[1:])
+                block = (w, *buf.shape[2:])
+                res = into if into is not None else np.empty(
+                    (n, *(block if q is None else [block[i] for i in q])), buf.dtype)
+                for k, (s, p) in enumerate(zip(slot_idx.tolist(), local[0].tolist(), strict=True)):
+                    np.copyto(res[k], buf[s, p:p + w] if q is None else buf[s, p:p + w].transpose(q))
+                return res
         idx: list[Any] = [slot_idx.reshape((n,) + (1,) * nk)]
         for k, pos in zip(lay.sampled, local, strict=True):
             shape = [n] + [1] * nk

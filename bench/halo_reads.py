@@ -22,7 +22,7 @@ import numpy as np
 import xarray as xr
 
 import xinsitu
-from xinsitu.batches.buffer import HALO_HELD_BUFFERS
+from xinsitu.batches.halo import HALO_HELD_BUFFERS
 
 NT, CT = 6, 3  # time steps, and per chunk
 

@@ -126,9 +126,9 @@ def test_tiles_spilling_over_several_split_dims_read_each_chunk_about_once(grid,
 
 
 def test_a_grid_halo_holds_edges_within_its_bound(grid):
-    """What buffers pass on over a grid of blocks stays within two buffers of units (``HALO_HELD_BUFFERS``),
+    """What buffers pass on over a grid of blocks stays within ``HALO_HELD_BUFFERS`` buffers of units,
     and all of it is let go by the end; in a random split (some neighbours in the other split) too."""
-    from xinsitu.batches.buffer import HALO_HELD_BUFFERS
+    from xinsitu.batches.halo import HALO_HELD_BUFFERS
     from xinsitu.io import loop as _loop
 
     for fractions in ({"train": 1.0}, {"train": 0.7, "val": 0.3}):

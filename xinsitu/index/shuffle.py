@@ -107,7 +107,7 @@ def neighbour_order(n_units: int, block_chunks: int, seed: int, epoch: int) -> n
     """A shuffled unit order in which neighbouring units land in the same or the next buffer.
 
     For windows and tiles that spill from one chunk into the next: the chunk they spill into is
-    then held by a buffer the next one can pass it to (``xinsitu.batches.buffer.HaloPlan``), instead of
+    then held by a buffer the next one can pass it to (``xinsitu.batches.halo.HaloPlan``), instead of
     being read twice. The units are laid out in ``block_chunks`` rows, each running the other way
     than the row before (a serpentine), and a buffer takes one column: its units are spread evenly
     over the whole split (batches mix far-apart chunks as a permutation does), and the next buffer

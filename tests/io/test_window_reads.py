@@ -175,3 +175,31 @@ def test_big_windows_are_gathered_as_xarray_gives_them(tmp_path, monkeypatch, bi
     for s, b in zip(stacked, gen, strict=True):
         ref = np.stack([b["a"], b["b"], b["c"].transpose(0, 3, 1, 2)], axis=1)
         assert s.dtype == ref.dtype and np.array_equal(s, ref)
+
+
+def test_a_halo_is_planned_as_loads_ask():
+    """An epoch of many buffers starts at once: the halo is planned a buffer at a time as each load asks
+    (with the ``ahead`` buffers it may pass on to), not for the whole epoch up front (an hourly archive
+    of 740,000 one-step chunks, windows of 2, waited 70 s for its first batch)."""
+    from types import SimpleNamespace
+
+    from xinsitu.batches.halo import HaloPlan
+    from xinsitu.index.runs import Blocks
+
+    n, bc, ahead = 4000, 2, 8  # one-position units in order, windows of 2 spilling into the next unit
+    sp = SimpleNamespace(split_dims=[SimpleNamespace(name="time")], edges=[np.arange(n + 1)], grid=(n,),
+                         blocks=Blocks.range(0, n), n_units=n)
+    plan = SimpleNamespace(n_buffers=n // bc, block_chunks=bc, units=np.arange(n))
+    asked = []
+
+    def regions(j):
+        asked.append(j)
+        units = np.arange(j * bc, (j + 1) * bc)
+        return units[:, None], np.minimum(units + 2, n)[:, None]
+
+    halo = HaloPlan(sp, plan, 0, ahead, regions)
+    assert not asked
+    step = halo.step(0)
+    assert sorted(asked) == list(range(ahead + 1))
+    assert list(step.give) == [(0, 2, (2,), (3,))]  # its last unit's window spills into the next buffer's first
+    assert halo.n_entries == n // bc - 1 and sorted(asked) == list(range(n // bc))

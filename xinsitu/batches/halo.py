@@ -44,8 +44,8 @@ class _Step:
 
     def __init__(self, halo: HaloPlan, j: int):
         self.halo, self.j = halo, j
-        self.segments = halo.segments[j]  # per slot: [(lo, hi, entry or None)]
-        self.give = halo.gives[j]  # entry -> (lo, hi): the box this buffer reads for later buffers
+        self.segments = halo.segments(j)  # per slot: [(lo, hi, entry or None)]
+        self.give = halo.gives(j)  # entry -> (lo, hi): the box this buffer reads for later buffers
         self.held = halo.held  # entry -> {var: array (the box, in the variable's dim order)}
 
     def region(self, lo: tuple[int, ...], hi: tuple[int, ...]) -> Region:
@@ -88,6 +88,7 @@ class _Step:
         for e in want:
             h.takers[e] -= 1
             if not h.takers[e]:  # its last taker has it: let it go
+                del h.takers[e]
                 h.held.pop(e, None)
 
     def done(self) -> None:
@@ -106,49 +107,33 @@ class HaloPlan:
     """Windows and tiles that spill into neighbouring units, in one epoch: a slot's region reaches
     from its unit into the next ones along the split dims it spills along (and the diagonals between
     them). Rather than read such a chunk again, the first buffer that reads a unit reads the boxes of
-    it that later buffers need and passes them on, up to ``ahead`` buffers later: as far as the
-    epoch's order needs (``shuffle.neighbour_order``, ``neighbour_order_nd``), as long as what is held
-    stays within ``HALO_HELD_BUFFERS`` buffers of units. Values and order are unchanged. A box inside
-    one passed on already is taken from that one; each is let go after its last taker.
+    it that later buffers need and passes them on, up to ``ahead`` buffers later (the epoch's order
+    puts a unit close after the neighbours it spills into: ``shuffle.neighbour_order``,
+    ``neighbour_order_nd``), as long as what is held stays within ``HALO_HELD_BUFFERS`` buffers of
+    units: a box that would hold more is read again by its takers. Values and order are unchanged. A
+    box inside one passed on already is taken from that one; each is let go after its last taker.
 
-    Planned once per epoch (pure index math): per buffer and slot the boxes of its region, one per
+    Pure index math, planned a buffer at a time as the epoch's loads ask for it (``step``), so an epoch
+    of a million one-step chunks starts at once: per buffer and slot the boxes of its region, one per
     unit it touches, each read or taken from an entry ``(buffer, unit, box)`` an earlier buffer fills.
     """
 
     def __init__(self, sp: SampleSpace, plan: EpochPlan, first: int, ahead: int,
                  regions: Callable[[int], tuple[np.ndarray, np.ndarray]]):
         self.names = [d.name for d in sp.split_dims]
-        unit_of = dict(zip(sp.blocks.ids().tolist(), range(sp.n_units), strict=True))  # block id -> unit
-        n_buf = plan.n_buffers
-        buffers = range(first, n_buf)
-        need: dict[int, list[list[tuple[int | None, tuple[int, ...], tuple[int, ...]]]]] = {}
-        first_need: dict[int, int] = {}  # unit -> the first buffer that needs any of it
-        for j in buffers:
+        unit_of = np.full(int(np.prod(sp.grid)), -1, np.int64)  # block id -> unit (-1: not the split's)
+        unit_of[sp.blocks.ids()] = np.arange(sp.n_units)
+
+        def needs(j: int) -> list[list[Need]]:
             origin, end = regions(j)
-            need[j] = [_boxes(sp.edges, sp.grid, unit_of, o, e) for o, e in zip(origin.tolist(), end.tolist(),
-                                                                                 strict=True)]
-            for segs in need[j]:
-                for u, _, _ in segs:
-                    if u is not None:
-                        first_need.setdefault(u, j)
-        boxes = {j: [(s, i, u, lo, hi) for s, segs in enumerate(need[j]) for i, (u, lo, hi) in enumerate(segs)
-                     if u is not None] for j in buffers}
-        reach = max((j - first_need[b[2]] for j in buffers for b in boxes[j]), default=0)
-        # hold at most about HALO_HELD_BUFFERS buffers of units at once: reach less far where that would
-        # hold more (a grid of many blocks in buffers of few units); beyond it a chunk is read again
-        block = int(np.prod([int(np.diff(e).max()) for e in sp.edges]))
-        most = HALO_HELD_BUFFERS * block * max((len(plan.units[plan.buffer_pieces(j)]) for j in buffers), default=1)
-        lo, hi = 1, max(1, min(ahead, reach))
-        plans = {hi: _assign(need, boxes, buffers, hi)}
-        if plans[hi][3] <= most:
-            lo = hi
-        while hi - lo > 1:  # the farthest reach that holds no more than that (held grows with the reach)
-            mid = (lo + hi) // 2
-            plans[mid] = _assign(need, boxes, buffers, mid)
-            lo, hi = (mid, hi) if plans[mid][3] <= most else (lo, mid)
-        got = plans.get(lo) or _assign(need, boxes, buffers, lo)
-        self.segments, self.gives, self.takers, self.peak = got
-        self.ahead, self.block = lo, block  # (peak and block: positions of the split dims)
+            return [_boxes(sp.edges, sp.grid, unit_of, o, e) for o, e in zip(origin.tolist(), end.tolist(),
+                                                                             strict=True)]
+
+        self.block = block = int(np.prod([int(np.diff(e).max()) for e in sp.edges]))  # positions of a unit
+        most = HALO_HELD_BUFFERS * block * max(1, min(plan.block_chunks, len(plan.units)))
+        self.ahead = ahead
+        self._assign = _Assign(needs, range(first, plan.n_buffers), ahead, most)
+        self.takers = self._assign.takers  # entry -> buffers yet to take it
         self.held: dict[Entry, dict[str, np.ndarray]] = {}
         self._ready: dict[int, asyncio.Future] = {}
 
@@ -159,28 +144,73 @@ class HaloPlan:
         return self._ready[j]
 
     def step(self, j: int) -> _Step:
+        """What buffer ``j`` reads, takes and gives (planned now, with what it passes on)."""
+        self._assign.through(j)
         return _Step(self, j)
+
+    def segments(self, j: int) -> list[list[tuple[tuple[int, ...], tuple[int, ...], Entry | None]]]:
+        return self._assign.segments.pop(j)
+
+    def gives(self, j: int) -> dict[Entry, Box]:
+        return self._assign.gives.pop(j)
 
     @property
     def n_entries(self) -> int:
-        return len(self.takers)
+        """Entries passed on over the epoch (plans the rest of it: for tests and benchmarks)."""
+        self._assign.through(self._assign.buffers.stop - 1)
+        return self._assign.n_entries
+
+    @property
+    def peak(self) -> int:
+        """The most positions held at once over the epoch (plans the rest of it: for tests and benchmarks)."""
+        self._assign.through(self._assign.buffers.stop - 1)
+        return self._assign.peak
 
 
-def _assign(need: dict[int, list[list[tuple[int | None, tuple[int, ...], tuple[int, ...]]]]],
-            boxes: dict[int, list[tuple[int, int, int, tuple[int, ...], tuple[int, ...]]]], buffers: range,
-            ahead: int) -> tuple[dict, dict, dict, int]:
-    """A ``HaloPlan`` reaching ``ahead`` buffers: per buffer and slot its boxes, each ``(lo, hi, entry)``
-    (entry None: read here); per buffer the entries it gives; per entry its takers; and the most
-    positions held at once (summed over the boxes that are given and not yet taken by their last taker)."""
-    segments: dict[int, list[list[tuple[tuple[int, ...], tuple[int, ...], Entry | None]]]] = {}
-    gives: dict[int, dict[Entry, Box]] = {j: {} for j in buffers}
-    takers: dict[Entry, int] = {}  # entry -> buffers taking from it (it is let go after the last)
-    last: dict[Entry, int] = {}
-    assigned: dict[tuple[int, int, int], Entry] = {}  # (buffer, slot, box) -> the entry it takes
-    for j in buffers:
+Need = tuple[int | None, tuple[int, ...], tuple[int, ...]]  # (unit or None, lo, hi): a box of a slot
+
+
+class _Assign:
+    """A ``HaloPlan``, buffer by buffer (``through``): per buffer and slot its boxes, each ``(lo, hi,
+    entry)`` (entry None: read here); per buffer the entries it gives; per entry its takers; and the
+    most positions held at once (``peak``: summed over the entries given and not yet taken by their
+    last taker), never more than ``most``: an entry that would hold more is not given."""
+
+    def __init__(self, needs: Callable[[int], list[list[Need]]], buffers: range, ahead: int, most: int):
+        self.needs, self.buffers, self.ahead, self.most = needs, buffers, ahead, most
+        self.need: dict[int, list[list[Need]]] = {}  # buffer -> per slot its boxes (until it is planned)
+        self.by_unit: dict[int, list[tuple[int, int, int, tuple[int, ...], tuple[int, ...]]]] = {}
+        self.segments: dict[int, list[list[tuple[tuple[int, ...], tuple[int, ...], Entry | None]]]] = {}
+        self.gives: dict[int, dict[Entry, Box]] = {}
+        self.takers: dict[Entry, int] = {}  # entry -> buffers taking from it (it is let go after the last)
+        self.assigned: dict[tuple[int, int, int], Entry] = {}  # (buffer, slot, box) -> the entry it takes
+        self.held: dict[int, int] = {}  # buffer -> positions held while it loads
+        self.next = self.known = buffers.start
+        self.peak = self.n_entries = 0
+
+    def through(self, j: int) -> None:
+        """Plan every buffer up to ``j``."""
+        while self.next <= min(j, self.buffers.stop - 1):
+            self._plan(self.next)
+            self.next += 1
+
+    def _know(self, k: int) -> None:
+        """The boxes of every buffer up to ``k``, and who needs each unit."""
+        while self.known <= min(k, self.buffers.stop - 1):
+            segs = self.need[self.known] = self.needs(self.known)
+            for s, seg in enumerate(segs):
+                for i, (u, lo, hi) in enumerate(seg):
+                    if u is not None:
+                        self.by_unit.setdefault(u, []).append((self.known, s, i, lo, hi))
+            self.known += 1
+
+    def _plan(self, j: int) -> None:
+        self._know(j + self.ahead)
+        assigned = self.assigned
         reads = set()
         per_slot = []
-        for s, segs in enumerate(need[j]):
+        need = self.need.pop(j)
+        for s, segs in enumerate(need):
             out = []
             for i, (u, lo, hi) in enumerate(segs):
                 key = assigned.pop((j, s, i), None)
@@ -188,34 +218,50 @@ def _assign(need: dict[int, list[list[tuple[int | None, tuple[int, ...], tuple[i
                 if key is None and u is not None:
                     reads.add(u)
             per_slot.append(out)
-        segments[j] = per_slot
+        self.segments[j] = per_slot
+        for u in {u for segs in need for u, _, _ in segs if u is not None}:  # this buffer's needs are met
+            rest = [w for w in self.by_unit[u] if w[0] > j]
+            if rest:
+                self.by_unit[u] = rest
+            else:
+                del self.by_unit[u]
         # what later buffers need of the units read here, biggest boxes first: a box inside one given
         # already is taken from that one (a unit's whole box and its neighbours' edges: held once)
-        wanted = [(k, s, i, u, lo, hi) for k in range(j + 1, min(j + ahead + 1, buffers.stop))
-                  for s, i, u, lo, hi in boxes[k] if u in reads and (k, s, i) not in assigned]
-        wanted.sort(key=lambda w: -_volume(w[4], w[5]))
+        wanted = sorted(((k, s, i, u, lo, hi) for u in reads for k, s, i, lo, hi in self.by_unit.get(u, ())
+                         if k <= j + self.ahead and (k, s, i) not in assigned),
+                        key=lambda w: (-_volume(w[4], w[5]), w[0], w[1], w[2]))
         mine: dict[int, list[Entry]] = {}
-        takes: set[tuple[Entry, int]] = set()
+        takes: dict[Entry, list[tuple[int, int, int]]] = {}
         for k, s, i, u, lo, hi in wanted:
             key = next((e for e in mine.get(u, ()) if _inside(lo, hi, e[2], e[3])), None)
             if key is None:
                 key = (j, u, lo, hi)
-                gives[j][key] = (lo, hi)
                 mine.setdefault(u, []).append(key)
-            assigned[(k, s, i)] = key
-            takes.add((key, k))
-        for key, k in takes:
-            takers[key] = takers.get(key, 0) + 1
-            last[key] = max(last.get(key, k), k)
-    held = np.zeros(len(buffers) + 1, np.int64)
-    for key, k in last.items():
-        held[key[0] - buffers.start] += _volume(key[2], key[3])
-        held[k - buffers.start] -= _volume(key[2], key[3])
-    return segments, gives, takers, int(np.cumsum(held).max()) if len(held) else 0
+                takes[key] = []
+            takes[key].append((k, s, i))
+        gives: dict[Entry, Box] = {}
+        held = self.held
+        held.pop(j - 1, None)
+        for key, who in takes.items():  # (biggest first)
+            last = max(k for k, _, _ in who)
+            vol = _volume(key[2], key[3])
+            if max(held.get(t, 0) for t in range(j, last)) + vol > self.most:
+                continue  # it would hold too much: its takers read it themselves
+            for t in range(j, last):
+                held[t] = held.get(t, 0) + vol
+                self.peak = max(self.peak, held[t])
+            gives[key] = (key[2], key[3])
+            self.takers[key] = len({k for k, _, _ in who})
+            for w in who:
+                assigned[w] = key
+        self.gives[j] = gives
+        self.n_entries += len(gives)
 
 
 def _volume(lo: tuple[int, ...], hi: tuple[int, ...]) -> int:
     """Positions in box ``[lo, hi)``."""
+    if len(lo) == 1:
+        return hi[0] - lo[0]
     return math.prod(b - a for a, b in zip(lo, hi, strict=True))
 
 
@@ -224,17 +270,19 @@ def _inside(lo: tuple[int, ...], hi: tuple[int, ...], lo2: tuple[int, ...], hi2:
     return all(a >= a2 and b <= b2 for a, b, a2, b2 in zip(lo, hi, lo2, hi2, strict=True))
 
 
-def _boxes(edges: list[np.ndarray], grid: tuple[int, ...], unit_of: dict[int, int], origin: list[int],
-           end: list[int]) -> list[tuple[int | None, tuple[int, ...], tuple[int, ...]]]:
+def _boxes(edges: list[np.ndarray], grid: tuple[int, ...], unit_of: np.ndarray, origin: list[int],
+           end: list[int]) -> list[Need]:
     """A slot's region ``[origin, end)`` cut at the chunk-block edges: per block it touches, the block's
     unit (None where the block is not the split's) and the box of the region in it."""
     per_dim = []
     for e, o, z in zip(edges, origin, end, strict=True):
-        c0 = int(np.searchsorted(e, o, side="right")) - 1
-        c1 = int(np.searchsorted(e, z - 1, side="right")) - 1
+        c0 = int(e.searchsorted(o, side="right")) - 1
+        c1 = int(e.searchsorted(z - 1, side="right")) - 1
         per_dim.append([(c, max(o, int(e[c])), min(z, int(e[c + 1]))) for c in range(c0, c1 + 1)])
+    if len(per_dim) == 1:  # one split dim: the blocks along it
+        return [(u if (u := int(unit_of[c])) >= 0 else None, (a,), (b,)) for c, a, b in per_dim[0]]
     out = []
     for combo in itertools.product(*per_dim):
-        block = int(np.ravel_multi_index(tuple(c for c, _, _ in combo), grid))
-        out.append((unit_of.get(block), tuple(a for _, a, _ in combo), tuple(b for _, _, b in combo)))
+        u = int(unit_of[np.ravel_multi_index(tuple(c for c, _, _ in combo), grid)])
+        out.append((u if u >= 0 else None, tuple(a for _, a, _ in combo), tuple(b for _, _, b in combo)))
     return out

@@ -326,6 +326,11 @@ class SampleSpace:
             # every position of the block is a sample (as ``counts`` says): no mesh, no box test per unit
             e, c = self.edges[0], int(self.blocks[unit])
             return np.arange(e[c], e[c + 1], dtype=np.int64)[:, None]
+        if len(self.split_dims) == 1:  # windows or tiles along one split dim: no mesh (a unit per chunk)
+            c = int(self.blocks[unit])
+            s, last = self._candidates(0, c)
+            ok = self._cs[last + 1] - self._cs[c] == last - c + 1  # every block it touches is the split's
+            return s[ok][:, None]
         coords = np.unravel_index(int(self.blocks[unit]), self.grid)
         cand = [self._candidates(k, int(c)) for k, c in enumerate(coords)]
         mesh = np.meshgrid(*[s for s, _ in cand], indexing="ij")

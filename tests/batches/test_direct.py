@@ -211,6 +211,48 @@ def test_a_batch_owns_its_arrays(wm, output, window):
         assert isinstance(first["lsm"], torch.Tensor)
 
 
+def test_a_dropped_batch_leaves_its_raw_arrays_to_its_threads(wm, monkeypatch):
+    """A batch read ahead and dropped (iterating an epoch again without ``set_epoch`` drops the next
+    epoch's first batch) may leave decode threads writing into its raw arrays: cancelling an await does
+    not stop a thread. No other batch gets those arrays (one did: a field of another time step showed
+    up in a re-iterated epoch's first batch, about one pass in 40)."""
+    import asyncio
+    import threading
+
+    from xinsitu.batches.direct import DirectLoader
+    from xinsitu.io import loop as _loop
+
+    ds, m, _ = wm
+    gen = ds.insitu.batches(m, "train", batch_size=4, output="numpy", stack=True, dtype="float32")
+    loader, plan = gen._item_loader(), gen.plan()
+    assert isinstance(loader, DirectLoader) and loader.builder.converts("tp")  # int16 packed: raw, then converted
+    busy, release = threading.Event(), threading.Event()
+    writing = []
+    real = loader._read_all
+
+    async def still_decoding(reads, at, regions):
+        await real(reads, at, regions)
+        writing.extend(d for _, dests in reads for d in dests)
+
+        def decode() -> None:  # a decode thread that is still writing when its load is cancelled
+            busy.set()
+            release.wait(30)
+
+        await asyncio.get_running_loop().run_in_executor(None, decode)
+
+    monkeypatch.setattr(loader, "_read_all", still_decoding)
+    load = _loop.submit(loader.load(plan, 0))
+    try:
+        assert busy.wait(30)
+        load.cancel()
+        _loop.run(asyncio.sleep(0.05))  # (the cancellation reaches the load on the I/O loop)
+        monkeypatch.setattr(loader, "_read_all", real)
+        taken = loader._take_raw(loader.layouts["tp"], 4)  # what the next batch's tp is read into
+        assert not any(np.shares_memory(taken, d) for d in writing)
+    finally:
+        release.set()
+
+
 def test_resume_and_elastic_in_place(wm):
     """Exact resume mid-epoch and an elastic resume (2 ranks -> 3) on the in-place path: the batches
     after the saved one are the uninterrupted run's, and the rest of the epoch is dealt exactly once."""

@@ -137,13 +137,13 @@ class DirectLoader:
                 rows = b.value_view(batch, name, slice(None))
                 rows = rows.reshape(n, *([1] * self.n_split), *rows.shape[1:]) if self.n_split != 1 else rows[:, None]
             reads.append((lay, self._dests(name, rows)))
-        try:
-            await self._read_all(reads, at, regions)
-            if raws:
-                await self._convert(batch, raws)
-        finally:
-            for raw in raws.values():
-                self._raw.give_back(raw)
+        await self._read_all(reads, at, regions)
+        if raws:
+            await self._convert(batch, raws)
+        # given back only now: a load cancelled or failed may leave decode threads writing into them
+        # (a cancelled await does not stop a thread), and another batch must never get one of those
+        for raw in raws.values():
+            self._raw.give_back(raw)
         static = await self._static_values()
         if isinstance(batch, dict):
             batch.update(static)
@@ -277,13 +277,11 @@ class DeviceDirectLoader(DirectLoader):
                 jobs.append(self._kept(name, read, regions, raws, hosts))
         if reads:
             jobs.append(self._decode(reads, regions, raws, hosts))
-        try:
-            await asyncio.gather(*jobs)
-            static = await self._static_values()
-            await asyncio.get_running_loop().run_in_executor(None, self._convert_all, batch, n, raws, hosts, static)
-        finally:
-            for raw in hosts.values():
-                self._raw.give_back(raw)
+        await asyncio.gather(*jobs)
+        static = await self._static_values()
+        await asyncio.get_running_loop().run_in_executor(None, self._convert_all, batch, n, raws, hosts, static)
+        for raw in hosts.values():  # (only now: see ``DirectLoader.load``)
+            self._raw.give_back(raw)
         return Filled(i, ids, starts, batch)
 
     def _in_place(self, batch: Any, name: str, n: int) -> Any:

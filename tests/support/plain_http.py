@@ -3,7 +3,8 @@ still: what the disk cache meets on HTTP stores that give their objects no trust
 
 ``PlainServer(root)`` serves with the standard library's own handler (``SimpleHTTPRequestHandler``):
 a ``Last-Modified`` in whole seconds, no ``ETag``, no byte ranges. ``head=`` changes how it
-answers ``HEAD`` (``GET`` stays as it is): ``"405"`` (Method Not Allowed), ``"bare"`` (neither
+answers ``HEAD`` (``GET`` stays as it is): ``"405"`` (Method Not Allowed), ``"501"`` (Not
+Implemented: what a handler that defines only ``do_GET`` answers, and obstore retries), ``"bare"`` (neither
 ``ETag`` nor ``Last-Modified``, on ``GET`` either), or ``"silent"`` (the request is taken and never
 answered, until the server stops). ``head`` may be changed while it serves. ``heads`` counts the
 ``HEAD`` requests it got.
@@ -19,7 +20,7 @@ import threading
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-HEADS = ("plain", "405", "bare", "silent")
+HEADS = ("plain", "405", "501", "bare", "silent")
 
 
 class _Handler(SimpleHTTPRequestHandler):
@@ -34,8 +35,8 @@ class _Handler(SimpleHTTPRequestHandler):
         owner = self.owner
         with owner.lock:
             owner.heads += 1
-        if owner.head == "405":
-            self.send_error(405)
+        if owner.head in ("405", "501"):
+            self.send_error(int(owner.head))
             return
         if owner.head == "silent":  # taken, never answered: the client's own bound must end it
             owner.stopping.wait()

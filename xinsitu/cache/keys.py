@@ -294,7 +294,7 @@ def _refused(e: BaseException) -> str | None:
     text = str(e)
     m = re.search(r"status(?: code)?:? (\d{3})\b([ A-Za-z-]*)", text)
     status = int(m.group(1)) if m else None
-    if status is not None and 400 <= status < 500 and status not in (404, 410):
+    if status is not None and (400 <= status < 500 and status not in (404, 410) or status == 501):
         return f"its HEAD requests are refused ({status}{m.group(2).rstrip() if m else ''})"
     if type(e).__name__ == "NotSupportedError":
         return "it does not answer HEAD requests"
@@ -319,18 +319,25 @@ def _no_answer(limit: float) -> str:
 async def _ask_each(keys: list[str], one: Callable[[str], Any], limit: float) -> list[str | None]:
     """``await one(k)`` for each key, ``HEAD_CONCURRENCY`` at a time, each given ``limit`` seconds. Once
     one of them gets no answer in time, the store is taken as silent and the keys not asked yet are
-    not: a silent server costs one bound, not one per key. Such keys get ``_no_answer``."""
+    not: a silent server costs one bound, not one per key. Such keys get ``_no_answer``. Likewise once
+    one is refused (a server that does not do ``HEAD``): the rest get the same answer unasked."""
     sem = asyncio.Semaphore(HEAD_CONCURRENCY)
     silent = False
+    refused: str | None = None
 
     async def each(k: str) -> str | None:
-        nonlocal silent
+        nonlocal silent, refused
         async with sem:
             if silent:
                 return _no_answer(limit)
+            if refused is not None:
+                return refused
             try:
                 async with asyncio.timeout(limit):
-                    return await one(k)  # type: ignore[no-any-return]
+                    got = await one(k)
+                if got is not None and got.startswith(_UNTRUSTED + "its HEAD"):
+                    refused = got
+                return got  # type: ignore[no-any-return]
             except TimeoutError:
                 silent = True
                 return _no_answer(limit)

@@ -253,6 +253,19 @@ def test_a_dropped_batch_leaves_its_raw_arrays_to_its_threads(wm, monkeypatch):
         release.set()
 
 
+@pytest.mark.parametrize("sampling", [{"window": {"time": 1}}, {"patch": {"time": 1}}])
+@pytest.mark.parametrize("output", ["numpy", "xarray"])
+def test_a_window_of_one_position_on_one_step_chunks_equals_xarray(wm, sampling, output):
+    """``window={"time": 1}`` over one step per chunk: each sample keeps a ``time`` axis of length 1 (the
+    path that fills batches in place does not take it: it crashed, "axes don't match array")."""
+    from tests.index.test_sampling import run_epoch
+
+    ds, m, _ = wm
+    gen = ds.insitu.batches(m, "train", batch_size=4, output=output, seed=1, **sampling)
+    ids = run_epoch(ds, gen, output=output)
+    assert np.array_equal(np.sort(ids), np.arange(gen.n_samples))
+
+
 def test_resume_and_elastic_in_place(wm):
     """Exact resume mid-epoch and an elastic resume (2 ranks -> 3) on the in-place path: the batches
     after the saved one are the uninterrupted run's, and the rest of the epoch is dealt exactly once."""

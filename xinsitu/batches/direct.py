@@ -62,6 +62,8 @@ def direct_reason(space: SampleSpace, layouts: dict[str, VarLayout], builder: Ou
     for name, lay in layouts.items():
         if not lay.static and not all(d.name in lay.src.dims for d in space.split_dims):
             return f"variable {name!r} lacks a split dim"
+        if not lay.static and any(d.name in lay.out_dims for d in space.split_dims):
+            return "windows or tiles of one position keep a split dim in each sample"
         if lay.static and builder.stack and not set(builder.base_dims) <= set(lay.src.dims):
             return f"variable {name!r} is broadcast along dims it lacks"
     return None

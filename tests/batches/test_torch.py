@@ -149,6 +149,17 @@ def test_dataset_pickles_without_buffers(era5_path):
 
 # ---------------------------------------------------------------------- workers, in subprocesses
 @pytest.mark.slow
+def test_the_generators_set_epoch_reaches_persistent_workers(era5_path, tmp_path):
+    """``gen.set_epoch(e)`` (SPEC §4's loop), not the dataset's: persistent workers keep copies of the
+    generator, and the epoch reaches them in shared memory (each epoch repeated epoch 0's order)."""
+    out = _job(era5_path, tmp_path, "--method", "fork", "--workers", "2", "--epochs", "2", "--persistent",
+               "--gen-epoch")
+    assert "error" not in out, out.get("traceback")
+    for e in range(2):
+        _check_workers_epoch(out["epochs"][e], _reference(era5_path, e), 2)
+
+
+@pytest.mark.slow
 def test_spawn_workers_disjoint_reads_persistent_epochs(era5_path, tmp_path):
     """spawn, 2 persistent workers, 2 epochs: exactly once per epoch, set_epoch reaches the
     workers, and each worker reads its own chunks (only a block a boundary falls in twice)."""

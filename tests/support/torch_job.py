@@ -86,7 +86,7 @@ def run_epochs(args: argparse.Namespace) -> dict[str, Any]:
     dl = loader(dset, args)
     out: dict[str, Any] = {"len": len(dset), "epochs": []}
     for e in range(args.epochs):
-        dset.set_epoch(e)
+        (gen if args.gen_epoch else dset).set_epoch(e)  # the generator's own, as SPEC's loop calls it
         out["epochs"].append([record(b) for b in dl])
         log = os.environ.get("XINSITU_TEST_KEYLOG")
         if log and os.path.exists(log):
@@ -124,6 +124,7 @@ def main() -> None:
     p.add_argument("--method", default="spawn", choices=["spawn", "forkserver", "fork"])
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--persistent", action="store_true")
+    p.add_argument("--gen-epoch", action="store_true", help="gen.set_epoch(e), not the dataset's")
     p.add_argument("--touch", action="store_true")
     p.add_argument("--warm", action="store_true")
     p.add_argument("--stateful", action="store_true")

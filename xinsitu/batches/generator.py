@@ -191,6 +191,9 @@ class BatchGenerator:
         self._resume_batch = 0
         self._yielded_at = (0, 0)  # (epoch, batches) of the last batch handed out: what state_dict saves
         self._live = 0  # iterations under way
+        # the epochs of the torch datasets made from this generator (``to_torch``), in shared memory: a
+        # ``set_epoch`` here reaches their persistent DataLoader workers, which keep copies of this generator
+        self._shared_epochs: list[Any] = []
         self._runs = 0  # iterations begun (the read ahead an iteration asks for is made only while it is the last)
         self._reader: Reader | None = None
         self._loader: BufferLoader | None = None
@@ -331,6 +334,8 @@ class BatchGenerator:
             if not self._live:  # a state saved now is the new epoch's start; else the live iterator's place
                 self._yielded_at = (int(epoch), 0)
         self.epoch = int(epoch)
+        for shared in self._shared_epochs:
+            shared.fill_(self.epoch)
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
         """This rank's plan of ``epoch`` (default: the current one); after an elastic resume, the rest
@@ -497,7 +502,7 @@ class BatchGenerator:
         # a pickled generator (e.g. sent to a spawned DataLoader worker) leaves this process's
         # reader and recycled block buffers behind: the new process builds its own
         state = self.__dict__.copy()
-        state.update(_reader=None, _loader=None, _direct=None, _pid=-1, _io={}, _live=0, _ahead=None)
+        state.update(_reader=None, _loader=None, _direct=None, _pid=-1, _io={}, _live=0, _ahead=None, _shared_epochs=[])
         return state
 
     # ------------------------------------------------------------------ state
@@ -578,7 +583,9 @@ class BatchGenerator:
         """A ``torch.utils.data.IterableDataset`` over this generator (use ``batch_size=None``)."""
         from xinsitu.batches.torch_dataset import InsituIterableDataset
 
-        return InsituIterableDataset(self)
+        ds = InsituIterableDataset(self)
+        self._shared_epochs.append(ds._shared_epoch)
+        return ds
 
     @property
     def buffer_summary(self) -> str:

@@ -15,8 +15,8 @@ makes every worker read every block: ``n`` times the I/O. Here only a block that
 boundary falls inside is read by two workers (at most ``n - 1`` blocks per epoch), and
 each worker holds its own few blocks in memory.
 
-``set_epoch`` on this dataset also reaches ``persistent_workers=True`` workers (the
-epoch lives in shared memory); calling ``gen.set_epoch`` directly does not reach them.
+``set_epoch``, on this dataset or on the generator it was made from, also reaches
+``persistent_workers=True`` workers (the epoch lives in shared memory).
 Under ``fork`` a worker reads a local archive with plain file I/O, whether
 ``xinsitu.open_zarr`` or ``xr.open_zarr`` opened it, even after the parent used obstore
 (which cannot run in a forked child); one that would have to call obstore or Icechunk
@@ -70,7 +70,7 @@ class InsituIterableDataset(torch.utils.data.IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Use the order of ``epoch`` from the next iteration on, in this process and the workers."""
         self.gen.set_epoch(epoch)
-        self._shared_epoch.fill_(int(epoch))
+        self._shared_epoch.fill_(int(epoch))  # (a generator unpickled in a worker no longer reaches it)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

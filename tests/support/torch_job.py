@@ -83,10 +83,19 @@ def run_epochs(args: argparse.Namespace) -> dict[str, Any]:
     if args.warm:  # a whole epoch in this process first, as a user checking the data would
         for _ in gen:
             pass
+    if args.resume_at:  # a state saved in this process after that many batches, loaded into a new dataset
+        it = iter(gen)
+        for _ in range(args.resume_at):
+            next(it)
+        state = json.loads(json.dumps(gen.state_dict()))
+        it.close()
+        gen, dset = make_dataset(args)
+        dset.load_state_dict(state)
     dl = loader(dset, args)
     out: dict[str, Any] = {"len": len(dset), "epochs": []}
     for e in range(args.epochs):
-        (gen if args.gen_epoch else dset).set_epoch(e)  # the generator's own, as SPEC's loop calls it
+        if not args.resume_at or e:
+            (gen if args.gen_epoch else dset).set_epoch(e)  # the generator's own, as SPEC's loop calls it
         out["epochs"].append([record(b) for b in dl])
         log = os.environ.get("XINSITU_TEST_KEYLOG")
         if log and os.path.exists(log):
@@ -125,6 +134,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--persistent", action="store_true")
     p.add_argument("--gen-epoch", action="store_true", help="gen.set_epoch(e), not the dataset's")
+    p.add_argument("--resume-at", type=int, default=0, help="first load a state saved after this many batches")
     p.add_argument("--touch", action="store_true")
     p.add_argument("--warm", action="store_true")
     p.add_argument("--stateful", action="store_true")

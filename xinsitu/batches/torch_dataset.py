@@ -115,9 +115,12 @@ class InsituIterableDataset(torch.utils.data.IterableDataset):
             gen.set_epoch(epoch)
         self._iterated = True
         start, stop = worker_batches(len(gen), info.num_workers, info.id)
-        if self._resume is not None:
-            start = min(max(start, self._resume), stop)
-            self._resume = None
+        # a worker's own state (StatefulDataLoader), else one loaded into the generator before the workers
+        # started (its copy here carries it): the rest of that epoch, each worker its part of it
+        resume, gen._resume_batch = (self._resume if self._resume is not None else gen._resume_batch), 0
+        if resume:
+            start = min(max(start, resume), stop)
+        self._resume = None
         self._pos = start
         return self._batches(start, stop)
 

@@ -249,14 +249,17 @@ def test_version_checks_on_a_silent_server_are_bounded(tmp_path, opener):
 
 
 # ------------------------------------------------------------------- a store the cache cannot name
-def test_a_store_without_a_lasting_identity_is_said_to_be_uncached(tmp_path):
+@pytest.mark.parametrize("cache", ["dir", "disk only"])
+def test_a_store_without_a_lasting_identity_is_said_to_be_uncached(tmp_path, cache):
     """An archive in a zarr ``MemoryStore`` has no identity that outlives it: nothing of it is cached, in
-    memory or on disk. That was silent; it is warned once and said in the repr."""
+    memory or on disk. That was silent; it is warned once and said in the repr, with a disk tier alone
+    too (that was silent still)."""
     import zarr
 
     store = zarr.storage.MemoryStore()
     xr.open_zarr(_archive(tmp_path / "a.zarr"), chunks=None).to_zarr(store, zarr_format=3, consolidated=False)
-    gen = _gen(xinsitu.open_zarr(store), str(tmp_path / "c"))
+    gen = _gen(xinsitu.open_zarr(store), str(tmp_path / "c") if cache == "dir" else
+               ChunkCache(memory=0, disk=tmp_path / "c"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _epoch(gen)
@@ -264,3 +267,21 @@ def test_a_store_without_a_lasting_identity_is_said_to_be_uncached(tmp_path):
     said = [str(w.message) for w in caught if "keeps nothing" in str(w.message)]
     assert len(said) == 1 and "variable 'a'" in said[0] and "MemoryStore" in said[0], said
     assert "not cached: variable 'a'" in repr(gen) and _entries(tmp_path / "c") == 0
+
+
+def test_variables_read_through_dask_are_said_to_be_uncached(tmp_path):
+    """NetCDF files opened by ``xr.open_mfdataset`` (dask): their chunks have no key the cache could check,
+    so none is cached; that was silent. It is warned once, naming ``xinsitu.virtual.open_netcdf``, and
+    said in the repr; batches are xarray's."""
+    pytest.importorskip("netCDF4")
+    ds = xr.open_zarr(_archive(tmp_path / "a.zarr"), chunks=None).load()
+    ds.to_netcdf(tmp_path / "a.nc")
+    src = xr.open_mfdataset([str(tmp_path / "a.nc")], chunks={"time": 4})
+    gen = _gen(src, str(tmp_path / "c"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, second = _epoch(gen), _epoch(gen)
+    said = [str(w.message) for w in caught if "keeps nothing" in str(w.message)]
+    assert len(said) == 1 and "variable 'a'" in said[0] and "open_netcdf" in said[0], said
+    assert "not cached: variable 'a' (read through dask" in repr(gen) and _entries(tmp_path / "c") == 0
+    assert _same(first, second) and _same(first, _epoch(_gen(ds)))

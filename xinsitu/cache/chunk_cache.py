@@ -448,6 +448,16 @@ class ChunkCache:
                   "memory store, uncommitted Icechunk changes, or a kind of store the cache does not know), "
                   "so its chunks are read every epoch (warned once)")
 
+    def note_read_through_dask(self, what: str) -> None:
+        """Say once that ``what`` (a variable read through dask: NetCDF or GRIB files opened by xarray) is
+        not cached: its chunks have no keys the cache could check against the files."""
+        self._say("uncached dask", f"not cached: {what} (read through dask; xinsitu.virtual.open_netcdf or "
+                  "open_grib reads such files in place, and caches them)",
+                  f"the chunk cache keeps nothing of {what}: it is read through dask (files opened by "
+                  "xr.open_dataset or open_mfdataset with chunks=), whose chunks the cache has no key for, so they "
+                  "are read every epoch; xinsitu.virtual.open_netcdf / open_grib open the same files in place, "
+                  "and their chunks are cached (warned once)")
+
     def _disk_key(self, key: Hashable, disk_key: str | None) -> str | None:
         """The disk tier's key for an entry, None without a disk tier (or without a key it can use)."""
         if self.disk is None:

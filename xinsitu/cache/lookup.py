@@ -132,16 +132,8 @@ async def take_cached(reader: Reader, src: VarSource, coords: list[tuple[int, ..
 
 def _keys(reader: Reader, src: VarSource) -> ChunkKey | None:
     """The cache keys of ``src``'s chunks (``Reader.chunk_keys``); None without a cache, or where its store
-    has no lasting identity: then the cache says once that it keeps nothing of it (``ChunkCache.notes``)."""
-    cache = reader.cache
-    if cache is None:
-        return None
-    keys = reader.chunk_keys(src)
-    if keys is None:
-        aa = getattr(src.array, "async_array", src.array)
-        store = aa.store_path.store if hasattr(aa, "store_path") else getattr(src.array, "store", None)
-        cache.note_uncached(f"variable {src.name!r}", store)
-    return keys
+    has no lasting identity (the cache then says once that it keeps nothing of it)."""
+    return None if reader.cache is None else reader.chunk_keys(src)
 
 
 def _disk_lookup_take(cache: ChunkCache, keys: ChunkKey, prefix: str, object_of: Any,

@@ -594,6 +594,8 @@ class Reader:
         elif isinstance(src.values, np.ndarray):
             values = self._values(src, region)
         else:  # read through dask (files that are not Zarr): file reads and decoding, in a thread
+            if self.cache is not None:
+                self.cache.note_read_through_dask(f"variable {src.name!r}")
             slot = object()
             await self.inflight.take(slot)
             try:
@@ -662,13 +664,18 @@ class Reader:
     # ------------------------------------------------------------------ cache
     def chunk_keys(self, src: VarSource) -> ChunkKey | None:
         """The cache keys of ``src``'s chunks, made once; None where its store has no lasting identity
-        (a memory store, uncommitted Icechunk changes): such an array is read, not cached."""
+        (a memory store, uncommitted Icechunk changes): such an array is read, not cached, and the cache
+        says so once (``ChunkCache.notes``), whichever of its tiers would have kept it."""
         k = id(src.array)
         if k not in self._keys:
             try:
                 self._keys[k] = ChunkKey.for_array(src.array)
             except Exception:  # noqa: BLE001 - an array the keys cannot describe is simply not cached
                 self._keys[k] = None
+            if self._keys[k] is None and self.cache is not None:
+                aa = getattr(src.array, "async_array", src.array)
+                store = aa.store_path.store if hasattr(aa, "store_path") else getattr(src.array, "store", None)
+                self.cache.note_uncached(f"variable {src.name!r}", store)
         return self._keys[k]
 
     async def _serve_cached(self, src: VarSource, targets: dict[tuple[int, ...], list[Target]],

@@ -153,7 +153,8 @@ def test_dtype_float32_for_a_packed_variable(wm):
                 assert b[v].dtype == np.float32 and np.array_equal(b[v], exp, equal_nan=True), v
 
 
-@pytest.mark.parametrize("bad, err", [("float33", TypeError), ("bool", ValueError), ("U4", ValueError),
+@pytest.mark.parametrize("bad, err", [("float33", TypeError), ("float33", ValueError), (3, TypeError),
+                                      ("bool", ValueError), ("U4", ValueError),
                                       ("datetime64[ns]", ValueError), (object, ValueError)])
 def test_dtype_refused_naming_it(wm, bad, err):
     ds, m, _ = wm

@@ -513,6 +513,11 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return view
 
 
+class UnknownDtypeError(ValueError, TypeError):
+    """``dtype=`` that numpy does not know: a wrong value (``"float33"``, so a ``ValueError``) or a wrong
+    type (``3``, so a ``TypeError``), as numpy itself calls both a ``TypeError``."""
+
+
 def output_dtype(dtype: Any) -> np.dtype | None:
     """``dtype=`` as a numpy dtype (None: the values' own); a dtype numpy does not know, or one that is
     not numeric (bool, strings, datetimes, objects), raises naming ``dtype``."""
@@ -521,7 +526,7 @@ def output_dtype(dtype: Any) -> np.dtype | None:
     try:
         dt = np.dtype(dtype)
     except TypeError as e:
-        raise TypeError(f"dtype: numpy does not know {dtype!r} as a dtype ({e}); use e.g. 'float32'") from None
+        raise UnknownDtypeError(f"dtype: numpy does not know {dtype!r} as a dtype ({e}); use e.g. 'float32'") from None
     if dt.kind not in NUMERIC_KINDS or dt.kind == "b":
         raise ValueError(f"dtype: {dtype!r} ({dt}) is not a numeric dtype; use e.g. 'float32', 'float16' or 'float64'")
     return dt

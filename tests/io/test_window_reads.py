@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import xarray as xr
 
 import xinsitu
 from tests.index.test_sampling import run_epoch
@@ -203,3 +204,22 @@ def test_a_halo_is_planned_as_loads_ask():
     assert sorted(asked) == list(range(ahead + 1))
     assert list(step.give) == [(0, 2, (2,), (3,))]  # its last unit's window spills into the next buffer's first
     assert halo.n_entries == n // bc - 1 and sorted(asked) == list(range(n // bc))
+
+
+def test_a_slot_never_reads_a_block_of_another_split(tmp_path):
+    """SPEC §3: no read serves two splits. A slot's region is the box of its samples' windows and tiles;
+    where they spill along two split dims, the box takes in the diagonal block, which no sample reaches
+    (one that would is left out) and which may be another split's: it is not read (it was)."""
+    from tests.index.test_sampling import write
+
+    rng = np.random.default_rng(0)
+    src = xr.Dataset({"a": (("time", "lat", "lon"), rng.standard_normal((12, 10, 4)).astype("f4"))})
+    ds = write(tmp_path / "d.zarr", src, {"a": {"time": 6, "lat": 5, "lon": 4}})  # 2 x 2 blocks, a chunk each
+    m = next(m for seed in range(100) for m in [ds.insitu.split(["time", "lat"], fractions={"train": 0.25, "val": 0.75},
+                                                               contiguous=False, seed=seed)]
+             if m.splits["train"].ids().tolist() == [3])  # train: block (1, 1); val: the other three
+    gen = ds.insitu.batches(m, "val", batch_size=4, window={"time": 3}, patch={"lat": 4}, stride={"lat": 2},
+                            output="numpy", block_chunks=16)
+    ids = run_epoch(ds, gen)
+    assert np.array_equal(np.sort(ids), np.arange(gen.n_samples)) and gen.n_samples
+    assert gen.io_stats["chunks"] == 3  # val's three chunks, each once; not train's

@@ -213,9 +213,11 @@ class _Assign:
         for s, segs in enumerate(need):
             out = []
             for i, (u, lo, hi) in enumerate(segs):
+                if u is None:  # a block not the split's: no sample reaches it (SPEC §3), so it is not read
+                    continue
                 key = assigned.pop((j, s, i), None)
                 out.append((lo, hi, key))
-                if key is None and u is not None:
+                if key is None:
                     reads.add(u)
             per_slot.append(out)
         self.segments[j] = per_slot

@@ -223,3 +223,31 @@ def test_a_slot_never_reads_a_block_of_another_split(tmp_path):
     ids = run_epoch(ds, gen)
     assert np.array_equal(np.sort(ids), np.arange(gen.n_samples)) and gen.n_samples
     assert gen.io_stats["chunks"] == 3  # val's three chunks, each once; not train's
+
+
+def test_a_variable_lacking_a_split_dim_leaves_the_halo_to_the_others(tmp_path, monkeypatch):
+    """A variable without one of the split dims (``c(time, lon)`` beside ``a(time, lat, lon)``, a split on
+    time and lat) reads its slots' whole regions; the others still pass on what their windows spill into,
+    each chunk read once (the halo was off for every variable then: ``a`` read 1.8x)."""
+    from collections import Counter
+
+    from tests.index.test_sampling import write
+    from xinsitu.io.reader import Reader
+
+    rng = np.random.default_rng(0)
+    src = xr.Dataset({"a": (("time", "lat", "lon"), rng.standard_normal((16, 12, 4)).astype("f4")),
+                      "c": (("time", "lon"), rng.standard_normal((16, 4)))})
+    ds = write(tmp_path / "d.zarr", src, {"a": {"time": 1, "lat": 3, "lon": 4}, "c": {"time": 1, "lon": 4}})
+    m = ds.insitu.split(["time", "lat"], fractions={"train": 1.0})
+    fetched: Counter = Counter()
+    real = Reader.read_many
+
+    async def counted(self, src, jobs):  # the chunks one call reads (each once, however many pieces)
+        fetched[src.name] += len({c for job in jobs for c, *_ in self.regions.plan(src, job[0])[1]})
+        return await real(self, src, jobs)
+
+    monkeypatch.setattr(Reader, "read_many", counted)
+    gen = ds.insitu.batches(m, "train", batch_size=5, window={"time": 3}, output="numpy", block_chunks=8, seed=2)
+    ids = run_epoch(ds, gen)
+    assert np.array_equal(np.sort(ids), np.arange(gen.n_samples))
+    assert fetched["a"] == 16 * 4 and fetched["c"] > 16, fetched  # a's chunks each once; c's again

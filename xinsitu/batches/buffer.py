@@ -185,12 +185,13 @@ class BufferLoader:
         for name, lay in self.layouts.items():
             if lay.static:
                 continue
+            vstep = step if self._passes(lay) else None  # (a variable lacking a split dim reads its whole region)
             shape = [len(units)] + [self._axis_len(lay, ax, extent) for ax in lay.order]
             chain = self.gpu_chain(name)  # (one look: the prefetch thread may clear it, see ``_first_gather``)
             if chain is not None:
                 on_device.append(name)
                 mine = self._regions_of(lay, regions)
-                whole = None if step is not None else self._whole_chunks(
+                whole = None if vstep is not None else self._whole_chunks(
                     name, lay, shape, self._inverse(name, lay), keys, mine)
                 if whole is not None:  # decoded on the GPU straight into a device buffer
                     arrays[name] = self.gpu.empty(shape, lay.src.raw_dtype)
@@ -207,7 +208,7 @@ class BufferLoader:
             reads = []
             inv = self._inverse(name, lay)
             mine = self._regions_of(lay, regions)
-            whole = self._whole_chunks(name, lay, shape, inv, keys, mine) if step is None else None
+            whole = self._whole_chunks(name, lay, shape, inv, keys, mine) if vstep is None else None
             if whole is not None:  # each slot is one whole chunk: gathered from the cache's slab, or read
                 slabbed.append((name, len(jobs)))
                 jobs.append(self._cached_then_read(lay, whole, buf, mine))
@@ -215,16 +216,16 @@ class BufferLoader:
             for s in range(len(units)):
                 region = mine[s]
                 view = self._slot_view(lay, buf, s, region, inv)
-                if step is None:
+                if vstep is None:
                     reads.append((region, view))
                     continue
-                for lo, hi, got in step.segments[s]:
+                for lo, hi, got in vstep.segments[s]:
                     if got is None:  # read here (else copied from what an earlier buffer passes on, below)
-                        reads.append((step.region(lo, hi), step.piece(lay, view, lo, hi, ol[s])))
-            if step is not None:
-                for key, (lo, hi) in step.give.items():
-                    held = step.held.setdefault(key, {})[name] = step.held_array(lay, lo, hi)
-                    reads.append((step.region(lo, hi), held))
+                        reads.append((vstep.region(lo, hi), vstep.piece(lay, view, lo, hi, ol[s])))
+            if vstep is not None:
+                for key, (lo, hi) in vstep.give.items():
+                    held = vstep.held.setdefault(key, {})[name] = vstep.held_array(lay, lo, hi)
+                    reads.append((vstep.region(lo, hi), held))
             jobs.append(self.reader.read_many(lay.src, reads))
         if gpu_reads:
             jobs.append(self._read_gpu(gpu_reads, arrays, on_device))
@@ -363,15 +364,19 @@ class BufferLoader:
 
     @functools.cached_property
     def passes_halo(self) -> bool:
-        """Whether buffers pass on what windows or tiles spill into (``halo_plan``)."""
-        sp = self.space
-        names = {d.name for d in sp.split_dims}
-        return sp.spills and all(lay.static or names <= set(lay.src.dims) for lay in self.layouts.values())
+        """Whether buffers pass on what windows or tiles spill into (``halo_plan``): those of the variables
+        that have every split dim (``_passes``)."""
+        return self.space.spills and any(self._passes(lay) for lay in self.layouts.values())
+
+    def _passes(self, lay: VarLayout) -> bool:
+        """Whether the halo passes on a variable's chunks: it has every split dim (one that lacks one reads
+        its slots' whole regions, its chunks again where a window spills)."""
+        return not lay.static and all(d.name in lay.src.dims for d in self.space.split_dims)
 
     def halo_plan(self, plan: EpochPlan, first: int, ahead: int = HALO_BUFFERS) -> HaloPlan | None:
         """Where windows or tiles spill over split dims into neighbouring units: which buffer passes
         which boxes of a unit on to which later one, up to ``ahead`` buffers later (None where nothing
-        spills, or where a variable lacks one of the split dims: its chunks are then read again)."""
+        spills, or where no variable has every split dim; one that lacks one reads its chunks again)."""
         if not self.passes_halo:
             return None
         for name, lay in self.layouts.items():

@@ -5,8 +5,9 @@ A spatial split of a grid of blocks (``--grid`` lat x lon blocks of 5 x 6 positi
 whole in chunks of 3, 3 variables, one in another dim order), tiles over ``lat`` and ``lon``,
 shuffled epochs per ``block_chunks``; and a split over time blocks too (tiles spill along lat and
 lon only, time blocks mixed in buffers). For each: the most chunk reads of an epoch over the
-split's chunks, and the most that was passed on and not yet taken at once, in buffers of whole
-blocks (``HaloPlan.peak``; the bound is ``HALO_HELD_BUFFERS``).
+split's chunks, and the most that was passed on and not yet taken at once, in buffers of slots (a
+block and what its tiles spill into, as the buffers hold it: ``HaloPlan.peak``; the bound is
+``HALO_HELD_BUFFERS``).
 
     python bench/halo_reads.py --grid 8 10 --out halo.json
 """
@@ -72,7 +73,7 @@ def main() -> None:
         cube = ds.insitu.split(["time", "lat", "lon"], fractions={"train": 1.0})
         cases = [(name, spatial, kw, 3 * NT // CT) for name, kw in TILES.items()]
         cases.append(("time blocks x grid, tiles 4x4, stride 2x3", cube, TILES["tiles 4x4, stride 2x3"], 3))
-        print(f"{'case':45s} {'block_chunks':>12s} {'reads/split chunks':>19s} {'held, buffers':>14s}")
+        print(f"{'case':45s} {'block_chunks':>12s} {'reads/split chunks':>19s} {'held, buffers':>14s}")  # (of slots)
         for name, m, kw, per_unit in cases:
             for bc in a.block_chunks:
                 r = measure(ds, m, kw, bc, a.epochs, per_unit)

@@ -127,22 +127,22 @@ def test_tiles_spilling_over_several_split_dims_read_each_chunk_about_once(grid,
 
 
 def test_a_grid_halo_holds_edges_within_its_bound(grid):
-    """What buffers pass on over a grid of blocks stays within ``HALO_HELD_BUFFERS`` buffers of units,
+    """What buffers pass on over a grid of blocks stays within ``HALO_HELD_BUFFERS`` buffers of slots,
     and all of it is let go by the end; in a random split (some neighbours in the other split) too."""
     from xinsitu.batches.halo import HALO_HELD_BUFFERS
     from xinsitu.io import loop as _loop
 
     for fractions in ({"train": 1.0}, {"train": 0.7, "val": 0.3}):
         m = grid.insitu.split(["lat", "lon"], fractions=fractions, seed=1)
-        for block_chunks in (16, 2):
+        for block_chunks in (16, 1):  # (one block per buffer: unbounded, it would hold 3.9 buffers of slots)
             gen = grid.insitu.batches(m, "train", batch_size=16, output="numpy", block_chunks=block_chunks,
                                       patch={"lat": 4, "lon": 4}, stride={"lat": 2, "lon": 3})
             loader, plan = gen._buffer_loader(), gen.plan()
             halo = loader.halo_plan(plan, 0)
             assert halo is not None and halo.n_entries > 0
-            unit_bytes = 5 * 6 * 3 * (4 + 8 + 4)
+            slot_bytes = (5 + 3) * (6 + 3) * 3 * (4 + 8 + 4)  # a block and what its 4 x 4 tiles spill into
             most = _loop.run(_most_held(loader, plan, halo))
-            assert 0 < most <= HALO_HELD_BUFFERS * block_chunks * unit_bytes, (fractions, block_chunks, most)
+            assert 0 < most <= HALO_HELD_BUFFERS * block_chunks * slot_bytes, (fractions, block_chunks, most)
             assert not halo.held
 
 
@@ -188,7 +188,7 @@ def test_a_halo_is_planned_as_loads_ask():
     from xinsitu.index.runs import Blocks
 
     n, bc, ahead = 4000, 2, 8  # one-position units in order, windows of 2 spilling into the next unit
-    sp = SimpleNamespace(split_dims=[SimpleNamespace(name="time")], edges=[np.arange(n + 1)], grid=(n,),
+    sp = SimpleNamespace(split_dims=[SimpleNamespace(name="time", width=2)], edges=[np.arange(n + 1)], grid=(n,),
                          blocks=Blocks.range(0, n), n_units=n)
     plan = SimpleNamespace(n_buffers=n // bc, block_chunks=bc, units=np.arange(n))
     asked = []
@@ -251,3 +251,22 @@ def test_a_variable_lacking_a_split_dim_leaves_the_halo_to_the_others(tmp_path, 
     ids = run_epoch(ds, gen)
     assert np.array_equal(np.sort(ids), np.arange(gen.n_samples))
     assert fetched["a"] == 16 * 4 and fetched["c"] > 16, fetched  # a's chunks each once; c's again
+
+
+@pytest.mark.parametrize("window", [5, 9])
+@pytest.mark.parametrize("block_chunks", [4, 16])
+def test_wide_windows_over_one_step_chunks_read_each_chunk_once(tmp_path, window, block_chunks):
+    """ARCO-ERA5's layout (one step per chunk), shuffled, windows of 5 or 9 steps: a unit is passed on to
+    the 4-8 buffers after the one that reads it, within the bound (buffers of slots: a unit and what its
+    windows spill into). Each chunk read once (1.5-3.9x while the bound counted units)."""
+    from tests.index.test_sampling import write
+
+    rng = np.random.default_rng(0)
+    src = xr.Dataset({"a": (("time", "lat", "lon"), rng.standard_normal((60, 4, 4)).astype("f4"))})
+    ds = write(tmp_path / "d.zarr", src, {"a": {"time": 1}})
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    gen = ds.insitu.batches(m, "train", batch_size=8, window={"time": window}, block_chunks=block_chunks, seed=0,
+                            output="numpy")
+    ids = run_epoch(ds, gen)
+    assert np.array_equal(np.sort(ids), np.arange(gen.n_samples))
+    assert gen.io_stats["chunks"] == 60

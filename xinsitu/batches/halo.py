@@ -20,9 +20,9 @@ Region = dict[str, tuple[int, int]]
 #: a buffer passes the chunks a window spills into on to the buffers up to this many later (at most: a
 #: plan reaches as far as its order needs, 1-2 buffers along one split dim, a few more over a grid)
 HALO_BUFFERS = 64
-#: ... as long as what is passed on and not yet taken stays within this many buffers of whole units
-#: (as much as the buffers read ahead and held): where it would hold more, it reaches less far and a
-#: chunk is read again (a grid of many blocks, in buffers of few units, whose tiles are as big as a chunk)
+#: ... as long as what is passed on and not yet taken stays within this many buffers of slots (a unit and
+#: what its windows spill into: as much as the buffers read ahead and held); a box that would hold more is
+#: read again by its takers (a grid of many blocks in buffers of one or two, tiles as big as a chunk)
 HALO_HELD_BUFFERS = 3
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (first, end) positions per split dim
@@ -110,7 +110,7 @@ class HaloPlan:
     it that later buffers need and passes them on, up to ``ahead`` buffers later (the epoch's order
     puts a unit close after the neighbours it spills into: ``shuffle.neighbour_order``,
     ``neighbour_order_nd``), as long as what is held stays within ``HALO_HELD_BUFFERS`` buffers of
-    units: a box that would hold more is read again by its takers. Values and order are unchanged. A
+    slots: a box that would hold more is read again by its takers. Values and order are unchanged. A
     box inside one passed on already is taken from that one; each is let go after its last taker.
 
     Pure index math, planned a buffer at a time as the epoch's loads ask for it (``step``), so an epoch
@@ -129,7 +129,9 @@ class HaloPlan:
             return [_boxes(sp.edges, sp.grid, unit_of, o, e) for o, e in zip(origin.tolist(), end.tolist(),
                                                                              strict=True)]
 
-        self.block = block = int(np.prod([int(np.diff(e).max()) for e in sp.edges]))  # positions of a unit
+        # positions of a slot: a unit and what its windows and tiles spill into (what buffers hold per unit)
+        self.block = block = int(np.prod([int(np.diff(e).max()) + d.width - 1
+                                          for d, e in zip(sp.split_dims, sp.edges, strict=True)]))
         most = HALO_HELD_BUFFERS * block * max(1, min(plan.block_chunks, len(plan.units)))
         self.ahead = ahead
         self._assign = _Assign(needs, range(first, plan.n_buffers), ahead, most)

@@ -54,7 +54,7 @@ def measure(ds: xr.Dataset, m: xinsitu.SplitManifest, kw: dict, block_chunks: in
             pass
         reads.append(gen.io_stats["chunks"] / (len(m.splits["train"]) * per_unit))
         halo = gen._buffer_loader().halo_plan(gen.plan(), 0)
-        peaks.append(0.0 if halo is None else halo.peak / (halo.block * block_chunks))
+        peaks.append(0.0 if halo is None else halo.peak / (halo.slot * block_chunks))
     return {"reads": round(max(reads), 3), "held_buffers": round(max(peaks), 2)}
 
 

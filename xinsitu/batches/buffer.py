@@ -219,13 +219,13 @@ class BufferLoader:
                 if vstep is None:
                     reads.append((region, view))
                     continue
-                for lo, hi, got in vstep.segments[s]:
+                for box_lo, box_hi, got in vstep.segments[s]:
                     if got is None:  # read here (else copied from what an earlier buffer passes on, below)
-                        reads.append((vstep.region(lo, hi), vstep.piece(lay, view, lo, hi, ol[s])))
+                        reads.append((vstep.region(box_lo, box_hi), vstep.piece(lay, view, box_lo, box_hi, ol[s])))
             if vstep is not None:
-                for key, (lo, hi) in vstep.give.items():
-                    held = vstep.held.setdefault(key, {})[name] = vstep.held_array(lay, lo, hi)
-                    reads.append((vstep.region(lo, hi), held))
+                for key, (box_lo, box_hi) in vstep.give.items():
+                    held = vstep.held.setdefault(key, {})[name] = vstep.held_array(lay, box_lo, box_hi)
+                    reads.append((vstep.region(box_lo, box_hi), held))
             jobs.append(self.reader.read_many(lay.src, reads))
         if gpu_reads:
             jobs.append(self._read_gpu(gpu_reads, arrays, on_device))

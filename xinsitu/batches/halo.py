@@ -17,8 +17,8 @@ from xinsitu.index.plan import EpochPlan
 from xinsitu.index.sampling import SampleSpace, VarLayout
 
 Region = dict[str, tuple[int, int]]
-#: a buffer passes the chunks a window spills into on to the buffers up to this many later (at most: a
-#: plan reaches as far as its order needs, 1-2 buffers along one split dim, a few more over a grid)
+#: a buffer passes the chunks a window spills into on to the buffers up to this many later (as far as the
+#: order needs: a window of k one-step chunks, k - 1 buffers; a grid's anti-diagonal of blocks, a few more)
 HALO_BUFFERS = 64
 #: ... as long as what is passed on and not yet taken stays within this many buffers of slots (a unit and
 #: what its windows spill into: as much as the buffers read ahead and held); a box that would hold more is
@@ -130,9 +130,9 @@ class HaloPlan:
                                                                              strict=True)]
 
         # positions of a slot: a unit and what its windows and tiles spill into (what buffers hold per unit)
-        self.block = block = int(np.prod([int(np.diff(e).max()) + d.width - 1
+        self.slot = slot = int(np.prod([int(np.diff(e).max()) + d.width - 1
                                           for d, e in zip(sp.split_dims, sp.edges, strict=True)]))
-        most = HALO_HELD_BUFFERS * block * max(1, min(plan.block_chunks, len(plan.units)))
+        most = HALO_HELD_BUFFERS * slot * max(1, min(plan.block_chunks, len(plan.units)))
         self.ahead = ahead
         self._assign = _Assign(needs, range(first, plan.n_buffers), ahead, most)
         self.takers = self._assign.takers  # entry -> buffers yet to take it

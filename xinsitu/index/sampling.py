@@ -328,9 +328,9 @@ class SampleSpace:
             return np.arange(e[c], e[c + 1], dtype=np.int64)[:, None]
         if len(self.split_dims) == 1:  # windows or tiles along one split dim: no mesh (a unit per chunk)
             c = int(self.blocks[unit])
-            s, last = self._candidates(0, c)
-            ok = self._cs[last + 1] - self._cs[c] == last - c + 1  # every block it touches is the split's
-            return s[ok][:, None]
+            starts, reach = self._candidates(0, c)
+            ok = self._cs[reach + 1] - self._cs[c] == reach - c + 1  # every block it touches is the split's
+            return starts[ok][:, None]
         coords = np.unravel_index(int(self.blocks[unit]), self.grid)
         cand = [self._candidates(k, int(c)) for k, c in enumerate(coords)]
         mesh = np.meshgrid(*[s for s, _ in cand], indexing="ij")

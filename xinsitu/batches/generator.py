@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import warnings
+import weakref
 from typing import Any
 
 import numpy as np
@@ -193,7 +194,7 @@ class BatchGenerator:
         self._live = 0  # iterations under way
         # the epochs of the torch datasets made from this generator (``to_torch``), in shared memory: a
         # ``set_epoch`` here reaches their persistent DataLoader workers, which keep copies of this generator
-        self._shared_epochs: list[Any] = []
+        self._shared_epochs: list[weakref.ref[Any]] = []  # (weak: let go with their datasets)
         self._runs = 0  # iterations begun (the read ahead an iteration asks for is made only while it is the last)
         self._reader: Reader | None = None
         self._loader: BufferLoader | None = None
@@ -334,7 +335,9 @@ class BatchGenerator:
             if not self._live:  # a state saved now is the new epoch's start; else the live iterator's place
                 self._yielded_at = (int(epoch), 0)
         self.epoch = int(epoch)
-        for shared in self._shared_epochs:
+        live = [(ref, shared) for ref in self._shared_epochs if (shared := ref()) is not None]
+        self._shared_epochs = [ref for ref, _ in live]
+        for _, shared in live:
             shared.fill_(self.epoch)
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
@@ -584,7 +587,7 @@ class BatchGenerator:
         from xinsitu.batches.torch_dataset import InsituIterableDataset
 
         ds = InsituIterableDataset(self)
-        self._shared_epochs.append(ds._shared_epoch)
+        self._shared_epochs.append(weakref.ref(ds._shared_epoch))
         return ds
 
     @property

@@ -133,7 +133,6 @@ class HaloPlan:
         self.slot = slot = int(np.prod([int(np.diff(e).max()) + d.width - 1
                                           for d, e in zip(sp.split_dims, sp.edges, strict=True)]))
         most = HALO_HELD_BUFFERS * slot * max(1, min(plan.block_chunks, len(plan.units)))
-        self.ahead = ahead
         self._assign = _Assign(needs, range(first, plan.n_buffers), ahead, most)
         self.takers = self._assign.takers  # entry -> buffers yet to take it
         self.held: dict[Entry, dict[str, np.ndarray]] = {}

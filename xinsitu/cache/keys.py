@@ -188,7 +188,7 @@ class ChunkKey:
             The Icechunk snapshot id, where the caller knows it already (else read from the store).
         """
         aa = getattr(array, "async_array", array)
-        store = aa.store_path.store if hasattr(aa, "store_path") else array.store
+        store = array_store(array)
         ident = store_identity(store)
         if ident is None:
             return None
@@ -242,6 +242,8 @@ _TRUSTED = "etag "
 _UNTRUSTED = "untrusted: "
 #: how the version of an object whose store did not answer in time starts (the rest says so)
 _UNKNOWN = "unknown: "
+#: why a version is none where the store refuses ``HEAD`` (405, 501 ...): its other objects are not asked
+_HEAD_REFUSED = "its HEAD requests are refused"
 #: ``HEAD`` requests in flight at once when versions are asked one object at a time
 HEAD_CONCURRENCY = 16
 
@@ -295,7 +297,7 @@ def _refused(e: BaseException) -> str | None:
     m = re.search(r"status(?: code)?:? (\d{3})\b([ A-Za-z-]*)", text)
     status = int(m.group(1)) if m else None
     if status is not None and (400 <= status < 500 and status not in (404, 410) or status == 501):
-        return f"its HEAD requests are refused ({status}{m.group(2).rstrip() if m else ''})"
+        return f"{_HEAD_REFUSED} ({status}{m.group(2).rstrip() if m else ''})"
     if type(e).__name__ == "NotSupportedError":
         return "it does not answer HEAD requests"
     return None
@@ -335,7 +337,7 @@ async def _ask_each(keys: list[str], one: Callable[[str], Any], limit: float) ->
             try:
                 async with asyncio.timeout(limit):
                     got = await one(k)
-                if got is not None and got.startswith(_UNTRUSTED + "its HEAD"):
+                if got is not None and got.startswith(_UNTRUSTED + _HEAD_REFUSED):
                     refused = got
                 return got  # type: ignore[no-any-return]
             except TimeoutError:
@@ -457,6 +459,12 @@ def _strip_url(url: str) -> str:
     p = urlsplit(url)
     netloc = p.netloc.rsplit("@", 1)[-1]
     return urlunsplit((p.scheme, netloc, p.path, "", ""))
+
+
+def array_store(array: Any) -> Any:
+    """The zarr store a ``zarr.Array`` (or ``AsyncArray``) reads from (None where it has none)."""
+    aa = getattr(array, "async_array", array)
+    return aa.store_path.store if hasattr(aa, "store_path") else getattr(array, "store", None)
 
 
 def store_identity(store: Any) -> tuple[str, str | None] | None:

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from xinsitu.cache.chunk_cache import ChunkCache
-from xinsitu.cache.keys import ChunkKey
+from xinsitu.cache.keys import ChunkKey, array_store
 from xinsitu.cache.lookup import serve_cached, take_cached
 from xinsitu.codecs.cpu import ChunkDecoder, is_remote, is_sharded, store_root
 from xinsitu.codecs.gpu_batch import GpuBatch, GpuSlot
@@ -673,9 +673,7 @@ class Reader:
             except Exception:  # noqa: BLE001 - an array the keys cannot describe is simply not cached
                 self._keys[k] = None
             if self._keys[k] is None and self.cache is not None:
-                aa = getattr(src.array, "async_array", src.array)
-                store = aa.store_path.store if hasattr(aa, "store_path") else getattr(src.array, "store", None)
-                self.cache.note_uncached(f"variable {src.name!r}", store)
+                self.cache.note_uncached(f"variable {src.name!r}", array_store(src.array))
         return self._keys[k]
 
     async def _serve_cached(self, src: VarSource, targets: dict[tuple[int, ...], list[Target]],

@@ -160,19 +160,22 @@ def test_the_generators_set_epoch_reaches_persistent_workers(era5_path, tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("persistent", [False, True])
-def test_a_state_loaded_before_the_workers_start_resumes_in_them(era5_path, tmp_path, persistent):
+@pytest.mark.parametrize(("method", "persistent"), [("fork", False), ("fork", True), ("spawn", False)])
+def test_a_state_loaded_before_the_workers_start_resumes_in_them(era5_path, tmp_path, method, persistent):
     """A state saved by the generator (or with num_workers=0) and loaded into ``gen.to_torch()``: the
     workers yield the rest of that epoch, each exactly once (they replayed the whole epoch), then the
     next epoch whole."""
-    out = _job(era5_path, tmp_path, "--method", "fork", "--workers", "2", "--epochs", "2", "--resume-at", "3",
-               *(["--persistent"] if persistent else []))
+    out = _job(era5_path, tmp_path, "--method", method, "--workers", "2", "--epochs", "2", "--resume-at", "3",
+               "--again", *(["--persistent"] if persistent else []))
     assert "error" not in out, out.get("traceback")
     ref = _reference(era5_path, 0)
     got = out["epochs"][0]
     assert Counter(b["sha"] for b in got) == Counter(b["sha"] for b in ref[3:])
     times = [t for b in got for t in b["times"]]
     assert len(times) == len(set(times)) == sum(len(b["times"]) for b in ref[3:])
+    # one pass resumes: the same epoch again without set_epoch is the whole epoch, as with num_workers=0
+    # (non-persistent workers start from fresh copies of the generator, which still carry the state)
+    _check_workers_epoch(out["again"], ref, 2)
     _check_workers_epoch(out["epochs"][1], _reference(era5_path, 1), 2)
 
 

@@ -97,6 +97,8 @@ def run_epochs(args: argparse.Namespace) -> dict[str, Any]:
         if not args.resume_at or e:
             (gen if args.gen_epoch else dset).set_epoch(e)  # the generator's own, as SPEC's loop calls it
         out["epochs"].append([record(b) for b in dl])
+        if args.again and not e:  # the same epoch again, without set_epoch
+            out["again"] = [record(b) for b in dl]
         log = os.environ.get("XINSITU_TEST_KEYLOG")
         if log and os.path.exists(log):
             os.replace(log, f"{log}.{e}")  # the next epoch's reads go to a new file
@@ -135,6 +137,7 @@ def main() -> None:
     p.add_argument("--persistent", action="store_true")
     p.add_argument("--gen-epoch", action="store_true", help="gen.set_epoch(e), not the dataset's")
     p.add_argument("--resume-at", type=int, default=0, help="first load a state saved after this many batches")
+    p.add_argument("--again", action="store_true", help="iterate the first epoch twice")
     p.add_argument("--touch", action="store_true")
     p.add_argument("--warm", action="store_true")
     p.add_argument("--stateful", action="store_true")

@@ -194,7 +194,7 @@ class BatchGenerator:
         self._live = 0  # iterations under way
         # the epochs of the torch datasets made from this generator (``to_torch``), in shared memory: a
         # ``set_epoch`` here reaches their persistent DataLoader workers, which keep copies of this generator
-        self._shared_epochs: list[weakref.ref[Any]] = []  # (weak: let go with their datasets)
+        self._shared: list[weakref.ref[Any]] = []  # torch datasets' shared state (weak: let go with them)
         self._runs = 0  # iterations begun (the read ahead an iteration asks for is made only while it is the last)
         self._reader: Reader | None = None
         self._loader: BufferLoader | None = None
@@ -335,10 +335,14 @@ class BatchGenerator:
             if not self._live:  # a state saved now is the new epoch's start; else the live iterator's place
                 self._yielded_at = (int(epoch), 0)
         self.epoch = int(epoch)
-        live = [(ref, shared) for ref in self._shared_epochs if (shared := ref()) is not None]
-        self._shared_epochs = [ref for ref, _ in live]
-        for _, shared in live:
-            shared.fill_(self.epoch)
+        for shared in self._shared_with_workers():
+            shared[0] = self.epoch
+
+    def _shared_with_workers(self) -> list[Any]:
+        """The shared state of the torch datasets made by ``to_torch`` that are still alive (see there)."""
+        live = [(ref, shared) for ref in self._shared if (shared := ref()) is not None]
+        self._shared = [ref for ref, _ in live]
+        return [shared for _, shared in live]
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
         """This rank's plan of ``epoch`` (default: the current one); after an elastic resume, the rest
@@ -505,7 +509,7 @@ class BatchGenerator:
         # a pickled generator (e.g. sent to a spawned DataLoader worker) leaves this process's
         # reader and recycled block buffers behind: the new process builds its own
         state = self.__dict__.copy()
-        state.update(_reader=None, _loader=None, _direct=None, _pid=-1, _io={}, _live=0, _ahead=None, _shared_epochs=[])
+        state.update(_reader=None, _loader=None, _direct=None, _pid=-1, _io={}, _live=0, _ahead=None, _shared=[])
         return state
 
     # ------------------------------------------------------------------ state
@@ -534,6 +538,8 @@ class BatchGenerator:
         self._elastic, self._elastic_epoch, self._elastic_plan = hops, epoch, None
         self._resume_batch = batch
         self._yielded_at = (epoch, batch)
+        for shared in self._shared_with_workers():  # the next DataLoader iteration's workers resume
+            shared[0], shared[1] = epoch, 0
 
     # ------------------------------------------------------------------ inspection
     @property
@@ -587,7 +593,7 @@ class BatchGenerator:
         from xinsitu.batches.torch_dataset import InsituIterableDataset
 
         ds = InsituIterableDataset(self)
-        self._shared_epochs.append(weakref.ref(ds._shared_epoch))
+        self._shared.append(weakref.ref(ds._shared))
         return ds
 
     @property

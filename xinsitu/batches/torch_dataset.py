@@ -57,9 +57,10 @@ class InsituIterableDataset(torch.utils.data.IterableDataset):
     def __init__(self, gen: Any):
         super().__init__()
         self.gen = gen
-        # set_epoch must reach persistent workers, which keep the copy of ``gen`` they started with
-        # (-1: never set through this dataset)
-        self._shared_epoch = torch.full((), -1, dtype=torch.int64).share_memory_()
+        # what must reach workers after they took their copy of ``gen``: [the epoch ``set_epoch`` gave
+        # persistent workers (-1: none yet), whether an iteration's workers took the resume loaded into
+        # ``gen`` before they started (one pass resumes, as with num_workers=0), that iteration's id]
+        self._shared = torch.tensor([-1, 0, 0], dtype=torch.int64).share_memory_()
         self._resume: int | None = None  # next batch to yield, from a loaded state (workers)
         self._pos: int | None = None  # next batch this worker yields (rank numbering)
         self._iterated = False  # this copy has run an epoch in this worker process already
@@ -69,8 +70,7 @@ class InsituIterableDataset(torch.utils.data.IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         """Use the order of ``epoch`` from the next iteration on, in this process and the workers."""
-        self.gen.set_epoch(epoch)
-        self._shared_epoch.fill_(int(epoch))  # (a generator unpickled in a worker no longer reaches it)
+        self.gen.set_epoch(epoch)  # (which also tells the workers, through ``_shared``)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -95,7 +95,6 @@ class InsituIterableDataset(torch.utils.data.IterableDataset):
         if info is None:
             self.gen.load_state_dict({k: v for k, v in state.items() if k != "worker"} if isinstance(state, dict)
                                      else state)
-            self._shared_epoch.fill_(self.gen.epoch)
             return
         check_state(self.gen, state)
         self.gen.set_epoch(int(state["epoch"]))
@@ -110,19 +109,34 @@ class InsituIterableDataset(torch.utils.data.IterableDataset):
         # as it creates the iterator (a persistent worker, at the start of every epoch)
         _check_fork(self.gen)
         gen = self.gen
-        epoch = int(self._shared_epoch)
+        epoch = int(self._shared[0])
         if self._iterated and epoch >= 0:  # a persistent worker: its copy of gen missed set_epoch
             gen.set_epoch(epoch)
         self._iterated = True
         start, stop = worker_batches(len(gen), info.num_workers, info.id)
         # a worker's own state (StatefulDataLoader), else one loaded into the generator before the workers
         # started (its copy here carries it): the rest of that epoch, each worker its part of it
-        resume, gen._resume_batch = (self._resume if self._resume is not None else gen._resume_batch), 0
+        resume = self._resume if self._resume is not None else gen._resume_batch if self._claim(info) else 0
+        gen._resume_batch = 0
         if resume:
             start = min(max(start, resume), stop)
         self._resume = None
         self._pos = start
         return self._batches(start, stop)
+
+    def _claim(self, info: Any) -> bool:
+        """Whether the workers of this DataLoader iteration take the resume loaded into ``gen`` before they
+        started: the first iteration's do; non-persistent workers of a later one (the same epoch again,
+        without ``set_epoch``) start from fresh copies of ``gen`` that still carry it, and yield the whole
+        epoch instead. The workers of one iteration share its seed less their ids."""
+        if not self.gen._resume_batch:
+            return False
+        iteration = info.seed - info.id
+        if not int(self._shared[1]):  # the first to look: its iteration takes it (the id is written first,
+            self._shared[2] = iteration  # so a worker seeing the flag sees the id)
+            self._shared[1] = 1
+            return True
+        return int(self._shared[2]) == iteration
 
     def _batches(self, start: int, stop: int) -> Any:
         # no bar per worker (it would mislead); the DataLoader's caller can wrap the loader in one

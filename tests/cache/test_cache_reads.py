@@ -231,29 +231,59 @@ def _rewrite_first_chunk(path: str) -> None:
     arr[:ct] = np.asarray(arr[:ct]) + 100.0
 
 
-@pytest.mark.parametrize("tier", ["disk", "memory"])
-def test_a_rewritten_chunk_file_is_never_served_stale(tmp_path, tier):
+@pytest.mark.parametrize("tier", ["disk", "memory", "both"])
+@pytest.mark.parametrize("window", [None, 2])  # whole chunks from the memory tier, or regions of them
+def test_a_rewritten_chunk_file_is_never_served_stale(tmp_path, tier, window):
     """The disk tier outlives the process: it keys each local chunk file by size, modification time
-    and inode, so a rewritten file is a miss for the next run. The memory tier lives with its
-    ``ChunkCache`` and takes the archive as it found it (as an open Dataset does; its keys cost no
-    ``stat``): a new cache -- ``cache=True`` makes one per generator -- reads the new values."""
+    and inode, so a rewritten file is a miss for the next run. The memory tier's keys cost no ``stat``:
+    a new generator given the same ``ChunkCache`` checks once each chunk an earlier one kept, by its
+    file's change time, and reads the rewritten one again; the others stay hits."""
     path = str(tmp_path / "era5.zarr")
     write_era5_like(path, nt=64, ny=4, nx=6, chunk_time=8)
-    cache = ChunkCache(memory=0, disk=tmp_path / "c") if tier == "disk" else ChunkCache(memory="1GB")
-    kw = {"shuffle": False}
+    cache = ChunkCache(memory=0 if tier == "disk" else "1GB", disk=None if tier == "memory" else tmp_path / "c")
+    kw = {"shuffle": False, **({"window": {"time": window}} if window else {})}
     gen = _gen(path, cache=cache, **kw)
     _epochs(gen, (0, 1))
     assert gen.io_stats["cache_hits"] == gen.io_stats["chunks"]
     _rewrite_first_chunk(path)
     ref = _epochs(_gen(path, **kw), (0,))
-    again = _gen(path, cache=ChunkCache(memory=0, disk=tmp_path / "c") if tier == "disk" else True, **kw)
-    got = _epochs(again, (0,))
-    assert _same(got, ref)
+    again = _gen(path, cache=cache, **kw)
+    got = _epochs(again, (0, 1))
+    assert _same(got[:1], ref)
+    st = again.io_stats  # of epoch 1: every chunk from the cache
+    assert st["cache_hits"] == st["chunks"] and st["cache_misses"] == 0
+    assert _same(got[1:], _epochs(_gen(path, **kw), (1,)))
+    again = _gen(path, cache=cache, **kw)  # a third generator: the chunk read again is no longer stale
+    _epochs(again, (0,))
     st = again.io_stats
-    if tier == "disk":
-        assert st["cache_misses"] == 1 and st["cache_disk_hits"] == st["cache_hits"] == st["chunks"] - 1
-    else:
-        assert st["cache_misses"] == st["chunks"] and st["cache_hits"] == 0
+    assert st["cache_hits"] == st["chunks"] and st["cache_misses"] == 0
+    if tier != "memory":
+        assert st["cache_disk_hits"] == (st["chunks"] if tier == "disk" else 0)
+    fresh = _gen(path, cache=ChunkCache(memory=0, disk=tmp_path / "c") if tier != "memory" else True, **kw)
+    assert _same(_epochs(fresh, (0,)), ref)  # a new cache, as the next run makes
+
+
+def test_the_memory_tier_checks_what_an_earlier_generator_kept(tmp_path):
+    """The counts of the memory tier's check: a second generator on the same ``ChunkCache`` reads the
+    one rewritten chunk again (a miss), finds every other chunk of the epoch in memory, and a chunk
+    file deleted since (read as the fill value) is not served from memory either."""
+    path = str(tmp_path / "era5.zarr")
+    write_era5_like(path, nt=64, ny=4, nx=6, chunk_time=8)
+    cache = ChunkCache(memory="1GB")
+    gen = _gen(path, cache=cache, shuffle=False)
+    _epochs(gen, (0,))
+    n = gen.io_stats["chunks"]
+    _rewrite_first_chunk(path)
+    again = _gen(path, cache=cache, shuffle=False)
+    _epochs(again, (0,))
+    assert again.io_stats["cache_misses"] == 1 and again.io_stats["cache_hits"] == n - 1
+    os.remove(os.path.join(path, "u10", "c", "1", "0", "0"))
+    with pytest.warns(UserWarning, match="no object in the store"):
+        ref = _epochs(_gen(path, shuffle=False), (0,))
+    third = _gen(path, cache=cache, shuffle=False)
+    with pytest.warns(UserWarning, match="no object in the store"):
+        assert _same(_epochs(third, (0,)), ref)
+    assert third.io_stats["cache_misses"] == 1
 
 
 # --------------------------------------------------------------------------------------------- stats

@@ -228,6 +228,8 @@ class ChunkCache:
         self._pid = os.getpid()
         self._mem: dict[Hashable, np.ndarray] = {}  # key -> the chunk (a read-only row of a slab)
         self._rows: dict[Hashable, tuple[np.ndarray, int]] = {}  # key -> (slab, row)
+        # key -> since when (time.time_ns()) the entry is known to match its source (``kept_before``)
+        self._born: dict[Hashable, int] = {}
         self._slabs: dict[tuple[tuple[int, ...], str], list[Any]] = {}  # (shape, dtype) -> [slab, rows used]
         self._stats = CacheStats()
         self._device: Any = None  # the tier in GPU memory, made on first use (``device_tier``)
@@ -345,7 +347,7 @@ class ChunkCache:
         with self._lock:
             self._stats.misses += n
 
-    def put(self, key: Hashable, array: np.ndarray, *, disk_key: str | None = None) -> None:
+    def put(self, key: Hashable, array: np.ndarray, *, disk_key: str | None = None, born: int | None = None) -> None:
         """Keep a decoded chunk under ``key``: in memory while the budget has room, and on disk.
 
         Parameters
@@ -356,6 +358,9 @@ class ChunkCache:
             The decoded chunk: copied into a row of the memory tier's slabs (the caller keeps its array).
         disk_key
             The disk tier's key (``ChunkKey.key``) where ``key`` is a memory key.
+        born
+            Since when (``time.time_ns()``) the chunk is known to match its source: for a chunk read
+            from a local file, the start of its reader (``ChunkKey.since_ns``); default: now.
         """
         self._after_fork()
         dk = self._disk_key(key, disk_key)
@@ -366,7 +371,7 @@ class ChunkCache:
             self._stats.puts += 1
             known = key in self._mem
         if not known:
-            self._keep(key, arr)
+            self._keep(key, arr, born)
         if dk is not None and not known:
             try:
                 self._disk_put(dk, arr)
@@ -491,6 +496,7 @@ class ChunkCache:
         with self._lock:
             self._mem.clear()
             self._rows.clear()
+            self._born.clear()
             self._slabs.clear()  # new slabs from now on: buffers may still gather from the old ones
             self._stats.memory_bytes = self._stats.memory_entries = 0
         if self.disk is None:
@@ -545,7 +551,7 @@ class ChunkCache:
         return mem, f"{used} of {bound}"
 
     # ------------------------------------------------------------------ memory tier
-    def _keep(self, key: Hashable, arr: np.ndarray) -> np.ndarray | None:
+    def _keep(self, key: Hashable, arr: np.ndarray, born: int | None = None) -> np.ndarray | None:
         """Copy ``arr`` into a free row of a slab where the budget has room (else None); nothing is
         evicted. The row is taken under the lock and filled outside it; the key is published once
         the row holds the chunk."""
@@ -564,8 +570,31 @@ class ChunkCache:
                 return self._mem[key]
             self._mem[key] = view
             self._rows[key] = place
+            self._born[key] = time.time_ns() if born is None else born
             self._stats.memory_entries += 1
         return view
+
+    def kept_before(self, keys: list[Hashable], since: int) -> list[tuple[int, int]]:
+        """``(position in keys, since when it is known to match its source)`` of the memory tier's
+        entries among ``keys`` not known to match since ``since`` (kept by a reader that started
+        before): what a new reader of mutable local files checks once (``cache.lookup``)."""
+        born = self._born
+        with self._lock:
+            return [(i, b) for i, k in enumerate(keys) if (b := born.get(k, since)) < since]
+
+    def recheck(self, keys: list[Hashable], changed: list[bool], since: int) -> None:
+        """After ``kept_before``: drop the entries whose source changed (their rows stay unused, counted
+        against the budget, as long as their slab lives: a batch may still gather from them), and mark
+        the others as matching since ``since``."""
+        with self._lock:
+            for k, gone in zip(keys, changed, strict=True):
+                if k not in self._mem:
+                    continue
+                if gone:
+                    del self._mem[k], self._rows[k], self._born[k]
+                    self._stats.memory_entries -= 1
+                else:
+                    self._born[k] = max(self._born[k], since)
 
     def _reserve(self, arr: np.ndarray) -> tuple[np.ndarray, int] | None:
         """A free row for a chunk like ``arr`` (the lock is held), counted against the budget; None

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -68,7 +69,8 @@ class ChunkKey:
     """
 
     __slots__ = ("store_id", "array_path", "metadata_hash", "snapshot", "local_root", "ident", "_prefix",
-                 "remote", "needs_version", "_versions", "_listed", "_vlock", "store_name", "_silent")
+                 "remote", "needs_version", "_versions", "_listed", "_vlock", "store_name", "_silent",
+                 "since_ns")
 
     def __init__(self, store_id: str, array_path: str, metadata: bytes | str | dict[str, Any],
                  snapshot: str | None = None, local_root: str | os.PathLike[str] | None = None, *,
@@ -89,13 +91,17 @@ class ChunkKey:
         self._listed = False
         self._silent: str | None = None  # the store got no answer in time: not asked again (its version)
         self._vlock = threading.Lock()
+        #: made before its reader read any chunk: what the memory tier keeps through these keys matches
+        #: the source since then (a local file changed later is read again by a later reader)
+        self.since_ns = time.time_ns()
 
     def memory_key(self, chunk: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
         """The memory tier's key of chunk ``chunk``: ``(ident, chunk)``, a dict lookup without hashing
-        or ``stat`` (0.2 against 5-6 us for ``key`` of a local chunk file). The memory tier lives as
-        long as the process and, like an open Dataset, takes the archive as it found it; the disk
-        tier, which outlives it, keys each local file by its size, modification and change times and
-        inode.
+        or ``stat`` (0.2 against 5-6 us for ``key`` of a local chunk file). A reader takes what the
+        memory tier kept as it found it, and a later reader (a new generator given the same
+        ``ChunkCache``) checks once each entry of a local file kept before it started, by the file's
+        change time (``cache.lookup``); the disk tier keys each local file by its size, modification and
+        change times and inode.
         """
         return (self.ident, chunk)
 

@@ -6,6 +6,7 @@ lacks goes on to be fetched as destinations that keep the chunk once decoded (``
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -47,6 +48,8 @@ async def serve_cached(reader: Reader, src: VarSource, targets: dict[tuple[int, 
     items = list(targets.items())
     mkeys: list[Any] = [keys.memory_key(c) for c, _ in items]
     disk = cache.disk is not None
+    prefix = reader.route(src).prefix
+    await _drop_rewritten(cache, keys, mkeys, lambda i: prefix + object_of(items[i][0]))
     got = cache.peek_many(mkeys, count_misses=not disk)
     hits: list[tuple[np.ndarray, list[Target]]] = []
     missing: list[tuple[tuple[int, ...], list[Target], Any]] = []
@@ -59,12 +62,11 @@ async def serve_cached(reader: Reader, src: VarSource, targets: dict[tuple[int, 
     n_disk = 0
     rest: dict[tuple[int, ...], Pieces] = {}
     if disk and missing:
-        prefix = reader.route(src).prefix
         n_disk, misses = await loop.run_in_executor(None, _disk_lookup_take, cache, keys, prefix, object_of,
                                                     missing)
-        rest = {c: Pieces(t, cache, mk, dk) for c, t, mk, dk in misses}
+        rest = {c: Pieces(t, cache, mk, dk, keys.since_ns) for c, t, mk, dk in misses}
     else:
-        rest = {c: Pieces(t, cache, mk, None) for c, t, mk in missing}
+        rest = {c: Pieces(t, cache, mk, None, keys.since_ns) for c, t, mk in missing}
     if hits:
         if _plain(hits) and len(hits) * dec.nbytes <= INLINE_COPY_BYTES:
             _put_hits(hits)
@@ -95,11 +97,15 @@ async def take_cached(reader: Reader, src: VarSource, coords: list[tuple[int, ..
     keys = _keys(reader, src) if reader.cache is not None and reader.cache.memory_budget else None
     if keys is None:
         return everything, None
-    places = reader.cache.locate_many([keys.memory_key(c) for c in coords])  # type: ignore[union-attr]
+    cache = reader.cache
+    assert cache is not None
+    mkeys: list[Any] = [keys.memory_key(c) for c in coords]
+    route = reader.route(src)
+    await _drop_rewritten(cache, keys, mkeys, lambda i: route.prefix + route.dec.key(coords[i]))
+    places = cache.locate_many(mkeys)
     held = [i for i, p in enumerate(places) if p is not None]
     if not held:
         return everything, None
-    route = reader.route(src)
     dec = route.dec
     n = len(held)
     reader.settle(route, None, SETTLED_HIT, n=n)
@@ -128,6 +134,37 @@ async def take_cached(reader: Reader, src: VarSource, coords: list[tuple[int, ..
         loop = asyncio.get_running_loop()
         await asyncio.gather(*(loop.run_in_executor(None, copy) for copy in shares))
     return [i for i, p in enumerate(places) if p is None], None
+
+
+async def _drop_rewritten(cache: ChunkCache, keys: ChunkKey, mkeys: list[Any], object_of: Any) -> None:
+    """Drop from the memory tier the chunks among ``mkeys`` whose local file (of store object ``object_of(i)``)
+    changed, or is gone, since an earlier reader kept them (a generator made before this one with the same
+    ``ChunkCache``), so they are read again; mark the others as checked.
+
+    Each entry is checked once per reader (a ``stat`` in a decode thread), at its first lookup: entries
+    this reader kept, or checked, are not. A file's change time cannot be set back, so a rewrite that
+    kept size and modification time is seen too. Not for an ``immutable`` cache, nor for remote objects
+    (their entries are kept as the process first read them; the disk tier asks their versions) nor
+    Icechunk snapshots (which name their data)."""
+    if keys.local_root is None or keys.snapshot is not None or cache.immutable or not cache.memory_budget:
+        return
+    since = keys.since_ns
+    old = cache.kept_before(mkeys, since)
+    if not old:
+        return
+
+    def changed() -> list[bool]:
+        out = []
+        for i, born in old:
+            try:
+                st = os.stat(keys.file_of(object_of(i)))  # type: ignore[arg-type]
+                out.append(max(st.st_ctime_ns, st.st_mtime_ns) >= born)
+            except FileNotFoundError:
+                out.append(True)
+        return out
+
+    gone = await asyncio.get_running_loop().run_in_executor(None, changed)
+    cache.recheck([mkeys[i] for i, _ in old], gone, since)
 
 
 def _keys(reader: Reader, src: VarSource) -> ChunkKey | None:

@@ -41,11 +41,13 @@ class ChunkCache(Protocol):
     """What the completion step asks of a chunk cache (``xinsitu.cache.ChunkCache``): keep a decoded chunk.
     (A protocol, not the cache's type: the cache's modules import this one.)"""
 
-    def put(self, key: Any, array: np.ndarray, *, disk_key: str | None = None) -> None: ...
+    def put(self, key: Any, array: np.ndarray, *, disk_key: str | None = None, born: int | None = None) -> None: ...
 
 
 class ChunkKey(Protocol):
     """The cache keys of one array's chunks (``xinsitu.cache.ChunkKey``), as the completion step uses them."""
+
+    since_ns: int
 
     def memory_key(self, chunk: tuple[int, ...]) -> Any: ...
 
@@ -168,10 +170,11 @@ class ThreadScratch(threading.local):
 SCRATCH = ThreadScratch()
 
 
-def _put_cache(cache: ChunkCache, key: Any, chunk: np.ndarray, disk_key: str | None = None) -> None:
+def _put_cache(cache: ChunkCache, key: Any, chunk: np.ndarray, disk_key: str | None = None,
+               born: int | None = None) -> None:
     """Hand a decoded chunk to the cache, which copies it (never a failed read: one it cannot keep is read)."""
     try:
-        cache.put(key, chunk, disk_key=disk_key)
+        cache.put(key, chunk, disk_key=disk_key, born=born)
     except (OSError, MemoryError):  # a chunk the cache cannot keep is still read: never a failed read
         pass
 
@@ -192,7 +195,8 @@ class Slot:
         if not dec.decode_into(raw, out):
             out[...] = dec.decode_sync(raw)
         if self.keep is not None:
-            _put_cache(self.keep[0], self.keep[1].memory_key(self.coords), out)  # copied: the row is the caller's
+            cache, keys = self.keep  # copied: the row is the caller's
+            _put_cache(cache, keys.memory_key(self.coords), out, born=keys.since_ns)
 
     def fill(self, dec: ChunkDecoder) -> None:
         self.out[...] = dec.fill()  # a chunk with no object is not cached
@@ -200,21 +204,22 @@ class Slot:
 
 class Pieces:
     """A chunk's pieces: each target's piece copied into its region and handed to its hook. With a
-    cache (``cache``, its memory ``key`` and, where it has a disk tier, ``disk_key``) the decoded
-    chunk is kept (see ``cache.lookup.serve_cached``), before any hook (which may use it as scratch)."""
+    cache (``cache``, its memory ``key``, where it has a disk tier ``disk_key``, and ``born``: the
+    reader's ``ChunkKey.since_ns``) the decoded chunk is kept (see ``cache.lookup.serve_cached``),
+    before any hook (which may use it as scratch)."""
 
-    __slots__ = ("targets", "cache", "key", "disk_key")
+    __slots__ = ("targets", "cache", "key", "disk_key", "born")
 
     def __init__(self, targets: list[Target], cache: ChunkCache | None = None, key: Any = None,
-                 disk_key: str | None = None):
-        self.targets, self.cache, self.key, self.disk_key = targets, cache, key, disk_key
+                 disk_key: str | None = None, born: int | None = None):
+        self.targets, self.cache, self.key, self.disk_key, self.born = targets, cache, key, disk_key, born
 
     def decode(self, dec: ChunkDecoder, raw: Any) -> None:
         targets, cache = self.targets, self.cache
         view = whole_view(dec.shape, targets)
         if view is not None and dec.decode_into(raw, view):
             if cache is not None:
-                _put_cache(cache, self.key, view, disk_key=self.disk_key)  # copied: the view is the caller's
+                _put_cache(cache, self.key, view, self.disk_key, self.born)  # copied: the view is the caller's
             hook = targets[0].hook
             if hook is not None:
                 hook(readonly(view), targets[0].out_sel)  # the caller's array
@@ -223,7 +228,7 @@ class Pieces:
             buf = SCRATCH.chunk(dec)
             if dec.decode_into(raw, buf):
                 if cache is not None:
-                    _put_cache(cache, self.key, buf, disk_key=self.disk_key)  # copied: the buffer is reused
+                    _put_cache(cache, self.key, buf, self.disk_key, self.born)  # copied: the buffer is reused
                 put_all(buf, targets)
                 return
         self.put(dec.decode_sync(raw))
@@ -231,7 +236,7 @@ class Pieces:
     def put(self, chunk: np.ndarray) -> None:
         """Put a decoded chunk (the reader's own new array) in place, kept where cached."""
         if self.cache is not None:
-            _put_cache(self.cache, self.key, chunk, disk_key=self.disk_key)
+            _put_cache(self.cache, self.key, chunk, self.disk_key, self.born)
         put_all(chunk, self.targets)
 
     def fill(self, dec: ChunkDecoder) -> None:

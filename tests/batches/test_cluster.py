@@ -77,6 +77,21 @@ def test_zarr_archives(client, kind, era5_path, era5_v2_path, sharded_path):
         assert ds.insitu.validity(m, "train", where=warm, client=client) == one and 0 < one["valid"] < one["total"]
 
 
+def test_a_predicate_that_cannot_travel_is_named(client, era5_path):
+    """A ``where=`` that does not pickle (it holds a lock) is what the error names, not the Dataset (a
+    local path, which travels)."""
+    ds = xinsitu.open_zarr(era5_path)
+    m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    lock = threading.Lock()
+
+    def holds_a_lock(b, _lock=lock):
+        return np.ones(b.sizes["sample"], bool)
+
+    with pytest.raises(ValueError, match="where= cannot be sent to the workers") as e:
+        ds.insitu.validity(m, "train", where=holds_a_lock, client=client)
+    assert "open the archive" not in str(e.value)
+
+
 def test_icechunk_session(client, tmp_path):
     icechunk = pytest.importorskip("icechunk", reason="the icechunk extra is not installed")
     icechunk.set_logs_filter("error")

@@ -273,6 +273,15 @@ def run_parts(client: Any, job: Any, units: int, sources: dict[str, Any], *, wha
     try:
         shipped = Shipped(job, what, where_of(sources))
     except Exception as e:  # noqa: BLE001 - whatever the store raises when pickled
+        where = getattr(job, "where", None)
+        if callable(where):  # the predicate of a validity pass, not the Dataset, may be what does not pickle
+            try:
+                _dumps(where)
+            except Exception as e2:  # noqa: BLE001
+                raise ValueError(f"{what} with client=: where= cannot be sent to the workers "
+                                 f"({type(e2).__name__}: {str(e2)[:300]}); give a predicate that cloudpickle "
+                                 "can pickle (one that holds no lock, open file or connection), or compute "
+                                 "without client=") from None
         raise ValueError(f"{what} with client=: the Dataset cannot be sent to the workers ({type(e).__name__}: "
                          f"{redact(str(e))[:300]}); open the archive from a path or URL, or a read-only Icechunk "
                          "session (repo.readonly_session(...)), or compute without client=") from None

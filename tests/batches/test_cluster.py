@@ -92,6 +92,29 @@ def test_a_predicate_that_cannot_travel_is_named(client, era5_path):
     assert "open the archive" not in str(e.value)
 
 
+def test_chunks_without_an_object_are_said(client, tmp_path):
+    """A chunk file gone from the archive reads as the fill value (zarr's rule) in stats and validity,
+    with and without ``client=`` and through the parts, and each says so once, as batches do (stats
+    said nothing: an archive deleted after opening gave statistics of nothing)."""
+    path = str(tmp_path / "a.zarr")
+    write_era5_like(path, nt=NT, ny=NY, nx=NX, chunk_time=CT)
+    os.remove(os.path.join(path, "t2m", "c", "1", "0", "0"))
+    ds = xinsitu.open_zarr(path)
+    m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    said = "1 chunk\\(s\\) had no object in the store .* chunk \\(1, 0, 0\\) of variable 't2m'"
+    with pytest.warns(UserWarning, match="stats of split 'train': " + said):
+        one = ds.insitu.stats(m, "train", variables=["t2m"])
+    with pytest.warns(UserWarning, match="stats of split 'train': " + said):
+        assert ds.insitu.stats(m, "train", variables=["t2m"], client=client) == one
+    assert one["t2m"]["nan_count"] == CT * NY * NX
+    parts = [ds.insitu.stats_part(m, "train", variables=["t2m"], part=(i, 3)) for i in range(3)]
+    with pytest.warns(UserWarning, match="stats of split 'train': " + said):
+        assert xinsitu.merge_stats(parts) == one
+    with pytest.warns(UserWarning, match="validity of split 'train': " + said):
+        got = ds.insitu.validity(m, "train", variables=["t2m"], client=client)
+    assert got["valid"] == got["total"] - CT
+
+
 def test_icechunk_session(client, tmp_path):
     icechunk = pytest.importorskip("icechunk", reason="the icechunk extra is not installed")
     icechunk.set_logs_filter("error")

@@ -32,11 +32,13 @@ import math
 import pickle
 import threading
 import uuid
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
+from xinsitu.io.reader import missing_note
 from xinsitu.stores.backend import ChunkReadError
 from xinsitu.stores.redact import redact, redact_url
 
@@ -63,6 +65,16 @@ def part_arg(part: Any) -> tuple[int, int]:
     if n < 1 or not 0 <= i < n:
         raise ValueError(f"part must be (i, n) with n >= 1 and 0 <= i < n, got {part!r}")
     return i, n
+
+
+def warn_missing(parts: list[dict[str, Any]], what: str) -> None:
+    """Warn once where the parts read chunks that had no object in the store (their ``missing`` records,
+    ``Reader.missing_record``): they read as the fill value, as in zarr, but a deleted archive looks the
+    same."""
+    recs = [m for p in parts if isinstance(m := p.get("missing"), list) and len(m) == 4]
+    if recs:
+        n = sum(int(m[0]) for m in recs)
+        warnings.warn(f"{what}: {missing_note(n, *recs[0][1:])}.", UserWarning, stacklevel=4)
 
 
 def parts_in_order(parts: Iterable[Any], kind: str, version: int, what: str) -> list[dict[str, Any]]:

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from xinsitu.batches.cluster import check_client, job_digest, part_arg, parts_in_order, run_parts
+from xinsitu.batches.cluster import check_client, job_digest, part_arg, parts_in_order, run_parts, warn_missing
 from xinsitu.batches.moments import ChannelSums, _channel_rows, channel_moments, chunk_moments
 from xinsitu.cache.chunk_cache import resolve_cache
 from xinsitu.index.channels import RESERVED, cf_decoder, channel_plan, check_fold, decodes_to_itself, fold_dims
@@ -489,6 +489,8 @@ class StatsPass:
                                "stats": {name: sums(p, len(self.channels[name])) for name, p in self._parts.items()}}
         if self.diffs is not None:
             out["diffs"] = {name: sums(p, len(self.channels[name])) for name, p in self._dparts.items()}
+        if self.reader is not None and (missing := self.reader.missing_record()) is not None:
+            out["missing"] = missing
         return out
 
 
@@ -516,6 +518,7 @@ def merge_stats(parts: Iterable[dict[str, Any] | str]) -> dict[str, Any]:
     """
     got = parts_in_order(parts, "stats_part", PART_VERSION, "merge_stats")
     job = got[0]["job"]
+    warn_missing(got, f"stats of split {job['split']!r}")
     names = list(job["variables"])
     sums = {name: [ChannelSums() for _ in job["channels"][name]] for name in names}
     dsums = {name: [ChannelSums() for _ in job["channels"][name]] for name in job["diff_variables"]}

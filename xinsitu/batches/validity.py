@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from xinsitu.batches.cluster import check_client, job_digest, part_arg, parts_in_order, run_parts
+from xinsitu.batches.cluster import check_client, job_digest, part_arg, parts_in_order, run_parts, warn_missing
 from xinsitu.batches.generator import BatchGenerator
 from xinsitu.batches.mapstyle import InsituDataset
 from xinsitu.cache.chunk_cache import ChunkCache
@@ -78,6 +78,10 @@ def _predicate(fn: Callable[[xr.Dataset], Any], batch: xr.Dataset, n: int) -> np
 class _PassData(InsituDataset):
     """The map-style dataset a part of the pass reads through: never a torch ``Dataset`` (``InsituDataset``
     itself is one where torch is installed), so a Dask worker running a part does not import torch."""
+
+    def missing_record(self) -> list[Any] | None:
+        """Of the chunks read so far, those that had no object (``Reader.missing_record``); None if none."""
+        return None if self._loader is None else self._loader.reader.missing_record()
 
 
 def _where(where: Any) -> tuple[str, str]:
@@ -214,8 +218,11 @@ class ValidityPass:
         finally:
             if bar is not None:
                 bar.close()
-        return {"xinsitu": "validity_part", "version": PART_VERSION, "job_id": self.job_id, "job": self.job,
-                "part": [i, n], "samples": [s0, s1], "mask": encode_mask(mask)}
+        out = {"xinsitu": "validity_part", "version": PART_VERSION, "job_id": self.job_id, "job": self.job,
+               "part": [i, n], "samples": [s0, s1], "mask": encode_mask(mask)}
+        if (missing := data.missing_record()) is not None:
+            out["missing"] = missing
+        return out
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -248,6 +255,7 @@ def merge_validity(parts: Iterable[dict[str, Any] | str], manifest: SplitManifes
     """
     got = parts_in_order(parts, "validity_part", PART_VERSION, "merge_validity")
     job = got[0]["job"]
+    warn_missing(got, f"validity of split {job['split']!r}")
     masks, pos = [], 0
     for p in got:
         s0, s1 = p.get("samples", [None, None])

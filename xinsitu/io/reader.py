@@ -129,6 +129,14 @@ class Route:
         return self.kind == self.LOCAL and self.store.fused  # type: ignore[attr-defined]
 
 
+def missing_note(n: int, variable: str, chunk: Any, key: str) -> str:
+    """Words for ``n`` chunks that had no object in the store and read as the fill value (zarr's rule),
+    one of them named: a deleted archive or a store answering 404 looks just like that."""
+    return (f"{n} chunk(s) had no object in the store and read as the fill value (e.g. chunk {tuple(chunk)} of "
+            f"variable {variable!r}, key {key!r}); zarr writers skip chunks that are all fill value, but a deleted "
+            "archive or a store answering 404 looks the same")
+
+
 class Reader:
     """Reads regions of the variables of one Dataset; one per process (built lazily).
 
@@ -152,6 +160,13 @@ class Reader:
         self.turn = TurnBatch(self.inflight.threads)
         self.last_missing: tuple[str, tuple[int, ...], str] | None = None  # (variable, chunk, key)
         self._starts = _loop.PerLoop(lambda _: asyncio.Lock())  # see ``starting``
+
+    def missing_record(self) -> list[Any] | None:
+        """JSON-able ``[chunks that had no object, variable, chunk, key]`` of one of them, None if none."""
+        last = self.last_missing
+        if not self.counters.missing or last is None:
+            return None
+        return [int(self.counters.missing), last[0], [int(c) for c in last[1]], last[2]]
 
     def starting(self) -> asyncio.Lock:
         """Held by a ``WholeFetches`` while it starts its requests: those of one call all go out

@@ -210,6 +210,12 @@ def test_a_batch_owns_its_arrays(wm, output, window):
     assert np.array_equal(got, lsm)
     if output == "torch":
         assert isinstance(first["lsm"], torch.Tensor)
+    # gen.sample(i), for inspection, gives arrays of the caller's own: changing one changes nothing else
+    s = gen.sample(0)
+    s["lsm"].values[...] = -1.0
+    assert np.array_equal(gen.sample(1)["lsm"].values, lsm)
+    after = next(iter(gen))["lsm"]
+    assert np.array_equal(after.numpy() if output == "torch" else np.asarray(after), lsm)
 
 
 def test_a_dropped_batch_leaves_its_raw_arrays_to_its_threads(wm, monkeypatch):

@@ -89,6 +89,24 @@ def test_jax_refuses_silent_downcast(ds_m):
     assert next(iter(gen))["tp"].dtype == np.float32
 
 
+@pytest.mark.parametrize("dtype", [">f4", "float128"])
+def test_a_dtype_jax_has_no_array_for_is_refused_naming_it(ds_m, dtype):
+    """Refused when the generator is made (it failed in jax, at the first batch, not naming dtype)."""
+    ds, m = ds_m
+    if dtype[0].isalpha() and not hasattr(np, dtype):  # (platforms without extended precision)
+        pytest.skip(f"numpy has no {dtype} here")
+    with pytest.raises(TypeError, match=f"dtype: output='jax' has no array type for {dtype}"):
+        ds.insitu.batches(m, "train", output="jax", variables=["t2m"], dtype=dtype)
+
+
+def test_complex64_is_not_taken_for_a_64_bit_type(ds_m):
+    """complex64 is two 32-bit parts, which jax keeps with 64-bit types off (it was refused)."""
+    ds, m = ds_m
+    a, b = (next(iter(ds.insitu.batches(m, "train", batch_size=3, output=o, variables=["t2m"], dtype="complex64")))
+            for o in ("numpy", "jax"))
+    assert b["t2m"].dtype == np.complex64 and np.array_equal(np.asarray(b["t2m"]), a["t2m"])
+
+
 @pytest.mark.parametrize("bad", ["cpu", "cuda:0", 0])
 def test_jax_device_must_be_a_jax_device(ds_m, bad):
     ds, m = ds_m

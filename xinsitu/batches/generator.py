@@ -580,8 +580,9 @@ class BatchGenerator:
         coords = self.builder.sample_coords(block.starts[:1])
         if "sample" in coords.dims:  # not where no sampled dim has a coordinate
             coords = coords.isel(sample=0)
+        # (a variable without the split dim is copied: the loader keeps its values for every batch)
         data = {n: xr.Variable(self.builder.dims_of(n)[1:] if self.layouts[n].has_sample_axis else
-                               self.layouts[n].src.dims, a[0] if self.layouts[n].has_sample_axis else a,
+                               self.layouts[n].src.dims, a[0] if self.layouts[n].has_sample_axis else np.array(a),
                                attrs=self.builder.attrs[n]) for n, a in values.items()}
         return xr.Dataset(data, coords=coords.coords, attrs=self.builder.ds_attrs)
 

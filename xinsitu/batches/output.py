@@ -573,31 +573,46 @@ class BatchArrays:
         return raw[off:off + nbytes].view(dtype).reshape(shape)
 
 
+#: dtypes (``np.dtype.str``) jax was found to take
+_JAX_DTYPES: set[str] = set()
+
+
 def _check_jax_dtype(what: str, dtype: Any) -> None:
-    """Refuse 64-bit values while jax has 64-bit types off: jax would silently make them 32-bit, and
-    the batch would no longer equal the numpy output."""
+    """Refuse a dtype jax has no array type for (float128, a non-native byte order), and 64-bit values
+    while jax has 64-bit types off: jax would silently make them 32-bit, and the batch would no longer
+    equal the numpy output."""
     import jax
 
     dtype = np.dtype(dtype)
-    if dtype.itemsize == 8 and dtype.kind in "fiuc" and not jax.config.read("jax_enable_x64"):
-        name = repr(what) if what.isidentifier() else what
+    name = repr(what) if what.isidentifier() else what
+    if dtype.str not in _JAX_DTYPES:
+        try:
+            jax.device_put(np.zeros(0, dtype), jax.devices("cpu")[0])
+        except TypeError:
+            raise TypeError(f"dtype: output='jax' has no array type for {dtype} ({name}); use e.g. "
+                            "'float32'") from None
+        _JAX_DTYPES.add(dtype.str)
+    wide = dtype.itemsize // (2 if dtype.kind == "c" else 1) == 8  # complex64 is two 32-bit parts
+    if wide and dtype.kind in "fiuc" and not jax.config.read("jax_enable_x64"):
+        narrow = np.dtype({"f": "float32", "i": "int32", "u": "uint32", "c": "complex64"}[dtype.kind])
         raise ValueError(f"output='jax': {name} is {dtype}, but jax has 64-bit types off and would turn it into "
-                         f"{dtype.kind}32; enable them (jax.config.update('jax_enable_x64', True)), leave the "
-                         "variable out (variables=[...]), or cast it in transform=")
+                         f"{narrow}; enable them (jax.config.update('jax_enable_x64', True)), leave the "
+                         "variable out (variables=[...]), or cast it (dtype='float32', or in transform=)")
 
 
 def _check_torch_dtype(what: str, dtype: Any, asked: Any) -> None:
-    """Refuse a dtype torch has no tensor type for (e.g. float128): else the first batch would fail in
-    torch, in the prefetch thread, without naming ``dtype``."""
+    """Refuse a dtype torch has no tensor type for (e.g. float128, a non-native byte order): else the
+    first batch would fail in torch, in the prefetch thread, without naming ``dtype``."""
     import torch
 
     try:
         torch.from_numpy(np.empty(0, np.dtype(dtype)))
-    except TypeError:
+    except (TypeError, ValueError):  # ValueError: another byte order
         name = repr(what) if what.isidentifier() else what
         hint = ("leave it out (variables=[...]) or cast it (dtype='float32', or in transform=)" if asked is None
                 else "use e.g. 'float32'")
-        raise TypeError(f"dtype: output='torch' has no tensor type for {np.dtype(dtype)} ({name}); {hint}") from None
+        raise TypeError(f"dtype: output='torch' has no tensor type for {np.dtype(dtype)} ({name}); "
+                        f"{hint}") from None
 
 
 def _jax_device(device: Any) -> Any:

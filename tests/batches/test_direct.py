@@ -454,6 +454,8 @@ def test_buffers_held_stay_within_the_budget(tmp_path, monkeypatch):
     gen = ds.insitu.batches(m, "train", batch_size=3, variables=LEVEL_VARS, output="numpy", seed=1)
     gen.read_ahead = False
     assert gen.block_chunks == 2 and "budget" in gen.buffer_summary
+    # the least a buffer holds, 3 times, is over this budget: the repr says so (it said "within a budget")
+    assert "more than the budget" in gen.buffer_summary and "within" not in gen.buffer_summary
     n = sum(len(b["z"]) for b in gen)
     # READ_AHEAD_BUFFERS (the start depth, not deepened past the budget), and one more lent while a batch
     # spans two buffers (``EpochRun.borrowed``)

@@ -18,7 +18,7 @@ import numpy as np
 import xarray as xr
 
 from xinsitu.batches import describe
-from xinsitu.batches.buffer import BUFFER_BUDGET, BufferLoader, default_block_chunks, unit_nbytes
+from xinsitu.batches.buffer import BUDGET_BUFFERS, BUFFER_BUDGET, BufferLoader, default_block_chunks, unit_nbytes
 from xinsitu.batches.direct import DeviceDirectLoader, DirectLoader, direct_reason
 from xinsitu.batches.output import OutputBuilder
 from xinsitu.batches.pipeline import DirectRun, EpochRun
@@ -600,9 +600,15 @@ class BatchGenerator:
         batch), or the buffer's chunk blocks and bytes, and whether a byte budget or ``block_chunks=`` set them."""
         if self.buffer_reason is None:
             return "none: each chunk block is one sample, decoded straight into the batch"
-        size = formatting.fmt_bytes(self.block_chunks * unit_nbytes(self.space, self.layouts))
-        why = "block_chunks=" if self._block_chunks_given else \
-            f"within a budget of {formatting.fmt_bytes(self.buffer_budget)} for the buffers held"
+        nbytes = self.block_chunks * unit_nbytes(self.space, self.layouts)
+        size, budget = formatting.fmt_bytes(nbytes), formatting.fmt_bytes(self.buffer_budget)
+        if self._block_chunks_given:
+            why = "block_chunks="
+        elif BUDGET_BUFFERS * nbytes > self.buffer_budget:  # the least a buffer holds is over the budget: say so
+            why = (f"at least 2 chunk blocks a buffer: the {BUDGET_BUFFERS} buffers read ahead and held take "
+                   f"~{formatting.fmt_bytes(BUDGET_BUFFERS * nbytes)}, more than the budget of {budget}")
+        else:
+            why = f"within a budget of {budget} for the buffers held"
         return f"{self.block_chunks} chunk blocks, ~{size} a buffer ({why}; {self.buffer_reason})"
 
     @property

@@ -63,9 +63,13 @@ def unit_nbytes(space: SampleSpace, layouts: dict[str, VarLayout]) -> int:
 
 def default_block_chunks(space: SampleSpace, layouts: dict[str, VarLayout], budget: int) -> int:
     """Chunk blocks per buffer where ``block_chunks`` is not given: as many as keep the buffers read ahead
-    and held (``BUDGET_BUFFERS``) within ``budget`` bytes, between 2 and ``MAX_BLOCK_CHUNKS``."""
+    and held (``BUDGET_BUFFERS``) within ``budget`` bytes, between 2 and ``MAX_BLOCK_CHUNKS`` -- or 1 where
+    no block holds more than one sample (one step per chunk with a window: the chunk order is a global
+    shuffle already, and a buffer of 2 blocks of a 0.25-degree field is 665 MB)."""
     per = max(1, unit_nbytes(space, layouts))
-    return int(min(MAX_BLOCK_CHUNKS, max(2, budget // (BUDGET_BUFFERS * per))))
+    size = space.unit_size
+    least = 1 if (size if size is not None else int(np.max(space.counts, initial=0))) <= 1 else 2
+    return int(min(MAX_BLOCK_CHUNKS, max(least, budget // (BUDGET_BUFFERS * per))))
 
 
 @dataclass

@@ -605,7 +605,7 @@ class BatchGenerator:
         if self._block_chunks_given:
             why = "block_chunks="
         elif BUDGET_BUFFERS * nbytes > self.buffer_budget:  # the least a buffer holds is over the budget: say so
-            why = (f"at least 2 chunk blocks a buffer: the {BUDGET_BUFFERS} buffers read ahead and held take "
+            why = (f"the least a buffer holds: the {BUDGET_BUFFERS} buffers read ahead and held take "
                    f"~{formatting.fmt_bytes(BUDGET_BUFFERS * nbytes)}, more than the budget of {budget}")
         else:
             why = f"within a budget of {budget} for the buffers held"

@@ -82,6 +82,7 @@ class EpochRun:
         self.depth = self.start_depth  # items read ahead or held (grows with requests in flight, up to ``budget``)
         self.budget = budget  # bytes the items held may take (None: no bound beyond the read-ahead rule)
         self.n_loaded = 0
+        self.held_bytes = 0  # the most host memory a loaded item held (what the budget counts)
         self.failed = False  # a buffer failed to load (set on the I/O loop)
         self.tasks: set[asyncio.Task] = set()  # buffer loads in flight
         self.then_done = threading.Event()  # ``then`` has been called or let go (``_then``)
@@ -143,6 +144,7 @@ class EpochRun:
                 self.credits.release()  # wake the producer, which may be waiting for a credit, so that it stops
         else:
             self.n_loaded += 1
+            self.held_bytes = max(self.held_bytes, _host_bytes(buffer))
             self._deepen()
         if prev is not None and not await prev:  # an earlier buffer failed: its error goes first, alone
             if not isinstance(buffer, BaseException):
@@ -214,8 +216,9 @@ class EpochRun:
         per_buffer = (reader.counters.requests - self.counters_before["requests"]) / self.n_loaded
         bytes_per_buffer = (reader.counters.bytes_decoded - self.counters_before["bytes_decoded"]) / self.n_loaded
         want = self._depth(reader.inflight.limit, reader.inflight.far, per_buffer, bytes_per_buffer)
-        if self.budget is not None:  # memory: the items held stay within the byte budget
-            want = min(want, self._cap(max(1.0, bytes_per_buffer)))
+        if self.budget is not None:  # memory: the items held stay within the byte budget (what they hold,
+            # which is more than they decode where earlier buffers pass on what windows spill into)
+            want = min(want, self._cap(max(1.0, bytes_per_buffer, self.held_bytes)))
         while self.depth < want and self.credits is not None:
             self.depth += 1
             self.credits.release()
@@ -455,6 +458,16 @@ def read_ahead_depth(limit: int, far: bool, per_buffer: float, bytes_per_buffer:
     if far:
         want = max(want, min(int(FAR_READ_AHEAD_BYTES // bytes_per_buffer), 1 + math.ceil(2 * limit / per_buffer)))
     return want
+
+
+def _host_bytes(item: Any) -> int:
+    """Host memory a loaded buffer holds: its arrays, less slabs of the cache (not the buffer's own) and
+    device arrays."""
+    arrays = getattr(item, "arrays", None)
+    if not isinstance(arrays, dict):
+        return 0
+    rows = getattr(item, "rows", {})
+    return sum(a.nbytes for n, a in arrays.items() if isinstance(a, np.ndarray) and n not in rows)
 
 
 def _copy_counters(c: Any) -> dict[str, Any]:

@@ -62,6 +62,32 @@ def test_s3fs_store_reads_like_xarray(archive, chunks):
         _check(ds, archive)
 
 
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from xinsitu.synthetic import write_era5_like
+
+    path = tmp_path_factory.mktemp("fsspec_sharded") / "sharded.zarr"
+    write_era5_like(str(path), nt=40, ny=6, nx=8, chunk_time=4, shard_time=16)
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["http", "s3"])
+@pytest.mark.slow
+def test_a_sharded_archive_over_fsspec_reads_like_xarray(sharded, kind):
+    """zarr reads a sharded array's inner chunks for xinsitu here (no byte ranges of fsspec's own): on
+    zarr's loop, where the fsspec session lives (on xinsitu's loop every read failed, naming chunk ())."""
+    if kind == "http":
+        with FileServer(Path(sharded).parent) as srv:
+            _check(xr.open_zarr(f"{srv.url}/sharded.zarr", chunks=None), sharded)
+        return
+    pytest.importorskip("s3fs", reason="s3fs (the dev extra) is not installed here")
+    with MotoS3() as srv:
+        srv.upload(sharded, "sharded-bucket", "sharded.zarr")
+        opts = {"key": srv.access_key_id, "secret": srv.secret_access_key,
+                "client_kwargs": {"endpoint_url": srv.endpoint, "region_name": srv.region}}
+        _check(xr.open_zarr("s3://sharded-bucket/sharded.zarr", chunks=None, storage_options=opts), sharded)
+
+
 CHUNKS = r"/(t2m|u10|v10|z500|tp|lsm)/c/"  # data chunk objects (not metadata, not coordinates)
 
 

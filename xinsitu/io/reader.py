@@ -644,7 +644,12 @@ class Reader:
         try:
             if store_root(src.array.store)[0] == "obstore":  # zarr would call obstore here: a hang after fork
                 _loop.refuse_after_fork(f"sharded array {src.array.path!r} (through zarr)")
-            res = await src.array.async_array.get_orthogonal_selection(tuple(pos))
+            select = src.array.async_array.get_orthogonal_selection(tuple(pos))
+            home = getattr(self._store(src), "home", None)  # an fsspec store's session lives on zarr's loop
+            if home is not None and home is not asyncio.get_running_loop():
+                res = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(select, home))
+            else:
+                res = await select
         except Exception as e:  # noqa: BLE001 - every failure names its array
             reraise(src.name, (), path, e)
         finally:

@@ -367,6 +367,20 @@ def test_fork_policy_local_files_read_remote_stores_refused(root):
     assert "127.0.0.1:9" in msg and msg.endswith(_loop.FORK_HELP)
 
 
+@pytest.mark.skipif(not hasattr(os, "fork") or sys.platform == "darwin", reason="needs os.fork")
+def test_fork_policy_refuses_an_async_fsspec_store(root):
+    """An fsspec store of an async filesystem (``xr.open_zarr("http://...")``, s3fs): its client session
+    belongs to the parent's loop, so a forked child gets ``ForkError`` naming the store and the fix (it got
+    asyncio's "attached to a different loop", naming nothing)."""
+    pytest.importorskip("aiohttp")
+    _loop.run(asyncio.sleep(0), timeout=10)
+    zhttp = zarr.storage.FsspecStore.from_url("http://127.0.0.1:9/a.zarr", read_only=True)
+    backend_for(zhttp)  # here, in the process that made it: fine
+    ok, msg = in_fork(lambda: True, lambda: backend_for(zhttp))
+    assert ok
+    assert "'http://127.0.0.1:9/a.zarr'" in msg and msg.endswith(_loop.FORK_HELP)
+
+
 def test_a_metadata_read_is_counted_as_a_call_into_obstore():
     """``bounded_request`` (an open's metadata reads, on zarr's loop) counts its fetch while in flight,
     as the chunk reads on xinsitu's loop are: the exit waits for it (``loop.native``)."""

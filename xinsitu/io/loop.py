@@ -278,7 +278,8 @@ def in_forked_child() -> bool:
 
 #: What to do instead; every fork refusal ends with it.
 FORK_HELP = (
-    "obstore and Icechunk cannot run in a process forked from one that has used them (the read would hang). "
+    "obstore, Icechunk and fsspec's async clients cannot run in a process forked from one that has used them "
+    "(the read would hang or fail). "
     "Use DataLoader(..., num_workers=0) (xinsitu reads in parallel already) or start workers with "
     "multiprocessing_context='spawn' or 'forkserver'"
 )

@@ -288,6 +288,21 @@ def test_stateful_dataloader_workers(era5_path, tmp_path):
     _check_workers_epoch(out["ref_next"], _reference(era5_path, 1), 2)
 
 
+@pytest.mark.slow
+def test_stateful_dataloader_workers_in_an_elastic_epoch(era5_path, tmp_path):
+    """A run of world size 2 stops after 2 batches per rank; a run of world size 1 resumes its state with
+    2 StatefulDataLoader workers and is checkpointed in turn: a new loader resumes that checkpoint (it
+    raised "different elastic resume": a worker's fresh generator knew nothing of the resume) and yields
+    the rest of the epoch, every sample of it exactly once."""
+    _stateful_dataloader()
+    out = _job(era5_path, tmp_path, "--open", "xr", "--method", "fork", "--workers", "2", "--stateful",
+               "--stop", "2", "--elastic-from", "2")
+    assert "error" not in out, out.get("traceback")
+    assert out["resumed"] == out["ref"][2:]
+    times = [t for b in out["before"] + out["ref"] for t in b["times"]]
+    assert len(times) == len(set(times)) == sum(len(b["times"]) for b in _reference(era5_path))
+
+
 def test_worker_order_is_deterministic():
     """Worker shares are a pure function of (batches, workers): runs, no gaps, no overlaps."""
     for n in range(0, 30):

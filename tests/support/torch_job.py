@@ -54,11 +54,11 @@ def open_archive(path: str, how: str) -> Any:
     raise SystemExit(f"unknown --open {how}")
 
 
-def make_dataset(args: argparse.Namespace) -> Any:
+def make_dataset(args: argparse.Namespace, rank: int = 0, world_size: int = 1) -> Any:
     ds = open_archive(args.archive, args.open)
     m = ds.insitu.split("time", fractions={"train": 0.8, "val": 0.2})
     gen = ds.insitu.batches(m, "train", batch_size=args.batch_size, block_chunks=args.block_chunks,
-                            output="xarray", seed=args.seed, variables=args.variables,
+                            output="xarray", seed=args.seed, variables=args.variables, rank=rank, world_size=world_size,
                             cache=None if args.cache is None else (True if args.cache == "memory" else args.cache))
     return gen, gen.to_torch()
 
@@ -109,6 +109,12 @@ def run_stateful(args: argparse.Namespace) -> dict[str, Any]:
     """Save a StatefulDataLoader's state after ``--stop`` batches (through JSON, like a
     checkpoint), resume a new loader from it, and run the next epoch on both."""
     _, dset = make_dataset(args)
+    before = []
+    if args.elastic_from:  # first a run of that world size: 2 batches per rank, in lockstep; rank 0's state
+        gens = [make_dataset(args, r, args.elastic_from)[0] for r in range(args.elastic_from)]
+        its = [iter(g) for g in gens]
+        before = [record(next(it)) for _ in range(2) for it in its]
+        dset.load_state_dict(json.loads(json.dumps(gens[0].state_dict())))
     dl = loader(dset, args, stateful=True)
     ref, state = [], None
     for i, b in enumerate(dl):
@@ -123,7 +129,8 @@ def run_stateful(args: argparse.Namespace) -> dict[str, Any]:
     resumed = [record(b) for b in dl2]
     dset2.set_epoch(1)
     resumed_next = [record(b) for b in dl2]
-    return {"len": len(dset), "ref": ref, "ref_next": ref_next, "resumed": resumed, "resumed_next": resumed_next}
+    return {"len": len(dset), "ref": ref, "ref_next": ref_next, "resumed": resumed, "resumed_next": resumed_next,
+            "before": before}
 
 
 def main() -> None:
@@ -142,6 +149,7 @@ def main() -> None:
     p.add_argument("--warm", action="store_true")
     p.add_argument("--stateful", action="store_true")
     p.add_argument("--stop", type=int, default=3)
+    p.add_argument("--elastic-from", type=int, default=0, help="--stateful: resume a run of this world size first")
     p.add_argument("--batch-size", type=int, default=5)
     p.add_argument("--block-chunks", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)

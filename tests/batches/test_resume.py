@@ -105,7 +105,9 @@ def test_break_then_state_resumes_after_last_batch_handed_out(era5_path):
         (dict(shuffle=False), "shuffle"),
         (dict(block_chunks=4), "block_chunks"),
         (dict(drop_last=True), "drop_last"),
-        (dict(window={"time": 2}), "sampling"),
+        (dict(window={"time": 2}), "sampling \\('time': saved split, one position of 1, here split, "
+                                   "window/patch of 2\\)"),
+        (dict(patch={"lat": 2}), "sampling \\('lat': saved not sampled, here window/patch of 2, stride 2\\)"),
         (dict(split="val"), "split"),
     ],
 )

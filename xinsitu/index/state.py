@@ -34,6 +34,28 @@ def _sampling(gen: Any) -> str:
     return hashlib.sha256(json.dumps(dims).encode()).hexdigest()[:16]
 
 
+def _sampled(gen: Any) -> dict[str, list[Any]]:
+    """The sampled dims in words, as a state records them beside their digest (``_sampling``): per dim
+    ``[window or patch length, stride, kept whole in the output, a split dim]``."""
+    return {d.name: [int(d.width), int(d.stride), bool(d.keep), bool(d.split)] for d in gen.space.dims}
+
+
+def _sampling_diff(saved: Any, here: dict[str, list[Any]]) -> str:
+    """What differs between two states' sampled dims, per dim, in words."""
+    if not isinstance(saved, dict):
+        return ""
+
+    def words(v: Any) -> str:
+        if not isinstance(v, list) or len(v) != 4:
+            return "not sampled"
+        return (f"{'split, ' if v[3] else ''}{'window/patch' if v[2] else 'one position'} of {v[0]}"
+                + (f", stride {v[1]}" if v[1] != 1 else ""))
+
+    said = [f"{d!r}: saved {words(saved.get(d))}, here {words(here.get(d))}"
+            for d in sorted(set(saved) | set(here), key=str) if saved.get(d) != here.get(d)]
+    return "; ".join(said)
+
+
 def _normalize_id(gen: Any) -> str | None:
     """Which normalisation statistics the batches use (a hash; None without normalisation)."""
     stats = getattr(gen, "normalize", None)
@@ -60,7 +82,7 @@ def make_state(gen: Any, epoch: int, batch: int) -> dict[str, Any]:
             "normalize": _normalize_id(gen),
             # the validity mask's digest (None: every sample): another mask is another sample space
             "valid": getattr(gen.space, "valid_digest", None), "channels": _channels(gen.channels),
-            "elastic": _hops(gen, epoch)}
+            "elastic": _hops(gen, epoch), "sampled": _sampled(gen)}
 
 
 #: channel names a state lists in full; past this many, their count, a digest and the first and last few
@@ -129,6 +151,8 @@ def check_state(gen: Any, state: dict[str, Any], elastic: bool = False) -> None:
     skip = ("world_size", "rank") if elastic else ()
     diff = [f"{k} (saved {state.get(k)!r}, here {mine[k]!r})" for k in _DEFINING
             if k not in skip and state.get(k) != mine[k]]
+    if state.get("sampling") != mine["sampling"] and (dims := _sampling_diff(state.get("sampled"), mine["sampled"])):
+        diff = [f"sampling ({dims})" if d.startswith("sampling (") else d for d in diff]
     if "channels" in state and state["channels"] != mine["channels"]:  # a state from before has none
         diff.append(f"channel order (saved {state['channels']}, here {mine['channels']})")
     if not elastic and hops != mine["elastic"]:

@@ -469,6 +469,19 @@ def test_store_options_pass_through_over_defaults(s3):
     assert st.retry_config["retry_timeout"] == DEFAULT_RETRY_CONFIG["retry_timeout"]
 
 
+def test_client_options_given_beside_the_store_options(s3, archive):
+    """``open_zarr(url, endpoint=..., allow_http=True)``, the way one writes it for a local S3 server: a
+    client option given at the top goes into ``client_options`` (obstore panicked, a BaseException that
+    no ``except Exception`` catches: "Expected config prefix to start with aws_")."""
+    st = make_store(f"s3://{BUCKET}/data", endpoint=s3.endpoint, region=s3.region, allow_http=True, timeout="9s",
+                    client_options={"timeout": "7s"})
+    assert st.client_options["allow_http"] in (True, "true") and st.client_options["timeout"] == "9s"
+    s3.upload(archive, "top-level-options", "era5.zarr")
+    opts = {k: v for k, v in s3.options.items() if k != "client_options"}
+    ds = xinsitu.open_zarr("s3://top-level-options/era5.zarr", **opts, allow_http=True)
+    assert list(ds.data_vars) == list(xinsitu.open_zarr(archive).data_vars)
+
+
 def test_store_kinds_from_urls(tmp_path):
     assert type(make_store("gs://bucket/a.zarr", anonymous=True)).__name__ == "GCSStore"
     az = make_store("az://container/a.zarr", account_name="acct", anonymous=True)

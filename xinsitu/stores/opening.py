@@ -108,6 +108,9 @@ def make_store(url: str | os.PathLike, **options: Any) -> Any:
         # yours over the environment's (AWS_ALLOW_HTTP...) over xinsitu's: obstore takes one
         # ``client_options`` whole, and would otherwise drop what it read from the environment
         client = DEFAULT_CLIENT_OPTIONS | env_client_options(s) | dict(options.pop("client_options", None) or {})
+        # a client option given beside the store's own (open_zarr(url, endpoint=..., allow_http=True)): obstore
+        # takes it only in client_options, and panicked ("Expected config prefix to start with aws_")
+        client |= {k: options.pop(k) for k in _CLIENT_KEYS if k in options}
         if scheme == "http":
             client.setdefault("allow_http", True)
         options["client_options"] = client

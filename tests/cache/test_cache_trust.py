@@ -74,6 +74,30 @@ def _remote_gen(url, opts, cache):
 
 
 @pytest.mark.slow
+def test_a_shared_cache_checks_remote_objects_an_earlier_generator_kept(tmp_path, remote):
+    """One ``ChunkCache`` with both tiers, given to a generator and then, after the objects were
+    replaced, to a new one: the memory tier's entries are checked by their objects' versions (the
+    listing or ``HEAD``s the disk tier asks anyway) and the new generator gets the new values (it got
+    the old ones from memory); with the archive unchanged since, a third one takes every chunk from
+    memory."""
+    srv, url, opts, path, publish = remote
+    cache = ChunkCache(memory="1GB", disk=tmp_path / "c")
+    first = _remote_gen(url, opts, cache)
+    old = _epochs(first, (0,))
+    _rewrite(path)
+    publish()
+    new = _epochs(_remote_gen(url, opts, None), (0,))
+    assert not _same(new, old)
+    again = _remote_gen(url, opts, cache)
+    assert _same(_epochs(again, (0,)), new)
+    assert again.io_stats["cache_hits"] == 0
+    third = _remote_gen(url, opts, cache)
+    assert _same(_epochs(third, (0,)), new)
+    st = third.io_stats
+    assert st["cache_hits"] == st["chunks"] > 0 and st["cache_disk_hits"] == 0 and st["requests"] == 0
+
+
+@pytest.mark.slow
 def test_a_rewritten_remote_object_is_never_served_stale(tmp_path, remote):
     """Run 1 fills the disk cache; the objects are replaced with new values; run 2 (a new process's
     cache on the same directory) gives the new values, as an uncached run does, not the old ones; an

@@ -228,8 +228,9 @@ class ChunkCache:
         self._pid = os.getpid()
         self._mem: dict[Hashable, np.ndarray] = {}  # key -> the chunk (a read-only row of a slab)
         self._rows: dict[Hashable, tuple[np.ndarray, int]] = {}  # key -> (slab, row)
-        # key -> since when (time.time_ns()) the entry is known to match its source (``kept_before``)
-        self._born: dict[Hashable, int] = {}
+        # key -> (since when, time.time_ns(), the entry is known to match its source; the version of its
+        # remote object where that was known when it was kept) (``kept_before``)
+        self._born: dict[Hashable, tuple[int, str | None]] = {}
         self._slabs: dict[tuple[tuple[int, ...], str], list[Any]] = {}  # (shape, dtype) -> [slab, rows used]
         self._stats = CacheStats()
         self._device: Any = None  # the tier in GPU memory, made on first use (``device_tier``)
@@ -347,7 +348,8 @@ class ChunkCache:
         with self._lock:
             self._stats.misses += n
 
-    def put(self, key: Hashable, array: np.ndarray, *, disk_key: str | None = None, born: int | None = None) -> None:
+    def put(self, key: Hashable, array: np.ndarray, *, disk_key: str | None = None, born: int | None = None,
+            version: str | None = None) -> None:
         """Keep a decoded chunk under ``key``: in memory while the budget has room, and on disk.
 
         Parameters
@@ -361,6 +363,9 @@ class ChunkCache:
         born
             Since when (``time.time_ns()``) the chunk is known to match its source: for a chunk read
             from a local file, the start of its reader (``ChunkKey.since_ns``); default: now.
+        version
+            The version of the chunk's remote object, where its reader knew it (``ChunkKey.known_version``):
+            a later reader keeps the entry only while the object has that version.
         """
         self._after_fork()
         dk = self._disk_key(key, disk_key)
@@ -371,7 +376,7 @@ class ChunkCache:
             self._stats.puts += 1
             known = key in self._mem
         if not known:
-            self._keep(key, arr, born)
+            self._keep(key, arr, born, version)
         if dk is not None and not known:
             try:
                 self._disk_put(dk, arr)
@@ -551,7 +556,8 @@ class ChunkCache:
         return mem, f"{used} of {bound}"
 
     # ------------------------------------------------------------------ memory tier
-    def _keep(self, key: Hashable, arr: np.ndarray, born: int | None = None) -> np.ndarray | None:
+    def _keep(self, key: Hashable, arr: np.ndarray, born: int | None = None,
+              version: str | None = None) -> np.ndarray | None:
         """Copy ``arr`` into a free row of a slab where the budget has room (else None); nothing is
         evicted. The row is taken under the lock and filled outside it; the key is published once
         the row holds the chunk."""
@@ -570,17 +576,17 @@ class ChunkCache:
                 return self._mem[key]
             self._mem[key] = view
             self._rows[key] = place
-            self._born[key] = time.time_ns() if born is None else born
+            self._born[key] = (time.time_ns() if born is None else born, version)
             self._stats.memory_entries += 1
         return view
 
-    def kept_before(self, keys: list[Hashable], since: int) -> list[tuple[int, int]]:
-        """``(position in keys, since when it is known to match its source)`` of the memory tier's
-        entries among ``keys`` not known to match since ``since`` (kept by a reader that started
-        before): what a new reader of mutable local files checks once (``cache.lookup``)."""
-        born = self._born
+    def kept_before(self, keys: list[Hashable], since: int) -> list[tuple[int, int, str | None]]:
+        """``(position in keys, since when it is known to match its source, its remote object's version)``
+        of the memory tier's entries among ``keys`` not known to match since ``since`` (kept by a reader
+        that started before): what a new reader of a mutable archive checks once (``cache.lookup``)."""
+        born, never = self._born, (since, None)
         with self._lock:
-            return [(i, b) for i, k in enumerate(keys) if (b := born.get(k, since)) < since]
+            return [(i, *b) for i, k in enumerate(keys) if (b := born.get(k, never))[0] < since]
 
     def recheck(self, keys: list[Hashable], changed: list[bool], since: int) -> None:
         """After ``kept_before``: drop the entries whose source changed (their rows stay unused, counted
@@ -594,7 +600,8 @@ class ChunkCache:
                     del self._mem[k], self._rows[k], self._born[k]
                     self._stats.memory_entries -= 1
                 else:
-                    self._born[k] = max(self._born[k], since)
+                    b, v = self._born[k]
+                    self._born[k] = (max(b, since), v)
 
     def _reserve(self, arr: np.ndarray) -> tuple[np.ndarray, int] | None:
         """A free row for a chunk like ``arr`` (the lock is held), counted against the budget; None

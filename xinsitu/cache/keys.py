@@ -99,9 +99,9 @@ class ChunkKey:
         """The memory tier's key of chunk ``chunk``: ``(ident, chunk)``, a dict lookup without hashing
         or ``stat`` (0.2 against 5-6 us for ``key`` of a local chunk file). A reader takes what the
         memory tier kept as it found it, and a later reader (a new generator given the same
-        ``ChunkCache``) checks once each entry of a local file kept before it started, by the file's
-        change time (``cache.lookup``); the disk tier keys each local file by its size, modification and
-        change times and inode.
+        ``ChunkCache``) checks once each entry kept before it started: a local file's by its change
+        time, a remote object's by its version where one was known (``cache.lookup``); the disk tier
+        keys each local file by its size, modification and change times and inode.
         """
         return (self.ident, chunk)
 
@@ -175,6 +175,10 @@ class ChunkKey:
             memo.update(got)
             self._silent = next((v for v in got.values() if v.startswith(_UNKNOWN)), None)
         return [memo.get(k) for k in object_keys], n
+
+    def known_version(self, object_key: str) -> str | None:
+        """The version ``versions`` found of ``object_key``, if it asked (else None: nothing is asked here)."""
+        return self._versions.get(object_key)
 
     def file_of(self, object_key: str) -> str | None:
         """The local file of store object ``object_key`` (e.g. ``"t2m/c/3/0/0"``), None for a remote store."""

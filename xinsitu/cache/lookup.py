@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from xinsitu.cache.chunk_cache import ChunkCache
-from xinsitu.cache.keys import ChunkKey
+from xinsitu.cache.keys import ChunkKey, trusted
 from xinsitu.index.regions import Target
 from xinsitu.io.place import SETTLED_DISK_HIT, SETTLED_HIT, Pieces
 from xinsitu.io.place import plain as _plain
@@ -64,7 +64,8 @@ async def serve_cached(reader: Reader, src: VarSource, targets: dict[tuple[int, 
     if disk and missing:
         n_disk, misses = await loop.run_in_executor(None, _disk_lookup_take, cache, keys, prefix, object_of,
                                                     missing)
-        rest = {c: Pieces(t, cache, mk, dk, keys.since_ns) for c, t, mk, dk in misses}
+        known = keys.known_version if keys.needs_version else (lambda _: None)  # asked for the disk keys
+        rest = {c: Pieces(t, cache, mk, dk, keys.since_ns, known(prefix + object_of(c))) for c, t, mk, dk in misses}
     else:
         rest = {c: Pieces(t, cache, mk, None, keys.since_ns) for c, t, mk in missing}
     if hits:
@@ -137,25 +138,36 @@ async def take_cached(reader: Reader, src: VarSource, coords: list[tuple[int, ..
 
 
 async def _drop_rewritten(cache: ChunkCache, keys: ChunkKey, mkeys: list[Any], object_of: Any) -> None:
-    """Drop from the memory tier the chunks among ``mkeys`` whose local file (of store object ``object_of(i)``)
-    changed, or is gone, since an earlier reader kept them (a generator made before this one with the same
+    """Drop from the memory tier the chunks among ``mkeys`` (of store objects ``object_of(i)``) whose source
+    changed since an earlier reader kept them (a generator made before this one with the same
     ``ChunkCache``), so they are read again; mark the others as checked.
 
-    Each entry is checked once per reader (a ``stat`` in a decode thread), at its first lookup: entries
-    this reader kept, or checked, are not. A file's change time cannot be set back, so a rewrite that
-    kept size and modification time is seen too. Not for an ``immutable`` cache, nor for remote objects
-    (their entries are kept as the process first read them; the disk tier asks their versions) nor
-    Icechunk snapshots (which name their data)."""
-    if keys.local_root is None or keys.snapshot is not None or cache.immutable or not cache.memory_budget:
+    Each entry is checked once per reader, at its first lookup, in a decode thread: entries this reader
+    kept, or checked, are not. A local file by its change time (one ``stat``; a change time cannot be set
+    back, so a rewrite that kept size and modification time is seen too), gone if deleted; a remote object
+    by its version (``ChunkKey.versions``: the listing, or the ``HEAD``s, that the disk tier asks anyway),
+    where the entry's reader knew it (a cache with a disk tier): another version, or none that is
+    trusted, drops it. Not for an ``immutable`` cache, nor Icechunk snapshots (which name their data); a
+    remote entry kept without a version (a cache without a disk tier) stays as the process first read
+    it."""
+    if keys.snapshot is not None or cache.immutable or not cache.memory_budget:
+        return
+    local = keys.local_root is not None
+    if not local and not (keys.needs_version and keys.remote is not None and cache.disk is not None):
         return
     since = keys.since_ns
     old = cache.kept_before(mkeys, since)
+    if not local:
+        old = [o for o in old if o[2] is not None]
     if not old:
         return
 
     def changed() -> list[bool]:
+        if not local:
+            now, _ = keys.versions([object_of(i) for i, _, _ in old])
+            return [v != was or not trusted(v) for v, (_, _, was) in zip(now, old, strict=True)]
         out = []
-        for i, born in old:
+        for i, born, _ in old:
             try:
                 st = os.stat(keys.file_of(object_of(i)))  # type: ignore[arg-type]
                 out.append(max(st.st_ctime_ns, st.st_mtime_ns) >= born)
@@ -164,7 +176,7 @@ async def _drop_rewritten(cache: ChunkCache, keys: ChunkKey, mkeys: list[Any], o
         return out
 
     gone = await asyncio.get_running_loop().run_in_executor(None, changed)
-    cache.recheck([mkeys[i] for i, _ in old], gone, since)
+    cache.recheck([mkeys[i] for i, _, _ in old], gone, since)
 
 
 def _keys(reader: Reader, src: VarSource) -> ChunkKey | None:

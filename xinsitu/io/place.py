@@ -41,7 +41,8 @@ class ChunkCache(Protocol):
     """What the completion step asks of a chunk cache (``xinsitu.cache.ChunkCache``): keep a decoded chunk.
     (A protocol, not the cache's type: the cache's modules import this one.)"""
 
-    def put(self, key: Any, array: np.ndarray, *, disk_key: str | None = None, born: int | None = None) -> None: ...
+    def put(self, key: Any, array: np.ndarray, *, disk_key: str | None = None, born: int | None = None,
+            version: str | None = None) -> None: ...
 
 
 class ChunkKey(Protocol):
@@ -171,10 +172,10 @@ SCRATCH = ThreadScratch()
 
 
 def _put_cache(cache: ChunkCache, key: Any, chunk: np.ndarray, disk_key: str | None = None,
-               born: int | None = None) -> None:
+               born: int | None = None, version: str | None = None) -> None:
     """Hand a decoded chunk to the cache, which copies it (never a failed read: one it cannot keep is read)."""
     try:
-        cache.put(key, chunk, disk_key=disk_key, born=born)
+        cache.put(key, chunk, disk_key=disk_key, born=born, version=version)
     except (OSError, MemoryError):  # a chunk the cache cannot keep is still read: never a failed read
         pass
 
@@ -204,22 +205,23 @@ class Slot:
 
 class Pieces:
     """A chunk's pieces: each target's piece copied into its region and handed to its hook. With a
-    cache (``cache``, its memory ``key``, where it has a disk tier ``disk_key``, and ``born``: the
-    reader's ``ChunkKey.since_ns``) the decoded chunk is kept (see ``cache.lookup.serve_cached``),
-    before any hook (which may use it as scratch)."""
+    cache (``cache``, its memory ``key``, where it has a disk tier ``disk_key``, ``born``: the reader's
+    ``ChunkKey.since_ns``, and the remote object's ``version`` where known) the decoded chunk is kept
+    (see ``cache.lookup.serve_cached``), before any hook (which may use it as scratch)."""
 
-    __slots__ = ("targets", "cache", "key", "disk_key", "born")
+    __slots__ = ("targets", "cache", "key", "disk_key", "born", "version")
 
     def __init__(self, targets: list[Target], cache: ChunkCache | None = None, key: Any = None,
-                 disk_key: str | None = None, born: int | None = None):
-        self.targets, self.cache, self.key, self.disk_key, self.born = targets, cache, key, disk_key, born
+                 disk_key: str | None = None, born: int | None = None, version: str | None = None):
+        self.targets, self.cache, self.key, self.disk_key = targets, cache, key, disk_key
+        self.born, self.version = born, version
 
     def decode(self, dec: ChunkDecoder, raw: Any) -> None:
         targets, cache = self.targets, self.cache
         view = whole_view(dec.shape, targets)
         if view is not None and dec.decode_into(raw, view):
             if cache is not None:
-                _put_cache(cache, self.key, view, self.disk_key, self.born)  # copied: the view is the caller's
+                self.keep(view)  # copied: the view is the caller's
             hook = targets[0].hook
             if hook is not None:
                 hook(readonly(view), targets[0].out_sel)  # the caller's array
@@ -228,15 +230,20 @@ class Pieces:
             buf = SCRATCH.chunk(dec)
             if dec.decode_into(raw, buf):
                 if cache is not None:
-                    _put_cache(cache, self.key, buf, self.disk_key, self.born)  # copied: the buffer is reused
+                    self.keep(buf)  # copied: the buffer is reused
                 put_all(buf, targets)
                 return
         self.put(dec.decode_sync(raw))
 
+    def keep(self, chunk: np.ndarray) -> None:
+        """Hand the decoded chunk to the cache (which copies it)."""
+        assert self.cache is not None
+        _put_cache(self.cache, self.key, chunk, self.disk_key, self.born, self.version)
+
     def put(self, chunk: np.ndarray) -> None:
         """Put a decoded chunk (the reader's own new array) in place, kept where cached."""
         if self.cache is not None:
-            _put_cache(self.cache, self.key, chunk, self.disk_key, self.born)
+            self.keep(chunk)
         put_all(chunk, self.targets)
 
     def fill(self, dec: ChunkDecoder) -> None:

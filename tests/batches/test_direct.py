@@ -425,22 +425,10 @@ def test_default_block_chunks_follows_the_budget(step, budget, chunk):
     assert k == MAX_BLOCK_CHUNKS or (k + 1) * per * BUDGET_BUFFERS > budget or k == least
 
 
-def test_one_step_windows_hold_buffers_of_one_block_within_the_budget(tmp_path, monkeypatch):
-    """One step per chunk and a window of 2: a block is one sample, so a buffer holds one block where the
-    budget holds 3 of them (it held 2: 3 buffers took twice the budget), and the read-ahead counts what a
-    buffer holds, not what it decodes (the step its window spills into comes from the buffer before):
-    it went 6 buffers deep, twice the budget again."""
+def _count_buffers(monkeypatch) -> list[int]:
+    """Counts the buffers loaded and not yet given back: ``[the most at once]``, updated as they come."""
     import xinsitu.batches.buffer as buffer_mod
-    from xinsitu.batches.generator import BatchGenerator
 
-    path = str(tmp_path / "a.zarr")
-    _write(path, nt=96)
-    ds = xinsitu.open_zarr(path)
-    m = ds.insitu.split("time", fractions={"train": 1.0})
-    kw = {"variables": LEVEL_VARS, "output": "numpy", "window": {"time": 2}}
-    probe = ds.insitu.batches(m, "train", **kw)
-    per = unit_nbytes(probe.space, probe.layouts)  # a slot: a step and the one its window spills into
-    monkeypatch.setattr(BatchGenerator, "buffer_budget", 3 * per + per // 2)
     live, peak = [0], [0]
     load, recycle = buffer_mod.BufferLoader.load, buffer_mod.BufferLoader.recycle
 
@@ -456,6 +444,25 @@ def test_one_step_windows_hold_buffers_of_one_block_within_the_budget(tmp_path, 
 
     monkeypatch.setattr(buffer_mod.BufferLoader, "load", counting_load)
     monkeypatch.setattr(buffer_mod.BufferLoader, "recycle", counting_recycle)
+    return peak
+
+
+def test_one_step_windows_hold_buffers_of_one_block_within_the_budget(tmp_path, monkeypatch):
+    """One step per chunk and a window of 2: a block is one sample, so a buffer holds one block where the
+    budget holds 3 of them (it held 2: 3 buffers took twice the budget), and the read-ahead counts what a
+    buffer holds, not what it decodes (the step its window spills into comes from the buffer before):
+    it went 6 buffers deep, twice the budget again."""
+    from xinsitu.batches.generator import BatchGenerator
+
+    path = str(tmp_path / "a.zarr")
+    _write(path, nt=96)
+    ds = xinsitu.open_zarr(path)
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    kw = {"variables": LEVEL_VARS, "output": "numpy", "window": {"time": 2}}
+    probe = ds.insitu.batches(m, "train", **kw)
+    per = unit_nbytes(probe.space, probe.layouts)  # a slot: a step and the one its window spills into
+    monkeypatch.setattr(BatchGenerator, "buffer_budget", 3 * per + per // 2)
+    peak = _count_buffers(monkeypatch)
     gen = ds.insitu.batches(m, "train", batch_size=1, seed=1, **kw)
     gen.read_ahead = False
     assert gen.block_chunks == 1 and "within a budget" in gen.buffer_summary
@@ -468,7 +475,6 @@ def test_buffers_held_stay_within_the_budget(tmp_path, monkeypatch):
     """SPEC §5: the buffers read ahead and held stay within the byte budget whatever the sample size:
     with a budget of 4.5 chunk blocks' bytes the buffers hold 2 blocks each, and the read-ahead (which
     would go to 6 buffers) stays at its start."""
-    import xinsitu.batches.buffer as buffer_mod
     from xinsitu.batches.generator import BatchGenerator
 
     path = str(tmp_path / "a.zarr")
@@ -478,21 +484,7 @@ def test_buffers_held_stay_within_the_budget(tmp_path, monkeypatch):
     probe = ds.insitu.batches(m, "train", variables=LEVEL_VARS, output="numpy")
     per = unit_nbytes(probe.space, probe.layouts)
     monkeypatch.setattr(BatchGenerator, "buffer_budget", 2 * 2 * per + per // 2)  # two buffers of 2 blocks
-    live, peak = [0], [0]
-    load, recycle = buffer_mod.BufferLoader.load, buffer_mod.BufferLoader.recycle
-
-    async def counting_load(self, *a, **k):
-        got = await load(self, *a, **k)
-        live[0] += 1
-        peak[0] = max(peak[0], live[0])
-        return got
-
-    def counting_recycle(self, b):
-        live[0] -= 1
-        return recycle(self, b)
-
-    monkeypatch.setattr(buffer_mod.BufferLoader, "load", counting_load)
-    monkeypatch.setattr(buffer_mod.BufferLoader, "recycle", counting_recycle)
+    peak = _count_buffers(monkeypatch)
     gen = ds.insitu.batches(m, "train", batch_size=3, variables=LEVEL_VARS, output="numpy", seed=1)
     gen.read_ahead = False
     assert gen.block_chunks == 2 and "budget" in gen.buffer_summary

@@ -162,6 +162,12 @@ def test_ranges_that_adjoin_leave_no_room_for_a_gap(era5_path):
         ({"fractions": {"train": 0.5, "val": 0.5}, "gap": -1}, "gap"),
         ({"fractions": {"train": 0.5, "val": 0.5}, "gap": 100}, "cannot hold"),
         ({"ranges": {"a": slice("1979-01-01", "1979-01-10"), "b": slice("1979-01-05", "1979-01-28")}}, "overlap"),
+        # labels that overlap though the whole chunks each range keeps do not (chunks of 2 days), and one range
+        # inside another: both were taken (or refused for covering no whole chunk)
+        ({"ranges": {"a": slice("1979-01-01", "1979-01-04T12"), "b": slice("1979-01-03T06", "1979-01-20")}},
+         "overlap: both hold 'time' 1979-01-03T06:00:00..1979-01-04T12:00:00"),
+        ({"ranges": {"a": slice("1979-01-01", "1979-01-28"), "b": slice("1979-01-10T06", "1979-01-10T12")}},
+         "overlap"),
         ({"ranges": {"a": slice("2050-01-01", "2051-01-01")}}, "outside"),
         ({"ranges": {"a": slice("1979-01-01T00", "1979-01-01T06")}}, "no whole chunk"),
     ],

@@ -129,6 +129,7 @@ def range_split(edges: np.ndarray, index: pd.Index, ranges: dict[str, slice], ga
     """Blocks fully inside each label range (``.sel`` semantics, rounded inward to chunk edges)."""
     out: dict[str, Blocks] = {}
     spans: list[tuple[str, int, int]] = []
+    positions: list[tuple[str, int, int]] = []
     for name, rng in ranges.items():
         if not isinstance(rng, slice) or rng.step is not None:
             raise ValueError(f"range for split {name!r} must be a slice(start, stop), got {rng!r}")
@@ -143,6 +144,13 @@ def range_split(edges: np.ndarray, index: pd.Index, ranges: dict[str, slice], ga
                 f"range for split {name!r} ({rng.start!r}..{rng.stop!r}) falls outside the {dim!r} coordinate "
                 f"({json_label(index[0])}..{json_label(index[-1])})"
             )
+        positions.append((name, a, b))
+    by_start = sorted(positions, key=lambda p: p[1])
+    for (n1, _, b1), (n2, a2, b2) in zip(by_start, by_start[1:], strict=False):  # the labels, before rounding
+        if a2 < b1:
+            raise ValueError(f"ranges of splits {n1!r} and {n2!r} overlap: both hold {dim!r} "
+                             f"{json_label(index[a2])}..{json_label(index[min(b1, b2) - 1])}")
+    for name, a, b in positions:
         first = int(np.searchsorted(edges, a, side="left"))  # first block starting at or after a
         last = int(np.searchsorted(edges, b, side="right")) - 1  # blocks ending at or before b
         if last <= first:
@@ -152,9 +160,7 @@ def range_split(edges: np.ndarray, index: pd.Index, ranges: dict[str, slice], ga
         spans.append((name, first, last))
         out[name] = Blocks.range(first, last)
     ordered = sorted(spans, key=lambda s: s[1])
-    for (n1, _, e1), (n2, s2, _) in zip(ordered, ordered[1:], strict=False):
-        if s2 < e1:
-            raise ValueError(f"ranges of splits {n1!r} and {n2!r} overlap")
+    for (n1, _, e1), (n2, s2, _) in zip(ordered, ordered[1:], strict=False):  # (apart: their labels are)
         if s2 - e1 < gap:
             raise ValueError(f"splits {n1!r} and {n2!r} are {s2 - e1} chunk(s) apart, closer than gap={gap}: "
                              "ranges= keeps each range where it is and does not carve a gap out of one; leave "

@@ -293,3 +293,12 @@ def test_open_zarr_names_a_group_that_is_not_there(tmp_path):
     write_era5_like(str(tmp_path / "a.zarr"), nt=8, ny=2, nx=3, chunk_time=4)
     with pytest.raises(ValueError, match="group='nope'"):
         xinsitu.open_zarr(str(tmp_path / "a.zarr"), group="nope")
+
+
+@pytest.mark.parametrize("other", [lambda d: d.isel(t=0), lambda d: d.rename(t="time")], ids=["isel", "rename"])
+def test_a_manifest_on_a_dataset_without_its_split_dim_names_the_dim(ds, m, other):
+    """The manifest's split dim is what the Dataset lacks (it said "the Dataset has no data variables")."""
+    for call in (lambda d: d.insitu.batches(m, "train"), lambda d: d.insitu.dataset(m, "train"),
+                 lambda d: d.insitu.stats(m, "train")):
+        with pytest.raises(ValueError, match=r"manifest splits dim\(s\) \['t'\], which no data variable"):
+            call(other(ds))

@@ -552,6 +552,10 @@ def sampling(ds: xr.Dataset, manifest: SplitManifest, split: str, *, window: Any
     names = variable_names(variables, ds)
     if names is None:
         names = cast(list[str], [v for v in ds.data_vars if any(d in ds[v].dims for d in manifest.dims)])
+        if not names and len(ds.data_vars):  # (else "no data variables" says it)
+            raise ValueError(f"the manifest splits dim(s) {list(manifest.dims)}, which no data variable of this "
+                             f"Dataset has (its dims: {list(ds.dims)}): apply it to the Dataset it was made for, "
+                             "or make a split of this one")
     sources, geometry = dataset_geometry(ds, names)  # the Dataset's own where it has them (no second index)
     _check_manifest(ds, manifest, geometry, sources, stacklevel + 1)
     for d in manifest.dims:  # edges of as many blocks as the manifest's are checked equal: keep one array of them

@@ -122,6 +122,29 @@ def test_random_manifest_is_compact():
     assert SplitManifest.from_json(text) == m
 
 
+@pytest.mark.parametrize("k", [3, 5])
+def test_a_random_split_in_five_folds_is_compact(k):
+    """k equal random splits (5-fold cross-validation) of 10^6 blocks: <= 0.4 bytes per block, 4 MB per 10^7
+    (zlib and base64 took 0.43 for 5); a manifest written with zlib and base64 still loads."""
+    import base64
+    import zlib
+
+    n = 1_000_000
+    m = bare_manifest(n, random_split((n,), {f"fold{i}": 1 / k for i in range(k)}, 0, 0))
+    text = m.to_json()
+    assert len(text.encode()) <= 0.4 * n
+    assert SplitManifest.from_json(text) == m
+    d = json.loads(text)
+    owner = _decode_owner(d["owner"], n)
+    bits, per = d["owner"]["bits"], 8 // d["owner"]["bits"]
+    own = np.concatenate([owner, np.zeros(-n % per, np.uint8)]).reshape(-1, per)
+    packed = np.zeros(len(own), np.uint8)
+    for j in range(per):
+        packed |= own[:, j] << np.uint8(8 - bits * (j + 1))
+    d["owner"].update(encoding="zlib+base64", data=base64.b64encode(zlib.compress(packed.tobytes())).decode())
+    assert SplitManifest.from_json(json.dumps(d)) == m
+
+
 def test_old_manifest_with_explicit_lists_loads(era5_path, tmp_path):
     """Format 1 (every edge and block id listed, the old fingerprint) loads and gives the same batches."""
     ds = xinsitu.open_zarr(era5_path)

@@ -10,6 +10,7 @@ scattered split on disk); ``encode_mask``/``decode_mask``: a split's valid-sampl
 from __future__ import annotations
 
 import base64
+import bz2
 import hashlib
 import weakref
 import zlib
@@ -209,25 +210,32 @@ def _encode_owner(owner: np.ndarray, nsplits: int) -> dict[str, Any]:
     packed = np.zeros(len(own), np.uint8)
     for j in range(per):
         packed |= own[:, j] << np.uint8(8 - bits * (j + 1))
-    raw = zlib.compress(packed.tobytes(), 1)
-    return {"encoding": "zlib+base64", "bits": bits, "left_out": left, "length": int(len(owner)),
-            "data": base64.b64encode(raw).decode("ascii")}
+    # bz2 and base85: a random 5-way split of 10^7 chunk blocks in 3.7 MB of JSON (zlib and base64: 4.3)
+    raw = bz2.compress(packed.tobytes(), 9)
+    return {"encoding": "bz2+base85", "bits": bits, "left_out": left, "length": int(len(owner)),
+            "data": base64.b85encode(raw).decode("ascii")}
+
+
+_OWNER_ENCODINGS = ("bz2+base85", "zlib+base64")
 
 
 def _decode_owner(d: Any, n: int) -> np.ndarray:
     """The owner array of ``_encode_owner``'s JSON (``left_out`` where no split holds a block)."""
-    if (not isinstance(d, dict) or d.get("encoding") != "zlib+base64" or d.get("bits") not in (1, 2, 4, 8)
+    if (not isinstance(d, dict) or d.get("encoding") not in _OWNER_ENCODINGS or d.get("bits") not in (1, 2, 4, 8)
             or d.get("left_out") != (1 << d["bits"]) - 1 or not isinstance(d.get("data"), str)):
-        raise ValueError("manifest 'owner' must be {'encoding': 'zlib+base64', 'bits': 1|2|4|8, "
+        raise ValueError("manifest 'owner' must be {'encoding': 'bz2+base85' (or 'zlib+base64'), 'bits': 1|2|4|8, "
                          "'left_out': 2**bits - 1, 'length': n, 'data': str}")
     if d.get("length") != n:
         raise ValueError(f"manifest 'owner' holds {d.get('length')!r} chunk blocks, the grid has {n}")
     bits = d["bits"]
     per = 8 // bits
     size = -(-n // per)
-    try:
-        raw = zlib.decompressobj().decompress(base64.b64decode(d["data"], validate=True), size + 1)
-    except (ValueError, zlib.error) as e:
+    try:  # at most the bytes expected (and one more, to tell too many): a damaged file costs no memory
+        if d["encoding"] == "zlib+base64":  # (manifests written before bz2+base85)
+            raw = zlib.decompressobj().decompress(base64.b64decode(d["data"], validate=True), size + 1)
+        else:
+            raw = bz2.BZ2Decompressor().decompress(base64.b85decode(d["data"]), size + 1)
+    except (ValueError, OSError, EOFError, zlib.error) as e:
         raise ValueError(f"manifest 'owner' data cannot be decoded: {e}") from None
     if len(raw) != size:
         raise ValueError(f"manifest 'owner' data decodes to {len(raw)} bytes, {size} expected for {n} chunk blocks")

@@ -482,6 +482,23 @@ def test_client_options_given_beside_the_store_options(s3, archive):
     assert list(ds.data_vars) == list(xinsitu.open_zarr(archive).data_vars)
 
 
+def test_what_a_new_user_passes_by_mistake_gets_a_clear_error(tmp_path):
+    """A Dataset already open, a file:// URL to nothing, a named memory:// URL: errors of open_zarr's own
+    (zarr's "Unsupported type for store_like", obstore's "Unable to canonicalize filesystem root" and
+    "Unable to recognise URL" before)."""
+    import xarray as xr
+
+    ds = xr.Dataset({"a": ("t", np.arange(3.0))})
+    for obj in (ds, ds.a):
+        with pytest.raises(TypeError, match="open already: use its .insitu accessor"):
+            xinsitu.open_zarr(obj)
+    with pytest.raises(FileNotFoundError, match="no zarr store at 'file:///"):
+        xinsitu.open_zarr(f"file://{tmp_path}/nothing.zarr")
+    assert type(make_store("memory://scratch.zarr")).__name__ == "MemoryStore"
+    with pytest.raises(FileNotFoundError, match="memory://scratch.zarr"):
+        xinsitu.open_zarr("memory://scratch.zarr")
+
+
 def test_store_kinds_from_urls(tmp_path):
     assert type(make_store("gs://bucket/a.zarr", anonymous=True)).__name__ == "GCSStore"
     az = make_store("az://container/a.zarr", account_name="acct", anonymous=True)

@@ -96,6 +96,12 @@ def make_store(url: str | os.PathLike, **options: Any) -> Any:
         if not os.path.isdir(path):
             raise FileNotFoundError(f"no zarr store at {path!r}")
         return obstore.store.LocalStore(prefix=path)
+    if scheme == "memory":  # a new, empty store whatever the name (obstore takes no name: "Unable to recognise URL")
+        return obstore.store.MemoryStore()
+    if scheme == "file":
+        path = urlsplit(s).path
+        if not os.path.isdir(path):  # (obstore: "Unable to canonicalize filesystem root")
+            raise FileNotFoundError(f"no zarr store at {s!r}")
     if anonymous is not None:
         if scheme not in _SIGNED and scheme not in ("http", "https"):
             raise TypeError(f"anonymous= applies to object storage URLs, not to {scheme}://")
@@ -282,6 +288,9 @@ def _check_store_arguments(store: Any, options: dict[str, Any]) -> None:
     nothing), misread (``anonymous="no"`` is true) or ignore (a misspelt ``retry_config`` key)."""
     if store is None or isinstance(store, (bytes, bool, int, float, complex)):
         raise TypeError(f"store must be a URL, a path or a zarr/obstore store, got {type(store).__name__}: {store!r}")
+    if isinstance(store, (xr.Dataset, xr.DataArray)):
+        raise TypeError(f"store must be a URL, a path or a zarr/obstore store, got an xarray {type(store).__name__}, "
+                        "which is open already: use its .insitu accessor (a DataArray: da.to_dataset().insitu)")
     if not isinstance(store, (str, os.PathLike)) or "://" not in os.fspath(store):
         return  # options for a path or a store object are refused by ``open_zarr`` itself, whatever their kind
     for key, value in options.items():

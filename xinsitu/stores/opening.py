@@ -96,17 +96,17 @@ def make_store(url: str | os.PathLike, **options: Any) -> Any:
         if not os.path.isdir(path):
             raise FileNotFoundError(f"no zarr store at {path!r}")
         return obstore.store.LocalStore(prefix=path)
-    if scheme == "memory":  # a new, empty store whatever the name (obstore takes no name: "Unable to recognise URL")
-        return obstore.store.MemoryStore()
-    if scheme == "file":
-        path = urlsplit(s).path
-        if not os.path.isdir(path):  # (obstore: "Unable to canonicalize filesystem root")
-            raise FileNotFoundError(f"no zarr store at {s!r}")
     if anonymous is not None:
         if scheme not in _SIGNED and scheme not in ("http", "https"):
             raise TypeError(f"anonymous= applies to object storage URLs, not to {scheme}://")
         if scheme in _SIGNED or _signed_https(s):
             options.setdefault("skip_signature", bool(anonymous))
+    if scheme == "memory" and not options:  # a new, empty store whatever its name (obstore takes none)
+        return obstore.store.MemoryStore()
+    if scheme == "file":
+        path = urlsplit(s).path
+        if not os.path.isdir(path):  # (obstore: "Unable to canonicalize filesystem root")
+            raise FileNotFoundError(f"no zarr store at {s!r}")
     provider = options.get("credential_provider")
     if provider is not None and not isinstance(provider, RecordingProvider):
         options["credential_provider"] = RecordingProvider(provider)

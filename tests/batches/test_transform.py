@@ -108,6 +108,19 @@ def test_transform_exception_reaches_caller(ds_m):
         list(gen)
 
 
+def test_a_transform_that_returns_nothing_is_named(ds_m):
+    """A transform that changes the batch in place and forgets ``return`` (the loop got None batches)."""
+    ds, m = ds_m
+
+    def scale(batch):
+        for v in batch:
+            batch[v] *= 2
+
+    gen = ds.insitu.batches(m, "train", batch_size=8, output="numpy", transform=scale)
+    with pytest.raises(TypeError, match="transform= returned None"):
+        next(iter(gen))
+
+
 def _walk(tb):
     while tb is not None:
         yield tb

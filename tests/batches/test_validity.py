@@ -286,7 +286,8 @@ def test_bad_arguments(ds: xr.Dataset, m: xinsitu.SplitManifest) -> None:
     with pytest.raises(ValueError, match="sampling"):
         m.set_validity("train", {"where": "finite", **encode_mask(np.ones(3, bool))})
     assert m.validity == {}  # nothing stored by a failed pass
-    r = ds.insitu.validity(m, "train", where=lambda b: np.zeros(b.sizes["sample"], bool))
+    with pytest.warns(UserWarning, match="no sample of .* is valid"):  # said at once, not at the batches
+        r = ds.insitu.validity(m, "train", where=lambda b: np.zeros(b.sizes["sample"], bool))
     assert r["valid"] == 0
     with pytest.raises(ValueError, match="no valid sample"):
         ds.insitu.batches(m, "train", batch_size=4)

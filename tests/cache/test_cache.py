@@ -533,6 +533,17 @@ def test_resolve_cache_rejects(bad: object, error: type) -> None:
         resolve_cache(bad)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("typo", ["memroy", "Memory", "memorry", "memories"])
+def test_a_typo_of_memory_is_not_taken_for_a_directory(typo: str, tmp_path, monkeypatch) -> None:
+    """``cache="memroy"`` made a disk cache in ./memroy, silently; ``./memroy`` still asks for one."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="did you mean 'memory'"):
+        resolve_cache(typo)
+    assert not os.path.exists(typo)
+    c = resolve_cache(f"./{typo}")
+    assert isinstance(c, ChunkCache) and c.disk is not None
+
+
 def test_resolve_cache_rejects_a_file(tmp_path: os.PathLike[str]) -> None:
     f = os.path.join(tmp_path, "file")
     open(f, "w").close()

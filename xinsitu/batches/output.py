@@ -259,6 +259,9 @@ class OutputBuilder:
                 # the caller gets the transform's own exception (type and traceback); say where it came from
                 e.add_note("xinsitu: raised by transform= (applied to each batch in the prefetch thread)")
                 raise
+            if batch is None:  # never a batch: a function that changes its argument in place and returns nothing
+                raise TypeError("transform= returned None: it must return the batch (e.g. end it with "
+                                "`return batch`), or whatever structure the training loop takes")
         if self.mover is not None:
             return self.mover.move(batch)
         if self.output == "torch" and self.device is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -277,6 +278,11 @@ def _result(split: str, mask: np.ndarray, label: str, variables: list[str], key:
             manifest: SplitManifest | None, job: dict[str, Any] | None = None) -> dict[str, Any]:
     """The mask record, stored in ``manifest`` (checked against the job's where given), and the summary."""
     record = {"where": label, "variables": list(variables), "sampling": key, **encode_mask(mask)}
+    if mask.size and not record["valid"]:  # batches of the split would raise "holds no valid sample"
+        warnings.warn(f"validity of split {split!r}: no sample of {mask.size} is valid (where={label!r} on "
+                      f"{list(variables)}); batches of this split will have none to draw. A NaN anywhere in a "
+                      "sample makes it invalid for 'finite': name the variables to test (variables=[...]) or "
+                      "pass a predicate (where=fn)", UserWarning, stacklevel=4)
     if manifest is not None:
         if job is not None and (split not in manifest.splits or manifest.fingerprint != job["manifest"]
                                 or manifest.splits[split].digest() != job["blocks"]):

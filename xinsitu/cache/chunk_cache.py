@@ -41,6 +41,7 @@ cache names them are ever deleted. What it cannot read or write is counted
 
 from __future__ import annotations
 
+import difflib
 import errno
 import functools
 import itertools
@@ -1121,6 +1122,10 @@ def resolve_cache(cache: bool | str | os.PathLike[str] | ChunkCache | None) -> C
         return cache
     if isinstance(cache, str) and cache == "memory":  # a Path("memory") is a directory of that name
         return ChunkCache()
+    if (isinstance(cache, str) and "/" not in cache and os.sep not in cache and not os.path.exists(cache)
+            and difflib.get_close_matches(cache.lower(), ["memory"], cutoff=0.7)):  # a typo of "memory"
+        raise ValueError(f"cache={cache!r}: did you mean 'memory'? (a directory makes a disk cache there: "
+                         f"name it ./{cache} to mean that)")
     if isinstance(cache, (str, os.PathLike)):
         path = os.fspath(cache)
         if isinstance(path, bytes):

@@ -183,6 +183,18 @@ def test_sample_inspection(era5_path):
     xr.testing.assert_identical(s, ds[list(gen.layouts)].isel(time=first + 3).load())
 
 
+def test_sample_inspection_of_a_tile(era5_path):
+    """A tile keeps its lat/lon indexes, as ``isel`` does (they came back as coordinates without one)."""
+    ds = xinsitu.open_zarr(era5_path)
+    m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    gen = ds.insitu.batches(m, "val", batch_size=4, patch={"lat": 3, "lon": 5}, shuffle=False)
+    s = gen.sample(0)
+    first = m.edges["time"][m.splits["val"][0]]
+    ref = ds[list(gen.layouts)].isel(time=first, lat=slice(0, 3), lon=slice(0, 5)).load()
+    xr.testing.assert_identical(s, ref)
+    assert set(s.indexes) == {"lat", "lon"}
+
+
 def test_break_stops_cleanly(era5_path):
     ds = xinsitu.open_zarr(era5_path)
     m = ds.insitu.split("time", fractions={"train": 0.8, "val": 0.2})

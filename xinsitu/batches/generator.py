@@ -584,6 +584,9 @@ class BatchGenerator:
         data = {n: xr.Variable(self.builder.dims_of(n)[1:] if self.layouts[n].has_sample_axis else
                                self.layouts[n].src.dims, a[0] if self.layouts[n].has_sample_axis else np.array(a),
                                attrs=self.builder.attrs[n]) for n, a in values.items()}
+        # a dim's own coordinate gets its index back (a tile's lat/lon lose it along ``sample``), as ``isel`` keeps it
+        own = {k: v.variable for k, v in coords.coords.items() if v.dims == (k,) and k not in coords.indexes}
+        coords = coords.drop_vars(list(own)).assign_coords(own) if own else coords
         return xr.Dataset(data, coords=coords.coords, attrs=self.builder.ds_attrs)
 
     def to_torch(self) -> Any:

@@ -20,7 +20,7 @@ import xarray as xr
 from xinsitu.batches import describe
 from xinsitu.batches.buffer import BUDGET_BUFFERS, BUFFER_BUDGET, BufferLoader, default_block_chunks, unit_nbytes
 from xinsitu.batches.direct import DeviceDirectLoader, DirectLoader, direct_reason
-from xinsitu.batches.output import OutputBuilder
+from xinsitu.batches.output import OutputBuilder, with_dim_indexes
 from xinsitu.batches.pipeline import DirectRun, EpochRun
 from xinsitu.cache.chunk_cache import ChunkCache, resolve_cache
 from xinsitu.cache.device_tier import CupyArrays, HostArrays
@@ -584,10 +584,7 @@ class BatchGenerator:
         data = {n: xr.Variable(self.builder.dims_of(n)[1:] if self.layouts[n].has_sample_axis else
                                self.layouts[n].src.dims, a[0] if self.layouts[n].has_sample_axis else np.array(a),
                                attrs=self.builder.attrs[n]) for n, a in values.items()}
-        # a dim's own coordinate gets its index back (a tile's lat/lon lose it along ``sample``), as ``isel`` keeps it
-        own = {k: v.variable for k, v in coords.coords.items() if v.dims == (k,) and k not in coords.indexes}
-        coords = coords.drop_vars(list(own)).assign_coords(own) if own else coords
-        return xr.Dataset(data, coords=coords.coords, attrs=self.builder.ds_attrs)
+        return with_dim_indexes(xr.Dataset(data, coords=coords.coords, attrs=self.builder.ds_attrs))
 
     def to_torch(self) -> Any:
         """A ``torch.utils.data.IterableDataset`` over this generator (use ``batch_size=None``)."""

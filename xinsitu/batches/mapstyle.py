@@ -51,6 +51,7 @@ import xarray as xr
 
 from xinsitu.batches.buffer import BufferLoader
 from xinsitu.batches.generator import BatchGenerator
+from xinsitu.batches.output import with_dim_indexes
 from xinsitu.codecs.cpu import is_sharded
 from xinsitu.index.plan import EpochPlan
 from xinsitu.index.split import SplitManifest
@@ -412,7 +413,7 @@ class InsituDataset:
     def _item(self, batch: Any, k: int) -> Any:
         """Sample ``k`` of ``batch`` without the batch axis (views where the kind allows)."""
         if isinstance(batch, (xr.Dataset, xr.DataArray)):
-            return batch.isel(sample=k) if "sample" in batch.dims else batch
+            return with_dim_indexes(batch.isel(sample=k)) if "sample" in batch.dims else batch
         if isinstance(batch, dict):
             lays = self._gen.layouts
             return {n: (a[k] if lays[n].has_sample_axis else a) for n, a in batch.items()}

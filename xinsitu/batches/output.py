@@ -506,6 +506,14 @@ class OutputBuilder:
         return jax.device_put(a, self.device)
 
 
+def with_dim_indexes(x: Any) -> Any:
+    """``x`` (a Dataset or DataArray: one sample taken out of a batch) with an index on each dim's own
+    coordinate that lacks one, as ``isel`` keeps it (along ``sample`` a window's times or a tile's lat/lon
+    are coordinates of two dims, without an index)."""
+    own = {k: v.variable for k, v in x.coords.items() if v.dims == (k,) and k not in x.indexes}
+    return x.drop_vars(list(own)).assign_coords(own) if own else x
+
+
 def _readonly(a: np.ndarray) -> np.ndarray:
     """A read-only view of ``a`` (SPEC §4: a batch owns its arrays; a variable without the split dim is
     the same values in every batch)."""

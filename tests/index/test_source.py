@@ -58,6 +58,18 @@ def test_dask_over_zarr_maps_back_through_the_coordinates(store):
     np.testing.assert_array_equal(t.index[0], [2, 9])
 
 
+def test_dask_over_zarr_relabelled_reads_the_values_it_holds(store):
+    """``assign_coords`` relabels without moving data: the whole stored array is what the Dataset holds,
+    whatever its labels (mapped by its reversed labels, the reads came from the other end)."""
+    ds = xr.open_zarr(store)
+    relabelled = ds.assign_coords(time=ds.time.values[::-1].copy())
+    t = resolve(relabelled, ["t2m"])["t2m"]
+    np.testing.assert_array_equal(t.index[0], np.arange(12))
+    m = relabelled.insitu.split("time", fractions={"train": 0.5, "val": 0.5}, block={"time": 2})
+    got = np.concatenate([b["t2m"] for b in relabelled.insitu.batches(m, "train", output="numpy", shuffle=False)])
+    np.testing.assert_array_equal(got, relabelled.t2m.values[:6])
+
+
 def test_in_memory_and_dask_over_memory_keep_their_chunks():
     ds = _ds()
     mem = resolve(ds, ["t2m"])["t2m"]

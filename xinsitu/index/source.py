@@ -389,11 +389,16 @@ def _resolve_dask(ds: xr.Dataset, name: str, data: Any, base: dict) -> VarSource
     src_dims = _array_dims(zarray, name)
     index: list = []
     source_ds = None
+    # xarray's own layer on top (no getitem after it): the stored array whole, whatever the labels say
+    # (``assign_coords`` relabels without moving data: mapped by its labels, it read other positions)
+    whole = str(getattr(data, "name", "")).startswith("open_dataset-")
     for ax, d in enumerate(src_dims):
         n_src = zarray.shape[ax]
         if d in var.dims:
             n = var.sizes[d]
-            if d in ds.indexes:
+            if whole and n == n_src:
+                index.append(np.arange(n, dtype=np.int64))
+            elif d in ds.indexes:
                 source_ds = source_ds if source_ds is not None else _open_source(zarray)
                 index.append(_positions(ds.indexes[d], source_ds, d, name))
             elif n == n_src:

@@ -45,6 +45,7 @@ class OutputBuilder:
         if transform is not None and not callable(transform):
             raise TypeError(f"transform must be a callable fn(batch) -> batch, got {type(transform).__name__}")
         self.transform = transform
+        self._said_none = False  # warned that transform= returned None (once)
         self.arrays = BatchArrays()
         self.fold = fold_dims(stack)
         self.output, self.device = output, device
@@ -259,9 +260,10 @@ class OutputBuilder:
                 # the caller gets the transform's own exception (type and traceback); say where it came from
                 e.add_note("xinsitu: raised by transform= (applied to each batch in the prefetch thread)")
                 raise
-            if batch is None:  # never a batch: a function that changes its argument in place and returns nothing
-                raise TypeError("transform= returned None: it must return the batch (e.g. end it with "
-                                "`return batch`), or whatever structure the training loop takes")
+            if batch is None and not self._said_none:  # a function that changes its argument and returns nothing?
+                self._said_none = True
+                warnings.warn("transform= returned None, which is what the training loop gets as the batch: did it "
+                              "forget `return batch`?", UserWarning, stacklevel=2)
         if self.mover is not None:
             return self.mover.move(batch)
         if self.output == "torch" and self.device is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,10 +21,12 @@ VARS = ["t2m", "tp", "u10", "v10", "z500"]  # the data variables on time
 
 
 def run(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
+    # a crash says where (Python's stacks on a fatal signal; glibc's own abort message to stderr, not the tty)
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1", "LIBC_FATAL_STDERR_": "1"}
     p = subprocess.run([sys.executable, "-W", "ignore", "-m", "xinsitu", *args], capture_output=True, text=True,
-                       timeout=120)
+                       timeout=120, env=env)
     if ok:
-        assert p.returncode == 0, p.stderr
+        assert p.returncode == 0, f"exit status {p.returncode}: {p.stderr}"
     return p
 
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from xinsitu.io.reader import missing_note
+from xinsitu.batches.describe import missing_note
 from xinsitu.stores.backend import ChunkReadError
 from xinsitu.stores.redact import redact, redact_url
 

@@ -157,3 +157,11 @@ def _generator_sections(gen: BatchGenerator, drawing: bool = False) -> list[Sect
                           f"{last.get('cache_misses', 0)} misses")] if gen.cache is not None else []),
             summary=f"(epoch {io['epoch']}, {io['batches']} batches)", collapsed=True))
     return sections
+
+
+def missing_note(n: int, variable: str, chunk: Any, key: str) -> str:
+    """Words for ``n`` chunks that had no object in the store and read as the fill value (zarr's rule),
+    one of them named: a deleted archive or a store answering 404 looks just like that."""
+    return (f"{n} chunk(s) had no object in the store and read as the fill value (e.g. chunk {tuple(chunk)} of "
+            f"variable {variable!r}, key {key!r}); zarr writers skip chunks that are all fill value, but a deleted "
+            "archive or a store answering 404 looks the same")

@@ -32,7 +32,7 @@ from xinsitu.index.plan import EpochPlan, epoch_plan, epoch_size, plan_head, pla
 from xinsitu.index.sampling import check_split, dist_defaults, flag, int_arg, positive_int, sampling
 from xinsitu.index.state import check_state, make_state
 from xinsitu.io import loop as _loop
-from xinsitu.io.reader import Reader, missing_note
+from xinsitu.io.reader import Reader
 from xinsitu.repr import formatting
 
 
@@ -499,8 +499,9 @@ class BatchGenerator:
         n = self._io.get("missing", 0)
         if n and self.missing == "fill":  # with "raise" the error has said it
             var, chunk, key = self._io["missing_chunk"]
-            warnings.warn(f"epoch {self._io['epoch']} of split {self.split!r}: {missing_note(n, var, chunk, key)}. "
-                          "Pass missing='raise' to make it an error.", UserWarning, stacklevel=3)
+            note = describe.missing_note(n, var, chunk, key)
+            warnings.warn(f"epoch {self._io['epoch']} of split {self.split!r}: {note}. Pass missing='raise' to make "
+                          "it an error.", UserWarning, stacklevel=3)
 
     def __getstate__(self) -> dict[str, Any]:
         # a pickled generator (e.g. sent to a spawned DataLoader worker) leaves this process's

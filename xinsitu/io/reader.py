@@ -129,14 +129,6 @@ class Route:
         return self.kind == self.LOCAL and self.store.fused  # type: ignore[attr-defined]
 
 
-def missing_note(n: int, variable: str, chunk: Any, key: str) -> str:
-    """Words for ``n`` chunks that had no object in the store and read as the fill value (zarr's rule),
-    one of them named: a deleted archive or a store answering 404 looks just like that."""
-    return (f"{n} chunk(s) had no object in the store and read as the fill value (e.g. chunk {tuple(chunk)} of "
-            f"variable {variable!r}, key {key!r}); zarr writers skip chunks that are all fill value, but a deleted "
-            "archive or a store answering 404 looks the same")
-
-
 class Reader:
     """Reads regions of the variables of one Dataset; one per process (built lazily).
 
@@ -645,11 +637,9 @@ class Reader:
             if store_root(src.array.store)[0] == "obstore":  # zarr would call obstore here: a hang after fork
                 _loop.refuse_after_fork(f"sharded array {src.array.path!r} (through zarr)")
             select = src.array.async_array.get_orthogonal_selection(tuple(pos))
-            home = getattr(self._store(src), "home", None)  # an fsspec store's session lives on zarr's loop
-            if home is not None and home is not asyncio.get_running_loop():
-                res = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(select, home))
-            else:
-                res = await select
+            store = self._store(src)  # an fsspec store's session lives on zarr's loop: the selection runs there
+            at_home = getattr(store, "at_home", None)  # (``stores.zarr_store``'s backend)
+            res = await (at_home(select) if at_home is not None else select)
         except Exception as e:  # noqa: BLE001 - every failure names its array
             reraise(src.name, (), path, e)
         finally:

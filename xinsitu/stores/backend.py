@@ -689,13 +689,6 @@ def backend_for(zstore: Any) -> Backend:
         import obstore.store
 
         return LocalBackend(obj, _ObstoreBackend(obstore.store.LocalStore(prefix=obj)))
-    if type(zstore).__name__ == "FsspecStore" and getattr(getattr(zstore, "fs", None), "async_impl", False):
-        # its client session (aiohttp, aiobotocore) belongs to the parent's loop: unusable in a forked child
-        proto = getattr(zstore.fs, "protocol", "")
-        proto = proto[0] if isinstance(proto, (tuple, list)) else proto
-        path = str(getattr(zstore, "path", ""))
-        url = redact_url(path if "://" in path else f"{proto}://{path}")
-        _loop.refuse_after_fork(f"the fsspec store {url!r}")
     return _ZarrBackend(zstore)
 
 

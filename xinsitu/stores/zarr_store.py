@@ -12,7 +12,7 @@ from typing import Any
 from xinsitu.codecs.cpu import zarr_store_get
 from xinsitu.io import loop as _loop
 from xinsitu.stores.reads import retried
-from xinsitu.stores.redact import scrubbed
+from xinsitu.stores.redact import redact_url, scrubbed
 
 
 class _ZarrBackend:
@@ -25,6 +25,9 @@ class _ZarrBackend:
     retries itself (a store ``xinsitu.open_zarr`` checked)."""
 
     def __init__(self, zstore: Any):
+        if type(zstore).__name__ == "FsspecStore" and getattr(getattr(zstore, "fs", None), "async_impl", False):
+            # its client session (aiohttp, aiobotocore) belongs to the parent's loop: unusable in a forked child
+            _loop.refuse_after_fork(f"the fsspec store {_url(zstore)!r}")
         self.zstore = zstore
         self._home: tuple[int, asyncio.AbstractEventLoop | None] = (os.getpid(), home_loop(zstore))
         self._retries = not getattr(zstore, "_xinsitu_bounded", False)
@@ -36,13 +39,17 @@ class _ZarrBackend:
             self._home = (os.getpid(), home_loop(self.zstore))
         return self._home[1]
 
+    async def at_home(self, coro: Any) -> Any:
+        """Await ``coro`` on zarr's loop where the store has one (``home``), else here."""
+        home = self.home
+        if home is not None and home is not asyncio.get_running_loop():
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, home))
+        return await coro
+
     async def get(self, key: str) -> Any:
         err: BaseException | None = None
         try:
-            home = self.home
-            if home is not None and home is not asyncio.get_running_loop():
-                return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._get(key), home))
-            return await self._get(key)
+            return await self.at_home(self._get(key))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - same message, without URL query strings
@@ -53,6 +60,14 @@ class _ZarrBackend:
         if self._retries:
             return await retried(lambda: zarr_store_get(self.zstore, key))
         return await zarr_store_get(self.zstore, key)
+
+
+def _url(zstore: Any) -> str:
+    """An fsspec store as messages name it: its URL without credentials."""
+    proto = getattr(zstore.fs, "protocol", "")
+    proto = proto[0] if isinstance(proto, (tuple, list)) else proto
+    path = str(getattr(zstore, "path", ""))
+    return redact_url(path if "://" in path else f"{proto}://{path}")
 
 
 async def _running_loop() -> asyncio.AbstractEventLoop:

@@ -92,9 +92,13 @@ def test_a_shared_cache_checks_remote_objects_an_earlier_generator_kept(tmp_path
     assert _same(_epochs(again, (0,)), new)
     assert again.io_stats["cache_hits"] == 0
     third = _remote_gen(url, opts, cache)
+    asked, served = cache.stats.version_requests, None if srv is None else srv.requests
     assert _same(_epochs(third, (0,)), new)
     st = third.io_stats
     assert st["cache_hits"] == st["chunks"] > 0 and st["cache_disk_hits"] == 0 and st["requests"] == 0
+    assert cache.stats.version_requests > asked  # the check's own requests are counted
+    if srv is not None:  # HTTP: one HEAD per object, and nothing else
+        assert srv.requests - served == cache.stats.version_requests - asked
 
 
 @pytest.mark.slow

@@ -589,11 +589,12 @@ class ChunkCache:
         with self._lock:
             return [(i, *b) for i, k in enumerate(keys) if (b := born.get(k, never))[0] < since]
 
-    def recheck(self, keys: list[Hashable], changed: list[bool], since: int) -> None:
+    def recheck(self, keys: list[Hashable], changed: list[bool], since: int, requests: int = 0) -> None:
         """After ``kept_before``: drop the entries whose source changed (their rows stay unused, counted
         against the budget, as long as their slab lives: a batch may still gather from them), and mark
-        the others as matching since ``since``."""
+        the others as matching since ``since``; ``requests`` asked the store for versions to tell."""
         with self._lock:
+            self._stats.version_requests += requests
             for k, gone in zip(keys, changed, strict=True):
                 if k not in self._mem:
                     continue

@@ -162,10 +162,10 @@ async def _drop_rewritten(cache: ChunkCache, keys: ChunkKey, mkeys: list[Any], o
     if not old:
         return
 
-    def changed() -> list[bool]:
+    def changed() -> tuple[list[bool], int]:
         if not local:
-            now, _ = keys.versions([object_of(i) for i, _, _ in old])
-            return [v != was or not trusted(v) for v, (_, _, was) in zip(now, old, strict=True)]
+            now, n = keys.versions([object_of(i) for i, _, _ in old])
+            return [v != was or not trusted(v) for v, (_, _, was) in zip(now, old, strict=True)], n
         out = []
         for i, born, _ in old:
             try:
@@ -173,10 +173,10 @@ async def _drop_rewritten(cache: ChunkCache, keys: ChunkKey, mkeys: list[Any], o
                 out.append(max(st.st_ctime_ns, st.st_mtime_ns) >= born)
             except FileNotFoundError:
                 out.append(True)
-        return out
+        return out, 0
 
-    gone = await asyncio.get_running_loop().run_in_executor(None, changed)
-    cache.recheck([mkeys[i] for i, _, _ in old], gone, since)
+    gone, asked = await asyncio.get_running_loop().run_in_executor(None, changed)
+    cache.recheck([mkeys[i] for i, _, _ in old], gone, since, requests=asked)
 
 
 def _keys(reader: Reader, src: VarSource) -> ChunkKey | None:

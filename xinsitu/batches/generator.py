@@ -539,6 +539,22 @@ class BatchGenerator:
         for shared in self._shared_with_workers():  # the next DataLoader iteration's workers resume
             shared[0], shared[1] = epoch, 0
 
+    def _load_worker_state(self, state: dict[str, Any]) -> None:
+        """Take a DataLoader worker's ``state`` (``to_torch``): its epoch, checked like a state of this
+        generator's; the batch to resume after is the worker's to count. A worker's state within an
+        elastically resumed epoch names the resumes that epoch went through: this worker's batches are
+        cut from that epoch's rest, as its run's were (a fresh copy of the generator has none)."""
+        epoch, hops = state.get("epoch"), state.get("elastic")
+        before = (self._elastic, self._elastic_epoch, self._elastic_plan)
+        if hops and isinstance(hops, list) and isinstance(epoch, int):
+            self._elastic, self._elastic_epoch, self._elastic_plan = [tuple(h) for h in hops], epoch, None
+        try:
+            check_state(self, state)
+        except BaseException:
+            self._elastic, self._elastic_epoch, self._elastic_plan = before
+            raise
+        self.set_epoch(int(state["epoch"]))
+
     # ------------------------------------------------------------------ inspection
     @property
     def io_stats(self) -> dict[str, Any]:

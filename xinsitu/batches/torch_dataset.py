@@ -33,7 +33,7 @@ import torch
 import torch.utils.data
 
 from xinsitu.index.plan import worker_batches
-from xinsitu.index.state import check_state, make_state
+from xinsitu.index.state import make_state
 from xinsitu.io import loop as _loop
 from xinsitu.stores.backend import backend_for
 
@@ -96,19 +96,7 @@ class InsituIterableDataset(torch.utils.data.IterableDataset):
             self.gen.load_state_dict({k: v for k, v in state.items() if k != "worker"} if isinstance(state, dict)
                                      else state)
             return
-        # a worker's state within an elastically resumed epoch names the resumes that epoch went through:
-        # this worker's batches are cut from that epoch's rest, as its run's were (a fresh copy of the
-        # generator has none)
-        gen, epoch, hops = self.gen, state.get("epoch"), state.get("elastic")
-        before = (gen._elastic, gen._elastic_epoch, gen._elastic_plan)
-        if hops and isinstance(hops, list) and isinstance(epoch, int):
-            gen._elastic, gen._elastic_epoch, gen._elastic_plan = [tuple(h) for h in hops], epoch, None
-        try:
-            check_state(gen, state)
-        except BaseException:
-            gen._elastic, gen._elastic_epoch, gen._elastic_plan = before
-            raise
-        gen.set_epoch(int(state["epoch"]))
+        self.gen._load_worker_state(state)
         self._resume, self._pos = int(state["batch"]), None
 
     # ------------------------------------------------------------------ iteration

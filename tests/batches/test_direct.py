@@ -218,6 +218,38 @@ def test_a_batch_owns_its_arrays(wm, output, window):
     assert np.array_equal(after.numpy() if output == "torch" else np.asarray(after), lsm)
 
 
+@pytest.mark.parametrize("output", ["xarray", "dataarray"])
+def test_a_coordinate_without_the_split_dim_is_not_shared_writable(output):
+    """A coordinate the samples do not index (2-D latitudes, a mask stored as a coordinate, the grid's
+    own index) is the same in every batch: read-only, so changing it in one batch (or in ``gen.sample``)
+    cannot change another batch or a later epoch (it did: one array, shared and writable)."""
+    lat2d = np.arange(12.0).reshape(3, 4)
+    ds = xr.Dataset({"t2m": (("time", "y", "x"), np.arange(16 * 12, dtype="f4").reshape(16, 3, 4))},
+                    coords={"time": pd.date_range("2000", periods=16, freq="6h"), "y": [10.0, 20, 30],
+                            "lat2d": (("y", "x"), lat2d)}).chunk({"time": 4})
+    m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    gen = ds.insitu.batches(m, "train", batch_size=2, shuffle=False, output=output)
+    first = next(iter(gen))
+
+    def change(values: np.ndarray) -> None:
+        try:
+            values[...] = -1.0
+        except ValueError as e:  # read-only is one way; a fresh array per batch the other
+            assert "read-only" in str(e)
+
+    for name in ("lat2d", "y"):
+        change(first[name].values)
+    change(gen.sample(0)["lat2d"].values)
+    change(gen.sample(1)["y"].values)
+    assert all(np.array_equal(b.lat2d.values, lat2d) and np.array_equal(b.y.values, [10, 20, 30]) for b in gen)
+    assert np.array_equal(gen.sample(0).lat2d.values, lat2d)
+    fresh = next(iter(gen))
+    assert np.array_equal((fresh + 1).lat2d.values, lat2d)  # xarray's arithmetic and copies still work
+    copy = fresh.copy(deep=True)
+    copy["lat2d"].values[...] = 0.0
+    assert np.array_equal(next(iter(gen)).lat2d.values, lat2d)
+
+
 def test_a_dropped_batch_leaves_its_raw_arrays_to_its_threads(wm, monkeypatch):
     """A batch read ahead and dropped (iterating an epoch again without ``set_epoch`` drops the next
     epoch's first batch) may leave decode threads writing into its raw arrays: cancelling an await does

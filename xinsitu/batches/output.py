@@ -152,7 +152,11 @@ class OutputBuilder:
     @property
     def coords(self) -> xr.Dataset:
         if self._coords is None:  # small: index and auxiliary coords, loaded once
-            self._coords = xr.Dataset(coords=self._ds_coords).load()
+            coords = xr.Dataset(coords=self._ds_coords).load()
+            for v in coords.variables.values():  # a batch gets those it does not index as they are: read-only
+                if not isinstance(v, xr.IndexVariable):
+                    v.data = _readonly(np.asarray(v.data))
+            self._coords = coords
         return self._coords
 
     def direct_stack(self, n: int) -> tuple[np.ndarray, dict[str, np.ndarray]] | None:

@@ -223,6 +223,31 @@ def test_layouts(tmp_path, case):
         run_epoch(ds, gen)
 
 
+@pytest.mark.parametrize("dtype", [">i2", ">f4"])
+def test_a_big_endian_array_without_cf_attributes_gives_native_values(tmp_path, dtype):
+    """A zarr v2 big-endian array with no fill value and no CF attribute: xarray gives its values in
+    the native byte order, and so do batches, stacked or not, and statistics (batches kept the stored
+    order: another dtype than xarray's, which torch refused)."""
+    import zarr
+
+    path = tmp_path / "big.zarr"
+    g = zarr.open_group(str(path), mode="w", zarr_format=2)
+    a = g.create_array("a", shape=(8, 3), dtype=dtype, chunks=(2, 3), fill_value=None, compressors=None)
+    a[:] = np.arange(24).reshape(8, 3)
+    a.attrs["_ARRAY_DIMENSIONS"] = ["time", "x"]
+    zarr.consolidate_metadata(str(path))
+    for ds in (xinsitu.open_zarr(str(path)), xr.open_zarr(str(path)), xr.open_zarr(str(path), chunks=None)):
+        want = ds.a.values
+        assert want.dtype == np.dtype(dtype).newbyteorder("=")
+        m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+        for kw in ({"output": "numpy"}, {"output": "numpy", "stack": True}, {"output": "xarray"}):
+            b = next(iter(ds.insitu.batches(m, "train", batch_size=4, shuffle=False, **kw)))
+            got = (b if kw.get("stack") else np.asarray(b["a"])).reshape(4, 3)
+            assert got.dtype == want.dtype and got.dtype.isnative
+            np.testing.assert_array_equal(got, want[:4])
+        assert ds.insitu.stats(m, "train")["a"]["max"] == 11
+
+
 def test_missing_chunks_read_as_fill(tmp_path, era5_path):
     import shutil
 

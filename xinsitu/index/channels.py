@@ -37,10 +37,13 @@ RESERVED = ("split", "channels", "variables")
 def decodes_to_itself(src: VarSource) -> bool:
     """Whether CF decoding leaves raw values as they are: not stored (values already decoded), no CF
     attribute, or floats whose only CF attribute is a NaN fill value (what xarray writes for float
-    variables: it masks nothing)."""
+    variables: it masks nothing). Not where the store holds another byte order than the values' (a
+    big-endian zarr v2 array: xarray gives native values)."""
     attrs = {k: v for k, v in src.cf.items() if k != "dtype"}
-    if not src.stored or not attrs:
+    if not src.stored:
         return True
+    if not attrs:
+        return src.raw_dtype == src.dtype
     return (src.raw_dtype == src.dtype and src.dtype.kind == "f" and set(attrs) <= {"_FillValue", "missing_value"}
             and all(bool(np.all(np.isnan(np.asarray(v, dtype=np.float64)))) for v in attrs.values()))
 
@@ -69,11 +72,23 @@ class _CFDecode:
         return np.asarray(xr.conventions.decode_cf_variable(self.name, var).values)
 
 
+class _Cast:
+    """raw -> the same values in ``dtype`` (the native byte order xarray gives a big-endian array)."""
+
+    def __init__(self, dtype: np.dtype):
+        self.dtype = dtype
+
+    def __call__(self, raw: np.ndarray) -> np.ndarray:
+        return raw.astype(self.dtype)
+
+
 def cf_decoder(name: str, layout: VarLayout) -> Any:
     """A function raw -> values exactly as xarray decodes them (scale/offset/fill -> NaN)."""
     src = layout.src
     if decodes_to_itself(src):
         return identity
+    if not {k for k in src.cf if k != "dtype"} and src.raw_dtype.newbyteorder("=") == src.dtype.newbyteorder("="):
+        return _Cast(src.dtype)
     decode = _CFDecode(name, {k: v for k, v in src.cf.items() if k != "dtype"})
     probe = decode(np.zeros((1,), dtype=src.raw_dtype))
     if probe.dtype != src.dtype:

@@ -52,6 +52,14 @@ def coord_span(ds: Any, dim: str) -> list[Any] | None:
     return [json_label(idx[0]), json_label(idx[-1])]
 
 
+def _same_label(a: Any, b: Any) -> bool:
+    """Whether two labels (as a manifest records them) are the same; NaN is the same as NaN (a coordinate
+    whose first label is missing: a zarr v2 integer coordinate with fill value 0 reads 0 as NaN)."""
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    return bool(a == b)
+
+
 # ----------------------------------------------------------------------------- manifest
 @dataclass(eq=False)
 class SplitManifest:
@@ -239,7 +247,7 @@ class SplitManifest:
     def check_labels(self, first_last: dict[str, list[Any]]) -> None:
         for d, fl in first_last.items():
             mine = self.extra.get("coords", {}).get(d)
-            if mine is not None and list(mine) != list(fl):
+            if mine is not None and not (len(mine) == len(fl) and all(map(_same_label, mine, fl))):
                 raise ValueError(f"coordinate {d!r} spans {fl[0]}..{fl[1]} here, but the manifest was made "
                                  f"on {mine[0]}..{mine[1]}")
 

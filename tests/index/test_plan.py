@@ -115,6 +115,21 @@ def test_rank_share_bounds(counts, world_size, batch_size, drop_last):
         assert np.all(lo >= 0) and np.all(lo <= hi) and np.all(hi <= counts[pos])
         assert n <= int((hi - lo).sum())
     assert 0 <= counts.sum() - sum(n for *_, n in shares) < world_size * batch_size or counts.sum() == 0
+    # an epoch has a batch wherever an equal cut of the samples gives every rank one (few big units
+    # among many ranks: whole units left one rank, and so every rank, without a batch)
+    q = int(counts.sum()) // world_size
+    if q >= (batch_size if drop_last else 1):
+        assert n_batches != {0}
+
+
+@pytest.mark.parametrize("equal", [False, True])
+def test_few_big_units_among_many_ranks_still_give_every_rank_a_batch(equal):
+    """3 days of hourly validation, a day per chunk, on 8 ranks with batch_size 32: every rank gets one
+    batch of 9 (whole days gave 5 ranks no day, so no rank a batch: the split was refused)."""
+    counts = np.broadcast_to(np.int64(24), (3,)) if equal else np.array([24, 24, 24], dtype=np.int64)
+    shares = [rank_share(counts, 8, r, 32, False) for r in range(8)]
+    assert [n for *_, n in shares] == [9] * 8
+    assert [n for *_, n in (rank_share(counts, 8, r, 32, True) for r in range(8))] == [0] * 8  # drop_last: none
 
 
 @given(st.integers(1, 60), st.integers(1, 9), world_sizes | st.integers(6, 80), st.integers(1, 9), st.booleans())

@@ -136,7 +136,7 @@ def rank_share(counts: np.ndarray, world_size: int, rank: int, batch_size: int,
     pos = np.maximum.accumulate(pos)
     per_rank = cum[pos[1:]] - cum[pos[:-1]]
     n_each = _equalise(per_rank, batch_size, drop_last)
-    if int((per_rank - n_each).sum()) < world_size * batch_size or total == 0:
+    if _whole_units_do(per_rank, n_each, total, world_size, batch_size, drop_last):
         a, b = pos[rank], pos[rank + 1]
         return idx[a:b], np.zeros(b - a, np.int64), counts[a:b].copy(), int(n_each[rank])
     # cut inside units: rank r takes samples [r*q, (r+1)*q) of the sequence
@@ -177,7 +177,7 @@ def _equal_share(n_units: int, size: int, world_size: int, rank: int, batch_size
     pos = np.maximum.accumulate(pos)
     per_rank = (pos[1:] - pos[:-1]) * size
     n_each = _equalise(per_rank, batch_size, drop_last)
-    if int((per_rank - n_each).sum()) < world_size * batch_size:
+    if _whole_units_do(per_rank, n_each, total, world_size, batch_size, drop_last):
         a, b = int(pos[rank]), int(pos[rank + 1])
         return (np.arange(a, b, dtype=np.int64), *whole(a, b), int(n_each[rank]))
     q = total // world_size
@@ -207,6 +207,17 @@ def epoch_size(space: SampleSpace, *, world_size: int, rank: int, batch_size: in
                                   drop_last)
         return n, len(pos)
     return None
+
+
+def _whole_units_do(per_rank: np.ndarray, n_each: np.ndarray, total: int, world_size: int, batch_size: int,
+                    drop_last: bool) -> bool:
+    """Whether the ranks' shares are whole units (``per_rank`` samples each, of which ``n_each`` are
+    yielded): where that leaves out fewer than ``world_size * batch_size`` samples, and does not make an
+    epoch of no batch where cutting inside units gives every rank one (a few big blocks among many
+    ranks: one rank without a block left every rank without a batch)."""
+    if int((per_rank - n_each).sum()) >= world_size * batch_size:
+        return False
+    return bool(n_each.any()) or total // world_size < (batch_size if drop_last else 1)
 
 
 def _equalise(per_rank: np.ndarray, batch_size: int, drop_last: bool) -> np.ndarray:

@@ -131,6 +131,15 @@ def test_ranges_split(era5_path):
     with pytest.raises(ValueError, match="closer than gap"):
         ds.insitu.split("time", ranges={"train": slice("1979-01-01", "1979-01-20"),
                                         "val": slice("1979-01-23", None)}, gap=3)
+    # a range written backwards is named as such (it said "falls outside the coordinate"), and so is one
+    # written forwards on a descending coordinate
+    with pytest.raises(ValueError, match=r"runs against .*slice\('1979-01-01', '1979-01-20'\) here"):
+        ds.insitu.split("time", ranges={"train": slice("1979-01-20", "1979-01-01"), "val": slice("1979-01-23", None)})
+    desc = xr.Dataset({"a": (("lat", "x"), np.zeros((8, 2)))}, coords={"lat": np.arange(80.0, 0, -10)}).chunk(lat=2)
+    with pytest.raises(ValueError, match=r"runs against .*slice\(70, 20\) here"):
+        desc.insitu.split("lat", ranges={"train": slice(20, 70)})
+    with pytest.raises(ValueError, match="falls outside"):
+        ds.insitu.split("time", ranges={"train": slice("1990-01-01", "1990-02-01")})
 
 
 def test_ranges_that_adjoin_leave_no_room_for_a_gap(era5_path):

@@ -124,6 +124,15 @@ def _check_nonempty(counts: dict[str, int], after_gap: bool = False) -> None:
                          "or larger fractions")
 
 
+def _fits(index: pd.Index, start: Any, stop: Any) -> bool:
+    """Whether ``.sel``'s ``slice(start, stop)`` holds a label of ``index``."""
+    try:
+        sl = index.slice_indexer(start, stop)
+    except (KeyError, TypeError, ValueError):
+        return False
+    return int(sl.stop if sl.stop is not None else len(index)) > int(sl.start or 0)
+
+
 def range_split(edges: np.ndarray, index: pd.Index, ranges: dict[str, slice], gap: int,
                 dim: str) -> dict[str, Blocks]:
     """Blocks fully inside each label range (``.sel`` semantics, rounded inward to chunk edges)."""
@@ -139,6 +148,12 @@ def range_split(edges: np.ndarray, index: pd.Index, ranges: dict[str, slice], ga
             raise ValueError(f"range for split {name!r} ({rng.start!r}, {rng.stop!r}) does not fit the "
                              f"{dim!r} coordinate: {e}") from None
         a, b = int(sl.start or 0), int(sl.stop if sl.stop is not None else len(index))
+        if b <= a and rng.start is not None and rng.stop is not None and _fits(index, rng.stop, rng.start):
+            raise ValueError(
+                f"range for split {name!r} ({rng.start!r}..{rng.stop!r}) runs against the {dim!r} coordinate, "
+                f"whose labels run {json_label(index[0])}..{json_label(index[-1])}: as in .sel, a range is "
+                f"slice(start, stop) in the coordinate's order (slice({rng.stop!r}, {rng.start!r}) here)"
+            )
         if b <= a:
             raise ValueError(
                 f"range for split {name!r} ({rng.start!r}..{rng.stop!r}) falls outside the {dim!r} coordinate "

@@ -4,6 +4,7 @@ channels, bit for bit what ``Dataset.to_dataarray("variable")`` gives for the sa
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 import xarray as xr
 
@@ -208,3 +209,42 @@ def test_stacked_gather_straight_into_batch(era5_path, output):
         ref = ds.isel(time=xr.DataArray(i, dims="sample")).to_dataarray("variable").transpose("sample", "variable", ...)
         assert got.dtype == ref.dtype
         assert np.array_equal(got, ref.values, equal_nan=True)
+
+
+def _time_vars(path) -> str:
+    ds = xr.Dataset({"valid": (("time", "x"), np.datetime64("2001-01-01", "ns")
+                               + np.arange(16).reshape(8, 2) * np.timedelta64(1, "h")),
+                     "lead": (("time", "x"), (np.arange(16).reshape(8, 2) * np.timedelta64(1, "h")).astype("m8[ns]"))},
+                    coords={"time": pd.date_range("2000", periods=8)})
+    ds.to_zarr(path, encoding={"valid": {"chunks": (2, 2)}, "lead": {"chunks": (2, 2)}}, mode="w")
+    return str(path)
+
+
+@pytest.mark.parametrize("opts", [{}, {"decode_times": "s"}, {"decode_times": "cftime"}, {"decode_timedelta": True}])
+@pytest.mark.parametrize("opener", ["xinsitu", "xarray"])
+def test_time_data_variables_under_xarrays_decoding_options(tmp_path, opts, opener):
+    """Datetime and timedelta *data variables* opened with xarray's own options (times in seconds, as
+    ``CFDatetimeCoder(time_unit="s")``; cftime objects; ``decode_timedelta``): batches give what
+    ``isel`` gives, dtype included (each was refused: "re-applying its CF encoding gives int64, but the
+    Dataset has timedelta64[ns]" -- a plain ``to_zarr`` timedelta too), stacked too (an object array,
+    as ``to_dataarray`` gives: it crashed)."""
+    path = _time_vars(tmp_path / "t.zarr")
+    kw = dict(opts)
+    if kw.get("decode_times") == "s":
+        kw["decode_times"] = xr.coders.CFDatetimeCoder(time_unit="s")
+    elif kw.get("decode_times") == "cftime":
+        pytest.importorskip("cftime")
+        kw["decode_times"] = xr.coders.CFDatetimeCoder(use_cftime=True)
+    ds = xinsitu.open_zarr(path, **kw) if opener == "xinsitu" else xr.open_zarr(path, **kw)
+    m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    for v in ("valid", "lead"):
+        b = next(iter(ds.insitu.batches(m, "train", batch_size=2, shuffle=False, output="numpy", variables=[v])))
+        want = ds[v].isel(time=slice(0, 2)).values
+        assert b[v].dtype == want.dtype
+        np.testing.assert_array_equal(b[v], want)
+    if ds.valid.dtype == object:
+        b = next(iter(ds.insitu.batches(m, "train", batch_size=2, shuffle=False, output="dataarray",
+                                        variables=["valid"])))
+        want = ds[["valid"]].isel(time=slice(0, 2)).to_dataarray("variable").transpose("time", ...)
+        assert b.dtype == want.dtype == object
+        np.testing.assert_array_equal(b.values, want.values)

@@ -109,3 +109,25 @@ def test_open_of_an_unconsolidated_archive_says_nothing(tmp_path, zarr_format):
             xinsitu.open_zarr(str(path), consolidated=consolidated, decode_times=False)
     with pytest.raises((KeyError, ValueError)):  # as xarray says it
         xinsitu.open_zarr(str(path), consolidated=True)
+
+
+@pytest.mark.parametrize("kw", [{"mask_and_scale": False}, {"decode_cf": False}, {"drop_variables": ["b"]}])
+def test_open_zarr_takes_xarrays_decoding_options(tmp_path, kw):
+    """``xinsitu.open_zarr(path, mask_and_scale=False)`` (and ``decode_cf``, ``drop_variables``), as
+    ``xr.open_zarr`` takes them: the same Dataset, and batches of its (raw) values (it said "store
+    options ['mask_and_scale'] apply to URLs, not to a local path")."""
+    import numpy as np
+    import pandas as pd
+    import xarray as xr
+
+    path = str(tmp_path / "p.zarr")
+    xr.Dataset({"a": (("time", "x"), np.linspace(-5, 5, 24).reshape(8, 3)), "b": (("time",), np.arange(8.0))},
+               coords={"time": pd.date_range("2000", periods=8)}).to_zarr(
+        path, encoding={"a": {"dtype": "int16", "scale_factor": 0.01, "_FillValue": -999, "chunks": (2, 3)},
+                        "b": {"chunks": (2,)}})
+    ds, ref = xinsitu.open_zarr(path, **kw), xr.open_zarr(path, chunks=None, **kw)
+    assert list(ds.data_vars) == list(ref.data_vars) and ds.a.dtype == ref.a.dtype and ds.time.dtype == ref.time.dtype
+    m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    b = next(iter(ds.insitu.batches(m, "train", batch_size=4, shuffle=False, output="numpy")))
+    assert b["a"].dtype == ref.a.dtype
+    np.testing.assert_array_equal(b["a"], ref.a.values[:4])

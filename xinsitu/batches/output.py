@@ -584,6 +584,8 @@ class BatchArrays:
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         dtype = np.dtype(dtype)
+        if dtype.hasobject:  # cftime dates, a masked bool: objects, not bytes of a pooled buffer
+            return np.empty(shape, dtype)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         raw = self._pool.take((nbytes + JAX_ALIGN,), np.uint8)
         off = (-raw.ctypes.data) % JAX_ALIGN

@@ -64,12 +64,32 @@ class _CFDecode:
     """raw -> values exactly as xarray decodes them; a class, not a closure, so that a
     generator pickles into spawned DataLoader workers."""
 
-    def __init__(self, name: str, attrs: dict[str, Any]):
-        self.name, self.attrs = name, attrs
+    def __init__(self, name: str, attrs: dict[str, Any], dtype: np.dtype | None = None):
+        self.name, self.attrs, self.dtype = name, attrs, dtype
 
     def __call__(self, raw: np.ndarray) -> np.ndarray:
         var = xr.Variable(tuple(f"_{i}" for i in range(raw.ndim)), raw, attrs=dict(self.attrs))
-        return np.asarray(xr.conventions.decode_cf_variable(self.name, var).values)
+        return np.asarray(xr.conventions.decode_cf_variable(self.name, var, **_time_options(self.dtype)).values)
+
+
+def _time_options(dtype: np.dtype | None) -> dict[str, Any]:
+    """xarray's decoding options that give values of ``dtype`` (the Dataset's): times in its unit
+    (``CFDatetimeCoder(time_unit="s")``, as a user may open with), cftime objects, time deltas (whose
+    marker, a ``dtype`` attribute, xarray moved to the encoding)."""
+    if dtype is None:
+        return {}
+    unit: Any = np.datetime_data(dtype)[0] if dtype.kind in "Mm" else None  # "s", "ms", "us" or "ns"
+    if dtype.kind == "M":
+        return {"decode_times": xr.coders.CFDatetimeCoder(time_unit=unit)}
+    if dtype.kind == "m":  # the values are time deltas: by the units, whatever marked them so
+        try:
+            coder = xr.coders.CFTimedeltaCoder(time_unit=unit, decode_via_units=True)
+        except TypeError:  # xarray before decode_via_units: units decode time deltas
+            coder = xr.coders.CFTimedeltaCoder(time_unit=unit)
+        return {"decode_timedelta": coder}
+    if dtype.kind == "O":
+        return {"decode_times": xr.coders.CFDatetimeCoder(use_cftime=True)}
+    return {}
 
 
 class _Cast:
@@ -89,7 +109,7 @@ def cf_decoder(name: str, layout: VarLayout) -> Any:
         return identity
     if not {k for k in src.cf if k != "dtype"} and src.raw_dtype.newbyteorder("=") == src.dtype.newbyteorder("="):
         return _Cast(src.dtype)
-    decode = _CFDecode(name, {k: v for k, v in src.cf.items() if k != "dtype"})
+    decode = _CFDecode(name, {k: v for k, v in src.cf.items() if k != "dtype"}, np.dtype(src.dtype))
     probe = decode(np.zeros((1,), dtype=src.raw_dtype))
     if probe.dtype != src.dtype:
         raise ValueError(f"variable {name!r}: re-applying its CF encoding gives {probe.dtype}, but the Dataset "

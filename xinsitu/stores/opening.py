@@ -169,7 +169,8 @@ def _merge_retry(user: dict[str, Any] | None) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- open
 def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None = None,
-              decode_times: bool = True, **store_options: Any) -> xr.Dataset:
+              decode_times: bool = True, decode_cf: bool | None = None, mask_and_scale: bool | None = None,
+              decode_timedelta: Any = None, drop_variables: Any = None, **store_options: Any) -> xr.Dataset:
     """Open a Zarr v2/v3 archive lazily (no dask), reading through obstore.
 
     Parameters
@@ -187,6 +188,8 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
         ``datetime64[ns]``'s range (an hourly axis past 2262) is decoded to ``datetime64[s]``, as
         ``xr.coders.CFDatetimeCoder(time_unit="s")`` decodes it; for ``cftime`` objects pass
         ``xr.coders.CFDatetimeCoder(use_cftime=True)``.
+    decode_cf, mask_and_scale, decode_timedelta, drop_variables : passed to xarray, as
+        ``xr.open_zarr`` takes them (None: xarray's default).
     **store_options : obstore options, for URLs only: credentials and other per-store
         config (``access_key_id``, ``secret_access_key``, ``session_token``, ``endpoint``,
         ``region``, ``skip_signature``...; ``anonymous=True`` is ``skip_signature=True``),
@@ -219,6 +222,11 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
 
     _check_open_arguments(consolidated, group, decode_times)
     _check_store_arguments(store, store_options)
+    decoding = {k: v for k, v in dict(decode_cf=decode_cf, mask_and_scale=mask_and_scale,
+                                      decode_timedelta=decode_timedelta, drop_variables=drop_variables).items()
+                if v is not None}
+    if decode_cf is False:
+        decode_times = False
     secrets: list[str] = []
     if isinstance(store, (str, os.PathLike)):
         url = os.fspath(store)
@@ -237,7 +245,7 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
         secrets = secrets_of(obs) if type(obs).__module__.startswith("obstore") else []
         where = type(store).__name__
     try:
-        ds = _open_xr(zstore, consolidated, group, decode_times)
+        ds = _open_xr(zstore, consolidated, group, decode_times, decoding)
         # without consolidated metadata the arrays are listed in no fixed order (an Icechunk
         # repository's differs from process to process): sort them, so channels never permute
         return ds if _read_consolidated(ds, zstore, group, consolidated) else _by_name(ds)
@@ -342,7 +350,8 @@ def _check_retry_config(value: Any) -> None:
         raise TypeError(f"retry_config['backoff']['base'] must be a number, got {backoff['base']!r}")
 
 
-def _open_xr(zstore: Any, consolidated: bool | None, group: str | None, decode_times: Any) -> xr.Dataset:
+def _open_xr(zstore: Any, consolidated: bool | None, group: str | None, decode_times: Any,
+             decoding: dict[str, Any]) -> xr.Dataset:
     """``xr.open_zarr(zstore, chunks=None, ...)``, the same Dataset, with integer CF time axes decoded
     in place (``_decoded_times``): xarray's own decoding of a 10^7-step axis makes several
     temporaries of its size (~400 MB at its peak); this one reads it and decodes it in place.
@@ -352,7 +361,7 @@ def _open_xr(zstore: Any, consolidated: bool | None, group: str | None, decode_t
     ``datetime64[ns]``'s range is decoded to what ``CFDatetimeCoder(time_unit="s")`` gives
     (``datetime64[s]``); the warnings of the open are held (``_held``) until then, and given again
     but for xarray's about that fallback, which would then be false."""
-    kw = dict(chunks=None, consolidated=consolidated, group=group, decode_times=decode_times)
+    kw = dict(chunks=None, consolidated=consolidated, group=group, decode_times=decode_times, **decoding)
     if decode_times is False:
         with warnings.catch_warnings():
             _no_fallback_warning()

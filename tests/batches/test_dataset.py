@@ -720,3 +720,20 @@ def test_issue_point_samples(tmp_path):
     assert d[0]["a"] == 960
     assert [it["a"] for it in d.__getitems__([0, 1, 5])] == [960, 961, 965]
     assert np.array_equal(d.batch(range(len(d)))["a"], np.arange(960, 1920, dtype="f4"))
+
+
+def test_gen_sample_counts_a_negative_index_from_the_end(era5):
+    """``gen.sample(-1)`` is the last sample, as ``d[-1]`` is (it raised IndexError); ``-n - 1`` and ``n``
+    are out of range."""
+    ds, m = era5
+    gen = ds.insitu.batches(m, "train", batch_size=4)
+    d = InsituDataset(ds, m, "train")
+    n = len(d)
+    assert gen.n_samples == n
+    last = gen.sample(-1)
+    np.testing.assert_array_equal(last.t2m.values, gen.sample(n - 1).t2m.values)
+    np.testing.assert_array_equal(last.t2m.values, d[-1]["t2m"])
+    assert last.time.values == gen.sample(n - 1).time.values
+    for bad in (n, -n - 1):
+        with pytest.raises(IndexError, match="out of range"):
+            gen.sample(bad)

@@ -581,11 +581,12 @@ class BatchGenerator:
         return plan_quality(self.plan(), self.space, self.batch_size, max_batches)
 
     def sample(self, i: int) -> xr.Dataset:
-        """Sample ``i`` of the whole split (unshuffled order) as a labeled ``xr.Dataset``."""
-        i = int_arg("i", i)
-        if not 0 <= i < self.space.n_samples:
-            raise IndexError(f"sample index i={i} is out of range: split {self.split!r} has "
-                             f"{self.space.n_samples} samples")
+        """Sample ``i`` of the whole split (unshuffled order) as a labeled ``xr.Dataset``; a negative
+        ``i`` counts from the end, as in a list (and the map-style dataset)."""
+        i, n = int_arg("i", i), self.space.n_samples
+        if not -n <= i < n:
+            raise IndexError(f"sample index i={i} is out of range: split {self.split!r} has {n} samples")
+        i = i + n if i < 0 else i
         unit, local = self.space.locate(np.array([i]))
         plan = EpochPlan(units=unit, lo=local, hi=local + 1, block_chunks=1, n_samples=1, batch_size=1,
                          drop_last=False, shuffle=False, seed=0, epoch=0, rank=0, world_size=1)

@@ -248,3 +248,18 @@ def test_time_data_variables_under_xarrays_decoding_options(tmp_path, opts, open
         want = ds[["valid"]].isel(time=slice(0, 2)).to_dataarray("variable").transpose("time", ...)
         assert b.dtype == want.dtype == object
         np.testing.assert_array_equal(b.values, want.values)
+
+
+def test_a_channel_name_given_twice_is_refused_naming_both_variables():
+    """``t`` on levels [500, 850] beside a variable ``t_850``: two channels named ``t_850`` (statistics,
+    ``normalize=`` and states go by channel name) are refused, naming both variables (they were
+    accepted: ``gen.channels`` listed ``t_850`` twice)."""
+    ds = xr.Dataset({"t": (("time", "level", "x"), np.zeros((4, 2, 3))), "t_850": (("time", "x"), np.ones((4, 3)))},
+                    coords={"level": [500, 850]}).chunk(time=2)
+    m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    with pytest.raises(ValueError, match="'t_850' is given twice, by variables 't' and 't_850'"):
+        ds.insitu.batches(m, "train", batch_size=2, stack=["level"])
+    with pytest.raises(ValueError, match="given twice"):
+        ds.insitu.stats(m, "train", stack=["level"])
+    gen = ds.insitu.batches(m, "train", batch_size=2, stack=["level"], variables=["t"])
+    assert gen.channels == ["t_500", "t_850"]

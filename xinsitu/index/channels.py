@@ -244,6 +244,13 @@ def plan_channels(ds: xr.Dataset, layouts: dict[str, VarLayout], kept: tuple[str
         for idx in np.ndindex(*sizes):
             lab = "_".join(str(labels[k][i]) for k, i in enumerate(idx))
             channels.append(Channel(f"{n}_{lab}", n, tuple(int(i) for i in idx)))
+    seen: dict[str, str] = {}
+    for ch in channels:  # statistics, normalize= and states name channels: one name, one channel
+        if ch.name in seen:
+            raise ValueError(f"channel name {ch.name!r} is given twice, by variables {seen[ch.name]!r} and "
+                             f"{ch.var!r} ({{var}}_{{label}} names a variable's channel per label): rename one "
+                             f"variable (ds.rename) or leave one out (variables=)")
+        seen[ch.name] = ch.var
     # the shared dims in the order a sampled variable has them (kept dims included)
     order = max((lay.out_dims for lay in layouts.values() if lay.has_sample_axis), key=len, default=base)
     shared = tuple(d for d in order if d in kept or d in base)

@@ -349,3 +349,20 @@ def test_inspect_of_files_in_place_suggests_no_rewrite(tmp_path: Path) -> None:
     assert "Suggested split:" in out and "'val'" in out, out
     got = json.loads(run("inspect", f, "--json").stdout)
     assert "crc32c" not in got["checksum_note"].lower()
+
+
+def test_arguments_that_cannot_be_honoured_are_errors(era5_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A split asked for that cannot be made (an unknown --dim, fractions over 1) is an error, exit 1, not
+    "No split suggested" and exit 0; negative counts and times are refused by the parser (exit 2:
+    --max-blocks -1 read all blocks but the last); a numeric store option stays a string, as obstore
+    takes it (-o timeout=60 was made an int, which no store option may be)."""
+    for bad in (["--dim", "nope"], ["--fractions", "train=1.2"]):
+        assert cli.main(["inspect", era5_path, *bad]) == 1
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and ("nope" in err or "1.2" in err or "sum" in err), err
+    for bad in (["inspect", era5_path, "--gap", "-3"], ["bench", era5_path, "--max-blocks", "-1"],
+                ["bench", era5_path, "--step-ms", "-5"], ["bench", era5_path, "--batch-size", "0"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(bad)
+        assert e.value.code == 2 and "at least" in capsys.readouterr().err
+    assert cli._option("timeout=60") == ("timeout", "60") and cli._option("allow_http=true") == ("allow_http", True)

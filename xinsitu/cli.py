@@ -38,17 +38,28 @@ DEFAULT_FRACTIONS = {"train": 0.8, "val": 0.1, "test": 0.1}
 
 # ----------------------------------------------------------------------------- arguments
 def _option(text: str) -> tuple[str, Any]:
-    """``KEY=VALUE`` -> (key, value), with ``true``/``false``/numbers converted."""
+    """``KEY=VALUE`` -> (key, value), with ``true``/``false`` converted; other values stay strings, as
+    obstore takes them (``timeout=60``, ``pool_max_idle_per_host=4``)."""
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"store option {text!r} must look like KEY=VALUE")
     key, value = text.split("=", 1)
     low = value.lower()
     if low in ("true", "false"):
         return key, low == "true"
-    try:
-        return key, int(value)
-    except ValueError:
-        return key, value
+    return key, value
+
+
+def _at_least(low: float, kind: type = int) -> Any:
+    """An argparse type: a number of ``kind`` no smaller than ``low``."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        return value
+    return parse
 
 
 def _flag(text: str) -> bool:
@@ -102,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--dim", default=None, help="dim to split (default: the first chunked dim)")
     common.add_argument("--fractions", type=_fractions, default=None, metavar="NAME=F,...",
                         help="split fractions (default: train=0.8,val=0.1,test=0.1)")
-    common.add_argument("--gap", type=int, default=None, help="chunk blocks left out between splits (default 1)")
+    common.add_argument("--gap", type=_at_least(0), default=None,
+                        help="chunk blocks left out between splits (default 1)")
     common.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
     ins = sub.add_parser("inspect", parents=[common], help="print the chunk geometry and a suggested split",
@@ -115,13 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--manifest", default=None, help="split manifest JSON (default: the suggested split)")
     b.add_argument("--split", default="train", help="split to read (default: train)")
     b.add_argument("--variables", default=None, help="comma-separated variables (default: all on the split dim)")
-    b.add_argument("--batch-size", type=int, default=32)
-    b.add_argument("--block-chunks", type=int, default=16, help="shuffle buffer, in chunk blocks (default 16)")
-    b.add_argument("--max-inflight", type=int, default=None,
+    b.add_argument("--batch-size", type=_at_least(1), default=32)
+    b.add_argument("--block-chunks", type=_at_least(1), default=16, help="shuffle buffer, in chunk blocks (default 16)")
+    b.add_argument("--max-inflight", type=_at_least(1), default=None,
                    help="requests in flight (default: the loader sizes them from latency; the raw pass keeps 256)")
-    b.add_argument("--max-blocks", type=int, default=64,
+    b.add_argument("--max-blocks", type=_at_least(0), default=64,
                    help="read at most this many chunk blocks of the split (default 64; 0: the whole split)")
-    b.add_argument("--step-ms", type=float, default=None,
+    b.add_argument("--step-ms", type=_at_least(0.0, float), default=None,
                    help="your model's time per training step (ms) for one batch, to name the bottleneck")
     b.set_defaults(func=cmd_bench)
     return ap
@@ -368,6 +380,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         m, code = suggest_split(ds, args.dim, args.fractions, args.gap)
         problem = None
     except ValueError as e:
+        if args.dim is not None or args.fractions is not None or args.gap is not None:
+            raise  # the split asked for cannot be made: an error (exit 1), not "no split suggested"
         m, code, problem = None, None, str(e)
     if args.json:
         print(json.dumps({"geometry": _geometry_dict(g), "checksums": found, "checksum_note": note,

@@ -41,6 +41,7 @@ from xinsitu.formats.references import (
     InlineCoords,
     as_urls,
     check_decodable,
+    in_store_order,
     registry_for,
 )
 from xinsitu.stores.redact import secrets_of
@@ -383,7 +384,8 @@ def open_netcdf(paths: str | os.PathLike | Iterable[str | os.PathLike], *, conca
     """``xinsitu.open_zarr(netcdf_store(paths, ...))``: NetCDF4 or NetCDF-3 files as one lazy Dataset, read in place.
 
     Equals ``xr.open_mfdataset(paths, data_vars="minimal", coords="minimal", compat="override")``
-    (values, CF decoding, coordinates and attributes of the first file), without dask and without
+    (values, CF decoding, coordinates and attributes of the first file, the data variables in the
+    first file's order), and ``xr.open_dataset(path)`` for one file, without dask and without
     copying the data. See :func:`netcdf_store` for the arguments.
     """
     from xinsitu.stores.opening import open_zarr
@@ -392,7 +394,8 @@ def open_netcdf(paths: str | os.PathLike | Iterable[str | os.PathLike], *, conca
                          registry=registry, **store_options)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NUMCODECS_WARNING)
-        return open_zarr(store, consolidated=False, decode_times=decode_times)
+        ds = open_zarr(store, consolidated=False, decode_times=decode_times)
+    return in_store_order(ds, store)  # the file's variable order, as xr.open_dataset gives it
 
 
 def grib_store(paths: str | os.PathLike | Iterable[str | os.PathLike], **kwargs: Any) -> Any:

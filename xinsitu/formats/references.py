@@ -188,6 +188,20 @@ def _inline_array(name: str, var: xr.Variable, url: str) -> tuple[Any, bytes]:
     return ManifestArray(metadata=md, chunkmanifest=manifest), values.tobytes()
 
 
+def in_store_order(ds: xr.Dataset, store: Any) -> xr.Dataset:
+    """``ds`` (opened from ``store``) with its data variables in the order ``store`` lists its arrays: the
+    file's order, as xarray reading the file gives it (``open_zarr`` sorts the arrays of a store without
+    consolidated metadata by name). Coordinates, attributes and lazy data kept."""
+    order = [n for n in manifest_group(store).arrays if n in ds.data_vars]
+    if list(ds.data_vars) == order:
+        return ds
+    out = ds[order]
+    missing = {k: ds.coords[k].variable for k in ds.coords if k not in out.coords}
+    out = out.assign_coords(missing) if missing else out
+    out.attrs, out.encoding = dict(ds.attrs), dict(ds.encoding)
+    return out
+
+
 def check_decodable(store: Any, first_url: str) -> None:
     """Every array's codecs resolve in zarr (else reading would fail later, less clearly)."""
     import zarr

@@ -177,6 +177,14 @@ def _diagnose(url: str, registry: Any, group: str | None, drop: list[str], cause
             try:
                 hdf5_variable_manifest(url, obj, str(g.name))
             except Exception as e:  # noqa: BLE001
+                if h5py.check_vlen_dtype(obj.dtype) is not None:
+                    import virtualizarr
+
+                    return VirtualReferenceError(
+                        f"{where}: variable {name!r} holds variable-length strings (dtype {obj.dtype}), which "
+                        f"virtualizarr {virtualizarr.__version__} cannot reference in place ({type(e).__name__}: "
+                        f"{e}). Leave it out (drop_variables=[{name!r}]) or upgrade virtualizarr "
+                        "(2.8 reads such variables)")
                 filters = dict(getattr(obj, "_filters", {}) or {})
                 return VirtualReferenceError(
                     f"{where}: variable {name!r} cannot be read in place: its HDF5 filters {filters} include one "
@@ -284,8 +292,8 @@ def netcdf_store(paths: str | os.PathLike | Iterable[str | os.PathLike], *, conc
         Where the files cannot be one virtual store, naming the file and the variable: chunks,
         codecs or CF packing that differ between files, a file whose length along ``concat_dim`` is
         not a whole number of chunks (other than the last), a filter without a decoder, a file that
-        is neither HDF5 nor NetCDF-3, a NetCDF-3 character variable or a NetCDF-3 file shorter than
-        its header says.
+        is neither HDF5 nor NetCDF-3, a NetCDF-3 character variable, a variable-length string variable
+        the installed VirtualiZarr cannot reference, or a NetCDF-3 file shorter than its header says.
     """
     with warnings.catch_warnings(), needs_extra("virtual", "reading NetCDF files in place"):
         warnings.filterwarnings("ignore", message=_NUMCODECS_WARNING)

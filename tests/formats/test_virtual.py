@@ -380,3 +380,23 @@ def test_variables_in_the_files_order(tmp_path, fmt):
         assert gen.channels == ["z", "t", "u", "v"]
         stacked = np.concatenate(list(gen))
         np.testing.assert_array_equal(stacked, ref.to_dataarray("variable").transpose("time", "variable", "x").values)
+
+
+def test_variable_length_strings(tmp_path):
+    """A variable-length string variable (station names): read in place where the installed VirtualiZarr can
+    (2.8), else refused naming it and what to do -- leave it out, or upgrade -- not an HDF5 filter."""
+    f = str(tmp_path / "s.nc")
+    ds = xr.Dataset({"a": (("time", "station"), np.arange(12, dtype="f4").reshape(4, 3)),
+                     "name": (("station",), np.array(["ab", "cde", "f"], dtype=object))},
+                    coords={"time": era5_like(4, NY, NX).time})
+    ds.to_netcdf(f, engine=ENGINE)
+    ref = xr.open_dataset(f).load()
+    try:
+        got = open_netcdf(f)
+    except VirtualReferenceError as e:
+        text = str(e)
+        assert "variable 'name' holds variable-length strings" in text and "drop_variables=['name']" in text
+        assert "upgrade virtualizarr" in text and "filter" not in text and "nccopy" not in text
+        xr.testing.assert_identical(open_netcdf(f, drop_variables=["name"]).load(), ref.drop_vars("name"))
+    else:
+        xr.testing.assert_identical(got.load(), ref)

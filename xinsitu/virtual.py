@@ -11,7 +11,9 @@ and ``xr.open_zarr(store)`` see a year of daily files as one Dataset.
 
 Coordinates along the joined dimension (``time``, which xarray-written files each encode
 with their own units) are read once, decoded, joined, encoded again and kept inline (in
-memory, a few bytes per step); the data variables stay in the files.
+memory, a few bytes per step); the data variables stay in the files. Files of one step each whose
+``time`` is a scalar coordinate (written from ``ds.isel(time=i)``) are stacked along it, as
+``xr.concat`` does.
 
 :class:`xinsitu.stores.virtual_store.ManifestBackend` (I/O, so it lives there) is how xinsitu fetches the
 chunks of such a store: byte ranges of the original files straight
@@ -35,7 +37,14 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from xinsitu.compat.virtualizarr_api import chunk_shape, concat_manifests, hdf5_variable_manifest, manifest_group
+from xinsitu.compat.virtualizarr_api import (
+    chunk_shape,
+    concat_manifests,
+    expand_manifest,
+    hdf5_variable_manifest,
+    manifest_group,
+    manifest_registry,
+)
 from xinsitu.formats.references import (
     PARSE_THREADS,
     InlineCoords,
@@ -270,7 +279,9 @@ def netcdf_store(paths: str | os.PathLike | Iterable[str | os.PathLike], *, conc
     ----------
     paths : a glob (``"/data/era5/*.nc"``), a path or URL, or a list of them. Files are put in the
         order of their ``concat_dim`` coordinate (as ``xr.open_mfdataset(combine="by_coords")``).
-    concat_dim : the dimension the files follow each other along.
+    concat_dim : the dimension the files follow each other along. Where a file holds it as a scalar
+        coordinate (one step, written from ``ds.isel(time=i)``), every data variable of that file gets it
+        as a first dimension of length 1, as ``xr.open_mfdataset(combine="nested", concat_dim=...)`` does.
     group : HDF5 group to read (default: the root).
     drop_variables : variables to leave out (e.g. one compressed with a filter zarr cannot decode).
     registry : an ``obspec_utils.registry.ObjectStoreRegistry`` resolving the URLs; by default one
@@ -288,6 +299,8 @@ def netcdf_store(paths: str | os.PathLike | Iterable[str | os.PathLike], *, conc
     ------
     ModuleNotFoundError
         Where a module of the ``virtual`` extra is not installed, naming it and the extra.
+    ValueError
+        Where several files are given and none has ``concat_dim`` (as a dimension or a scalar coordinate).
     VirtualReferenceError
         Where the files cannot be one virtual store, naming the file and the variable: chunks,
         codecs or CF packing that differ between files, a file whose length along ``concat_dim`` is
@@ -309,12 +322,17 @@ def _netcdf_store(paths: Any, concat_dim: str, group: str | None, drop_variables
     drop = list(drop_variables or ())
     def one(u: str) -> tuple[Any, dict[str, xr.Variable]]:
         s = _parse(u, reg, group, drop, concat_dim)
-        return s, _file_coords(u, s)
+        return s, _file_coords(u, s, concat_dim)
 
     # files parsed a few at a time: on object storage each costs several round trips
     with ThreadPoolExecutor(min(PARSE_THREADS, len(urls))) as pool:
         parsed = list(pool.map(one, urls))
     stores, coords = [p[0] for p in parsed], [p[1] for p in parsed]
+    if len(urls) > 1:
+        _check_concat_dim(urls, stores, concat_dim)
+        for i in range(len(urls)):
+            if concat_dim in coords[i] and coords[i][concat_dim].ndim == 0 and not _has_dim(stores[i], concat_dim):
+                stores[i], coords[i] = _one_step(stores[i], coords[i], concat_dim)
     order = _order(urls, coords, concat_dim)
     urls, stores, coords = [urls[i] for i in order], [stores[i] for i in order], [coords[i] for i in order]
 
@@ -357,8 +375,49 @@ def _netcdf_store(paths: Any, concat_dim: str, group: str | None, drop_variables
     return out
 
 
-def _file_coords(url: str, store: Any) -> dict[str, xr.Variable]:
-    """The decoded coordinate variables of one file (small reads)."""
+def _has_dim(store: Any, dim: str) -> bool:
+    return any(dim in (a.metadata.dimension_names or ()) for a in manifest_group(store).arrays.values())
+
+
+def _check_concat_dim(urls: list[str], stores: list[Any], concat_dim: str) -> None:
+    """Several files must have ``concat_dim``, as a dimension or a (scalar) variable, to be joined along it."""
+    if any(_has_dim(s, concat_dim) or concat_dim in manifest_group(s).arrays for s in stores):
+        return
+    dims = sorted({d for s in stores for a in manifest_group(s).arrays.values()
+                   for d in (a.metadata.dimension_names or ())})
+    raise ValueError(f"concat_dim={concat_dim!r}: none of the {len(urls)} files has a dimension or a coordinate "
+                     f"{concat_dim!r} to join them along (their dimensions: {dims}); pass the one they follow "
+                     "each other along")
+
+
+def _one_step(store: Any, coords: dict[str, xr.Variable], concat_dim: str) -> tuple[Any, dict[str, xr.Variable]]:
+    """A file of one step whose ``concat_dim`` is a scalar coordinate (written from ``ds.isel(time=i)``) as a
+    file of one step along it, as ``xr.concat`` makes it: the coordinate 1-D, and every data variable with
+    a leading ``concat_dim`` of length 1 (chunks and byte ranges unchanged)."""
+    from virtualizarr.manifests import ManifestArray, ManifestGroup, ManifestStore
+    from virtualizarr.manifests.utils import copy_and_replace_metadata
+
+    group = manifest_group(store)
+    coord_names = set(coords) | set(str((group.metadata.attributes or {}).get("coordinates", "")).split())
+    for a in group.arrays.values():
+        coord_names |= set(a.metadata.dimension_names or ())
+        coord_names |= set(str((a.metadata.attributes or {}).get("coordinates", "")).split())
+    arrays = dict(group.arrays)
+    for name, a in group.arrays.items():
+        if name in coord_names:
+            continue
+        md = copy_and_replace_metadata(a.metadata, new_shape=[1, *a.shape], new_chunks=[1, *chunk_shape(a)],
+                                       new_dimension_names=[concat_dim, *(a.metadata.dimension_names or ())])
+        arrays[name] = ManifestArray(metadata=md, chunkmanifest=expand_manifest(a.manifest, 0))
+    out = dict(coords)
+    out[concat_dim] = coords[concat_dim].set_dims({concat_dim: 1})
+    return ManifestStore(ManifestGroup(arrays=arrays, attributes=dict(group.metadata.attributes or {})),
+                         registry=manifest_registry(store)), out
+
+
+def _file_coords(url: str, store: Any, concat_dim: str) -> dict[str, xr.Variable]:
+    """The decoded coordinate variables of one file (small reads), ``concat_dim``'s even where it is a scalar
+    that only the data variables (not read here) name as their coordinate."""
     arrays = manifest_group(store).arrays
     dims = {d for a in arrays.values() for d in (a.metadata.dimension_names or ())}
     keep = {n for n in arrays if n in dims}
@@ -368,7 +427,7 @@ def _file_coords(url: str, store: Any) -> dict[str, xr.Variable]:
              if n in arrays and (arrays[n].metadata.attributes or {}).get("bounds")}
     try:
         ds = xr.open_zarr(store, chunks=None, consolidated=False, drop_variables=sorted(set(arrays) - keep))
-        return {n: ds[n].variable.load() for n in ds.variables if n in keep and n in ds.coords}
+        return {n: ds[n].variable.load() for n in ds.variables if n in keep and (n in ds.coords or n == concat_dim)}
     except Exception as e:  # noqa: BLE001
         raise VirtualReferenceError(f"cannot read the coordinates of {named(url)}: "
                                     f"{type(e).__name__}: {e}") from None
@@ -393,7 +452,8 @@ def open_netcdf(paths: str | os.PathLike | Iterable[str | os.PathLike], *, conca
 
     Equals ``xr.open_mfdataset(paths, data_vars="minimal", coords="minimal", compat="override")``
     (values, CF decoding, coordinates and attributes of the first file, the data variables in the
-    first file's order), and ``xr.open_dataset(path)`` for one file, without dask and without
+    first file's order), and ``xr.open_dataset(path)`` for one file; for files of one scalar step each,
+    ``xr.open_mfdataset(paths, combine="nested", concat_dim="time", ...)``. Without dask and without
     copying the data. See :func:`netcdf_store` for the arguments.
     """
     from xinsitu.stores.opening import open_zarr

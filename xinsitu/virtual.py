@@ -11,9 +11,10 @@ and ``xr.open_zarr(store)`` see a year of daily files as one Dataset.
 
 Coordinates along the joined dimension (``time``, which xarray-written files each encode
 with their own units) are read once, decoded, joined, encoded again and kept inline (in
-memory, a few bytes per step); the data variables stay in the files. Files of one step each whose
-``time`` is a scalar coordinate (written from ``ds.isel(time=i)``) are stacked along it, as
-``xr.concat`` does.
+memory, a few bytes per step), and so are a time coordinate's bounds (``time_bnds``, decoded
+with its units) and datetime/timedelta variables along it where the files encode them
+differently; the data variables stay in the files. Files of one step each whose ``time`` is a
+scalar coordinate (written from ``ds.isel(time=i)``) are stacked along it, as ``xr.concat`` does.
 
 :class:`xinsitu.stores.virtual_store.ManifestBackend` (I/O, so it lives there) is how xinsitu fetches the
 chunks of such a store: byte ranges of the original files straight
@@ -207,9 +208,33 @@ def _diagnose(url: str, registry: Any, group: str | None, drop: list[str], cause
     return VirtualReferenceError(f"{where} cannot be referenced in place: {text}")
 
 
-def _signature(arr: Any) -> dict[str, Any]:
+#: units xarray decodes to timedelta64 (``xarray.coding.times.TIME_UNITS``)
+_TIMEDELTA_UNITS = {"days", "hours", "minutes", "seconds", "milliseconds", "microseconds", "nanoseconds"}
+
+
+def _decoding_attrs(arrays: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each array's attributes as xarray decodes it: a bounds variable (``time_bnds``) without units or calendar
+    of its own takes those of the time coordinate naming it (as ``xarray.conventions`` does)."""
+    out = {n: dict(a.metadata.attributes or {}) for n, a in arrays.items()}
+    for a in arrays.values():
+        attrs = dict(a.metadata.attributes or {})
+        units, bounds = attrs.get("units"), attrs.get("bounds")
+        if isinstance(units, str) and "since" in units and isinstance(bounds, str) and bounds in out:
+            out[bounds].setdefault("units", units)
+            if "calendar" in attrs:
+                out[bounds].setdefault("calendar", attrs["calendar"])
+    return out
+
+
+def _time_like(attrs: dict[str, Any]) -> bool:
+    """Whether xarray decodes a variable with these attributes to datetimes or timedeltas (by their units)."""
+    units = attrs.get("units")
+    return isinstance(units, str) and ("since" in units or units.strip().lower() in _TIMEDELTA_UNITS)
+
+
+def _signature(arr: Any, attrs: dict[str, Any] | None = None) -> dict[str, Any]:
     md = arr.metadata
-    attrs = dict(md.attributes or {})
+    attrs = dict(md.attributes or {}) if attrs is None else attrs
     return {
         "dims": tuple(md.dimension_names or ()),
         "dtype": str(np.dtype(arr.dtype)),
@@ -220,9 +245,11 @@ def _signature(arr: Any) -> dict[str, Any]:
     }
 
 
-def _check_same(name: str, first: tuple[str, Any], other: tuple[str, Any], concat_dim: str) -> None:
-    (u0, a0), (u1, a1) = first, other
-    s0, s1 = _signature(a0), _signature(a1)
+def _check_same(name: str, first: tuple[str, Any, dict[str, Any]], other: tuple[str, Any, dict[str, Any]],
+                concat_dim: str) -> None:
+    """``other`` (url, ManifestArray, the attributes xarray decodes it with) can share one array with ``first``."""
+    (u0, a0, at0), (u1, a1, at1) = first, other
+    s0, s1 = _signature(a0, at0), _signature(a1, at1)
     keys = sorted(set(s0) | set(s1), key=lambda k: list(s0).index(k) if k in s0 else 99)
     for k in keys:
         if s0.get(k) != s1.get(k):
@@ -292,8 +319,9 @@ def netcdf_store(paths: str | os.PathLike | Iterable[str | os.PathLike], *, conc
     -------
     virtualizarr.manifests.ManifestStore
         Data variables along ``concat_dim`` refer to byte ranges of the files; variables without it
-        come from the first file; coordinates along it are held inline. Pass it to
-        ``xinsitu.open_zarr`` or ``xr.open_zarr``.
+        come from the first file; coordinates along it are held inline, and so are the bounds of a time
+        coordinate and datetime/timedelta variables along it where the files encode them differently
+        (each file's own units), decoded file by file. Pass it to ``xinsitu.open_zarr`` or ``xr.open_zarr``.
 
     Raises
     ------
@@ -336,16 +364,24 @@ def _netcdf_store(paths: Any, concat_dim: str, group: str | None, drop_variables
     order = _order(urls, coords, concat_dim)
     urls, stores, coords = [urls[i] for i in order], [stores[i] for i in order], [coords[i] for i in order]
 
-    first = manifest_group(stores[0])
+    groups = [manifest_group(s) for s in stores]
+    attrs = [_decoding_attrs(g.arrays) for g in groups]
+    first = groups[0]
     inline_names = [n for n, v in coords[0].items() if concat_dim in v.dims]
+    retimed = _retimed(groups, attrs, concat_dim, inline_names)
+    if retimed:  # decoded file by file (each in its own units), then joined as the coordinates are
+        with ThreadPoolExecutor(min(PARSE_THREADS, len(urls))) as pool:
+            found = list(pool.map(lambda i: _file_variables(urls[i], stores[i], retimed), range(len(urls))))
+        for c, v in zip(coords, found, strict=True):
+            c.update(v)
+        inline_names += retimed
     inline = InlineCoords()
     arrays: dict[str, Any] = {}
     for name, arr in first.arrays.items():
         dims = tuple(arr.metadata.dimension_names or ())
         if name in inline_names:
-            var = xr.Variable.concat([c[name].to_base_variable() for c in coords], dim=concat_dim)
-            var.encoding = dict(coords[0][name].encoding)
-            arrays[name] = inline.array(name, var)
+            arrays[name] = inline.array(name, _joined(name, urls, coords, concat_dim),
+                                        chunk_shape(arr) if name in retimed else None)
             continue
         if concat_dim not in dims:
             for u, c in zip(urls[1:], coords[1:], strict=True):  # a shared coordinate must be the same
@@ -355,16 +391,16 @@ def _netcdf_store(paths: Any, concat_dim: str, group: str | None, drop_variables
             arrays[name] = arr
             continue
         parts = []
-        for u, s in zip(urls, stores, strict=True):
-            other = manifest_group(s).arrays.get(name)
+        for u, g, at in zip(urls, groups, attrs, strict=True):
+            other = g.arrays.get(name)
             if other is None:
                 raise VirtualReferenceError(f"variable {name!r} is in {named(urls[0])} but not in "
                                             f"{named(u)}; drop it with drop_variables=[{name!r}]")
-            _check_same(name, (urls[0], arr), (u, other), concat_dim)
+            _check_same(name, (urls[0], arr, attrs[0][name]), (u, other, at[name]), concat_dim)
             parts.append((u, other))
         arrays[name] = _concat(name, parts, dims.index(concat_dim), concat_dim)
-    for u, s in zip(urls[1:], stores[1:], strict=True):
-        extra = sorted(set(manifest_group(s).arrays) - set(first.arrays))
+    for u, g in zip(urls[1:], groups[1:], strict=True):
+        extra = sorted(set(g.arrays) - set(first.arrays))
         if extra:
             raise VirtualReferenceError(f"variable(s) {extra} are in {named(u)} but not in "
                                         f"{named(urls[0])}; drop them with drop_variables={extra}")
@@ -413,6 +449,52 @@ def _one_step(store: Any, coords: dict[str, xr.Variable], concat_dim: str) -> tu
     out[concat_dim] = coords[concat_dim].set_dims({concat_dim: 1})
     return ManifestStore(ManifestGroup(arrays=arrays, attributes=dict(group.metadata.attributes or {})),
                          registry=manifest_registry(store)), out
+
+
+def _retimed(groups: list[Any], attrs: list[dict[str, dict[str, Any]]], concat_dim: str,
+             skip: list[str]) -> list[str]:
+    """The variables along ``concat_dim`` that decode to datetimes or timedeltas and are encoded differently in
+    some file (xarray writes each file's times in units of its own first step, and a time coordinate's bounds
+    in its units): decoded file by file and joined inline as the time coordinate is, for the values
+    ``xr.open_mfdataset`` gives (their bytes joined would all be decoded with the first file's units)."""
+    out = []
+    for name, arr in groups[0].arrays.items():
+        if name in skip or concat_dim not in (arr.metadata.dimension_names or ()):
+            continue
+        found = [(g.arrays[name], a[name]) for g, a in zip(groups, attrs, strict=True) if name in g.arrays]
+        if not any(_time_like(at) for _, at in found):
+            continue
+        sig = _signature(arr, attrs[0][name])
+        if any(_signature(other, at) != sig for other, at in found[1:]):
+            out.append(name)
+    return out
+
+
+def _joined(name: str, urls: list[str], coords: list[dict[str, xr.Variable]], concat_dim: str) -> xr.Variable:
+    """The decoded variable ``name`` of every file joined along ``concat_dim``, with the first file's encoding."""
+    missing = next((u for u, c in zip(urls, coords, strict=True) if name not in c), None)
+    if missing is not None:
+        raise VirtualReferenceError(f"variable {name!r} is in {named(urls[0])} but not in {named(missing)}; "
+                                    f"drop it with drop_variables=[{name!r}]")
+    try:
+        var = xr.Variable.concat([c[name].to_base_variable() for c in coords], dim=concat_dim)
+    except ValueError as e:
+        raise VirtualReferenceError(f"variable {name!r} cannot be joined along {concat_dim!r} across "
+                                    f"{named(urls[0])} and the other files: {e}") from None
+    var.encoding = dict(coords[0][name].encoding)
+    return var
+
+
+def _file_variables(url: str, store: Any, names: list[str]) -> dict[str, xr.Variable]:
+    """Variables ``names`` of one file decoded as xarray decodes them (a bounds variable with the units of the
+    coordinate naming it), read whole."""
+    arrays = manifest_group(store).arrays
+    keep = set(names) | {n for n, a in arrays.items() if (a.metadata.attributes or {}).get("bounds") in names}
+    try:
+        ds = xr.open_zarr(store, chunks=None, consolidated=False, drop_variables=sorted(set(arrays) - keep))
+        return {n: ds[n].variable.load() for n in names if n in ds.variables}
+    except Exception as e:  # noqa: BLE001
+        raise VirtualReferenceError(f"cannot read {names} of {named(url)}: {type(e).__name__}: {e}") from None
 
 
 def _file_coords(url: str, store: Any, concat_dim: str) -> dict[str, xr.Variable]:

@@ -11,7 +11,10 @@ and ``xr.open_zarr(store)`` see a year of daily files as one Dataset.
 
 Coordinates along the joined dimension (``time``, which xarray-written files each encode
 with their own units) are read once, decoded, joined, encoded again and kept inline (in
-memory, a few bytes per step); the data variables stay in the files.
+memory, a few bytes per step), and so are a time coordinate's bounds (``time_bnds``, decoded
+with its units) and datetime/timedelta variables along it where the files encode them
+differently; the data variables stay in the files. Files of one step each whose ``time`` is a
+scalar coordinate (written from ``ds.isel(time=i)``) are stacked along it, as ``xr.concat`` does.
 
 :class:`xinsitu.stores.virtual_store.ManifestBackend` (I/O, so it lives there) is how xinsitu fetches the
 chunks of such a store: byte ranges of the original files straight
@@ -35,12 +38,20 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from xinsitu.compat.virtualizarr_api import chunk_shape, concat_manifests, hdf5_variable_manifest, manifest_group
+from xinsitu.compat.virtualizarr_api import (
+    chunk_shape,
+    concat_manifests,
+    expand_manifest,
+    hdf5_variable_manifest,
+    manifest_group,
+    manifest_registry,
+)
 from xinsitu.formats.references import (
     PARSE_THREADS,
     InlineCoords,
     as_urls,
     check_decodable,
+    in_store_order,
     registry_for,
 )
 from xinsitu.stores.redact import secrets_of
@@ -176,6 +187,14 @@ def _diagnose(url: str, registry: Any, group: str | None, drop: list[str], cause
             try:
                 hdf5_variable_manifest(url, obj, str(g.name))
             except Exception as e:  # noqa: BLE001
+                if h5py.check_vlen_dtype(obj.dtype) is not None:
+                    import virtualizarr
+
+                    return VirtualReferenceError(
+                        f"{where}: variable {name!r} holds variable-length strings (dtype {obj.dtype}), which "
+                        f"virtualizarr {virtualizarr.__version__} cannot reference in place ({type(e).__name__}: "
+                        f"{e}). Leave it out (drop_variables=[{name!r}]) or upgrade virtualizarr "
+                        "(2.8 reads such variables)")
                 filters = dict(getattr(obj, "_filters", {}) or {})
                 return VirtualReferenceError(
                     f"{where}: variable {name!r} cannot be read in place: its HDF5 filters {filters} include one "
@@ -189,9 +208,33 @@ def _diagnose(url: str, registry: Any, group: str | None, drop: list[str], cause
     return VirtualReferenceError(f"{where} cannot be referenced in place: {text}")
 
 
-def _signature(arr: Any) -> dict[str, Any]:
+#: units xarray decodes to timedelta64 (``xarray.coding.times.TIME_UNITS``)
+_TIMEDELTA_UNITS = {"days", "hours", "minutes", "seconds", "milliseconds", "microseconds", "nanoseconds"}
+
+
+def _decoding_attrs(arrays: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each array's attributes as xarray decodes it: a bounds variable (``time_bnds``) without units or calendar
+    of its own takes those of the time coordinate naming it (as ``xarray.conventions`` does)."""
+    out = {n: dict(a.metadata.attributes or {}) for n, a in arrays.items()}
+    for a in arrays.values():
+        attrs = dict(a.metadata.attributes or {})
+        units, bounds = attrs.get("units"), attrs.get("bounds")
+        if isinstance(units, str) and "since" in units and isinstance(bounds, str) and bounds in out:
+            out[bounds].setdefault("units", units)
+            if "calendar" in attrs:
+                out[bounds].setdefault("calendar", attrs["calendar"])
+    return out
+
+
+def _time_like(attrs: dict[str, Any]) -> bool:
+    """Whether xarray decodes a variable with these attributes to datetimes or timedeltas (by their units)."""
+    units = attrs.get("units")
+    return isinstance(units, str) and ("since" in units or units.strip().lower() in _TIMEDELTA_UNITS)
+
+
+def _signature(arr: Any, attrs: dict[str, Any] | None = None) -> dict[str, Any]:
     md = arr.metadata
-    attrs = dict(md.attributes or {})
+    attrs = dict(md.attributes or {}) if attrs is None else attrs
     return {
         "dims": tuple(md.dimension_names or ()),
         "dtype": str(np.dtype(arr.dtype)),
@@ -202,9 +245,11 @@ def _signature(arr: Any) -> dict[str, Any]:
     }
 
 
-def _check_same(name: str, first: tuple[str, Any], other: tuple[str, Any], concat_dim: str) -> None:
-    (u0, a0), (u1, a1) = first, other
-    s0, s1 = _signature(a0), _signature(a1)
+def _check_same(name: str, first: tuple[str, Any, dict[str, Any]], other: tuple[str, Any, dict[str, Any]],
+                concat_dim: str) -> None:
+    """``other`` (url, ManifestArray, the attributes xarray decodes it with) can share one array with ``first``."""
+    (u0, a0, at0), (u1, a1, at1) = first, other
+    s0, s1 = _signature(a0, at0), _signature(a1, at1)
     keys = sorted(set(s0) | set(s1), key=lambda k: list(s0).index(k) if k in s0 else 99)
     for k in keys:
         if s0.get(k) != s1.get(k):
@@ -261,7 +306,9 @@ def netcdf_store(paths: str | os.PathLike | Iterable[str | os.PathLike], *, conc
     ----------
     paths : a glob (``"/data/era5/*.nc"``), a path or URL, or a list of them. Files are put in the
         order of their ``concat_dim`` coordinate (as ``xr.open_mfdataset(combine="by_coords")``).
-    concat_dim : the dimension the files follow each other along.
+    concat_dim : the dimension the files follow each other along. Where a file holds it as a scalar
+        coordinate (one step, written from ``ds.isel(time=i)``), every data variable of that file gets it
+        as a first dimension of length 1, as ``xr.open_mfdataset(combine="nested", concat_dim=...)`` does.
     group : HDF5 group to read (default: the root).
     drop_variables : variables to leave out (e.g. one compressed with a filter zarr cannot decode).
     registry : an ``obspec_utils.registry.ObjectStoreRegistry`` resolving the URLs; by default one
@@ -272,19 +319,22 @@ def netcdf_store(paths: str | os.PathLike | Iterable[str | os.PathLike], *, conc
     -------
     virtualizarr.manifests.ManifestStore
         Data variables along ``concat_dim`` refer to byte ranges of the files; variables without it
-        come from the first file; coordinates along it are held inline. Pass it to
-        ``xinsitu.open_zarr`` or ``xr.open_zarr``.
+        come from the first file; coordinates along it are held inline, and so are the bounds of a time
+        coordinate and datetime/timedelta variables along it where the files encode them differently
+        (each file's own units), decoded file by file. Pass it to ``xinsitu.open_zarr`` or ``xr.open_zarr``.
 
     Raises
     ------
     ModuleNotFoundError
         Where a module of the ``virtual`` extra is not installed, naming it and the extra.
+    ValueError
+        Where several files are given and none has ``concat_dim`` (as a dimension or a scalar coordinate).
     VirtualReferenceError
         Where the files cannot be one virtual store, naming the file and the variable: chunks,
         codecs or CF packing that differ between files, a file whose length along ``concat_dim`` is
         not a whole number of chunks (other than the last), a filter without a decoder, a file that
-        is neither HDF5 nor NetCDF-3, a NetCDF-3 character variable or a NetCDF-3 file shorter than
-        its header says.
+        is neither HDF5 nor NetCDF-3, a NetCDF-3 character variable, a variable-length string variable
+        the installed VirtualiZarr cannot reference, or a NetCDF-3 file shorter than its header says.
     """
     with warnings.catch_warnings(), needs_extra("virtual", "reading NetCDF files in place"):
         warnings.filterwarnings("ignore", message=_NUMCODECS_WARNING)
@@ -300,25 +350,38 @@ def _netcdf_store(paths: Any, concat_dim: str, group: str | None, drop_variables
     drop = list(drop_variables or ())
     def one(u: str) -> tuple[Any, dict[str, xr.Variable]]:
         s = _parse(u, reg, group, drop, concat_dim)
-        return s, _file_coords(u, s)
+        return s, _file_coords(u, s, concat_dim)
 
     # files parsed a few at a time: on object storage each costs several round trips
     with ThreadPoolExecutor(min(PARSE_THREADS, len(urls))) as pool:
         parsed = list(pool.map(one, urls))
     stores, coords = [p[0] for p in parsed], [p[1] for p in parsed]
+    if len(urls) > 1:
+        _check_concat_dim(urls, stores, concat_dim)
+        for i in range(len(urls)):
+            if concat_dim in coords[i] and coords[i][concat_dim].ndim == 0 and not _has_dim(stores[i], concat_dim):
+                stores[i], coords[i] = _one_step(stores[i], coords[i], concat_dim)
     order = _order(urls, coords, concat_dim)
     urls, stores, coords = [urls[i] for i in order], [stores[i] for i in order], [coords[i] for i in order]
 
-    first = manifest_group(stores[0])
+    groups = [manifest_group(s) for s in stores]
+    attrs = [_decoding_attrs(g.arrays) for g in groups]
+    first = groups[0]
     inline_names = [n for n, v in coords[0].items() if concat_dim in v.dims]
+    retimed = _retimed(groups, attrs, concat_dim, inline_names)
+    if retimed:  # decoded file by file (each in its own units), then joined as the coordinates are
+        with ThreadPoolExecutor(min(PARSE_THREADS, len(urls))) as pool:
+            found = list(pool.map(lambda i: _file_variables(urls[i], stores[i], retimed), range(len(urls))))
+        for c, v in zip(coords, found, strict=True):
+            c.update(v)
+        inline_names += retimed
     inline = InlineCoords()
     arrays: dict[str, Any] = {}
     for name, arr in first.arrays.items():
         dims = tuple(arr.metadata.dimension_names or ())
         if name in inline_names:
-            var = xr.Variable.concat([c[name].to_base_variable() for c in coords], dim=concat_dim)
-            var.encoding = dict(coords[0][name].encoding)
-            arrays[name] = inline.array(name, var)
+            arrays[name] = inline.array(name, _joined(name, urls, coords, concat_dim),
+                                        chunk_shape(arr) if name in retimed else None)
             continue
         if concat_dim not in dims:
             for u, c in zip(urls[1:], coords[1:], strict=True):  # a shared coordinate must be the same
@@ -328,16 +391,16 @@ def _netcdf_store(paths: Any, concat_dim: str, group: str | None, drop_variables
             arrays[name] = arr
             continue
         parts = []
-        for u, s in zip(urls, stores, strict=True):
-            other = manifest_group(s).arrays.get(name)
+        for u, g, at in zip(urls, groups, attrs, strict=True):
+            other = g.arrays.get(name)
             if other is None:
                 raise VirtualReferenceError(f"variable {name!r} is in {named(urls[0])} but not in "
                                             f"{named(u)}; drop it with drop_variables=[{name!r}]")
-            _check_same(name, (urls[0], arr), (u, other), concat_dim)
+            _check_same(name, (urls[0], arr, attrs[0][name]), (u, other, at[name]), concat_dim)
             parts.append((u, other))
         arrays[name] = _concat(name, parts, dims.index(concat_dim), concat_dim)
-    for u, s in zip(urls[1:], stores[1:], strict=True):
-        extra = sorted(set(manifest_group(s).arrays) - set(first.arrays))
+    for u, g in zip(urls[1:], groups[1:], strict=True):
+        extra = sorted(set(g.arrays) - set(first.arrays))
         if extra:
             raise VirtualReferenceError(f"variable(s) {extra} are in {named(u)} but not in "
                                         f"{named(urls[0])}; drop them with drop_variables={extra}")
@@ -348,8 +411,95 @@ def _netcdf_store(paths: Any, concat_dim: str, group: str | None, drop_variables
     return out
 
 
-def _file_coords(url: str, store: Any) -> dict[str, xr.Variable]:
-    """The decoded coordinate variables of one file (small reads)."""
+def _has_dim(store: Any, dim: str) -> bool:
+    return any(dim in (a.metadata.dimension_names or ()) for a in manifest_group(store).arrays.values())
+
+
+def _check_concat_dim(urls: list[str], stores: list[Any], concat_dim: str) -> None:
+    """Several files must have ``concat_dim``, as a dimension or a (scalar) variable, to be joined along it."""
+    if any(_has_dim(s, concat_dim) or concat_dim in manifest_group(s).arrays for s in stores):
+        return
+    dims = sorted({d for s in stores for a in manifest_group(s).arrays.values()
+                   for d in (a.metadata.dimension_names or ())})
+    raise ValueError(f"concat_dim={concat_dim!r}: none of the {len(urls)} files has a dimension or a coordinate "
+                     f"{concat_dim!r} to join them along (their dimensions: {dims}); pass the one they follow "
+                     "each other along")
+
+
+def _one_step(store: Any, coords: dict[str, xr.Variable], concat_dim: str) -> tuple[Any, dict[str, xr.Variable]]:
+    """A file of one step whose ``concat_dim`` is a scalar coordinate (written from ``ds.isel(time=i)``) as a
+    file of one step along it, as ``xr.concat`` makes it: the coordinate 1-D, and every data variable with
+    a leading ``concat_dim`` of length 1 (chunks and byte ranges unchanged)."""
+    from virtualizarr.manifests import ManifestArray, ManifestGroup, ManifestStore
+    from virtualizarr.manifests.utils import copy_and_replace_metadata
+
+    group = manifest_group(store)
+    coord_names = set(coords) | set(str((group.metadata.attributes or {}).get("coordinates", "")).split())
+    for a in group.arrays.values():
+        coord_names |= set(a.metadata.dimension_names or ())
+        coord_names |= set(str((a.metadata.attributes or {}).get("coordinates", "")).split())
+    arrays = dict(group.arrays)
+    for name, a in group.arrays.items():
+        if name in coord_names:
+            continue
+        md = copy_and_replace_metadata(a.metadata, new_shape=[1, *a.shape], new_chunks=[1, *chunk_shape(a)],
+                                       new_dimension_names=[concat_dim, *(a.metadata.dimension_names or ())])
+        arrays[name] = ManifestArray(metadata=md, chunkmanifest=expand_manifest(a.manifest, 0))
+    out = dict(coords)
+    out[concat_dim] = coords[concat_dim].set_dims({concat_dim: 1})
+    return ManifestStore(ManifestGroup(arrays=arrays, attributes=dict(group.metadata.attributes or {})),
+                         registry=manifest_registry(store)), out
+
+
+def _retimed(groups: list[Any], attrs: list[dict[str, dict[str, Any]]], concat_dim: str,
+             skip: list[str]) -> list[str]:
+    """The variables along ``concat_dim`` that decode to datetimes or timedeltas and are encoded differently in
+    some file (xarray writes each file's times in units of its own first step, and a time coordinate's bounds
+    in its units): decoded file by file and joined inline as the time coordinate is, for the values
+    ``xr.open_mfdataset`` gives (their bytes joined would all be decoded with the first file's units)."""
+    out = []
+    for name, arr in groups[0].arrays.items():
+        if name in skip or concat_dim not in (arr.metadata.dimension_names or ()):
+            continue
+        found = [(g.arrays[name], a[name]) for g, a in zip(groups, attrs, strict=True) if name in g.arrays]
+        if not any(_time_like(at) for _, at in found):
+            continue
+        sig = _signature(arr, attrs[0][name])
+        if any(_signature(other, at) != sig for other, at in found[1:]):
+            out.append(name)
+    return out
+
+
+def _joined(name: str, urls: list[str], coords: list[dict[str, xr.Variable]], concat_dim: str) -> xr.Variable:
+    """The decoded variable ``name`` of every file joined along ``concat_dim``, with the first file's encoding."""
+    missing = next((u for u, c in zip(urls, coords, strict=True) if name not in c), None)
+    if missing is not None:
+        raise VirtualReferenceError(f"variable {name!r} is in {named(urls[0])} but not in {named(missing)}; "
+                                    f"drop it with drop_variables=[{name!r}]")
+    try:
+        var = xr.Variable.concat([c[name].to_base_variable() for c in coords], dim=concat_dim)
+    except ValueError as e:
+        raise VirtualReferenceError(f"variable {name!r} cannot be joined along {concat_dim!r} across "
+                                    f"{named(urls[0])} and the other files: {e}") from None
+    var.encoding = dict(coords[0][name].encoding)
+    return var
+
+
+def _file_variables(url: str, store: Any, names: list[str]) -> dict[str, xr.Variable]:
+    """Variables ``names`` of one file decoded as xarray decodes them (a bounds variable with the units of the
+    coordinate naming it), read whole."""
+    arrays = manifest_group(store).arrays
+    keep = set(names) | {n for n, a in arrays.items() if (a.metadata.attributes or {}).get("bounds") in names}
+    try:
+        ds = xr.open_zarr(store, chunks=None, consolidated=False, drop_variables=sorted(set(arrays) - keep))
+        return {n: ds[n].variable.load() for n in names if n in ds.variables}
+    except Exception as e:  # noqa: BLE001
+        raise VirtualReferenceError(f"cannot read {names} of {named(url)}: {type(e).__name__}: {e}") from None
+
+
+def _file_coords(url: str, store: Any, concat_dim: str) -> dict[str, xr.Variable]:
+    """The decoded coordinate variables of one file (small reads), ``concat_dim``'s even where it is a scalar
+    that only the data variables (not read here) name as their coordinate."""
     arrays = manifest_group(store).arrays
     dims = {d for a in arrays.values() for d in (a.metadata.dimension_names or ())}
     keep = {n for n in arrays if n in dims}
@@ -359,7 +509,7 @@ def _file_coords(url: str, store: Any) -> dict[str, xr.Variable]:
              if n in arrays and (arrays[n].metadata.attributes or {}).get("bounds")}
     try:
         ds = xr.open_zarr(store, chunks=None, consolidated=False, drop_variables=sorted(set(arrays) - keep))
-        return {n: ds[n].variable.load() for n in ds.variables if n in keep and n in ds.coords}
+        return {n: ds[n].variable.load() for n in ds.variables if n in keep and (n in ds.coords or n == concat_dim)}
     except Exception as e:  # noqa: BLE001
         raise VirtualReferenceError(f"cannot read the coordinates of {named(url)}: "
                                     f"{type(e).__name__}: {e}") from None
@@ -383,7 +533,9 @@ def open_netcdf(paths: str | os.PathLike | Iterable[str | os.PathLike], *, conca
     """``xinsitu.open_zarr(netcdf_store(paths, ...))``: NetCDF4 or NetCDF-3 files as one lazy Dataset, read in place.
 
     Equals ``xr.open_mfdataset(paths, data_vars="minimal", coords="minimal", compat="override")``
-    (values, CF decoding, coordinates and attributes of the first file), without dask and without
+    (values, CF decoding, coordinates and attributes of the first file, the data variables in the
+    first file's order), and ``xr.open_dataset(path)`` for one file; for files of one scalar step each,
+    ``xr.open_mfdataset(paths, combine="nested", concat_dim="time", ...)``. Without dask and without
     copying the data. See :func:`netcdf_store` for the arguments.
     """
     from xinsitu.stores.opening import open_zarr
@@ -392,7 +544,8 @@ def open_netcdf(paths: str | os.PathLike | Iterable[str | os.PathLike], *, conca
                          registry=registry, **store_options)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NUMCODECS_WARNING)
-        return open_zarr(store, consolidated=False, decode_times=decode_times)
+        ds = open_zarr(store, consolidated=False, decode_times=decode_times)
+    return in_store_order(ds, store)  # the file's variable order, as xr.open_dataset gives it
 
 
 def grib_store(paths: str | os.PathLike | Iterable[str | os.PathLike], **kwargs: Any) -> Any:

@@ -176,6 +176,22 @@ def test_chunk_shape_and_concat_manifests(nc_files):
             assert joined.get_entry((2 * i + j, 0)) == a.manifest.get_entry((j, 0))
 
 
+def test_expand_manifest(nc_files):
+    """``ChunkManifest._paths`` / ``_offsets`` / ``_lengths`` (``_inlined`` where it exists), given an axis of 1."""
+    from xinsitu.compat import virtualizarr_api as cv
+
+    m = cv.manifest_group(_parsed(nc_files[0])[1]).arrays["t"].manifest
+    for axis in (0, 1, 2):
+        out = cv.expand_manifest(m, axis)
+        grid = list(m.shape_chunk_grid)
+        grid.insert(axis, 1)
+        assert out.shape_chunk_grid == tuple(grid)
+        for j in range(2):
+            idx = [j, 0]
+            idx.insert(axis, 0)
+            assert out.get_entry(tuple(idx)) == m.get_entry((j, 0))
+
+
 def test_hdf5_variable_manifest(nc_files):
     """``virtualizarr.parsers.hdf.hdf._construct_manifest_array``: one HDF5 dataset alone."""
     import h5py

@@ -11,8 +11,8 @@ Private symbols still used, and why:
   store: its public face is ``get``/``list``, which fetch through the registry and would give
   xinsitu no byte ranges to batch).
 - ``ChunkManifest._paths`` / ``_offsets`` / ``_lengths`` (and ``_inlined``, VirtualiZarr >= 2.8):
-  the manifest's own arrays, joined along the files' dimension without building a dict per
-  chunk (``ChunkManifest.dict()`` is the public, per-chunk, much slower way).
+  the manifest's own arrays, joined along the files' dimension (or given one of length 1) without
+  building a dict per chunk (``ChunkManifest.dict()`` is the public, per-chunk, much slower way).
 - ``virtualizarr.parsers.hdf.hdf._construct_manifest_array``: one variable of an HDF5 file
   parsed alone, to name the variable whose filter has no decoder when a whole file fails.
 """
@@ -62,6 +62,23 @@ def concat_manifests(manifests: list[Any], axis: int) -> Any:
         paths=np.concatenate([m._paths for m in manifests], axis=axis),  # type: ignore[arg-type]  # StringDType
         offsets=np.concatenate([m._offsets for m in manifests], axis=axis),
         lengths=np.concatenate([m._lengths for m in manifests], axis=axis),
+        validate_paths=False,
+        **kwargs,
+    )
+
+
+def expand_manifest(manifest: Any, axis: int) -> Any:
+    """``manifest`` with a chunk-grid axis of length 1 inserted at ``axis`` (as ``np.expand_dims``; VirtualiZarr's
+    own ``np.expand_dims`` of a ``ManifestArray`` fails where it has dimension names)."""
+    from virtualizarr.manifests import ChunkManifest
+
+    kwargs: dict[str, Any] = {}
+    if getattr(manifest, "_inlined", None):  # VirtualiZarr >= 2.8: chunks held in memory
+        kwargs["inlined"] = {(*idx[:axis], 0, *idx[axis:]): data for idx, data in manifest._inlined.items()}
+    return ChunkManifest.from_arrays(
+        paths=np.expand_dims(manifest._paths, axis),  # type: ignore[arg-type]  # StringDType
+        offsets=np.expand_dims(manifest._offsets, axis),
+        lengths=np.expand_dims(manifest._lengths, axis),
         validate_paths=False,
         **kwargs,
     )

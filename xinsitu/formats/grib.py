@@ -29,13 +29,13 @@ from typing import Any, NamedTuple
 import numpy as np
 import xarray as xr
 
-from xinsitu.compat.virtualizarr_api import manifest_group
 from xinsitu.formats.references import (
     PARSE_THREADS,
     InlineCoords,
     _jsonable,
     as_urls,
     check_decodable,
+    in_store_order,
     read_only_bytes_codec,
     register_codec_class,
     registry_for,
@@ -483,10 +483,8 @@ def open_grib(paths: str | os.PathLike | Iterable[str | os.PathLike], *, concat_
 
     store = grib_store(paths, concat_dim=concat_dim, filter_by_keys=filter_by_keys, decoder=decoder,
                        registry=registry, **cfgrib_kwargs)
-    ds = open_zarr(store, consolidated=False, decode_times=decode_times)
-    # cfgrib's variable order (the store lists its arrays in it; open_zarr may sort them by name)
-    order = [n for n in manifest_group(store).arrays if n in ds.data_vars]
-    return ds if list(ds.data_vars) == order else ds[order]
+    # cfgrib's variable order (the store lists its arrays in it; open_zarr sorts them by name)
+    return in_store_order(open_zarr(store, consolidated=False, decode_times=decode_times), store)
 
 
 # ----------------------------------------------------------------------------- writing (examples, tests, benchmarks)

@@ -151,9 +151,10 @@ class InlineCoords:
         self.token = uuid.uuid4().hex
         self.store = _InlineStore({})
 
-    def array(self, name: str, var: xr.Variable) -> Any:
-        """The ManifestArray of coordinate ``name``, its bytes kept in the store."""
-        arr, self.store.objects[name] = _inline_array(name, var, f"{INLINE_SCHEME}://{self.token}/{name}")
+    def array(self, name: str, var: xr.Variable, chunks: tuple[int, ...] | None = None) -> Any:
+        """The ManifestArray of coordinate ``name``, its bytes kept in the store: one chunk, or ``chunks``
+        (a data variable keeps its files' chunks, so that it splits and batches as the others)."""
+        arr, self.store.objects[name] = _inline_array(name, var, f"{INLINE_SCHEME}://{self.token}/{name}", chunks)
         return arr
 
     def register(self, reg: Any) -> None:
@@ -162,7 +163,8 @@ class InlineCoords:
             reg.register(f"{INLINE_SCHEME}://{self.token}", self.store)
 
 
-def _inline_array(name: str, var: xr.Variable, url: str) -> tuple[Any, bytes]:
+def _inline_array(name: str, var: xr.Variable, url: str,
+                  chunks: tuple[int, ...] | None = None) -> tuple[Any, bytes]:
     from virtualizarr.manifests import ChunkManifest, ManifestArray
     from virtualizarr.manifests.utils import create_v3_array_metadata
 
@@ -176,16 +178,40 @@ def _inline_array(name: str, var: xr.Variable, url: str) -> tuple[Any, bytes]:
         from xinsitu.index.xr_adapter import FillValueCoder
 
         attrs["_FillValue"] = FillValueCoder.encode(enc.attrs["_FillValue"], values.dtype)
-    md = create_v3_array_metadata(shape=values.shape, data_type=values.dtype, chunk_shape=values.shape,
+    shape: tuple[int, ...] = values.shape
+    chunk = tuple(max(1, min(int(c), n)) for c, n in zip(chunks, shape, strict=True)) if chunks else shape
+    md = create_v3_array_metadata(shape=values.shape, data_type=values.dtype, chunk_shape=chunk,
                                   attributes=attrs, dimension_names=[str(d) for d in enc.dims])
-    grid = (1,) * values.ndim
+    grid = tuple(-(-n // c) for n, c in zip(shape, chunk, strict=True))
+    # each chunk whole (an edge chunk padded to the chunk shape, as zarr reads it), one after the other
+    blobs = []
+    for idx in np.ndindex(grid):
+        part = values[tuple(slice(i * c, (i + 1) * c) for i, c in zip(idx, chunk, strict=True))]
+        if part.shape != chunk:
+            part = np.pad(part, [(0, c - n) for c, n in zip(chunk, part.shape, strict=True)])
+        blobs.append(part.tobytes())
+    nbytes = np.array([len(b) for b in blobs], dtype=np.uint64).reshape(grid)
     manifest = ChunkManifest.from_arrays(
         paths=np.full(grid, url, dtype=np.dtypes.StringDType()),
-        offsets=np.zeros(grid, dtype=np.uint64),
-        lengths=np.full(grid, values.nbytes, dtype=np.uint64),
+        offsets=(np.cumsum(nbytes.ravel()) - nbytes.ravel()).astype(np.uint64).reshape(grid),
+        lengths=nbytes,
         validate_paths=False,
     )
-    return ManifestArray(metadata=md, chunkmanifest=manifest), values.tobytes()
+    return ManifestArray(metadata=md, chunkmanifest=manifest), b"".join(blobs)
+
+
+def in_store_order(ds: xr.Dataset, store: Any) -> xr.Dataset:
+    """``ds`` (opened from ``store``) with its data variables in the order ``store`` lists its arrays: the
+    file's order, as xarray reading the file gives it (``open_zarr`` sorts the arrays of a store without
+    consolidated metadata by name). Coordinates, attributes and lazy data kept."""
+    order = [n for n in manifest_group(store).arrays if n in ds.data_vars]
+    if list(ds.data_vars) == order:
+        return ds
+    out = ds[order]
+    missing = {k: ds.coords[k].variable for k in ds.coords if k not in out.coords}
+    out = out.assign_coords(missing) if missing else out
+    out.attrs, out.encoding = dict(ds.attrs), dict(ds.encoding)
+    return out
 
 
 def check_decodable(store: Any, first_url: str) -> None:

@@ -83,7 +83,15 @@ class ChunkKey:
         self.local_root = None if local_root is None else os.fspath(local_root)
         parts = ("xinsitu-chunk-v1", self.store_id, self.array_path, self.metadata_hash, snapshot or "")
         self._prefix = hashlib.blake2b("\0".join(parts).encode(), digest_size=16)
-        self.ident = self._prefix.hexdigest()  # names the array's data: what the memory tier's keys start with
+        #: names the array's data: what the memory tier's keys start with. For a local directory, also which
+        #: directory it is (``_directory_identity``): one swapped in by a rename, or a link repointed, is
+        #: another archive, whose files may be older than what the memory tier kept (their change times
+        #: tell nothing then); the disk tier's keys name each file's inode already
+        ident = self._prefix.hexdigest()
+        if self.local_root is not None:
+            ident = hashlib.blake2b((ident + _directory_identity(self.local_root, self.array_path)).encode(),
+                                    digest_size=16).hexdigest()
+        self.ident = ident
         #: an archive whose objects may be rewritten in place (object storage, HTTP): its disk keys name
         #: each object's version (``versions``), asked of ``remote`` (None: cannot be asked)
         self.remote, self.needs_version = remote, bool(needs_version)
@@ -97,7 +105,9 @@ class ChunkKey:
 
     def memory_key(self, chunk: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
         """The memory tier's key of chunk ``chunk``: ``(ident, chunk)``, a dict lookup without hashing
-        or ``stat`` (0.2 against 5-6 us for ``key`` of a local chunk file). A reader takes what the
+        or ``stat`` (0.2 against 5-6 us for ``key`` of a local chunk file); for a local directory
+        ``ident`` names which directories the root and the array are, so an archive swapped in by a
+        rename or a repointed link has other keys. A reader takes what the
         memory tier kept as it found it, and a later reader (a new generator given the same
         ``ChunkCache``) checks once each entry kept before it started: a local file's by its change
         time, a remote object's by its version where one was known (``cache.lookup``); the disk tier
@@ -220,6 +230,19 @@ class ChunkKey:
 
     def __repr__(self) -> str:
         return f"ChunkKey(array_path={self.array_path!r}, metadata={self.metadata_hash[:8]}, snapshot={self.snapshot})"
+
+
+def _directory_identity(root: str, array_path: str) -> str:
+    """Which directories the store's root and the array's are (device and inode, links followed): two
+    ``stat`` per array and reader. ``"missing"`` for one that is not there."""
+    out = []
+    for path in (root, os.path.join(root, array_path)):
+        try:
+            st = os.stat(path)
+            out.append(f"{st.st_dev}:{st.st_ino}")
+        except OSError:
+            out.append("missing")
+    return "\0dir " + " ".join(out)
 
 
 def chunk_key(store_id: str, array_path: str, chunk: tuple[int, ...], metadata: bytes | str | dict[str, Any],

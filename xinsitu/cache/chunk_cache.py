@@ -1047,7 +1047,7 @@ def _make_private_dirs(path: str) -> None:
 
 
 def _disk_path(disk: Any) -> str:
-    """``disk=`` as an absolute path; ``TypeError``/``ValueError`` naming ``disk`` for what is none."""
+    """``disk=`` as an absolute path (``~`` expanded); ``TypeError``/``ValueError`` naming ``disk`` for what is none."""
     if isinstance(disk, bytes) or not isinstance(disk, (str, os.PathLike)):
         raise TypeError(f"disk must be a directory (a str or os.PathLike), got {type(disk).__name__}: {disk!r}")
     path = os.fspath(disk)
@@ -1057,7 +1057,7 @@ def _disk_path(disk: Any) -> str:
         raise ValueError("disk='' is not a directory; give the disk tier a directory (or disk=None for none)")
     if "\0" in path:
         raise ValueError(f"disk={path!r} holds a NUL character: not a path")
-    return os.path.abspath(path)
+    return os.path.abspath(os.path.expanduser(path))  # "~/c" is the home's, not a folder named "~"
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -1133,7 +1133,7 @@ def resolve_cache(cache: bool | str | os.PathLike[str] | ChunkCache | None) -> C
             raise TypeError("cache= as a path must be a str or os.PathLike of str, not bytes")
         if not path.strip():
             raise ValueError("cache='' is not a directory; pass cache=True for a memory cache, or a directory")
-        if os.path.exists(path) and not os.path.isdir(path):
+        if os.path.exists(os.path.expanduser(path)) and not os.path.isdir(os.path.expanduser(path)):
             raise ValueError(f"cache={path!r} is a file, not a directory for the disk cache")
         try:
             return ChunkCache(disk=path)

@@ -148,6 +148,53 @@ def test_an_http_store_without_versions_keeps_nothing_on_disk_and_says_so(tmp_pa
         assert _same(_epoch(again), new) and again.io_stats["cache_disk_hits"] == again.io_stats["chunks"] == 4
 
 
+@pytest.mark.filterwarnings("ignore:the chunk cache's disk tier:RuntimeWarning")  # those of the runs after the first
+@pytest.mark.parametrize("opener", list(OPENERS))
+def test_an_etag_of_whole_seconds_and_size_keeps_nothing_on_disk_and_says_so(tmp_path, opener):
+    """nginx's default ETag, ``"<mtime seconds hex>-<size hex>"``, is strong but names only what a
+    Last-Modified of whole seconds names: nothing is kept on disk (said once, naming the ETag), and a
+    rewrite that keeps size and modification time is read as it is now, not served stale."""
+    from tests.support.servers import FileServer
+
+    path = _archive(tmp_path / "a.zarr")
+    disk = tmp_path / "c"
+    with FileServer(tmp_path, etag="nginx") as srv:
+        url = f"{srv.url}/a.zarr"
+        first = _gen(OPENERS[opener](url), ChunkCache(memory=0, disk=disk))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            old = _epoch(first)
+        said = _ours(caught)
+        assert len(said) == 1 and "whole seconds" in said[0] and "immutable=True" in said[0], said
+        assert _entries(disk) == 0
+        _rewrite_keeping_size_and_mtime(path)
+        new = _epoch(_gen(xinsitu.open_zarr(path)))
+        assert not _same(new, old)
+        again = _gen(OPENERS[opener](url), ChunkCache(memory=0, disk=disk))
+        assert _same(_epoch(again), new)
+        assert again.io_stats["cache_disk_hits"] == 0
+
+
+def test_which_etags_of_a_time_and_a_size_are_trusted():
+    """nginx's ``"<seconds hex>-<size hex>"`` is not trusted, whether the Last-Modified it matches comes as
+    a ``datetime`` (obstore), an HTTP date (fsspec) or not at all; an ETag of nanoseconds (the file server's),
+    one whose time is not the Last-Modified, one of another size, S3's multipart ETag and a hash are."""
+    import datetime
+
+    from xinsitu.cache.keys import _version, trusted, why_not
+
+    at = datetime.datetime(2024, 5, 1, 12, 0, 7, tzinfo=datetime.UTC)
+    secs, ns, size = int(at.timestamp()), int(at.timestamp()) * 10**9 + 123, 1234
+    http_date = "Wed, 01 May 2024 12:00:07 GMT"
+    for modified in (at, http_date, None):
+        v = _version(f'"{secs:x}-{size:x}"', size, modified)
+        assert not trusted(v) and "whole seconds" in why_not(v)[1], v
+    for tag, modified in ((f'"{ns:x}-{size:x}"', at), (f'"{secs + 60:x}-{size:x}"', at),
+                          (f'"{secs:x}-{size + 1:x}"', at), ('"' + "0" * 31 + 'a-3"', at),
+                          ('"d41d8cd98f00b204"', None)):
+        assert trusted(_version(tag, size, modified)), tag
+
+
 # ---------------------------------------------------------------------------------- 3. fsspec stores
 def test_an_archive_read_through_fsspec_is_kept_on_disk_by_its_versions(tmp_path):
     """``xr.open_zarr(url)`` (fsspec's HTTP filesystem) with ``cache="/dir"``: the first run keeps every

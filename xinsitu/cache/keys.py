@@ -284,7 +284,8 @@ HEAD_CONCURRENCY = 16
 def trusted(version: str | None) -> bool:
     """Whether ``version`` (from ``object_versions``/``fsspec_versions``) names the object's bytes: a
     strong ETag and the size. A modification time does not (``cp -p``, ``rsync -t`` and ``tar x`` set
-    it back; HTTP gives it in whole seconds), nor does a missing object (its store may be wrong)."""
+    it back; HTTP gives it in whole seconds), nor an ETag made of one (nginx's: ``_of_seconds_and_size``),
+    nor does a missing object (its store may be wrong)."""
     return version is not None and version.startswith(_TRUSTED)
 
 
@@ -303,6 +304,9 @@ def _version(tag: Any, size: Any, modified: Any) -> str:
     store gave none): ``etag <tag> <size>`` for a strong ETag, else ``untrusted: <why>``."""
     tag = "" if tag is None else str(tag).strip()
     if tag and not tag.startswith(("W/", "w/")):
+        if _of_seconds_and_size(tag, size, modified):
+            return (f"{_UNTRUSTED}an ETag made of the modification time in whole seconds and the size ({tag}, "
+                    "nginx's), which a rewrite within the second keeps and cp -p, rsync -t or tar x set back")
         return f"{_TRUSTED}{tag} {size}"
     if tag:
         return f"{_UNTRUSTED}a weak ETag ({tag}), which does not name the bytes"
@@ -312,6 +316,46 @@ def _version(tag: Any, size: Any, modified: Any) -> str:
     return (_UNTRUSTED + "no ETag, only a Last-Modified" + (" of whole seconds, which a rewrite within the second"
                                                              if seconds else ", which a rewrite")
             + " keeps and cp -p, rsync -t or tar x set back")
+
+
+#: nginx's ETag: the modification time in whole seconds and the size, in hex
+_SECONDS_SIZE_TAG = re.compile(r'"?([0-9a-f]{1,16})-([0-9a-f]{1,16})"?')
+#: the whole seconds a ``_SECONDS_SIZE_TAG`` is taken to hold where the store gives no modification time:
+#: 1995 to 2106 (an ETag with nanoseconds, or a hash, is beyond)
+_PLAUSIBLE_SECONDS = (0x2F000000, 0xFFFFFFFF)
+
+
+def _seconds(modified: Any) -> int | None:
+    """A modification time (a ``datetime``, an HTTP date, a POSIX timestamp) in whole seconds, or None."""
+    try:
+        if isinstance(modified, str):
+            import email.utils
+
+            modified = email.utils.parsedate_to_datetime(modified)
+        if hasattr(modified, "timestamp"):
+            return int(modified.timestamp())
+        if isinstance(modified, (int, float)):
+            return int(modified)
+    except (TypeError, ValueError, OverflowError):
+        pass
+    return None
+
+
+def _of_seconds_and_size(tag: str, size: Any, modified: Any) -> bool:
+    """Whether the strong ETag ``tag`` is only the modification time in whole seconds and the size (nginx's
+    default, ``"<seconds hex>-<size hex>"``): the modification time where the store gave it must match,
+    else the seconds must be plausible (``_PLAUSIBLE_SECONDS``)."""
+    m = _SECONDS_SIZE_TAG.fullmatch(tag.lower())
+    if m is None or size is None:
+        return False
+    try:
+        if int(m.group(2), 16) != int(size):
+            return False
+    except (TypeError, ValueError):
+        return False
+    seconds = int(m.group(1), 16)
+    at = _seconds(modified)
+    return seconds == at if at is not None else _PLAUSIBLE_SECONDS[0] <= seconds <= _PLAUSIBLE_SECONDS[1]
 
 
 def _version_of(meta: Any) -> str:

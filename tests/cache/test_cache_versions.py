@@ -255,6 +255,36 @@ def test_two_endpoints_serving_the_same_bucket_and_key_never_share_keys(tmp_path
     assert _same(got[0], want[0]) and _same(got[1], want[1])
 
 
+@pytest.mark.parametrize("tier", ["memory", "disk, immutable"])
+def test_two_endpoints_given_by_the_environment_never_share_keys(tmp_path, monkeypatch, tier):
+    """The endpoint from ``AWS_ENDPOINT_URL`` (as boto3 and aws-cli users set it; obstore reads it, but its
+    ``config`` does not show it), switched between two opens of the same bucket and key on two servers:
+    each archive gets its own chunks, from a shared memory tier or from a disk tier that does not ask
+    for versions."""
+    from tests.support.servers import MotoS3
+
+    one = _archive(tmp_path / "one" / "a.zarr")
+    two = _archive(tmp_path / "two" / "a.zarr")
+    ds2 = xr.open_zarr(two, chunks=None)
+    (ds2 * 2 + 1).to_zarr(two, mode="w", zarr_format=3, consolidated=True,
+                          encoding={"a": {"chunks": (CT, 3, 5), "compressors": None}})
+    shared = ChunkCache(memory="1GB")
+    got, want = [], []
+    with MotoS3() as s1, MotoS3() as s2:
+        for srv, local in ((s1, one), (s2, two)):
+            srv.upload(local, "bkt", "a.zarr")
+            monkeypatch.setenv("AWS_ENDPOINT_URL", srv.endpoint)
+            monkeypatch.setenv("AWS_REGION", srv.region)
+            opts = {k: v for k, v in srv.options.items() if k not in ("endpoint", "region")}
+            cache = shared if tier == "memory" else ChunkCache(memory=0, disk=tmp_path / "c", immutable=True)
+            gen = _gen(xinsitu.open_zarr("s3://bkt/a.zarr", **opts), cache)
+            got.append(_epoch(gen))
+            want.append(_epoch(_gen(xinsitu.open_zarr(local))))
+            assert gen.io_stats["cache_hits"] == 0
+    assert not _same(want[0], want[1])
+    assert _same(got[0], want[0]) and _same(got[1], want[1])
+
+
 # ------------------------------------------------------------------------- 3a. a HEAD never answered
 _SILENT_JOB = """
 import json, os, sys, warnings

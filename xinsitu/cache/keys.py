@@ -565,14 +565,7 @@ def store_identity(store: Any) -> tuple[str, str | None] | None:
             return "file://" + root, root
         if oname == "MemoryStore":
             return None
-        config = getattr(obs, "config", None) or {}
-        allowed = ("bucket", "container_name", "account_name", "endpoint", "url")
-        located = {k: str(v) for k, v in config.items() if k in allowed}
-        url = getattr(obs, "url", None)
-        if url is not None:
-            located["url"] = _strip_url(str(url))
-        if "endpoint" in located:
-            located["endpoint"] = _strip_url(located["endpoint"])
+        located = _obstore_location(obs)
         if not located:
             return None
         located["prefix"] = "" if prefix is None else str(prefix)
@@ -586,8 +579,62 @@ def store_identity(store: Any) -> tuple[str, str | None] | None:
             return "file://" + root, root
         url = _strip_url(path if "://" in path else f"{protocol}://{path}")
         located = _fsspec_location(store.fs)  # the endpoint: two servers may hold the same bucket and key
+        if protocol in ("s3", "s3a") and not ({"endpoint_url", "endpoint"} & located.keys()):
+            located.update(_from_env(_S3_ENDPOINT_ENV))  # botocore takes it from there
         return url + (" " + json.dumps(located, sort_keys=True) if located else ""), None
     return None
+
+
+#: obstore's settings that say where the data is (never credentials), by store kind: each setting and the
+#: environment variables obstore takes it from where it was not given (its ``config`` shows only what was)
+_OBSTORE_LOCATED: dict[str, dict[str, tuple[str, ...]]] = {
+    "S3Store": {"bucket": ("AWS_BUCKET", "AWS_BUCKET_NAME"), "endpoint": ("AWS_ENDPOINT", "AWS_ENDPOINT_URL"),
+                "aws_endpoint_url_s3": ("AWS_ENDPOINT_URL_S3",)},
+    "GCSStore": {"bucket": ("GOOGLE_BUCKET", "GOOGLE_BUCKET_NAME"), "base_url": ("GOOGLE_BASE_URL",)},
+    "AzureStore": {"container_name": ("AZURE_CONTAINER_NAME",), "account_name": ("AZURE_STORAGE_ACCOUNT_NAME",),
+                   "endpoint": ("AZURE_STORAGE_ENDPOINT", "AZURE_ENDPOINT"),
+                   "use_emulator": ("AZURE_STORAGE_USE_EMULATOR",)},
+}
+#: where there is no endpoint, the region names it (another partition: aws-cn, aws-us-gov)
+_S3_REGION: dict[str, tuple[str, ...]] = {"region": ("AWS_REGION",), "default_region": ("AWS_DEFAULT_REGION",)}
+#: the environment variables that give an S3 client (obstore's, botocore's) its endpoint
+_S3_ENDPOINT_ENV: dict[str, tuple[str, ...]] = {"endpoint": ("AWS_ENDPOINT", "AWS_ENDPOINT_URL"),
+                                                 "aws_endpoint_url_s3": ("AWS_ENDPOINT_URL_S3",)}
+
+
+def _from_env(names: dict[str, tuple[str, ...]], but: Any = ()) -> dict[str, str]:
+    """``{setting: value}`` of the settings of ``names`` not in ``but`` that the environment gives (several
+    variables of one setting that disagree: all of them, as the store's choice is not known here); URLs
+    without user info or query."""
+    out = {}
+    for key, env in names.items():
+        if key in but:
+            continue
+        got = list(dict.fromkeys(v for n in env if (v := os.environ.get(n, "").strip())))
+        if got:
+            out[key] = " ".join(_strip_url(v) if "://" in v else v for v in got)
+    return out
+
+
+def _obstore_location(obs: Any) -> dict[str, str]:
+    """Where an obstore store's data is: the settings of ``_OBSTORE_LOCATED`` from its ``config``, else from
+    the environment as obstore reads it (an endpoint set by ``AWS_ENDPOINT_URL`` is in no ``config``), an
+    S3 store's region where no endpoint is given, and an ``HTTPStore``'s URL; never credentials."""
+    config = getattr(obs, "config", None) or {}
+    names = _OBSTORE_LOCATED.get(type(obs).__name__, {})
+    allowed = ("bucket", "container_name", "account_name", "endpoint", "url", *names)
+    located = {k: str(v) for k, v in config.items() if k in allowed}
+    located.update(_from_env(names, but=located))
+    if type(obs).__name__ == "S3Store" and not ({"endpoint", "aws_endpoint_url_s3"} & located.keys()):
+        located.update({k: str(config[k]) for k in _S3_REGION if config.get(k)})
+        located.update(_from_env(_S3_REGION, but=located))
+    url = getattr(obs, "url", None)
+    if url is not None:
+        located["url"] = _strip_url(str(url))
+    for k in ("endpoint", "aws_endpoint_url_s3", "base_url"):
+        if k in located and "://" in located[k]:
+            located[k] = _strip_url(located[k])
+    return located
 
 
 #: fsspec filesystem options that say where the data is (never credentials): read through this allow-list
@@ -623,13 +670,13 @@ def store_label(store: Any) -> str:
         url = getattr(obs, "url", None)
         if url:
             return _strip_url(str(url))
-        config = getattr(obs, "config", None) or {}
+        config = _obstore_location(obs)
         scheme = {"S3Store": "s3", "GCSStore": "gs", "AzureStore": "az"}.get(type(obs).__name__, type(obs).__name__)
         prefix = getattr(obs, "prefix", None)
         label = f"{scheme}://{config.get('bucket') or config.get('container_name') or ''}"
         label += f"/{prefix}" if prefix else ""
-        endpoint = config.get("endpoint")
-        return label + (f" at {_strip_url(str(endpoint))}" if endpoint else "")
+        endpoint = config.get("aws_endpoint_url_s3") or config.get("endpoint") or config.get("base_url")
+        return label + (f" at {endpoint}" if endpoint else "")
     if name == "FsspecStore" and getattr(store, "fs", None) is not None:
         protocol = store.fs.protocol
         protocol = protocol[0] if isinstance(protocol, (tuple, list)) else protocol

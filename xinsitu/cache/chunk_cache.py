@@ -401,7 +401,7 @@ class ChunkCache:
         if not keys.needs_version or self.immutable:
             return [keys.key(c, keys.file_of(k)) for c, k in chunks]
         if keys.remote is None:  # a remote store that cannot be asked
-            self._cannot_keep(keys, ("untrusted", "its store cannot be asked for versions"))
+            self._cannot_keep(keys, ("untrusted", keys.unversioned or "its store cannot be asked for versions"))
             return [None] * len(chunks)
         if "untrusted " + keys.store_id in self._notes:  # found without versions: not asked again
             return [None] * len(chunks)

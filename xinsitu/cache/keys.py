@@ -22,6 +22,8 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from xinsitu.cache.virtual_refs import WHY as VIRTUAL_WHY
+from xinsitu.cache.virtual_refs import holds_virtual_chunks, referenced_state
 from xinsitu.index.snapshot import snapshot_of_store
 from xinsitu.io import loop as _loop
 
@@ -66,15 +68,22 @@ class ChunkKey:
         Whether disk keys must name each object's version (a remote store without snapshots).
     store_name
         The store as messages name it (a URL without credentials); default ``store_id``.
+    state
+        What else names the data for the memory tier only (``ident``): the state of the files an
+        Icechunk snapshot references (``virtual_refs.referenced_state``).
+    unversioned
+        Why the objects have no version to ask, where ``needs_version`` and no ``remote``: said where the
+        disk tier keeps nothing of them.
     """
 
     __slots__ = ("store_id", "array_path", "metadata_hash", "snapshot", "local_root", "ident", "_prefix",
                  "remote", "needs_version", "_versions", "_listed", "_vlock", "store_name", "_silent",
-                 "since_ns")
+                 "since_ns", "unversioned")
 
     def __init__(self, store_id: str, array_path: str, metadata: bytes | str | dict[str, Any],
                  snapshot: str | None = None, local_root: str | os.PathLike[str] | None = None, *,
-                 remote: Any = None, needs_version: bool = False, store_name: str | None = None):
+                 remote: Any = None, needs_version: bool = False, store_name: str | None = None,
+                 state: str = "", unversioned: str | None = None):
         self.store_id = str(store_id)
         self.store_name = self.store_id if store_name is None else str(store_name)
         self.array_path = str(array_path)
@@ -89,9 +98,12 @@ class ChunkKey:
         #: tell nothing then); the disk tier's keys name each file's inode already
         ident = self._prefix.hexdigest()
         if self.local_root is not None:
-            ident = hashlib.blake2b((ident + _directory_identity(self.local_root, self.array_path)).encode(),
-                                    digest_size=16).hexdigest()
+            state += _directory_identity(self.local_root, self.array_path)
+        if state:
+            ident = hashlib.blake2b((ident + state).encode(), digest_size=16).hexdigest()
         self.ident = ident
+        #: why the store's objects have no version to ask (the disk tier keeps nothing unless immutable)
+        self.unversioned = unversioned
         #: an archive whose objects may be rewritten in place (object storage, HTTP): its disk keys name
         #: each object's version (``versions``), asked of ``remote`` (None: cannot be asked)
         self.remote, self.needs_version = remote, bool(needs_version)
@@ -213,11 +225,13 @@ class ChunkKey:
         if ident is None:
             return None
         store_id, root = ident
-        remote = None
+        remote, state, why = None, "", None
         if type(store).__name__ == "IcechunkStore":
             snapshot = snapshot or snapshot_of_store(store)
             if snapshot is None:
                 return None
+            if holds_virtual_chunks(store):  # its files are named by their state, not by the snapshot
+                state, why = referenced_state(store, snapshot), VIRTUAL_WHY
         elif root is None and type(store).__name__ == "ObjectStore":
             remote = store.store
         elif root is None and type(store).__name__ == "FsspecStore":
@@ -226,7 +240,8 @@ class ChunkKey:
         meta.pop("attributes", None)  # attributes do not change the stored bytes (CF decoding comes later)
         path = getattr(array, "path", "") or ""
         return cls(store_id, path, meta, snapshot=snapshot, local_root=root, remote=remote,
-                   needs_version=root is None and snapshot is None, store_name=store_label(store))
+                   needs_version=root is None and (snapshot is None or why is not None),
+                   store_name=store_label(store), state=state, unversioned=why)
 
     def __repr__(self) -> str:
         return f"ChunkKey(array_path={self.array_path!r}, metadata={self.metadata_hash[:8]}, snapshot={self.snapshot})"

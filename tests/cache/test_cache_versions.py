@@ -360,5 +360,28 @@ def test_variables_read_through_dask_are_said_to_be_uncached(tmp_path):
         first, second = _epoch(gen), _epoch(gen)
     said = [str(w.message) for w in caught if "keeps nothing" in str(w.message)]
     assert len(said) == 1 and "variable 'a'" in said[0] and "open_netcdf" in said[0], said
+    assert "not cached either" in said[0] and "their chunks are cached" not in said[0], said
     assert "not cached: variable 'a' (read through dask" in repr(gen) and _entries(tmp_path / "c") == 0
+    assert "to_zarr" in repr(gen) and "open_netcdf" not in repr(gen)
     assert _same(first, second) and _same(first, _epoch(_gen(ds)))
+
+
+def test_netcdf_read_in_place_is_said_to_be_uncached_for_what_it_is(tmp_path):
+    """``xinsitu.virtual.open_netcdf``'s store (a ``ManifestStore``) has no identity the cache can check the
+    files by: nothing is cached, and the warning and the repr say so for what it is (not "a memory store,
+    uncommitted Icechunk changes, or a kind of store the cache does not know")."""
+    pytest.importorskip("netCDF4")
+    pytest.importorskip("virtualizarr")
+    from xinsitu.virtual import open_netcdf
+
+    ds = xr.open_zarr(_archive(tmp_path / "a.zarr"), chunks=None).load()
+    ds.to_netcdf(tmp_path / "a.nc", encoding={"a": {"chunksizes": (CT, 3, 5)}})
+    gen = _gen(open_netcdf(str(tmp_path / "a.nc")), ChunkCache(memory="1GB", disk=tmp_path / "c"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, second = _epoch(gen), _epoch(gen)
+    said = [str(w.message) for w in caught if "keeps nothing" in str(w.message)]
+    assert len(said) == 1 and "ManifestStore" in said[0] and "NetCDF or GRIB files read in place" in said[0], said
+    assert "memory store" not in said[0] and "uncommitted" not in said[0], said
+    assert "NetCDF or GRIB files read in place" in repr(gen) and _entries(tmp_path / "c") == 0
+    assert gen.io_stats["cache_hits"] == 0 and _same(first, second) and _same(first, _epoch(_gen(ds)))

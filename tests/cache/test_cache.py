@@ -573,3 +573,19 @@ def test_repr_shows_budgets_and_fill(tmp_path: os.PathLike[str]) -> None:
     r = repr(c)
     assert "200.0 kB of 2.0 MB (1 chunks)" in r and str(tmp_path) in r and "of 1.0 GB" in r
     assert repr(ChunkCache(memory=0)) == "ChunkCache(memory=off, disk=off)"
+
+
+@pytest.mark.parametrize("how", ["ChunkCache", "cache="])
+def test_a_disk_path_under_the_home_is_expanded(tmp_path, monkeypatch, how) -> None:
+    """``disk="~/xcache"`` (and ``cache="~/xcache"``) is the home's ``xcache``, not a folder named ``~``
+    in the working directory."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    c = ChunkCache(memory=0, disk="~/xcache") if how == "ChunkCache" else resolve_cache("~/xcache")
+    assert c is not None and c.disk == str(home / "xcache")
+    c.put(key_of(1), value_of(1))
+    assert len(entries(str(home / "xcache"))) == 1
+    assert os.listdir(work) == []

@@ -286,6 +286,37 @@ def test_the_memory_tier_checks_what_an_earlier_generator_kept(tmp_path):
     assert third.io_stats["cache_misses"] == 1
 
 
+@pytest.mark.parametrize("publish", ["rename", "symlink"])
+@pytest.mark.parametrize("tier", ["memory", "both"])
+def test_an_archive_swapped_in_by_a_rename_or_a_link_is_never_served_stale(tmp_path, publish, tier):
+    """A new version written beside the archive before the first generator ran (its files are older
+    than what the memory tier kept, so their change times tell nothing), then published by renaming
+    the directory into place or by repointing a link: a second generator on the same ``ChunkCache``
+    reads the new version (no hit), as an uncached one does."""
+    cur, new = str(tmp_path / "era5.zarr"), str(tmp_path / "era5-new.zarr")
+    write_era5_like(new, nt=64, ny=4, nx=6, chunk_time=8, seed=1)
+    old = str(tmp_path / "era5-old.zarr")
+    write_era5_like(old, nt=64, ny=4, nx=6, chunk_time=8)
+    if publish == "rename":
+        os.rename(old, cur)
+    else:
+        os.symlink(old, cur)
+    cache = ChunkCache(memory="1GB", disk=tmp_path / "c" if tier == "both" else None)
+    first = _epochs(_gen(cur, cache=cache, shuffle=False), (0,))
+    if publish == "rename":
+        os.rename(cur, old)
+        os.rename(new, cur)
+    else:
+        os.symlink(new, cur + ".tmp")
+        os.replace(cur + ".tmp", cur)
+    ref = _epochs(_gen(cur, shuffle=False), (0,))
+    assert not _same(ref, first)
+    again = _gen(cur, cache=cache, shuffle=False)
+    assert _same(_epochs(again, (0,)), ref)
+    st = again.io_stats
+    assert st["cache_hits"] == 0 and st["cache_misses"] == st["chunks"] > 0
+
+
 # --------------------------------------------------------------------------------------------- stats
 def test_stats_with_a_cache_then_batches(era5_path):
     """A stats pass fills the cache (its reductions use chunks as scratch: the cached copies stay

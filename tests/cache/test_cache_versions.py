@@ -148,6 +148,53 @@ def test_an_http_store_without_versions_keeps_nothing_on_disk_and_says_so(tmp_pa
         assert _same(_epoch(again), new) and again.io_stats["cache_disk_hits"] == again.io_stats["chunks"] == 4
 
 
+@pytest.mark.filterwarnings("ignore:the chunk cache's disk tier:RuntimeWarning")  # those of the runs after the first
+@pytest.mark.parametrize("opener", list(OPENERS))
+def test_an_etag_of_whole_seconds_and_size_keeps_nothing_on_disk_and_says_so(tmp_path, opener):
+    """nginx's default ETag, ``"<mtime seconds hex>-<size hex>"``, is strong but names only what a
+    Last-Modified of whole seconds names: nothing is kept on disk (said once, naming the ETag), and a
+    rewrite that keeps size and modification time is read as it is now, not served stale."""
+    from tests.support.servers import FileServer
+
+    path = _archive(tmp_path / "a.zarr")
+    disk = tmp_path / "c"
+    with FileServer(tmp_path, etag="nginx") as srv:
+        url = f"{srv.url}/a.zarr"
+        first = _gen(OPENERS[opener](url), ChunkCache(memory=0, disk=disk))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            old = _epoch(first)
+        said = _ours(caught)
+        assert len(said) == 1 and "whole seconds" in said[0] and "immutable=True" in said[0], said
+        assert _entries(disk) == 0
+        _rewrite_keeping_size_and_mtime(path)
+        new = _epoch(_gen(xinsitu.open_zarr(path)))
+        assert not _same(new, old)
+        again = _gen(OPENERS[opener](url), ChunkCache(memory=0, disk=disk))
+        assert _same(_epoch(again), new)
+        assert again.io_stats["cache_disk_hits"] == 0
+
+
+def test_which_etags_of_a_time_and_a_size_are_trusted():
+    """nginx's ``"<seconds hex>-<size hex>"`` is not trusted, whether the Last-Modified it matches comes as
+    a ``datetime`` (obstore), an HTTP date (fsspec) or not at all; an ETag of nanoseconds (the file server's),
+    one whose time is not the Last-Modified, one of another size, S3's multipart ETag and a hash are."""
+    import datetime
+
+    from xinsitu.cache.keys import _version, trusted, why_not
+
+    at = datetime.datetime(2024, 5, 1, 12, 0, 7, tzinfo=datetime.UTC)
+    secs, ns, size = int(at.timestamp()), int(at.timestamp()) * 10**9 + 123, 1234
+    http_date = "Wed, 01 May 2024 12:00:07 GMT"
+    for modified in (at, http_date, None):
+        v = _version(f'"{secs:x}-{size:x}"', size, modified)
+        assert not trusted(v) and "whole seconds" in why_not(v)[1], v
+    for tag, modified in ((f'"{ns:x}-{size:x}"', at), (f'"{secs + 60:x}-{size:x}"', at),
+                          (f'"{secs:x}-{size + 1:x}"', at), ('"' + "0" * 31 + 'a-3"', at),
+                          ('"d41d8cd98f00b204"', None)):
+        assert trusted(_version(tag, size, modified)), tag
+
+
 # ---------------------------------------------------------------------------------- 3. fsspec stores
 def test_an_archive_read_through_fsspec_is_kept_on_disk_by_its_versions(tmp_path):
     """``xr.open_zarr(url)`` (fsspec's HTTP filesystem) with ``cache="/dir"``: the first run keeps every
@@ -204,6 +251,36 @@ def test_two_endpoints_serving_the_same_bucket_and_key_never_share_keys(tmp_path
                 ds = xinsitu.open_zarr("s3://bkt/a.zarr", **srv.options)
             got.append(_epoch(_gen(ds, cache)))
             want.append(_epoch(_gen(xinsitu.open_zarr(local))))
+    assert not _same(want[0], want[1])
+    assert _same(got[0], want[0]) and _same(got[1], want[1])
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk, immutable"])
+def test_two_endpoints_given_by_the_environment_never_share_keys(tmp_path, monkeypatch, tier):
+    """The endpoint from ``AWS_ENDPOINT_URL`` (as boto3 and aws-cli users set it; obstore reads it, but its
+    ``config`` does not show it), switched between two opens of the same bucket and key on two servers:
+    each archive gets its own chunks, from a shared memory tier or from a disk tier that does not ask
+    for versions."""
+    from tests.support.servers import MotoS3
+
+    one = _archive(tmp_path / "one" / "a.zarr")
+    two = _archive(tmp_path / "two" / "a.zarr")
+    ds2 = xr.open_zarr(two, chunks=None)
+    (ds2 * 2 + 1).to_zarr(two, mode="w", zarr_format=3, consolidated=True,
+                          encoding={"a": {"chunks": (CT, 3, 5), "compressors": None}})
+    shared = ChunkCache(memory="1GB")
+    got, want = [], []
+    with MotoS3() as s1, MotoS3() as s2:
+        for srv, local in ((s1, one), (s2, two)):
+            srv.upload(local, "bkt", "a.zarr")
+            monkeypatch.setenv("AWS_ENDPOINT_URL", srv.endpoint)
+            monkeypatch.setenv("AWS_REGION", srv.region)
+            opts = {k: v for k, v in srv.options.items() if k not in ("endpoint", "region")}
+            cache = shared if tier == "memory" else ChunkCache(memory=0, disk=tmp_path / "c", immutable=True)
+            gen = _gen(xinsitu.open_zarr("s3://bkt/a.zarr", **opts), cache)
+            got.append(_epoch(gen))
+            want.append(_epoch(_gen(xinsitu.open_zarr(local))))
+            assert gen.io_stats["cache_hits"] == 0
     assert not _same(want[0], want[1])
     assert _same(got[0], want[0]) and _same(got[1], want[1])
 
@@ -283,5 +360,28 @@ def test_variables_read_through_dask_are_said_to_be_uncached(tmp_path):
         first, second = _epoch(gen), _epoch(gen)
     said = [str(w.message) for w in caught if "keeps nothing" in str(w.message)]
     assert len(said) == 1 and "variable 'a'" in said[0] and "open_netcdf" in said[0], said
+    assert "not cached either" in said[0] and "their chunks are cached" not in said[0], said
     assert "not cached: variable 'a' (read through dask" in repr(gen) and _entries(tmp_path / "c") == 0
+    assert "to_zarr" in repr(gen) and "open_netcdf" not in repr(gen)
     assert _same(first, second) and _same(first, _epoch(_gen(ds)))
+
+
+def test_netcdf_read_in_place_is_said_to_be_uncached_for_what_it_is(tmp_path):
+    """``xinsitu.virtual.open_netcdf``'s store (a ``ManifestStore``) has no identity the cache can check the
+    files by: nothing is cached, and the warning and the repr say so for what it is (not "a memory store,
+    uncommitted Icechunk changes, or a kind of store the cache does not know")."""
+    pytest.importorskip("netCDF4")
+    pytest.importorskip("virtualizarr")
+    from xinsitu.virtual import open_netcdf
+
+    ds = xr.open_zarr(_archive(tmp_path / "a.zarr"), chunks=None).load()
+    ds.to_netcdf(tmp_path / "a.nc", encoding={"a": {"chunksizes": (CT, 3, 5)}})
+    gen = _gen(open_netcdf(str(tmp_path / "a.nc")), ChunkCache(memory="1GB", disk=tmp_path / "c"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, second = _epoch(gen), _epoch(gen)
+    said = [str(w.message) for w in caught if "keeps nothing" in str(w.message)]
+    assert len(said) == 1 and "ManifestStore" in said[0] and "NetCDF or GRIB files read in place" in said[0], said
+    assert "memory store" not in said[0] and "uncommitted" not in said[0], said
+    assert "NetCDF or GRIB files read in place" in repr(gen) and _entries(tmp_path / "c") == 0
+    assert gen.io_stats["cache_hits"] == 0 and _same(first, second) and _same(first, _epoch(_gen(ds)))

@@ -120,6 +120,7 @@ class _State:
     held: int = 0  # requests held now (capacity)
     turned_away: int = 0  # times a request found the server full
     serving: threading.Lock = field(default_factory=threading.Lock)  # one answer at a time (capacity)
+    etag: str = "ns"  # the ETag's modification time: "ns" (nanoseconds), "nginx" (whole seconds, nginx's default)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -296,7 +297,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Content-Length", str(len(half) if kind == "short" else len(body)))
         self.send_header("Last-Modified", self.date_time_string(int(p.stat().st_mtime)))
-        self.send_header("ETag", f'"{p.stat().st_mtime_ns:x}-{size:x}"')
+        stat = p.stat()
+        stamp = int(stat.st_mtime) if st.etag == "nginx" else stat.st_mtime_ns
+        self.send_header("ETag", f'"{stamp:x}-{size:x}"')
         if status == 206:
             self.send_header("Content-Range", f"bytes {lo}-{hi - 1}/{size}")
         self.end_headers()
@@ -367,16 +370,22 @@ class FileServer:
     it is let in, as a connection past a full accept queue waits for the client's SYN retransmit;
     ``turned_away`` counts those waits.
 
+    Each answer has a Last-Modified (whole seconds) and a strong ETag of the file's modification time and
+    size: in nanoseconds (default: a rewrite is a new ETag unless it sets the time back to the nanosecond),
+    or ``etag="nginx"``, in whole seconds as nginx's default (a rewrite within the second keeps it).
+
     Use as a context manager (or ``start()``/``stop()``); ``url`` is the base URL,
     ``counts`` how many requests met each fault, ``requests`` how many were answered.
     """
 
     def __init__(self, root: str | os.PathLike, faults: Faults | None = None, *, max_lifetime_s: float = 300.0,
                  max_requests: int = 200_000, overloaded: bool = False, capacity: int | None = None,
-                 penalty_s: float = 1.0):
+                 penalty_s: float = 1.0, etag: str = "ns"):
+        if etag not in ("ns", "nginx"):
+            raise ValueError(f"etag must be 'ns' or 'nginx', not {etag!r}")
         self.overloaded = overloaded
         self.state = _State(Path(root).resolve(), faults or Faults(), threading.Event(), int(max_requests),
-                            capacity=capacity, penalty_s=float(penalty_s))
+                            capacity=capacity, penalty_s=float(penalty_s), etag=etag)
         self.max_lifetime_s = float(max_lifetime_s)
         self._server: _Server | None = None
         self._threads: list[threading.Thread] = []

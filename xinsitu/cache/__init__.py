@@ -3,7 +3,7 @@
 ``chunk_cache`` (``ChunkCache``: the memory tier, the disk tier and its trust checks), ``keys`` (what names
 a chunk: ``ChunkKey``, object versions, store identities), ``budget`` (sizes and the memory tier's default
 budget), ``lookup`` (the reader's cache hits, put in place before any fetch), ``device_tier`` (chunks kept in
-GPU memory).
+GPU memory), ``virtual_refs`` (Icechunk repositories whose virtual chunks are files a snapshot does not name).
 """
 
 from xinsitu.cache.chunk_cache import ChunkCache

@@ -401,7 +401,7 @@ class ChunkCache:
         if not keys.needs_version or self.immutable:
             return [keys.key(c, keys.file_of(k)) for c, k in chunks]
         if keys.remote is None:  # a remote store that cannot be asked
-            self._cannot_keep(keys, ("untrusted", "its store cannot be asked for versions"))
+            self._cannot_keep(keys, ("untrusted", keys.unversioned or "its store cannot be asked for versions"))
             return [None] * len(chunks)
         if "untrusted " + keys.store_id in self._notes:  # found without versions: not asked again
             return [None] * len(chunks)
@@ -454,20 +454,25 @@ class ChunkCache:
     def note_uncached(self, what: str, store: Any) -> None:
         """Say once that ``what`` (a variable) is not cached at all: its store has no lasting identity."""
         kind = type(store).__name__
-        self._say(f"uncached {kind}", f"not cached: {what} (its store, {kind}, has no lasting identity)",
-                  f"the chunk cache keeps nothing of {what}: its store ({kind}) has no identity that lasts (a "
-                  "memory store, uncommitted Icechunk changes, or a kind of store the cache does not know), "
-                  "so its chunks are read every epoch (warned once)")
+        inner = type(getattr(store, "store", None)).__name__ if kind == "ObjectStore" else kind  # obstore's
+        why = {"ManifestStore": "references to NetCDF or GRIB files read in place (xinsitu.virtual), which the "
+                                "cache cannot check against the files",
+               "IcechunkStore": "an Icechunk session with uncommitted changes",
+               "MemoryStore": "a memory store"}.get(inner, "a kind of store the cache does not know")
+        self._say(f"uncached {kind}", f"not cached: {what} (its store, {kind}, has no lasting identity: {why})",
+                  f"the chunk cache keeps nothing of {what}: its store ({kind}) has no identity that lasts "
+                  f"({why}), so its chunks are read every epoch (warned once)")
 
     def note_read_through_dask(self, what: str) -> None:
         """Say once that ``what`` (a variable read through dask: NetCDF or GRIB files opened by xarray) is
         not cached: its chunks have no keys the cache could check against the files."""
-        self._say("uncached dask", f"not cached: {what} (read through dask; xinsitu.virtual.open_netcdf or "
-                  "open_grib reads such files in place, and caches them)",
+        self._say("uncached dask", f"not cached: {what} (read through dask; only Zarr and Icechunk archives are "
+                  "cached: ds.to_zarr(...) makes one)",
                   f"the chunk cache keeps nothing of {what}: it is read through dask (files opened by "
                   "xr.open_dataset or open_mfdataset with chunks=), whose chunks the cache has no key for, so they "
-                  "are read every epoch; xinsitu.virtual.open_netcdf / open_grib open the same files in place, "
-                  "and their chunks are cached (warned once)")
+                  "are read every epoch. xinsitu.virtual.open_netcdf / open_grib read the same files in place "
+                  "without dask, but their chunks are not cached either; to cache them, copy the data to Zarr "
+                  "(ds.to_zarr) and train from that (warned once)")
 
     def _disk_key(self, key: Hashable, disk_key: str | None) -> str | None:
         """The disk tier's key for an entry, None without a disk tier (or without a key it can use)."""
@@ -1047,7 +1052,7 @@ def _make_private_dirs(path: str) -> None:
 
 
 def _disk_path(disk: Any) -> str:
-    """``disk=`` as an absolute path; ``TypeError``/``ValueError`` naming ``disk`` for what is none."""
+    """``disk=`` as an absolute path (``~`` expanded); ``TypeError``/``ValueError`` naming ``disk`` for what is none."""
     if isinstance(disk, bytes) or not isinstance(disk, (str, os.PathLike)):
         raise TypeError(f"disk must be a directory (a str or os.PathLike), got {type(disk).__name__}: {disk!r}")
     path = os.fspath(disk)
@@ -1057,7 +1062,7 @@ def _disk_path(disk: Any) -> str:
         raise ValueError("disk='' is not a directory; give the disk tier a directory (or disk=None for none)")
     if "\0" in path:
         raise ValueError(f"disk={path!r} holds a NUL character: not a path")
-    return os.path.abspath(path)
+    return os.path.abspath(os.path.expanduser(path))  # "~/c" is the home's, not a folder named "~"
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -1133,7 +1138,7 @@ def resolve_cache(cache: bool | str | os.PathLike[str] | ChunkCache | None) -> C
             raise TypeError("cache= as a path must be a str or os.PathLike of str, not bytes")
         if not path.strip():
             raise ValueError("cache='' is not a directory; pass cache=True for a memory cache, or a directory")
-        if os.path.exists(path) and not os.path.isdir(path):
+        if os.path.exists(os.path.expanduser(path)) and not os.path.isdir(os.path.expanduser(path)):
             raise ValueError(f"cache={path!r} is a file, not a directory for the disk cache")
         try:
             return ChunkCache(disk=path)

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from xinsitu.cache.virtual_refs import WHY as VIRTUAL_WHY
+from xinsitu.cache.virtual_refs import holds_virtual_chunks, referenced_state
 from xinsitu.index.snapshot import snapshot_of_store
 from xinsitu.io import loop as _loop
 
@@ -66,15 +68,22 @@ class ChunkKey:
         Whether disk keys must name each object's version (a remote store without snapshots).
     store_name
         The store as messages name it (a URL without credentials); default ``store_id``.
+    state
+        What else names the data for the memory tier only (``ident``): the state of the files an
+        Icechunk snapshot references (``virtual_refs.referenced_state``).
+    unversioned
+        Why the objects have no version to ask, where ``needs_version`` and no ``remote``: said where the
+        disk tier keeps nothing of them.
     """
 
     __slots__ = ("store_id", "array_path", "metadata_hash", "snapshot", "local_root", "ident", "_prefix",
                  "remote", "needs_version", "_versions", "_listed", "_vlock", "store_name", "_silent",
-                 "since_ns")
+                 "since_ns", "unversioned")
 
     def __init__(self, store_id: str, array_path: str, metadata: bytes | str | dict[str, Any],
                  snapshot: str | None = None, local_root: str | os.PathLike[str] | None = None, *,
-                 remote: Any = None, needs_version: bool = False, store_name: str | None = None):
+                 remote: Any = None, needs_version: bool = False, store_name: str | None = None,
+                 state: str = "", unversioned: str | None = None):
         self.store_id = str(store_id)
         self.store_name = self.store_id if store_name is None else str(store_name)
         self.array_path = str(array_path)
@@ -83,7 +92,18 @@ class ChunkKey:
         self.local_root = None if local_root is None else os.fspath(local_root)
         parts = ("xinsitu-chunk-v1", self.store_id, self.array_path, self.metadata_hash, snapshot or "")
         self._prefix = hashlib.blake2b("\0".join(parts).encode(), digest_size=16)
-        self.ident = self._prefix.hexdigest()  # names the array's data: what the memory tier's keys start with
+        #: names the array's data: what the memory tier's keys start with. For a local directory, also which
+        #: directory it is (``_directory_identity``): one swapped in by a rename, or a link repointed, is
+        #: another archive, whose files may be older than what the memory tier kept (their change times
+        #: tell nothing then); the disk tier's keys name each file's inode already
+        ident = self._prefix.hexdigest()
+        if self.local_root is not None:
+            state += _directory_identity(self.local_root, self.array_path)
+        if state:
+            ident = hashlib.blake2b((ident + state).encode(), digest_size=16).hexdigest()
+        self.ident = ident
+        #: why the store's objects have no version to ask (the disk tier keeps nothing unless immutable)
+        self.unversioned = unversioned
         #: an archive whose objects may be rewritten in place (object storage, HTTP): its disk keys name
         #: each object's version (``versions``), asked of ``remote`` (None: cannot be asked)
         self.remote, self.needs_version = remote, bool(needs_version)
@@ -97,7 +117,9 @@ class ChunkKey:
 
     def memory_key(self, chunk: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
         """The memory tier's key of chunk ``chunk``: ``(ident, chunk)``, a dict lookup without hashing
-        or ``stat`` (0.2 against 5-6 us for ``key`` of a local chunk file). A reader takes what the
+        or ``stat`` (0.2 against 5-6 us for ``key`` of a local chunk file); for a local directory
+        ``ident`` names which directories the root and the array are, so an archive swapped in by a
+        rename or a repointed link has other keys. A reader takes what the
         memory tier kept as it found it, and a later reader (a new generator given the same
         ``ChunkCache``) checks once each entry kept before it started: a local file's by its change
         time, a remote object's by its version where one was known (``cache.lookup``); the disk tier
@@ -203,11 +225,13 @@ class ChunkKey:
         if ident is None:
             return None
         store_id, root = ident
-        remote = None
+        remote, state, why = None, "", None
         if type(store).__name__ == "IcechunkStore":
             snapshot = snapshot or snapshot_of_store(store)
             if snapshot is None:
                 return None
+            if holds_virtual_chunks(store):  # its files are named by their state, not by the snapshot
+                state, why = referenced_state(store, snapshot), VIRTUAL_WHY
         elif root is None and type(store).__name__ == "ObjectStore":
             remote = store.store
         elif root is None and type(store).__name__ == "FsspecStore":
@@ -216,10 +240,24 @@ class ChunkKey:
         meta.pop("attributes", None)  # attributes do not change the stored bytes (CF decoding comes later)
         path = getattr(array, "path", "") or ""
         return cls(store_id, path, meta, snapshot=snapshot, local_root=root, remote=remote,
-                   needs_version=root is None and snapshot is None, store_name=store_label(store))
+                   needs_version=root is None and (snapshot is None or why is not None),
+                   store_name=store_label(store), state=state, unversioned=why)
 
     def __repr__(self) -> str:
         return f"ChunkKey(array_path={self.array_path!r}, metadata={self.metadata_hash[:8]}, snapshot={self.snapshot})"
+
+
+def _directory_identity(root: str, array_path: str) -> str:
+    """Which directories the store's root and the array's are (device and inode, links followed): two
+    ``stat`` per array and reader. ``"missing"`` for one that is not there."""
+    out = []
+    for path in (root, os.path.join(root, array_path)):
+        try:
+            st = os.stat(path)
+            out.append(f"{st.st_dev}:{st.st_ino}")
+        except OSError:
+            out.append("missing")
+    return "\0dir " + " ".join(out)
 
 
 def chunk_key(store_id: str, array_path: str, chunk: tuple[int, ...], metadata: bytes | str | dict[str, Any],
@@ -261,7 +299,8 @@ HEAD_CONCURRENCY = 16
 def trusted(version: str | None) -> bool:
     """Whether ``version`` (from ``object_versions``/``fsspec_versions``) names the object's bytes: a
     strong ETag and the size. A modification time does not (``cp -p``, ``rsync -t`` and ``tar x`` set
-    it back; HTTP gives it in whole seconds), nor does a missing object (its store may be wrong)."""
+    it back; HTTP gives it in whole seconds), nor an ETag made of one (nginx's: ``_of_seconds_and_size``),
+    nor does a missing object (its store may be wrong)."""
     return version is not None and version.startswith(_TRUSTED)
 
 
@@ -280,6 +319,9 @@ def _version(tag: Any, size: Any, modified: Any) -> str:
     store gave none): ``etag <tag> <size>`` for a strong ETag, else ``untrusted: <why>``."""
     tag = "" if tag is None else str(tag).strip()
     if tag and not tag.startswith(("W/", "w/")):
+        if _of_seconds_and_size(tag, size, modified):
+            return (f"{_UNTRUSTED}an ETag made of the modification time in whole seconds and the size ({tag}, "
+                    "nginx's), which a rewrite within the second keeps and cp -p, rsync -t or tar x set back")
         return f"{_TRUSTED}{tag} {size}"
     if tag:
         return f"{_UNTRUSTED}a weak ETag ({tag}), which does not name the bytes"
@@ -289,6 +331,46 @@ def _version(tag: Any, size: Any, modified: Any) -> str:
     return (_UNTRUSTED + "no ETag, only a Last-Modified" + (" of whole seconds, which a rewrite within the second"
                                                              if seconds else ", which a rewrite")
             + " keeps and cp -p, rsync -t or tar x set back")
+
+
+#: nginx's ETag: the modification time in whole seconds and the size, in hex
+_SECONDS_SIZE_TAG = re.compile(r'"?([0-9a-f]{1,16})-([0-9a-f]{1,16})"?')
+#: the whole seconds a ``_SECONDS_SIZE_TAG`` is taken to hold where the store gives no modification time:
+#: 1995 to 2106 (an ETag with nanoseconds, or a hash, is beyond)
+_PLAUSIBLE_SECONDS = (0x2F000000, 0xFFFFFFFF)
+
+
+def _seconds(modified: Any) -> int | None:
+    """A modification time (a ``datetime``, an HTTP date, a POSIX timestamp) in whole seconds, or None."""
+    try:
+        if isinstance(modified, str):
+            import email.utils
+
+            modified = email.utils.parsedate_to_datetime(modified)
+        if hasattr(modified, "timestamp"):
+            return int(modified.timestamp())
+        if isinstance(modified, (int, float)):
+            return int(modified)
+    except (TypeError, ValueError, OverflowError):
+        pass
+    return None
+
+
+def _of_seconds_and_size(tag: str, size: Any, modified: Any) -> bool:
+    """Whether the strong ETag ``tag`` is only the modification time in whole seconds and the size (nginx's
+    default, ``"<seconds hex>-<size hex>"``): the modification time where the store gave it must match,
+    else the seconds must be plausible (``_PLAUSIBLE_SECONDS``)."""
+    m = _SECONDS_SIZE_TAG.fullmatch(tag.lower())
+    if m is None or size is None:
+        return False
+    try:
+        if int(m.group(2), 16) != int(size):
+            return False
+    except (TypeError, ValueError):
+        return False
+    seconds = int(m.group(1), 16)
+    at = _seconds(modified)
+    return seconds == at if at is not None else _PLAUSIBLE_SECONDS[0] <= seconds <= _PLAUSIBLE_SECONDS[1]
 
 
 def _version_of(meta: Any) -> str:
@@ -498,14 +580,7 @@ def store_identity(store: Any) -> tuple[str, str | None] | None:
             return "file://" + root, root
         if oname == "MemoryStore":
             return None
-        config = getattr(obs, "config", None) or {}
-        allowed = ("bucket", "container_name", "account_name", "endpoint", "url")
-        located = {k: str(v) for k, v in config.items() if k in allowed}
-        url = getattr(obs, "url", None)
-        if url is not None:
-            located["url"] = _strip_url(str(url))
-        if "endpoint" in located:
-            located["endpoint"] = _strip_url(located["endpoint"])
+        located = _obstore_location(obs)
         if not located:
             return None
         located["prefix"] = "" if prefix is None else str(prefix)
@@ -519,8 +594,62 @@ def store_identity(store: Any) -> tuple[str, str | None] | None:
             return "file://" + root, root
         url = _strip_url(path if "://" in path else f"{protocol}://{path}")
         located = _fsspec_location(store.fs)  # the endpoint: two servers may hold the same bucket and key
+        if protocol in ("s3", "s3a") and not ({"endpoint_url", "endpoint"} & located.keys()):
+            located.update(_from_env(_S3_ENDPOINT_ENV))  # botocore takes it from there
         return url + (" " + json.dumps(located, sort_keys=True) if located else ""), None
     return None
+
+
+#: obstore's settings that say where the data is (never credentials), by store kind: each setting and the
+#: environment variables obstore takes it from where it was not given (its ``config`` shows only what was)
+_OBSTORE_LOCATED: dict[str, dict[str, tuple[str, ...]]] = {
+    "S3Store": {"bucket": ("AWS_BUCKET", "AWS_BUCKET_NAME"), "endpoint": ("AWS_ENDPOINT", "AWS_ENDPOINT_URL"),
+                "aws_endpoint_url_s3": ("AWS_ENDPOINT_URL_S3",)},
+    "GCSStore": {"bucket": ("GOOGLE_BUCKET", "GOOGLE_BUCKET_NAME"), "base_url": ("GOOGLE_BASE_URL",)},
+    "AzureStore": {"container_name": ("AZURE_CONTAINER_NAME",), "account_name": ("AZURE_STORAGE_ACCOUNT_NAME",),
+                   "endpoint": ("AZURE_STORAGE_ENDPOINT", "AZURE_ENDPOINT"),
+                   "use_emulator": ("AZURE_STORAGE_USE_EMULATOR",)},
+}
+#: where there is no endpoint, the region names it (another partition: aws-cn, aws-us-gov)
+_S3_REGION: dict[str, tuple[str, ...]] = {"region": ("AWS_REGION",), "default_region": ("AWS_DEFAULT_REGION",)}
+#: the environment variables that give an S3 client (obstore's, botocore's) its endpoint
+_S3_ENDPOINT_ENV: dict[str, tuple[str, ...]] = {"endpoint": ("AWS_ENDPOINT", "AWS_ENDPOINT_URL"),
+                                                 "aws_endpoint_url_s3": ("AWS_ENDPOINT_URL_S3",)}
+
+
+def _from_env(names: dict[str, tuple[str, ...]], but: Any = ()) -> dict[str, str]:
+    """``{setting: value}`` of the settings of ``names`` not in ``but`` that the environment gives (several
+    variables of one setting that disagree: all of them, as the store's choice is not known here); URLs
+    without user info or query."""
+    out = {}
+    for key, env in names.items():
+        if key in but:
+            continue
+        got = list(dict.fromkeys(v for n in env if (v := os.environ.get(n, "").strip())))
+        if got:
+            out[key] = " ".join(_strip_url(v) if "://" in v else v for v in got)
+    return out
+
+
+def _obstore_location(obs: Any) -> dict[str, str]:
+    """Where an obstore store's data is: the settings of ``_OBSTORE_LOCATED`` from its ``config``, else from
+    the environment as obstore reads it (an endpoint set by ``AWS_ENDPOINT_URL`` is in no ``config``), an
+    S3 store's region where no endpoint is given, and an ``HTTPStore``'s URL; never credentials."""
+    config = getattr(obs, "config", None) or {}
+    names = _OBSTORE_LOCATED.get(type(obs).__name__, {})
+    allowed = ("bucket", "container_name", "account_name", "endpoint", "url", *names)
+    located = {k: str(v) for k, v in config.items() if k in allowed}
+    located.update(_from_env(names, but=located))
+    if type(obs).__name__ == "S3Store" and not ({"endpoint", "aws_endpoint_url_s3"} & located.keys()):
+        located.update({k: str(config[k]) for k in _S3_REGION if config.get(k)})
+        located.update(_from_env(_S3_REGION, but=located))
+    url = getattr(obs, "url", None)
+    if url is not None:
+        located["url"] = _strip_url(str(url))
+    for k in ("endpoint", "aws_endpoint_url_s3", "base_url"):
+        if k in located and "://" in located[k]:
+            located[k] = _strip_url(located[k])
+    return located
 
 
 #: fsspec filesystem options that say where the data is (never credentials): read through this allow-list
@@ -556,13 +685,13 @@ def store_label(store: Any) -> str:
         url = getattr(obs, "url", None)
         if url:
             return _strip_url(str(url))
-        config = getattr(obs, "config", None) or {}
+        config = _obstore_location(obs)
         scheme = {"S3Store": "s3", "GCSStore": "gs", "AzureStore": "az"}.get(type(obs).__name__, type(obs).__name__)
         prefix = getattr(obs, "prefix", None)
         label = f"{scheme}://{config.get('bucket') or config.get('container_name') or ''}"
         label += f"/{prefix}" if prefix else ""
-        endpoint = config.get("endpoint")
-        return label + (f" at {_strip_url(str(endpoint))}" if endpoint else "")
+        endpoint = config.get("aws_endpoint_url_s3") or config.get("endpoint") or config.get("base_url")
+        return label + (f" at {endpoint}" if endpoint else "")
     if name == "FsspecStore" and getattr(store, "fs", None) is not None:
         protocol = store.fs.protocol
         protocol = protocol[0] if isinstance(protocol, (tuple, list)) else protocol

@@ -144,7 +144,8 @@ async def _drop_rewritten(cache: ChunkCache, keys: ChunkKey, mkeys: list[Any], o
 
     Each entry is checked once per reader, at its first lookup, in a decode thread: entries this reader
     kept, or checked, are not. A local file by its change time (one ``stat``; a change time cannot be set
-    back, so a rewrite that kept size and modification time is seen too), gone if deleted; a remote object
+    back, so a rewrite that kept size and modification time is seen too), gone if deleted (a directory
+    swapped in by a rename, whose files may be older, is another ``ChunkKey.ident``: not kept here); a remote object
     by its version (``ChunkKey.versions``: the listing, or the ``HEAD``s, that the disk tier asks anyway),
     where the entry's reader knew it (a cache with a disk tier): another version, or none that is
     trusted, drops it. Not for an ``immutable`` cache, nor Icechunk snapshots (which name their data); a

@@ -199,3 +199,29 @@ def test_exit_cancels_and_waits_for_calls_on_another_loop(tmp_path):
                        cwd=str(Path(__file__).resolve().parents[2]))
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.split() == ["counted", "1", "cancelled", "at", "exit"], p.stdout
+
+
+@pytest.mark.parametrize("name", ["XINSITU_TIMEOUT", "XINSITU_REQUEST_TIMEOUT", "XINSITU_DECODE_THREADS"])
+@pytest.mark.parametrize("value", ["abc", "0", "-1"])
+def test_a_bad_environment_knob_is_named(monkeypatch, name, value):
+    """``XINSITU_TIMEOUT=abc`` (or 0) says which variable holds what (it said "could not convert string to
+    float: 'abc'", or "timeout ... got None", and left a coroutine never awaited)."""
+    import gc
+    import warnings
+
+    from xinsitu.io.loop import decode_threads, request_timeout, run, run_timeout
+
+    monkeypatch.setenv(name, value)
+    read = {"XINSITU_TIMEOUT": run_timeout, "XINSITU_REQUEST_TIMEOUT": request_timeout,
+            "XINSITU_DECODE_THREADS": decode_threads}[name]
+    with pytest.raises(ValueError, match=f"{name} must be a positive .*got '{value}'"):
+        read()
+    if name == "XINSITU_TIMEOUT":
+        async def nothing() -> None:
+            return None
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(ValueError, match=name):
+                run(nothing())
+            gc.collect()

@@ -108,10 +108,24 @@ def decode_threads() -> int:
     """Threads that decode chunks: one per core this process may run on (its CPU affinity, as
     ``os.process_cpu_count`` says on Python 3.13), at least two (decode releases the GIL);
     ``XINSITU_DECODE_THREADS`` sets it."""
-    env = os.environ.get("XINSITU_DECODE_THREADS")
-    if env:
-        return max(1, int(env))
-    return max(2, usable_cores())
+    n = env_number("XINSITU_DECODE_THREADS", int)
+    return max(2, usable_cores()) if n is None else int(n)
+
+
+def env_number(name: str, kind: type = float) -> float | None:
+    """The positive number of ``kind`` environment variable ``name`` holds, None where it is unset or
+    empty; ``ValueError`` naming the variable where it holds anything else (``abc``, ``0``)."""
+    env = os.environ.get(name, "").strip()
+    if not env:
+        return None
+    try:
+        value = kind(env)
+    except ValueError:
+        value = None
+    if value is None or not value > 0:
+        what = "whole number" if kind is int else "number of seconds"
+        raise ValueError(f"{name} must be a positive {what}, got {env!r}")
+    return value
 
 
 def usable_cores() -> int:
@@ -163,20 +177,15 @@ def in_parallel(calls: list[Callable[[], Any]]) -> None:
 
 def run_timeout() -> float:
     """Seconds ``run`` waits at most by default: ``XINSITU_TIMEOUT``, else ``RUN_TIMEOUT``."""
-    env = os.environ.get("XINSITU_TIMEOUT")
-    return float(env) if env else RUN_TIMEOUT
+    t = env_number("XINSITU_TIMEOUT")
+    return RUN_TIMEOUT if t is None else t
 
 
 def request_timeout() -> float:
     """Seconds one request (one object or byte range) may take before it is given up and retried:
     ``XINSITU_REQUEST_TIMEOUT``, else ``REQUEST_TIMEOUT``."""
-    env = os.environ.get("XINSITU_REQUEST_TIMEOUT")
-    if env:
-        t = float(env)
-        if not t > 0:
-            raise ValueError(f"XINSITU_REQUEST_TIMEOUT must be a positive number of seconds, got {env!r}")
-        return t
-    return REQUEST_TIMEOUT
+    t = env_number("XINSITU_REQUEST_TIMEOUT")
+    return REQUEST_TIMEOUT if t is None else t
 
 
 def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
@@ -193,10 +202,13 @@ def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
     if threading.current_thread() is _thread:
         coro.close()
         raise RuntimeError("xinsitu: blocking call made from inside the I/O loop")
-    limit = run_timeout() if timeout is None else float(timeout)
-    if not limit > 0:
-        coro.close()
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    try:
+        limit = run_timeout() if timeout is None else float(timeout)
+        if not limit > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    except BaseException:
+        coro.close()  # never started: closed, so nothing warns that it was never awaited
+        raise
     fut = asyncio.run_coroutine_threadsafe(coro, loop)
     try:
         return fut.result(timeout=limit)

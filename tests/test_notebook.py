@@ -69,3 +69,29 @@ def test_notebook_runs(kernel_name: str, tmp_path: Path) -> None:
     # the resume cell evaluates to True only when the resumed batches equal the uninterrupted ones
     results = [o["data"]["text/plain"] for o in outputs if o.output_type == "execute_result"]
     assert "True" in results
+
+
+@pytest.mark.tools
+@pytest.mark.parametrize("widgets", [True, False])
+def test_progress_in_a_notebook(kernel_name: str, tmp_path: Path, widgets: bool) -> None:
+    """``progress=True`` in Jupyter: a widget where ipywidgets is installed (the ``notebook`` extra); a
+    text bar without it, and no tqdm warning that it is missing (there was one, before any bar)."""
+    if widgets:
+        pytest.importorskip("ipywidgets")
+    block = "" if widgets else "import sys; sys.modules['ipywidgets'] = None  # as if not installed\n"
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(block + (
+        "import xinsitu\n"
+        "from xinsitu.synthetic import era5_like\n"
+        "ds = era5_like(nt=24, ny=4, nx=8).chunk(time=4)\n"
+        "m = ds.insitu.split('time', fractions={'train': 0.5, 'val': 0.5})\n"
+        "n = sum(1 for _ in ds.insitu.batches(m, 'train', batch_size=4, progress=True))\n"
+        "print('batches', n)"))])
+    nbclient.NotebookClient(nb, kernel_name=kernel_name, timeout=120,
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = nb.cells[0].outputs
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "batches 3" in text and "IProgress not found" not in text and "Warning" not in text, text
+    views = [o for o in outputs if "data" in o and "application/vnd.jupyter.widget-view+json" in o["data"]]
+    assert bool(views) == widgets, outputs
+    if not widgets:
+        assert "train epoch 0" in text  # the text bar, on stderr

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from xinsitu.batches.describe import missing_note
+from xinsitu.batches.describe import missing_note, progress_bar
 from xinsitu.stores.backend import ChunkReadError
 from xinsitu.stores.redact import redact, redact_url
 
@@ -305,9 +305,7 @@ def run_parts(client: Any, job: Any, units: int, sources: dict[str, Any], *, wha
                for i in range(n)]
     bar = None
     if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=n, desc=what, unit="task")
+        bar = progress_bar(total=n, desc=what, unit="task")
     from distributed import as_completed
 
     got: list[dict[str, Any]] = []

@@ -165,3 +165,17 @@ def missing_note(n: int, variable: str, chunk: Any, key: str) -> str:
     return (f"{n} chunk(s) had no object in the store and read as the fill value (e.g. chunk {tuple(chunk)} of "
             f"variable {variable!r}, key {key!r}); zarr writers skip chunks that are all fill value, but a deleted "
             "archive or a store answering 404 looks the same")
+
+
+def progress_bar(**kw: Any) -> Any:
+    """A tqdm bar (``tqdm.auto``): a widget in Jupyter where ipywidgets is installed (the ``notebook``
+    extra), else a text bar, without tqdm's warning that it is missing."""
+    import warnings
+
+    from tqdm.std import TqdmWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TqdmWarning)
+        from tqdm.auto import tqdm
+
+    return tqdm(**kw)

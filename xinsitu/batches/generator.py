@@ -423,9 +423,8 @@ class BatchGenerator:
                    budget=self.buffer_budget)
         bar = None
         if progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=plan.n_batches, initial=start, desc=f"{self.split} epoch {epoch}", unit="batch")
+            bar = describe.progress_bar(total=plan.n_batches, initial=start, desc=f"{self.split} epoch {epoch}",
+                                        unit="batch")
         try:
             for i, batch in run:
                 self._yielded_at = (epoch, i + 1)  # the state of the last batch handed out (as grain keeps it)

@@ -42,6 +42,7 @@ import numpy as np
 import xarray as xr
 
 from xinsitu.batches.cluster import check_client, job_digest, part_arg, parts_in_order, run_parts, warn_missing
+from xinsitu.batches.describe import progress_bar
 from xinsitu.batches.moments import ChannelSums, _channel_rows, channel_moments, chunk_moments
 from xinsitu.cache.chunk_cache import resolve_cache
 from xinsitu.index.channels import RESERVED, cf_decoder, channel_plan, check_fold, decodes_to_itself, fold_dims
@@ -195,10 +196,8 @@ class StatsPass:
         jobs = self._jobs(a, b, static=i == 0)
         bar = None
         if progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(jobs), desc=f"stats of {self.split}" + (f", part {i + 1}/{n}" if n > 1 else ""),
-                       unit="unit")
+            part = f", part {i + 1}/{n}" if n > 1 else ""
+            bar = progress_bar(total=len(jobs), desc=f"stats of {self.split}{part}", unit="unit")
         fut = _loop.submit(self._run(jobs, bar))
         try:
             fut.result()

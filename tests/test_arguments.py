@@ -108,7 +108,7 @@ def test_bad_split_argument(ds, args, kwargs, error, name):
 
 
 @pytest.mark.parametrize(("i", "error"), [(1.5, TypeError), ("1", TypeError), (True, TypeError),
-                                          (-1, IndexError), (20, IndexError)])
+                                          (-21, IndexError), (20, IndexError)])
 def test_bad_sample_index(ds, m, i, error):
     gen = ds.insitu.batches(m, "train")
     assert gen.n_samples == 20

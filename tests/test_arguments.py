@@ -141,6 +141,29 @@ def test_a_bad_torch_device_is_refused_naming_it(ds, m, device, err):
         ds.insitu.batches(m, "train", output="torch", device=device)
 
 
+def test_a_torch_device_this_machine_lacks_is_refused_when_the_generator_is_made(ds, m):
+    """``device="mps"`` (or xla) on a torch without that backend: a RuntimeError naming ``device=`` in
+    one line, when the generator is made (it came from torch, naming nothing, at the first batch)."""
+    torch = pytest.importorskip("torch")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        pytest.skip("this machine has MPS")
+    with pytest.raises(RuntimeError, match=r"^device='mps' cannot be used on this machine: [^\n]*$"):
+        ds.insitu.batches(m, "train", output="torch", device="mps")
+
+
+def test_output_torch_without_torch_names_the_extra(ds, m, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # as where torch is not installed
+    with pytest.raises(RuntimeError, match=r"output='torch' needs torch: pip install 'xinsitu\[torch\]'"):
+        ds.insitu.batches(m, "train", output="torch")
+
+
+def test_bfloat16_is_refused_saying_what_to_do_instead(ds, m):
+    with pytest.raises(ValueError, match="bfloat16 is not an output dtype: take float32"):
+        ds.insitu.batches(m, "train", dtype="bfloat16")
+
+
 @pytest.mark.parametrize("dtype", ["complex256", "float128", ">f4"])
 def test_a_dtype_torch_has_no_tensor_for_is_refused_naming_it(ds, m, dtype):
     """Refused when the generator is made, not by torch in the first batch."""

@@ -77,7 +77,11 @@ class OutputBuilder:
         # each output array's dtype, by what a message calls it
         arrays = {"the stacked batch": self.dtype} if self.stack else self.var_dtypes
         if output == "torch":
-            import torch  # noqa: F401  - fail now, not in the prefetch thread
+            try:
+                import torch  # noqa: F401  - fail now, not in the prefetch thread
+            except ImportError:
+                raise RuntimeError("output='torch' needs torch: pip install 'xinsitu[torch]' (on a machine "
+                                   "without CUDA, install torch's CPU build first)") from None
             if transform is None:  # else the transform may cast
                 for n, dt in arrays.items():
                     _check_torch_dtype(n, dt, dtype)
@@ -148,6 +152,12 @@ class OutputBuilder:
             raise ValueError(f"device={device!r} holds no data; use 'cpu' or a GPU such as 'cuda:0'")
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"device={device!r}: CUDA is not available to torch on this machine")
+        if dev.type not in ("cpu", "cuda"):  # mps, xla, xpu...: asked now, not at the first batch's copy
+            try:
+                torch.empty(0, device=dev)
+            except (RuntimeError, AssertionError) as e:
+                why = (str(e).strip().splitlines() or [type(e).__name__])[0]  # (torch lists every backend after it)
+                raise RuntimeError(f"device={device!r} cannot be used on this machine: {why}") from None
 
     @property
     def coords(self) -> xr.Dataset:
@@ -535,6 +545,11 @@ class UnknownDtypeError(ValueError, TypeError):
     type (``3``, so a ``TypeError``), as numpy itself calls both a ``TypeError``."""
 
 
+#: what a refusal of bfloat16 adds: numpy has no bfloat16 of its own (ml_dtypes' is not numeric to numpy)
+_BF16 = ("; bfloat16 is not an output dtype: take float32 (or float16) and cast on the device, in the model "
+         "or in transform=")
+
+
 def output_dtype(dtype: Any) -> np.dtype | None:
     """``dtype=`` as a numpy dtype (None: the values' own); a dtype numpy does not know, or one that is
     not numeric (bool, strings, datetimes, objects), raises naming ``dtype``."""
@@ -543,9 +558,11 @@ def output_dtype(dtype: Any) -> np.dtype | None:
     try:
         dt = np.dtype(dtype)
     except TypeError as e:
-        raise UnknownDtypeError(f"dtype: numpy does not know {dtype!r} as a dtype ({e}); use e.g. 'float32'") from None
+        raise UnknownDtypeError(f"dtype: numpy does not know {dtype!r} as a dtype ({e}); use e.g. 'float32'"
+                                f"{_BF16 if 'bfloat16' in str(dtype) else ''}") from None
     if dt.kind not in NUMERIC_KINDS or dt.kind == "b":
-        raise ValueError(f"dtype: {dtype!r} ({dt}) is not a numeric dtype; use e.g. 'float32', 'float16' or 'float64'")
+        raise ValueError(f"dtype: {dtype!r} ({dt}) is not a numeric dtype; use e.g. 'float32', 'float16' or 'float64'"
+                         f"{_BF16 if 'bfloat16' in str(dt) else ''}")
     return dt
 
 

@@ -170,12 +170,16 @@ def missing_note(n: int, variable: str, chunk: Any, key: str) -> str:
 def progress_bar(**kw: Any) -> Any:
     """A tqdm bar (``tqdm.auto``): a widget in Jupyter where ipywidgets is installed (the ``notebook``
     extra), else a text bar, without tqdm's warning that it is missing."""
-    import warnings
+    import sys
 
-    from tqdm.std import TqdmWarning
+    if "tqdm.autonotebook" not in sys.modules:  # its import warns, once: held then (warning filters are global)
+        import warnings
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", TqdmWarning)
-        from tqdm.auto import tqdm
+        from tqdm.std import TqdmWarning
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", TqdmWarning)
+            import tqdm.autonotebook  # noqa: F401
+    from tqdm.auto import tqdm
 
     return tqdm(**kw)

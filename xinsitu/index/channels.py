@@ -65,11 +65,11 @@ class _CFDecode:
     generator pickles into spawned DataLoader workers."""
 
     def __init__(self, name: str, attrs: dict[str, Any], dtype: np.dtype | None = None):
-        self.name, self.attrs, self.dtype = name, attrs, dtype
+        self.name, self.attrs, self.options = name, attrs, _time_options(dtype)
 
     def __call__(self, raw: np.ndarray) -> np.ndarray:
         var = xr.Variable(tuple(f"_{i}" for i in range(raw.ndim)), raw, attrs=dict(self.attrs))
-        return np.asarray(xr.conventions.decode_cf_variable(self.name, var, **_time_options(self.dtype)).values)
+        return np.asarray(xr.conventions.decode_cf_variable(self.name, var, **self.options).values)
 
 
 def _time_options(dtype: np.dtype | None) -> dict[str, Any]:
@@ -82,11 +82,7 @@ def _time_options(dtype: np.dtype | None) -> dict[str, Any]:
     if dtype.kind == "M":
         return {"decode_times": xr.coders.CFDatetimeCoder(time_unit=unit)}
     if dtype.kind == "m":  # the values are time deltas: by the units, whatever marked them so
-        try:
-            coder = xr.coders.CFTimedeltaCoder(time_unit=unit, decode_via_units=True)
-        except TypeError:  # xarray before decode_via_units: units decode time deltas
-            coder = xr.coders.CFTimedeltaCoder(time_unit=unit)
-        return {"decode_timedelta": coder}
+        return {"decode_timedelta": xr.coders.CFTimedeltaCoder(time_unit=unit, decode_via_units=True)}
     if dtype.kind == "O":
         return {"decode_times": xr.coders.CFDatetimeCoder(use_cftime=True)}
     return {}

@@ -126,3 +126,31 @@ def test_an_icechunk_repository_without_virtual_chunk_containers_is_kept_on_disk
     assert not _ours(caught) and _entries(tmp_path / "c") == NT // CT
     assert gen.io_stats["cache_disk_hits"] == NT // CT
     assert np.array_equal(got, np.arange(NT * 15, dtype="f4").reshape(NT, 3, 5))
+
+
+def test_the_files_a_snapshot_references_are_looked_at_once_per_reader(tmp_path, monkeypatch):
+    """Two arrays of virtual chunks in one snapshot: a generator looks at the files the snapshot
+    references once, not once per array (each look ``stat``s every referenced file: minutes for many
+    variables over many files on a network file system)."""
+    import zarr
+
+    from xinsitu.cache import keys
+
+    repo, raw = _repo(tmp_path)
+    s = repo.writable_session("main")
+    b = zarr.open_group(s.store)["a"]
+    g = zarr.open_group(s.store)
+    g.create_array("b", shape=b.shape, chunks=b.chunks, dtype="f4", compressors=None,
+                   dimension_names=("time", "y", "x"), fill_value=float("nan"))
+    for i in range(NT // CT):
+        s.store.set_virtual_ref(f"b/c/{i}/0/0", f"file://{raw}", offset=i * CT * 15 * 4, length=CT * 15 * 4)
+    s.commit("b")
+    looks = []
+    real = keys.referenced_state
+    monkeypatch.setattr(keys, "referenced_state", lambda *a: looks.append(a[1]) or real(*a))
+    ds = xinsitu.open_zarr(repo.readonly_session(branch="main").store)
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    gen = ds.insitu.batches(m, "train", batch_size=4, output="numpy", shuffle=False, cache=True)
+    got = list(gen)
+    np.testing.assert_array_equal(np.concatenate([x["b"] for x in got]), ds.b.values)
+    assert len(looks) == 1

@@ -207,7 +207,8 @@ class ChunkKey:
         return None if self.local_root is None else os.path.join(self.local_root, object_key)
 
     @classmethod
-    def for_array(cls, array: Any, snapshot: str | None = None) -> ChunkKey | None:
+    def for_array(cls, array: Any, snapshot: str | None = None,
+                  states: dict[str, str] | None = None) -> ChunkKey | None:
         """Keys for the chunks of a zarr array, or None where its store has no stable identity
         (a ``MemoryStore``, an Icechunk session with uncommitted changes, a store kind not
         known here): such an array is not cached.
@@ -218,6 +219,9 @@ class ChunkKey:
             A ``zarr.Array`` (or ``AsyncArray``).
         snapshot
             The Icechunk snapshot id, where the caller knows it already (else read from the store).
+        states
+            Where given, the state of the files each snapshot references, kept by snapshot id: the arrays
+            of one reader ``stat`` them once, not once each.
         """
         aa = getattr(array, "async_array", array)
         store = array_store(array)
@@ -231,7 +235,10 @@ class ChunkKey:
             if snapshot is None:
                 return None
             if holds_virtual_chunks(store):  # its files are named by their state, not by the snapshot
-                state, why = referenced_state(store, snapshot), VIRTUAL_WHY
+                memo = {} if states is None else states
+                if snapshot not in memo:
+                    memo[snapshot] = referenced_state(store, snapshot)
+                state, why = memo[snapshot], VIRTUAL_WHY
         elif root is None and type(store).__name__ == "ObjectStore":
             remote = store.store
         elif root is None and type(store).__name__ == "FsspecStore":

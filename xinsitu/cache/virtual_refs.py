@@ -5,7 +5,7 @@ while the snapshot stays the same, so the cache cannot trust the snapshot alone 
 ``holds_virtual_chunks`` tells such a repository by its virtual chunk containers (icechunk 1.x and 2.x:
 ``session.config.virtual_chunk_containers``). ``referenced_state`` names, for the memory tier, the
 state of the local files a snapshot references (size, modification and change times, device and
-inode: one ``stat`` per file, once per array and reader); a remote reference is named by its URL only.
+inode: one ``stat`` per file, once per snapshot and reader); a remote reference is named by its URL only.
 """
 
 from __future__ import annotations

@@ -141,6 +141,7 @@ class Reader:
         self.inflight = InflightLimit(max_inflight, _loop.decode_threads())
         self.cache = cache
         self._keys: dict[int, ChunkKey | None] = {}
+        self._states: dict[str, str] = {}  # the files an Icechunk snapshot references, as this reader found them
         self._decoders: dict[int, ChunkDecoder] = {}
         self._backends: dict[int, Backend] = {}
         self._routes: dict[int, Route] = {}
@@ -679,7 +680,7 @@ class Reader:
         k = id(src.array)
         if k not in self._keys:
             try:
-                self._keys[k] = ChunkKey.for_array(src.array)
+                self._keys[k] = ChunkKey.for_array(src.array, states=self._states)
             except Exception:  # noqa: BLE001 - an array the keys cannot describe is simply not cached
                 self._keys[k] = None
             if self._keys[k] is None and self.cache is not None:

@@ -181,3 +181,24 @@ def test_cupy_device_cache():
     stack[...] = cupy.asarray(np.stack([chunk(10 + i) for i in range(5)]))
     assert c.put_many(["a", "b", "c"], [0, 1, 3], [stack[i] for i in range(5)], stack) == 3
     assert [int(c.get(k)[0, 0]) for k in ("a", "b", "c")] == [10, 11, 13]
+
+
+def test_a_gpu_tier_that_keeps_nothing_says_so_and_the_reprs_show_it(era5_path):
+    """A ``ChunkCache`` with a tier in GPU memory given to a generator whose batches are host arrays
+    (``output="numpy"``): the tier keeps nothing, and the generator says so once, in a warning and in its
+    repr, with the reason (it was silent, and no repr showed the tier at all)."""
+    import warnings
+
+    ds = xinsitu.open_zarr(era5_path)
+    m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    cache = xinsitu.ChunkCache(memory=0)
+    cache.device_budget = 10**9  # what ChunkCache(device="1GB") sets (it needs CuPy to be made)
+    assert repr(cache) == "ChunkCache(memory=off, disk=off, device=1.0 GB (not used yet))"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gen = ds.insitu.batches(m, "train", batch_size=8, output="numpy", cache=cache)
+        ds.insitu.batches(m, "val", batch_size=8, output="numpy", cache=cache)
+    said = [str(w.message) for w in caught if "GPU tier" in str(w.message)]
+    assert len(said) == 1 and "keeps nothing" in said[0] and "output='numpy'" in said[0], said
+    text = repr(gen)
+    assert "device 1.0 GB (not used yet)" in text and "device tier: keeps nothing" in text, text

@@ -213,6 +213,9 @@ class BatchGenerator:
         self.decode_paths = resolve_decode(decode, cuda_target, {n: lay.src.array for n, lay in self.layouts.items()})
         if any(c.gpu for c in self.decode_paths.values()) or (self._device_tier() and cuda_target is None):
             self._use_gpu(CupyGpu(), self.decode_paths)
+        if self._device_tier() and self._gpu is None and self.cache is not None:  # asked for, and idle: said
+            why = "; ".join(sorted({c.reason for c in self.decode_paths.values()})) or "no variable goes there"
+            self.cache.note_device_unused(f"split {self.split!r}", why)
         #: why batches go through a shuffle buffer (None: filled in place, ``xinsitu.batches.direct``; on the device
         #: too, on the GPU path)
         self.buffer_reason = direct_reason(self.space, self.layouts, self.builder)

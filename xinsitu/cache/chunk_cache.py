@@ -544,11 +544,24 @@ class ChunkCache:
         """One line for a generator's repr: each tier's budget and fill, e.g.
         ``"memory 120.3 MB of 5.6 GB (153 chunks), disk off"``."""
         mem, disk = self._tiers(" ", "not scanned yet")
-        return f"{mem}, disk off" if disk is None else f"{mem}, disk {self.disk} {disk}"
+        out = f"{mem}, disk off" if disk is None else f"{mem}, disk {self.disk} {disk}"
+        return out + self._device_words(" ")
 
     def __repr__(self) -> str:
         mem, disk = self._tiers("=", "not scanned")
-        return f"ChunkCache({mem}, disk=off)" if disk is None else f"ChunkCache({mem}, disk={self.disk!r} {disk})"
+        out = f"ChunkCache({mem}, disk=off" if disk is None else f"ChunkCache({mem}, disk={self.disk!r} {disk}"
+        return out + self._device_words("=") + ")"
+
+    def _device_words(self, sep: str) -> str:
+        """The tier in GPU memory, as ``summary`` and the repr say it ("" where none was asked for)."""
+        if self._device is not None:
+            return ", " + self._device.summary().replace("device ", f"device{sep}", 1)
+        return f", device{sep}{_fmt(self.device_budget)} (not used yet)" if self.device_budget else ""
+
+    def note_device_unused(self, what: str, why: str) -> None:
+        """Say once that the tier in GPU memory keeps nothing of ``what``, and why."""
+        self._say("device unused " + why, f"device tier: keeps nothing of {what}: {why}",
+                  f"the chunk cache's GPU tier (ChunkCache(device=...)) keeps nothing of {what}: {why}")
 
     def _tiers(self, sep: str, unscanned: str) -> tuple[str, str | None]:
         """The memory tier's fill and the disk tier's (None: no disk tier), as ``summary`` and the repr say them."""

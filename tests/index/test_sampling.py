@@ -248,6 +248,25 @@ def test_a_big_endian_array_without_cf_attributes_gives_native_values(tmp_path, 
         assert ds.insitu.stats(m, "train")["a"]["max"] == 11
 
 
+@pytest.mark.parametrize("chunk", [2, 1])
+def test_a_variable_of_strings_reads_as_xarray_reads_it(tmp_path, chunk):
+    """A variable of variable-length strings (numpy's StringDType, as zarr gives them) beside a numeric one:
+    batches hold what ``isel`` gives, through a buffer and filled in place (it raised AttributeError: a
+    string's row has no ``nbytes``)."""
+    path = str(tmp_path / "s.zarr")
+    xr.Dataset({"a": (("time", "x"), np.arange(24.0).reshape(8, 3)),
+                "lab": (("time",), np.array([f"s{i}" for i in range(8)], dtype=object))},
+               coords={"time": np.arange(8)}).to_zarr(path, encoding={"lab": {"chunks": (chunk,)},
+                                                                      "a": {"chunks": (chunk, 3)}})
+    ds = xinsitu.open_zarr(path)
+    m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    for output in ("numpy", "xarray"):
+        got = list(ds.insitu.batches(m, "train", batch_size=3, shuffle=False, output=output))
+        labs = np.concatenate([np.asarray(b["lab"]) for b in got])
+        assert labs.dtype == ds.lab.dtype
+        np.testing.assert_array_equal(labs, ds.lab.values[:4])
+
+
 def test_missing_chunks_read_as_fill(tmp_path, era5_path):
     import shutil
 

@@ -505,7 +505,7 @@ class BufferLoader:
             if dev is not None:
                 return dev.xp.take(flat, dev.index(slot_idx * buf.shape[1] + local[0]), axis=0)
             at = slot_idx * buf.shape[1] + local[0]
-            if flat[0].nbytes >= big:  # big samples: a plain copy each (np.take is slower on big rows)
+            if row_nbytes(flat) >= big:  # big samples: a plain copy each (np.take is slower on big rows)
                 res = into if into is not None else np.empty((n, *flat.shape[1:]), flat.dtype)
                 for k, i in enumerate(at.tolist()):
                     np.copyto(res[k], flat[i])
@@ -517,7 +517,7 @@ class BufferLoader:
             # ones a plain copy each, straight into place (fancy indexing makes a temporary, then copied into a
             # stacked batch: 1-degree shape, window 2, 11.4 vs 12.6-13.2 GB/s)
             w = sp.dims[lay.sampled[0]].width
-            if w * buf[0, 0].nbytes >= big:
+            if w * row_nbytes(buf[0]) >= big:
                 q = None if lay.out_perm is None else tuple(p - 1 for p in lay.out_perm[1:])
                 block = (w, *buf.shape[2:])
                 res = into if into is not None else np.empty(
@@ -544,3 +544,9 @@ class BufferLoader:
             into[...] = res
             return into
         return res
+
+
+def row_nbytes(a: np.ndarray) -> int:
+    """Bytes of one row ``a[0]`` of ``a``, by its shape (``a[0].nbytes`` of a 1-D array of strings is a
+    ``str``'s, which has none)."""
+    return int(np.prod(a.shape[1:], dtype=np.int64)) * a.dtype.itemsize

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from xinsitu.batches.buffer import row_nbytes
 from xinsitu.batches.output import OutputBuilder
 from xinsitu.codecs.gpu import chain_on_gpu
 from xinsitu.codecs.gpu_chain import GpuChain, GpuPathError, leave_gpu
@@ -191,7 +192,7 @@ class DirectLoader:
         loop = asyncio.get_running_loop()
         for name, raw in raws.items():
             raw = raw.reshape(raw.shape[0], *raw.shape[1 + self.n_split:])  # (sample, *output dims)
-            step = max(1, CONVERT_JOB_BYTES // max(1, raw[0].nbytes))
+            step = max(1, CONVERT_JOB_BYTES // max(1, row_nbytes(raw)))
             for a in range(0, len(raw), step):
                 jobs.append(loop.run_in_executor(None, self._convert_rows, batch, name, raw, slice(a, a + step)))
         await asyncio.gather(*jobs)

@@ -128,3 +128,23 @@ def test_damaged_chunk_with_windows_raises(archive, failing, tmp_path, window):
     """Windows: blocks pass the chunks they spill into on to later blocks; a failed one fails its takers."""
     path = _damage(archive, tmp_path, failing[1], "garbage")
     _check(_job(tmp_path, path, "--window", str(window)), failing, 0)
+
+
+def test_a_damaged_shard_is_named_as_a_shard(tmp_path):
+    """A sharded array (chunks of 2 steps in shards of 8): a damaged object is named a shard, with its
+    coordinates in the grid of shards (it said "chunk (1, 0)", which in the array's grid of chunks is
+    another place: steps 2-3, not 8-15)."""
+    import numpy as np
+    import xarray as xr
+
+    import xinsitu
+    from xinsitu.stores.backend import ChunkReadError
+
+    path = tmp_path / "sh.zarr"
+    xr.Dataset({"a": (("time", "x"), np.arange(64.0).reshape(16, 4))}).to_zarr(
+        path, zarr_format=3, encoding={"a": {"chunks": (2, 4), "shards": (8, 4)}})
+    (path / "a" / "c" / "1" / "0").write_bytes(b"not a shard")
+    ds = xinsitu.open_zarr(str(path))
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    with pytest.raises(ChunkReadError, match=r"cannot read shard \(1, 0\) of variable 'a' \(key 'a/c/1/0'\)"):
+        list(ds.insitu.batches(m, "train", batch_size=4, shuffle=False, output="numpy"))

@@ -62,12 +62,12 @@ async def all_or_none(coros: Any) -> None:
         raise
 
 
-def reraise(name: str, coords: tuple[int, ...], path: str, e: Exception) -> NoReturn:
+def reraise(name: str, coords: tuple[int, ...], path: str, e: Exception, unit: str = "chunk") -> NoReturn:
     """Raise for a failed read: the fork hint and an error naming its chunk already as they are,
     anything else as an error naming the chunk."""
     if isinstance(e, (_loop.ForkError, ChunkReadError)):
         raise e
-    raise ChunkReadError(name, coords, path, e) from e
+    raise ChunkReadError(name, coords, path, e, unit) from e
 
 
 # ----------------------------------------------------------------------------- local files
@@ -115,7 +115,7 @@ def read_local(todo: deque[tuple[Route, tuple[int, ...], Destination]], scratch:
                                          f"{type(e).__name__}: {e}") from e
         except Exception as e:  # noqa: BLE001 - every failure names its chunk
             todo.clear()  # the read fails: the other threads take no more of its chunks
-            raise ChunkReadError(route.src.name, coords, path, e) from e
+            raise ChunkReadError(route.src.name, coords, path, e, route.unit) from e
         t = tallies.get(id(route))
         if t is None:
             t = tallies[id(route)] = LocalTally(route)
@@ -214,7 +214,7 @@ class WholeFetches:
             if raised is None:  # a range refused: fetched without one there
                 self._long(coords, dest, None)
             else:  # (obstore retried what was transient)
-                self._fail(ChunkReadError(self.route.src.name, coords, path, raised))
+                self._fail(ChunkReadError(self.route.src.name, coords, path, raised, self.route.unit))
             return
         reader.counters.requests += 1
         reader.inflight.arrived(slot)
@@ -234,7 +234,8 @@ class WholeFetches:
             if fetched:
                 self._long(coords, dest, err)  # fetched again there, this fetch counted
             else:  # filling failed: nothing to fetch again
-                self._fail(ChunkReadError(self.route.src.name, coords, self.route.path(coords), err))  # type: ignore[arg-type]
+                self._fail(ChunkReadError(self.route.src.name, coords, self.route.path(coords), err,  # type: ignore[arg-type]
+                                           self.route.unit))
             return
         try:
             self.reader.settle(self.route, coords, job.result(), slot)
@@ -382,7 +383,7 @@ class Shards:
                     reader.settle(route, coords, o, observe=False)
                 inflight.observe(waited[0], sum(o.took for o in placed), slot)
         except Exception as e:  # noqa: BLE001 - every failure names its shard
-            reraise(route.src.name, shard, path, e)
+            reraise(route.src.name, shard, path, e, "shard")
         finally:
             inflight.give(slot)
 

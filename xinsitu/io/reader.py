@@ -107,11 +107,12 @@ class Route:
     is the decoder of the array's objects (of its inner chunks, for shards read by byte range)."""
 
     LOCAL, CALLBACKS, TASKS = "local", "callbacks", "tasks"
-    __slots__ = ("array", "src", "dec", "store", "prefix", "kind")
+    __slots__ = ("array", "src", "dec", "store", "prefix", "kind", "unit")
 
     def __init__(self, src: VarSource, dec: ChunkDecoder, store: Backend):
         self.array, self.src, self.dec, self.store = src.array, src, dec, store
         self.prefix = f"{src.array.path}/" if src.array.path else ""
+        self.unit = "shard" if is_sharded(src.array) else "chunk"  # what an object of the array is, to errors
         if isinstance(store, LocalBackend) and dec.sync:
             self.kind = self.LOCAL
         elif isinstance(store, WholeBackend) and dec.sync:
@@ -200,7 +201,7 @@ class Reader:
                 self.last_missing = (route.src.name, coords, path)
                 if self.on_missing == "raise":
                     raise ChunkReadError(route.src.name, coords, path, FileNotFoundError(
-                        "no object at this key (missing='raise'; zarr would read the fill value)"))
+                        "no object at this key (missing='raise'; zarr would read the fill value)"), route.unit)
             elif status == HIT or status == DISK_HIT:
                 c.cache_hits += n
                 if status == DISK_HIT:
@@ -585,7 +586,7 @@ class Reader:
             outcome = await fetch_decoded(route.store, path, use, on_retry=inflight.failed, first=first)
             self.settle(route, coords, outcome, slot)
         except Exception as e:  # noqa: BLE001 - every failure names its chunk
-            reraise(route.src.name, coords, path, e)
+            reraise(route.src.name, coords, path, e, route.unit)
         finally:
             inflight.give(slot)
 

@@ -98,11 +98,12 @@ class Scratch(Protocol):
 
 
 class ChunkReadError(OSError):
-    """A chunk could not be read or decoded; names the variable, the chunk and the store key."""
+    """A chunk could not be read or decoded; names the variable, the chunk (``unit``: "shard" where the
+    object is a shard of a sharded array, and ``chunk`` its coordinates in the grid of shards) and the key."""
 
-    def __init__(self, var: str, chunk: tuple[int, ...], key: str, cause: BaseException):
+    def __init__(self, var: str, chunk: tuple[int, ...], key: str, cause: BaseException, unit: str = "chunk"):
         self.var, self.chunk, self.key = var, chunk, key
-        super().__init__(f"cannot read chunk {chunk} of variable {var!r} (key {key!r}): "
+        super().__init__(f"cannot read {unit} {chunk} of variable {var!r} (key {key!r}): "
                          f"{type(cause).__name__}: {cause}")
 
 #: Byte ranges of one object less than this apart are fetched in one request (as obstore does).

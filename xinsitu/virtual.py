@@ -14,7 +14,11 @@ with their own units) are read once, decoded, joined, encoded again and kept inl
 memory, a few bytes per step), and so are a time coordinate's bounds (``time_bnds``, decoded
 with its units) and datetime/timedelta variables along it where the files encode them
 differently; the data variables stay in the files. Files of one step each whose ``time`` is a
-scalar coordinate (written from ``ds.isel(time=i)``) are stacked along it, as ``xr.concat`` does.
+scalar coordinate (written from ``ds.isel(time=i)``) are stacked along it, as ``xr.concat`` does. A scalar
+coordinate that differs from file to file (``valid_time``, ``step``, ``forecast_reference_time``, even where only
+the data variables' ``coordinates`` attribute names it) is read from every file, decoded (each file's own units)
+and joined along ``time`` inline, as ``xr.open_mfdataset``'s default ``coords="different"`` joins it; one equal in
+every file (``level``) stays a scalar.
 
 :class:`xinsitu.stores.virtual_store.ManifestBackend` (I/O, so it lives there) is how xinsitu fetches the
 chunks of such a store: byte ranges of the original files straight
@@ -321,7 +325,10 @@ def netcdf_store(paths: str | os.PathLike | Iterable[str | os.PathLike], *, conc
         Data variables along ``concat_dim`` refer to byte ranges of the files; variables without it
         come from the first file; coordinates along it are held inline, and so are the bounds of a time
         coordinate and datetime/timedelta variables along it where the files encode them differently
-        (each file's own units), decoded file by file. Pass it to ``xinsitu.open_zarr`` or ``xr.open_zarr``.
+        (each file's own units), decoded file by file. A scalar coordinate (``valid_time``, ``step``...)
+        that differs between files gets ``concat_dim`` (each file's value for each of its steps, decoded
+        file by file and held inline), as ``xr.open_mfdataset``'s default ``coords="different"`` gives it;
+        one equal in every file stays a scalar. Pass it to ``xinsitu.open_zarr`` or ``xr.open_zarr``.
 
     Raises
     ------
@@ -384,10 +391,18 @@ def _netcdf_store(paths: Any, concat_dim: str, group: str | None, drop_variables
                                         chunk_shape(arr) if name in retimed else None)
             continue
         if concat_dim not in dims:
-            for u, c in zip(urls[1:], coords[1:], strict=True):  # a shared coordinate must be the same
-                if name in c and not c[name].equals(coords[0][name]):
-                    raise VirtualReferenceError(f"coordinate {name!r} in {named(u)} differs from the one in "
-                                                f"{named(urls[0])}: the files do not share one grid")
+            differs = next((u for u, c in zip(urls[1:], coords[1:], strict=True)
+                            if name in c and not c[name].equals(coords[0][name])), None)
+            if differs is not None and name in coords[0] and coords[0][name].ndim == 0:
+                # a scalar coordinate that differs from file to file (valid_time, step...): along concat_dim,
+                # each file's value for each of its steps, as xr.open_mfdataset's default coords="different"
+                steps = [{name: c[name].set_dims({concat_dim: _length(g, c, concat_dim)})} if name in c else {}
+                         for g, c in zip(groups, coords, strict=True)]
+                arrays[name] = inline.array(name, _joined(name, urls, steps, concat_dim))
+                continue
+            if differs is not None:  # a shared coordinate must be the same
+                raise VirtualReferenceError(f"coordinate {name!r} in {named(differs)} differs from the one in "
+                                            f"{named(urls[0])}: the files do not share one grid")
             arrays[name] = arr
             continue
         parts = []
@@ -413,6 +428,17 @@ def _netcdf_store(paths: Any, concat_dim: str, group: str | None, drop_variables
 
 def _has_dim(store: Any, dim: str) -> bool:
     return any(dim in (a.metadata.dimension_names or ()) for a in manifest_group(store).arrays.values())
+
+
+def _length(group: Any, coords: dict[str, xr.Variable], concat_dim: str) -> int:
+    """How many steps along ``concat_dim`` one file holds (its coordinate's length, or its variables')."""
+    if concat_dim in coords and coords[concat_dim].ndim == 1:
+        return int(coords[concat_dim].size)
+    for a in group.arrays.values():
+        dims = list(a.metadata.dimension_names or ())
+        if concat_dim in dims:
+            return int(a.shape[dims.index(concat_dim)])
+    return 1
 
 
 def _check_concat_dim(urls: list[str], stores: list[Any], concat_dim: str) -> None:
@@ -498,18 +524,24 @@ def _file_variables(url: str, store: Any, names: list[str]) -> dict[str, xr.Vari
 
 
 def _file_coords(url: str, store: Any, concat_dim: str) -> dict[str, xr.Variable]:
-    """The decoded coordinate variables of one file (small reads), ``concat_dim``'s even where it is a scalar
-    that only the data variables (not read here) name as their coordinate."""
-    arrays = manifest_group(store).arrays
+    """The decoded coordinate variables of one file (small reads): its dimension coordinates, and the scalar
+    coordinates (``concat_dim``'s, ``valid_time``, ``step``...) even where only the data variables (not read
+    here) name them in their ``coordinates`` attribute, so that a scalar that differs between files is seen."""
+    group = manifest_group(store)
+    arrays = group.arrays
     dims = {d for a in arrays.values() for d in (a.metadata.dimension_names or ())}
     keep = {n for n in arrays if n in dims}
-    for a in arrays.values():  # CF: variables named by a "coordinates" attribute, and their bounds
-        keep |= set(str((a.metadata.attributes or {}).get("coordinates", "")).split())
-    keep |= {str(arrays[n].metadata.attributes.get("bounds")) for n in list(keep)
+    # CF (as xarray decodes it): variables named by a variable's or the file's "coordinates" attribute
+    named_coords = set(str((group.metadata.attributes or {}).get("coordinates", "")).split())
+    for a in arrays.values():
+        named_coords |= set(str((a.metadata.attributes or {}).get("coordinates", "")).split())
+    keep |= named_coords
+    keep |= {str(arrays[n].metadata.attributes.get("bounds")) for n in list(keep)  # and their bounds
              if n in arrays and (arrays[n].metadata.attributes or {}).get("bounds")}
     try:
         ds = xr.open_zarr(store, chunks=None, consolidated=False, drop_variables=sorted(set(arrays) - keep))
-        return {n: ds[n].variable.load() for n in ds.variables if n in keep and (n in ds.coords or n == concat_dim)}
+        return {n: ds[n].variable.load() for n in ds.variables if n in keep and (
+            n in ds.coords or n == concat_dim or (n in named_coords and ds[n].ndim == 0))}
     except Exception as e:  # noqa: BLE001
         raise VirtualReferenceError(f"cannot read the coordinates of {named(url)}: "
                                     f"{type(e).__name__}: {e}") from None
@@ -535,8 +567,10 @@ def open_netcdf(paths: str | os.PathLike | Iterable[str | os.PathLike], *, conca
     Equals ``xr.open_mfdataset(paths, data_vars="minimal", coords="minimal", compat="override")``
     (values, CF decoding, coordinates and attributes of the first file, the data variables in the
     first file's order), and ``xr.open_dataset(path)`` for one file; for files of one scalar step each,
-    ``xr.open_mfdataset(paths, combine="nested", concat_dim="time", ...)``. Without dask and without
-    copying the data. See :func:`netcdf_store` for the arguments.
+    ``xr.open_mfdataset(paths, combine="nested", concat_dim="time")``. A scalar coordinate that differs
+    between files (``valid_time``, ``forecast_reference_time``) gets ``time``, as with ``open_mfdataset``'s
+    default ``coords="different"``. Without dask and without copying the data. See :func:`netcdf_store` for
+    the arguments.
     """
     from xinsitu.stores.opening import open_zarr
 

@@ -1,7 +1,8 @@
 """NetCDF files joined along time where each file encodes its times its own way (xarray's default: units of
 the file's own first step), or holds one step as a scalar ``time``: ``open_netcdf`` equals
 ``xr.open_mfdataset`` bit for bit -- a time coordinate's bounds (``time_bnds``) and datetime data variables
-decoded file by file, files of one scalar step stacked along ``time`` -- and never silently keeps only the
+decoded file by file, files of one scalar step stacked along ``time``, a scalar coordinate that differs per
+file (``valid_time``) joined along it -- and never silently keeps only the
 first file (a ``concat_dim`` no file has raises, naming it)."""
 
 from __future__ import annotations
@@ -108,6 +109,80 @@ def test_one_scalar_step_per_file(tmp_path, fmt):
         run_epoch(ref, got.insitu.batches(m, split, batch_size=2, output="numpy", shuffle=False), "numpy")
     one = open_netcdf(files[0])  # one file alone stays as xr.open_dataset gives it
     xr.testing.assert_identical(one.load(), xr.open_dataset(files[0]).load())
+
+
+# xr.open_mfdataset's defaults (named: xarray warns that they will change)
+DEFAULT = {"combine": "nested", "concat_dim": "time", "data_vars": "all", "coords": "different",
+           "compat": "no_conflicts", "join": "outer"}
+
+
+@pytest.mark.parametrize("fmt", ["NETCDF4", "NETCDF3_CLASSIC"])
+def test_scalar_coordinates_of_one_step_files(tmp_path, fmt):
+    """Files written from ``ds.isel(time=i)`` whose other scalar coordinates, named only in the data variables'
+    ``coordinates`` attribute, differ per file (``valid_time``, a datetime in each file's own units; ``step``, a
+    timedelta) join along ``time`` as ``xr.open_mfdataset(combine="nested", concat_dim="time")`` joins them,
+    and those equal in every file (``level``, ``forecast_reference_time``) stay scalars: they came from the
+    first file as scalars."""
+    t = T[:4]
+    ds = xr.Dataset({"a": (("time", "y"), np.arange(8, dtype="f4").reshape(4, 2))},
+                    coords={"time": t, "valid_time": ("time", t + pd.Timedelta("1h")),
+                            "step": ("time", pd.to_timedelta(np.arange(4) * 6, "h")),
+                            "forecast_reference_time": T[0], "level": 500.0})
+    files = []
+    for i in reversed(range(4)):  # given out of order: put in the order of their times
+        files.append(os.path.join(tmp_path, f"step{i}.nc"))
+        ds.isel(time=i).to_netcdf(files[-1], format=fmt)
+    with xr.open_dataset(files[0]) as a, xr.open_dataset(files[1]) as b:  # the premise: scalars, own units
+        assert a.valid_time.dims == () and "valid_time" in a.coords
+        assert a.valid_time.encoding["units"] != b.valid_time.encoding["units"]
+    ref = xr.open_mfdataset(sorted(files), **DEFAULT).load()
+    assert ref.valid_time.dims == ("time",) and ref.level.dims == ()
+    got = open_netcdf(files)
+    xr.testing.assert_identical(got.load(), ref)
+    np.testing.assert_array_equal(got.valid_time.values, ds.valid_time.values)
+    np.testing.assert_array_equal(got.step.values, ds.step.values)
+    assert got.level.dims == () and got.forecast_reference_time.dims == ()
+    m = got.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    for split in m.splits:
+        run_epoch(ref, got.insitu.batches(m, split, batch_size=2, output="xarray", shuffle=False), "xarray")
+    one = open_netcdf(files[0])  # one file alone stays as xr.open_dataset gives it
+    xr.testing.assert_identical(one.load(), xr.open_dataset(files[0]).load())
+
+
+@pytest.mark.parametrize("fmt", ["NETCDF4", "NETCDF3_CLASSIC"])
+def test_coordinates_along_time_and_scalar_of_multistep_files(tmp_path, fmt):
+    """Forecast files of several steps each: ``valid_time(time)`` (each file in its own units) is joined as
+    ``xr.open_mfdataset`` joins it, and ``forecast_reference_time``, a scalar that differs per file, gets
+    ``time`` (each file's value for each of its steps) as the default ``coords="different"`` gives it: it
+    came from the first file alone, as a scalar."""
+    files = []
+    for k in range(3):
+        t = T[4 * k: 4 * k + 4] if k < 2 else pd.date_range(T[-1] + pd.Timedelta("6h"), periods=2, freq="6h")
+        ds = xr.Dataset({"a": (("time", "y"), np.arange(2 * len(t), dtype="f4").reshape(-1, 2) + 10 * k)},
+                        coords={"time": t, "valid_time": ("time", t + pd.Timedelta("3h")),
+                                "forecast_reference_time": t[0] - pd.Timedelta("12h"), "level": 850.0})
+        enc = {"a": {"chunksizes": (2, 2)}} if fmt == "NETCDF4" else {}
+        files.append(os.path.join(tmp_path, f"f{k}.nc"))
+        ds.to_netcdf(files[-1], format=fmt, encoding=enc, unlimited_dims=["time"])
+    with xr.open_dataset(files[0]) as a, xr.open_dataset(files[1]) as b:  # the premise: each file its own units
+        assert a.valid_time.encoding["units"] != b.valid_time.encoding["units"]
+    ref = xr.open_mfdataset(files, **DEFAULT).load()
+    assert ref.forecast_reference_time.dims == ("time",) and ref.level.dims == ()
+    got = open_netcdf(files[::-1])
+    xr.testing.assert_identical(got.load(), ref)
+    np.testing.assert_array_equal(got.valid_time.values, ref.time.values + np.timedelta64(3, "h"))
+    m = got.insitu.split("time", fractions={"train": 0.6, "val": 0.4})
+    for split in m.splits:
+        run_epoch(ref, got.insitu.batches(m, split, batch_size=3, output="numpy", shuffle=False), "numpy")
+    # the same forecast_reference_time in every file: a scalar, as xarray keeps it
+    os.makedirs(tmp_path / "same")
+    same = [os.path.join(tmp_path, "same", os.path.basename(f)) for f in files]
+    for f, g in zip(files, same, strict=True):
+        with xr.open_dataset(f) as d:
+            d.assign_coords(forecast_reference_time=T[0]).to_netcdf(g, format=fmt, unlimited_dims=["time"])
+    got = open_netcdf(same)
+    assert got.forecast_reference_time.dims == ()
+    xr.testing.assert_identical(got.load(), xr.open_mfdataset(same, **DEFAULT).load())
 
 
 def test_concat_dim_no_file_has(tmp_path):

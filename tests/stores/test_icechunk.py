@@ -158,3 +158,35 @@ def test_split_used_on_another_snapshot_warns(repo):
     with pytest.warns(UserWarning, match=f"{repo['first']}.*{repo['second']}"):
         gen = other.insitu.batches(m, "train", batch_size=4)
     assert len(list(gen)) == len(gen)  # a warning, not an error: the chunk grid is the same
+
+
+def test_a_writable_session_is_never_cached_under_its_snapshot(repo, tmp_path):
+    """A writable session read with a disk cache, written (uncommitted) during the epoch: the chunks read
+    after the write are not kept under the committed snapshot's id (they were, and a readonly session at
+    that snapshot, in a new run, was served the uncommitted values from disk). A writable session is not
+    cached at all, and the generator says so once, naming the readonly session."""
+    import zarr
+
+    r = icechunk.Repository.open(icechunk.local_filesystem_storage(repo["path"]))
+    ws = r.writable_session("main")
+    snap = str(ws.snapshot_id)
+    cache = xinsitu.ChunkCache(memory="64MB", disk=tmp_path / "c")
+    ds = xr.open_zarr(ws.store, chunks=None, consolidated=False)
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gen = ds.insitu.batches(m, "train", batch_size=CT, shuffle=False, output="numpy", variables=["t2m"],
+                                cache=cache)
+        it = iter(gen)
+        next(it)
+        zarr.open_group(ws.store, mode="r+")["t2m"][NT - CT:] = -999.0  # an edit, not committed
+        list(it)
+    said = [str(w.message) for w in caught if "chunk cache keeps nothing" in str(w.message)]
+    assert len(said) == 1 and "writable Icechunk session" in said[0] and "readonly_session" in said[0], said
+    assert gen.io_stats["cache_misses"] == 0 and gen.io_stats["cache_hits"] == 0
+    ro = r.readonly_session(snapshot_id=snap)
+    ref = xr.open_zarr(ro.store, chunks=None, consolidated=False)
+    again = xinsitu.ChunkCache(memory=0, disk=tmp_path / "c")  # a new run's cache on the same directory
+    got = list(ref.insitu.batches(m, "train", batch_size=CT, shuffle=False, output="numpy", variables=["t2m"],
+                                  cache=again))
+    np.testing.assert_array_equal(np.concatenate([b["t2m"] for b in got]), ref.t2m.values)

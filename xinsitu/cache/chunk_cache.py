@@ -457,7 +457,8 @@ class ChunkCache:
         inner = type(getattr(store, "store", None)).__name__ if kind == "ObjectStore" else kind  # obstore's
         why = {"ManifestStore": "references to NetCDF or GRIB files read in place (xinsitu.virtual), which the "
                                 "cache cannot check against the files",
-               "IcechunkStore": "an Icechunk session with uncommitted changes",
+               "IcechunkStore": "a writable Icechunk session, whose chunks may change before a commit: read "
+                                "a repo.readonly_session(...) to cache them",
                "MemoryStore": "a memory store"}.get(inner, "a kind of store the cache does not know")
         self._say(f"uncached {kind}", f"not cached: {what} (its store, {kind}, has no lasting identity: {why})",
                   f"the chunk cache keeps nothing of {what}: its store ({kind}) has no identity that lasts "

@@ -232,8 +232,8 @@ class ChunkKey:
         remote, state, why = None, "", None
         if type(store).__name__ == "IcechunkStore":
             snapshot = snapshot or snapshot_of_store(store)
-            if snapshot is None:
-                return None
+            if snapshot is None or not getattr(getattr(store, "session", None), "read_only", False):
+                return None  # a writable session: a write before its commit keeps the snapshot id
             if holds_virtual_chunks(store):  # its files are named by their state, not by the snapshot
                 memo = {} if states is None else states
                 if snapshot not in memo:

@@ -70,6 +70,26 @@ def test_dask_over_zarr_relabelled_reads_the_values_it_holds(store):
     np.testing.assert_array_equal(got, relabelled.t2m.values[:6])
 
 
+def test_dask_over_zarr_relabelled_then_subset_is_refused_naming_the_fix(store):
+    """Relabelled (labels shifted one step: each is a label of the store too), then subset: the labels no
+    longer say which stored positions the selection holds, and mapped by them the batches read the next
+    positions, silently. Refused, naming chunks=None and xinsitu.open_zarr, which follow positions (and
+    give what xarray gives)."""
+    import xinsitu
+
+    ds = xr.open_zarr(store)
+    shifted = ds.assign_coords(time=ds.time.values + 1).isel(time=slice(2, 10))
+    with pytest.raises(SourceError, match=r"coordinate 'time' was assigned after .* chunks=None or xinsitu.open_zarr"):
+        resolve(shifted, ["t2m"])
+    for opened in (xr.open_zarr(store, chunks=None), xinsitu.open_zarr(store)):
+        ok = opened.assign_coords(time=opened.time.values + 1).isel(time=slice(2, 10))
+        m = ok.insitu.split("time", fractions={"train": 1.0})
+        got = np.concatenate([b["t2m"] for b in ok.insitu.batches(m, "train", output="numpy", shuffle=False)])
+        np.testing.assert_array_equal(got, ok.t2m.values)
+    kept = ds.isel(time=slice(2, 10))  # a subset of the stored labels maps as before
+    np.testing.assert_array_equal(resolve(kept, ["t2m"])["t2m"].index[0], np.arange(2, 10))
+
+
 def test_in_memory_and_dask_over_memory_keep_their_chunks():
     ds = _ds()
     mem = resolve(ds, ["t2m"])["t2m"]

@@ -399,6 +399,7 @@ def _resolve_dask(ds: xr.Dataset, name: str, data: Any, base: dict) -> VarSource
             if whole and n == n_src:
                 index.append(np.arange(n, dtype=np.int64))
             elif d in ds.indexes:
+                _check_stored_labels(ds, d, name)
                 source_ds = source_ds if source_ds is not None else _open_source(zarray)
                 index.append(_positions(ds.indexes[d], source_ds, d, name))
             elif n == n_src:
@@ -412,11 +413,24 @@ def _resolve_dask(ds: xr.Dataset, name: str, data: Any, base: dict) -> VarSource
         else:  # dropped by a scalar selection: find the label of the scalar coordinate
             if d not in ds.coords or ds.coords[d].ndim != 0:
                 raise SourceError(f"variable {name!r}: dim {d!r} was dropped and has no scalar coordinate")
+            _check_stored_labels(ds, d, name)
             source_ds = source_ds if source_ds is not None else _open_source(zarray)
             pos = _positions(ds.coords[d].to_index() if ds.coords[d].ndim else [ds.coords[d].values[()]],
                              source_ds, d, name)
             index.append(int(pos[0]))
     return _stored(base, var, zarray, src_dims, index)
+
+
+def _check_stored_labels(ds: xr.Dataset, dim: str, name: str) -> None:
+    """Refuse to map a dask-backed selection back to the store by the labels of ``dim`` where they were
+    assigned after the open (``assign_coords``: such a coordinate has no encoding of the store's). The
+    labels then do not say which stored positions the selection holds: shifted labels that are also
+    stored labels read other positions, silently."""
+    if not ds.coords[dim].encoding:
+        raise SourceError(
+            f"variable {name!r}: coordinate {dim!r} was assigned after the archive was opened (assign_coords), "
+            "so its labels do not say which stored positions this dask-backed selection holds; open with "
+            "chunks=None or xinsitu.open_zarr (lazy, no dask: positions are followed, whatever the labels)")
 
 
 #: what the store of a reopen is read through: ``xinsitu.stores.opening`` (the I/O layer) sets it to a wrapper that

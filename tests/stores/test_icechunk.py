@@ -190,3 +190,25 @@ def test_a_writable_session_is_never_cached_under_its_snapshot(repo, tmp_path):
     got = list(ref.insitu.batches(m, "train", batch_size=CT, shuffle=False, output="numpy", variables=["t2m"],
                                   cache=again))
     np.testing.assert_array_equal(np.concatenate([b["t2m"] for b in got]), ref.t2m.values)
+
+
+def test_a_sharded_array_zarr_reads_says_it_is_not_cached(tmp_path):
+    """A sharded array in an Icechunk repository (zarr reads its inner chunks: no byte ranges of its
+    store here) is read as xarray reads it, and not cached: the generator says so once, in a warning
+    and its repr (the cache stayed empty in silence)."""
+    r = icechunk.Repository.create(icechunk.local_filesystem_storage(str(tmp_path / "repo")))
+    s = r.writable_session("main")
+    xr.Dataset({"a": (("time", "x"), np.arange(64.0).reshape(16, 4))}).to_zarr(
+        s.store, zarr_format=3, consolidated=False, encoding={"a": {"chunks": (2, 4), "shards": (8, 4)}})
+    s.commit("sharded")
+    ds = xinsitu.open_zarr(r.readonly_session(branch="main").store)
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gen = ds.insitu.batches(m, "train", batch_size=4, shuffle=False, output="numpy", cache=True)
+        got = [list(gen) for _ in range(2)]
+    for epoch in got:
+        np.testing.assert_array_equal(np.concatenate([b["a"] for b in epoch]), ds.a.values)
+    said = [str(w.message) for w in caught if "chunk cache keeps nothing" in str(w.message)]
+    assert len(said) == 1 and "sharded" in said[0], said
+    assert "not cached: variable 'a'" in repr(gen)

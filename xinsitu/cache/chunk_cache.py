@@ -464,6 +464,14 @@ class ChunkCache:
                   f"the chunk cache keeps nothing of {what}: its store ({kind}) has no identity that lasts "
                   f"({why}), so its chunks are read every epoch (warned once)")
 
+    def note_read_by_zarr(self, what: str, kind: str) -> None:
+        """Say once that ``what`` (a sharded variable whose store, of ``kind``, xinsitu does not read by byte
+        range: zarr reads its inner chunks) is not cached."""
+        self._say(f"uncached shards {kind}", f"not cached: {what} (a sharded array its store, {kind}, gives to "
+                  "zarr to read)", f"the chunk cache keeps nothing of {what}: it is sharded, and zarr reads its "
+                  f"inner chunks from its store ({kind}; xinsitu reads shards by byte range from local paths and "
+                  "xinsitu.open_zarr URLs), so they are read every epoch (warned once)")
+
     def note_read_through_dask(self, what: str) -> None:
         """Say once that ``what`` (a variable read through dask: NetCDF or GRIB files opened by xarray) is
         not cached: its chunks have no keys the cache could check against the files."""

@@ -592,13 +592,13 @@ class Reader:
 
     async def _read_other(self, src: VarSource, region: dict[str, tuple[int, int]], out: np.ndarray | None,
                           hook: PieceHook | None) -> np.ndarray | None:
-        """A region of a variable not read chunk by chunk here: sharded arrays zarr reads, values in
-        memory, files read through dask."""
+        """A region of a variable not read chunk by chunk here: sharded arrays zarr reads, values in memory, dask."""
         if out is None and hook is None:
             out = np.empty(self.regions.shape(src, region), dtype=src.raw_dtype)
-        if src.stored:
+        if src.stored:  # a sharded array its store cannot read by byte range here (fsspec, Icechunk)
             from xinsitu.index.regions import positions
-
+            if self.cache is not None:
+                self.cache.note_read_by_zarr(f"variable {src.name!r}", type(src.array.store).__name__)
             values = await self._read_with_zarr(src, positions(src, region))
         elif isinstance(src.values, np.ndarray):
             values = self._values(src, region)

@@ -90,6 +90,33 @@ def test_dask_over_zarr_relabelled_then_subset_is_refused_naming_the_fix(store):
     np.testing.assert_array_equal(resolve(kept, ["t2m"])["t2m"].index[0], np.arange(2, 10))
 
 
+def test_renamed_dims_read_in_place_and_other_views_are_named(store, tmp_path):
+    """``ds.rename({"time": "valid_time"})`` opened without dask reads the stored axes under the new names,
+    as xarray gives them (it was refused as a "transposed view"); with dask it is refused, naming a rename.
+    A transposed view is named as such (it was called vectorised indexing), and a store whose coordinate
+    holds a label twice refuses a dask-backed subset naming the duplicate (pandas raised
+    ``InvalidIndexError``)."""
+    import xinsitu
+
+    for opened in (xr.open_zarr(store, chunks=None), xinsitu.open_zarr(store)):
+        ren = opened.rename({"time": "valid_time"})
+        m = ren.insitu.split("valid_time", fractions={"train": 0.5, "val": 0.5}, block={"valid_time": 2})
+        got = np.concatenate([b["t2m"] for b in ren.insitu.batches(m, "val", output="numpy", shuffle=False)])
+        np.testing.assert_array_equal(got, ren.t2m.values[6:])
+    with pytest.raises(SourceError, match=r"renamed, ds.rename"):
+        resolve(xr.open_zarr(store).rename({"time": "valid_time"}), ["t2m"])
+    with pytest.raises(SourceError, match="transposed view"):
+        resolve(xr.open_zarr(store, chunks=None).transpose("x", "time"), ["t2m"])
+    dup = str(tmp_path / "dup.zarr")
+    t = np.arange(12)
+    t[5] = 4
+    xr.Dataset({"a": (("time", "x"), np.zeros((12, 2)))}, coords={"time": t}).to_zarr(
+        dup, encoding={"a": {"chunks": (4, 2)}})
+    with pytest.raises(SourceError, match="holds a label twice"):
+        resolve(xr.open_zarr(dup).isel(time=slice(2, 10)), ["a"])
+    assert isinstance(resolve(xr.open_zarr(dup, chunks=None).isel(time=slice(2, 10)), ["a"])["a"], VarSource)
+
+
 def test_in_memory_and_dask_over_memory_keep_their_chunks():
     ds = _ds()
     mem = resolve(ds, ["t2m"])["t2m"]
@@ -122,7 +149,7 @@ def test_refusals_name_the_variable_and_the_fix(store):
     with pytest.raises(SourceError, match=r"'t2m' is computed lazily by dask.*isel/sel"):
         resolve(ds * 2, ["t2m"])
     pts = xr.DataArray([1, 2], dims="p")
-    with pytest.raises(SourceError, match=r"vectorised \(pointwise\) indexing .* orthogonal selections"):
+    with pytest.raises(SourceError, match=r"vectorised \(pointwise\) selection .* orthogonal selections"):
         resolve(xr.open_zarr(store, chunks=None).isel(time=pts, x=pts), ["t2m"])
 
 

@@ -149,10 +149,14 @@ def _resolve_var(ds: xr.Dataset, name: str) -> VarSource:
 def _stored(base: dict, var: xr.Variable, zarray: Any, src_dims: tuple[str, ...], index: list) -> VarSource:
     kept = tuple(d for d, ix in zip(src_dims, index, strict=True) if not isinstance(ix, int))
     if kept != base["dims"]:
-        raise SourceError(
-            f"variable {base['name']!r}: its dims {base['dims']} do not follow the stored array's {src_dims}; "
-            "transposed views are not supported, select variables without transposing them"
-        )
+        if sorted(kept) == sorted(base["dims"]) or len(kept) != len(base["dims"]):
+            raise SourceError(
+                f"variable {base['name']!r}: its dims {base['dims']} do not follow the stored array's {src_dims}; "
+                "transposed views are not supported, select variables without transposing them (a model "
+                "input's axes can be put in any order after the batch: transform=, or in the model)")
+        # renamed dims (ds.rename): the stored axes, in their order, under the Dataset's names
+        names = iter(base["dims"])
+        src_dims = tuple(d if isinstance(ix, int) else next(names) for d, ix in zip(src_dims, index, strict=True))
     cf = {k: var.encoding[k] for k in CF_KEYS if k in var.encoding}
     return VarSource(
         raw_dtype=np.dtype(zarray.dtype),
@@ -203,8 +207,9 @@ def _unwrap_lazy(data: Any) -> tuple[Any, list]:
     for _ in range(64):
         if isinstance(node, LAZY_VECTORIZED):
             raise SourceError(
-                "vectorised (pointwise) indexing of a stored variable cannot be mapped back to its chunks; "
-                "use orthogonal selections (isel/sel with slices, lists or scalars)"
+                "a transposed view (ds.transpose) or a vectorised (pointwise) selection of a stored variable cannot "
+                "be mapped back to its chunks; select with orthogonal selections (isel/sel with slices, lists or "
+                "scalars) and without transposing (put a batch's axes in order in transform= or the model)"
             )
         if isinstance(node, LAZY):
             keys.append(lazy_key(node))
@@ -411,6 +416,10 @@ def _resolve_dask(ds: xr.Dataset, name: str, data: Any, base: dict) -> VarSource
                     "xinsitu.open_zarr"
                 )
         else:  # dropped by a scalar selection: find the label of the scalar coordinate
+            if len(var.dims) == len(src_dims):
+                raise SourceError(f"variable {name!r}: its dims {var.dims} are not the stored array's {src_dims} "
+                                  "(renamed, ds.rename): a dask-backed Dataset maps back to the store by the stored "
+                                  "names; rename after reading, or open with chunks=None or xinsitu.open_zarr")
             if d not in ds.coords or ds.coords[d].ndim != 0:
                 raise SourceError(f"variable {name!r}: dim {d!r} was dropped and has no scalar coordinate")
             _check_stored_labels(ds, d, name)
@@ -455,6 +464,10 @@ def _open_source(zarray: Any) -> xr.Dataset:
 def _positions(labels: Any, source: xr.Dataset, dim: str, name: str) -> np.ndarray:
     if dim not in source.indexes:
         raise SourceError(f"variable {name!r}: the store has no coordinate for dim {dim!r}")
+    if not source.indexes[dim].is_unique:
+        raise SourceError(f"variable {name!r}: the store's {dim!r} coordinate holds a label twice, so a dask-backed "
+                          "selection cannot be mapped back to it by its labels; open with chunks=None or "
+                          "xinsitu.open_zarr (lazy, no dask: positions are followed)")
     pos = source.indexes[dim].get_indexer(labels)
     if (pos < 0).any():
         raise SourceError(f"variable {name!r}: some {dim!r} labels are not in the store's coordinate")

@@ -366,3 +366,22 @@ def test_arguments_that_cannot_be_honoured_are_errors(era5_path: str, capsys: py
             cli.main(bad)
         assert e.value.code == 2 and "at least" in capsys.readouterr().err
     assert cli._option("timeout=60") == ("timeout", "60") and cli._option("allow_http=true") == ("allow_http", True)
+
+
+@pytest.mark.slow
+def test_inspect_prints_the_open_with_its_store_options_and_no_credential(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """``inspect s3://... -o endpoint=... -o region=...``: the line of Python it prints opens the archive as
+    given, its options included (it left them out, so the line failed as printed), a credential as '...'."""
+    from tests.support.servers import MotoS3, write_archive
+
+    archive = write_archive(tmp_path / "era5.zarr")
+    with MotoS3() as s3:
+        s3.upload(archive, "bkt", "era5.zarr")
+        opts = [f"{k}={v}" for k, v in s3.options.items() if isinstance(v, str)] + ["allow_http=true"]
+        assert cli.main(["inspect", "s3://bkt/era5.zarr", *[a for o in opts for a in ("-o", o)]]) == 0
+    out = capsys.readouterr().out
+    line = next(x.strip() for x in out.splitlines() if "xinsitu.open_zarr(" in x)
+    assert f"endpoint={s3.options['endpoint']!r}" in line, line
+    for k in ("access_key_id", "secret_access_key"):
+        assert s3.options[k] not in out and f"{k}='...'" in line, line

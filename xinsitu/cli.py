@@ -207,7 +207,7 @@ def _open(args: argparse.Namespace) -> Any:
     if kind is not None:
         name = _OPENERS[kind]
         arg = paths[0] if len(paths) == 1 else paths
-        args.code = f"ds = {name}({arg!r})"
+        args.code = f"ds = {name}({arg!r}{_options_code(args.options)})"
         import xinsitu.virtual
 
         if kind == "grib":
@@ -225,8 +225,9 @@ def _open(args: argparse.Namespace) -> Any:
                          "GRIB file by its first bytes: open NetCDF files with xinsitu.virtual.open_netcdf(paths), "
                          "GRIB files with xinsitu.virtual.open_grib(paths), a Zarr archive (a directory) with "
                          "xinsitu.open_zarr(path)")
-    args.code = f"ds = xinsitu.open_zarr({url!r}" + ("" if args.consolidated is None else
-                                                      f", consolidated={args.consolidated}") + ")"
+    args.code = (f"ds = xinsitu.open_zarr({url!r}" + ("" if args.consolidated is None else
+                                                       f", consolidated={args.consolidated}")
+                 + _options_code(args.options) + ")")
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         ds = xinsitu.open_zarr(url, group=args.group, consolidated=args.consolidated, **dict(args.options))
@@ -238,6 +239,15 @@ def _open(args: argparse.Namespace) -> Any:
               "--consolidated false skips looking for it, zarr.consolidate_metadata(store) writes it",
               file=sys.stderr)
     return ds
+
+
+def _options_code(options: list[tuple[str, Any]]) -> str:
+    """The store options of ``-o``, as keyword arguments of the line that opens the archive; a credential
+    as ``'...'`` (the line is printed: it never holds one)."""
+    from xinsitu.stores.redact import secrets_in_options
+
+    secrets = set(secrets_in_options("", dict(options)))
+    return "".join(f", {k}={'...' if v in secrets else v!r}" for k, v in options)
 
 
 def _kinds_text(kinds: dict[str, str | None]) -> str:

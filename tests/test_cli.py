@@ -385,3 +385,20 @@ def test_inspect_prints_the_open_with_its_store_options_and_no_credential(tmp_pa
     assert f"endpoint={s3.options['endpoint']!r}" in line, line
     for k in ("access_key_id", "secret_access_key"):
         assert s3.options[k] not in out and f"{k}='...'" in line, line
+
+
+def test_a_json_store_option_is_parsed_for_grib_filters(tmp_path: Path) -> None:
+    """``-o 'filter_by_keys={"typeOfLevel": "surface"}'``: the only way the CLI can pass what open_grib's
+    error asks for (a string was handed on, and failed deep inside); the printed line carries it, and a
+    filter that is not a dict is refused naming filter_by_keys."""
+    assert cli._option('filter_by_keys={"typeOfLevel": "surface"}') == ("filter_by_keys", {"typeOfLevel": "surface"})
+    with pytest.raises(Exception, match="looks like JSON"):
+        cli._option("filter_by_keys={typeOfLevel: surface}")
+    assert cli._options_code([("filter_by_keys", {"typeOfLevel": "surface"})]) == (
+        ", filter_by_keys={'typeOfLevel': 'surface'}")
+    pytest.importorskip("cfgrib", reason="the grib extra is not installed")
+    from xinsitu.formats.grib import grib_store, write_grib
+
+    f = write_grib(tmp_path / "f.grib2", {"2t": np.zeros((2, 1, 3, 4))}, ["2000-01-01", "2000-01-02"])
+    with pytest.raises(TypeError, match="filter_by_keys must be a dict"):
+        grib_store(f, filter_by_keys="surface")

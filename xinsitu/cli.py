@@ -38,14 +38,20 @@ DEFAULT_FRACTIONS = {"train": 0.8, "val": 0.1, "test": 0.1}
 
 # ----------------------------------------------------------------------------- arguments
 def _option(text: str) -> tuple[str, Any]:
-    """``KEY=VALUE`` -> (key, value), with ``true``/``false`` converted; other values stay strings, as
-    obstore takes them (``timeout=60``, ``pool_max_idle_per_host=4``)."""
+    """``KEY=VALUE`` -> (key, value), with ``true``/``false`` converted and a JSON object or list parsed
+    (``filter_by_keys={"typeOfLevel": "surface"}`` for GRIB); other values stay strings, as obstore takes
+    them (``timeout=60``, ``pool_max_idle_per_host=4``)."""
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"store option {text!r} must look like KEY=VALUE")
     key, value = text.split("=", 1)
     low = value.lower()
     if low in ("true", "false"):
         return key, low == "true"
+    if value.startswith(("{", "[")):  # JSON: -o 'filter_by_keys={"typeOfLevel": "surface"}'
+        try:
+            return key, json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"store option {key}= looks like JSON but is not ({e})") from None
     return key, value
 
 
@@ -247,7 +253,7 @@ def _options_code(options: list[tuple[str, Any]]) -> str:
     from xinsitu.stores.redact import secrets_in_options
 
     secrets = set(secrets_in_options("", dict(options)))
-    return "".join(f", {k}={'...' if v in secrets else v!r}" for k, v in options)
+    return "".join(f", {k}={'...' if isinstance(v, str) and v in secrets else v!r}" for k, v in options)
 
 
 def _kinds_text(kinds: dict[str, str | None]) -> str:

@@ -47,6 +47,10 @@ GRIBBERISH_PACKINGS = {
     1: {"grid_simple"},
     2: {"grid_simple", "grid_ccsds", "grid_png", "grid_jpeg", "grid_complex_spatial_differencing"},
 }
+#: ... for gribberish before 1.0 (the newest on Python 3.11): its other packings decode some messages wrong
+#: (complex spatial differencing: 1456 of 1457 values of a later message; ccsds whose bits per value change
+#: between messages: a "Memory error"), where the first message, which ``_choose_decoder`` checks, is right
+GRIBBERISH_0_PACKINGS = {1: {"grid_simple"}, 2: {"grid_simple"}}
 
 #: Fields of this many values or more decode with ecCodes even where gribberish is exact: measured in
 #: the batch path (gribberish 0.30.3 and 1.9, ecCodes 2.50, 2 cores), gribberish is 1.2-1.6x faster on
@@ -97,7 +101,12 @@ def decode_message(raw: bytes, shape: tuple[int, ...], missing_value: float | No
     rows where ``alternativeRowScanning`` is set), cast to float32, then NaN where equal to
     ``missing_value``. gribberish gives NaN where the bitmap leaves a point out.
     """
-    values, alt = (_decode_gribberish if decoder == "gribberish" else _decode_eccodes)(raw, missing_value)
+    try:
+        values, alt = (_decode_gribberish if decoder == "gribberish" else _decode_eccodes)(raw, missing_value)
+    except ValueError:
+        if decoder != "gribberish":
+            raise
+        values, alt = _decode_eccodes(raw, missing_value)  # a message gribberish cannot decode: ecCodes can
     if values.size != int(np.prod(shape)):
         raise ValueError(f"the GRIB message holds {values.size} values, the chunk {int(np.prod(shape))}")
     if alt and len(shape) >= 2:
@@ -328,12 +337,13 @@ def _order(files: list[_File], concat_dim: str) -> list[_File]:
 def _choose_decoder(name: str, files: list[_File], decoder: str) -> str:
     if decoder != "auto":
         return decoder
-    packs = set().union(*(f.packings.get(name, set()) for f in files))
-    if not all(p in GRIBBERISH_PACKINGS.get(e, ()) for e, p in packs):
-        return "eccodes"
     try:
         import gribberish  # noqa: F401
     except ImportError:
+        return "eccodes"
+    packs = set().union(*(f.packings.get(name, set()) for f in files))
+    exact = GRIBBERISH_PACKINGS if _gribberish_major() >= 1 else GRIBBERISH_0_PACKINGS
+    if not all(p in exact.get(e, ()) for e, p in packs):
         return "eccodes"
     f = files[0]
     _, shape, _, geo_ndim, paths, ol, mv = f.data[name]
@@ -354,6 +364,16 @@ def _choose_decoder(name: str, files: list[_File], decoder: str) -> str:
     except Exception:  # noqa: BLE001
         return "eccodes"
     return "gribberish" if np.array_equal(a, decode_message(raw, field, mv, "eccodes"), equal_nan=True) else "eccodes"
+
+
+def _gribberish_major() -> int:
+    """The installed gribberish's major version (0 where it cannot be told)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return int(version("gribberish").split(".")[0])
+    except (PackageNotFoundError, ValueError):
+        return 0
 
 
 def _data_array(name: str, files: list[_File], concat_dim: str, decoder: str) -> Any:
@@ -443,6 +463,9 @@ def grib_store(paths: str | os.PathLike | Iterable[str | os.PathLike], *, concat
     urls = as_urls(paths)
     kwargs = dict(cfgrib_kwargs)
     if filter_by_keys:
+        if not isinstance(filter_by_keys, dict):
+            raise TypeError(f"filter_by_keys must be a dict of GRIB keys and values (e.g. {{'typeOfLevel': "
+                            f"'surface'}}), got {type(filter_by_keys).__name__}: {filter_by_keys!r}")
         kwargs["filter_by_keys"] = dict(filter_by_keys)
     # files scanned a few at a time: ecCodes releases the GIL while it reads and parses headers
     with ThreadPoolExecutor(min(PARSE_THREADS, len(urls))) as pool:

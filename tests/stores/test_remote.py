@@ -457,9 +457,10 @@ def test_a_server_that_lists_nothing_is_said_at_once(tmp_path):
 # ----------------------------------------------------------------------------- options
 def test_the_default_backoff_waits_out_a_burst_of_503s():
     """obstore waits, between retries, a time drawn at random between ``init_backoff`` and ``base`` times
-    the last wait (at most ``max_backoff``; object_store's ``Backoff::next``). The defaults wait out 10 s
-    of 503s (S3's SlowDown, a short outage) in 999 of 1000 draws: with base 2 the waits hardly grew, and
-    10 retries spanned under 1.5 s in 1 draw of 100 (a 6 s burst ended an epoch)."""
+    the last wait (at most ``max_backoff``; object_store's ``Backoff::next``). The defaults wait out 5 s
+    of 503s (S3's SlowDown, a short outage) in 999 of 1000 draws -- with base 2 the waits hardly grew, and
+    10 retries spanned under 1.5 s in 1 draw of 100 (a 6 s burst ended an epoch) -- and give up a store
+    that always answers 5xx within the request bound, never past it."""
     import random
 
     back, n = DEFAULT_RETRY_CONFIG["backoff"], DEFAULT_RETRY_CONFIG["max_retries"]
@@ -473,17 +474,20 @@ def test_the_default_backoff_waits_out_a_burst_of_503s():
 
     rng = random.Random(0)
     spans = sorted(window(rng) for _ in range(10_000))
-    assert spans[10] >= 10.0 and spans[-1] <= DEFAULT_RETRY_CONFIG["retry_timeout"].total_seconds()
+    assert spans[10] >= 5.0
+    from xinsitu.io.loop import REQUEST_TIMEOUT
+
+    assert init + (n - 1) * top < REQUEST_TIMEOUT  # the longest it can take
 
 
-def test_a_chunk_answered_503_more_than_ten_times_is_still_read(archive, manifest, local_epochs):
-    """One chunk answers 503 twelve times before it is served (the backoff made short here, the count
+def test_a_chunk_answered_503_eleven_times_is_still_read(archive, manifest, local_epochs):
+    """One chunk answers 503 eleven times before it is served (the backoff made short here, the count
     of retries left at its default): the epoch equals local disk's (10 retries gave up)."""
     fast = {"backoff": {"init_backoff": timedelta(milliseconds=5), "max_backoff": timedelta(milliseconds=20)}}
-    with FileServer(Path(archive).parent, Faults(error_503=1.0, max_per_key=12, pattern=r"t2m/c/1/0/0$")) as srv:
+    with FileServer(Path(archive).parent, Faults(error_503=1.0, max_per_key=11, pattern=r"t2m/c/1/0/0$")) as srv:
         ds = xinsitu.open_zarr(f"{srv.url}/era5.zarr", retry_config=fast)
         _check_epochs(ds, manifest, local_epochs, splits=("train",), epochs=(0,))
-        assert sum(n for path, n in srv.state.attempts.items() if path.endswith("t2m/c/1/0/0")) == 13
+        assert sum(n for path, n in srv.state.attempts.items() if path.endswith("t2m/c/1/0/0")) == 12
 
 
 def test_store_options_pass_through_over_defaults(s3):

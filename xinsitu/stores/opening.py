@@ -67,12 +67,13 @@ DEFAULT_CLIENT_OPTIONS: dict[str, Any] = {
 #: (``{"max_retries": 0}`` turns retries off). 5xx answers, dropped connections, cut
 #: bodies and timeouts are retried with exponential backoff and jitter.
 DEFAULT_RETRY_CONFIG: dict[str, Any] = {
-    "max_retries": 15,
+    "max_retries": 12,
     "retry_timeout": timedelta(minutes=4),  # obstore advises < 5 min (signed requests expire)
     # obstore draws each wait at random between init_backoff and base x the last one: with base 2 the
-    # waits hardly grow (10 retries spanned 1.3-2.6 s, and a 6 s burst of 503s ended an epoch); with
-    # these, 15 retries span at least 10 s in 999 of 1000 draws, 110 s typically
-    "backoff": {"init_backoff": timedelta(milliseconds=200), "max_backoff": timedelta(seconds=15), "base": 4},
+    # waits hardly grow (10 retries spanned 1.3-2.6 s, and a 6 s burst of 503s ended an epoch). With
+    # these, 12 retries span at least 8 s in 999 of 1000 draws, 30 s typically, and at most 45 s: within
+    # the request bound (60 s), so a server that always answers 5xx (501 to HEAD) is given up, not timed out
+    "backoff": {"init_backoff": timedelta(milliseconds=250), "max_backoff": timedelta(seconds=4), "base": 4},
 }
 
 

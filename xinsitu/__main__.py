@@ -1,8 +1,6 @@
 """``python -m xinsitu``: ``inspect URL`` and ``bench URL`` (see ``xinsitu.cli``)."""
 
-import sys
-
-from xinsitu.cli import main
+from xinsitu.cli import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -25,7 +25,7 @@ import os
 import sys
 import time
 import warnings
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -143,6 +143,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="your model's time per training step (ms) for one batch, to name the bottleneck")
     b.set_defaults(func=cmd_bench)
     return ap
+
+
+def entry() -> NoReturn:
+    """``python -m xinsitu`` and the ``xinsitu`` script: ``main``, then the process ends at once with its
+    status, its output flushed, without the interpreter's finalization. There, a thread of a native library
+    that the command used (a Rust runtime's, reading a file for a NetCDF parser) may still call into Python
+    and abort the process after its work is done: twice in CI, under load, an ``inspect`` printed its
+    whole result and then exited on SIGABRT."""
+    try:
+        code = main()
+    except SystemExit as e:  # argparse's: it has said why already
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:

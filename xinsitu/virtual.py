@@ -516,11 +516,18 @@ def _file_variables(url: str, store: Any, names: list[str]) -> dict[str, xr.Vari
     coordinate naming it), read whole."""
     arrays = manifest_group(store).arrays
     keep = set(names) | {n for n, a in arrays.items() if (a.metadata.attributes or {}).get("bounds") in names}
+    return _read_decoded(url, store, keep, lambda ds: [n for n in names if n in ds.variables], str(names))
+
+
+def _read_decoded(url: str, store: Any, keep: set[str], pick: Any, what: str) -> dict[str, xr.Variable]:
+    """The variables ``pick(ds)`` of one file, ``ds`` opened with only ``keep`` (as xarray decodes them: a
+    coordinate's bounds with its units), read whole; a failure names ``what`` and the file."""
+    drop = sorted(set(manifest_group(store).arrays) - keep)
     try:
-        ds = xr.open_zarr(store, chunks=None, consolidated=False, drop_variables=sorted(set(arrays) - keep))
-        return {n: ds[n].variable.load() for n in names if n in ds.variables}
+        ds = xr.open_zarr(store, chunks=None, consolidated=False, drop_variables=drop)
+        return {n: ds[n].variable.load() for n in pick(ds)}
     except Exception as e:  # noqa: BLE001
-        raise VirtualReferenceError(f"cannot read {names} of {named(url)}: {type(e).__name__}: {e}") from None
+        raise VirtualReferenceError(f"cannot read {what} of {named(url)}: {type(e).__name__}: {e}") from None
 
 
 def _file_coords(url: str, store: Any, concat_dim: str) -> dict[str, xr.Variable]:
@@ -538,13 +545,8 @@ def _file_coords(url: str, store: Any, concat_dim: str) -> dict[str, xr.Variable
     keep |= named_coords
     keep |= {str(arrays[n].metadata.attributes.get("bounds")) for n in list(keep)  # and their bounds
              if n in arrays and (arrays[n].metadata.attributes or {}).get("bounds")}
-    try:
-        ds = xr.open_zarr(store, chunks=None, consolidated=False, drop_variables=sorted(set(arrays) - keep))
-        return {n: ds[n].variable.load() for n in ds.variables if n in keep and (
-            n in ds.coords or n == concat_dim or (n in named_coords and ds[n].ndim == 0))}
-    except Exception as e:  # noqa: BLE001
-        raise VirtualReferenceError(f"cannot read the coordinates of {named(url)}: "
-                                    f"{type(e).__name__}: {e}") from None
+    return _read_decoded(url, store, keep, lambda ds: [n for n in ds.variables if n in keep and (
+        n in ds.coords or n == concat_dim or (n in named_coords and ds[n].ndim == 0))], "the coordinates")
 
 
 def _order(urls: list[str], coords: list[dict[str, xr.Variable]], concat_dim: str) -> list[int]:

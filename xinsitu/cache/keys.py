@@ -620,8 +620,7 @@ _OBSTORE_LOCATED: dict[str, dict[str, tuple[str, ...]]] = {
 #: where there is no endpoint, the region names it (another partition: aws-cn, aws-us-gov)
 _S3_REGION: dict[str, tuple[str, ...]] = {"region": ("AWS_REGION",), "default_region": ("AWS_DEFAULT_REGION",)}
 #: the environment variables that give an S3 client (obstore's, botocore's) its endpoint
-_S3_ENDPOINT_ENV: dict[str, tuple[str, ...]] = {"endpoint": ("AWS_ENDPOINT", "AWS_ENDPOINT_URL"),
-                                                 "aws_endpoint_url_s3": ("AWS_ENDPOINT_URL_S3",)}
+_S3_ENDPOINT_ENV = {k: v for k, v in _OBSTORE_LOCATED["S3Store"].items() if k != "bucket"}
 
 
 def _from_env(names: dict[str, tuple[str, ...]], but: Any = ()) -> dict[str, str]:

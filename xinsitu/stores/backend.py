@@ -98,8 +98,7 @@ class Scratch(Protocol):
 
 
 class ChunkReadError(OSError):
-    """A chunk could not be read or decoded; names the variable, the chunk (``unit``: "shard" where the
-    object is a shard of a sharded array, and ``chunk`` its coordinates in the grid of shards) and the key."""
+    """A chunk (``unit`` "shard": a sharded array's object) could not be read; names variable, coordinates, key."""
 
     def __init__(self, var: str, chunk: tuple[int, ...], key: str, cause: BaseException, unit: str = "chunk"):
         self.var, self.chunk, self.key = var, chunk, key

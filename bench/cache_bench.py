@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ckeys = [keys.key(c) for c in coords]
         for k, d in zip(ckeys, decoded, strict=True):
             cache.put(k, d)
-        dec_files = [cache._path(k) for k in ckeys]
+        dec_files = [cache._disk.file_of(k) for k in ckeys]
 
         # compressed: the same layout (header + checksum), zstd bytes as the payload
         crc = _crc()

@@ -339,7 +339,7 @@ def test_a_disk_entry_is_read_into_memory_whose_page_boundaries_meet_the_file_s(
     a = np.arange(200_000, dtype=np.float32).reshape(100, 2000)  # 800 kB
     ChunkCache(memory=0, disk=tmp_path).put(key_of(1), a)
     c = ChunkCache(memory=0, disk=tmp_path)
-    payload_at = os.path.getsize(c._path(key_of(1))) - a.nbytes  # the payload's offset in the file
+    payload_at = os.path.getsize(c._disk.file_of(key_of(1))) - a.nbytes  # the payload's offset in the file
     for _ in range(2):
         got = c.get(key_of(1))
         assert got is not None
@@ -351,7 +351,7 @@ def test_a_bad_entry_is_a_miss_and_is_deleted(tmp_path: os.PathLike[str]) -> Non
     c = ChunkCache(memory=0, disk=tmp_path)
     for i in range(4):
         c.put(key_of(i), value_of(i))
-    paths = {i: c._path(key_of(i)) for i in range(4)}
+    paths = {i: c._disk.file_of(key_of(i)) for i in range(4)}
     with open(paths[0], "r+b") as f:  # a flipped byte in the payload
         f.seek(-10, os.SEEK_END)
         b = f.read(1)
@@ -361,8 +361,8 @@ def test_a_bad_entry_is_a_miss_and_is_deleted(tmp_path: os.PathLike[str]) -> Non
         f.truncate(os.path.getsize(paths[1]) // 2)
     with open(paths[2], "wb") as f:  # not an entry at all
         f.write(b"garbage")
-    os.makedirs(os.path.dirname(c._path(key_of(9))), exist_ok=True)
-    os.replace(paths[3], c._path(key_of(9)))  # an entry under another key's name
+    os.makedirs(os.path.dirname(c._disk.file_of(key_of(9))), exist_ok=True)
+    os.replace(paths[3], c._disk.file_of(key_of(9)))  # an entry under another key's name
     for i in (0, 1, 2, 9):
         assert c.get(key_of(i)) is None
     assert c.stats.corrupt == 4 and not entries(str(tmp_path))
@@ -390,7 +390,7 @@ def test_a_new_run_evicts_what_the_last_one_left_least_recently_used(tmp_path: o
     for i, p in enumerate(sorted(entries(str(tmp_path)), key=lambda p: p)):  # distinct, old use times
         os.utime(p, ns=(10**18 + i, 10**18 + i))
     now = time.time_ns() - 10**12
-    os.utime(old._path(key_of(0)), ns=(now, now))  # used most recently of the old entries
+    os.utime(old._disk.file_of(key_of(0)), ns=(now, now))  # used most recently of the old entries
     time.sleep(0.05)
     new = ChunkCache(memory=0, disk=tmp_path, disk_size="2MB")
     for i in range(100, 107):  # 7 new entries: 8 of the 9 old ones go, oldest use first
@@ -429,7 +429,7 @@ def _share_worker(directory: str, seed: int, rounds: int) -> tuple[int, int, int
         elif not np.array_equal(got, value_of(int(i), 50_000)):
             raise AssertionError(f"wrong chunk served for key {i}")
         if rng.random() < 0.1:  # rewrite a present key: os.replace over an entry another process reads
-            c._disk_put(key_of(int(i)), value_of(int(i), 50_000))
+            c._disk.put(key_of(int(i)), value_of(int(i), 50_000))
     s = c.stats
     return s.disk_hits, s.misses, s.corrupt
 
@@ -488,7 +488,7 @@ def test_kill_9_mid_write_leaves_no_corrupt_entry(tmp_path: os.PathLike[str]) ->
     tmps = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".tmp")]
     for p in tmps:
         os.utime(p, ns=(0, 0))
-    c._evict()
+    c._disk.evict()
     assert not [f for _, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".tmp")]
 
 

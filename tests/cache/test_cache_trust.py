@@ -23,7 +23,8 @@ import pytest
 import zarr
 
 from tests.cache.test_cache_reads import _epochs, _gen, _same
-from xinsitu.cache.chunk_cache import _SUBDIR, ChunkCache, resolve_cache
+from xinsitu.cache.chunk_cache import ChunkCache, resolve_cache
+from xinsitu.cache.disk_tier import _SUBDIR
 from xinsitu.cache.keys import ChunkKey
 from xinsitu.synthetic import write_era5_like
 
@@ -191,7 +192,7 @@ def test_a_directory_others_can_write_is_refused(tmp_path):
     os.chown(shared_group, -1, NOBODY)
     with pytest.raises(ValueError, match="group.*written by other users"):
         ChunkCache(disk=shared_group)
-    from xinsitu.cache.chunk_cache import _private_group
+    from xinsitu.cache.disk_tier import _private_group
 
     if _private_group(os.getegid()):  # a umask of 002 with user private groups: the user's own dirs are 0775
         upg = tmp_path / "upg"
@@ -320,7 +321,8 @@ _FIFO_JOB = """
 import json, os, sys
 import numpy as np
 from tests.cache.test_cache_reads import _gen, _epochs, _same
-from xinsitu.cache.chunk_cache import ChunkCache, _SUBDIR
+from xinsitu.cache.chunk_cache import ChunkCache
+from xinsitu.cache.disk_tier import _SUBDIR
 path, disk = sys.argv[1], sys.argv[2]
 first = _gen(path, cache=ChunkCache(memory=0, disk=disk), shuffle=False)
 first.read_ahead = False  # nothing of it reads on (its read ahead would write the entry again)
@@ -355,7 +357,8 @@ _UNREADABLE_JOB = """
 import json, os, sys, warnings
 import numpy as np
 from tests.cache.test_cache_reads import _gen, _epochs
-from xinsitu.cache.chunk_cache import ChunkCache, _SUBDIR
+from xinsitu.cache.chunk_cache import ChunkCache
+from xinsitu.cache.disk_tier import _SUBDIR
 from xinsitu.cache.keys import ChunkKey
 path, disk = sys.argv[1], sys.argv[2]
 cache = ChunkCache(memory=0, disk=disk, disk_size="1GB")

@@ -31,7 +31,8 @@ import pytest
 import xarray as xr
 
 import xinsitu
-from xinsitu.cache.chunk_cache import _SUBDIR, ChunkCache
+from xinsitu.cache.chunk_cache import ChunkCache
+from xinsitu.cache.disk_tier import _SUBDIR
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NT, CT = 32, 4

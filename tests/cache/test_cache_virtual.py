@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import xinsitu
-from xinsitu.cache.chunk_cache import _SUBDIR, ChunkCache
+from xinsitu.cache.chunk_cache import ChunkCache
+from xinsitu.cache.disk_tier import _SUBDIR
 
 NT, CT = 32, 4
 

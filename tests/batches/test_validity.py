@@ -345,6 +345,29 @@ def test_pass_in_many_batches(ds: xr.Dataset, m: xinsitu.SplitManifest, monkeypa
     assert np.array_equal(whole, oracle_mask(ds, m, "train", ["x"], **kw))
 
 
+@pytest.mark.parametrize("ny", [4, 20])
+def test_a_static_variable_spoils_every_sample_or_none(tmp_path, ny: int) -> None:
+    """A field without the split dim (a land-sea mask) is part of every sample: one NaN in it makes every
+    sample invalid, however many samples a batch of the pass or a part tests at once -- also where its
+    first dim's length equals that number (20 samples in one batch; 4 per part of 5)."""
+    rng = np.random.default_rng(1)
+    lsm = rng.random((ny, 5)).astype("float32")
+    lsm[1, 2] = np.nan
+    path = str(tmp_path / "static.zarr")
+    xr.Dataset({"a": (("time", "y", "x"), rng.normal(size=(40, ny, 5)).astype("float32")),
+                "lsm": (("y", "x"), lsm)}).to_zarr(path, encoding={"a": {"chunks": (4, ny, 5)}})
+    d = xinsitu.open_zarr(path)
+    mm = d.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
+    whole = d.insitu.validity(mm, "train", variables=["a", "lsm"])
+    parts = [d.insitu.validity_part(mm, "train", variables=["a", "lsm"], part=(i, 5)) for i in range(5)]
+    assert (whole["valid"], whole["total"]) == (0, 20)
+    assert xinsitu.merge_validity(parts)["record"] == whole["record"]
+    lsm[1, 2] = 0.5  # and without the NaN, every sample is valid
+    d2 = xr.Dataset({"a": d.a.load(), "lsm": (("y", "x"), lsm)})
+    assert d2.insitu.validity(d2.insitu.split("time", fractions={"train": 0.5, "val": 0.5}, block={"time": 4}),
+                              "train", variables=["a", "lsm"])["valid"] == 20
+
+
 # ----------------------------------------------------------------------------- parts (issue 37)
 @pytest.mark.parametrize("kw", [*SAMPLINGS[1:], {"where": "fn"}])
 def test_parts_merge_to_the_mask_of_one_pass(ds: xr.Dataset, m: xinsitu.SplitManifest, kw: dict) -> None:

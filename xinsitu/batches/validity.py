@@ -53,16 +53,19 @@ def _pass_batch(sp: Any) -> int:
     return max(1, min(PASS_BATCH, PASS_BYTES // max(nbytes, 1)))
 
 
-def _finite(batch: dict[str, np.ndarray], n: int) -> np.ndarray:
+def _finite(batch: dict[str, np.ndarray], n: int, static: frozenset[str]) -> np.ndarray:
+    """Per sample of ``batch`` (``n`` samples), whether no value of it is NaN or infinite; a variable of
+    ``static`` (without a sample axis: a land-sea mask) is part of every sample, so it spoils every
+    sample or none -- whatever its first dim's length (it may equal ``n``)."""
     ok = np.ones(n, dtype=bool)
-    for a in batch.values():
+    for name, a in batch.items():
         a = np.asarray(a)
         if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.complexfloating)):
             continue  # integers and bools hold no NaN
-        if a.ndim and a.shape[0] == n:
-            ok &= np.isfinite(a).reshape(n, -1).all(axis=1)
-        else:  # a variable without a sample axis (static): it spoils every sample or none
+        if name in static:
             ok &= bool(np.isfinite(a).all())
+        else:
+            ok &= np.isfinite(a).reshape(n, -1).all(axis=1)
     return ok
 
 
@@ -121,6 +124,7 @@ class ValidityPass:
         self.key = sampling_key(window, patch, stride, over, sp.geometry.sizes)
         self.total = int(sp.space.n_samples)
         self.variables = list(sp.layouts)
+        self.static = frozenset(n for n, lay in sp.layouts.items() if not lay.has_sample_axis)
         self.sources = sp.sources
         self._ds, self._plain = ds, plain
         self._options = dict(window=window, patch=patch, stride=stride, over=over, variables=variables,
@@ -148,7 +152,7 @@ class ValidityPass:
         return self._data
 
     def _test(self, batch: Any, n: int) -> np.ndarray:
-        return _finite(batch, n) if self.output == "numpy" else _predicate(self.where, batch, n)
+        return _finite(batch, n, self.static) if self.output == "numpy" else _predicate(self.where, batch, n)
 
     def run(self, progress: bool = False) -> np.ndarray:
         """The mask of every sample of the split, through one unshuffled ``BatchGenerator``."""

@@ -237,8 +237,10 @@ def test_statistics_that_cannot_normalise_are_refused(ds, m, var, key, value, ma
 
 
 def test_statistics_of_another_split_or_manifest_are_named(ds, m):
-    """``channels.check_stats_origin``: statistics of a split the manifest lacks, or that disagree with the
-    manifest's own for the same split, raise; statistics of a split other than ``"train"`` warn."""
+    """``channels.check_stats_origin``: statistics of a split the manifest lacks, or of a split of that name
+    made of other chunk blocks (another manifest), raise; statistics of a split other than ``"train"`` warn;
+    statistics of the same split of other data (another region) are the user's choice, also after
+    ``m.stats`` was replaced by another region's."""
     import copy
 
     from xinsitu.index.channels import check_stats_origin
@@ -250,7 +252,7 @@ def test_statistics_of_another_split_or_manifest_are_named(ds, m):
         check_stats_origin(ds.insitu.stats(other, "fit"), m, "train")
     shifted = ds.insitu.split("t", fractions={"train": 0.25, "val": 0.75})
     theirs = ds.insitu.stats(shifted, "train")  # same split name, other positions
-    with pytest.raises(ValueError, match=r"differ from this manifest's own \(m.stats\) for channel\(s\) \['a'\]"):
+    with pytest.raises(ValueError, match=r"split 'train' made of other chunk blocks than this manifest's"):
         check_stats_origin(theirs, m, "train")
     val = copy.deepcopy(ds.insitu.stats(m, "val"))
     with pytest.warns(UserWarning, match=r"statistics are of split 'val', not 'train'.*leaks"):
@@ -260,8 +262,12 @@ def test_statistics_of_another_split_or_manifest_are_named(ds, m):
     with pytest.raises(ValueError, match="another manifest"):
         ds.insitu.batches(m, "train", normalize=ds.insitu.stats(other, "fit"))
     ds.insitu.stats(m, "train")  # m.stats: train's again (the val statistics above replaced them)
-    with pytest.raises(ValueError, match="differ from this manifest's own"):
+    with pytest.raises(ValueError, match="made of other chunk blocks"):
         ds.insitu.dataset(m, "train", normalize=theirs)
+    part = ds.isel({d: slice(0, 2) for d in ds.a.dims if d != "t"})  # another region: its own statistics
+    mine = part.insitu.stats(m, "train")
+    ds.insitu.stats(m, "train")  # m.stats: the whole region's
+    next(iter(part.insitu.batches(m, "train", normalize=mine)))
     with pytest.warns(UserWarning, match="not 'train'") as rec:
         ds.insitu.batches(m, "val", normalize=val)
     assert rec[0].filename == __file__

@@ -533,7 +533,7 @@ def merge_stats(parts: Iterable[dict[str, Any] | str]) -> dict[str, Any]:
                 for c, rec in enumerate(recs[name]):
                     chans[c].merge(ChannelSums.from_json(rec, f"merge_stats: part {i}, {key} of {name!r}"))
     out: dict[str, Any] = {"split": job["split"], "channels": [c for n in names for c in job["channels"][n]],
-                           "variables": names}
+                           "variables": names, "split_blocks": job["blocks"]}
     for name in names:
         one = not job["dims"][name]
         res = [s.result() for s in sums[name]]
@@ -589,6 +589,7 @@ def compute_stats(ds: xr.Dataset, manifest: SplitManifest, split: str, variables
         Plain JSON-able data::
 
             {"split": "train", "channels": ["t2m", "z_500", "z_850"], "variables": ["t2m", "z"],
+             "split_blocks": "<a digest of the split's chunk blocks>",
              "t2m": {"mean": 281.2, "std": 15.3, "min": 230.1, "max": 318.0, "nan_count": 0,
                      "count": 786432, "dims": [], "channels": ["t2m"]},
              "z": {"mean": [m500, m850], "std": [...], ..., "dims": ["level"],
@@ -599,7 +600,8 @@ def compute_stats(ds: xr.Dataset, manifest: SplitManifest, split: str, variables
         a number per key, or a list in channel (label) order for a variable with an extra
         dim. A channel with no value at all has ``None`` for mean/std/min/max. With ``diffs``
         also ``diff_mean``, ``diff_std``, ``diff_count`` and ``diff_dim`` (None and 0 for a
-        variable without that dim).
+        variable without that dim). ``split_blocks`` tells ``normalize=`` the statistics of another
+        manifest's split of the same name (other chunk blocks), which it refuses.
     """
     progress = flag("progress", progress)
     if client is not None:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from xinsitu.index.source import VarSource
 
 #: top-level keys of a stats record that are not variables
-RESERVED = ("split", "channels", "variables")
+RESERVED = ("split", "channels", "variables", "split_blocks")
 
 
 # ----------------------------------------------------------------------------- CF decoding
@@ -452,14 +452,15 @@ def _channel_values(name: str, v: Any, key: str, sizes: list[int], channels: lis
 
 def check_stats_origin(stats: dict[str, Any], manifest: SplitManifest, split: str, stacklevel: int = 3) -> None:
     """Check that normalisation statistics (a ``ds.insitu.stats`` record, whose ``"split"`` names the
-    split they were computed on) belong to ``manifest``, for a generator over ``split``.
+    split they were computed on, and ``"split_blocks"`` that split's chunk blocks) belong to
+    ``manifest``, for a generator over ``split``.
 
-    Raises ``ValueError`` where the statistics are of a split ``manifest`` lacks, or where ``manifest``
-    holds statistics of the same split (``m.stats``) whose mean or std differ for a channel both have:
-    the same split of the same data gives the same numbers, so these come from another manifest (or
-    the data changed since). Warns (``UserWarning``) where the manifest has a ``"train"`` split and
-    the statistics are of another one: statistics of the split a model is evaluated on leak it into
-    training. A record without ``"split"`` (hand-written) is not checked.
+    Raises ``ValueError`` where the statistics are of a split ``manifest`` lacks, or of a split of that
+    name that holds other chunk blocks (another manifest: its training chunks may be this one's
+    validation chunks). Statistics of the same split of other data (another region or variables of the
+    same archive) are the user's to choose. Warns (``UserWarning``) where the manifest has a
+    ``"train"`` split and the statistics are of another one: statistics of the split a model is
+    evaluated on leak it into training. A record without ``"split"`` (hand-written) is not checked.
     """
     origin = stats.get("split") if isinstance(stats, dict) else None
     if not isinstance(origin, str):
@@ -469,36 +470,16 @@ def check_stats_origin(stats: dict[str, Any], manifest: SplitManifest, split: st
         raise ValueError(f"normalize: these statistics are of split {origin!r}, which this manifest does not "
                          f"have (its splits: {names}): statistics of another manifest? Compute them on this "
                          "one: ds.insitu.stats(m, 'train')")
-    own = manifest.stats
-    if isinstance(own, dict) and own is not stats and own.get("split") == origin:
-        for var, entry in stats.items():
-            theirs = own.get(var)
-            if var in RESERVED or not isinstance(entry, dict) or not isinstance(theirs, dict):
-                continue
-            a, b = _by_channel(var, entry), _by_channel(var, theirs)
-            # (a channel set to None by hand has no statistics: nothing to compare)
-            differ = [c for c in a if c in b and None not in a[c] and a[c] != b[c]]
-            if differ:
-                raise ValueError(f"normalize: these statistics of split {origin!r} differ from this manifest's own "
-                                 f"(m.stats) for channel(s) {differ}: they were computed on another manifest "
-                                 "(other split positions) or on other data; use m.stats, or compute them again: "
-                                 f"ds.insitu.stats(m, {origin!r})")
+    blocks = stats.get("split_blocks")
+    if isinstance(blocks, str) and blocks != manifest.splits[origin].digest():
+        raise ValueError(f"normalize: these statistics are of a split {origin!r} made of other chunk blocks than "
+                         f"this manifest's (another manifest, or one whose splits changed): its {origin!r} may "
+                         f"hold what this one evaluates on. Compute them on this manifest: "
+                         f"ds.insitu.stats(m, {origin!r})")
     if "train" in manifest.splits and origin != "train":
         warnings.warn(f"normalize: these statistics are of split {origin!r}, not 'train'; normalising with the "
                       f"statistics of a split a model is evaluated on (here split {split!r}) leaks it into training. "
                       "Use ds.insitu.stats(m, 'train') for every split", UserWarning, stacklevel=stacklevel)
-
-
-def _by_channel(var: str, entry: dict[str, Any]) -> dict[Any, tuple[Any, Any]]:
-    """``{channel: (mean, std)}`` of one variable's statistics entry (channels by name where it records
-    them, else by position)."""
-    mean, std = entry.get("mean"), entry.get("std")
-    means = mean if isinstance(mean, list) else [mean]
-    stds = std if isinstance(std, list) else [std]
-    chans = entry.get("channels")
-    if not isinstance(chans, list) or len(chans) != len(means):
-        chans = [var] if len(means) == 1 else list(range(len(means)))
-    return {c: (m, s) for c, m, s in zip(chans, means, stds, strict=False)}
 
 
 def _extra_dims(layouts: dict[str, VarLayout], kept: tuple[str, ...] = (),

@@ -307,6 +307,23 @@ def test_all_nan_channel_is_none(era5_path):
     json.dumps(st, allow_nan=False)
 
 
+@pytest.mark.parametrize("dtype", ["int64", "uint64"])
+def test_integer_min_and_max_are_exact(tmp_path, dtype):
+    """An integer channel's min and max are Python ints, xarray's to the last digit, also beyond 2**53 (a
+    float64 rounds 2**60 + 1 to 2**60), through parts and their JSON too."""
+    x = np.arange(40 * 3, dtype=dtype).reshape(40, 3) + np.array(2**60 + 1, dtype)
+    path = str(tmp_path / "ints.zarr")
+    xr.Dataset({"a": (("t", "x"), x)}).to_zarr(path, encoding={"a": {"chunks": (4, 3)}})
+    ds = xinsitu.open_zarr(path)
+    m = ds.insitu.split("t", fractions={"train": 0.5, "val": 0.5})
+    want = ds.a.isel(t=slice(0, 20))
+    st = ds.insitu.stats(m, "train")
+    assert (st["a"]["min"], st["a"]["max"]) == (int(want.min()), int(want.max()))
+    assert isinstance(st["a"]["min"], int) and st["a"]["min"] % 2 == 1
+    parts = [json.loads(json.dumps(ds.insitu.stats_part(m, "train", part=(i, 3)))) for i in range(3)]
+    assert xinsitu.merge_stats(parts) == st
+
+
 def test_bad_input(era5_path):
     ds = xinsitu.open_zarr(era5_path)
     m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})

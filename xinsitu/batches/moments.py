@@ -71,13 +71,14 @@ def _exact_parse(s: Any, what: str) -> tuple[int, int]:
         raise ValueError(f"{what}: {s!r} is not an exact sum ('<hex>p<exponent>')") from None
 
 
-def _float_text(x: float | None) -> str | None:
-    return None if x is None else float.hex(x)
+def _float_text(x: float | None) -> str | int | None:
+    """A float as ``float.hex`` (exact, and no NaN or infinity in the JSON); an integer's min or max as it is."""
+    return None if x is None else x if isinstance(x, int) else float.hex(x)
 
 
 def _float_parse(s: Any, what: str) -> float | None:
-    if s is None:
-        return None
+    if s is None or (isinstance(s, int) and not isinstance(s, bool)):
+        return s
     try:
         return float.fromhex(s)
     except (TypeError, ValueError):
@@ -116,7 +117,7 @@ class ChannelSums:
         if not count:
             return
         self.count += int(count)
-        self._extremes(float(lo), float(hi))
+        self._extremes(*((lo, hi) if isinstance(lo, int) else (float(lo), float(hi))))
         mean, m2 = float(mean), float(m2)
         if not math.isfinite(mean):
             self.odd[2 if mean != mean else 0 if mean > 0 else 1] += 1
@@ -332,7 +333,10 @@ def _exact_moments(values: np.ndarray) -> tuple[int, int, float, float, float, f
         if v.size == 0:
             return (0, nans, *_NONE[2:])
     mean = float(v.sum()) / v.size
-    lo, hi = float(v.min()), float(v.max())
+    if values.dtype.kind in "iu":  # an integer's min and max as Python ints: exact beyond 2**53, as xarray's
+        lo, hi = int(_min(values, axis=None)), int(_max(values, axis=None))
+    else:
+        lo, hi = float(v.min()), float(v.max())
     with np.errstate(invalid="ignore"):  # an infinity: mean and std are not finite, as numpy's
         v -= mean
     return v.size, nans, mean, float(np.dot(v, v)), lo, hi

@@ -114,6 +114,13 @@ def test_jax_device_must_be_a_jax_device(ds_m, bad):
         ds.insitu.batches(m, "train", output="jax", device=bad)
 
 
+def test_decode_gpu_on_a_cpu_jax_device_is_refused_in_words(ds_m):
+    ds, m = ds_m
+    # (it said "... not the jax device cpu:0 is not a GPU")
+    with pytest.raises(ValueError, match=r", not the jax device [^ ]+$"):
+        ds.insitu.batches(m, "train", output="jax", decode="gpu", device=jax.devices("cpu")[0], dtype="float32")
+
+
 def test_jax_transform_sees_numpy_first(ds_m):
     """transform= gets host numpy values; what it returns is then put on the jax device."""
     ds, m = ds_m

@@ -197,6 +197,30 @@ def test_stack_with_window(ds_m):
     np.testing.assert_array_equal(b[0], exp)
 
 
+@pytest.mark.parametrize("variables", [["z", "t2m", "lsm"], ["t2m", "lsm"]])
+def test_stack_with_window_and_patch_beside_a_static_field(ds_m, variables):
+    """A variable lacking a dim the stacked batch keeps (lsm: no time window; with a patch) is
+    broadcast along it, as ``to_dataarray`` does: it crashed ("axes don't match array") where only
+    variables without a sample axis were taken to be broadcast."""
+    ds, m = ds_m
+    stack = ["level"] if "z" in variables else True
+    gen = ds.insitu.batches(m, "train", batch_size=3, shuffle=False, output="numpy", stack=stack,
+                            variables=variables, window={"time": 2}, patch={"lat": 2, "lon": 3})
+    got = next(iter(gen))
+    parts = []
+    for v in variables:
+        sel = {"time": slice(0, 2), "lat": slice(0, 2), "lon": slice(0, 3)}
+        da = ds[v].isel({k: s for k, s in sel.items() if k in ds[v].dims}).load()
+        for lev in (LEVELS if "level" in da.dims else [None]):
+            one = da if lev is None else da.sel(level=lev)
+            parts.append(one.broadcast_like(ds.time.isel(time=slice(0, 2))).transpose("time", "lat", "lon").values)
+    assert got.shape == (3, len(parts), 2, 2, 3)
+    np.testing.assert_array_equal(got[0], np.stack(parts))
+    d = ds.insitu.dataset(m, "train", output="numpy", stack=stack, variables=variables,
+                          window={"time": 2}, patch={"lat": 2, "lon": 3})
+    np.testing.assert_array_equal(d[0], np.stack(parts))
+
+
 def test_state_records_level_channels(ds_m):
     """A state saved with stack=True (channels u, v) is not loaded by a stack=['level'] generator."""
     ds, m = ds_m

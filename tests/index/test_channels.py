@@ -50,7 +50,7 @@ def expanded_oracle(ds: xr.Dataset, gen, starts: np.ndarray, variables: list[str
                 parts[f"{v}_{lab}"] = sel[v].isel(level=i, drop=True)
         else:
             parts[v] = sel[v]
-    out = xr.Dataset(parts).to_dataarray("variable")
+    out = xr.Dataset(parts, attrs=sel.attrs).to_dataarray("variable")
     return out.transpose("sample", "variable", ...)
 
 
@@ -121,7 +121,7 @@ def test_stacked_window(levels_ds):
 
 def test_dataarray_output(levels_ds):
     variables = ["t2m", "tp"]
-    ds = levels_ds[variables]  # no `level` coordinate left (see the xfail below)
+    ds = levels_ds[variables].assign_attrs(title="era5", source="x")  # no `level` coordinate left
     m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
     gen = ds.insitu.batches(m, "train", variables=variables, output="dataarray", batch_size=7, seed=2)
     for batch, starts in epoch_pairs(gen):
@@ -132,6 +132,7 @@ def test_dataarray_output(levels_ds):
         assert batch.dtype == ref.dtype
         assert np.array_equal(batch.values, ref.values, equal_nan=True)
         np.testing.assert_array_equal(batch.time.values, ref.time.values)  # sample coords kept
+        assert batch.attrs == ref.attrs == {"title": "era5", "source": "x"}  # as to_dataarray keeps them
 
 
 def test_xarray_output_with_stack_is_the_labeled_stacked_array(levels_ds):
@@ -263,3 +264,7 @@ def test_a_channel_name_given_twice_is_refused_naming_both_variables():
         ds.insitu.stats(m, "train", stack=["level"])
     gen = ds.insitu.batches(m, "train", batch_size=2, stack=["level"], variables=["t"])
     assert gen.channels == ["t_500", "t_850"]
+    # one variable whose level holds a label twice: the label is named, not "variables 't' and 't'"
+    twice = ds[["t"]].assign_coords(level=[500, 500])
+    with pytest.raises(ValueError, match=r"'t_500' is given twice by variable 't': its dim\(s\) \['level'\] hold a"):
+        twice.insitu.batches(m, "train", batch_size=2, stack=["level"])

@@ -111,7 +111,7 @@ class OutputBuilder:
             import jax
 
             dev = self.device if self.device is not None else jax.devices()[0]
-            return None if dev.platform == "gpu" else f"the jax device {dev} is not a GPU"
+            return None if dev.platform == "gpu" else f"the jax device {dev}"
         if self.output == "torch" and self.device is not None:
             return f"device={self.device!r}"
         return f"output={self.output!r}" + ("" if self.output in ("torch", "jax") else " (host arrays)")
@@ -176,7 +176,8 @@ class OutputBuilder:
         in it (broadcast along a dim it lacks) or batches are built on the device."""
         if self._direct is None:
             self._direct = (self.gpu is None and self.stack and all(
-                lay.has_sample_axis or set(self.base_dims) <= set(lay.src.dims) for lay in self.layouts.values()))
+                set(self.base_dims) <= set(lay.out_dims if lay.has_sample_axis else lay.src.dims)
+                for lay in self.layouts.values()))
         if not self._direct:
             return None
         arr = cast(np.ndarray, self.empty_batch(n))
@@ -484,7 +485,8 @@ class OutputBuilder:
         c = self.sample_coords(starts)
         dims = ("sample", "variable", *self.base_dims)
         coords = {k: v for k, v in c.coords.items() if set(v.dims) <= set(dims)}  # e.g. not `level`
-        return xr.DataArray(arr, dims=dims, coords={**coords, "variable": [ch.name for ch in self.channels]})
+        return xr.DataArray(arr, dims=dims, coords={**coords, "variable": [ch.name for ch in self.channels]},
+                            attrs=dict(self.ds_attrs))  # as to_dataarray keeps the Dataset's attrs
 
     def dims_of(self, name: str) -> tuple[str, ...]:
         """The dims of variable ``name`` in a batch (``"sample"`` first where it has a sample axis)."""

@@ -242,6 +242,12 @@ def plan_channels(ds: xr.Dataset, layouts: dict[str, VarLayout], kept: tuple[str
             channels.append(Channel(f"{n}_{lab}", n, tuple(int(i) for i in idx)))
     seen: dict[str, str] = {}
     for ch in channels:  # statistics, normalize= and states name channels: one name, one channel
+        if ch.name in seen and seen[ch.name] == ch.var:  # one variable's labels: a label given twice
+            extra = extras[ch.var] or []
+            raise ValueError(f"channel name {ch.name!r} is given twice by variable {ch.var!r}: its dim(s) "
+                             f"{extra} hold a label twice ({{var}}_{{label}} names a channel per label); select "
+                             f"each label once (e.g. ds.isel({extra[0] if extra else 'dim'}=[...])) or relabel "
+                             "the dim (ds.assign_coords)")
         if ch.name in seen:
             raise ValueError(f"channel name {ch.name!r} is given twice, by variables {seen[ch.name]!r} and "
                              f"{ch.var!r} ({{var}}_{{label}} names a variable's channel per label): rename one "

@@ -92,6 +92,24 @@ def test_build_xarray_equals_isel(path):
     xr.testing.assert_identical(batch, ref.transpose("sample", ...).load())
 
 
+@pytest.mark.parametrize("variables", [["cnt"], ["z"], ["cnt", "z"]])
+def test_xarray_batch_keeps_the_coordinates_of_the_selected_variables(variables):
+    """output="xarray" with variables=: the dims and coordinates ds[variables] keeps, as xarray gives them
+    (a batch of cnt(time) carried level, lat and area of another variable: 24 rows in to_dataframe)."""
+    nt = 8
+    ds = xr.Dataset({"cnt": (("time",), np.arange(nt, dtype="float32")),
+                     "z": (("time", "level", "lat"), np.zeros((nt, 2, 3), "float32"))},
+                    coords={"time": np.arange(nt), "level": [500, 850], "lat": [10.0, 20.0, 30.0],
+                            "area": (("lat",), [1.0, 2.0, 3.0])}).chunk({"time": 2})
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    gen = ds.insitu.batches(m, "train", batch_size=4, shuffle=False, output="xarray", variables=variables)
+    want = ds[variables].isel(time=range(4))
+    got = next(iter(gen))
+    assert dict(got.sizes) == {"sample" if d == "time" else d: n for d, n in want.sizes.items()}
+    assert set(got.coords) == set(want.coords)
+    assert set(gen.sample(0).coords) == set(ds[variables].isel(time=0).coords)
+
+
 def test_bad_arguments(path):
     with pytest.raises(ValueError, match="output must be one of"):
         _builder(path, ["a"], output="pandas")

@@ -73,7 +73,7 @@ class OutputBuilder:
         self._direct: bool | None = None
         self.gpu: Any = None  # the GPU path's device side: batches built on the device (``use_gpu``)
         self._device_ok: bool | None = None  # the device's build passed its check on the first batch
-        self._ds_coords = ds.coords
+        self._ds_coords = ds[list(layouts)].coords  # those ds[variables] keeps, as xarray gives them
         # each output array's dtype, by what a message calls it
         arrays = {"the stacked batch": self.dtype} if self.stack else self.var_dtypes
         if output == "torch":

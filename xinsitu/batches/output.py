@@ -14,6 +14,7 @@ from functools import cached_property
 from typing import Any, cast
 
 import numpy as np
+import pandas as pd
 import xarray as xr
 
 from xinsitu.batches.device_copy import NUMERIC_KINDS, DeviceMover, device_api, host_numpy
@@ -30,6 +31,10 @@ from xinsitu.index.channels import (
 )
 from xinsitu.index.sampling import SampleSpace, VarLayout
 from xinsitu.io.mempool import ArrayPool
+
+#: pandas before 3 hands out an index's own writable array (``Index.values``): a batch's index coordinate
+#: of a dim it keeps whole is then copied per batch, so writing into it never reaches another batch
+_INDEX_VALUES_WRITABLE = int(pd.__version__.split(".")[0]) < 3
 
 OUTPUTS = ("xarray", "dataarray", "numpy", "torch", "cupy", "jax")
 
@@ -352,7 +357,11 @@ class OutputBuilder:
         # a dim without any coordinate has no labels to pick (its labels are its positions): as
         # ds.isel(...) gives, the batch then has no coordinate along it
         have = self.coords.dims
-        return self.coords.isel({d: v for d, v in ind.items() if d in have})
+        out = self.coords.isel({d: v for d, v in ind.items() if d in have})
+        if _INDEX_VALUES_WRITABLE:
+            out = out.assign_coords({k: xr.IndexVariable(v.dims, np.array(v.values), v.attrs, v.encoding)
+                                     for k, v in out.variables.items() if isinstance(v, xr.IndexVariable)})
+        return out
 
     def build(self, raw: dict[str, np.ndarray], starts: np.ndarray) -> Any:
         gpu = self.gpu

@@ -975,6 +975,7 @@ def test_garbage_chunk_raises(tmp_path):
 
 @pytest.mark.parametrize("fmt", ["NETCDF4", "NETCDF3_CLASSIC", "NETCDF3_64BIT"])
 def test_virtual_netcdf(tmp_path, fmt):
+    pytest.importorskip("virtualizarr")
     ds0 = make_ds()[["t2m", "tp", "lsm"]]
     paths = []
     for k in range(2):
@@ -1028,6 +1029,7 @@ def _write_grib(path, nsteps=3, edition=2):
 @pytest.mark.parametrize("edition", [2, 1])
 def test_virtual_grib(tmp_path, edition):
     pytest.importorskip("cfgrib")
+    pytest.importorskip("virtualizarr")
     p = str(tmp_path / f"f{edition}.grib")
     _write_grib(p, edition=edition)
     ref = xr.open_dataset(p, engine="cfgrib", backend_kwargs={"indexpath": ""}).load()

@@ -42,7 +42,7 @@ def test_variable_data_is_the_lazy_chain_down_to_the_zarr_array(stored):
     assert xa.is_zarr_wrapper(node) and any(issubclass(t, xa.CACHING) for t in seen)
     zarray = xa.zarr_array_of(node)
     assert isinstance(zarray, zarr.Array) and zarray.shape == (6, 4) and zarray.chunks == (2, 4)
-    assert keys and keys[0][0] == slice(1, 5, 1)
+    assert keys and keys[0][0] in (slice(1, 5, 1), slice(1, 5, None))  # (xarray before 2025.11: no step)
     vec = ds.isel(time=xr.DataArray([0, 2], dims="p"), x=xr.DataArray([1, 3], dims="p"))
     assert isinstance(xa.variable_data(vec["t2m"].variable).array.array, xa.LAZY_VECTORIZED)  # under the caches
     assert isinstance(xa.variable_data(ds["time"].variable), xa.IN_MEMORY)  # an index coordinate

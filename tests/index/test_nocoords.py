@@ -130,6 +130,7 @@ def test_stats_and_reprs_without_coords(stored):
 def test_netcdf_without_coordinate_variables(tmp_path, output):
     """A NetCDF4 file with no coordinate variable, read in place through xinsitu.virtual.open_netcdf."""
     pytest.importorskip("h5py")
+    pytest.importorskip("virtualizarr")
     from xinsitu.virtual import open_netcdf
 
     path = str(tmp_path / "bare.nc")

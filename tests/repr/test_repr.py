@@ -272,7 +272,7 @@ def test_plot_grid_on_given_axes(ds2d) -> None:
         values = np.asarray(mesh[0].get_array()).reshape(m.grid)
         owner = np.full(m.grid, -1)
         for i, b in enumerate(m.splits.values()):
-            owner.flat[b] = i
+            owner.flat[np.asarray(b)] = i  # (numpy 2.0 takes no sequence-like object in .flat)
         assert np.array_equal(values, owner)
         assert ax.get_ylim() == (16, 0)  # first position on top
     finally:

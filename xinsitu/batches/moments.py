@@ -333,6 +333,8 @@ def _exact_moments(values: np.ndarray) -> tuple[int, int, float, float, float, f
         if v.size == 0:
             return (0, nans, *_NONE[2:])
     mean = float(v.sum()) / v.size
+    lo: float
+    hi: float
     if values.dtype.kind in "iu":  # an integer's min and max as Python ints: exact beyond 2**53, as xarray's
         lo, hi = int(_min(values, axis=None)), int(_max(values, axis=None))
     else:

@@ -179,6 +179,52 @@ def test_a_state_loaded_before_the_workers_start_resumes_in_them(era5_path, tmp_
     _check_workers_epoch(out["epochs"][1], _reference(era5_path, 1), 2)
 
 
+_WORKERS_AND_STATES = """
+import sys, warnings
+import xinsitu
+from torch.utils.data import DataLoader
+ds = xinsitu.open_zarr(sys.argv[1])
+m = ds.insitu.split("time", fractions={"train": 0.8, "val": 0.2})
+gen = ds.insitu.batches(m, "train", variables=["t2m"], batch_size=5, output="torch")
+saved = gen.state_dict()
+dl = DataLoader(gen.to_torch(), batch_size=None, num_workers=2, persistent_workers=True,
+                multiprocessing_context="fork")
+it = iter(dl)
+next(it)
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    gen.state_dict()  # mid-epoch: the place is the workers'
+    said = [str(x.message) for x in w if "StatefulDataLoader" in str(x.message)]
+print("warned mid-epoch:", bool(said))
+list(it)
+gen.set_epoch(1)
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    gen.state_dict()  # the next epoch's start: right
+    print("warned after set_epoch:", any("StatefulDataLoader" in str(x.message) for x in w))
+gen.load_state_dict(saved)  # the persistent workers' copies cannot take it
+try:
+    list(dl)
+    print("persistent workers after a load: no error")
+except RuntimeError as e:
+    print("persistent workers after a load:", "Make a new DataLoader" in str(e) or str(e)[-300:])
+"""
+
+
+@pytest.mark.slow
+def test_states_and_dataloader_workers_are_never_silently_wrong(era5_path, tmp_path):
+    """Where the main process cannot know the place (DataLoader workers yield the epoch), ``gen.state_dict()``
+    warns (it said batch 0: resuming repeated what was trained on); a state loaded after persistent workers
+    took their copies is refused at their first batch, naming the fix (they replayed the whole epoch: 10
+    samples repeated)."""
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-W", "ignore::DeprecationWarning", "-c", _WORKERS_AND_STATES, era5_path],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.splitlines() == ["warned mid-epoch: True", "warned after set_epoch: False",
+                                     "persistent workers after a load: True"], p.stdout + p.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_spawn_workers_disjoint_reads_persistent_epochs(era5_path, tmp_path):
     """spawn, 2 persistent workers, 2 epochs: exactly once per epoch, set_epoch reaches the

@@ -190,6 +190,7 @@ class BatchGenerator:
         self._ds = ds
         self.epoch = 0
         self._resume_batch = 0
+        self._loads = 0  # states loaded: a persistent DataLoader worker whose copy missed one refuses
         self._yielded_at = (0, 0)  # (epoch, batches) of the last batch handed out: what state_dict saves
         self._live = 0  # iterations under way
         # the epochs of the torch datasets made from this generator (``to_torch``), in shared memory: a
@@ -517,7 +518,15 @@ class BatchGenerator:
         """Small JSON-able state: where this generator is in which epoch, and what it was made with.
 
         While an iteration runs, the place of the last batch it handed out (a ``set_epoch`` meanwhile
-        counts from the next iteration on)."""
+        counts from the next iteration on). Where DataLoader workers (``to_torch``) yield this epoch's
+        batches, the place is theirs, not this process's: warned (checkpoint with torchdata's
+        ``StatefulDataLoader`` then)."""
+        if not self._live and any(int(s[4]) == self.epoch + 1 for s in self._shared_with_workers()):
+            warnings.warn(f"state_dict(): DataLoader workers over gen.to_torch() are yielding epoch {self.epoch}'s "
+                          "batches, and this process does not know their place: this state resumes at the start of "
+                          "the epoch (repeating what was trained on). Checkpoint mid-epoch with torchdata's "
+                          "StatefulDataLoader (its state_dict), or after set_epoch() for the next epoch",
+                          UserWarning, stacklevel=2)
         return make_state(self, *self._yielded_at)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -538,8 +547,9 @@ class BatchGenerator:
         self._elastic, self._elastic_epoch, self._elastic_plan = hops, epoch, None
         self._resume_batch = batch
         self._yielded_at = (epoch, batch)
+        self._loads += 1
         for shared in self._shared_with_workers():  # the next DataLoader iteration's workers resume
-            shared[0], shared[1] = epoch, 0
+            shared[0], shared[1], shared[3], shared[4] = epoch, 0, self._loads, 0
 
     def _load_worker_state(self, state: dict[str, Any]) -> None:
         """Take a DataLoader worker's ``state`` (``to_torch``): its epoch, checked like a state of this

@@ -57,10 +57,12 @@ class InsituIterableDataset(torch.utils.data.IterableDataset):
     def __init__(self, gen: Any):
         super().__init__()
         self.gen = gen
-        # what must reach workers after they took their copy of ``gen``: [the epoch ``set_epoch`` gave
-        # persistent workers (-1: none yet), whether an iteration's workers took the resume loaded into
-        # ``gen`` before they started (one pass resumes, as with num_workers=0), that iteration's id]
-        self._shared = torch.tensor([-1, 0, 0], dtype=torch.int64).share_memory_()
+        # what must reach workers after they took their copy of ``gen``, and the main process from them: [the
+        # epoch ``set_epoch`` gave persistent workers (-1: none yet), whether an iteration's workers took the
+        # resume loaded into ``gen`` before they started (one pass resumes, as with num_workers=0), that
+        # iteration's id, the states loaded into ``gen`` so far (``gen._loads``), 1 + the epoch workers last
+        # began (0: none yet)]
+        self._shared = torch.tensor([-1, 0, 0, gen._loads, 0], dtype=torch.int64).share_memory_()
         self._resume: int | None = None  # next batch to yield, from a loaded state (workers)
         self._pos: int | None = None  # next batch this worker yields (rank numbering)
         self._iterated = False  # this copy has run an epoch in this worker process already
@@ -109,9 +111,17 @@ class InsituIterableDataset(torch.utils.data.IterableDataset):
         _check_fork(self.gen)
         gen = self.gen
         epoch = int(self._shared[0])
+        if self._iterated and int(self._shared[3]) != gen._loads:  # a persistent worker's copy predates a load
+            # raised at the first batch, which the DataLoader hands to the caller (one raised here ends the worker)
+            return _raise(RuntimeError(
+                "a state was loaded into the generator (gen.load_state_dict) after this DataLoader's persistent "
+                "workers took their copies of it: they cannot resume from it (they would repeat the epoch). Make a "
+                "new DataLoader after loading a state, or checkpoint with torchdata's StatefulDataLoader, whose "
+                "load_state_dict reaches its workers"))
         if self._iterated and epoch >= 0:  # a persistent worker: its copy of gen missed set_epoch
             gen.set_epoch(epoch)
         self._iterated = True
+        self._shared[4] = gen.epoch + 1  # the main process's gen.state_dict() cannot see where workers are
         start, stop = worker_batches(len(gen), info.num_workers, info.id)
         # a worker's own state (StatefulDataLoader), else one loaded into the generator before the workers
         # started (its copy here carries it): the rest of that epoch, each worker its part of it
@@ -142,6 +152,12 @@ class InsituIterableDataset(torch.utils.data.IterableDataset):
         for batch in self.gen.iter_batches(start, stop, progress=False):
             self._pos = (self._pos or 0) + 1
             yield batch
+
+
+def _raise(e: BaseException) -> Any:
+    """An iterator that raises ``e`` at its first ``next``."""
+    raise e
+    yield  # (a generator)
 
 
 def _check_fork(gen: Any) -> None:

@@ -130,6 +130,36 @@ def test_mismatched_state_raises(era5_path, change, field):
     gen.load_state_dict(state)  # the same settings load fine
 
 
+def test_a_state_from_before_an_append_names_the_growth(tmp_path):
+    """The archive grew (to_zarr(append_dim="time")) and the split was made again with the same ranges: the
+    state's manifest differs (the geometry's length), and the message says so and how to resume, where it
+    showed two hashes."""
+    import numpy as np
+    import pandas as pd
+    import xarray as xr
+
+    path = str(tmp_path / "grow.zarr")
+    one = xr.Dataset({"a": (("time", "x"), np.arange(60.0).reshape(30, 2))},
+                     coords={"time": pd.date_range("2000-01-01", periods=30)})
+    one.to_zarr(path, encoding={"a": {"chunks": (3, 2)}})
+    ranges = {"train": slice("2000-01-01", "2000-01-21"), "val": slice("2000-01-25", None)}
+    ds = xinsitu.open_zarr(path)
+    gen = ds.insitu.batches(ds.insitu.split("time", ranges=ranges), "train", batch_size=2)
+    it = iter(gen)
+    next(it)
+    state = gen.state_dict()
+    it.close()
+    more = one.isel(time=slice(0, 3)).assign_coords(time=pd.date_range("2000-01-31", periods=3))
+    more.to_zarr(path, append_dim="time")
+    grown = xinsitu.open_zarr(path)
+    later = grown.insitu.batches(grown.insitu.split("time", ranges=ranges), "train", batch_size=2)
+    with pytest.raises(ValueError, match=r"manifest, made on 'time' of length 30 then, 33 here: the archive grew "
+                                         r"since; resume on ds.isel\(time=slice\(0, 30\)\)"):
+        later.load_state_dict(state)
+    cut = grown.isel(time=slice(0, 30))
+    cut.insitu.batches(gen.manifest, "train", batch_size=2).load_state_dict(state)
+
+
 @pytest.mark.parametrize("bad", [None, [], {"epoch": 0}, {"batch": 3}])
 def test_not_a_state_raises(era5_path, bad):
     ds = xinsitu.open_zarr(era5_path)

@@ -82,7 +82,9 @@ def make_state(gen: Any, epoch: int, batch: int) -> dict[str, Any]:
             "normalize": _normalize_id(gen),
             # the validity mask's digest (None: every sample): another mask is another sample space
             "valid": getattr(gen.space, "valid_digest", None), "channels": _channels(gen.channels),
-            "elastic": _hops(gen, epoch), "sampled": _sampled(gen)}
+            "elastic": _hops(gen, epoch), "sampled": _sampled(gen),
+            # the split dims' lengths the manifest was made on: what a message names where the manifest differs
+            "sizes": {str(d): int(n) for d, n in gen.manifest.sizes.items()}}
 
 
 #: channel names a state lists in full; past this many, their count, a digest and the first and last few
@@ -151,6 +153,15 @@ def check_state(gen: Any, state: dict[str, Any], elastic: bool = False) -> None:
     skip = ("world_size", "rank") if elastic else ()
     diff = [f"{k} (saved {state.get(k)!r}, here {mine[k]!r})" for k in _DEFINING
             if k not in skip and state.get(k) != mine[k]]
+    saved_sizes = state.get("sizes")
+    if state.get("manifest") != mine["manifest"] and isinstance(saved_sizes, dict) and saved_sizes != mine["sizes"]:
+        grown = [f"{d!r} of length {saved_sizes.get(d)} then, {n} here" for d, n in mine["sizes"].items()
+                 if saved_sizes.get(d) != n]
+        cut = ", ".join(f"{d}=slice(0, {saved_sizes[d]})" for d, n in mine["sizes"].items()
+                        if isinstance(saved_sizes.get(d), int) and saved_sizes[d] < n)
+        hint = (f": the archive grew since; resume on ds.isel({cut}) with the manifest the state was saved with"
+                if cut else "")
+        diff = [f"manifest, made on {'; '.join(grown)}{hint}" if d.startswith("manifest (") else d for d in diff]
     if state.get("sampling") != mine["sampling"] and (dims := _sampling_diff(state.get("sampled"), mine["sampled"])):
         diff = [f"sampling ({dims})" if d.startswith("sampling (") else d for d in diff]
     if "channels" in state and state["channels"] != mine["channels"]:  # a state from before has none

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
 import xarray as xr
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import xinsitu
@@ -201,3 +203,38 @@ def test_summary_and_reprs(era5_path):
     for text in (m.summary(), repr(m)):
         assert "train" in text and "val" in text and "1979-01-01T00:00:00" in text
     assert "class='xi-timeline'" in m._repr_html_() or 'class="xi-timeline"' in m._repr_html_()
+
+def _exact_largest_remainder(weights: dict[str, int], total: int) -> dict[str, int]:
+    """Largest remainder on the exact fractions ``w / sum(w)``, ties to the split named first."""
+    whole = sum(weights.values())
+    raw = {k: Fraction(w * total, whole) for k, w in weights.items()}
+    counts = {k: math.floor(v) for k, v in raw.items()}
+    names = list(raw)
+    for k in sorted(names, key=lambda k: (counts[k] - raw[k], names.index(k)))[:total - sum(counts.values())]:
+        counts[k] += 1
+    return counts
+
+
+@example({"a": 1, "b": 5}, 165)  # 27.5 / 137.5: the tie goes to a (float noise gave it to b after 1/6 * 165)
+@example({"a": 1, "b": 2, "c": 17}, 56)  # 0.05/0.1/0.85 of 56: 2.8, 5.6, 47.6: b and c tie on .6
+@given(st.dictionaries(st.sampled_from(["train", "val", "test", "a", "b"]), st.integers(1, 20), min_size=1),
+       st.integers(0, 500))
+def test_largest_remainder_is_exact_and_ties_go_to_the_split_named_first(weights, total):
+    """Remainders are ranked exactly (not in float, where equal remainders differ by noise): the counts
+    are those of the exact fractions, ties to the split named first, also for fractions written as decimals."""
+    whole = sum(weights.values())
+    assert largest_remainder({k: w / whole for k, w in weights.items()}, total) == _exact_largest_remainder(
+        weights, total)
+    decimal = {k: round(w / whole, 2) for k, w in weights.items()}
+    if sum(Fraction(str(v)) for v in decimal.values()) == 1:
+        as_int = {k: int(Fraction(str(v)) * 100) for k, v in decimal.items()}
+        assert largest_remainder(decimal, total) == _exact_largest_remainder(as_int, total)
+
+
+def test_fractions_that_tie_go_to_the_split_named_first():
+    ds = xr.Dataset({"v": (("time",), np.zeros(56))})
+    m = ds.insitu.split("time", fractions={"a": 0.05, "b": 0.1, "c": 0.85})
+    assert {k: len(v) for k, v in m.splits.items()} == {"a": 3, "b": 6, "c": 47}  # float ranking gave 3/5/48
+    m = ds.insitu.split("time", fractions={"c": 0.85, "b": 0.1, "a": 0.05})
+    assert {k: len(v) for k, v in m.splits.items()} == {"c": 48, "b": 5, "a": 3}
+

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -25,15 +26,42 @@ __all__ = ["SplitManifest", "check_fractions", "contiguous_split", "largest_rema
 
 # ----------------------------------------------------------------------------- pure math
 def largest_remainder(fractions: dict[str, float], total: int) -> dict[str, int]:
-    """Whole counts summing to ``total``, proportional to ``fractions`` (largest remainder)."""
-    raw = {k: f * total for k, f in fractions.items()}
-    counts = {k: int(math.floor(v)) for k, v in raw.items()}
+    """Whole counts summing to ``total``, proportional to ``fractions`` (largest remainder).
+
+    Exact: each fraction is taken as the simplest rational its float stands for (``0.1`` is 1/10,
+    ``1 / 6`` is 1/6, not the binary floats next to them), normalised to sum to 1, so remainders
+    that are equal tie exactly and ties go to the split named first (0.05/0.1/0.85 of 56: 3/6/47).
+    """
+    exact = {k: simplest_fraction(float(f)) for k, f in fractions.items()}
+    whole = sum(exact.values())
+    raw = {k: f / whole * total if whole else Fraction(0) for k, f in exact.items()}
+    counts = {k: math.floor(v) for k, v in raw.items()}
     left = total - sum(counts.values())
     # ties go to the split named first, so the result is deterministic
-    order = sorted(raw, key=lambda k: (-(raw[k] - counts[k]), list(raw).index(k)))
+    names = list(raw)
+    order = sorted(names, key=lambda k: (-(raw[k] - counts[k]), names.index(k)))
     for k in order[:left]:
         counts[k] += 1
     return counts
+
+
+def simplest_fraction(f: float) -> Fraction:
+    """The rational with the smallest denominator that rounds to the float ``f`` (a finite float):
+    ``0.1`` -> 1/10, ``1 / 3`` -> 1/3, ``0.3333333`` -> 3333333/10000000."""
+    x = Fraction(f)
+    lo = (x + Fraction(math.nextafter(f, -math.inf))) / 2  # the floats' rounding interval, ends excluded
+    hi = (x + Fraction(math.nextafter(f, math.inf))) / 2
+    return _simplest_between(lo, hi)
+
+
+def _simplest_between(lo: Fraction, hi: Fraction | None) -> Fraction:
+    """The rational with the smallest denominator strictly between ``lo`` and ``hi`` (None: no upper
+    end), by continued fractions."""
+    n = math.floor(lo) + 1
+    if hi is None or n < hi:
+        return Fraction(n)
+    fl = n - 1  # lo and hi both lie in (fl, fl + 1]; x = fl + 1 / y with y between 1/(hi - fl) and 1/(lo - fl)
+    return fl + 1 / _simplest_between(1 / (hi - fl), None if lo == fl else 1 / (lo - fl))
 
 
 def check_fractions(fractions: dict[str, float]) -> dict[str, float]:

@@ -238,3 +238,13 @@ def test_fractions_that_tie_go_to_the_split_named_first():
     m = ds.insitu.split("time", fractions={"c": 0.85, "b": 0.1, "a": 0.05})
     assert {k: len(v) for k, v in m.splits.items()} == {"c": 48, "b": 5, "a": 3}
 
+def test_a_dim_of_length_zero_is_named(era5_path):
+    """A selection that holds no position of the split dim (a .sel range past the data) raises a
+    ValueError saying so, for fractions= and ranges= (it raised pandas' IndexError, or advised block=)."""
+    empty = xinsitu.open_zarr(era5_path).sel(time=slice("2005", "2006"))
+    assert empty.sizes["time"] == 0
+    for kw in ({"fractions": {"train": 1.0}}, {"fractions": {"train": 0.5, "val": 0.5}},
+               {"ranges": {"train": slice(None, None)}}, {"fractions": {"train": 1.0}, "block": {"time": 1}}):
+        with pytest.raises(ValueError, match=r"dim 'time' has length 0 here: the selection holds no position"):
+            empty.insitu.split("time", **kw)
+

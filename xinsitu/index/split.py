@@ -268,6 +268,9 @@ def make_split(ds: Any, geometry: Geometry, dim: str | list[str], *, fractions: 
         if d not in geometry.sizes:
             have = sorted(geometry.sizes)
             raise ValueError(f"unknown dim {d!r}: the data variables have dims {have}")
+        if geometry.sizes[d] == 0:
+            raise ValueError(f"dim {d!r} has length 0 here: the selection holds no position of {d!r} (a .sel "
+                             "range outside its coordinate?), so there is nothing to split")
     block = check_block(block, dims, geometry.sizes)
     edges = {d: block_edges(geometry.sizes[d], block[d]) if d in block else geometry.edges[d] for d in dims}
     nsplits = len(fractions) if isinstance(fractions, dict) else len(ranges) if isinstance(ranges, dict) else 2

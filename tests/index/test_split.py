@@ -204,6 +204,7 @@ def test_summary_and_reprs(era5_path):
         assert "train" in text and "val" in text and "1979-01-01T00:00:00" in text
     assert "class='xi-timeline'" in m._repr_html_() or 'class="xi-timeline"' in m._repr_html_()
 
+
 def _exact_largest_remainder(weights: dict[str, int], total: int) -> dict[str, int]:
     """Largest remainder on the exact fractions ``w / sum(w)``, ties to the split named first."""
     whole = sum(weights.values())
@@ -238,6 +239,7 @@ def test_fractions_that_tie_go_to_the_split_named_first():
     m = ds.insitu.split("time", fractions={"c": 0.85, "b": 0.1, "a": 0.05})
     assert {k: len(v) for k, v in m.splits.items()} == {"c": 48, "b": 5, "a": 3}
 
+
 def test_a_dim_of_length_zero_is_named(era5_path):
     """A selection that holds no position of the split dim (a .sel range past the data) raises a
     ValueError saying so, for fractions= and ranges= (it raised pandas' IndexError, or advised block=)."""
@@ -248,3 +250,57 @@ def test_a_dim_of_length_zero_is_named(era5_path):
         with pytest.raises(ValueError, match=r"dim 'time' has length 0 here: the selection holds no position"):
             empty.insitu.split("time", **kw)
 
+
+@pytest.fixture(scope="module")
+def lon_archive(tmp_path_factory):
+    """180 longitudes 0..358 stored in chunks of 50: [0, 50) [50, 100) [100, 150) [150, 180)."""
+    p = str(tmp_path_factory.mktemp("lon") / "lon.zarr")
+    rng = np.random.default_rng(0)
+    xr.Dataset({"t": (("time", "lon"), rng.random((4, 180)).astype("f4"))},
+               coords={"lon": np.arange(0, 360, 2.0)}).to_zarr(p, encoding={"t": {"chunks": (4, 50)}})
+    return p
+
+
+def _recentred(p, how):
+    if how == "sortby":
+        src = xinsitu.open_zarr(p)
+        ds = src.assign_coords(lon=(src.lon + 180) % 360 - 180).sortby("lon")
+        return ds, np.argsort((np.arange(0, 360, 2.0) + 180) % 360 - 180, kind="stable")
+    return xr.open_zarr(p).roll(lon=90, roll_coords=True), np.roll(np.arange(180), 90)
+
+
+@pytest.mark.parametrize("how", ["sortby", "roll"])
+def test_a_stored_chunk_in_two_places_is_refused(lon_archive, how):
+    """Re-centring longitudes (sortby after assign_coords, or roll) puts stored chunk 1 at both ends of
+    the new axis: split() made it two chunk blocks and gave them to train and val (one read serving both).
+    It raises, naming the dim, the stored chunk and the ways out; with block= it splits, every sample in
+    one split, values as xarray's."""
+    ds, stored = _recentred(lon_archive, how)
+    with pytest.raises(ValueError, match=r"(?s)dim 'lon': the selection reorders 'lon' so that stored chunk 1 "
+                                         r"of 't' \(stored positions 50..99\) appears in two places.*"
+                                         r"block=\{'lon': n\}.*archive's own order"):
+        ds.insitu.split("lon", fractions={"train": 0.6, "val": 0.4})
+    with pytest.raises(ValueError, match="stored chunk 1"):
+        ds.insitu.split("lon", ranges={"train": slice(-180, -2), "val": slice(0, None)})
+    with pytest.raises(ValueError, match="stored chunk 1"):
+        ds.insitu.split(["time", "lon"], fractions={"a": 0.5, "b": 0.5}, block={"time": 1})
+    one = ds.insitu.split("lon", fractions={"all": 1.0})  # one split: no read serves two
+    assert len(one.indices("all")["lon"]) == 180
+    m = ds.insitu.split("lon", fractions={"train": 0.6, "val": 0.4}, block={"lon": 10})
+    seen = []
+    for name in m.splits:
+        ind = m.indices(name)["lon"]
+        seen.append(stored[ind])
+        got = np.concatenate([b["t"] for b in ds.insitu.batches(m, name, batch_size=7, shuffle=False,
+                                                                   output="numpy")])
+        np.testing.assert_array_equal(got, ds.t.isel(lon=ind).transpose("lon", "time").values)
+    assert not set(seen[0]) & set(seen[1])
+
+
+def test_a_reordering_that_keeps_each_chunk_in_one_place_splits(lon_archive):
+    """A reversed dim (each stored chunk still one run) splits on whole stored chunks, as before."""
+    ds = xinsitu.open_zarr(lon_archive).isel(lon=slice(None, None, -1))
+    m = ds.insitu.split("lon", fractions={"train": 0.5, "val": 0.5})
+    stored = np.arange(180)[::-1]
+    chunks = {k: set(stored[m.indices(k)["lon"]] // 50) for k in m.splits}
+    assert not chunks["train"] & chunks["val"] and chunks["train"] | chunks["val"] == {0, 1, 2, 3}

@@ -15,10 +15,12 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import xarray as xr
 
-from xinsitu.index.geometry import Geometry, regular_edges
+from xinsitu.index.geometry import Geometry, chunk_in_two_blocks, kept_sources, regular_edges
 from xinsitu.index.manifest import SplitManifest, coord_span, fingerprint_of, json_label
 from xinsitu.index.runs import Blocks
+from xinsitu.index.source import VarSource
 
 __all__ = ["SplitManifest", "check_fractions", "contiguous_split", "largest_remainder", "make_split",
            "random_split", "range_split"]
@@ -252,6 +254,23 @@ def _unsplittable(geometry: Geometry, d: str) -> ValueError:
         "one split (fractions={'train': 1.0}) needs neither")
 
 
+def _check_chunks_in_one_block(sources: dict[str, VarSource], d: str, edges: np.ndarray) -> None:
+    """``ValueError`` where a selection that reorders ``d`` puts one stored chunk in two chunk blocks, which
+    could then go to two splits (one read serving both)."""
+    hit = chunk_in_two_blocks(sources, d, edges)
+    if hit is None:
+        return
+    name, k, c, (a1, b1), (a2, b2) = hit
+    raise ValueError(
+        f"dim {d!r}: the selection reorders {d!r} so that stored chunk {k} of {name!r} (stored positions "
+        f"{k * c}..{k * c + c - 1}) appears in two places, positions {a1}..{b1 - 1} and {a2}..{b2 - 1} here "
+        f"(e.g. sortby after re-centring longitudes, or roll): its two parts would be two chunk blocks, which "
+        f"could go to two splits, one read serving both. Pass block={{{d!r}: n}} to split in blocks of n "
+        "positions (a chunk may then be read by several splits, a sample never), or split the Dataset in the "
+        f"archive's own order of {d!r} (before sortby/roll) and reorder the samples afterwards"
+    )
+
+
 def make_split(ds: Any, geometry: Geometry, dim: str | list[str], *, fractions: dict[str, float] | None = None,
                ranges: dict[str, slice] | None = None, gap: int = 0, contiguous: bool | None = None,
                seed: int | None = 0, block: dict[str, int] | None = None) -> SplitManifest:
@@ -277,6 +296,11 @@ def make_split(ds: Any, geometry: Geometry, dim: str | list[str], *, fractions: 
     for d in dims:
         if len(edges[d]) - 1 < 2 and d not in block and nsplits > 1:
             raise _unsplittable(geometry, d)
+    if nsplits > 1 and any(d not in block for d in dims) and isinstance(ds, xr.Dataset):
+        sources = kept_sources(ds)
+        for d in dims:
+            if d not in block:
+                _check_chunks_in_one_block(sources, d, edges[d])
     if not isinstance(gap, (int, np.integer)) or isinstance(gap, bool) or gap < 0:
         raise ValueError(f"gap must be a non-negative whole number of chunks, got {gap!r}")
     if (fractions is None) == (ranges is None):

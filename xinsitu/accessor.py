@@ -81,7 +81,9 @@ class InsituAccessor:
             The dim(s) to split; every chunk (chunk block, for several dims) goes to exactly
             one split. A dim held in a single chunk needs ``block=`` (or, for files holding one
             step each, ``concat_dim=`` of ``xinsitu.virtual.open_netcdf``/``open_grib``), except
-            for one split (``fractions={"train": 1.0}``).
+            for one split (``fractions={"train": 1.0}``); so does a selection that reorders it so
+            that one stored chunk appears in two places (``sortby`` after re-centring longitudes,
+            ``roll``), else ``ValueError`` naming the stored chunk.
         fractions : dict of str to float, optional
             ``{name: fraction}`` summing to 1 (any real numbers, numpy scalars included),
             applied to the whole chunks (blocks) left after gaps.

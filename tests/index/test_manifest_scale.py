@@ -6,7 +6,10 @@ is measured by ``bench/scale_bench.py``.
 
 from __future__ import annotations
 
+import base64
 import json
+import tracemalloc
+import zlib
 from unittest import mock
 
 import numpy as np
@@ -213,6 +216,19 @@ def _valid() -> dict:
     (lambda d: d.update(method="pickle"), r"'method' has a wrong type or value"),
     (lambda d: d.update(version="2"), r"'version' must be a positive integer"),
     (lambda d: d.update(version=3), r"newer than this xinsitu understands"),
+    # hand-made numbers past int64 (they gave OverflowError) and an empty split (it loaded)
+    (lambda d: d["splits"].update(train={"runs": [[0, 10**30]]}), r"split 'train' holds chunk block 9+, outside"),
+    (lambda d: d["splits"].update(train=[0, 10**30]), r"split 'train' holds chunk block 10+, outside the grid"),
+    (lambda d: d["splits"].update(val={"runs": []}), r"split 'val' holds no chunk block: an empty split is refused"),
+    (lambda d: d["splits"].update(val=[]), r"split 'val' holds no chunk block"),
+    (lambda d: d["sizes"].update(time=10**30), r"'sizes' must map each of \['time'\] to a non-negative integer"),
+    (lambda d: d["edges"].update(time={"steps": [[10**30, 1, 2]]}), r"'edges' of 'time': .* past the 64-bit"),
+    (lambda d: d["edges"].update(time={"steps": [[0, 3, 10**6]]}),
+     r"'edges' of 'time' hold 1000000 chunk edges, more than its length 30 allows \(31\)"),
+    (lambda d: (d["sizes"].update(time=10**10), d["edges"].update(time={"steps": [[0, 1, 10**10 + 1]]})),
+     r"'edges' of 'time' hold 10000000001 chunk edges, more than this xinsitu loads"),
+    (lambda d: d.update(gap=10**30), r"'gap' has a wrong type or value"),
+    (lambda d: d.update(block={"time": 10**30}), r"'block' must map split dims"),
 ])
 def test_invalid_manifest_raises_naming_the_problem(edit, match):
     d = _valid()
@@ -241,6 +257,55 @@ def test_invalid_owner_array_raises():
         SplitManifest.from_dict(bad)
     with pytest.raises(ValueError, match="not valid JSON"):
         SplitManifest.from_json("{'format': 1}")
+
+
+def _peak_bytes(f) -> int:
+    """Peak memory (traced: Python and numpy allocations) while ``f()`` runs."""
+    tracemalloc.start()
+    try:
+        f()
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak
+
+
+def test_hand_made_counts_are_bounded_before_anything_is_allocated():
+    """A few bytes of JSON claiming 2*10^7 edges, or a 64 MiB zlib bomb as an 8-sample validity bitmap:
+    ValueError before the edges are decoded or the bitmap inflated (they were allocated, then checked)."""
+    d = _valid()
+    d["edges"]["time"] = {"steps": [[0, 1, 2 * 10**7]]}
+    with pytest.raises(ValueError, match="hold 20000000 chunk edges, more than its length 30 allows"):
+        SplitManifest.from_dict(d)
+    assert _peak_bytes(lambda: pytest.raises(ValueError, SplitManifest.from_dict, d)) < 8 << 20
+    d = _valid()
+    bomb = base64.b64encode(zlib.compress(b"\0" * (64 << 20), 9)).decode()
+    d["validity"] = {"train": {"n": 8, "valid": 0, "digest": "0", "bitmap": bomb, "where": "finite",
+                               "sampling": {"window": None, "patch": None, "stride": None, "over": None}}}
+    with pytest.raises(ValueError, match="validity of split 'train': the bitmap holds more than 8 bits, not the 8"):
+        SplitManifest.from_dict(d)
+    assert _peak_bytes(lambda: pytest.raises(ValueError, SplitManifest.from_dict, d)) < 8 << 20
+
+
+def test_from_json_tells_text_from_a_path(tmp_path, monkeypatch):
+    """JSON text that is not an object ("[]", "null") is refused as such (it was taken for a path:
+    FileNotFoundError); nesting past Python's limit is a ValueError (RecursionError); paths still load."""
+    for text, kind in [("[]", "an array"), ("null", "null"), (" 3", "a number"), ('"m.json"', "a string")]:
+        with pytest.raises(ValueError, match=f"not an xinsitu SplitManifest: the JSON text is {kind}"):
+            SplitManifest.from_json(text)
+    deep = json.dumps(_valid())[:-1] + ', "stats": {"a": ' + "[" * 100_000 + "]" * 100_000 + "}}"
+    with pytest.raises(ValueError, match="nested too deeply"):
+        SplitManifest.from_json(deep)
+    m = SplitManifest.from_dict(_valid())
+    p = tmp_path / "m.json"
+    m.to_json(p)
+    assert SplitManifest.from_json(p) == m and SplitManifest.from_json(str(p)) == m
+    assert SplitManifest.from_json("\ufeff" + m.to_json()) == m  # a byte-order mark left by an editor
+    monkeypatch.chdir(tmp_path)
+    m.to_json("null")  # a file named like a JSON text is read as the file
+    assert SplitManifest.from_json("null") == m
+    with pytest.raises(FileNotFoundError):
+        SplitManifest.from_json(str(tmp_path / "missing.json"))
 
 
 # ----------------------------------------------------------------------------- geometry at scale

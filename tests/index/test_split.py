@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
 import xarray as xr
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import xinsitu
@@ -201,3 +203,104 @@ def test_summary_and_reprs(era5_path):
     for text in (m.summary(), repr(m)):
         assert "train" in text and "val" in text and "1979-01-01T00:00:00" in text
     assert "class='xi-timeline'" in m._repr_html_() or 'class="xi-timeline"' in m._repr_html_()
+
+
+def _exact_largest_remainder(weights: dict[str, int], total: int) -> dict[str, int]:
+    """Largest remainder on the exact fractions ``w / sum(w)``, ties to the split named first."""
+    whole = sum(weights.values())
+    raw = {k: Fraction(w * total, whole) for k, w in weights.items()}
+    counts = {k: math.floor(v) for k, v in raw.items()}
+    names = list(raw)
+    for k in sorted(names, key=lambda k: (counts[k] - raw[k], names.index(k)))[:total - sum(counts.values())]:
+        counts[k] += 1
+    return counts
+
+
+@example({"a": 1, "b": 5}, 165)  # 27.5 / 137.5: the tie goes to a (float noise gave it to b after 1/6 * 165)
+@example({"a": 1, "b": 2, "c": 17}, 56)  # 0.05/0.1/0.85 of 56: 2.8, 5.6, 47.6: b and c tie on .6
+@given(st.dictionaries(st.sampled_from(["train", "val", "test", "a", "b"]), st.integers(1, 20), min_size=1),
+       st.integers(0, 500))
+def test_largest_remainder_is_exact_and_ties_go_to_the_split_named_first(weights, total):
+    """Remainders are ranked exactly (not in float, where equal remainders differ by noise): the counts
+    are those of the exact fractions, ties to the split named first, also for fractions written as decimals."""
+    whole = sum(weights.values())
+    assert largest_remainder({k: w / whole for k, w in weights.items()}, total) == _exact_largest_remainder(
+        weights, total)
+    decimal = {k: round(w / whole, 2) for k, w in weights.items()}
+    if sum(Fraction(str(v)) for v in decimal.values()) == 1:
+        as_int = {k: int(Fraction(str(v)) * 100) for k, v in decimal.items()}
+        assert largest_remainder(decimal, total) == _exact_largest_remainder(as_int, total)
+
+
+def test_fractions_that_tie_go_to_the_split_named_first():
+    ds = xr.Dataset({"v": (("time",), np.zeros(56))})
+    m = ds.insitu.split("time", fractions={"a": 0.05, "b": 0.1, "c": 0.85})
+    assert {k: len(v) for k, v in m.splits.items()} == {"a": 3, "b": 6, "c": 47}  # float ranking gave 3/5/48
+    m = ds.insitu.split("time", fractions={"c": 0.85, "b": 0.1, "a": 0.05})
+    assert {k: len(v) for k, v in m.splits.items()} == {"c": 48, "b": 5, "a": 3}
+
+
+def test_a_dim_of_length_zero_is_named(era5_path):
+    """A selection that holds no position of the split dim (a .sel range past the data) raises a
+    ValueError saying so, for fractions= and ranges= (it raised pandas' IndexError, or advised block=)."""
+    empty = xinsitu.open_zarr(era5_path).sel(time=slice("2005", "2006"))
+    assert empty.sizes["time"] == 0
+    for kw in ({"fractions": {"train": 1.0}}, {"fractions": {"train": 0.5, "val": 0.5}},
+               {"ranges": {"train": slice(None, None)}}, {"fractions": {"train": 1.0}, "block": {"time": 1}}):
+        with pytest.raises(ValueError, match=r"dim 'time' has length 0 here: the selection holds no position"):
+            empty.insitu.split("time", **kw)
+
+
+@pytest.fixture(scope="module")
+def lon_archive(tmp_path_factory):
+    """180 longitudes 0..358 stored in chunks of 50: [0, 50) [50, 100) [100, 150) [150, 180)."""
+    p = str(tmp_path_factory.mktemp("lon") / "lon.zarr")
+    rng = np.random.default_rng(0)
+    xr.Dataset({"t": (("time", "lon"), rng.random((4, 180)).astype("f4"))},
+               coords={"lon": np.arange(0, 360, 2.0)}).to_zarr(p, encoding={"t": {"chunks": (4, 50)}})
+    return p
+
+
+def _recentred(p, how):
+    if how == "sortby":
+        src = xinsitu.open_zarr(p)
+        ds = src.assign_coords(lon=(src.lon + 180) % 360 - 180).sortby("lon")
+        return ds, np.argsort((np.arange(0, 360, 2.0) + 180) % 360 - 180, kind="stable")
+    return xr.open_zarr(p).roll(lon=90, roll_coords=True), np.roll(np.arange(180), 90)
+
+
+@pytest.mark.parametrize("how", ["sortby", "roll"])
+def test_a_stored_chunk_in_two_places_is_refused(lon_archive, how):
+    """Re-centring longitudes (sortby after assign_coords, or roll) puts stored chunk 1 at both ends of
+    the new axis: split() made it two chunk blocks and gave them to train and val (one read serving both).
+    It raises, naming the dim, the stored chunk and the ways out; with block= it splits, every sample in
+    one split, values as xarray's."""
+    ds, stored = _recentred(lon_archive, how)
+    with pytest.raises(ValueError, match=r"(?s)dim 'lon': the selection reorders 'lon' so that stored chunk 1 "
+                                         r"of 't' \(stored positions 50..99\) appears in two places.*"
+                                         r"block=\{'lon': n\}.*archive's own order"):
+        ds.insitu.split("lon", fractions={"train": 0.6, "val": 0.4})
+    with pytest.raises(ValueError, match="stored chunk 1"):
+        ds.insitu.split("lon", ranges={"train": slice(-180, -2), "val": slice(0, None)})
+    with pytest.raises(ValueError, match="stored chunk 1"):
+        ds.insitu.split(["time", "lon"], fractions={"a": 0.5, "b": 0.5}, block={"time": 1})
+    one = ds.insitu.split("lon", fractions={"all": 1.0})  # one split: no read serves two
+    assert len(one.indices("all")["lon"]) == 180
+    m = ds.insitu.split("lon", fractions={"train": 0.6, "val": 0.4}, block={"lon": 10})
+    seen = []
+    for name in m.splits:
+        ind = m.indices(name)["lon"]
+        seen.append(stored[ind])
+        got = np.concatenate([b["t"] for b in ds.insitu.batches(m, name, batch_size=7, shuffle=False,
+                                                                   output="numpy")])
+        np.testing.assert_array_equal(got, ds.t.isel(lon=ind).transpose("lon", "time").values)
+    assert not set(seen[0]) & set(seen[1])
+
+
+def test_a_reordering_that_keeps_each_chunk_in_one_place_splits(lon_archive):
+    """A reversed dim (each stored chunk still one run) splits on whole stored chunks, as before."""
+    ds = xinsitu.open_zarr(lon_archive).isel(lon=slice(None, None, -1))
+    m = ds.insitu.split("lon", fractions={"train": 0.5, "val": 0.5})
+    stored = np.arange(180)[::-1]
+    chunks = {k: set(stored[m.indices(k)["lon"]] // 50) for k in m.splits}
+    assert not chunks["train"] & chunks["val"] and chunks["train"] | chunks["val"] == {0, 1, 2, 3}

@@ -204,6 +204,42 @@ def common_edges(sources: dict[str, VarSource], dim: str) -> np.ndarray:
     return out
 
 
+def chunk_in_two_blocks(sources: dict[str, VarSource], dim: str,
+                        edges: np.ndarray) -> tuple[str, int, int, tuple[int, int], tuple[int, int]] | None:
+    """A stored chunk along ``dim`` that two chunk blocks (of ``edges``) hold, or None.
+
+    A selection that reorders or repeats ``dim`` (``sortby`` after re-centring longitudes, ``roll``,
+    ``isel`` with an index array) can put one stored chunk in two places, which the chunk grid of the
+    selection sees as two blocks. Returns the variable, the stored chunk, its chunk length and the
+    selection's positions ``[start, stop)`` of its first two places in different blocks. Only a
+    selection that is not a run of the stored dim is looked at (one pass over its positions).
+    """
+    for s in sources.values():
+        if not s.stored or dim not in s.dims:
+            continue
+        ax = s.src_dims.index(dim)
+        ix = np.asarray(s.index[ax], dtype=np.int64)
+        if len(ix) < 2 or run_start(ix) is not None:
+            continue
+        c = s.chunk_shape[ax]
+        ids = ix // c
+        starts = np.concatenate([[0], np.flatnonzero(ids[1:] != ids[:-1]) + 1]).astype(np.int64)
+        stops = np.append(starts[1:], len(ix))
+        run_ids = ids[starts]
+        run_block = np.searchsorted(edges, starts, side="right") - 1  # each run lies in one block
+        order = np.lexsort((starts, run_ids))  # by chunk, then by place in the selection
+        rid, rblock = run_ids[order], run_block[order]
+        other = np.flatnonzero((rid[1:] == rid[:-1]) & (rblock[1:] != rblock[:-1]))
+        if len(other):
+            k = int(rid[other[0]])
+            runs = order[rid == k]  # the chunk's runs, in the selection's order
+            first = int(runs[0])
+            second = next(int(r) for r in runs if run_block[r] != run_block[first])
+            return (s.name, k, c, (int(starts[first]), int(stops[first])),
+                    (int(starts[second]), int(stops[second])))
+    return None
+
+
 def geometry_of(sources: dict[str, VarSource]) -> Geometry:
     """The Geometry of a set of variable sources."""
     variables = {name: var_geometry(s) for name, s in sources.items()}
@@ -278,3 +314,11 @@ def dataset_geometry(ds: xr.Dataset, names: list[str] | None = None) -> tuple[di
     got = resolve(ds, redo) if redo else {}  # (raises as resolve does for names not in the Dataset)
     sources = {n: kept[n] if n in kept else got[n] for n in want}
     return sources, (hit[3] if want == every else geometry_of(sources))
+
+
+def kept_sources(ds: xr.Dataset) -> dict[str, VarSource]:
+    """The sources ``dataset_geometry`` keeps with ``ds`` (every stored variable's among them), without
+    resolving again the variables it does not keep (in-memory copies)."""
+    dataset_geometry(ds)
+    hit = _BY_DATASET.get(id(ds))
+    return dict(hit[2]) if hit is not None and hit[0]() is ds else {}

@@ -19,7 +19,17 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from xinsitu.index.runs import Blocks, _decode_owner, _encode_owner, _is_int, check_mask_record, decode_steps, steps_of
+from xinsitu.index.runs import (
+    INT64_MAX,
+    Blocks,
+    _decode_owner,
+    _encode_owner,
+    _is_int,
+    check_mask_record,
+    decode_steps,
+    steps_length,
+    steps_of,
+)
 from xinsitu.repr import formatting
 
 #: 2: chunk blocks stored as runs (or, for a scattered split, one compressed owner per block),
@@ -28,6 +38,9 @@ FORMAT_VERSION = 2
 #: a manifest written with more runs than this stores one owner per chunk block when that is smaller
 MAX_RUNS = 4096
 _MAX_OWNED = 255  # splits a compressed owner array can tell apart (the last code: left out)
+#: chunk edges a manifest may hold over all its split dims (1 GiB of int64): a hand-made file that
+#: claims more (a run of 10^10 steps is a few bytes of JSON) is refused before anything is allocated
+MAX_EDGES = 1 << 27
 
 
 # ----------------------------------------------------------------------------- labels
@@ -318,11 +331,15 @@ class SplitManifest:
         if version > FORMAT_VERSION:
             raise ValueError(f"manifest format version {d['version']} is newer than this xinsitu "
                              f"understands ({FORMAT_VERSION})")
-        fields = _validated_fields(d, version)
-        m = cls(**fields)
+        try:
+            m = cls(**_validated_fields(d, version))
+            fp = m.fingerprint and (fingerprint_v1(m.dims, m.sizes, m.edges, m.extra.get("coords", {})) if version == 1
+                                    else fingerprint_of(m.dims, m.sizes, m.edges, m.extra.get("coords", {})))
+        except RecursionError:  # (labels or coordinates nested past Python's limit in a dict handed in)
+            raise ValueError("manifest is nested too deeply to be a manifest") from None
+        except OverflowError as e:  # (every integer field is bounded first: a safety net)
+            raise ValueError(f"manifest holds an integer too large for its field ({e})") from None
         if m.fingerprint:
-            fp = (fingerprint_v1(m.dims, m.sizes, m.edges, m.extra.get("coords", {})) if version == 1 else
-                  fingerprint_of(m.dims, m.sizes, m.edges, m.extra.get("coords", {})))
             if m.fingerprint != fp:
                 raise ValueError("manifest fingerprint does not match its contents (the file was edited or damaged)")
             if version == 1:  # in memory every manifest carries the current fingerprint
@@ -331,13 +348,33 @@ class SplitManifest:
 
     @classmethod
     def from_json(cls, path_or_text: str | os.PathLike) -> SplitManifest:
-        """Load a manifest written by ``to_json`` (a path, or the JSON text itself)."""
-        s = str(path_or_text)
-        text = s if s.lstrip().startswith("{") else open(s).read()
+        """Load a manifest written by ``to_json`` (a path, or the JSON text itself).
+
+        A ``str`` is read as JSON text where it starts with ``{`` or ``[`` or names no existing file
+        but parses as JSON (``"null"``: ``ValueError``, not a file not found), else as a path; an
+        ``os.PathLike`` is always a path. Every field is checked: ``ValueError`` naming the problem.
+        """
+        if isinstance(path_or_text, os.PathLike):
+            text = _read(path_or_text)
+        elif not isinstance(path_or_text, str):
+            raise TypeError(f"from_json takes a path or the JSON text (str), got {type(path_or_text).__name__}")
+        else:
+            s = path_or_text.removeprefix("\ufeff")  # (a byte-order mark left by an editor)
+            head = s.lstrip()[:1]
+            if head in ("{", "[") or (not os.path.exists(s) and _parses(s)):
+                text = s
+            else:
+                text = _read(s)
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"manifest is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ValueError("manifest JSON is nested too deeply to be a manifest") from None
+        if not isinstance(d, dict):
+            kind = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+            raise ValueError(f"not an xinsitu SplitManifest: the JSON text is {kind.get(type(d), 'null')}, not an "
+                             "object with 'format': 'xinsitu.SplitManifest'")
         return cls.from_dict(d)
 
     # -- display (``formatting``)
@@ -375,6 +412,20 @@ class SplitManifest:
         return formatting.html_repr(self)
 
 
+def _read(path: str | os.PathLike) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _parses(text: str) -> bool:
+    """Whether ``text`` is JSON (small texts only: a path is short, and so is a JSON scalar)."""
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
 def fingerprint_of(dims: list[str], sizes: dict[str, int], edges: dict[str, Any],
                    coords: Mapping[str, list[Any] | None]) -> str:
     """Hash of the split dims' geometry (lengths, chunk grid as runs of equal steps, first/last
@@ -406,18 +457,28 @@ def _validated_fields(d: dict[str, Any], version: int) -> dict[str, Any]:
     edges_in: Any = d.get("edges")
     need(isinstance(dims, list) and bool(dims) and all(isinstance(x, str) for x in dims)
          and len(set(dims)) == len(dims), f"'dims' must be a non-empty list of distinct names, got {dims!r}")
-    need(isinstance(sizes, dict) and all(x in sizes and _is_int(sizes[x]) and sizes[x] >= 0 for x in dims),
-         f"'sizes' must map each of {dims} to a non-negative integer, got {sizes!r}")
+    need(isinstance(sizes, dict) and all(x in sizes and _is_int(sizes[x]) and 0 <= sizes[x] <= INT64_MAX
+                                         for x in dims),
+         f"'sizes' must map each of {dims} to a non-negative integer below 2**63, got {sizes!r}")
     need(isinstance(edges_in, dict) and all(x in edges_in for x in dims),
          f"'edges' must give the chunk edges of each of {dims}")
     edges: dict[str, np.ndarray] = {}
+    room = MAX_EDGES
     for x in dims:
         e = edges_in[x]
+        # counted before anything is allocated: edges rise strictly from 0 to the length, so at most length + 1
         if isinstance(e, dict) and version >= 2:
-            e = decode_steps(e.get("steps"), f"manifest 'edges' of {x!r}")
+            count = steps_length(e.get("steps"), f"manifest 'edges' of {x!r}")
         else:
-            need(isinstance(e, list) and all(_is_int(v) for v in e), f"'edges' of {x!r} must be a list of integers")
-            e = np.asarray(e, dtype=np.int64)
+            need(isinstance(e, list) and all(_is_int(v) and abs(v) <= INT64_MAX for v in e),
+                 f"'edges' of {x!r} must be a list of integers below 2**63")
+            count = len(e)
+        need(count <= sizes[x] + 1, f"'edges' of {x!r} hold {count} chunk edges, more than its length {sizes[x]} "
+                                    f"allows ({sizes[x] + 1})")
+        need(count <= room, f"'edges' of {x!r} hold {count} chunk edges, more than this xinsitu loads "
+                            f"({MAX_EDGES} over all split dims)")
+        room -= count
+        e = decode_steps(e["steps"], f"manifest 'edges' of {x!r}") if isinstance(e, dict) else np.asarray(e, np.int64)
         need(len(e) >= 2 and e[0] == 0 and e[-1] == sizes[x] and bool((e[1:] > e[:-1]).all()),
              f"'edges' of {x!r} must rise strictly from 0 to its length {sizes[x]}")
         e.setflags(write=False)  # ours: the manifest keeps it as it is, no copy
@@ -434,12 +495,19 @@ def _validated_fields(d: dict[str, Any], version: int) -> dict[str, Any]:
     for k, v in splits_in.items():
         if isinstance(v, list):  # format 1: every block id listed
             need(all(_is_int(b) for b in v), f"split {k!r} must list integer chunk blocks")
+            out_of = next((b for b in v if not 0 <= b < n), None)  # (before numpy holds them: any size of int)
+            need(out_of is None, f"split {k!r} holds chunk block {out_of}, outside the grid of {n} chunk blocks "
+                                 f"({' x '.join(map(str, grid))})")
             b = Blocks.from_ids(v)
         elif isinstance(v, dict) and "runs" in v:
             r = v["runs"]
             need(isinstance(r, list) and all(isinstance(p, list) and len(p) == 2 and _is_int(p[0]) and _is_int(p[1])
                                              and p[1] > p[0] for p in r),
                  f"split {k!r}: 'runs' must be a list of [start, stop] integer pairs with stop > start")
+            out_of = next((p for p in r if p[0] < 0 or p[1] > n), None)
+            need(out_of is None, f"split {k!r} holds chunk block "
+                                 f"{(out_of[0] if out_of[0] < 0 else out_of[1] - 1) if out_of else ''}, outside the "
+                                 f"grid of {n} chunk blocks ({' x '.join(map(str, grid))})")
             b = Blocks([p[0] for p in r], [p[1] for p in r])
         elif isinstance(v, dict) and "owner" in v:
             i = v["owner"]
@@ -448,10 +516,11 @@ def _validated_fields(d: dict[str, Any], version: int) -> dict[str, Any]:
             b = Blocks.from_ids(np.flatnonzero(owner == i))
         else:
             raise ValueError(f"manifest split {k!r} must be a list of chunk blocks or {{'runs': [[start, stop], ...]}}")
-        if len(b):
-            lo, hi = b.bounds()
-            need(lo >= 0 and hi < n, f"split {k!r} holds chunk block {lo if lo < 0 else hi}, outside the grid of "
-                                     f"{n} chunk blocks ({' x '.join(map(str, grid))})")
+        need(len(b) > 0, f"split {k!r} holds no chunk block: an empty split is refused, as split() refuses it "
+                         "(drop it from 'splits', or give it chunk blocks)")
+        lo, hi = b.bounds()
+        need(lo >= 0 and hi < n, f"split {k!r} holds chunk block {lo if lo < 0 else hi}, outside the grid of "
+                                 f"{n} chunk blocks ({' x '.join(map(str, grid))})")
         splits[k] = b
     _check_disjoint(splits)
     out: dict[str, Any] = {"dims": dims, "sizes": {x: sizes[x] for x in dims}, "edges": edges, "splits": splits}
@@ -459,7 +528,7 @@ def _validated_fields(d: dict[str, Any], version: int) -> dict[str, Any]:
     need(isinstance(labels, dict) and all(isinstance(v, dict) for v in labels.values()),
          "'labels' must be a dict of split name -> {dim: [first, last]}")
     out["labels"] = labels
-    checks = {"seed": lambda v: v is None or _is_int(v), "gap": lambda v: _is_int(v) and v >= 0,
+    checks = {"seed": lambda v: v is None or _is_int(v), "gap": lambda v: _is_int(v) and 0 <= v <= INT64_MAX,
               "contiguous": lambda v: isinstance(v, bool), "method": lambda v: v in ("fractions", "ranges"),
               "fingerprint": lambda v: isinstance(v, str), "snapshot": lambda v: v is None or isinstance(v, str),
               "stats": lambda v: v is None or isinstance(v, dict), "extra": lambda v: isinstance(v, dict)}
@@ -476,8 +545,9 @@ def _validated_fields(d: dict[str, Any], version: int) -> dict[str, Any]:
     coords = out.get("extra", {}).get("coords", {})
     need(isinstance(coords, dict), "'extra.coords' must be a dict of dim -> [first, last]")
     block = d.get("block", {})
-    need(isinstance(block, dict) and all(k in dims and _is_int(n) and n >= 1 for k, n in block.items()),
-         f"'block' must map split dims of {dims} to positive integers, got {block!r}")
+    need(isinstance(block, dict) and all(k in dims and _is_int(n) and 1 <= n <= max(sizes[k], 1)
+                                         for k, n in block.items()),
+         f"'block' must map split dims of {dims} to positive integers up to their lengths, got {block!r}")
     for k, n in block.items():
         e = edges[k]
         need(len(e) == -(-sizes[k] // n) + 1 and bool((e[:-1] == np.arange(len(e) - 1) * n).all()),

@@ -168,15 +168,31 @@ def steps_of(values: Any) -> list[list[int]]:
     return [list(r) for r in hit[1]]  # a copy: the caller may edit it
 
 
-def decode_steps(runs: Any, what: str) -> np.ndarray:
-    """The int array ``encode_steps`` encoded; ``ValueError`` naming ``what`` on a malformed one."""
+#: the bounds of an int64: every integer a manifest gives is checked against them before numpy holds it
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def steps_length(runs: Any, what: str) -> int:
+    """How many values the runs of equal steps ``runs`` (``encode_steps``) stand for, checked without
+    decoding them (types, ``count >= 1``, ``step >= 0``, every value an int64): ``ValueError`` naming ``what``."""
     if not isinstance(runs, list) or not all(isinstance(r, list) and len(r) == 3 and all(_is_int(x) for x in r)
                                              for r in runs):
         raise ValueError(f"{what} must be a list of [first, step, count] integer triples")
     if any(r[2] < 1 or r[1] < 0 for r in runs):
         raise ValueError(f"{what}: each [first, step, count] needs count >= 1 and step >= 0")
+    if any(not INT64_MIN <= a <= INT64_MAX or a + s * (n - 1) > INT64_MAX for a, s, n in runs):
+        raise ValueError(f"{what}: a [first, step, count] goes past the 64-bit integers")
+    return sum(n for _, _, n in runs)
+
+
+def decode_steps(runs: Any, what: str, limit: int | None = None) -> np.ndarray:
+    """The int array ``encode_steps`` encoded; ``ValueError`` naming ``what`` on a malformed one, or on
+    one of more than ``limit`` values (checked before anything is allocated)."""
+    total = steps_length(runs, what)
+    if limit is not None and total > limit:
+        raise ValueError(f"{what}: the runs hold {total} values, more than the {limit} expected")
     if len(runs) < 1000:  # one array, each run filled in place (a, s, s, ... summed): no temporary of its size
-        out = np.empty(sum(n for _, _, n in runs), dtype=np.int64)
+        out = np.empty(total, dtype=np.int64)
         i = 0
         for a, s, n in runs:
             seg = out[i:i + n]
@@ -186,7 +202,7 @@ def decode_steps(runs: Any, what: str) -> np.ndarray:
             i += n
         return out
     r = np.asarray(runs, dtype=np.int64)
-    pos = np.arange(int(r[:, 2].sum()), dtype=np.int64) - np.repeat(np.cumsum(r[:, 2]) - r[:, 2], r[:, 2])
+    pos = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(r[:, 2]) - r[:, 2], r[:, 2])
     return np.repeat(r[:, 0], r[:, 2]) + np.repeat(r[:, 1], r[:, 2]) * pos
 
 
@@ -262,18 +278,29 @@ def encode_mask(mask: np.ndarray) -> dict[str, Any]:
             "bitmap": base64.b64encode(zlib.compress(raw, 6)).decode("ascii")}
 
 
+#: samples a valid-sample mask may claim: a bitmap of 2**40 samples is 128 GiB, far past any split
+MAX_MASK = 1 << 40
+
+
 def decode_mask(record: dict[str, Any], what: str = "validity") -> np.ndarray:
     """The bool mask of an ``encode_mask`` record; ``ValueError`` naming ``what`` if it is damaged."""
     got: Any = record.get("n")
     if not _is_int(got) or got < 0:
         raise ValueError(f"{what}: 'n' must be a non-negative integer, got {got!r}")
     n = int(got)
-    try:
-        raw = zlib.decompress(base64.b64decode(record["bitmap"], validate=True))
+    if n > MAX_MASK:
+        raise ValueError(f"{what}: 'n' ({n}) is more samples than a mask holds (at most {MAX_MASK})")
+    size = (n + 7) // 8
+    try:  # at most the bytes expected (and one more, to tell too many): a damaged or forged bitmap costs no memory
+        inflate = zlib.decompressobj()
+        raw = inflate.decompress(base64.b64decode(record["bitmap"], validate=True), size + 1)
+        if len(raw) <= size and not inflate.eof:
+            raise zlib.error("incomplete or truncated stream")
     except (KeyError, TypeError, ValueError, zlib.error) as e:
         raise ValueError(f"{what}: 'bitmap' is not a base64 zlib bitmap ({e})") from None
-    if len(raw) != (n + 7) // 8:
-        raise ValueError(f"{what}: the bitmap holds {8 * len(raw)} bits, not the {n} samples it claims "
+    if len(raw) != size:
+        held = f"more than {8 * size}" if len(raw) > size else str(8 * len(raw))
+        raise ValueError(f"{what}: the bitmap holds {held} bits, not the {n} samples it claims "
                          f"(wrong length: made for another split or sampling?)")
     mask = np.unpackbits(np.frombuffer(raw, np.uint8), count=n).astype(bool)
     if record.get("valid") != int(mask.sum()):

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import math
 import numbers
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
 import pandas as pd
+import xarray as xr
 
-from xinsitu.index.geometry import Geometry, regular_edges
+from xinsitu.index.geometry import Geometry, chunk_in_two_blocks, kept_sources, regular_edges
 from xinsitu.index.manifest import SplitManifest, coord_span, fingerprint_of, json_label
 from xinsitu.index.runs import Blocks
+from xinsitu.index.source import VarSource
 
 __all__ = ["SplitManifest", "check_fractions", "contiguous_split", "largest_remainder", "make_split",
            "random_split", "range_split"]
@@ -25,15 +28,42 @@ __all__ = ["SplitManifest", "check_fractions", "contiguous_split", "largest_rema
 
 # ----------------------------------------------------------------------------- pure math
 def largest_remainder(fractions: dict[str, float], total: int) -> dict[str, int]:
-    """Whole counts summing to ``total``, proportional to ``fractions`` (largest remainder)."""
-    raw = {k: f * total for k, f in fractions.items()}
-    counts = {k: int(math.floor(v)) for k, v in raw.items()}
+    """Whole counts summing to ``total``, proportional to ``fractions`` (largest remainder).
+
+    Exact: each fraction is taken as the simplest rational its float stands for (``0.1`` is 1/10,
+    ``1 / 6`` is 1/6, not the binary floats next to them), normalised to sum to 1, so remainders
+    that are equal tie exactly and ties go to the split named first (0.05/0.1/0.85 of 56: 3/6/47).
+    """
+    exact = {k: simplest_fraction(float(f)) for k, f in fractions.items()}
+    whole = sum(exact.values())
+    raw = {k: f / whole * total if whole else Fraction(0) for k, f in exact.items()}
+    counts = {k: math.floor(v) for k, v in raw.items()}
     left = total - sum(counts.values())
     # ties go to the split named first, so the result is deterministic
-    order = sorted(raw, key=lambda k: (-(raw[k] - counts[k]), list(raw).index(k)))
+    names = list(raw)
+    order = sorted(names, key=lambda k: (-(raw[k] - counts[k]), names.index(k)))
     for k in order[:left]:
         counts[k] += 1
     return counts
+
+
+def simplest_fraction(f: float) -> Fraction:
+    """The rational with the smallest denominator that rounds to the float ``f`` (a finite float):
+    ``0.1`` -> 1/10, ``1 / 3`` -> 1/3, ``0.3333333`` -> 3333333/10000000."""
+    x = Fraction(f)
+    lo = (x + Fraction(math.nextafter(f, -math.inf))) / 2  # the floats' rounding interval, ends excluded
+    hi = (x + Fraction(math.nextafter(f, math.inf))) / 2
+    return _simplest_between(lo, hi)
+
+
+def _simplest_between(lo: Fraction, hi: Fraction | None) -> Fraction:
+    """The rational with the smallest denominator strictly between ``lo`` and ``hi`` (None: no upper
+    end), by continued fractions."""
+    n = math.floor(lo) + 1
+    if hi is None or n < hi:
+        return Fraction(n)
+    fl = n - 1  # lo and hi both lie in (fl, fl + 1]; x = fl + 1 / y with y between 1/(hi - fl) and 1/(lo - fl)
+    return fl + 1 / _simplest_between(1 / (hi - fl), None if lo == fl else 1 / (lo - fl))
 
 
 def check_fractions(fractions: dict[str, float]) -> dict[str, float]:
@@ -224,6 +254,23 @@ def _unsplittable(geometry: Geometry, d: str) -> ValueError:
         "one split (fractions={'train': 1.0}) needs neither")
 
 
+def _check_chunks_in_one_block(sources: dict[str, VarSource], d: str, edges: np.ndarray) -> None:
+    """``ValueError`` where a selection that reorders ``d`` puts one stored chunk in two chunk blocks, which
+    could then go to two splits (one read serving both)."""
+    hit = chunk_in_two_blocks(sources, d, edges)
+    if hit is None:
+        return
+    name, k, c, (a1, b1), (a2, b2) = hit
+    raise ValueError(
+        f"dim {d!r}: the selection reorders {d!r} so that stored chunk {k} of {name!r} (stored positions "
+        f"{k * c}..{k * c + c - 1}) appears in two places, positions {a1}..{b1 - 1} and {a2}..{b2 - 1} here "
+        f"(e.g. sortby after re-centring longitudes, or roll): its two parts would be two chunk blocks, which "
+        f"could go to two splits, one read serving both. Pass block={{{d!r}: n}} to split in blocks of n "
+        "positions (a chunk may then be read by several splits, a sample never), or split the Dataset in the "
+        f"archive's own order of {d!r} (before sortby/roll) and reorder the samples afterwards"
+    )
+
+
 def make_split(ds: Any, geometry: Geometry, dim: str | list[str], *, fractions: dict[str, float] | None = None,
                ranges: dict[str, slice] | None = None, gap: int = 0, contiguous: bool | None = None,
                seed: int | None = 0, block: dict[str, int] | None = None) -> SplitManifest:
@@ -240,12 +287,20 @@ def make_split(ds: Any, geometry: Geometry, dim: str | list[str], *, fractions: 
         if d not in geometry.sizes:
             have = sorted(geometry.sizes)
             raise ValueError(f"unknown dim {d!r}: the data variables have dims {have}")
+        if geometry.sizes[d] == 0:
+            raise ValueError(f"dim {d!r} has length 0 here: the selection holds no position of {d!r} (a .sel "
+                             "range outside its coordinate?), so there is nothing to split")
     block = check_block(block, dims, geometry.sizes)
     edges = {d: block_edges(geometry.sizes[d], block[d]) if d in block else geometry.edges[d] for d in dims}
     nsplits = len(fractions) if isinstance(fractions, dict) else len(ranges) if isinstance(ranges, dict) else 2
     for d in dims:
         if len(edges[d]) - 1 < 2 and d not in block and nsplits > 1:
             raise _unsplittable(geometry, d)
+    if nsplits > 1 and any(d not in block for d in dims) and isinstance(ds, xr.Dataset):
+        sources = kept_sources(ds)
+        for d in dims:
+            if d not in block:
+                _check_chunks_in_one_block(sources, d, edges[d])
     if not isinstance(gap, (int, np.integer)) or isinstance(gap, bool) or gap < 0:
         raise ValueError(f"gap must be a non-negative whole number of chunks, got {gap!r}")
     if (fractions is None) == (ranges is None):

@@ -156,6 +156,9 @@ def test_a_state_from_before_an_append_names_the_growth(tmp_path):
     with pytest.raises(ValueError, match=r"manifest, made on 'time' of length 30 then, 33 here: the archive grew "
                                          r"since; resume on ds.isel\(time=slice\(0, 30\)\)"):
         later.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"of length 30, this dataset has 33: the archive grew since\? "
+                                         r"ds.isel\(time=slice\(0, 30\)\) is what it was made on"):
+        grown.insitu.batches(gen.manifest, "train", batch_size=2)  # the old manifest on the grown archive
     cut = grown.isel(time=slice(0, 30))
     cut.insitu.batches(gen.manifest, "train", batch_size=2).load_state_dict(state)
 

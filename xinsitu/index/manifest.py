@@ -222,7 +222,10 @@ class SplitManifest:
         if dim not in ds.sizes:
             raise ValueError(f"ds has no dim {dim!r} (the manifest's split dim); its dims are {list(ds.sizes)}")
         if ds.sizes[dim] != self.sizes[dim]:
-            raise ValueError(f"the manifest was made on {dim!r} of length {self.sizes[dim]}, ds has {ds.sizes[dim]}")
+            grew = (f": the archive grew since? ds.isel({dim}=slice(0, {self.sizes[dim]})) is what it was made on"
+                    if ds.sizes[dim] > self.sizes[dim] else "")
+            raise ValueError(f"the manifest was made on {dim!r} of length {self.sizes[dim]}, ds has "
+                             f"{ds.sizes[dim]}{grew}")
         span = coord_span(ds, dim)
         if span is not None:
             self.check_labels({dim: span})
@@ -272,7 +275,10 @@ class SplitManifest:
             if d not in sizes:
                 raise ValueError(f"manifest splits dim {d!r}, which the selected variables do not have")
             if sizes[d] != self.sizes[d]:
-                raise ValueError(f"manifest was made on {d!r} of length {self.sizes[d]}, this dataset has {sizes[d]}")
+                grew = (f": the archive grew since? ds.isel({d}=slice(0, {self.sizes[d]})) is what it was made on"
+                        if sizes[d] > self.sizes[d] else "")
+                raise ValueError(f"manifest was made on {d!r} of length {self.sizes[d]}, this dataset has "
+                                 f"{sizes[d]}{grew}")
             if d in self.block:
                 continue
             mine, theirs = self.edges[d], np.asarray(edges[d], dtype=np.int64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 
+import numpy as np
 import pytest
 import xarray as xr
 
@@ -61,3 +62,21 @@ def test_unmappable_dataset_errors(era5_path):
     computed = ds.assign(t2m=ds.t2m * 2)
     with pytest.raises(ValueError, match="computed lazily by dask"):
         _ = computed.insitu.geometry
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_a_scalar_data_variable_is_no_obstacle(tmp_path, zarr_format):
+    """A 0-d data variable (a CF ``crs`` grid mapping, ``rotated_pole``) beside the fields: geometry, split and
+    batches work, as on xarray (its empty dim list was taken for none: 'has no dimension names')."""
+    ds = xr.Dataset({"t2m": (("time", "y"), np.random.default_rng(0).random((8, 3)).astype("f4"),
+                             {"grid_mapping": "crs"}),
+                     "crs": ((), np.int32(0), {"grid_mapping_name": "latitude_longitude"})},
+                    coords={"time": np.arange(8), "y": np.arange(3)})
+    path = str(tmp_path / "scalar.zarr")
+    ds.to_zarr(path, zarr_format=zarr_format, encoding={"t2m": {"chunks": (2, 3)}})
+    for d in (xr.open_zarr(path), xinsitu.open_zarr(path)):
+        assert d.insitu.geometry.variables["crs"].shape == ()
+        m = d.insitu.split("time", fractions={"train": 1.0})
+        b = next(iter(d.insitu.batches(m, "train", batch_size=8, shuffle=False, output="numpy")))
+        assert list(b) == ["t2m"]
+        np.testing.assert_array_equal(b["t2m"], d.t2m.values)

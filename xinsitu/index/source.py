@@ -255,6 +255,9 @@ def _compose_keys(shape: tuple[int, ...], keys: list) -> list:
 
 
 def _array_dims(zarray: Any, name: str) -> tuple[str, ...]:
+    """The stored array's dim names (``()`` for a 0-d one: a CF ``crs`` or ``rotated_pole`` variable)."""
+    if zarray.ndim == 0:  # (zarr v3 may name no dims for it at all)
+        return ()
     dims = getattr(zarray.metadata, "dimension_names", None)
     if not dims:
         dims = zarray.attrs.get("_ARRAY_DIMENSIONS")

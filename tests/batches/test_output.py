@@ -154,3 +154,23 @@ def test_a_datetime_variable_beside_numbers(tmp_path, where):
         assert seen == nt
     with pytest.raises(TypeError, match="stack: the variables have no common dtype"):
         ds.insitu.batches(m, "train", output="numpy", stack=True)
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+@pytest.mark.parametrize("options", [{}, {"decode_cf": False}])
+def test_a_boolean_stored_as_int8_with_a_dtype_attribute(tmp_path, zarr_format, options):
+    """int8 storage with the attribute ``dtype: "bool"`` (how xarray writes booleans to NetCDF, kept by Zarr
+    stores converted from NetCDF) decodes to bool, as xarray's BooleanCoder does (it was refused: 're-applying
+    its CF encoding gives int8')."""
+    path = str(tmp_path / "bool.zarr")
+    g = zarr.open_group(path, mode="w", zarr_format=zarr_format)
+    kw = (dict(attributes={"dtype": "bool", "_ARRAY_DIMENSIONS": ["time", "y"]}) if zarr_format == 2
+          else dict(attributes={"dtype": "bool"}, dimension_names=["time", "y"]))
+    a = g.create_array("mask", shape=(8, 3), dtype="i1", chunks=(2, 3), fill_value=0, **kw)
+    a[...] = np.random.default_rng(0).integers(0, 3, (8, 3))
+    zarr.consolidate_metadata(path)
+    ds = xr.open_zarr(path, **options)
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    b = next(iter(ds.insitu.batches(m, "train", batch_size=8, shuffle=False, output="numpy")))
+    assert b["mask"].dtype == ds.mask.dtype == bool
+    np.testing.assert_array_equal(b["mask"], ds.mask.values)

@@ -103,9 +103,12 @@ def cf_decoder(name: str, layout: VarLayout) -> Any:
     src = layout.src
     if decodes_to_itself(src):
         return identity
-    if not {k for k in src.cf if k != "dtype"} and src.raw_dtype.newbyteorder("=") == src.dtype.newbyteorder("="):
+    # (an encoding's dtype is the stored one, not an attribute to decode -- but for the "dtype": "bool" attribute
+    # xarray's BooleanCoder decodes, which int8 storage of NetCDF booleans carries)
+    attrs = {k: v for k, v in src.cf.items() if k != "dtype" or (isinstance(v, str) and v == "bool")}
+    if not attrs and src.raw_dtype.newbyteorder("=") == src.dtype.newbyteorder("="):
         return _Cast(src.dtype)
-    decode = _CFDecode(name, {k: v for k, v in src.cf.items() if k != "dtype"}, np.dtype(src.dtype))
+    decode = _CFDecode(name, attrs, np.dtype(src.dtype))
     probe = decode(np.zeros((1,), dtype=src.raw_dtype))
     if probe.dtype != src.dtype:
         raise ValueError(f"variable {name!r}: re-applying its CF encoding gives {probe.dtype}, but the Dataset "

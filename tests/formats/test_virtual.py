@@ -356,6 +356,28 @@ def test_float32_packing_decodes_as_xarray(tmp_path):
     run_epoch(ref, got.insitu.batches(m, "val", batch_size=3, output="xarray"), "xarray")
 
 
+def test_an_integer_scale_factor_keeps_the_integer_dtype(tmp_path):
+    """A short variable with a short ``scale_factor`` (no offset) decodes to int16, as xarray reads the file,
+    wrap-around included (zarr's JSON int made it int64: another dtype, and other values where int16 wraps)."""
+    netcdf4 = pytest.importorskip("netCDF4", reason="writing the file needs netCDF4")
+    path = str(tmp_path / "int_scale.nc")
+    with netcdf4.Dataset(path, "w") as f:
+        f.createDimension("time", 4)
+        f.createDimension("y", 2)
+        f.createVariable("time", "i4", ("time",))[:] = np.arange(4)
+        v = f.createVariable("n", "i2", ("time", "y"), fill_value=False, chunksizes=(2, 2))
+        v.set_auto_maskandscale(False)
+        v.setncattr("scale_factor", np.int16(2))
+        v[:] = np.array([[1, 2], [3, 20000], [5, 6], [7, 8]], dtype="i2")
+    ref = xr.open_dataset(path)
+    got = open_netcdf(path)
+    assert got.n.dtype == ref.n.dtype == np.int16
+    m = got.insitu.split("time", fractions={"train": 1.0})
+    b = next(iter(got.insitu.batches(m, "train", batch_size=4, shuffle=False, output="numpy")))
+    assert b["n"].dtype == np.int16
+    np.testing.assert_array_equal(b["n"], ref.n.values)
+
+
 @pytest.mark.parametrize("fmt", ["NETCDF4", "NETCDF3_CLASSIC"])
 def test_variables_in_the_files_order(tmp_path, fmt):
     """Data variables (and so stacked channels) come in the file's order, as ``xr.open_dataset`` gives them,

@@ -395,7 +395,8 @@ def typed_packing(arr: Any, h5attrs: Any) -> Any:
             return xr.conventions.decode_cf_variable("v", sample, mask_and_scale=True, decode_times=False,
                                                     decode_timedelta=False)
 
-    json_typed = {k: float(v) if isinstance(v, np.floating) else v for k, v in typed.items()}
+    json_typed = {k: float(v) if isinstance(v, np.floating) else int(v) if isinstance(v, np.integer) else v
+                  for k, v in typed.items()}
     dec = decoded(typed)
     if dec.dtype == decoded(json_typed).dtype:
         return arr  # JSON gives the same decoding

@@ -3,6 +3,8 @@ stores, options are passed through or refused by name, and no message quotes a s
 
 from __future__ import annotations
 
+import warnings
+
 import obstore.store
 import pytest
 
@@ -111,7 +113,8 @@ def test_open_of_an_unconsolidated_archive_says_nothing(tmp_path, zarr_format):
         xinsitu.open_zarr(str(path), consolidated=True)
 
 
-@pytest.mark.parametrize("kw", [{"mask_and_scale": False}, {"decode_cf": False}, {"drop_variables": ["b"]}])
+@pytest.mark.parametrize("kw", [{"mask_and_scale": False}, {"decode_cf": False}, {"drop_variables": ["b"]},
+                                {"use_cftime": True}, {"decode_coords": "all"}, {"concat_characters": False}])
 def test_open_zarr_takes_xarrays_decoding_options(tmp_path, kw):
     """``xinsitu.open_zarr(path, mask_and_scale=False)`` (and ``decode_cf``, ``drop_variables``), as
     ``xr.open_zarr`` takes them: the same Dataset, and batches of its (raw) values (it said "store
@@ -125,9 +128,24 @@ def test_open_zarr_takes_xarrays_decoding_options(tmp_path, kw):
                coords={"time": pd.date_range("2000", periods=8)}).to_zarr(
         path, encoding={"a": {"dtype": "int16", "scale_factor": 0.01, "_FillValue": -999, "chunks": (2, 3)},
                         "b": {"chunks": (2,)}})
-    ds, ref = xinsitu.open_zarr(path, **kw), xr.open_zarr(path, chunks=None, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (xarray's own, about use_cftime)
+        ds, ref = xinsitu.open_zarr(path, **kw), xr.open_zarr(path, chunks=None, **kw)
     assert list(ds.data_vars) == list(ref.data_vars) and ds.a.dtype == ref.a.dtype and ds.time.dtype == ref.time.dtype
+    assert type(ds.time.values[0]) is type(ref.time.values[0]) and set(ds.coords) == set(ref.coords)
     m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
     b = next(iter(ds.insitu.batches(m, "train", batch_size=4, shuffle=False, output="numpy")))
     assert b["a"].dtype == ref.a.dtype
     np.testing.assert_array_equal(b["a"], ref.a.values[:4])
+
+
+def test_open_zarr_refuses_chunks_naming_xr_open_zarr(tmp_path):
+    import numpy as np
+    import xarray as xr
+
+    path = str(tmp_path / "c.zarr")
+    xr.Dataset({"a": (("time",), np.arange(4.0))}).to_zarr(path)
+    with pytest.raises(ValueError, match=r"chunks=\{'time': 2\}: xinsitu.open_zarr reads without dask.*xr.open_zarr"):
+        xinsitu.open_zarr(path, chunks={"time": 2})
+    with pytest.raises(TypeError, match="use_cftime must be"):
+        xinsitu.open_zarr(path, use_cftime="yes")

@@ -173,8 +173,10 @@ def _merge_retry(user: dict[str, Any] | None) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- open
 def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None = None,
-              decode_times: bool = True, decode_cf: bool | None = None, mask_and_scale: bool | None = None,
-              decode_timedelta: Any = None, drop_variables: Any = None, **store_options: Any) -> xr.Dataset:
+              decode_times: Any = True, decode_cf: bool | None = None, mask_and_scale: bool | None = None,
+              decode_timedelta: Any = None, drop_variables: Any = None, decode_coords: Any = None,
+              use_cftime: bool | None = None, concat_characters: bool | None = None, chunks: Any = None,
+              **store_options: Any) -> xr.Dataset:
     """Open a Zarr v2/v3 archive lazily (no dask), reading through obstore.
 
     Parameters
@@ -192,8 +194,11 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
         ``datetime64[ns]``'s range (an hourly axis past 2262) is decoded to ``datetime64[s]``, as
         ``xr.coders.CFDatetimeCoder(time_unit="s")`` decodes it; for ``cftime`` objects pass
         ``xr.coders.CFDatetimeCoder(use_cftime=True)``.
-    decode_cf, mask_and_scale, decode_timedelta, drop_variables : passed to xarray, as
-        ``xr.open_zarr`` takes them (None: xarray's default).
+    decode_cf, mask_and_scale, decode_timedelta, drop_variables, decode_coords, concat_characters : passed to
+        xarray, as ``xr.open_zarr`` takes them (None: xarray's default).
+    use_cftime : as ``xr.open_zarr`` takes it: ``decode_times=xr.coders.CFDatetimeCoder(use_cftime=...)``.
+    chunks : None only: the Dataset is read without dask (``xr.open_zarr(..., chunks=...)`` gives a
+        dask-backed one, which ``ds.insitu`` reads too).
     **store_options : obstore options, for URLs only: credentials and other per-store
         config (``access_key_id``, ``secret_access_key``, ``session_token``, ``endpoint``,
         ``region``, ``skip_signature``...; ``anonymous=True`` is ``skip_signature=True``),
@@ -226,8 +231,20 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
 
     _check_open_arguments(consolidated, group, decode_times)
     _check_store_arguments(store, store_options)
+    if chunks is not None:
+        raise ValueError(f"chunks={chunks!r}: xinsitu.open_zarr reads without dask; for dask arrays open with "
+                         "xr.open_zarr(..., chunks=...), whose Dataset ds.insitu reads too")
+    if use_cftime is not None:
+        if not isinstance(use_cftime, (bool, np.bool_)):
+            raise TypeError(f"use_cftime must be True, False or None, got {type(use_cftime).__name__}: {use_cftime!r}")
+        if decode_times is True or decode_times is None:
+            decode_times = xr.coders.CFDatetimeCoder(use_cftime=bool(use_cftime))
+        elif decode_times is not False:
+            raise ValueError("use_cftime= and a decode_times coder: give use_cftime to the coder, "
+                             "xr.coders.CFDatetimeCoder(use_cftime=...)")
     decoding = {k: v for k, v in dict(decode_cf=decode_cf, mask_and_scale=mask_and_scale,
-                                      decode_timedelta=decode_timedelta, drop_variables=drop_variables).items()
+                                      decode_timedelta=decode_timedelta, drop_variables=drop_variables,
+                                      decode_coords=decode_coords, concat_characters=concat_characters).items()
                 if v is not None}
     if decode_cf is False:
         decode_times = False

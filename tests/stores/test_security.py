@@ -159,6 +159,34 @@ def test_signed_url_and_bearer_never_shown(archive, logs):
     _check_logs(logs)
 
 
+def test_presigned_credentials_never_shown_encoded(archive, logs):
+    """A presigned URL's session token (an STS one has ``/``, ``+`` and ``=``) and access key id are
+    sent percent-encoded, and S3's signature errors quote them so (the canonical query string) and
+    the key id alone (``<AWSAccessKeyId>``): neither form shows."""
+    from urllib.parse import quote, quote_plus, urlencode
+
+    token = f"IQoJb3JpZ2luX2Vj/{SESSION}+Tok=="
+    query = urlencode({"X-Amz-Algorithm": "AWS4-HMAC-SHA256",
+                       "X-Amz-Credential": f"{ACCESS_KEY}/20250101/us-east-1/s3/aws4_request",
+                       "X-Amz-Security-Token": token, "X-Amz-Signature": SIGNATURE})
+    forms = {f for s in (ACCESS_KEY, token, SIGNATURE) for f in (s, quote(s, safe=""), quote_plus(s))}
+    with FileServer(Path(archive).parent) as srv:
+        url = f"{srv.url}/era5.zarr?{query}"
+        ds = xinsitu.open_zarr(url, retry_config=FAST)
+        m = ds.insitu.split("time", fractions={"train": 1.0})
+        srv.faults = Faults(always=r"/era5.zarr/u10/c/", always_status=403)
+        err = _epoch_until_error(ds.insitu.batches(m, "train", batch_size=8, output="numpy"))
+        assert isinstance(err, xinsitu.ChunkReadError), repr(err)
+        assert "query: X-Amz-Algorithm=***&X-Amz-Credential=***" in str(err), str(err)  # quoted, scrubbed
+        srv.faults = Faults(always=r"zarr\.json$", always_status=403)
+        with pytest.raises(PermissionError) as ei:
+            xinsitu.open_zarr(url, retry_config=FAST)
+        for where, e in (("ChunkReadError", err), ("PermissionError at open", ei.value)):
+            text = error_text(e)
+            assert not [f for f in forms if f in text], f"{where} shows a credential: {text}"
+    _check_logs(logs)
+
+
 class _Trap:
     """Unpickling this touches a file: proof that something ran code from a pickle."""
 

@@ -187,6 +187,51 @@ def test_presigned_credentials_never_shown_encoded(archive, logs):
     _check_logs(logs)
 
 
+def test_credentials_from_the_provider_of_a_store_object_never_shown(archive, tmp_path, logs):
+    """An obstore store built with a ``credential_provider`` and passed to ``open_zarr`` as a zarr
+    ``ObjectStore`` (or as it is), or to ``xr.open_zarr``: what the provider answers is scrubbed, as
+    for a URL. Each way has credentials of its own: those a provider answered earlier in the process
+    would be scrubbed anyway."""
+    import shutil
+    import uuid
+
+    import xarray as xr
+    import zarr.storage
+    from obstore.store import S3Store
+
+    shutil.copytree(archive, tmp_path / "bucket" / "era5.zarr")
+    with FileServer(tmp_path) as srv:
+        for way in ("ObjectStore", "S3Store", "xr.open_zarr"):
+            key, token = (f"{name}-{uuid.uuid4().hex}" for name in ("AKIAOWNSTORE", "own-token"))
+            answer = {"access_key_id": key, "secret_access_key": "own-secret-0123", "token": token,
+                      "expires_at": None}
+            provider = answer.copy
+            store = S3Store("bucket", prefix="era5.zarr", endpoint=srv.url, region="us-east-1",
+                            client_options={"allow_http": True}, retry_config=FAST, credential_provider=provider)
+            given = store if way == "S3Store" else zarr.storage.ObjectStore(store, read_only=True)
+            shown = {}
+            if way != "xr.open_zarr":  # first: nothing the provider answered is known before
+                srv.faults = Faults(always=r"zarr\.json$", always_status=403)
+                with pytest.raises(PermissionError) as ei:
+                    xinsitu.open_zarr(given)
+                assert "***" in str(ei.value), str(ei.value)
+                shown["PermissionError at open"] = error_text(ei.value)
+            srv.faults = Faults()
+            # opened by xarray (dask-backed), xinsitu reads the chunks through that store
+            ds = xr.open_zarr(given, chunks={}) if way == "xr.open_zarr" else xinsitu.open_zarr(given)
+            m = ds.insitu.split("time", fractions={"train": 1.0})
+            srv.faults = Faults(always=r"/era5.zarr/u10/c/", always_status=403)
+            err = _epoch_until_error(ds.insitu.batches(m, "train", batch_size=8, output="numpy"))
+            assert isinstance(err, xinsitu.ChunkReadError), repr(err)
+            assert any(key in a for a in srv.seen[1]), "the requests were not signed with these credentials"
+            assert "***" in str(err) and "u10" in str(err), str(err)  # the quoted headers were there, scrubbed
+            shown["ChunkReadError"] = error_text(err)
+            for where, text in shown.items():
+                assert key not in text and token not in text, f"{where} ({way}) shows a credential"
+            assert store.credential_provider is provider  # the store given is left as it was
+    _check_logs(logs)
+
+
 class _Trap:
     """Unpickling this touches a file: proof that something ran code from a pickle."""
 

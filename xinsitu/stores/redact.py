@@ -1,7 +1,8 @@
 """Credentials out of messages: the values a store was built with, those of the environment
 variables obstore reads and those a credential provider answered (``RecordingProvider``) are
 replaced in the text of an error (``redact``, ``scrubbed``); a URL is named without its user info
-or query string (``redact_url``).
+or query string (``redact_url``). A store built with a credential provider elsewhere is rebuilt with
+it recorded (``recording_store``).
 """
 
 from __future__ import annotations
@@ -76,6 +77,17 @@ class RecordingProvider:
     def __repr__(self) -> str:
         return f"RecordingProvider({type(self.inner).__name__})"
 
+
+def recording_store(store: Any) -> Any:
+    """``store`` (an obstore store) rebuilt with its ``credential_provider`` wrapped in a
+    ``RecordingProvider``, so that ``redact`` scrubs what the provider answers (a store built by the
+    user and passed to ``open_zarr``); ``store`` itself where it has no provider or records already."""
+    provider = getattr(store, "credential_provider", None)
+    if provider is None or isinstance(provider, RecordingProvider):
+        return store
+    args, kw = store.__getnewargs_ex__()  # what obstore pickles: prefix, config, client and retry options
+    kw["credential_provider"] = RecordingProvider(provider)
+    return type(store)(*args, **kw)
 
 
 def redact_url(url: str) -> str:

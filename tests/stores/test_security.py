@@ -37,8 +37,17 @@ def assert_clean(text: str, where: str) -> None:
 
 
 def error_text(e: BaseException) -> str:
-    """Everything a traceback or a logger would print about ``e``, its causes included."""
-    return "".join(traceback.format_exception(e)) + repr(e) + str(e)
+    """Everything a traceback or a logger would print about ``e``, its causes included, and the
+    messages of every exception reachable from it (a handler or a debugger reads ``__context__``
+    even where the traceback leaves it out: ``raise ... from None``)."""
+    chain, todo, seen = [], [e], set()
+    while todo:
+        cur = todo.pop()
+        if cur is not None and id(cur) not in seen:
+            seen.add(id(cur))
+            chain.append(f"{type(cur).__name__}: {cur}")
+            todo += [cur.__cause__, cur.__context__]
+    return "".join(traceback.format_exception(e)) + repr(e) + "\n".join(chain)
 
 
 def everything_shown(ds, m, gen) -> dict[str, str]:

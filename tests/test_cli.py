@@ -387,6 +387,37 @@ def test_inspect_prints_the_open_with_its_store_options_and_no_credential(tmp_pa
         assert s3.options[k] not in out and f"{k}='...'" in line, line
 
 
+def test_inspect_prints_no_credential_of_a_url_a_nested_option_or_a_bad_option(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The line of Python ``inspect`` prints names a URL's password and query string (a signed URL's
+    credentials) as '...', and a credential inside a dict option (a bearer token in ``client_options``)
+    too; the error for several paths names them so, and a malformed ``-o`` is not echoed."""
+    from tests.support.servers import FileServer, write_archive
+
+    pw, sig, tok, key = "PW-cli-leak-4711", "SIG-cli-leak-0815", "TOK-cli-leak-1337", "KEY-cli-leak-2718"
+    write_archive(tmp_path / "era5.zarr")
+    with FileServer(tmp_path) as srv:
+        host = srv.url.split("://", 1)[1]
+        with_pw, signed = f"http://user:{pw}@{host}/era5.zarr", f"{srv.url}/era5.zarr?X-Amz-Signature={sig}"
+        client = json.dumps({"allow_http": True, "default_headers": {"Authorization": f"Bearer {tok}"}})
+        for args, shown in (([with_pw], f"'http://user:...@{host}/era5.zarr'"),
+                            ([signed], f"'{srv.url}/era5.zarr?...'"),
+                            ([f"{srv.url}/era5.zarr", "-o", f"client_options={client}"],
+                             "'default_headers': {'Authorization': '...'}")):
+            assert cli.main(["inspect", *args]) == 0
+            out = capsys.readouterr()
+            line = next(x.strip() for x in out.out.splitlines() if "xinsitu.open_zarr(" in x)
+            assert shown in line, line
+            assert not [s for s in (pw, sig, tok) if s in out.out + out.err], out.out + out.err
+        assert cli.main(["inspect", signed, f"{with_pw}/b.nc"]) == 1
+        err = capsys.readouterr().err
+        assert "several paths given" in err and not [s for s in (pw, sig) if s in err], err
+    with pytest.raises(SystemExit):
+        cli.main(["inspect", str(tmp_path / "era5.zarr"), "-o", f"secret_access_key {key}"])
+    err = capsys.readouterr().err
+    assert "KEY=VALUE" in err and "secret_access_key" in err and key not in err, err
+
+
 def test_a_json_store_option_is_parsed_for_grib_filters(tmp_path: Path) -> None:
     """``-o 'filter_by_keys={"typeOfLevel": "surface"}'``: the only way the CLI can pass what open_grib's
     error asks for (a string was handed on, and failed deep inside); the printed line carries it, and a

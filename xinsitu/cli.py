@@ -26,6 +26,7 @@ import sys
 import time
 import warnings
 from typing import Any, NoReturn
+from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
@@ -41,8 +42,11 @@ def _option(text: str) -> tuple[str, Any]:
     """``KEY=VALUE`` -> (key, value), with ``true``/``false`` converted and a JSON object or list parsed
     (``filter_by_keys={"typeOfLevel": "surface"}`` for GRIB); other values stay strings, as obstore takes
     them (``timeout=60``, ``pool_max_idle_per_host=4``)."""
-    if "=" not in text:
-        raise argparse.ArgumentTypeError(f"store option {text!r} must look like KEY=VALUE")
+    if "=" not in text:  # the text is not echoed: 'secret_access_key SECRET' holds a credential
+        word = text.split(None, 1)[0] if text.strip() else ""
+        named = f" starting {word!r}" if word.isidentifier() else ""
+        raise argparse.ArgumentTypeError(f"a store option{named} must look like KEY=VALUE (no '=' in it; the rest "
+                                         "of it is not shown, it may hold a credential)")
     key, value = text.split("=", 1)
     low = value.lower()
     if low in ("true", "false"):
@@ -179,11 +183,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except (ValueError, TypeError, OSError) as e:  # bad input or an unreadable store: a message, no traceback
-        print(f"xinsitu {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        print(_scrubbed(args, f"xinsitu {args.command}: {type(e).__name__}: {e}"), file=sys.stderr)
         return 1
     except ModuleNotFoundError as e:  # an extra not installed: xinsitu.virtual's message names it
-        print(f"xinsitu {args.command}: {e}", file=sys.stderr)
+        print(_scrubbed(args, f"xinsitu {args.command}: {e}"), file=sys.stderr)
         return 1
+
+
+def _scrubbed(args: argparse.Namespace, text: str) -> str:
+    """``text`` (a message to print) without the credentials of the URLs and store options given, nor a
+    URL's user info or query string."""
+    from xinsitu.stores.redact import redact, secrets_in_options
+
+    options = dict(getattr(args, "options", None) or [])
+    urls = [u for u in getattr(args, "url", None) or [] if isinstance(u, str)]
+    return redact(text, [s for u in urls or [""] for s in secrets_in_options(u, options)])
 
 
 #: leading bytes of the files ``inspect``/``bench`` open in place: NetCDF classic (CDF-1, CDF-2), NetCDF4
@@ -229,7 +243,7 @@ def _open(args: argparse.Namespace) -> Any:
     args.in_place = kind is not None
     if kind is not None:
         name = _OPENERS[kind]
-        arg = paths[0] if len(paths) == 1 else paths
+        arg = _url_code(paths[0]) if len(paths) == 1 else [_url_code(p) for p in paths]
         args.code = f"ds = {name}({arg!r}{_options_code(args.options)})"
         import xinsitu.virtual
 
@@ -239,7 +253,8 @@ def _open(args: argparse.Namespace) -> Any:
             return xinsitu.virtual.open_grib(paths, **dict(args.options))
         return xinsitu.virtual.open_netcdf(paths, group=args.group, **dict(args.options))
     if len(paths) > 1:
-        raise ValueError(f"several paths given ({', '.join(map(repr, paths[:3]))}{', ...' if len(paths) > 3 else ''})"
+        named = ", ".join(repr(_url_code(p)) for p in paths[:3])
+        raise ValueError(f"several paths given ({named}{', ...' if len(paths) > 3 else ''})"
                          f" but they are not all NetCDF or all GRIB files ({_kinds_text(kinds)}): give one Zarr "
                          "archive, or NetCDF or GRIB files")
     url = paths[0]
@@ -248,7 +263,7 @@ def _open(args: argparse.Namespace) -> Any:
                          "GRIB file by its first bytes: open NetCDF files with xinsitu.virtual.open_netcdf(paths), "
                          "GRIB files with xinsitu.virtual.open_grib(paths), a Zarr archive (a directory) with "
                          "xinsitu.open_zarr(path)")
-    args.code = (f"ds = xinsitu.open_zarr({url!r}" + ("" if args.consolidated is None else
+    args.code = (f"ds = xinsitu.open_zarr({_url_code(url)!r}" + ("" if args.consolidated is None else
                                                        f", consolidated={args.consolidated}")
                  + _options_code(args.options) + ")")
     with warnings.catch_warnings(record=True) as said:
@@ -266,15 +281,40 @@ def _open(args: argparse.Namespace) -> Any:
 
 def _options_code(options: list[tuple[str, Any]]) -> str:
     """The store options of ``-o``, as keyword arguments of the line that opens the archive; a credential
-    as ``'...'`` (the line is printed: it never holds one)."""
+    as ``'...'``, at any depth (``client_options={'default_headers': {'Authorization': '...'}}``), and a
+    URL's password and query string too (the line is printed: it never holds one)."""
     from xinsitu.stores.redact import secrets_in_options
 
-    secrets = set(secrets_in_options("", dict(options)))
-    return "".join(f", {k}={'...' if isinstance(v, str) and v in secrets else v!r}" for k, v in options)
+    secrets = secrets_in_options("", dict(options))
+
+    def shown(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: shown(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return type(v)(shown(x) for x in v)
+        if isinstance(v, str):
+            return "..." if any(x in v for x in secrets) else _url_code(v)
+        return v
+
+    return "".join(f", {k}={shown(v)!r}" for k, v in options)
 
 
 def _kinds_text(kinds: dict[str, str | None]) -> str:
-    return ", ".join(f"{os.path.basename(p)}: {k or 'neither'}" for p, k in list(kinds.items())[:4])
+    return ", ".join(f"{os.path.basename(urlsplit(p).path if '://' in p else p)}: {k or 'neither'}"
+                     for p, k in list(kinds.items())[:4])
+
+
+def _url_code(url: str) -> str:
+    """``url`` as a printed line names it: its password and its query string (a signed URL's credentials)
+    as '...'; a path as it is."""
+    if "://" not in url:
+        return url
+    p = urlsplit(url)
+    netloc = p.netloc
+    if p.password is not None:
+        user, _, host = netloc.rpartition("@")
+        netloc = f"{user.split(':', 1)[0]}:...@{host}"
+    return urlunsplit((p.scheme, netloc, p.path, "..." if p.query else "", p.fragment))
 
 
 # ----------------------------------------------------------------------------- split

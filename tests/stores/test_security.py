@@ -37,8 +37,17 @@ def assert_clean(text: str, where: str) -> None:
 
 
 def error_text(e: BaseException) -> str:
-    """Everything a traceback or a logger would print about ``e``, its causes included."""
-    return "".join(traceback.format_exception(e)) + repr(e) + str(e)
+    """Everything a traceback or a logger would print about ``e``, its causes included, and the
+    messages of every exception reachable from it (a handler or a debugger reads ``__context__``
+    even where the traceback leaves it out: ``raise ... from None``)."""
+    chain, todo, seen = [], [e], set()
+    while todo:
+        cur = todo.pop()
+        if cur is not None and id(cur) not in seen:
+            seen.add(id(cur))
+            chain.append(f"{type(cur).__name__}: {cur}")
+            todo += [cur.__cause__, cur.__context__]
+    return "".join(traceback.format_exception(e)) + repr(e) + "\n".join(chain)
 
 
 def everything_shown(ds, m, gen) -> dict[str, str]:
@@ -156,6 +165,79 @@ def test_signed_url_and_bearer_never_shown(archive, logs):
             xinsitu.open_zarr(f"{srv.url}/nothing.zarr?{query}", client_options=client, retry_config=FAST)
         assert "?" in str(ei.value) or "nothing.zarr" in str(ei.value)
         assert_clean(error_text(ei.value), "FileNotFoundError at open")
+    _check_logs(logs)
+
+
+def test_presigned_credentials_never_shown_encoded(archive, logs):
+    """A presigned URL's session token (an STS one has ``/``, ``+`` and ``=``) and access key id are
+    sent percent-encoded, and S3's signature errors quote them so (the canonical query string) and
+    the key id alone (``<AWSAccessKeyId>``): neither form shows."""
+    from urllib.parse import quote, quote_plus, urlencode
+
+    token = f"IQoJb3JpZ2luX2Vj/{SESSION}+Tok=="
+    query = urlencode({"X-Amz-Algorithm": "AWS4-HMAC-SHA256",
+                       "X-Amz-Credential": f"{ACCESS_KEY}/20250101/us-east-1/s3/aws4_request",
+                       "X-Amz-Security-Token": token, "X-Amz-Signature": SIGNATURE})
+    forms = {f for s in (ACCESS_KEY, token, SIGNATURE) for f in (s, quote(s, safe=""), quote_plus(s))}
+    with FileServer(Path(archive).parent) as srv:
+        url = f"{srv.url}/era5.zarr?{query}"
+        ds = xinsitu.open_zarr(url, retry_config=FAST)
+        m = ds.insitu.split("time", fractions={"train": 1.0})
+        srv.faults = Faults(always=r"/era5.zarr/u10/c/", always_status=403)
+        err = _epoch_until_error(ds.insitu.batches(m, "train", batch_size=8, output="numpy"))
+        assert isinstance(err, xinsitu.ChunkReadError), repr(err)
+        assert "query: X-Amz-Algorithm=***&X-Amz-Credential=***" in str(err), str(err)  # quoted, scrubbed
+        srv.faults = Faults(always=r"zarr\.json$", always_status=403)
+        with pytest.raises(PermissionError) as ei:
+            xinsitu.open_zarr(url, retry_config=FAST)
+        for where, e in (("ChunkReadError", err), ("PermissionError at open", ei.value)):
+            text = error_text(e)
+            assert not [f for f in forms if f in text], f"{where} shows a credential: {text}"
+    _check_logs(logs)
+
+
+def test_credentials_from_the_provider_of_a_store_object_never_shown(archive, tmp_path, logs):
+    """An obstore store built with a ``credential_provider`` and passed to ``open_zarr`` as a zarr
+    ``ObjectStore`` (or as it is), or to ``xr.open_zarr``: what the provider answers is scrubbed, as
+    for a URL. Each way has credentials of its own: those a provider answered earlier in the process
+    would be scrubbed anyway."""
+    import shutil
+    import uuid
+
+    import xarray as xr
+    import zarr.storage
+    from obstore.store import S3Store
+
+    shutil.copytree(archive, tmp_path / "bucket" / "era5.zarr")
+    with FileServer(tmp_path) as srv:
+        for way in ("ObjectStore", "S3Store", "xr.open_zarr"):
+            key, token = (f"{name}-{uuid.uuid4().hex}" for name in ("AKIAOWNSTORE", "own-token"))
+            answer = {"access_key_id": key, "secret_access_key": "own-secret-0123", "token": token,
+                      "expires_at": None}
+            provider = answer.copy
+            store = S3Store("bucket", prefix="era5.zarr", endpoint=srv.url, region="us-east-1",
+                            client_options={"allow_http": True}, retry_config=FAST, credential_provider=provider)
+            given = store if way == "S3Store" else zarr.storage.ObjectStore(store, read_only=True)
+            shown = {}
+            if way != "xr.open_zarr":  # first: nothing the provider answered is known before
+                srv.faults = Faults(always=r"zarr\.json$", always_status=403)
+                with pytest.raises(PermissionError) as ei:
+                    xinsitu.open_zarr(given)
+                assert "***" in str(ei.value), str(ei.value)
+                shown["PermissionError at open"] = error_text(ei.value)
+            srv.faults = Faults()
+            # opened by xarray (dask-backed), xinsitu reads the chunks through that store
+            ds = xr.open_zarr(given, chunks={}) if way == "xr.open_zarr" else xinsitu.open_zarr(given)
+            m = ds.insitu.split("time", fractions={"train": 1.0})
+            srv.faults = Faults(always=r"/era5.zarr/u10/c/", always_status=403)
+            err = _epoch_until_error(ds.insitu.batches(m, "train", batch_size=8, output="numpy"))
+            assert isinstance(err, xinsitu.ChunkReadError), repr(err)
+            assert any(key in a for a in srv.seen[1]), "the requests were not signed with these credentials"
+            assert "***" in str(err) and "u10" in str(err), str(err)  # the quoted headers were there, scrubbed
+            shown["ChunkReadError"] = error_text(err)
+            for where, text in shown.items():
+                assert key not in text and token not in text, f"{where} ({way}) shows a credential"
+            assert store.credential_provider is provider  # the store given is left as it was
     _check_logs(logs)
 
 

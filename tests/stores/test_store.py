@@ -77,6 +77,18 @@ def test_redact_and_scrubbed_remove_credentials_and_keep_the_kind():
     assert isinstance(other, OSError) and str(other) == "ObstoreThing: boom"
 
 
+def test_redact_removes_encoded_credentials_and_the_key_id_of_a_credential_scope():
+    url = ("https://h/p?X-Amz-Credential=AKIDSCOPE0001%2F20250101%2Fus-east-1%2Fs3%2Faws4_request"
+           "&X-Amz-Security-Token=tok%2Fen%2Bpart%3D%3D")
+    secrets = secrets_in_options(url, {})
+    assert "AKIDSCOPE0001" in secrets and "us-east-1" not in secrets
+    text = ("<AWSAccessKeyId>AKIDSCOPE0001</AWSAccessKeyId> X-Amz-Credential=AKIDSCOPE0001%2F20250101%2Fus-east-1"
+            "%2Fs3%2Faws4_request&X-Amz-Security-Token=tok%2Fen%2Bpart%3D%3D form: tok%2Fen%2Bpart%3D%3D tok/en+part==")
+    out = redact(text, secrets)
+    assert "AKIDSCOPE0001" not in out and "tok" not in out and "part" not in out, out
+    assert redact("a%20b%2Bc x+y+z", ["a b+c", "x y z"]) == "*** ***"  # percent- and form-encoded
+
+
 def test_secrets_of_a_local_store_is_empty(tmp_path):
     assert secrets_of(obstore.store.LocalStore(prefix=str(tmp_path))) == []
 

@@ -54,8 +54,8 @@ class Faults:
     max_per_key : faults injected on one path at most, then it is served cleanly (None: no bound).
     pattern : regex on the request path; only matching paths meet faults.
     always : regex on the path; matching paths always answer ``always_status``, with a body that
-        quotes the request's ``Authorization`` and ``X-Amz-Security-Token`` headers (as S3 quotes
-        the key id in signature errors).
+        quotes the request's ``Authorization`` and ``X-Amz-Security-Token`` headers and its query
+        string, as sent (as S3 quotes the key id and the canonical request in signature errors).
     """
 
     error_503: float = 0.0
@@ -198,6 +198,8 @@ class _Handler(BaseHTTPRequestHandler):
         if echo:
             msg += "".join(f"{k}: {v}\n" for k, v in self.headers.items()
                            if k.lower() in ("authorization", "x-amz-security-token")).encode()
+            if "?" in self.path:  # as S3 quotes a presigned request's canonical query string
+                msg += f"query: {self.path.split('?', 1)[1]}\n".encode()
         self.send_response(code)
         self.send_header("Content-Type", "text/plain")
         self.send_header("Content-Length", str(len(msg)))

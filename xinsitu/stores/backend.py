@@ -39,7 +39,7 @@ from typing import Any, Protocol, TypeAlias, TypeVar, runtime_checkable
 from xinsitu.codecs.cpu import store_root
 from xinsitu.io import loop as _loop
 from xinsitu.stores.reads import FETCH_ATTEMPTS
-from xinsitu.stores.redact import redact_url, scrubbed, secrets_of
+from xinsitu.stores.redact import recording_store, redact_url, scrubbed, secrets_of
 from xinsitu.stores.virtual_store import ManifestBackend, is_manifest_store
 from xinsitu.stores.zarr_store import _ZarrBackend
 
@@ -682,7 +682,8 @@ def backend_for(zstore: Any) -> Backend:
             root = str(obj.prefix)  # what xinsitu.open_zarr opens a path with
             return LocalBackend(root, _FileBackend(root) if _loop.in_forked_child() else _ObstoreBackend(obj))
         _loop.refuse_after_fork(f"the store {_store_url(obj)}")
-        return _ObstoreBackend(obj)
+        # (a store of the user's, opened by xr.open_zarr: what its credential_provider answers is scrubbed)
+        return _ObstoreBackend(recording_store(obj))
     if kind == "local":
         if _loop.in_forked_child():  # plain file I/O, as zarr's LocalStore itself: safe after fork
             return LocalBackend(obj, _FileBackend(obj))

@@ -128,7 +128,8 @@ def make_store(url: str | os.PathLike, **options: Any) -> Any:
     try:
         return obstore.store.from_url(s, **options)
     except Exception as e:  # noqa: BLE001 - re-raised without the credentials it may quote
-        raise scrubbed(e, secrets_in_options(s, options)) from None
+        err = scrubbed(e, secrets_in_options(s, options))
+    raise err  # out of the except block: obstore's error (which may quote them) is not its __context__
 
 
 #: ``client_options`` keys obstore also reads from ``<PREFIX>_<KEY>`` environment variables
@@ -265,6 +266,9 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
         obs = getattr(zstore, "store", None)
         secrets = secrets_of(obs) if type(obs).__module__.startswith("obstore") else []
         where = type(store).__name__
+    # each error is raised out of the except block that made it: the one caught (obstore's, which may quote
+    # a credential) is not its __context__
+    err: BaseException | None
     try:
         ds = _open_xr(zstore, consolidated, group, decode_times, decoding)
         # without consolidated metadata the arrays are listed in no fixed order (an Icechunk
@@ -272,25 +276,27 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
         return ds if _read_consolidated(ds, zstore, group, consolidated) else _by_name(ds)
     except TimeoutError as e:  # the store does not answer: asking it more (is it an array?) would wait again
         text = _chain_text(e)
-        if redact(text, secrets) != text:
-            raise scrubbed(e, secrets) from None
-        raise
+        if redact(text, secrets) == text:
+            raise
+        err = scrubbed(e, secrets)
     except FileNotFoundError as e:
-        _if_array(zstore, group, where)
-        raise FileNotFoundError(f"no zarr group found at {where}: {scrubbed(e, secrets)}") from None
+        err = _array_error(zstore, group, where) or \
+            FileNotFoundError(f"no zarr group found at {where}: {scrubbed(e, secrets)}")
     except KeyError as e:  # zarr's for a group the consolidated metadata lacks
         if group is None:
             raise
-        raise ValueError(f"group={group!r}: no such group in {where} ({scrubbed(e, secrets)})") from None
+        err = ValueError(f"group={group!r}: no such group in {where} ({scrubbed(e, secrets)})")
     except Exception as e:
-        _if_array(zstore, group, where)
-        if isinstance(e, TypeError) and "prototype" in str(e):  # xarray's fallback for v2 arrays without dims
-            _if_no_dims(zstore, group, where)
-        text = _chain_text(e)
-        # obstore's errors become the builtin ones (PermissionError...); none may quote a credential
-        if type(e).__module__.startswith("obstore") or redact(text, secrets) != text:
-            raise scrubbed(e, secrets) from None
-        raise
+        err = _array_error(zstore, group, where)
+        if err is None and isinstance(e, TypeError) and "prototype" in str(e):  # xarray's, for v2 arrays without dims
+            err = _no_dims_error(zstore, group, where)
+        if err is None:
+            text = _chain_text(e)
+            # obstore's errors become the builtin ones (PermissionError...); none may quote a credential
+            if not type(e).__module__.startswith("obstore") and redact(text, secrets) == text:
+                raise
+            err = scrubbed(e, secrets)
+    raise err
 
 
 def _check_open_arguments(consolidated: Any, group: Any, decode_times: Any) -> None:
@@ -614,30 +620,32 @@ def _by_name(ds: xr.Dataset) -> xr.Dataset:
     return out
 
 
-def _if_array(zstore: Any, group: str | None, where: str) -> None:
-    """Raise a clear error where the path given (or ``group``) is a zarr array, not a group."""
+def _array_error(zstore: Any, group: str | None, where: str) -> ValueError | None:
+    """A clear error where the path given (or ``group``) is a zarr array, not a group (else None)."""
     import zarr
 
     try:
         arr = zarr.open_array(zstore, path=group or "", mode="r")
     except Exception:  # noqa: BLE001 - not an array: the caller reports what it met
-        return
+        return None
     at = f"{where} (group={group!r})" if group else where
     name = (group or where).rstrip("/").rsplit("/", 1)[-1]
-    raise ValueError(f"{at} is a zarr array (shape {arr.shape}), not a group: open the group that contains "
-                     f"it and select the variable, e.g. xinsitu.open_zarr(<the parent group>)[{name!r}]") from None
+    return ValueError(f"{at} is a zarr array (shape {arr.shape}), not a group: open the group that contains "
+                      f"it and select the variable, e.g. xinsitu.open_zarr(<the parent group>)[{name!r}]")
 
 
-def _if_no_dims(zstore: Any, group: str | None, where: str) -> None:
-    """Raise naming the zarr v2 arrays that lack ``_ARRAY_DIMENSIONS`` (what xarray needs for dims)."""
+def _no_dims_error(zstore: Any, group: str | None, where: str) -> ValueError | None:
+    """An error naming the zarr v2 arrays that lack ``_ARRAY_DIMENSIONS`` (what xarray needs for dims),
+    or None."""
     import zarr
 
     try:
         g = zarr.open_group(zstore, path=group or "", mode="r")
         names = sorted(n for n, a in g.arrays() if "_ARRAY_DIMENSIONS" not in a.attrs)
     except Exception:  # noqa: BLE001 - unknown: the caller re-raises the original
-        return
-    if names:
-        raise ValueError(f"{where}: zarr v2 arrays {names} have no '_ARRAY_DIMENSIONS' attribute (nor NCZarr "
-                         "metadata), which xarray needs to name their dimensions: the archive was not written by "
-                         "xarray. Add the attribute (a list of dim names) to each array's .zattrs") from None
+        return None
+    if not names:
+        return None
+    return ValueError(f"{where}: zarr v2 arrays {names} have no '_ARRAY_DIMENSIONS' attribute (nor NCZarr "
+                      "metadata), which xarray needs to name their dimensions: the archive was not written by "
+                      "xarray. Add the attribute (a list of dim names) to each array's .zattrs")

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from xinsitu.index import source
 from xinsitu.io import loop as _loop
-from xinsitu.stores.redact import client_timed_out, redact, redact_url
+from xinsitu.stores.redact import client_timed_out, recording_store, redact, redact_url
 
 T = TypeVar("T")
 
@@ -347,17 +347,19 @@ def store_name(zstore: Any) -> str:
 def bounded_store(zstore: Any, others: bool = True) -> Any:
     """``zstore`` with each request bounded as ``bounded_request`` bounds it, of the same kind: an
     obstore store or a ``zarr.storage.ObjectStore`` as the checked ``ObjectStore`` of ``open_zarr``
-    (read-only), a ``zarr.storage.FsspecStore`` as a checked one that also retries transient faults
+    (read-only; one with a ``credential_provider`` rebuilt with it recorded: ``recording_store``), a
+    ``zarr.storage.FsspecStore`` as a checked one that also retries transient faults
     (a copy: the caller's is left as it is). A store bounded already is returned as it is; so is
     one of another kind where ``others`` is False (else it is wrapped, a ``WrapperStore``)."""
     if getattr(zstore, "_xinsitu_bounded", False):
         return zstore
     import zarr.storage
 
+    # an obstore store's credential_provider is recorded (``recording_store``): what it answers is scrubbed
     if type(zstore).__module__.startswith("obstore"):
-        return _checked_store()(zstore, read_only=True)
+        return _checked_store()(recording_store(zstore), read_only=True)
     if isinstance(zstore, zarr.storage.ObjectStore):
-        return _checked_store()(zstore.store, read_only=True)
+        return _checked_store()(recording_store(zstore.store), read_only=True)
     if isinstance(zstore, zarr.storage.FsspecStore):
         out = copy.copy(zstore)
         out.__class__ = _checked_fsspec()

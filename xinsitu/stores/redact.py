@@ -1,7 +1,8 @@
 """Credentials out of messages: the values a store was built with, those of the environment
 variables obstore reads and those a credential provider answered (``RecordingProvider``) are
 replaced in the text of an error (``redact``, ``scrubbed``); a URL is named without its user info
-or query string (``redact_url``).
+or query string (``redact_url``). A store built with a credential provider elsewhere is rebuilt with
+it recorded (``recording_store``).
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ import inspect
 import os
 import re
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, quote, quote_plus, urlsplit
 
 # option names (any store kind) whose values are credentials
 _SECRET_KEY = re.compile(r"secret|token|key|password|sas|credential|signature|authorization|client_id|bearer",
                          re.IGNORECASE)
+#: an AWS credential scope (``X-Amz-Credential``): its first part is the access key id, which S3 quotes alone
+_SCOPE = re.compile(r"([^/\s]{4,})/\d{8}/[^/\s]+/[^/\s]+/aws4_request")
 _URL = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^/\s@\"'<>]*@)?(?P<rest>[^\s?#\"'<>]*)"
                   r"(?P<query>\?[^\s#\"'<>]*)?")
 
@@ -75,6 +78,17 @@ class RecordingProvider:
         return f"RecordingProvider({type(self.inner).__name__})"
 
 
+def recording_store(store: Any) -> Any:
+    """``store`` (an obstore store) rebuilt with its ``credential_provider`` wrapped in a
+    ``RecordingProvider``, so that ``redact`` scrubs what the provider answers (a store built by the
+    user and passed to ``open_zarr``); ``store`` itself where it has no provider or records already."""
+    provider = getattr(store, "credential_provider", None)
+    if provider is None or isinstance(provider, RecordingProvider):
+        return store
+    args, kw = store.__getnewargs_ex__()  # what obstore pickles: prefix, config, client and retry options
+    kw["credential_provider"] = RecordingProvider(provider)
+    return type(store)(*args, **kw)
+
 
 def redact_url(url: str) -> str:
     """A URL without user info or query string (signed URLs carry credentials there)."""
@@ -106,6 +120,8 @@ def secrets_in_options(url: str, options: dict[str, Any]) -> list[str]:
     if p.password:
         found.append(p.password)
     found.extend(v for _, v in parse_qsl(p.query))
+    # a presigned URL's X-Amz-Credential is "<key id>/<date>/<region>/s3/aws4_request": S3 quotes the key id alone
+    found.extend(m[1] for s in list(found) for m in _SCOPE.finditer(s))
     return sorted({s for s in found if len(s) >= 4}, key=len, reverse=True)
 
 
@@ -124,12 +140,19 @@ def secrets_of(store: Any) -> list[str]:
 def redact(text: str, secrets: list[str] | tuple[str, ...] = ()) -> str:
     """``text`` with URL query strings and user info, and every credential, replaced: the values in
     ``secrets``, those of the environment variables obstore reads and those a credential provider
-    answered (``RecordingProvider``)."""
+    answered (``RecordingProvider``); each also percent- and form-encoded, as a URL's query string carries it
+    (an S3 error quotes a presigned URL's canonical query, ``%2F`` for ``/``)."""
     every = {s for s in (*secrets, *env_secrets(), *_seen) if len(s) >= 4}
+    every |= {e for s in every for e in _encoded(s)}
     for s in sorted(every, key=len, reverse=True):
         text = text.replace(s, "***")
     return _URL.sub(lambda m: m["scheme"] + ("***@" if m["user"] else "") + m["rest"]
                     + ("?***" if m["query"] else ""), text)
+
+
+def _encoded(secret: str) -> set[str]:
+    """``secret`` as a URL's path or query string encodes it (percent-encoded, form-encoded)."""
+    return {quote(secret, safe=""), quote_plus(secret)} - {secret}
 
 
 def scrubbed(e: BaseException, secrets: list[str] | tuple[str, ...] = ()) -> BaseException:

@@ -98,6 +98,25 @@ def test_io_stats_of_a_resumed_epoch_count_only_what_was_read(era5_path):
 
 
 # ---------------------------------------------------------------------- shuffle quality
+@pytest.mark.parametrize("steps_per_chunk", [1, 8])
+def test_io_stats_leave_out_the_samples_asked_for_meanwhile(tmp_path, steps_per_chunk):
+    """``gen.sample(i)`` while an epoch runs is inspection: its reads are not the epoch's (``io_stats`` counted
+    them, a number that changed from run to run, 1.19x the chunks where each is read once)."""
+    import xarray as xr
+
+    path = str(tmp_path / "a.zarr")
+    xr.Dataset({v: (("time", "x"), np.arange(96 * 4, dtype="f4").reshape(96, 4)) for v in "ab"}).to_zarr(
+        path, encoding={v: {"chunks": (steps_per_chunk, 4)} for v in "ab"})
+    ds = xinsitu.open_zarr(path)
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    gen = ds.insitu.batches(m, "train", batch_size=4, shuffle=False, output="numpy")
+    list(gen)
+    alone = gen.io_stats["chunks"]
+    for _ in gen:
+        gen.sample(50)
+    assert gen.io_stats["chunks"] == alone == 2 * 96 // steps_per_chunk
+
+
 def test_shuffle_quality_orders_the_mixing(era5_path):
     q = {bc: _gen(era5_path, batch_size=8, block_chunks=bc).shuffle_quality() for bc in (1, 4, 12)}
     unshuffled = _gen(era5_path, batch_size=8, shuffle=False).shuffle_quality()

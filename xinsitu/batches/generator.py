@@ -199,6 +199,7 @@ class BatchGenerator:
         self._runs = 0  # iterations begun (the read ahead an iteration asks for is made only while it is the last)
         self._reader: Reader | None = None
         self._loader: BufferLoader | None = None
+        self._aside: BufferLoader | None = None  # what ``sample`` reads through (``_sample_loader``)
         self._direct: DirectLoader | None = None
         self._pid = -1
         self._io: dict[str, Any] = {}
@@ -236,18 +237,31 @@ class BatchGenerator:
     # ------------------------------------------------------------------ set-up
     def _buffer_loader(self) -> BufferLoader:
         if self._loader is None or self._pid != os.getpid():  # a new process gets its own reader
-            self._reader = Reader(self.max_inflight, cache=self.cache)
-            self._reader.on_missing = self.missing
-            on_gpu, tier = {}, None
-            if self._gpu is not None:
-                on_gpu = {n: c for n, c in self.decode_paths.items() if c.gpu or n in self._kept}
-                arrays = CupyArrays() if self._gpu.kind == "cupy" else HostArrays()  # the tier's device memory
-                tier = None if self.cache is None else self.cache.device_tier(arrays, self._gpu.free())
-            self._loader = BufferLoader(self.space, self.layouts, self._reader, self._gpu, on_gpu, tier,
-                                        follow_verdicts=self.decode == "auto")
-            self._direct = None
+            self._loader = self._new_loader()
+            self._reader = self._loader.reader
+            self._direct = self._aside = None
             self._pid = os.getpid()
         return self._loader
+
+    def _new_loader(self) -> BufferLoader:
+        """A ``BufferLoader`` over a reader of its own (the cache and the GPU's side shared)."""
+        reader = Reader(self.max_inflight, cache=self.cache)
+        reader.on_missing = self.missing
+        on_gpu, tier = {}, None
+        if self._gpu is not None:
+            on_gpu = {n: c for n, c in self.decode_paths.items() if c.gpu or n in self._kept}
+            arrays = CupyArrays() if self._gpu.kind == "cupy" else HostArrays()  # the tier's device memory
+            tier = None if self.cache is None else self.cache.device_tier(arrays, self._gpu.free())
+        return BufferLoader(self.space, self.layouts, reader, self._gpu, on_gpu, tier,
+                            follow_verdicts=self.decode == "auto")
+
+    def _sample_loader(self) -> BufferLoader:
+        """What ``sample`` reads through: a loader whose reader is not the epochs' (``io_stats`` counts the
+        epoch's reads, not those of samples asked for while it runs)."""
+        self._buffer_loader()  # (a new process, or a new GPU side: made again with it)
+        if self._aside is None:
+            self._aside = self._new_loader()
+        return self._aside
 
     def _item_loader(self) -> BufferLoader | DirectLoader:
         """What reads this generator's batches: a ``DirectLoader`` (no buffer) or the ``BufferLoader``."""
@@ -300,7 +314,7 @@ class BatchGenerator:
         self.decode_paths = paths
         self._kept = kept
         self._gpu = gpu if kept or any(c.gpu for c in paths.values()) else None
-        self._loader = None  # made again, with the GPU's side
+        self._loader = self._aside = None  # made again, with the GPU's side
         self._direct = None
         self.builder.use_gpu(self._gpu)
 
@@ -510,7 +524,8 @@ class BatchGenerator:
         # a pickled generator (e.g. sent to a spawned DataLoader worker) leaves this process's
         # reader and recycled block buffers behind: the new process builds its own
         state = self.__dict__.copy()
-        state.update(_reader=None, _loader=None, _direct=None, _pid=-1, _io={}, _live=0, _ahead=None, _shared=[])
+        state.update(_reader=None, _loader=None, _aside=None, _direct=None, _pid=-1, _io={}, _live=0, _ahead=None,
+                     _shared=[])
         return state
 
     # ------------------------------------------------------------------ state
@@ -602,7 +617,7 @@ class BatchGenerator:
         unit, local = self.space.locate(np.array([i]))
         plan = EpochPlan(units=unit, lo=local, hi=local + 1, block_chunks=1, n_samples=1, batch_size=1,
                          drop_last=False, shuffle=False, seed=0, epoch=0, rank=0, world_size=1)
-        loader = self._buffer_loader()
+        loader = self._sample_loader()
         block = _loop.run(loader.load(plan, 0))
         raw = loader.gather(block, np.array([0]))
         raw = {n: self._gpu.to_host(a) if n in block.on_device else a for n, a in raw.items()}

@@ -359,6 +359,13 @@ class EpochRun:
 
     def close(self) -> None:
         self.stop.set()
+        # wake the prefetch thread now, not after its wait step (50 ms a break on the direct path): one waiting
+        # for a buffer gets None (closed), one waiting for room for a batch gets the room
+        self.buffers.put(None)
+        try:
+            self.batches.get_nowait()
+        except queue.Empty:
+            pass
         if self.first is not None:  # never taken: let its read stop
             self.loop.call_soon_threadsafe(self.first.cancel)
         self._release()  # the producer waits for one credit at a time: woken, it sees ``stop`` and ends

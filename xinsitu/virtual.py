@@ -143,6 +143,13 @@ def _typed_packing(store: Any, url: str, registry: Any, group: str | None) -> An
     types back from the HDF5 file (a few small reads) and the ``xinsitu.cf`` codec.
     """
     arrays = manifest_group(store).arrays
+    signed = {n: _signed_fills(a) for n, a in arrays.items()}
+    if any(a is not arrays[n] for n, a in signed.items()):
+        from virtualizarr.manifests import ManifestGroup, ManifestStore
+
+        arrays = signed
+        store = ManifestStore(ManifestGroup(arrays=arrays, attributes=dict(manifest_group(store).metadata.attributes
+                                                                         or {})), registry=registry)
     packed = [n for n, a in arrays.items() if {"scale_factor", "add_offset"} & set(a.metadata.attributes or {})]
     if not packed:
         return store
@@ -166,6 +173,34 @@ def _typed_packing(store: Any, url: str, registry: Any, group: str | None) -> An
         return store
     return ManifestStore(ManifestGroup(arrays=new, attributes=dict(manifest_group(store).metadata.attributes or {})),
                          registry=registry)
+
+
+def _signed_fills(arr: Any) -> Any:
+    """``arr`` (a ManifestArray) with the fill values of an unsigned variable marked ``_Unsigned="false"`` (signed
+    values stored as unsigned, as netCDF-Java writes them) as the signed numbers they stand for: xarray decodes
+    the file's typed ``np.uint8(255)`` to -1, but the JSON ``255`` overflows int8 and the file failed to open."""
+    attrs = dict(arr.metadata.attributes or {})
+    raw = np.dtype(arr.metadata.data_type.to_native_dtype())
+    if attrs.get("_Unsigned") != "false" or raw.kind != "u":
+        return arr
+    signed = np.dtype(f"i{raw.itemsize}")
+
+    def as_signed(v: Any) -> Any:
+        vals = np.atleast_1d(np.asarray(v))
+        if vals.dtype.kind not in "iu" or not ((vals >= 0) & (vals <= np.iinfo(raw).max)).all():
+            return v
+        got = vals.astype(raw).view(signed).tolist()
+        return got[0] if np.ndim(v) == 0 else got
+
+    fixed = {k: as_signed(attrs[k]) for k in ("_FillValue", "missing_value") if k in attrs}
+    if all(fixed[k] == attrs[k] for k in fixed):
+        return arr
+    import dataclasses
+
+    from virtualizarr.manifests import ManifestArray
+
+    return ManifestArray(metadata=dataclasses.replace(arr.metadata, attributes={**attrs, **fixed}),
+                         chunkmanifest=arr.manifest)
 
 
 def _diagnose(url: str, registry: Any, group: str | None, drop: list[str], cause: BaseException) -> Exception:

@@ -356,6 +356,29 @@ def test_float32_packing_decodes_as_xarray(tmp_path):
     run_epoch(ref, got.insitu.batches(m, "val", batch_size=3, output="xarray"), "xarray")
 
 
+def test_signed_bytes_stored_unsigned_with_their_fill_value(tmp_path):
+    """A ubyte variable marked ``_Unsigned="false"`` (signed bytes stored unsigned, as netCDF-Java writes them) with
+    ``_FillValue=255``: read as xarray reads the file, 255 being -1 and masked (the file failed to open:
+    OverflowError, int8(255))."""
+    netcdf4 = pytest.importorskip("netCDF4", reason="writing the file needs netCDF4")
+    path = str(tmp_path / "unsigned_false.nc")
+    with netcdf4.Dataset(path, "w") as f:
+        f.createDimension("time", 4)
+        f.createDimension("y", 3)
+        f.createVariable("time", "i4", ("time",))[:] = np.arange(4)
+        v = f.createVariable("b", "u1", ("time", "y"), fill_value=np.uint8(255), chunksizes=(2, 3))
+        v.setncattr("_Unsigned", "false")
+        v.set_auto_maskandscale(False)
+        v[:] = np.array([[0, 255, 200], [1, 2, 128]] * 2, dtype="u1")
+    ref = xr.open_dataset(path)
+    got = open_netcdf(path)
+    assert got.b.dtype == ref.b.dtype
+    m = got.insitu.split("time", fractions={"train": 1.0})
+    b = next(iter(got.insitu.batches(m, "train", batch_size=4, shuffle=False, output="numpy")))
+    assert b["b"].dtype == ref.b.dtype
+    np.testing.assert_array_equal(b["b"], ref.b.values)
+
+
 def test_an_integer_scale_factor_keeps_the_integer_dtype(tmp_path):
     """A short variable with a short ``scale_factor`` (no offset) decodes to int16, as xarray reads the file,
     wrap-around included (zarr's JSON int made it int64: another dtype, and other values where int16 wraps)."""

@@ -356,49 +356,41 @@ def test_float32_packing_decodes_as_xarray(tmp_path):
     run_epoch(ref, got.insitu.batches(m, "val", batch_size=3, output="xarray"), "xarray")
 
 
-def test_signed_bytes_stored_unsigned_with_their_fill_value(tmp_path):
-    """A ubyte variable marked ``_Unsigned="false"`` (signed bytes stored unsigned, as netCDF-Java writes them) with
-    ``_FillValue=255``: read as xarray reads the file, 255 being -1 and masked (the file failed to open:
-    OverflowError, int8(255))."""
-    netcdf4 = pytest.importorskip("netCDF4", reason="writing the file needs netCDF4")
-    path = str(tmp_path / "unsigned_false.nc")
-    with netcdf4.Dataset(path, "w") as f:
-        f.createDimension("time", 4)
-        f.createDimension("y", 3)
-        f.createVariable("time", "i4", ("time",))[:] = np.arange(4)
-        v = f.createVariable("b", "u1", ("time", "y"), fill_value=np.uint8(255), chunksizes=(2, 3))
-        v.setncattr("_Unsigned", "false")
-        v.set_auto_maskandscale(False)
-        v[:] = np.array([[0, 255, 200], [1, 2, 128]] * 2, dtype="u1")
-    ref = xr.open_dataset(path)
-    got = open_netcdf(path)
-    assert got.b.dtype == ref.b.dtype
-    m = got.insitu.split("time", fractions={"train": 1.0})
-    b = next(iter(got.insitu.batches(m, "train", batch_size=4, shuffle=False, output="numpy")))
-    assert b["b"].dtype == ref.b.dtype
-    np.testing.assert_array_equal(b["b"], ref.b.values)
+# raw values, dtype, the variable's own attributes and fill value (netCDF4's), as files written by other tools have them
+FILE_TYPED = {
+    # signed bytes stored unsigned, as netCDF-Java writes them: 255 is -1, masked (the file failed to open:
+    # OverflowError, int8(255) of the JSON fill value)
+    "_Unsigned false, _FillValue 255": ([[0, 255, 200], [1, 2, 128]] * 2, "u1", {"_Unsigned": "false"},
+                                        np.uint8(255)),
+    # a short scale_factor decodes to int16, wrap-around included (zarr's JSON int made it int64: another dtype,
+    # and other values where int16 wraps)
+    "short scale_factor": ([[1, 2], [3, 20000], [5, 6], [7, 8]], "i2", {"scale_factor": np.int16(2)}, False),
+}
 
 
-def test_an_integer_scale_factor_keeps_the_integer_dtype(tmp_path):
-    """A short variable with a short ``scale_factor`` (no offset) decodes to int16, as xarray reads the file,
-    wrap-around included (zarr's JSON int made it int64: another dtype, and other values where int16 wraps)."""
+@pytest.mark.parametrize("case", list(FILE_TYPED))
+def test_attributes_of_their_file_type_decode_as_xarray_reads_the_file(tmp_path, case):
+    """NetCDF4 attributes whose type JSON loses decode as ``xr.open_dataset`` decodes the file, dtype included."""
     netcdf4 = pytest.importorskip("netCDF4", reason="writing the file needs netCDF4")
-    path = str(tmp_path / "int_scale.nc")
+    values, dtype, attrs, fill = FILE_TYPED[case]
+    raw = np.array(values, dtype=dtype)
+    path = str(tmp_path / "typed.nc")
     with netcdf4.Dataset(path, "w") as f:
-        f.createDimension("time", 4)
-        f.createDimension("y", 2)
-        f.createVariable("time", "i4", ("time",))[:] = np.arange(4)
-        v = f.createVariable("n", "i2", ("time", "y"), fill_value=False, chunksizes=(2, 2))
+        f.createDimension("time", raw.shape[0])
+        f.createDimension("y", raw.shape[1])
+        f.createVariable("time", "i4", ("time",))[:] = np.arange(raw.shape[0])
+        v = f.createVariable("v", dtype, ("time", "y"), fill_value=fill, chunksizes=(2, raw.shape[1]))
         v.set_auto_maskandscale(False)
-        v.setncattr("scale_factor", np.int16(2))
-        v[:] = np.array([[1, 2], [3, 20000], [5, 6], [7, 8]], dtype="i2")
+        for k, a in attrs.items():
+            v.setncattr(k, a)
+        v[:] = raw
     ref = xr.open_dataset(path)
     got = open_netcdf(path)
-    assert got.n.dtype == ref.n.dtype == np.int16
+    assert got.v.dtype == ref.v.dtype
     m = got.insitu.split("time", fractions={"train": 1.0})
     b = next(iter(got.insitu.batches(m, "train", batch_size=4, shuffle=False, output="numpy")))
-    assert b["n"].dtype == np.int16
-    np.testing.assert_array_equal(b["n"], ref.n.values)
+    assert b["v"].dtype == ref.v.dtype
+    np.testing.assert_array_equal(b["v"], ref.v.values)
 
 
 @pytest.mark.parametrize("fmt", ["NETCDF4", "NETCDF3_CLASSIC"])

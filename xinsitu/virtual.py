@@ -140,37 +140,31 @@ def _typed_packing(store: Any, url: str, registry: Any, group: str | None) -> An
 
     VirtualiZarr keeps attributes as JSON numbers: a float32 ``scale_factor`` would decode to
     float64, where xarray reading the file gives float32. Such variables get their attributes'
-    types back from the HDF5 file (a few small reads) and the ``xinsitu.cf`` codec.
+    types back from the HDF5 file (a few small reads) and the ``xinsitu.cf`` codec. Signed values stored
+    unsigned get their fill values as signed numbers (``_signed_fills``).
     """
     arrays = manifest_group(store).arrays
-    signed = {n: _signed_fills(a) for n, a in arrays.items()}
-    if any(a is not arrays[n] for n, a in signed.items()):
-        from virtualizarr.manifests import ManifestGroup, ManifestStore
+    new = {n: _signed_fills(a) for n, a in arrays.items()}
+    packed = [n for n, a in new.items() if {"scale_factor", "add_offset"} & set(a.metadata.attributes or {})]
+    if packed:
+        import h5py
+        from obspec_utils.readers import BlockStoreReader
 
-        arrays = signed
-        store = ManifestStore(ManifestGroup(arrays=arrays, attributes=dict(manifest_group(store).metadata.attributes
-                                                                         or {})), registry=registry)
-    packed = [n for n, a in arrays.items() if {"scale_factor", "add_offset"} & set(a.metadata.attributes or {})]
-    if not packed:
+        from xinsitu.formats.netcdf3 import typed_packing
+
+        obs, path = registry.resolve(url)
+        try:
+            with h5py.File(BlockStoreReader(obs, path), mode="r") as f:
+                g = f[group or "/"]
+                for name in packed:
+                    new[name] = typed_packing(new[name], dict(g[name].attrs))
+        except Exception as e:  # noqa: BLE001
+            raise VirtualReferenceError(f"{named(url)}: cannot read the packing attributes of {packed}: "
+                                        f"{type(e).__name__}: {e}") from None
+    if all(new[n] is arrays[n] for n in arrays):
         return store
-    import h5py
-    from obspec_utils.readers import BlockStoreReader
     from virtualizarr.manifests import ManifestGroup, ManifestStore
 
-    from xinsitu.formats.netcdf3 import typed_packing
-
-    obs, path = registry.resolve(url)
-    try:
-        with h5py.File(BlockStoreReader(obs, path), mode="r") as f:
-            g = f[group or "/"]
-            new = dict(arrays)
-            for name in packed:
-                new[name] = typed_packing(arrays[name], dict(g[name].attrs))
-    except Exception as e:  # noqa: BLE001
-        raise VirtualReferenceError(f"{named(url)}: cannot read the packing attributes of {packed}: "
-                                    f"{type(e).__name__}: {e}") from None
-    if all(new[n] is arrays[n] for n in packed):
-        return store
     return ManifestStore(ManifestGroup(arrays=new, attributes=dict(manifest_group(store).metadata.attributes or {})),
                          registry=registry)
 

@@ -26,7 +26,7 @@ import sys
 import time
 import warnings
 from typing import Any, NoReturn
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -236,6 +236,7 @@ def _open(args: argparse.Namespace) -> Any:
     place (NetCDF or GRIB)."""
     import xinsitu
     from xinsitu.stores.opening import opened_consolidated
+    from xinsitu.stores.redact import masked_url
 
     paths = _paths(args.url)
     kinds = {p: file_kind(p) for p in paths}
@@ -243,7 +244,7 @@ def _open(args: argparse.Namespace) -> Any:
     args.in_place = kind is not None
     if kind is not None:
         name = _OPENERS[kind]
-        arg = _url_code(paths[0]) if len(paths) == 1 else [_url_code(p) for p in paths]
+        arg = masked_url(paths[0]) if len(paths) == 1 else [masked_url(p) for p in paths]
         args.code = f"ds = {name}({arg!r}{_options_code(args.options)})"
         import xinsitu.virtual
 
@@ -253,7 +254,7 @@ def _open(args: argparse.Namespace) -> Any:
             return xinsitu.virtual.open_grib(paths, **dict(args.options))
         return xinsitu.virtual.open_netcdf(paths, group=args.group, **dict(args.options))
     if len(paths) > 1:
-        named = ", ".join(repr(_url_code(p)) for p in paths[:3])
+        named = ", ".join(repr(masked_url(p)) for p in paths[:3])
         raise ValueError(f"several paths given ({named}{', ...' if len(paths) > 3 else ''})"
                          f" but they are not all NetCDF or all GRIB files ({_kinds_text(kinds)}): give one Zarr "
                          "archive, or NetCDF or GRIB files")
@@ -263,7 +264,7 @@ def _open(args: argparse.Namespace) -> Any:
                          "GRIB file by its first bytes: open NetCDF files with xinsitu.virtual.open_netcdf(paths), "
                          "GRIB files with xinsitu.virtual.open_grib(paths), a Zarr archive (a directory) with "
                          "xinsitu.open_zarr(path)")
-    args.code = (f"ds = xinsitu.open_zarr({_url_code(url)!r}" + ("" if args.consolidated is None else
+    args.code = (f"ds = xinsitu.open_zarr({masked_url(url)!r}" + ("" if args.consolidated is None else
                                                        f", consolidated={args.consolidated}")
                  + _options_code(args.options) + ")")
     with warnings.catch_warnings(record=True) as said:
@@ -283,38 +284,15 @@ def _options_code(options: list[tuple[str, Any]]) -> str:
     """The store options of ``-o``, as keyword arguments of the line that opens the archive; a credential
     as ``'...'``, at any depth (``client_options={'default_headers': {'Authorization': '...'}}``), and a
     URL's password and query string too (the line is printed: it never holds one)."""
-    from xinsitu.stores.redact import secrets_in_options
+    from xinsitu.stores.redact import masked, secrets_in_options
 
     secrets = secrets_in_options("", dict(options))
-
-    def shown(v: Any) -> Any:
-        if isinstance(v, dict):
-            return {k: shown(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return type(v)(shown(x) for x in v)
-        if isinstance(v, str):
-            return "..." if any(x in v for x in secrets) else _url_code(v)
-        return v
-
-    return "".join(f", {k}={shown(v)!r}" for k, v in options)
+    return "".join(f", {k}={masked(v, secrets)!r}" for k, v in options)
 
 
 def _kinds_text(kinds: dict[str, str | None]) -> str:
     return ", ".join(f"{os.path.basename(urlsplit(p).path if '://' in p else p)}: {k or 'neither'}"
                      for p, k in list(kinds.items())[:4])
-
-
-def _url_code(url: str) -> str:
-    """``url`` as a printed line names it: its password and its query string (a signed URL's credentials)
-    as '...'; a path as it is."""
-    if "://" not in url:
-        return url
-    p = urlsplit(url)
-    netloc = p.netloc
-    if p.password is not None:
-        user, _, host = netloc.rpartition("@")
-        netloc = f"{user.split(':', 1)[0]}:...@{host}"
-    return urlunsplit((p.scheme, netloc, p.path, "..." if p.query else "", p.fragment))
 
 
 # ----------------------------------------------------------------------------- split

@@ -682,8 +682,7 @@ def backend_for(zstore: Any) -> Backend:
             root = str(obj.prefix)  # what xinsitu.open_zarr opens a path with
             return LocalBackend(root, _FileBackend(root) if _loop.in_forked_child() else _ObstoreBackend(obj))
         _loop.refuse_after_fork(f"the store {_store_url(obj)}")
-        # (a store of the user's, opened by xr.open_zarr: what its credential_provider answers is scrubbed)
-        return _ObstoreBackend(recording_store(obj))
+        return _ObstoreBackend(recording_store(obj))  # the user's store (xr.open_zarr): its provider's answers scrubbed
     if kind == "local":
         if _loop.in_forked_child():  # plain file I/O, as zarr's LocalStore itself: safe after fork
             return LocalBackend(obj, _FileBackend(obj))

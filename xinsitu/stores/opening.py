@@ -230,19 +230,10 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
     >>> ds = xinsitu.open_zarr("s3://public-bucket/era5.zarr", anonymous=True)  # doctest: +SKIP
     """
 
-    _check_open_arguments(consolidated, group, decode_times)
+    _check_open_arguments(consolidated, group, decode_times, use_cftime, chunks)
     _check_store_arguments(store, store_options)
-    if chunks is not None:
-        raise ValueError(f"chunks={chunks!r}: xinsitu.open_zarr reads without dask; for dask arrays open with "
-                         "xr.open_zarr(..., chunks=...), whose Dataset ds.insitu reads too")
-    if use_cftime is not None:
-        if not isinstance(use_cftime, (bool, np.bool_)):
-            raise TypeError(f"use_cftime must be True, False or None, got {type(use_cftime).__name__}: {use_cftime!r}")
-        if decode_times is True or decode_times is None:
-            decode_times = xr.coders.CFDatetimeCoder(use_cftime=bool(use_cftime))
-        elif decode_times is not False:
-            raise ValueError("use_cftime= and a decode_times coder: give use_cftime to the coder, "
-                             "xr.coders.CFDatetimeCoder(use_cftime=...)")
+    if use_cftime is not None and decode_times is not False:  # (a coder of the user's is refused above)
+        decode_times = xr.coders.CFDatetimeCoder(use_cftime=bool(use_cftime))
     decoding = {k: v for k, v in dict(decode_cf=decode_cf, mask_and_scale=mask_and_scale,
                                       decode_timedelta=decode_timedelta, drop_variables=drop_variables,
                                       decode_coords=decode_coords, concat_characters=concat_characters).items()
@@ -299,9 +290,20 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
     raise err
 
 
-def _check_open_arguments(consolidated: Any, group: Any, decode_times: Any) -> None:
+def _check_open_arguments(consolidated: Any, group: Any, decode_times: Any, use_cftime: Any = None,
+                          chunks: Any = None) -> None:
     """TypeError naming the argument where ``open_zarr`` is given a value xarray would misread
-    (a string for a flag, a number for a group)."""
+    (a string for a flag, a number for a group); ValueError for what it does not do (``chunks``: dask) or
+    what contradicts itself (``use_cftime`` beside a ``decode_times`` coder)."""
+    if chunks is not None:
+        raise ValueError(f"chunks={chunks!r}: xinsitu.open_zarr reads without dask; for dask arrays open with "
+                         "xr.open_zarr(..., chunks=...), whose Dataset ds.insitu reads too")
+    if use_cftime is not None:
+        if not isinstance(use_cftime, (bool, np.bool_)):
+            raise TypeError(f"use_cftime must be True, False or None, got {type(use_cftime).__name__}: {use_cftime!r}")
+        if decode_times not in (True, False, None):
+            raise ValueError("use_cftime= and a decode_times coder: give use_cftime to the coder, "
+                             "xr.coders.CFDatetimeCoder(use_cftime=...)")
     if group is not None and not isinstance(group, str):
         raise TypeError(f"group must be a str (a path inside the store) or None, got {type(group).__name__}: {group!r}")
     if consolidated is not None and not isinstance(consolidated, bool):

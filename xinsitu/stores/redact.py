@@ -1,7 +1,8 @@
 """Credentials out of messages: the values a store was built with, those of the environment
 variables obstore reads and those a credential provider answered (``RecordingProvider``) are
 replaced in the text of an error (``redact``, ``scrubbed``); a URL is named without its user info
-or query string (``redact_url``). A store built with a credential provider elsewhere is rebuilt with
+or query string (``redact_url``), and a printed line names it and the options with ``...`` in their
+place (``masked_url``, ``masked``). A store built with a credential provider elsewhere is rebuilt with
 it recorded (``recording_store``).
 """
 
@@ -11,7 +12,7 @@ import inspect
 import os
 import re
 from typing import Any
-from urllib.parse import parse_qsl, quote, quote_plus, urlsplit
+from urllib.parse import parse_qsl, quote, quote_plus, urlsplit, urlunsplit
 
 # option names (any store kind) whose values are credentials
 _SECRET_KEY = re.compile(r"secret|token|key|password|sas|credential|signature|authorization|client_id|bearer",
@@ -97,6 +98,31 @@ def redact_url(url: str) -> str:
     if p.port:
         host += f":{p.port}"
     return f"{p.scheme}://{host}{p.path}" + ("?…" if p.query else "")
+
+
+def masked_url(url: str) -> str:
+    """``url`` as a printed line of Python names it (``redact_url`` for messages drops these parts): its
+    password and its query string (a signed URL's credentials) as ``...``; a path as it is."""
+    if "://" not in url:
+        return url
+    p = urlsplit(url)
+    netloc = p.netloc
+    if p.password is not None:
+        user, _, host = netloc.rpartition("@")
+        netloc = f"{user.split(':', 1)[0]}:...@{host}"
+    return urlunsplit((p.scheme, netloc, p.path, "..." if p.query else "", p.fragment))
+
+
+def masked(value: Any, secrets: list[str]) -> Any:
+    """``value`` (an option's, at any depth of dicts, lists and tuples) with each string that holds one of
+    ``secrets`` as ``"..."``, and URLs as ``masked_url`` names them."""
+    if isinstance(value, dict):
+        return {k: masked(x, secrets) for k, x in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(masked(x, secrets) for x in value)
+    if isinstance(value, str):
+        return "..." if any(x in value for x in secrets) else masked_url(value)
+    return value
 
 
 def secrets_in_options(url: str, options: dict[str, Any]) -> list[str]:

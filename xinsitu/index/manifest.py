@@ -222,10 +222,7 @@ class SplitManifest:
         if dim not in ds.sizes:
             raise ValueError(f"ds has no dim {dim!r} (the manifest's split dim); its dims are {list(ds.sizes)}")
         if ds.sizes[dim] != self.sizes[dim]:
-            grew = (f": the archive grew since? ds.isel({dim}=slice(0, {self.sizes[dim]})) is what it was made on"
-                    if ds.sizes[dim] > self.sizes[dim] else "")
-            raise ValueError(f"the manifest was made on {dim!r} of length {self.sizes[dim]}, ds has "
-                             f"{ds.sizes[dim]}{grew}")
+            raise self._other_length(dim, ds.sizes[dim], "ds")
         span = coord_span(ds, dim)
         if span is not None:
             self.check_labels({dim: span})
@@ -267,6 +264,14 @@ class SplitManifest:
                 raise ValueError(f"coordinate {d!r} spans {fl[0]}..{fl[1]} here, but the manifest was made "
                                  f"on {mine[0]}..{mine[1]}")
 
+    def _other_length(self, dim: str, here: int, what: str) -> ValueError:
+        """The error for a dataset (``what`` names it) whose ``dim`` is ``here`` long, not the manifest's length;
+        one that grew (an append) is told the selection the manifest was made on."""
+        made = self.sizes[dim]
+        grew = (f": the archive grew since? ds.isel({dim}=slice(0, {made})) is what it was made on"
+                if here > made else "")
+        return ValueError(f"manifest was made on {dim!r} of length {made}, {what} has {here}{grew}")
+
     def check_grid(self, sizes: dict[str, int], edges: dict[str, np.ndarray], chunks: dict[str, Any]) -> None:
         """Raise ``ValueError`` unless a dataset with these split-dim ``sizes`` and chunk ``edges``
         has the manifest's chunk grid or refines it (every manifest edge is an edge there). Along a dim
@@ -275,10 +280,7 @@ class SplitManifest:
             if d not in sizes:
                 raise ValueError(f"manifest splits dim {d!r}, which the selected variables do not have")
             if sizes[d] != self.sizes[d]:
-                grew = (f": the archive grew since? ds.isel({d}=slice(0, {self.sizes[d]})) is what it was made on"
-                        if sizes[d] > self.sizes[d] else "")
-                raise ValueError(f"manifest was made on {d!r} of length {self.sizes[d]}, this dataset has "
-                                 f"{sizes[d]}{grew}")
+                raise self._other_length(d, sizes[d], "this dataset")
             if d in self.block:
                 continue
             mine, theirs = self.edges[d], np.asarray(edges[d], dtype=np.int64)

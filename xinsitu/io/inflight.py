@@ -351,8 +351,12 @@ class InflightLimit:
             self._ceiling, self._probed = max(AUTO_REMOTE[0], self._best_limit), now
             self._resize(self._ceiling)
         elif self.limit < self._best_limit and mean <= AUTO_INFLATED * base:
-            # below the best limit (after a failure) and no longer queueing: grow back
-            self._resize(self.limit + max(1, self.limit // 8))
+            # below the best limit (after a failure) and no longer queueing: grow back, up to the
+            # ceiling (where the store stalled or failed; past it only probes go)
+            grown = self.limit + max(1, self.limit // 8)
+            if self._ceiling:
+                grown = min(grown, max(self.limit, self._ceiling))
+            self._resize(grown)
 
     def _stalled(self, now: float) -> None:
         """A request was left behind a connect stall's time while later ones came back: the store is

@@ -14,7 +14,7 @@ import pytest
 
 import xinsitu
 from tests.conftest import CT, NT
-from xinsitu import cli
+from xinsitu import cli, cli_bench
 from xinsitu.synthetic import write_era5_like
 
 VARS = ["t2m", "tp", "u10", "v10", "z500"]  # the data variables on time
@@ -111,12 +111,12 @@ def test_raw_keys_match_the_loader_on_subsets(era5_path: str, sel: dict) -> None
     ds = xinsitu.open_zarr(era5_path).isel(sel)
     m = ds.insitu.split("time", fractions={"a": 0.5, "b": 0.5})
     gen = ds.insitu.batches(m, "b", batch_size=16, output="numpy")
-    keys = cli.raw_keys(gen)
+    keys = cli_bench.raw_keys(gen)
     assert len({(id(s), k) for s, k in keys}) == len(keys)
     for _ in gen:
         pass
     assert len(keys) == gen.io_stats["chunks"]
-    raw = cli.raw_pass(keys, 8)
+    raw = cli_bench.raw_pass(keys, 8)
     assert raw["bytes"] == gen.io_stats["bytes_read"]
 
 
@@ -129,11 +129,11 @@ def test_split_dim_prefers_the_largest_variables_leading_dim(era5_path: str) -> 
 
 def test_verdict_sentences() -> None:
     io = {"seconds": 1.0, "batches": 10}
-    assert "store" in cli.verdict({"seconds": 0.9}, io, 32, None)[0]
-    assert "CPU" in cli.verdict({"seconds": 0.1}, io, 32, None)[0]
-    assert cli.verdict(None, io, 32, 500.0)[0].startswith("Model-bound")
-    assert cli.verdict(None, io, 32, 5.0)[0].startswith("Store-bound")
-    assert np.isclose(float(cli.verdict(None, io, 32, 5.0)[0].split("needs ")[1].split(" ms")[0]), 100.0)
+    assert "store" in cli_bench.verdict({"seconds": 0.9}, io, 32, None)[0]
+    assert "CPU" in cli_bench.verdict({"seconds": 0.1}, io, 32, None)[0]
+    assert cli_bench.verdict(None, io, 32, 500.0)[0].startswith("Model-bound")
+    assert cli_bench.verdict(None, io, 32, 5.0)[0].startswith("Store-bound")
+    assert np.isclose(float(cli_bench.verdict(None, io, 32, 5.0)[0].split("needs ")[1].split(" ms")[0]), 100.0)
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@ FOLDERS = {
     "formats": 4,  # files read in place: virtual references, GRIB, NetCDF-3
 }
 #: modules at the top of the package: the surface
-TOP = {"__init__": 4, "__main__": 4, "accessor": 4, "cli": 4, "virtual": 4, "synthetic": 4,
+TOP = {"__init__": 4, "__main__": 4, "accessor": 4, "cli": 4, "cli_bench": 4, "virtual": 4, "synthetic": 4,
        # the public faces of documented paths (``from xinsitu.grib import write_grib``): re-exports only
        "grib": 4, "torch": 4, "dataset": 4, "plot": 4}
 #: files an annotation-only circle may tie together at most

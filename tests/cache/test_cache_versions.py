@@ -390,3 +390,43 @@ def test_netcdf_read_in_place_is_said_to_be_uncached_for_what_it_is(tmp_path):
     assert "memory store" not in said[0] and "uncommitted" not in said[0], said
     assert "NetCDF or GRIB files read in place" in repr(gen) and _entries(tmp_path / "c") == 0
     assert gen.io_stats["cache_hits"] == 0 and _same(first, second) and _same(first, _epoch(_gen(ds)))
+
+
+# ------------------------------------------------------------------ an archive appended to between runs
+@pytest.mark.parametrize("where", ["local", "http immutable"])
+def test_an_appended_archive_keeps_its_whole_chunks_and_reads_the_cut_one_again(tmp_path, where):
+    """An archive appended to along time between two runs (``to_zarr(append_dim="time")``, as a daily
+    update does): its metadata changed only in the shape, so the disk tier still serves every chunk
+    the append left whole, and reads again the last one, which the old shape cut and the append wrote
+    into -- also where nothing else tells a rewrite (an HTTP store without versions, kept as
+    ``immutable``; locally the file's change time tells it too). Every epoch equals plain xarray."""
+    from tests.support.plain_http import PlainServer
+
+    def part(t0: int, n: int) -> xr.Dataset:
+        t = np.arange(t0, t0 + n)
+        a = (t[:, None, None] * 100 + np.arange(15).reshape(1, 3, 5)).astype("f4")
+        return xr.Dataset({"a": (("time", "y", "x"), a)}, coords={"time": t})
+
+    path = str(tmp_path / "a.zarr")
+    part(0, 10).to_zarr(path, mode="w", zarr_format=3, consolidated=True,
+                        encoding={"a": {"chunks": (CT, 3, 5), "compressors": None}})  # chunks 0-1 whole, 2 cut
+
+    def run(url: str) -> tuple[list[np.ndarray], dict]:
+        ds = xinsitu.open_zarr(url)
+        m = ds.insitu.split("time", fractions={"all": 1.0})
+        cache = ChunkCache(memory=0, disk=tmp_path / "c", immutable=where != "local")
+        gen = ds.insitu.batches(m, "all", batch_size=3, output="numpy", shuffle=False, cache=cache)
+        got = _epoch(gen)
+        want = [ds.a.isel(time=ids).values for ids in gen.batch_ids()]
+        assert _same(got, want)
+        assert _same(got, [xr.open_zarr(path, chunks=None).a.isel(time=ids).values for ids in gen.batch_ids()])
+        return got, gen.io_stats
+
+    with PlainServer(tmp_path) as srv:
+        url = path if where == "local" else f"{srv.url}/a.zarr"
+        _, first = run(url)
+        assert first["cache_misses"] == first["chunks"] == 3, first
+        part(10, 3).to_zarr(path, append_dim="time", consolidated=True)  # chunk 2 written into, 3 new
+        got, st = run(url)
+        assert sum(len(b) for b in got) == 13
+        assert st["cache_disk_hits"] == 2 and st["cache_misses"] == 2, st  # chunks 0-1 kept; 2 and 3 read

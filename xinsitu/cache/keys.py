@@ -1,7 +1,8 @@
 """What names a chunk in the cache: keys, object versions and store identities.
 
 A key (``ChunkKey``) is a digest of the store's identity (``store_identity``: what locates the data,
-never credentials), the array's path, a hash of its metadata, the Icechunk snapshot where there is one
+never credentials), the array's path, a hash of its metadata (its shape only for the chunks the shape
+cuts: ``ChunkKey.edges``), the Icechunk snapshot where there is one
 and the chunk's coordinates; the disk tier's keys also name each chunk file's size, modification and
 change times and inode, or each remote object's version (``object_versions``, ``fsspec_versions``): a
 strong ETag and the size (``trusted``), else a reason why none can be had (``why_not``). Every request
@@ -78,7 +79,7 @@ class ChunkKey:
 
     __slots__ = ("store_id", "array_path", "metadata_hash", "snapshot", "local_root", "ident", "_prefix",
                  "remote", "needs_version", "_versions", "_listed", "_vlock", "store_name", "_silent",
-                 "since_ns", "unversioned")
+                 "since_ns", "unversioned", "_cut", "_shape")
 
     def __init__(self, store_id: str, array_path: str, metadata: bytes | str | dict[str, Any],
                  snapshot: str | None = None, local_root: str | os.PathLike[str] | None = None, *,
@@ -114,6 +115,9 @@ class ChunkKey:
         #: made before its reader read any chunk: what the memory tier keeps through these keys matches
         #: the source since then (a local file changed later is read again by a later reader)
         self.since_ns = time.time_ns()
+        #: the chunks the array's shape cuts, ``(axis, last chunk along it)``, and that shape (``edges``)
+        self._cut: tuple[tuple[int, int], ...] = ()
+        self._shape = ""
 
     def memory_key(self, chunk: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
         """The memory tier's key of chunk ``chunk``: ``(ident, chunk)``, a dict lookup without hashing
@@ -125,6 +129,8 @@ class ChunkKey:
         time, a remote object's by its version where one was known (``cache.lookup``); the disk tier
         keys each local file by its size, modification and change times and inode.
         """
+        if self._cut and self._is_cut(chunk):
+            return (self.ident + self._shape, chunk)
         return (self.ident, chunk)
 
     def key(self, chunk: tuple[int, ...], local_file: str | os.PathLike[str] | None = None,
@@ -150,6 +156,8 @@ class ChunkKey:
         """
         h = self._prefix.copy()
         h.update(("\0" + ",".join(str(int(c)) for c in chunk)).encode())
+        if self._cut and self._is_cut(chunk):
+            h.update(self._shape.encode())
         if local_file is not None:
             try:
                 st = os.stat(local_file)
@@ -245,10 +253,31 @@ class ChunkKey:
             remote = store  # versions from its filesystem's ``info`` (on the loop its session belongs to)
         meta = aa.metadata.to_dict()
         meta.pop("attributes", None)  # attributes do not change the stored bytes (CF decoding comes later)
+        # the shape names only the chunks it cuts (``edges``): an archive appended to keeps the keys of
+        # every whole chunk it had, and the edge chunk an append writes into is another key
+        shape = meta.pop("shape", None)
         path = getattr(array, "path", "") or ""
-        return cls(store_id, path, meta, snapshot=snapshot, local_root=root, remote=remote,
+        keys = cls(store_id, path, meta, snapshot=snapshot, local_root=root, remote=remote,
                    needs_version=root is None and (snapshot is None or why is not None),
                    store_name=store_label(store), state=state, unversioned=why)
+        keys.edges(shape, tuple(aa.chunks))
+        return keys
+
+    def edges(self, shape: Any, chunks: tuple[int, ...]) -> None:
+        """Name the array's ``shape`` in the keys of the chunks it cuts (of grid ``chunks``), and only
+        theirs: where an array grows along a dim (an append), its whole chunks keep their keys and the
+        last chunk along that dim, cut before and written into by the append, gets another (both tiers,
+        whatever the store tells of versions: also ``immutable`` and the memory tier). The metadata
+        hash leaves the shape out then. A chunk cut by a shrink is also named; one that a later growth
+        makes whole again is named by its file's stat or its object's version, as every rewrite is."""
+        shape = tuple(int(n) for n in shape)
+        if len(shape) != len(chunks):
+            raise ValueError(f"shape {shape} and chunks {chunks} differ in length")
+        self._cut = tuple((ax, n // c) for ax, (n, c) in enumerate(zip(shape, chunks, strict=True)) if n % c)
+        self._shape = "\0shape " + ",".join(map(str, shape))
+
+    def _is_cut(self, chunk: tuple[int, ...]) -> bool:
+        return any(chunk[ax] == last for ax, last in self._cut)
 
     def __repr__(self) -> str:
         return f"ChunkKey(array_path={self.array_path!r}, metadata={self.metadata_hash[:8]}, snapshot={self.snapshot})"

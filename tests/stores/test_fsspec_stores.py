@@ -71,21 +71,43 @@ def sharded(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
+def cached_twice(ds: xr.Dataset) -> tuple[dict, dict]:
+    """Two epochs of ``ds`` with a memory cache, each equal to plain xarray: their ``io_stats``."""
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    gen = ds.insitu.batches(m, "train", batch_size=8, shuffle=False, output="numpy", cache=True)
+    stats = []
+    for epoch in (0, 1):
+        gen.set_epoch(epoch)
+        for batch, ids in zip(gen, gen.batch_ids(), strict=True):
+            for v, a in batch.items():
+                np.testing.assert_array_equal(a, ds[v].isel(time=ids).values)
+        stats.append(gen.io_stats)
+    return stats[0], stats[1]
+
+
 @pytest.mark.parametrize("kind", ["http", "s3"])
 @pytest.mark.slow
 def test_a_sharded_archive_over_fsspec_reads_like_xarray(sharded, kind):
-    """zarr reads a sharded array's inner chunks for xinsitu here (no byte ranges of fsspec's own): on
-    zarr's loop, where the fsspec session lives (on xinsitu's loop every read failed, naming chunk ())."""
+    """A sharded array's inner chunks are read by byte range through the fsspec store's own ``get``, on
+    zarr's loop, where the fsspec session lives (on xinsitu's loop every read failed, naming chunk ()):
+    equal to xarray, counted in ``io_stats`` and kept by the cache (zarr read them for xinsitu before,
+    uncached and counting 0 bytes)."""
     if kind == "http":
         with FileServer(Path(sharded).parent) as srv:
-            _check(xr.open_zarr(f"{srv.url}/sharded.zarr", chunks=None), sharded)
-        return
-    pytest.importorskip("s3fs", reason="s3fs (the dev extra) is not installed here")
-    with MotoS3() as srv:
-        srv.upload(sharded, "sharded-bucket", "sharded.zarr")
-        opts = {"key": srv.access_key_id, "secret": srv.secret_access_key,
-                "client_kwargs": {"endpoint_url": srv.endpoint, "region_name": srv.region}}
-        _check(xr.open_zarr("s3://sharded-bucket/sharded.zarr", chunks=None, storage_options=opts), sharded)
+            ds = xr.open_zarr(f"{srv.url}/sharded.zarr", chunks=None)
+            _check(ds, sharded)
+            first, second = cached_twice(ds)
+    else:
+        pytest.importorskip("s3fs", reason="s3fs (the dev extra) is not installed here")
+        with MotoS3() as srv:
+            srv.upload(sharded, "sharded-bucket", "sharded.zarr")
+            opts = {"key": srv.access_key_id, "secret": srv.secret_access_key,
+                    "client_kwargs": {"endpoint_url": srv.endpoint, "region_name": srv.region}}
+            ds = xr.open_zarr("s3://sharded-bucket/sharded.zarr", chunks=None, storage_options=opts)
+            _check(ds, sharded)
+            first, second = cached_twice(ds)
+    assert first["bytes_read"] > 0 and first["cache_misses"] == first["chunks"] > 0, first
+    assert second["cache_hits"] == second["chunks"] == first["chunks"] and second["requests"] == 0, second
 
 
 CHUNKS = r"/(t2m|u10|v10|z500|tp|lsm)/c/"  # data chunk objects (not metadata, not coordinates)

@@ -387,12 +387,12 @@ class ChunkCache:
                   f"({why}), so its chunks are read every epoch (warned once)")
 
     def note_read_by_zarr(self, what: str, kind: str) -> None:
-        """Say once that ``what`` (a sharded variable whose store, of ``kind``, xinsitu does not read by byte
-        range: zarr reads its inner chunks) is not cached."""
-        self._say(f"uncached shards {kind}", f"not cached: {what} (a sharded array its store, {kind}, gives to "
-                  "zarr to read)", f"the chunk cache keeps nothing of {what}: it is sharded, and zarr reads its "
-                  f"inner chunks from its store ({kind}; xinsitu reads shards by byte range from local paths and "
-                  "xinsitu.open_zarr URLs), so they are read every epoch (warned once)")
+        """Say once that ``what`` (a sharded variable that xinsitu does not read by byte range from its store,
+        of ``kind``: zarr reads its inner chunks) is not cached."""
+        self._say(f"uncached shards {kind}", f"not cached: {what} (a sharded array zarr reads from its store, "
+                  f"{kind})", f"the chunk cache keeps nothing of {what}: it is sharded in a layout this zarr "
+                  f"version does not let xinsitu read by byte range, so zarr reads its inner chunks from its store "
+                  f"({kind}) every epoch (warned once)")
 
     def note_read_through_dask(self, what: str) -> None:
         """Say once that ``what`` (a variable read through dask: NetCDF or GRIB files opened by xarray) is

@@ -293,9 +293,10 @@ def is_remote(zstore: Any) -> bool:
     return True
 
 
-async def zarr_store_get(zstore: Any, key: str) -> bytes | None:
-    """Read one object through a zarr store's own async ``get`` (None where it does not exist)."""
-    buf = await zstore.get(key, prototype=_prototype())
+async def zarr_store_get(zstore: Any, key: str, byte_range: Any = None) -> bytes | None:
+    """Read one object (or ``byte_range`` of it: zarr's ``RangeByteRequest``, ``SuffixByteRequest``)
+    through a zarr store's own async ``get`` (None where it does not exist)."""
+    buf = await zstore.get(key, prototype=_prototype(), byte_range=byte_range)
     return None if buf is None else buf.to_bytes()
 
 

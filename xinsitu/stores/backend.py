@@ -38,7 +38,7 @@ from typing import Any, Protocol, TypeAlias, TypeVar, runtime_checkable
 
 from xinsitu.codecs.cpu import store_root
 from xinsitu.io import loop as _loop
-from xinsitu.stores.reads import FETCH_ATTEMPTS
+from xinsitu.stores.reads import FETCH_ATTEMPTS, DamagedObjectError
 from xinsitu.stores.redact import recording_store, redact_url, scrubbed, secrets_of
 from xinsitu.stores.virtual_store import ManifestBackend, is_manifest_store
 from xinsitu.stores.zarr_store import _ZarrBackend
@@ -144,8 +144,6 @@ def _ranges_ignored(e: BaseException) -> bool:
     return _not_supported(e) and "Range request not supported" in str(e)
 
 
-class DamagedObjectError(OSError):
-    """The bytes of a stored object came back short, or failed to decode, every time."""
 
 
 class _ObstoreBackend:

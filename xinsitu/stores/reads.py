@@ -134,6 +134,10 @@ async def _bounded_listing(listing: AsyncIterator[str], what: str) -> AsyncItera
         yield key
 
 
+class DamagedObjectError(OSError):
+    """The bytes of a stored object came back short, or failed to decode, every time."""
+
+
 class NoListingError(ValueError):
     """A plain HTTP server that lists no directory: the arrays of a group without consolidated
     metadata cannot be found."""

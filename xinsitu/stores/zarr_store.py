@@ -1,6 +1,7 @@
-"""Objects of the stores obstore cannot read (fsspec's, zarr's ``MemoryStore`` ...), through the zarr
-store's own async ``get`` (``xinsitu.stores.backend.backend_for`` picks it). An asynchronous fsspec
-filesystem's client session is bound to the loop zarr opened it on: its ``get`` runs there.
+"""Objects of the stores obstore cannot read (fsspec's, Icechunk's, zarr's ``MemoryStore`` ...), and
+byte ranges of them (the inner chunks of shards, a shard's index), through the zarr store's own async
+``get`` (``xinsitu.stores.backend.backend_for`` picks it). An asynchronous fsspec filesystem's client
+session is bound to the loop zarr opened it on: its ``get`` runs there.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from typing import Any
 
 from xinsitu.codecs.cpu import zarr_store_get
 from xinsitu.io import loop as _loop
-from xinsitu.stores.reads import retried
+from xinsitu.stores.reads import DamagedObjectError, retried
 from xinsitu.stores.redact import redact_url, scrubbed
 
 
 class _ZarrBackend:
-    """Whole objects through the zarr store's own async ``get`` (stores obstore cannot read).
+    """Whole objects, and byte ranges of them, through the zarr store's own async ``get`` (stores
+    obstore cannot read): a ``RangeBackend``, so that xinsitu reads the inner chunks of shards itself,
+    as from obstore's stores (caching and counting them), not through zarr.
 
     An fsspec store's client session (aiohttp for ``http://``, aiobotocore for s3fs) belongs to the
     loop zarr opened it on: its ``get`` runs there, in a task of that loop (``home``). Such a store
@@ -56,10 +59,49 @@ class _ZarrBackend:
             err = scrubbed(e)
         raise err
 
-    async def _get(self, key: str) -> bytes | None:
+    async def _get(self, key: str, byte_range: Any = None) -> bytes | None:
         if self._retries:
-            return await retried(lambda: zarr_store_get(self.zstore, key))
-        return await zarr_store_get(self.zstore, key)
+            return await retried(lambda: zarr_store_get(self.zstore, key, byte_range))
+        return await zarr_store_get(self.zstore, key, byte_range)
+
+    async def _ranged(self, key: str, byte_range: Any) -> bytes | None:
+        err: BaseException | None = None
+        try:
+            return await self.at_home(self._get(key, byte_range))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - same message, without URL query strings
+            err = scrubbed(e)
+        raise err
+
+    async def get_range(self, key: str, start: int, end: int) -> memoryview | None:
+        """Bytes ``start:end`` of ``key`` (fewer where the object is shorter); None where it is missing."""
+        from zarr.abc.store import RangeByteRequest
+
+        start, end = int(start), int(end)
+        data = await self._ranged(key, RangeByteRequest(start, end))
+        if data is None:
+            return None
+        view = memoryview(data)  # more than asked: a server that ignores ``Range`` sent the whole object
+        return view[start:end] if len(view) > end - start else view
+
+    async def get_suffix(self, key: str, n: int) -> memoryview | None:
+        """The last ``n`` bytes of ``key``; None where it is missing."""
+        from zarr.abc.store import SuffixByteRequest
+
+        data = await self._ranged(key, SuffixByteRequest(int(n)))
+        return None if data is None else memoryview(data)[max(0, len(data) - int(n)):]
+
+    async def get_ranges(self, key: str, starts: list[int], ends: list[int]) -> list[memoryview]:
+        """Several ranges of one object, in the order asked, one ``get`` each (the store's own client
+        pools its connections); raises where the object is missing or ends before a range does."""
+        bodies = await asyncio.gather(*(self.get_range(key, lo, hi) for lo, hi in zip(starts, ends, strict=True)))
+        for lo, hi, body in zip(starts, ends, bodies, strict=True):
+            if body is None:
+                raise FileNotFoundError(f"object {key!r} does not exist")
+            if len(body) != int(hi) - int(lo):
+                raise DamagedObjectError(f"object {key!r}: bytes {lo}-{hi} asked for, {len(body)} exist")
+        return bodies  # type: ignore[return-value]
 
 
 def _url(zstore: Any) -> str:

@@ -390,8 +390,9 @@ def test_inspect_prints_the_open_with_its_store_options_and_no_credential(tmp_pa
 def test_inspect_prints_no_credential_of_a_url_a_nested_option_or_a_bad_option(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The line of Python ``inspect`` prints names a URL's password and query string (a signed URL's
-    credentials) as '...', and a credential inside a dict option (a bearer token in ``client_options``)
-    too; the error for several paths names them so, and a malformed ``-o`` is not echoed."""
+    credentials) as '...', a user name given alone (a token: ``https://TOKEN@host``), and a credential
+    inside a dict option (a bearer token in ``client_options``) too; the error for several paths names
+    them so, and a malformed ``-o`` is not echoed."""
     from tests.support.servers import FileServer, write_archive
 
     pw, sig, tok, key = "PW-cli-leak-4711", "SIG-cli-leak-0815", "TOK-cli-leak-1337", "KEY-cli-leak-2718"
@@ -401,6 +402,7 @@ def test_inspect_prints_no_credential_of_a_url_a_nested_option_or_a_bad_option(
         with_pw, signed = f"http://user:{pw}@{host}/era5.zarr", f"{srv.url}/era5.zarr?X-Amz-Signature={sig}"
         client = json.dumps({"allow_http": True, "default_headers": {"Authorization": f"Bearer {tok}"}})
         for args, shown in (([with_pw], f"'http://user:...@{host}/era5.zarr'"),
+                            ([f"http://{tok}@{host}/era5.zarr"], f"'http://...@{host}/era5.zarr'"),
                             ([signed], f"'{srv.url}/era5.zarr?...'"),
                             ([f"{srv.url}/era5.zarr", "-o", f"client_options={client}"],
                              "'default_headers': {'Authorization': '...'}")):

@@ -102,14 +102,15 @@ def redact_url(url: str) -> str:
 
 def masked_url(url: str) -> str:
     """``url`` as a printed line of Python names it (``redact_url`` for messages drops these parts): its
-    password and its query string (a signed URL's credentials) as ``...``; a path as it is."""
+    password and its query string (a signed URL's credentials) as ``...``, and a user name given without
+    a password too (``https://TOKEN@host``: a token, as many hosts take one); a path as it is."""
     if "://" not in url:
         return url
     p = urlsplit(url)
     netloc = p.netloc
-    if p.password is not None:
+    if "@" in netloc:
         user, _, host = netloc.rpartition("@")
-        netloc = f"{user.split(':', 1)[0]}:...@{host}"
+        netloc = f"{user.split(':', 1)[0]}:...@{host}" if p.password is not None else f"...@{host}"
     return urlunsplit((p.scheme, netloc, p.path, "..." if p.query else "", p.fragment))
 
 

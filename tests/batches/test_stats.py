@@ -708,6 +708,12 @@ def test_merge_refuses_other_jobs_and_missing_parts(era5_path):
                   ds.insitu.stats_part(m, "train", part=(1, 3), variables=["t2m"])):
         with pytest.raises(ValueError, match="different jobs"):
             xinsitu.merge_stats([parts[0], other, parts[2]])
+    # a task that opened another selection of the archive: another size, or the same size elsewhere
+    north, south = ds.isel(lat=slice(0, 2)), ds.isel(lat=slice(2, 4))
+    for mixed in ([parts[0], north.insitu.stats_part(m, "train", part=(1, 3)), parts[2]],
+                  [north.insitu.stats_part(m, "train", part=(0, 2)), south.insitu.stats_part(m, "train", part=(1, 2))]):
+        with pytest.raises(ValueError, match=r"different jobs \(they differ in \['selection'\]\)"):
+            xinsitu.merge_stats(mixed)
     with pytest.raises(ValueError, match="different numbers of shares"):
         xinsitu.merge_stats([*parts, ds.insitu.stats_part(m, "train", part=(0, 2))])
     bad = json.loads(json.dumps(parts[1]))

@@ -398,6 +398,12 @@ def test_merge_validity_refuses(ds: xr.Dataset, m: xinsitu.SplitManifest) -> Non
     with pytest.raises(ValueError, match="different jobs"):
         xinsitu.merge_validity([parts[0], ds.insitu.validity_part(m, "train", variables=["x"], part=(1, 3),
                                                                   window={"time": 2}), parts[2]])
+    lazy = xinsitu.open_zarr(ds.encoding["source"])
+    north, south = lazy.isel(lat=slice(0, 2)), lazy.isel(lat=slice(2, 4))  # tasks that opened other regions
+    mixed = [north.insitu.validity_part(m, "train", variables=["x"], part=(0, 2)),
+             south.insitu.validity_part(m, "train", variables=["x"], part=(1, 2))]
+    with pytest.raises(ValueError, match=r"different jobs \(they differ in \['selection'\]\)"):
+        xinsitu.merge_validity(mixed)
     with pytest.raises(ValueError, match="another manifest"):
         xinsitu.merge_validity(parts, ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5}))
     bad = json.loads(json.dumps(parts[1]))

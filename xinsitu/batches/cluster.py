@@ -51,6 +51,26 @@ COMPACT_MIN = 1024
 
 
 # ----------------------------------------------------------------------------- parts
+def selection_of(sources: dict[str, Any]) -> dict[str, str]:
+    """What each variable (``xinsitu.index.source.VarSource``) is of its stored array, as a short hash
+    per name: its dims and shape, and the positions it takes along each stored dim. Part of a job, so
+    that parts of differently selected Datasets (one task opened ``ds``, another ``ds.isel(lat=...)``)
+    are never merged."""
+    out = {}
+    for name in sorted(sources):
+        src = sources[name]
+        h = hashlib.blake2b(json.dumps([list(src.dims), list(src.shape), list(src.src_dims)]).encode(),
+                            digest_size=8)
+        for ix in src.index:
+            if isinstance(ix, (int, np.integer)):
+                h.update(f";{int(ix)}".encode())
+            else:
+                h.update(b";")
+                h.update(np.ascontiguousarray(ix, dtype=np.int64).tobytes())
+        out[str(name)] = h.hexdigest()
+    return out
+
+
 def job_digest(job: dict[str, Any]) -> str:
     """A short hash of a job's identity (what its parts carry as ``job_id``; see ``parts_in_order``)."""
     return hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()[:16]

@@ -41,7 +41,15 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from xinsitu.batches.cluster import check_client, job_digest, part_arg, parts_in_order, run_parts, warn_missing
+from xinsitu.batches.cluster import (
+    check_client,
+    job_digest,
+    part_arg,
+    parts_in_order,
+    run_parts,
+    selection_of,
+    warn_missing,
+)
 from xinsitu.batches.describe import progress_bar
 from xinsitu.batches.moments import ChannelSums, _channel_rows, channel_moments, chunk_moments
 from xinsitu.cache.chunk_cache import resolve_cache
@@ -152,7 +160,7 @@ class StatsPass:
             "units": int(self.space.n_units), "snapshot": snapshot_of_sources(sampled.sources),
             "variables": list(self.layouts), "channels": {n: list(c) for n, c in self.channels.items()},
             "dims": {n: list(e) for n, e in self.extra.items()}, "stack": list(self.fold), "diffs": self.diffs,
-            "diff_variables": list(self._diff_axis)}
+            "diff_variables": list(self._diff_axis), "selection": selection_of(sampled.sources)}
         self.job_id = job_digest(self.job)
         self._done = False
 

@@ -28,7 +28,15 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from xinsitu.batches.cluster import check_client, job_digest, part_arg, parts_in_order, run_parts, warn_missing
+from xinsitu.batches.cluster import (
+    check_client,
+    job_digest,
+    part_arg,
+    parts_in_order,
+    run_parts,
+    selection_of,
+    warn_missing,
+)
 from xinsitu.batches.generator import BatchGenerator
 from xinsitu.batches.mapstyle import InsituDataset
 from xinsitu.cache.chunk_cache import ChunkCache
@@ -134,7 +142,8 @@ class ValidityPass:
         self.job: dict[str, Any] = {
             "split": split, "manifest": manifest.fingerprint, "blocks": manifest.splits[split].digest(),
             "units": int(sp.space.n_units), "samples": self.total, "snapshot": snapshot_of_sources(sp.sources),
-            "variables": self.variables, "where": self.label, "sampling": self.key}
+            "variables": self.variables, "where": self.label, "sampling": self.key,
+            "selection": selection_of(sp.sources)}
         self.job_id = job_digest(self.job)
         self._done = False
 

@@ -347,3 +347,32 @@ def test_weather_input_doc_example_runs(tmp_path, monkeypatch, capsys):
     levels = [500, 700, 850]
     assert out == [str([f"z_{lev}" for lev in levels] + ["t2m"] + [f"{v}_{lev}" for v in "uv" for lev in levels]),
                    "(8, 10, 8, 16) float32"]
+
+
+@pytest.mark.parametrize("name", ["variable", "sample"])
+def test_a_dim_named_like_a_batch_dim(tmp_path, name):
+    """An archive whose data has a dim ``variable`` (anemoi's ``data(time, variable, cell)``) or ``sample``
+    (an ensemble dim): a labeled batch names its leading dim ``sample`` and a stacked one its channel dim
+    ``variable``. Where they would meet, ``batches`` refuses at once, naming the dim and the ways out (the
+    first batch failed inside xarray: "conflicting sizes for dimension"); the ways out it names work, equal
+    to xarray, and so do the outputs where the names do not meet."""
+    src = xr.Dataset({"data": (("time", name, "cell"), np.arange(60.0).reshape(4, 3, 5))},
+                     coords={"time": np.arange(4), name: ["a", "b", "c"]})
+    src.to_zarr(tmp_path / "a.zarr", zarr_format=3, consolidated=False)
+    ds = xinsitu.open_zarr(tmp_path / "a.zarr")
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    meet = [{"output": "dataarray"}, {"output": "xarray", "stack": True}]
+    if name == "sample":
+        meet.append({"output": "xarray"})
+    for kw in meet:
+        with pytest.raises(ValueError, match=rf"variable 'data' has a dim '{name}'.*ds.rename"):
+            ds.insitu.batches(m, "train", batch_size=2, **kw)
+    ways = [ds.rename({name: "member"}).insitu.batches(m, "train", batch_size=2, shuffle=False, output="dataarray")]
+    if name == "variable":
+        ways.append(ds.insitu.batches(m, "train", batch_size=2, shuffle=False, output="dataarray", stack=[name]))
+        got = next(iter(ds.insitu.batches(m, "train", batch_size=2, shuffle=False, output="xarray")))
+        want = ds.data.isel(time=[0, 1]).drop_vars("time")
+        xr.testing.assert_equal(got["data"].drop_vars("time").rename(sample="time"), want)
+    for gen in ways:
+        got = next(iter(gen))
+        np.testing.assert_array_equal(got.values.reshape(2, 3, 5), ds.data.isel(time=[0, 1]).values)

@@ -62,6 +62,8 @@ class OutputBuilder:
         kept = tuple(d.name for d in space.dims if d.keep)  # window/patch dims: sample axes, never channels
         check_fold(layouts, self.fold, kept)
         self.channels, self.base_dims = plan_channels(ds, layouts, kept, self.fold) if self.stack else ([], ())
+        if output in ("xarray", "dataarray"):
+            self._check_dim_names(layouts)
         # (x - mean) / std per channel after CF decoding; m.stats from ds.insitu.stats, or a dict like it,
         # applied by channel name (whatever the order of variables=)
         self.normalizer = normalizer(normalize, layouts, kept, self.fold, ds) if normalize is not None else None
@@ -120,6 +122,21 @@ class OutputBuilder:
         if self.output == "torch" and self.device is not None:
             return f"device={self.device!r}"
         return f"output={self.output!r}" + ("" if self.output in ("torch", "jax") else " (host arrays)")
+
+    def _check_dim_names(self, layouts: dict[str, VarLayout]) -> None:
+        """A labeled batch names its leading dim ``sample`` and a stacked one its channel dim ``variable``
+        (as ``to_dataarray``): a variable's own dim of either name is refused now, naming the ways out
+        (it failed in xarray at the first batch)."""
+        for n, lay in layouts.items():
+            dims = [d for d in lay.out_dims if d in self.base_dims] if self.stack else list(lay.out_dims)
+            if "sample" in dims:
+                raise ValueError(f"output={self.output!r}: variable {n!r} has a dim 'sample', the name of a batch's "
+                                 "leading dim; rename it (ds.rename({'sample': 'member'})), or take output='numpy'")
+            if self.stack and "variable" in dims:
+                raise ValueError(f"output={self.output!r}" + (", stack=True" if self.output == "xarray" else "")
+                                 + f": variable {n!r} has a dim 'variable', the name of a stacked batch's channel "
+                                 "dim; fold it into the channels (stack=['variable']), rename it "
+                                 "(ds.rename({'variable': 'channel'})), or take output='numpy'")
 
     def _common_dtype(self) -> np.dtype:
         """The variables' common result dtype (the stacked batch's); one that does not exist (datetimes beside

@@ -144,6 +144,8 @@ def test_dtype_float32_for_a_packed_variable(wm):
         gen = ds.insitu.batches(m, "train", batch_size=6, variables=["t2m", "tp"], output="numpy",
                                 dtype="float32", seed=2, **kw)
         assert gen.dtype == np.float32 and (gen.buffer_reason is None) == (not kw)
+        rows = {line.split()[0]: line.split()[-3:] for line in repr(gen).splitlines() if line.startswith("    t")}
+        assert rows["tp"] == [str(ds.tp.dtype), "->", "float32"] and rows["t2m"][-1] == "float32", rows  # the repr too
         for b, i in zip(gen, gen.batch_ids(), strict=True):
             st_ = _starts(gen, i)
             idx = st_[:, 0:1] + np.arange(kw["window"]["time"] if kw else 1)

@@ -138,8 +138,9 @@ def _generator_sections(gen: BatchGenerator, drawing: bool = False) -> list[Sect
     var_rows = []
     for name, lay in gen.layouts.items():
         shape = ", ".join(f"{d}: {width.get(d, gen.geometry.sizes.get(d, 0))}" for d in lay.out_dims)
-        var_rows.append((name, f"({shape})", str(lay.src.dtype), "static: same in every batch" if lay.static
-                         else ""))
+        out = np.dtype(gen.builder.var_dtypes.get(name, lay.src.dtype))  # what the batch holds (dtype=, normalize=)
+        dtype = str(lay.src.dtype) if out == lay.src.dtype else f"{lay.src.dtype} -> {out}"
+        var_rows.append((name, f"({shape})", dtype, "static: same in every batch" if lay.static else ""))
     sections = [Section("Epoch", (), info),
                 Section("Sample", ("dim", "length", "takes", "role"), roles),
                 Section("Variables", ("variable", "per sample", "dtype", ""), var_rows, summary=f"({len(var_rows)})")]

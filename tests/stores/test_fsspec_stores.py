@@ -50,16 +50,21 @@ def test_fsspec_http_store_reads_like_xarray(http, archive, chunks):
     _check(ds, archive)
 
 
+def s3fs_opened(srv: MotoS3, url: str, **kw) -> xr.Dataset:
+    """``xr.open_zarr(url)`` through s3fs, against the moto server ``srv``."""
+    pytest.importorskip("s3fs", reason="s3fs (the dev extra) is not installed here")
+    opts = {"key": srv.access_key_id, "secret": srv.secret_access_key,
+            "client_kwargs": {"endpoint_url": srv.endpoint, "region_name": srv.region}}
+    return xr.open_zarr(url, storage_options=opts, **kw)
+
+
 @pytest.mark.parametrize("chunks", [None, {}], ids=["nodask", "dask"])
 @pytest.mark.slow
 def test_s3fs_store_reads_like_xarray(archive, chunks):
     pytest.importorskip("s3fs", reason="s3fs (the dev extra) is not installed here")
     with MotoS3() as srv:
         srv.upload(archive, "fsspec-bucket", "era5.zarr")
-        opts = {"key": srv.access_key_id, "secret": srv.secret_access_key,
-                "client_kwargs": {"endpoint_url": srv.endpoint, "region_name": srv.region}}
-        ds = xr.open_zarr("s3://fsspec-bucket/era5.zarr", chunks=chunks, storage_options=opts)
-        _check(ds, archive)
+        _check(s3fs_opened(srv, "s3://fsspec-bucket/era5.zarr", chunks=chunks), archive)
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +106,7 @@ def test_a_sharded_archive_over_fsspec_reads_like_xarray(sharded, kind):
         pytest.importorskip("s3fs", reason="s3fs (the dev extra) is not installed here")
         with MotoS3() as srv:
             srv.upload(sharded, "sharded-bucket", "sharded.zarr")
-            opts = {"key": srv.access_key_id, "secret": srv.secret_access_key,
-                    "client_kwargs": {"endpoint_url": srv.endpoint, "region_name": srv.region}}
-            ds = xr.open_zarr("s3://sharded-bucket/sharded.zarr", chunks=None, storage_options=opts)
+            ds = s3fs_opened(srv, "s3://sharded-bucket/sharded.zarr", chunks=None)
             _check(ds, sharded)
             first, second = cached_twice(ds)
     assert first["bytes_read"] > 0 and first["cache_misses"] == first["chunks"] > 0, first

@@ -654,6 +654,11 @@ class BatchGenerator:
                    f"~{formatting.fmt_bytes(BUDGET_BUFFERS * nbytes)}, more than the budget of {budget}")
         else:
             why = f"within a budget of {budget} for the buffers held"
+        # a batch gathered from several buffers holds them all, and one more is read ahead
+        spans = -(-(self.batch_size - 1) * self.space.n_units // max(1, self.block_chunks * self.space.n_samples)) + 1
+        if not self._block_chunks_given and (spans + 1) * nbytes > max(self.buffer_budget, BUDGET_BUFFERS * nbytes):
+            why = (f"a batch of {self.batch_size} draws from up to {spans} buffers: ~"
+                   f"{formatting.fmt_bytes((spans + 1) * nbytes)} held, more than the budget of {budget}")
         return f"{self.block_chunks} chunk blocks, ~{size} a buffer ({why}; {self.buffer_reason})"
 
     @property

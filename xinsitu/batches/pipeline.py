@@ -247,6 +247,11 @@ class EpochRun:
             for i in range(self.start, plan.n_batches):
                 a, b = plan.batch_span(i)
                 js = plan.buffers_of(a, b)
+                # buffers no batch is gathered from again go back before this batch's are waited for: a
+                # batch spanning many buffers then holds those alone (what a window spills into was copied
+                # out as each loaded: ``halo``)
+                for old in [k for k in loaded if k < js[0]]:
+                    self._give_back(loaded.pop(old))
                 for j in js:
                     while j not in loaded:
                         if len(loaded) >= self.depth - 1:
@@ -262,8 +267,6 @@ class EpochRun:
                         if item is _END:
                             raise RuntimeError(f"xinsitu: buffer {j} was never read (internal error)")
                         loaded[item.j] = item
-                for old in [k for k in loaded if k < js[0]]:
-                    self._give_back(loaded.pop(old))
                 direct = builder.direct_stack(b - a)  # gather straight into the stacked batch
                 raw_parts, start_parts, done = [], [], 0
                 for j in js:

@@ -77,6 +77,7 @@ class Positions:
                 continue
             if not isinstance(k, slice):
                 k = np.asarray(k)
+                k = k.astype(np.int64) if k.size == 0 else k  # an empty list is float64 to numpy
                 if k.ndim != 1 or k.dtype.kind not in "iub":
                     raise Untraceable(f"indexing with a {k.ndim}-d {k.dtype} array")
             axes.append((src, pos[k]))

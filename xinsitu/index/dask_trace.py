@@ -15,9 +15,18 @@ could read other values than xarray gives, silently.
 
 from __future__ import annotations
 
+import hashlib
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
+
+#: graphs traced in this process, by the dask array's name and its sources' positions (a Dataset's variables are
+#: resolved again by each call: ``geometry``, ``split``, ``batches``), the most recent ``_MEMO_SIZE``
+_MEMO: OrderedDict[tuple[str, str], Positions] = OrderedDict()
+_MEMO_SIZE = 256
+_MEMO_LOCK = threading.Lock()
 
 
 class Untraceable(Exception):
@@ -138,13 +147,40 @@ def trace(data: Any, sources: dict[Any, Positions]) -> Positions:
     Raises :class:`Untraceable` where a block is not a pure selection of the sources, or where the blocks do
     not line up orthogonally (a block row whose positions differ from another's along the same axis).
     """
+    memo = (str(data.name), _digest(sources))
+    with _MEMO_LOCK:
+        if memo in _MEMO:
+            _MEMO.move_to_end(memo)
+            return _MEMO[memo]
+    traced = _trace(data, sources)
+    with _MEMO_LOCK:
+        _MEMO[memo] = traced
+        while len(_MEMO) > _MEMO_SIZE:
+            _MEMO.popitem(last=False)
+    return traced
+
+
+def _digest(sources: dict[Any, Positions]) -> str:
+    """What names the positions ``sources`` cover (their keys, axes and positions)."""
+    h = hashlib.blake2b(digest_size=16)
+    for k in sorted(sources, key=repr):
+        p = sources[k]
+        h.update(repr((k, [ax for ax, _ in p.axes], p.dropped, str(p.dtype))).encode())
+        for _, pos in p.axes:
+            h.update(np.ascontiguousarray(pos).tobytes())
+    return h.hexdigest()
+
+
+def _trace(data: Any, sources: dict[Any, Positions]) -> Positions:
     from dask.core import flatten
 
-    graph = dict(data.__dask_graph__())
-    graph.update(sources)
     keys = list(flatten(data.__dask_keys__()))
     try:
-        blocks = _run(graph, keys)
+        lazy, graph = _split_layers(data.__dask_graph__(), sources)
+        if lazy is None:  # every task of the graph, run by dask's own scheduler where its task spec is missing
+            blocks = _run({**dict(data.__dask_graph__()), **sources}, keys)
+        else:
+            blocks = _run({**graph, **sources}, keys, lazy)
     except Untraceable:
         raise
     except Exception as e:  # e.g. a task that takes the values' attributes that Positions lacks
@@ -152,9 +188,42 @@ def trace(data: Any, sources: dict[Any, Positions]) -> Positions:
     return _assemble(data, keys, blocks)
 
 
-def _run(graph: dict, keys: list) -> list:
+#: dask's getters of ``from_array`` (xarray chunks a lazy array with it): a block is ``source[slices]``
+_GETTERS = frozenset({"getter", "getter_nofancy", "getter_inline"})
+
+
+def _split_layers(hlg: Any, sources: dict[Any, Positions]) -> tuple[dict | None, dict]:
+    """The graph's ``from_array`` layers over a source, whose blocks are slices of it by their chunk bounds (by
+    name: ``(source, bounds per axis)``, made per block as asked, not all materialised: the layer of an archive
+    of a million chunks), and every other layer's tasks. ``(None, {})`` where a layer is not of dask's task spec
+    (a dask before 2024.12: its tasks name their dependencies only in the graph as a whole)."""
+    try:
+        from dask._task_spec import GraphNode
+    except ImportError:  # pragma: no cover - a dask before its task spec (2024.12)
+        return None, {}
+    lazy: dict[str, tuple[Positions, tuple]] = {}
+    graph: dict = {}
+    for name, layer in hlg.layers.items():
+        task, deps = getattr(layer, "task", None), getattr(layer, "io_deps", None)
+        indices: Any = getattr(layer, "indices", ())
+        if (task is not None and deps and len(deps) == 1 and len(indices) == 2 and indices[0][1] is None
+                and getattr(getattr(task, "func", None), "__name__", "") in _GETTERS
+                and getattr(indices[0][0], "key", None) in sources and hasattr(next(iter(deps.values())), "starts")):
+            lazy[name] = (sources[indices[0][0].key], next(iter(deps.values())).starts)
+            continue
+        for k, v in layer.items():
+            if k in sources:
+                continue
+            if not isinstance(v, GraphNode):
+                return None, {}
+            graph[k] = v
+    return lazy, graph
+
+
+def _run(graph: dict, keys: list, lazy: dict[str, tuple[Positions, tuple]] | None = None) -> list:
     """The values of ``keys`` in ``graph``, each task run once, in this thread (dask's own scheduler, where its
-    task spec is missing: it orders and tracks far more than a graph of selections needs, at 4x the time)."""
+    task spec is missing: it orders and tracks far more than a graph of selections needs, at 4x the time); the
+    blocks of ``lazy`` layers (``_split_layers``) are sliced from their source as they are asked for."""
     try:
         from dask._task_spec import DataNode, GraphNode, convert_legacy_graph
     except ImportError:  # pragma: no cover - a dask before its task spec (2024.12)
@@ -162,14 +231,21 @@ def _run(graph: dict, keys: list) -> list:
 
         return list(dask.get(graph, keys))
     sources = {k: v for k, v in graph.items() if isinstance(v, Positions)}
-    nodes = convert_legacy_graph({k: v for k, v in graph.items() if k not in sources})
+    rest = {k: v for k, v in graph.items() if k not in sources}
+    nodes = rest if lazy is not None else convert_legacy_graph(rest)
     nodes.update({k: DataNode(k, v) for k, v in sources.items()})
+    lazy = lazy or {}
     done: dict = {}
     for key in keys:
         stack = [key]
         while stack:
             k = stack[-1]
             if k in done:
+                stack.pop()
+                continue
+            if isinstance(k, tuple) and k and k[0] in lazy:  # a block of a from_array layer: its slice of the source
+                src, starts = lazy[k[0]]
+                done[k] = src[tuple(slice(st[i], st[i + 1]) for st, i in zip(starts, k[1:], strict=True))]
                 stack.pop()
                 continue
             node: GraphNode = nodes[k]

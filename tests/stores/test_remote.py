@@ -364,10 +364,11 @@ def test_the_default_request_bound_ends_a_silent_server_s_wait(monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_reopen_of_a_dask_selection_is_bounded_too(archive):
-    """xinsitu's own reopen of the store behind ``xr.open_zarr(URL)`` (fsspec, dask) to map a
-    selection's labels: bounded like every metadata read once the server stops answering. In a
-    process of its own (it starts the server itself), killed at 60 s: a regression fails."""
+def test_a_dask_selection_maps_back_without_asking_the_store(archive):
+    """A selection of ``xr.open_zarr(URL)`` (fsspec, dask) was mapped back to its stored positions by reopening the
+    store for its coordinates (a read that had to be bounded once the server stopped answering). Its dask graph
+    says the positions now: with every request hanging, ``resolve`` still answers at once. In a process of its own
+    (it starts the server itself), killed at 60 s: a regression fails."""
     pytest.importorskip("fsspec")
     pytest.importorskip("aiohttp")
     script = textwrap.dedent(f"""
@@ -380,19 +381,15 @@ def test_the_reopen_of_a_dask_selection_is_bounded_too(archive):
             ds = ds.sel(time=ds.time.values)
             srv.faults = Faults(hang=1.0, max_per_key=None)
             t = time.monotonic()
-            try:
-                resolve(ds, ["t2m"])
-            except TimeoutError as e:
-                print("TimeoutError:", e)
+            print("index", resolve(ds, ["t2m"])["t2m"].index[0].tolist())
             print("took", time.monotonic() - t)
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                          cwd=Path(__file__).parents[2], env={**os.environ, "XINSITU_REQUEST_TIMEOUT": "0.5"})
     assert out.returncode == 0, out.stderr[-3000:]
     said = out.stdout
-    assert "TimeoutError: metadata object 'zarr.json' of http://127.0.0.1:" in said, said
-    assert "/era5.zarr: no answer within 0.5 s, 3 times" in said, said
-    assert float(said.split("took")[-1]) < 30, said
+    assert "index [3, 40]" in said, said
+    assert float(said.split("took")[-1]) < 10, said
 
 
 # ----------------------------------------------------------------------------- no consolidated metadata over plain HTTP

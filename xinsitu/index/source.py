@@ -5,13 +5,12 @@ positions the Dataset's selection took) or *in memory* (a numpy array plus a chu
 grid), or *read through dask* (a dask array over files that are not Zarr, e.g.
 ``xr.open_dataset(nc, chunks=...)`` or ``xr.open_mfdataset``: its dask chunks set the
 grid, and a read computes only the dask chunks it touches, ``DaskBlocks``). Nothing
-here reads data, except the small index coordinates needed to map a dask-backed
-selection back to its Zarr store.
+here reads data: a dask-backed selection of a Zarr array is mapped back to its stored
+positions by running its graph over positions, not values (``xinsitu.index.dask_trace``).
 """
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
+from xinsitu.index.dask_trace import Positions, Untraceable, trace
 from xinsitu.index.xr_adapter import (
     IN_MEMORY,
     LAZY,
@@ -341,19 +341,27 @@ def _computed_layer(data: Any) -> str | None:
     return None
 
 
-def _dask_zarr_array(data: Any) -> Any:
-    """The one zarr array a dask-backed variable was opened from, or None (not from Zarr, or from
-    several arrays, e.g. ``xr.open_mfdataset`` over Zarr stores: then read through dask)."""
+def _dask_zarr_sources(data: Any) -> tuple[Any, dict[Any, tuple[Any, list]]]:
+    """The one zarr array a dask-backed variable was opened from, and the graph values that wrap it (by key:
+    the wrapper, and its lazy selection's keys); ``(None, {})`` where it is not from Zarr, or from several
+    arrays (e.g. ``xr.open_mfdataset`` over Zarr stores: then read through dask)."""
     found: dict[tuple[int, str], Any] = {}
+    wrappers: dict[Any, tuple[Any, list]] = {}
     for layer in data.__dask_graph__().layers.values():
-        for v in layer.values():
-            adapter = getattr(v, "array", None)
-            if adapter is None:
+        if type(layer).__name__ == "Blockwise":  # tasks only (made on demand: 10^5 chunks take seconds)
+            continue
+        for k, v in layer.items():
+            if type(v).__name__ == "DataNode":  # a literal value in dask's task spec
+                v = v.value
+            if getattr(v, "array", None) is None:
                 continue
-            zarray, _ = _unwrap_lazy(adapter)
+            zarray, keys = _unwrap_lazy(v)
             if zarray is not None:
                 found.setdefault((id(zarray.store), zarray.path), zarray)
-    return next(iter(found.values())) if len(found) == 1 else None
+                wrappers[k] = (v, keys)
+    if len(found) != 1:
+        return None, {}
+    return next(iter(found.values())), wrappers
 
 
 def _dask_in_memory(data: Any) -> bool:
@@ -383,7 +391,7 @@ def _resolve_dask(ds: xr.Dataset, name: str, data: Any, base: dict) -> VarSource
             f"variable {name!r} is computed lazily by dask (graph layer {computed!r}), so its values are not "
             f"the stored ones; xinsitu reads stored chunks and never computes a whole graph. {fix}"
         )
-    zarray = _dask_zarr_array(data)
+    zarray, wrappers = _dask_zarr_sources(data)
     if zarray is None:
         if _dask_in_memory(data):  # built from memory with .chunk(): computing costs no I/O
             values = np.asarray(data.compute())
@@ -395,83 +403,43 @@ def _resolve_dask(ds: xr.Dataset, name: str, data: Any, base: dict) -> VarSource
         return VarSource(raw_dtype=np.dtype(data.dtype), values=DaskBlocks(data, where),
                          mem_chunks=_memory_chunks(var), **base)
     src_dims = _array_dims(zarray, name)
-    index: list = []
-    source_ds = None
-    # xarray's own layer on top (no getitem after it): the stored array whole, whatever the labels say
-    # (``assign_coords`` relabels without moving data: mapped by its labels, it read other positions)
-    whole = str(getattr(data, "name", "")).startswith("open_dataset-")
-    for ax, d in enumerate(src_dims):
-        n_src = zarray.shape[ax]
-        if d in var.dims:
-            n = var.sizes[d]
-            if whole and n == n_src:
-                index.append(np.arange(n, dtype=np.int64))
-            elif d in ds.indexes:
-                _check_stored_labels(ds, d, name)
-                source_ds = source_ds if source_ds is not None else _open_source(zarray)
-                index.append(_positions(ds.indexes[d], source_ds, d, name))
-            elif n == n_src:
-                index.append(np.arange(n, dtype=np.int64))
-            else:
-                raise SourceError(
-                    f"variable {name!r}: dim {d!r} was subset ({n} of {n_src}) but has no coordinate, so a "
-                    "dask-backed selection cannot be mapped back to the store; open with chunks=None or "
-                    "xinsitu.open_zarr"
-                )
-        else:  # dropped by a scalar selection: find the label of the scalar coordinate
-            if len(var.dims) == len(src_dims):
-                raise SourceError(f"variable {name!r}: its dims {var.dims} are not the stored array's {src_dims} "
-                                  "(renamed, ds.rename): a dask-backed Dataset maps back to the store by the stored "
-                                  "names; rename after reading, or open with chunks=None or xinsitu.open_zarr")
-            if d not in ds.coords or ds.coords[d].ndim != 0:
-                raise SourceError(f"variable {name!r}: dim {d!r} was dropped and has no scalar coordinate")
-            _check_stored_labels(ds, d, name)
-            source_ds = source_ds if source_ds is not None else _open_source(zarray)
-            pos = _positions(ds.coords[d].to_index() if ds.coords[d].ndim else [ds.coords[d].values[()]],
-                             source_ds, d, name)
-            index.append(int(pos[0]))
+    decoded = {np.dtype(v.dtype) for v, _ in wrappers.values()}
+    if decoded != {np.dtype(var.dtype)}:
+        raise SourceError(
+            f"variable {name!r} is cast by dask from {sorted(map(str, decoded))[0]} to {var.dtype} (.astype), a step "
+            "xinsitu's reads of the store do not take; drop the .astype and ask the batches for the dtype instead "
+            "(ds.insitu.batches(..., dtype=...)), open with chunks=None (xarray then casts in memory), or .load() "
+            "the result to train from memory")
+    # the stored positions behind each position of the variable, read off the graph's own selections (never
+    # off the labels: a dim without a coordinate, roll, assign_coords or copy(data=...) move values, not labels)
+    sources = {k: Positions.of_source(_compose_keys(zarray.shape, keys), v.dtype) for k, (v, keys) in wrappers.items()}
+    try:
+        traced = trace(data, sources)
+    except Untraceable as e:
+        raise SourceError(
+            f"variable {name!r}: its dask graph does more than select stored positions ({e}), so xinsitu cannot "
+            "tell with certainty which stored values it holds; open with chunks=None or xinsitu.open_zarr (lazy, "
+            "no dask: selections are followed), or .load() it to train from memory") from None
+    added = [d for d, (src, _) in zip(var.dims, traced.axes, strict=True) if src is None]
+    if added:
+        raise SourceError(
+            f"variable {name!r}: dim(s) {added} are not in the stored array {src_dims} (added by expand_dims or "
+            "broadcasting); add them after the batch (transform=, or in the model), or .load() the Dataset to "
+            "train from memory")
+    order = [int(src) for src, _ in traced.axes if src is not None]
+    if order != sorted(order):
+        raise SourceError(
+            f"variable {name!r}: its dims {var.dims} do not follow the stored array's {src_dims}; transposed views "
+            "are not supported, select variables without transposing them (a model input's axes can be put in any "
+            "order after the batch: transform=, or in the model)")
+    index: list = [None] * len(src_dims)
+    for at, (_, pos) in zip(order, traced.axes, strict=True):
+        index[at] = pos
+    for src, at in traced.dropped:
+        index[src] = at
     return _stored(base, var, zarray, src_dims, index)
 
 
-def _check_stored_labels(ds: xr.Dataset, dim: str, name: str) -> None:
-    """Refuse to map a dask-backed selection back to the store by the labels of ``dim`` where they were
-    assigned after the open (``assign_coords``: such a coordinate has no encoding of the store's). The
-    labels then do not say which stored positions the selection holds: shifted labels that are also
-    stored labels read other positions, silently."""
-    if not ds.coords[dim].encoding:
-        raise SourceError(
-            f"variable {name!r}: coordinate {dim!r} was assigned after the archive was opened (assign_coords), "
-            "so its labels do not say which stored positions this dask-backed selection holds; open with "
-            "chunks=None or xinsitu.open_zarr (lazy, no dask: positions are followed, whatever the labels)")
-
-
-#: what the store of a reopen is read through: ``xinsitu.stores.opening`` (the I/O layer) sets it to a wrapper that
-#: bounds each request (``XINSITU_REQUEST_TIMEOUT``) when it is imported; as it is otherwise
-reopen_store: Any = None
-
-#: xarray's warning where ``consolidated=None`` finds no consolidated metadata: about the user's own
-#: open, not xinsitu's reopen of the same store (given once already, where the user opened it)
+#: xarray's warning where ``consolidated=None`` finds no consolidated metadata (xinsitu's own opens of a
+#: store the user opened already do not give it again)
 CONSOLIDATED_WARNING = "Failed to open Zarr store with consolidated metadata"
-
-
-def _open_source(zarray: Any) -> xr.Dataset:
-    """Re-open the group holding ``zarray`` lazily (no dask) to read its index coordinates; xarray's
-    warning that the store has no consolidated metadata is not given again here."""
-    path = zarray.path.rsplit("/", 1)[0] if "/" in zarray.path else ""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=CONSOLIDATED_WARNING, category=RuntimeWarning)
-        store = zarray.store if reopen_store is None else reopen_store(zarray.store)
-        return xr.open_zarr(store, group=path or None, chunks=None, consolidated=None)
-
-
-def _positions(labels: Any, source: xr.Dataset, dim: str, name: str) -> np.ndarray:
-    if dim not in source.indexes:
-        raise SourceError(f"variable {name!r}: the store has no coordinate for dim {dim!r}")
-    if not source.indexes[dim].is_unique:
-        raise SourceError(f"variable {name!r}: the store's {dim!r} coordinate holds a label twice, so a dask-backed "
-                          "selection cannot be mapped back to it by its labels; open with chunks=None or "
-                          "xinsitu.open_zarr (lazy, no dask: positions are followed)")
-    pos = source.indexes[dim].get_indexer(labels)
-    if (pos < 0).any():
-        raise SourceError(f"variable {name!r}: some {dim!r} labels are not in the store's coordinate")
-    return pos.astype(np.int64)

@@ -19,7 +19,6 @@ import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
-from xinsitu.index import source
 from xinsitu.io import loop as _loop
 from xinsitu.stores.redact import client_timed_out, recording_store, redact, redact_url
 
@@ -383,7 +382,6 @@ def bounded_store(zstore: Any, others: bool = True) -> Any:
     return BoundedStore(zstore)
 
 
-source.reopen_store = bounded_store  # xinsitu's reopen of a dask-backed Dataset's store (layer 1)
 
 def __getattr__(name: str) -> Any:  # pickles name the checked store classes by these attributes
     if name == "_CheckedObjectStore":

@@ -1,4 +1,4 @@
-"""Contract tests of the adapters to private API (``xinsitu.compat.zarr_api``, ``xinsitu.compat.virtualizarr_api``).
+"""Contract tests of the adapters to private API (``xinsitu.compat.zarr_api``, ``virtualizarr_api``, ``dask_api``).
 
 Each private symbol xinsitu still uses is exercised here against the installed zarr / VirtualiZarr,
 and its result checked against what the public API reads: a release that removes or changes one
@@ -214,3 +214,31 @@ def test_zarr_sync_runs_on_zarrs_own_loop():
 
     loop = zarr_sync(here())
     assert isinstance(loop, asyncio.AbstractEventLoop) and loop is zarr_sync(here())
+
+
+def test_dask_task_spec_runs_a_graph_of_selections():
+    """``xinsitu.compat.dask_api``: the installed dask (the dev environments' is newer than 2024.12) has its task
+    spec, and a chunked array's graph converts to tasks that name their dependencies and run with their values:
+    what ``xinsitu.index.dask_trace`` relies on (where this fails, the tracing falls back to ``dask.get``)."""
+    da = pytest.importorskip("dask.array")
+    from dask.core import flatten
+
+    from xinsitu.compat.dask_api import task_spec
+
+    spec = task_spec()
+    assert spec is not None, "dask has no dask._task_spec: xinsitu traces dask graphs with dask.get (4x slower)"
+    DataNode, GraphNode, convert_legacy_graph = spec
+    x = da.from_array(np.arange(12).reshape(6, 2), chunks=(2, 2))[::-1]
+    nodes = convert_legacy_graph(dict(x.__dask_graph__()))
+    assert all(isinstance(n, GraphNode) for n in nodes.values())
+    done: dict = {}
+
+    def value(k):
+        if k not in done:
+            node = nodes[k]
+            done[k] = node({d: value(d) for d in node.dependencies})
+        return done[k]
+
+    blocks = [value(k) for k in flatten(x.__dask_keys__())]
+    np.testing.assert_array_equal(np.concatenate(blocks), np.arange(12).reshape(6, 2)[::-1])
+    assert DataNode("k", 3)({}) == 3

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from xinsitu.compat.dask_api import task_spec
+
 #: graphs traced in this process, by the dask array's name and its sources' positions (a Dataset's variables are
 #: resolved again by each call: ``geometry``, ``split``, ``batches``), the most recent ``_MEMO_SIZE``
 _MEMO: OrderedDict[tuple[str, str], Positions] = OrderedDict()
@@ -197,10 +199,10 @@ def _split_layers(hlg: Any, sources: dict[Any, Positions]) -> tuple[dict | None,
     name: ``(source, bounds per axis)``, made per block as asked, not all materialised: the layer of an archive
     of a million chunks), and every other layer's tasks. ``(None, {})`` where a layer is not of dask's task spec
     (a dask before 2024.12: its tasks name their dependencies only in the graph as a whole)."""
-    try:
-        from dask._task_spec import GraphNode
-    except ImportError:  # pragma: no cover - a dask before its task spec (2024.12)
+    spec = task_spec()
+    if spec is None:  # pragma: no cover - a dask before its task spec (2024.12)
         return None, {}
+    GraphNode = spec[1]
     lazy: dict[str, tuple[Positions, tuple]] = {}
     graph: dict = {}
     for name, layer in hlg.layers.items():
@@ -224,12 +226,12 @@ def _run(graph: dict, keys: list, lazy: dict[str, tuple[Positions, tuple]] | Non
     """The values of ``keys`` in ``graph``, each task run once, in this thread (dask's own scheduler, where its
     task spec is missing: it orders and tracks far more than a graph of selections needs, at 4x the time); the
     blocks of ``lazy`` layers (``_split_layers``) are sliced from their source as they are asked for."""
-    try:
-        from dask._task_spec import DataNode, GraphNode, convert_legacy_graph
-    except ImportError:  # pragma: no cover - a dask before its task spec (2024.12)
+    spec = task_spec()
+    if spec is None:  # pragma: no cover - a dask before its task spec (2024.12)
         import dask
 
         return list(dask.get(graph, keys))
+    DataNode, _, convert_legacy_graph = spec
     sources = {k: v for k, v in graph.items() if isinstance(v, Positions)}
     rest = {k: v for k, v in graph.items() if k not in sources}
     nodes = rest if lazy is not None else convert_legacy_graph(rest)
@@ -248,7 +250,7 @@ def _run(graph: dict, keys: list, lazy: dict[str, tuple[Positions, tuple]] | Non
                 done[k] = src[tuple(slice(st[i], st[i + 1]) for st, i in zip(starts, k[1:], strict=True))]
                 stack.pop()
                 continue
-            node: GraphNode = nodes[k]
+            node = nodes[k]
             todo = [d for d in node.dependencies if d not in done]
             if todo:
                 stack.extend(todo)

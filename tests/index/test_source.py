@@ -269,6 +269,38 @@ def test_dask_astype_is_refused_naming_astype_and_batches_dtype(grids):
     _same_as_xarray(xr.open_zarr(p)[["t2m", "img"]].astype("float32"))  # a cast to the dtype it has is no cast
 
 
+def test_dask_casts_replaced_data_and_shared_names_are_never_read_wrong(grids, tmp_path):
+    """Three ways a dask-backed variable read other values than xarray gives, silently: a lossy cast round trip
+    (``astype("int32").astype("float32")``: the final dtype is the stored one), another variable's data under
+    this one's CF encoding (``a.copy(data=c.data)``: read from ``c``, decoded with ``a``'s scale), and two
+    selections chunked under one dask name (``chunk(token=...)``) served the first one's positions. The first two
+    are refused naming the way out; the third reads what xarray gives."""
+    with pytest.raises(SourceError, match=r"'t2m': .*a cast from float32 to int32 \(\.astype\).*chunks=None"):
+        resolve(xr.open_zarr(grids[0])[["t2m"]].astype("int32").astype("float32"), ["t2m"])
+    p = str(tmp_path / "packed.zarr")
+    raw = np.arange(48, dtype="f4").reshape(12, 4)
+    xr.Dataset({"a": (("time", "x"), raw * 0.5), "c": (("time", "x"), raw * 0.25 + 100)}).to_zarr(p, encoding={
+        "a": {"chunks": (4, 4), "dtype": "i2", "scale_factor": 0.5},
+        "c": {"chunks": (4, 4), "dtype": "i2", "scale_factor": 0.25, "add_offset": 100.0}})
+    ds = xr.open_zarr(p)
+    ds["a"] = ds.a.copy(data=ds.c.data)
+    with pytest.raises(SourceError, match=r"'a': .*reads the stored array 'c', but its encoding's scale_factor=0.5 "
+                                          r"is not the stored array's \(0.25\).*copy\(data=\.\.\.\)"):
+        resolve(ds, ["a"])
+    p = str(tmp_path / "plain.zarr")
+    xr.Dataset({"a": (("time", "y", "x"), np.arange(120, dtype="f4").reshape(6, 4, 5))}).to_zarr(
+        p, encoding={"a": {"chunks": (2, 2, 5)}})
+    lazy, whole = xr.open_zarr(p, chunks=None), {"time": -1, "y": -1, "x": -1}
+    first = lazy.isel(time=[1, 2], y=[3]).chunk(whole, token="T")
+    other = lazy.isel(time=[1], y=[2, 3]).chunk(whole, token="T")
+    assert first.a.data.name == other.a.data.name
+    resolve(first)
+    np.testing.assert_array_equal(resolve(other)["a"].index[1], [2, 3])
+    m = other.insitu.split("y", fractions={"train": 1.0})
+    got = np.concatenate([b["a"] for b in other.insitu.batches(m, "train", output="numpy", shuffle=False)])
+    np.testing.assert_array_equal(got, np.moveaxis(other.a.values, 1, 0))
+
+
 def test_dask_refusals_name_what_was_done(grids):
     """``decode_times=False`` was mapped back by labels the store's default decoding did not have ("labels are not
     in the store's coordinate"): it reads now. ``expand_dims`` and ``resample().mean()`` were called transposed

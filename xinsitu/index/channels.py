@@ -112,7 +112,9 @@ def cf_decoder(name: str, layout: VarLayout) -> Any:
     probe = decode(np.zeros((1,), dtype=src.raw_dtype))
     if probe.dtype != src.dtype:
         raise ValueError(f"variable {name!r}: re-applying its CF encoding gives {probe.dtype}, but the Dataset "
-                         f"has {src.dtype}; was it opened with unusual decoding options?")
+                         f"has {src.dtype}; was it opened with unusual decoding options, or its data or encoding "
+                         "replaced (copy(data=...), assign, .encoding edits)? Open with xinsitu.open_zarr or "
+                         "chunks=None and select without replacing data, or .load() it to train from memory")
     return decode
 
 

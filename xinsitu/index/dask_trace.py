@@ -95,7 +95,9 @@ class Positions:
         return Positions(tuple(axes), tuple(sorted(dropped)), self.dtype)
 
     def astype(self, dtype: Any, *args: Any, **kwargs: Any) -> Positions:
-        return Positions(self.axes, self.dropped, dtype)
+        if np.dtype(dtype) != self.dtype:  # a cast changes values (a round trip through a narrower type, too)
+            raise Untraceable(f"a cast from {self.dtype} to {np.dtype(dtype)} (.astype)")
+        return self
 
     def copy(self, *args: Any, **kwargs: Any) -> Positions:
         return self
@@ -149,7 +151,7 @@ def trace(data: Any, sources: dict[Any, Positions]) -> Positions:
     Raises :class:`Untraceable` where a block is not a pure selection of the sources, or where the blocks do
     not line up orthogonally (a block row whose positions differ from another's along the same axis).
     """
-    memo = (str(data.name), _digest(sources))
+    memo = (repr((str(data.name), data.shape, data.chunks, str(data.dtype))), _digest(sources))
     with _MEMO_LOCK:
         if memo in _MEMO:
             _MEMO.move_to_end(memo)
@@ -167,7 +169,7 @@ def _digest(sources: dict[Any, Positions]) -> str:
     h = hashlib.blake2b(digest_size=16)
     for k in sorted(sources, key=repr):
         p = sources[k]
-        h.update(repr((k, [ax for ax, _ in p.axes], p.dropped, str(p.dtype))).encode())
+        h.update(repr((k, [(ax, len(pos)) for ax, pos in p.axes], p.dropped, str(p.dtype))).encode())
         for _, pos in p.axes:
             h.update(np.ascontiguousarray(pos).tobytes())
     return h.hexdigest()

@@ -432,12 +432,45 @@ def _resolve_dask(ds: xr.Dataset, name: str, data: Any, base: dict) -> VarSource
             f"variable {name!r}: its dims {var.dims} do not follow the stored array's {src_dims}; transposed views "
             "are not supported, select variables without transposing them (a model input's axes can be put in any "
             "order after the batch: transform=, or in the model)")
+    _check_encoding(name, var, zarray)
     index: list = [None] * len(src_dims)
     for at, (_, pos) in zip(order, traced.axes, strict=True):
         index[at] = pos
     for src, at in traced.dropped:
         index[src] = at
     return _stored(base, var, zarray, src_dims, index)
+
+
+#: CF attributes a variable's encoding takes from its stored array, which xinsitu re-applies after a raw read
+_STORED_CF = ("scale_factor", "add_offset", "_Unsigned", "missing_value", "units", "calendar")
+
+
+def _check_encoding(name: str, var: xr.Variable, zarray: Any) -> None:
+    """Refuse a dask-backed variable whose encoding is not that of the stored array its graph reads (its data
+    replaced by another variable's, ``copy(data=...)``, or its encoding edited): xinsitu re-applies the encoding
+    to the raw chunks, and would decode them with the wrong scale, offset or units, silently."""
+    attrs = dict(zarray.attrs)
+    for k in _STORED_CF:
+        if k in var.encoding and not _same(var.encoding[k], attrs.get(k)):
+            why = f"its encoding's {k}={var.encoding[k]!r} is not the stored array's ({attrs.get(k)!r})"
+            break
+    else:
+        dtype, stored = var.encoding.get("dtype"), np.dtype(zarray.dtype)
+        if dtype is None or (np.dtype(dtype).kind, np.dtype(dtype).itemsize) == (stored.kind, stored.itemsize):
+            return  # (in either byte order: xarray's encoding names the native one)
+        why = f"its encoding's dtype {np.dtype(dtype)} is not the stored array's ({np.dtype(zarray.dtype)})"
+    raise SourceError(
+        f"variable {name!r}: its dask graph reads the stored array {zarray.path!r}, but {why}: its data was "
+        "replaced (copy(data=...)) or its encoding edited, so re-decoding the stored chunks would not give the "
+        "values xarray gives; open with xinsitu.open_zarr or chunks=None and select without replacing data, or "
+        ".load() it to train from memory")
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return b is not None and np.asarray(a).shape == np.asarray(b).shape and bool(np.all(np.asarray(a) == b))
+    except (TypeError, ValueError):
+        return False
 
 
 #: xarray's warning where ``consolidated=None`` finds no consolidated metadata (xinsitu's own opens of a

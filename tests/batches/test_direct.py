@@ -512,10 +512,8 @@ def test_one_step_windows_hold_buffers_of_one_block_within_the_budget(tmp_path, 
     assert depth[0] == 3  # the read-ahead stays at its start, 3 buffers (it went 6 deep)
 
 
-def test_buffers_held_stay_within_the_budget(tmp_path, monkeypatch):
-    """SPEC §5: the buffers read ahead and held stay within the byte budget whatever the sample size:
-    with a budget of 4.5 chunk blocks' bytes the buffers hold 2 blocks each, and the read-ahead (which
-    would go to 6 buffers) stays at its start."""
+def _two_block_buffers(tmp_path, monkeypatch) -> tuple[xr.Dataset, xinsitu.SplitManifest]:
+    """Two steps per chunk, and a budget of 4.5 chunk blocks' bytes: buffers of 2 blocks (4 samples)."""
     from xinsitu.batches.generator import BatchGenerator
 
     path = str(tmp_path / "a.zarr")
@@ -524,7 +522,15 @@ def test_buffers_held_stay_within_the_budget(tmp_path, monkeypatch):
     m = ds.insitu.split("time", fractions={"train": 1.0})
     probe = ds.insitu.batches(m, "train", variables=LEVEL_VARS, output="numpy")
     per = unit_nbytes(probe.space, probe.layouts)
-    monkeypatch.setattr(BatchGenerator, "buffer_budget", 2 * 2 * per + per // 2)  # two buffers of 2 blocks
+    monkeypatch.setattr(BatchGenerator, "buffer_budget", 2 * 2 * per + per // 2)
+    return ds, m
+
+
+def test_buffers_held_stay_within_the_budget(tmp_path, monkeypatch):
+    """SPEC §5: the buffers read ahead and held stay within the byte budget whatever the sample size:
+    with a budget of 4.5 chunk blocks' bytes the buffers hold 2 blocks each, and the read-ahead (which
+    would go to 6 buffers) stays at its start."""
+    ds, m = _two_block_buffers(tmp_path, monkeypatch)
     peak = _count_buffers(monkeypatch)
     gen = ds.insitu.batches(m, "train", batch_size=3, variables=LEVEL_VARS, output="numpy", seed=1)
     gen.read_ahead = False
@@ -543,15 +549,7 @@ def test_a_batch_spanning_many_buffers_holds_those_and_one_more(tmp_path, monkey
     and one more is read ahead -- no more (the buffers the batch before was gathered from went back only after
     this batch's had come, lent beyond that: 1.6x as many buffers held with batches of 32 on the 1-degree
     archive). Where that is more than the budget, the repr says how much (it said "within a budget")."""
-    from xinsitu.batches.generator import BatchGenerator
-
-    path = str(tmp_path / "a.zarr")
-    _write(path, {"time": 2}, nt=96)
-    ds = xinsitu.open_zarr(path)
-    m = ds.insitu.split("time", fractions={"train": 1.0})
-    probe = ds.insitu.batches(m, "train", variables=LEVEL_VARS, output="numpy")
-    per = unit_nbytes(probe.space, probe.layouts)
-    monkeypatch.setattr(BatchGenerator, "buffer_budget", 2 * 2 * per + per // 2)  # buffers of 2 blocks, 4 samples
+    ds, m = _two_block_buffers(tmp_path, monkeypatch)
     peak = _count_buffers(monkeypatch)
     gen = ds.insitu.batches(m, "train", batch_size=batch_size, variables=LEVEL_VARS, output="numpy", seed=1)
     gen.read_ahead = False

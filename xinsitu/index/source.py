@@ -458,6 +458,8 @@ def _check_encoding(name: str, var: xr.Variable, zarray: Any) -> None:
         dtype, stored = var.encoding.get("dtype"), np.dtype(zarray.dtype)
         if dtype is None or (np.dtype(dtype).kind, np.dtype(dtype).itemsize) == (stored.kind, stored.itemsize):
             return  # (in either byte order: xarray's encoding names the native one)
+        if np.dtype(dtype) == np.bool_ and attrs.get("dtype") == "bool":
+            return  # xarray's booleans, stored as int8 with a dtype attribute
         why = f"its encoding's dtype {np.dtype(dtype)} is not the stored array's ({np.dtype(zarray.dtype)})"
     raise SourceError(
         f"variable {name!r}: its dask graph reads the stored array {zarray.path!r}, but {why}: its data was "

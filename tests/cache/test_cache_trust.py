@@ -155,7 +155,7 @@ def test_immutable_skips_the_version_check(tmp_path, remote):
 def test_versions_of_objects(tmp_path):
     """``object_versions``: a listing and HEADs give the same versions; a missing object is MISSING."""
     from tests.support.servers import MotoS3
-    from xinsitu.cache.keys import MISSING, object_versions
+    from xinsitu.cache.versions import MISSING, object_versions
 
     path = _archive(tmp_path / "era5.zarr")
     with MotoS3() as s3:

@@ -186,7 +186,7 @@ def test_which_etags_of_a_time_and_a_size_are_trusted():
     one whose time is not the Last-Modified, one of another size, S3's multipart ETag and a hash are."""
     import datetime
 
-    from xinsitu.cache.keys import _version, trusted, why_not
+    from xinsitu.cache.versions import _version, trusted, why_not
 
     at = datetime.datetime(2024, 5, 1, 12, 0, 7, tzinfo=datetime.UTC)
     secs, ns, size = int(at.timestamp()), int(at.timestamp()) * 10**9 + 123, 1234

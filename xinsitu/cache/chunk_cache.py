@@ -45,7 +45,8 @@ import numpy as np
 
 from xinsitu.cache.budget import _fmt, auto_memory_budget, parse_size
 from xinsitu.cache.disk_tier import DiskTier, _disk_path
-from xinsitu.cache.keys import ChunkKey, trusted, why_not
+from xinsitu.cache.keys import ChunkKey
+from xinsitu.cache.versions import trusted, why_not
 
 
 @dataclass

@@ -5,24 +5,21 @@ never credentials), the array's path, a hash of its metadata (its shape only for
 cuts: ``ChunkKey.edges``), the Icechunk snapshot where there is one
 and the chunk's coordinates; the disk tier's keys also name each chunk file's size, modification and
 change times and inode, or each remote object's version (``object_versions``, ``fsspec_versions``): a
-strong ETag and the size (``trusted``), else a reason why none can be had (``why_not``). Every request
-for a version is bounded by ``XINSITU_REQUEST_TIMEOUT``.
+strong ETag and the size (``xinsitu.cache.versions``: ``trusted``), else a reason why none can be had
+(``why_not``).
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import hashlib
 import json
 import os
-import re
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from xinsitu.cache.versions import MISSING, UNKNOWN, fsspec_versions, no_answer, object_versions
 from xinsitu.cache.virtual_refs import WHY as VIRTUAL_WHY
 from xinsitu.cache.virtual_refs import holds_virtual_chunks, referenced_state
 from xinsitu.index.snapshot import snapshot_of_store
@@ -190,7 +187,7 @@ class ChunkKey:
                 try:
                     listed, n = object_versions(self.remote, prefix=self.array_path)
                 except TimeoutError:  # a silent store: its objects are not asked one by one either
-                    self._silent = _no_answer(_loop.request_timeout())
+                    self._silent = no_answer(_loop.request_timeout())
                     return [memo.get(k, self._silent) for k in object_keys], 1
                 except Exception:  # noqa: BLE001 - a store that cannot list (no permission): asked per object below
                     n = 1
@@ -203,7 +200,7 @@ class ChunkKey:
             got, asked = (fsspec_versions if fsspec else object_versions)(self.remote, need)
             n += asked
             memo.update(got)
-            self._silent = next((v for v in got.values() if v.startswith(_UNKNOWN)), None)
+            self._silent = next((v for v in got.values() if v.startswith(UNKNOWN)), None)
         return [memo.get(k) for k in object_keys], n
 
     def known_version(self, object_key: str) -> str | None:
@@ -316,270 +313,6 @@ def chunk_key(store_id: str, array_path: str, chunk: tuple[int, ...], metadata: 
     """
     return ChunkKey(store_id, array_path, metadata, snapshot).key(chunk, local_file)
 
-
-#: the version of an object the store does not have (its chunk reads as the fill value). Such a chunk is not
-#: kept on disk: a store may say "not found" of an object it has (obstore takes a HEAD answered 405 for a 404)
-MISSING = "missing"
-#: how a version that may key a disk entry starts: a strong ETag (or a generation), then the size
-_TRUSTED = "etag "
-#: how a version that is none starts; the rest says why (no ETag, a refused HEAD ...)
-_UNTRUSTED = "untrusted: "
-#: how the version of an object whose store did not answer in time starts (the rest says so)
-_UNKNOWN = "unknown: "
-#: why a version is none where the store refuses ``HEAD`` (405, 501 ...): its other objects are not asked
-_HEAD_REFUSED = "its HEAD requests are refused"
-#: ``HEAD`` requests in flight at once when versions are asked one object at a time
-HEAD_CONCURRENCY = 16
-
-
-def trusted(version: str | None) -> bool:
-    """Whether ``version`` (from ``object_versions``/``fsspec_versions``) names the object's bytes: a
-    strong ETag and the size. A modification time does not (``cp -p``, ``rsync -t`` and ``tar x`` set
-    it back; HTTP gives it in whole seconds), nor an ETag made of one (nginx's: ``_of_seconds_and_size``),
-    nor does a missing object (its store may be wrong)."""
-    return version is not None and version.startswith(_TRUSTED)
-
-
-def why_not(version: str | None) -> tuple[str, str] | None:
-    """Why ``version`` cannot key a disk entry, where that is known: ``("untrusted", why)`` for a store
-    that gives no trustworthy version, ``("unknown", why)`` for one that did not answer in time; None
-    for a trusted version, a missing object or an error that may pass."""
-    for kind in (_UNTRUSTED, _UNKNOWN):
-        if version is not None and version.startswith(kind):
-            return kind[:-2], version[len(kind):]
-    return None
-
-
-def _version(tag: Any, size: Any, modified: Any) -> str:
-    """An object's version from its ETag (or generation), size and modification time (None where the
-    store gave none): ``etag <tag> <size>`` for a strong ETag, else ``untrusted: <why>``."""
-    tag = "" if tag is None else str(tag).strip()
-    if tag and not tag.startswith(("W/", "w/")):
-        if _of_seconds_and_size(tag, size, modified):
-            return (f"{_UNTRUSTED}an ETag made of the modification time in whole seconds and the size ({tag}, "
-                    "nginx's), which a rewrite within the second keeps and cp -p, rsync -t or tar x set back")
-        return f"{_TRUSTED}{tag} {size}"
-    if tag:
-        return f"{_UNTRUSTED}a weak ETag ({tag}), which does not name the bytes"
-    if modified is None:
-        return f"{_UNTRUSTED}neither ETag nor Last-Modified"
-    seconds = getattr(modified, "microsecond", None) == 0 or isinstance(modified, str)
-    return (_UNTRUSTED + "no ETag, only a Last-Modified" + (" of whole seconds, which a rewrite within the second"
-                                                             if seconds else ", which a rewrite")
-            + " keeps and cp -p, rsync -t or tar x set back")
-
-
-#: nginx's ETag: the modification time in whole seconds and the size, in hex
-_SECONDS_SIZE_TAG = re.compile(r'"?([0-9a-f]{1,16})-([0-9a-f]{1,16})"?')
-#: the whole seconds a ``_SECONDS_SIZE_TAG`` is taken to hold where the store gives no modification time:
-#: 1995 to 2106 (an ETag with nanoseconds, or a hash, is beyond)
-_PLAUSIBLE_SECONDS = (0x2F000000, 0xFFFFFFFF)
-
-
-def _seconds(modified: Any) -> int | None:
-    """A modification time (a ``datetime``, an HTTP date, a POSIX timestamp) in whole seconds, or None."""
-    try:
-        if isinstance(modified, str):
-            import email.utils
-
-            modified = email.utils.parsedate_to_datetime(modified)
-        if hasattr(modified, "timestamp"):
-            return int(modified.timestamp())
-        if isinstance(modified, (int, float)):
-            return int(modified)
-    except (TypeError, ValueError, OverflowError):
-        pass
-    return None
-
-
-def _of_seconds_and_size(tag: str, size: Any, modified: Any) -> bool:
-    """Whether the strong ETag ``tag`` is only the modification time in whole seconds and the size (nginx's
-    default, ``"<seconds hex>-<size hex>"``): the modification time where the store gave it must match,
-    else the seconds must be plausible (``_PLAUSIBLE_SECONDS``)."""
-    m = _SECONDS_SIZE_TAG.fullmatch(tag.lower())
-    if m is None or size is None:
-        return False
-    try:
-        if int(m.group(2), 16) != int(size):
-            return False
-    except (TypeError, ValueError):
-        return False
-    seconds = int(m.group(1), 16)
-    at = _seconds(modified)
-    return seconds == at if at is not None else _PLAUSIBLE_SECONDS[0] <= seconds <= _PLAUSIBLE_SECONDS[1]
-
-
-def _version_of(meta: Any) -> str:
-    """An object's version from obstore's ``ObjectMeta`` (``_version``): obstore gives a ``last_modified``
-    of 1970-01-01 where the server sent none."""
-    modified = meta.get("last_modified")
-    if modified is not None and modified.timestamp() == 0:
-        modified = None
-    return _version(meta.get("e_tag"), meta.get("size"), modified)
-
-
-def _refused(e: BaseException) -> str | None:
-    """Why a ``HEAD`` that failed with ``e`` is a refusal (a 4xx other than 404 and 410, or an operation
-    the store does not support), or None (the object is missing, or the failure may pass)."""
-    text = str(e)
-    m = re.search(r"status(?: code)?:? (\d{3})\b([ A-Za-z-]*)", text)
-    status = int(m.group(1)) if m else None
-    if status is not None and (400 <= status < 500 and status not in (404, 410) or status == 501):
-        return f"{_HEAD_REFUSED} ({status}{m.group(2).rstrip() if m else ''})"
-    if type(e).__name__ == "NotSupportedError":
-        return "it does not answer HEAD requests"
-    return None
-
-
-def _run_bounded(coro: Any) -> Any:
-    """``asyncio.run(coro)`` here, or in a thread of its own where this thread runs an event loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
-
-
-def _no_answer(limit: float) -> str:
-    """The version of an object whose store did not answer in time (``why_not``: unknown)."""
-    return f"{_UNKNOWN}no answer within {limit:g} s (XINSITU_REQUEST_TIMEOUT sets the limit)"
-
-
-async def _ask_each(keys: list[str], one: Callable[[str], Any], limit: float) -> list[str | None]:
-    """``await one(k)`` for each key, ``HEAD_CONCURRENCY`` at a time, each given ``limit`` seconds. Once
-    one of them gets no answer in time, the store is taken as silent and the keys not asked yet are
-    not: a silent server costs one bound, not one per key. Such keys get ``_no_answer``. Likewise once
-    one is refused (a server that does not do ``HEAD``): the rest get the same answer unasked."""
-    sem = asyncio.Semaphore(HEAD_CONCURRENCY)
-    silent = False
-    refused: str | None = None
-
-    async def each(k: str) -> str | None:
-        nonlocal silent, refused
-        async with sem:
-            if silent:
-                return _no_answer(limit)
-            if refused is not None:
-                return refused
-            try:
-                async with asyncio.timeout(limit):
-                    got = await one(k)
-                if got is not None and got.startswith(_UNTRUSTED + _HEAD_REFUSED):
-                    refused = got
-                return got  # type: ignore[no-any-return]
-            except TimeoutError:
-                silent = True
-                return _no_answer(limit)
-
-    return list(await asyncio.gather(*(each(k) for k in keys)))
-
-
-def object_versions(store: Any, object_keys: list[str] | None = None, *,
-                    prefix: str | None = None) -> tuple[dict[str, str], int]:
-    """The current versions of objects of an obstore store: ``({object key: version}, requests
-    made)``. A version is ``etag <ETag> <size>`` where the store gives a strong ETag (``trusted``),
-    else it says why it is none (``why_not``).
-
-    Each request is given ``XINSITU_REQUEST_TIMEOUT`` seconds (``_loop.request_timeout``), one try:
-    obstore's own retries of a silent store would take minutes.
-
-    Parameters
-    ----------
-    store
-        An obstore store (``S3Store``, ``HTTPStore`` ...).
-    object_keys
-        Objects to ask one ``HEAD`` each (``HEAD_CONCURRENCY`` at once); one the store lacks is
-        ``MISSING``, one whose ``HEAD`` is refused (405 ...) untrusted, one that got no answer in time
-        unknown (``why_not``), one it could not tell about (an error) is left out.
-    prefix
-        Instead: list every object under ``prefix`` (one request per 1000 objects); raises where the
-        store cannot list (``TimeoutError`` where a page got no answer in time).
-    """
-    import obstore
-
-    limit = _loop.request_timeout()
-    if prefix is not None:
-        async def listing() -> dict[str, str]:
-            out: dict[str, str] = {}
-            pages = obstore.list(store, prefix=prefix or None, chunk_size=1000)
-            while True:
-                try:
-                    async with asyncio.timeout(limit):
-                        batch = await pages.__anext__()
-                except StopAsyncIteration:
-                    return out
-                for meta in batch:
-                    out[meta["path"]] = _version_of(meta)
-
-        listed = _run_bounded(listing())
-        return listed, max(1, -(-len(listed) // 1000))
-    keys = list(dict.fromkeys(object_keys or ()))
-
-    async def one(k: str) -> str | None:
-        try:
-            return _version_of(await obstore.head_async(store, k))
-        except FileNotFoundError as e:
-            why = _refused(e)
-            return MISSING if why is None else _UNTRUSTED + why
-        except Exception as e:  # noqa: BLE001 - not known: the chunk is not kept on disk (and its read reports the error)
-            why = _refused(e)
-            return None if why is None else _UNTRUSTED + why
-
-    got = _run_bounded(_ask_each(keys, one, limit))
-    return {k: v for k, v in zip(keys, got, strict=True) if v is not None}, len(keys)
-
-
-def _fsspec_version(info: dict[str, Any]) -> str:
-    """An object's version from an fsspec ``info()``: HTTP's ``ETag`` and s3fs's, gcsfs's ``etag`` or
-    ``generation``, a ``VersionId``; else why there is none."""
-    low = {str(k).lower(): v for k, v in info.items() if v not in (None, "")}
-    tag = low.get("etag") or low.get("e_tag")
-    gen = low.get("generation") or low.get("versionid") or low.get("version_id")
-    if gen is not None and (tag is None or str(tag).startswith(("W/", "w/"))):
-        tag = f"generation {gen}"
-    modified = low.get("last-modified") or low.get("lastmodified") or low.get("last_modified") or low.get("mtime")
-    return _version(tag, low.get("size"), modified)
-
-
-def fsspec_versions(zstore: Any, object_keys: list[str]) -> tuple[dict[str, str], int]:
-    """The current versions of objects of a zarr ``FsspecStore`` (``_fsspec_version`` of its
-    filesystem's ``info``, run on the loop its session belongs to), as ``object_versions`` gives them:
-    ``({object key: version}, requests made)``; an object it lacks is ``MISSING``, one that got no
-    answer within ``XINSITU_REQUEST_TIMEOUT`` unknown (``why_not``), one it could not tell about (an
-    error) is left out."""
-    from xinsitu.stores.zarr_store import home_loop
-
-    fs = zstore.fs
-    base = str(getattr(zstore, "path", "")).rstrip("/")
-    keys = list(dict.fromkeys(object_keys))
-    limit = _loop.request_timeout()
-
-    async def one(k: str) -> str | None:
-        path = f"{base}/{k}" if base else k
-        try:
-            info = await fs._info(path) if getattr(fs, "async_impl", False) else await asyncio.to_thread(fs.info, path)
-        except FileNotFoundError:
-            return MISSING
-        except Exception as e:  # noqa: BLE001 - not known: the chunk is not kept on disk (its read reports the error)
-            why = _refused(e)
-            return None if why is None else _UNTRUSTED + why
-        return _fsspec_version(info)
-
-    home = home_loop(zstore)
-    work = _ask_each(keys, one, limit)
-    if home is None:
-        got = _run_bounded(work)
-    else:
-        try:
-            if asyncio.get_running_loop() is home:  # its own loop would wait on itself: not asked here
-                work.close()
-                return {}, 0
-        except RuntimeError:
-            pass
-        # each request is bounded in ``_ask_each``; this bound is the backstop
-        got = asyncio.run_coroutine_threadsafe(work, home).result(timeout=_loop.run_timeout())
-    return {k: v for k, v in zip(keys, got, strict=True) if v is not None}, len(keys)
 
 
 def _strip_url(url: str) -> str:

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from xinsitu.cache.chunk_cache import ChunkCache
-from xinsitu.cache.keys import ChunkKey, trusted
+from xinsitu.cache.keys import ChunkKey
+from xinsitu.cache.versions import trusted
 from xinsitu.index.regions import Target
 from xinsitu.io.place import SETTLED_DISK_HIT, SETTLED_HIT, Pieces
 from xinsitu.io.place import plain as _plain

@@ -49,10 +49,12 @@ class _ZarrBackend:
             return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, home))
         return await coro
 
-    async def get(self, key: str) -> Any:
+    async def get(self, key: str, byte_range: Any = None) -> Any:
+        """The object ``key`` (or ``byte_range`` of it: zarr's ``RangeByteRequest``, ``SuffixByteRequest``);
+        None where it is missing."""
         err: BaseException | None = None
         try:
-            return await self.at_home(self._get(key))
+            return await self.at_home(self._get(key, byte_range))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - same message, without URL query strings
@@ -64,22 +66,12 @@ class _ZarrBackend:
             return await retried(lambda: zarr_store_get(self.zstore, key, byte_range))
         return await zarr_store_get(self.zstore, key, byte_range)
 
-    async def _ranged(self, key: str, byte_range: Any) -> bytes | None:
-        err: BaseException | None = None
-        try:
-            return await self.at_home(self._get(key, byte_range))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - same message, without URL query strings
-            err = scrubbed(e)
-        raise err
-
     async def get_range(self, key: str, start: int, end: int) -> memoryview | None:
         """Bytes ``start:end`` of ``key`` (fewer where the object is shorter); None where it is missing."""
         from zarr.abc.store import RangeByteRequest
 
         start, end = int(start), int(end)
-        data = await self._ranged(key, RangeByteRequest(start, end))
+        data = await self.get(key, RangeByteRequest(start, end))
         if data is None:
             return None
         view = memoryview(data)  # more than asked: a server that ignores ``Range`` sent the whole object
@@ -89,7 +81,7 @@ class _ZarrBackend:
         """The last ``n`` bytes of ``key``; None where it is missing."""
         from zarr.abc.store import SuffixByteRequest
 
-        data = await self._ranged(key, SuffixByteRequest(int(n)))
+        data = await self.get(key, SuffixByteRequest(int(n)))
         return None if data is None else memoryview(data)[max(0, len(data) - int(n)):]
 
     async def get_ranges(self, key: str, starts: list[int], ends: list[int]) -> list[memoryview]:

@@ -273,6 +273,27 @@ def test_open_on_a_server_that_never_answers_is_bounded_and_named(archive, conso
     assert float(said.split("took")[-1]) < 30, said
 
 
+@pytest.mark.slow
+def test_a_server_that_only_answers_503_within_a_short_timeout_is_not_called_silent(archive):
+    """obstore retries 5xx answers on its own; with a request timeout shorter than its retries, a
+    server that keeps answering 503 is given up by xinsitu's bound, which cannot see the answers:
+    the error says that such a server reads the same as a silent one, not only "no answer"."""
+    script = textwrap.dedent("""
+        import sys, xinsitu
+        try:
+            xinsitu.open_zarr(sys.argv[1])
+        except TimeoutError as e:
+            print("TimeoutError:", e)
+    """)
+    with FileServer(Path(archive).parent, Faults(error_503=1.0, max_per_key=None), max_lifetime_s=90) as srv:
+        out = subprocess.run([sys.executable, "-c", script, f"{srv.url}/era5.zarr"], capture_output=True,
+                             text=True, timeout=60, cwd=Path(__file__).parents[2],
+                             env={**os.environ, "XINSITU_REQUEST_TIMEOUT": "0.5"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "TimeoutError: metadata object 'zarr.json'" in out.stdout, out.stdout
+    assert "or only answers its client retries, such as 5xx" in out.stdout, out.stdout
+
+
 @pytest.mark.parametrize("kind", ["ObjectStore", "FsspecStore"])
 @pytest.mark.slow
 def test_open_of_a_store_object_on_a_server_that_never_answers_is_bounded(archive, kind):

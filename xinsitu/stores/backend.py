@@ -38,7 +38,7 @@ from typing import Any, Protocol, TypeAlias, TypeVar, runtime_checkable
 
 from xinsitu.codecs.cpu import store_root
 from xinsitu.io import loop as _loop
-from xinsitu.stores.reads import FETCH_ATTEMPTS, DamagedObjectError
+from xinsitu.stores.reads import FETCH_ATTEMPTS, NO_ANSWER_WHY, DamagedObjectError
 from xinsitu.stores.redact import recording_store, redact_url, scrubbed, secrets_of
 from xinsitu.stores.virtual_store import ManifestBackend, is_manifest_store
 from xinsitu.stores.zarr_store import _ZarrBackend
@@ -619,7 +619,7 @@ async def bounded(request: Callable[[], Awaitable[T]], key: str, on_retry: Calla
             if w.fired:  # the deadline passed as the request ended: its cancellation is void
                 task.uncancel()
     raise TimeoutError(f"object {key!r}: no answer within {limit:g} s, {attempts} times "
-                       "(XINSITU_REQUEST_TIMEOUT sets the limit)")
+                       f"({NO_ANSWER_WHY}; XINSITU_REQUEST_TIMEOUT sets the limit)")
 
 
 async def fetch_decoded(backend: Backend, key: str, use: Callable[[Any], Awaitable[T]],

@@ -27,6 +27,9 @@ T = TypeVar("T")
 
 #: fetches of one object before a damaged body (short, undecodable, not JSON) is an error
 FETCH_ATTEMPTS = 3
+#: what "no answer" covers: the store's client retries 5xx answers and dropped connections on its own
+#: (``DEFAULT_RETRY_CONFIG``), so a server that keeps answering 503 reads, from here, as one that is silent
+NO_ANSWER_WHY = "or only answers its client retries, such as 5xx or dropped connections"
 #: metadata objects: JSON, checked as read (a damaged body is fetched again, then named)
 _METADATA = ("zarr.json", ".zmetadata", ".zarray", ".zattrs", ".zgroup")
 #: transient faults of stores that do not retry them themselves (fsspec's, zarr's own): retries at
@@ -109,8 +112,8 @@ async def bounded_request(fetch: Callable[[], Awaitable[T]], what: str) -> T:
                                f"({type(e).__name__}: {said})")
         if err is not None:  # raised outside the handler: obstore's original stays off the traceback
             raise err
-    raise TimeoutError(f"{what}: no answer within {limit:g} s, {FETCH_ATTEMPTS} times (set XINSITU_REQUEST_TIMEOUT "
-                       "to a number of seconds to wait longer, or fewer)")
+    raise TimeoutError(f"{what}: no answer within {limit:g} s, {FETCH_ATTEMPTS} times ({NO_ANSWER_WHY}; set "
+                       "XINSITU_REQUEST_TIMEOUT to a number of seconds to wait longer, or fewer)")
 
 
 async def _bounded_listing(listing: AsyncIterator[str], what: str) -> AsyncIterator[str]:

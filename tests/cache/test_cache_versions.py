@@ -111,14 +111,15 @@ def test_a_local_rewrite_keeping_size_mtime_and_inode_is_a_miss(tmp_path):
 
 # ------------------------------------------------------------- 2(a) HTTP stores without a version
 @pytest.mark.filterwarnings("ignore:the chunk cache's disk tier:RuntimeWarning")  # those of the runs after the first
-@pytest.mark.parametrize(("head", "opener"), [(h, o) for h in ("plain", "405", "501", "bare") for o in OPENERS
+@pytest.mark.parametrize(("head", "opener"), [(h, o) for h in ("plain", "405", "501", "404", "bare") for o in OPENERS
                                              if (h, o) != ("501", "xarray")])  # (fsspec asks a GET where HEAD fails)
 @pytest.mark.slow
 def test_an_http_store_without_versions_keeps_nothing_on_disk_and_says_so(tmp_path, head, opener):
     """``python -m http.server`` (and poorer servers): nothing is kept on disk, the first epoch warns
     once, naming the store and why, and the repr says it; a rewrite within the same second, or with its
     modification time restored, is then read as it is now. ``immutable=True`` keeps them, as declared.
-    A server that does not implement ``HEAD`` (501, which obstore retries) is a refusal too."""
+    A server that does not implement ``HEAD`` (501, which obstore retries) is a refusal too; one that
+    answers ``HEAD`` with 404 and then serves the object says so once it has served one."""
     from tests.support.plain_http import PlainServer
 
     path = _archive(tmp_path / "a.zarr")
@@ -139,7 +140,8 @@ def test_an_http_store_without_versions_keeps_nothing_on_disk_and_says_so(tmp_pa
         assert len(said) == 1, said
         assert srv.url.split("//")[1] in said[0] and "immutable=True" in said[0]
         if opener == "xinsitu":  # obstore's HEAD: the header missing, or the HEAD refused, is named
-            why = {"plain": "no ETag", "405": "HEAD", "501": "HEAD", "bare": "neither ETag nor Last-Modified"}[head]
+            why = {"plain": "no ETag", "405": "HEAD", "501": "HEAD", "404": "says objects are missing",
+                   "bare": "neither ETag nor Last-Modified"}[head]
             assert why in said[0], said[0]
         assert writes == 0 and cache.stats.disk_writes == 0
         assert "disk" in text and "no trustworthy version" in text and srv.url.split("//")[1] in text, text
@@ -155,22 +157,24 @@ def test_an_http_store_without_versions_keeps_nothing_on_disk_and_says_so(tmp_pa
 
 @pytest.mark.filterwarnings("ignore:the chunk cache's disk tier:RuntimeWarning")  # those of the runs after the first
 @pytest.mark.parametrize("opener", list(OPENERS))
-def test_an_etag_of_whole_seconds_and_size_keeps_nothing_on_disk_and_says_so(tmp_path, opener):
-    """nginx's default ETag, ``"<mtime seconds hex>-<size hex>"``, is strong but names only what a
-    Last-Modified of whole seconds names: nothing is kept on disk (said once, naming the ETag), and a
-    rewrite that keeps size and modification time is read as it is now, not served stale."""
+@pytest.mark.parametrize(("etag", "why"), [("nginx", "whole seconds"), ("ns", "not a content hash")])
+def test_a_web_server_etag_of_time_and_size_keeps_nothing_on_disk_and_says_so(tmp_path, opener, etag, why):
+    """A web server's strong ETag made of the file's modification time and size -- nginx's default,
+    ``"<mtime seconds hex>-<size hex>"``, or one in nanoseconds as Apache and Caddy make theirs -- names
+    only what the time and size name: nothing is kept on disk (said once, naming why), and a rewrite that
+    keeps size and modification time (``cp -p``, ``rsync -a``) is read as it is now, not served stale."""
     from tests.support.servers import FileServer
 
     path = _archive(tmp_path / "a.zarr")
     disk = tmp_path / "c"
-    with FileServer(tmp_path, etag="nginx") as srv:
+    with FileServer(tmp_path, etag=etag) as srv:
         url = f"{srv.url}/a.zarr"
         first = _gen(OPENERS[opener](url), ChunkCache(memory=0, disk=disk))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             old = _epoch(first)
         said = _ours(caught)
-        assert len(said) == 1 and "whole seconds" in said[0] and "immutable=True" in said[0], said
+        assert len(said) == 1 and why in said[0] and "immutable=True" in said[0], said
         assert _entries(disk) == 0
         _rewrite_keeping_size_and_mtime(path)
         new = _epoch(_gen(xinsitu.open_zarr(path)))
@@ -178,6 +182,26 @@ def test_an_etag_of_whole_seconds_and_size_keeps_nothing_on_disk_and_says_so(tmp
         again = _gen(OPENERS[opener](url), ChunkCache(memory=0, disk=disk))
         assert _same(_epoch(again), new)
         assert again.io_stats["cache_disk_hits"] == 0
+
+
+def test_a_web_server_s_etag_is_trusted_only_where_it_is_a_content_hash():
+    """From a web server (``HTTPStore``, fsspec's HTTP) only an ETag that looks like a content hash keys a
+    disk entry: MD5 in hex (S3, GCS, R2 behind HTTP), S3's multipart one, SHA-256, base64 of MD5, Azure's
+    change counter. Apache's ``"<size>-<µs>"`` (with or without the inode), Caddy's base36, lighttpd's
+    decimal hash and IIS's ``<filetime>:<n>`` are the file's time and size, and are not; an object store's
+    strong ETag is trusted whatever it looks like."""
+    from xinsitu.cache.versions import _version, trusted, why_not
+
+    hashes = ['"d41d8cd98f00b204e9800998ecf8427e"', '"d41d8cd98f00b204e9800998ecf8427e-12"', '"' + "ab" * 32 + '"',
+              '"1B2M2Y8AsgTpgAmY7PhCfg=="', '"0x8DC1234567890AB"']
+    stamps = ['"2d-5f8a1b2c3d4e5"', '"1a2b3c-2d-5f8a1b2c3d4e5"', '"s1kq9v2p1a"', '"3053469370"',
+              '"a0e1c3b3f5d9d81:0"']
+    for tag in hashes:
+        assert trusted(_version(tag, 45, None, web=True)), tag
+    for tag in stamps:
+        v = _version(tag, 45, None, web=True)
+        assert not trusted(v) and "not a content hash" in why_not(v)[1], (tag, v)
+        assert trusted(_version(tag, 45, None)), tag  # an object store's
 
 
 def test_which_etags_of_a_time_and_a_size_are_trusted():

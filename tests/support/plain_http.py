@@ -4,7 +4,8 @@ still: what the disk cache meets on HTTP stores that give their objects no trust
 ``PlainServer(root)`` serves with the standard library's own handler (``SimpleHTTPRequestHandler``):
 a ``Last-Modified`` in whole seconds, no ``ETag``, no byte ranges. ``head=`` changes how it
 answers ``HEAD`` (``GET`` stays as it is): ``"405"`` (Method Not Allowed), ``"501"`` (Not
-Implemented: what a handler that defines only ``do_GET`` answers, and obstore retries), ``"bare"`` (neither
+Implemented: what a handler that defines only ``do_GET`` answers, and obstore retries), ``"404"`` (Not
+Found: a proxy or signed-URL service that answers ``HEAD`` wrongly), ``"bare"`` (neither
 ``ETag`` nor ``Last-Modified``, on ``GET`` either), or ``"silent"`` (the request is taken and never
 answered, until the server stops). ``head`` may be changed while it serves. ``heads`` counts the
 ``HEAD`` requests it got.
@@ -20,7 +21,7 @@ import threading
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-HEADS = ("plain", "405", "501", "bare", "silent")
+HEADS = ("plain", "405", "501", "404", "bare", "silent")
 
 
 class _Handler(SimpleHTTPRequestHandler):
@@ -35,7 +36,7 @@ class _Handler(SimpleHTTPRequestHandler):
         owner = self.owner
         with owner.lock:
             owner.heads += 1
-        if owner.head in ("405", "501"):
+        if owner.head in ("405", "501", "404"):
             self.send_error(int(owner.head))
             return
         if owner.head == "silent":  # taken, never answered: the client's own bound must end it

@@ -120,7 +120,8 @@ class _State:
     held: int = 0  # requests held now (capacity)
     turned_away: int = 0  # times a request found the server full
     serving: threading.Lock = field(default_factory=threading.Lock)  # one answer at a time (capacity)
-    etag: str = "ns"  # the ETag's modification time: "ns" (nanoseconds), "nginx" (whole seconds, nginx's default)
+    etag: str = "md5"  # "md5": of the bytes (S3's); else of the modification time and size: "ns" (in nanoseconds,
+    # as Apache and Caddy make theirs), "nginx" (in whole seconds, nginx's default)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -299,9 +300,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Content-Length", str(len(half) if kind == "short" else len(body)))
         self.send_header("Last-Modified", self.date_time_string(int(p.stat().st_mtime)))
-        stat = p.stat()
-        stamp = int(stat.st_mtime) if st.etag == "nginx" else stat.st_mtime_ns
-        self.send_header("ETag", f'"{stamp:x}-{size:x}"')
+        if st.etag == "md5":
+            self.send_header("ETag", f'"{hashlib.md5(data).hexdigest()}"')
+        else:
+            stat = p.stat()
+            stamp = int(stat.st_mtime) if st.etag == "nginx" else stat.st_mtime_ns
+            self.send_header("ETag", f'"{stamp:x}-{size:x}"')
         if status == 206:
             self.send_header("Content-Range", f"bytes {lo}-{hi - 1}/{size}")
         self.end_headers()
@@ -372,9 +376,10 @@ class FileServer:
     it is let in, as a connection past a full accept queue waits for the client's SYN retransmit;
     ``turned_away`` counts those waits.
 
-    Each answer has a Last-Modified (whole seconds) and a strong ETag of the file's modification time and
-    size: in nanoseconds (default: a rewrite is a new ETag unless it sets the time back to the nanosecond),
-    or ``etag="nginx"``, in whole seconds as nginx's default (a rewrite within the second keeps it).
+    Each answer has a Last-Modified (whole seconds) and a strong ETag: the MD5 of the object's bytes, as S3
+    gives (default), or, as web servers make theirs, of the file's modification time and size: ``etag="ns"``
+    in nanoseconds (Apache's and Caddy's kind: a rewrite that sets the time back keeps it), ``etag="nginx"``
+    in whole seconds as nginx's default (a rewrite within the second keeps it).
 
     Use as a context manager (or ``start()``/``stop()``); ``url`` is the base URL,
     ``counts`` how many requests met each fault, ``requests`` how many were answered.
@@ -382,9 +387,9 @@ class FileServer:
 
     def __init__(self, root: str | os.PathLike, faults: Faults | None = None, *, max_lifetime_s: float = 300.0,
                  max_requests: int = 200_000, overloaded: bool = False, capacity: int | None = None,
-                 penalty_s: float = 1.0, etag: str = "ns"):
-        if etag not in ("ns", "nginx"):
-            raise ValueError(f"etag must be 'ns' or 'nginx', not {etag!r}")
+                 penalty_s: float = 1.0, etag: str = "md5"):
+        if etag not in ("md5", "ns", "nginx"):
+            raise ValueError(f"etag must be 'md5', 'ns' or 'nginx', not {etag!r}")
         self.overloaded = overloaded
         self.state = _State(Path(root).resolve(), faults or Faults(), threading.Event(), int(max_requests),
                             capacity=capacity, penalty_s=float(penalty_s), etag=etag)

@@ -46,7 +46,7 @@ import numpy as np
 from xinsitu.cache.budget import _fmt, auto_memory_budget, parse_size
 from xinsitu.cache.disk_tier import DiskTier, _disk_path
 from xinsitu.cache.keys import ChunkKey
-from xinsitu.cache.versions import trusted, why_not
+from xinsitu.cache.versions import MISSING, trusted, why_not
 
 
 @dataclass
@@ -163,6 +163,7 @@ class ChunkCache:
         self._stats = CacheStats()
         self._device: Any = None  # the tier in GPU memory, made on first use (``device_tier``)
         self._notes: dict[str, str] = {}  # what a tier could not keep, said once each (``notes``)
+        self._asked: dict[str, ChunkKey] = {}  # arrays whose store said some objects are missing (``_served_missing``)
         self._disk: DiskTier | None = None
         if self.disk is not None:
             self._disk = DiskTier(self.disk, self.disk_size, fsync=self.fsync, since_ns=self._since_ns,
@@ -300,6 +301,8 @@ class ChunkCache:
             known = key in self._mem
         if not known:
             self._keep(key, arr, born, version)
+        if dk is None and version == MISSING and self._disk is not None:
+            self._served_missing(key)
         if dk is not None and not known:
             assert self._disk is not None
             try:
@@ -329,6 +332,8 @@ class ChunkCache:
         if "untrusted " + keys.store_id in self._notes:  # found without versions: not asked again
             return [None] * len(chunks)
         versions, n = keys.versions([k for _, k in chunks])
+        if MISSING in versions:  # read anyway: where it comes with bytes, the store was wrong (``_served_missing``)
+            self._asked[keys.ident] = keys
         if n:
             with self._lock:
                 self._stats.version_requests += n
@@ -355,6 +360,16 @@ class ChunkCache:
                 return
             self._notes[key] = note
         warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    def _served_missing(self, key: Hashable) -> None:
+        """A chunk whose store said it is missing (``disk_keys``: a ``HEAD`` answered 404, a listing without
+        it) came with bytes: its version cannot be known, and the disk tier keeps nothing of that store;
+        said once (``_cannot_keep``), never a disk tier that stays empty unsaid."""
+        ident = key[0] if isinstance(key, tuple) and key and isinstance(key[0], str) else None
+        keys = next((k for i, k in list(self._asked.items()) if ident is not None and ident.startswith(i)), None)
+        if keys is not None:
+            self._cannot_keep(keys, ("untrusted", "it says objects are missing (a HEAD answered 404, or a listing "
+                                                  "without them) that it then serves"))
 
     def _cannot_keep(self, keys: ChunkKey, why: tuple[str, str]) -> None:
         """Say once that the disk tier keeps nothing of ``keys``'s store, and why (``why_not``)."""

@@ -48,14 +48,33 @@ def why_not(version: str | None) -> tuple[str, str] | None:
     return None
 
 
-def _version(tag: Any, size: Any, modified: Any) -> str:
+#: ETags that name an object's bytes whoever serves them: a content hash (MD5, SHA-1, SHA-256 in hex, an S3
+#: multipart ``<md5>-<parts>``; base64 of 16 or more bytes) or Azure's change counter (``0x8D...``)
+_CONTENT_TAG = re.compile(r"[0-9a-f]{32,128}(-\d+)?|[a-z0-9+/]{22,}={0,2}|0x[0-9a-f]{15,16}")
+
+
+def _of_content(tag: str) -> bool:
+    """Whether the strong ETag ``tag`` looks like one that names the bytes (``_CONTENT_TAG``)."""
+    return _CONTENT_TAG.fullmatch(tag.strip('"').lower()) is not None
+
+
+def _version(tag: Any, size: Any, modified: Any, web: bool = False) -> str:
     """An object's version from its ETag (or generation), size and modification time (None where the
-    store gave none): ``etag <tag> <size>`` for a strong ETag, else ``untrusted: <why>``."""
+    store gave none): ``etag <tag> <size>`` for a strong ETag, else ``untrusted: <why>``.
+
+    ``web``: the store is a web server (``HTTPStore``, fsspec's HTTP), whose strong ETag is, as often as
+    not, its file's modification time and size (Apache's ``"<size>-<µs>"``, Caddy's, lighttpd's, IIS's,
+    nginx's): a rewrite that keeps both (``cp -p``, ``rsync -a``, ``tar x``) keeps it. Its ETag is
+    trusted only where it looks like a content hash (``_CONTENT_TAG``); object stores manage theirs."""
     tag = "" if tag is None else str(tag).strip()
     if tag and not tag.startswith(("W/", "w/")):
         if _of_seconds_and_size(tag, size, modified):
             return (f"{_UNTRUSTED}an ETag made of the modification time in whole seconds and the size ({tag}, "
                     "nginx's), which a rewrite within the second keeps and cp -p, rsync -t or tar x set back")
+        if web and not tag.startswith("generation ") and not _of_content(tag):
+            return (f"{_UNTRUSTED}a web server's ETag that is not a content hash ({tag}): web servers (Apache, "
+                    "Caddy, lighttpd, IIS) make theirs of the file's modification time and size, which a "
+                    "rewrite that keeps both (cp -p, rsync -a, tar x) keeps")
         return f"{_TRUSTED}{tag} {size}"
     if tag:
         return f"{_UNTRUSTED}a weak ETag ({tag}), which does not name the bytes"
@@ -107,13 +126,13 @@ def _of_seconds_and_size(tag: str, size: Any, modified: Any) -> bool:
     return seconds == at if at is not None else _PLAUSIBLE_SECONDS[0] <= seconds <= _PLAUSIBLE_SECONDS[1]
 
 
-def _version_of(meta: Any) -> str:
-    """An object's version from obstore's ``ObjectMeta`` (``_version``): obstore gives a ``last_modified``
-    of 1970-01-01 where the server sent none."""
+def _version_of(meta: Any, web: bool = False) -> str:
+    """An object's version from obstore's ``ObjectMeta`` (``_version``; ``web``: an ``HTTPStore``'s): obstore
+    gives a ``last_modified`` of 1970-01-01 where the server sent none."""
     modified = meta.get("last_modified")
     if modified is not None and modified.timestamp() == 0:
         modified = None
-    return _version(meta.get("e_tag"), meta.get("size"), modified)
+    return _version(meta.get("e_tag"), meta.get("size"), modified, web)
 
 
 def _refused(e: BaseException) -> str | None:
@@ -197,6 +216,7 @@ def object_versions(store: Any, object_keys: list[str] | None = None, *,
     import obstore
 
     limit = _loop.request_timeout()
+    web = type(store).__name__ == "HTTPStore"
     if prefix is not None:
         async def listing() -> dict[str, str]:
             out: dict[str, str] = {}
@@ -208,7 +228,7 @@ def object_versions(store: Any, object_keys: list[str] | None = None, *,
                 except StopAsyncIteration:
                     return out
                 for meta in batch:
-                    out[meta["path"]] = _version_of(meta)
+                    out[meta["path"]] = _version_of(meta, web)
 
         listed = _run_bounded(listing())
         return listed, max(1, -(-len(listed) // 1000))
@@ -216,7 +236,7 @@ def object_versions(store: Any, object_keys: list[str] | None = None, *,
 
     async def one(k: str) -> str | None:
         try:
-            return _version_of(await obstore.head_async(store, k))
+            return _version_of(await obstore.head_async(store, k), web)
         except FileNotFoundError as e:
             why = _refused(e)
             return MISSING if why is None else _UNTRUSTED + why
@@ -228,16 +248,16 @@ def object_versions(store: Any, object_keys: list[str] | None = None, *,
     return {k: v for k, v in zip(keys, got, strict=True) if v is not None}, len(keys)
 
 
-def _fsspec_version(info: dict[str, Any]) -> str:
+def _fsspec_version(info: dict[str, Any], web: bool = False) -> str:
     """An object's version from an fsspec ``info()``: HTTP's ``ETag`` and s3fs's, gcsfs's ``etag`` or
-    ``generation``, a ``VersionId``; else why there is none."""
+    ``generation``, a ``VersionId``; else why there is none (``web``: HTTP's, ``_version``)."""
     low = {str(k).lower(): v for k, v in info.items() if v not in (None, "")}
     tag = low.get("etag") or low.get("e_tag")
     gen = low.get("generation") or low.get("versionid") or low.get("version_id")
     if gen is not None and (tag is None or str(tag).startswith(("W/", "w/"))):
         tag = f"generation {gen}"
     modified = low.get("last-modified") or low.get("lastmodified") or low.get("last_modified") or low.get("mtime")
-    return _version(tag, low.get("size"), modified)
+    return _version(tag, low.get("size"), modified, web)
 
 
 def fsspec_versions(zstore: Any, object_keys: list[str]) -> tuple[dict[str, str], int]:
@@ -249,6 +269,8 @@ def fsspec_versions(zstore: Any, object_keys: list[str]) -> tuple[dict[str, str]
     from xinsitu.stores.zarr_store import home_loop
 
     fs = zstore.fs
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    web = bool({"http", "https"} & set(protocols))
     base = str(getattr(zstore, "path", "")).rstrip("/")
     keys = list(dict.fromkeys(object_keys))
     limit = _loop.request_timeout()
@@ -262,7 +284,7 @@ def fsspec_versions(zstore: Any, object_keys: list[str]) -> tuple[dict[str, str]
         except Exception as e:  # noqa: BLE001 - not known: the chunk is not kept on disk (its read reports the error)
             why = _refused(e)
             return None if why is None else _UNTRUSTED + why
-        return _fsspec_version(info)
+        return _fsspec_version(info, web)
 
     home = home_loop(zstore)
     work = _ask_each(keys, one, limit)

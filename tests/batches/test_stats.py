@@ -4,6 +4,7 @@ each chunk read once, nothing from val/test, channels per label, JSON-able; the 
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -694,7 +695,7 @@ def test_bad_parts_and_diffs_arguments(era5_path):
         ds.insitu.stats_part(m, "train")  # part= is required
 
 
-def test_merge_refuses_other_jobs_and_missing_parts(era5_path):
+def test_merge_refuses_other_jobs_and_missing_parts(era5_path, tmp_path):
     ds = xinsitu.open_zarr(era5_path)
     m = ds.insitu.split("time", fractions={"train": 0.8, "val": 0.2})
     parts = [ds.insitu.stats_part(m, "train", part=(i, 3)) for i in range(3)]
@@ -714,6 +715,12 @@ def test_merge_refuses_other_jobs_and_missing_parts(era5_path):
                   [north.insitu.stats_part(m, "train", part=(0, 2)), south.insitu.stats_part(m, "train", part=(1, 2))]):
         with pytest.raises(ValueError, match=r"different jobs \(they differ in \['selection'\]\)"):
             xinsitu.merge_stats(mixed)
+    # a task that opened another archive of the same geometry (a re-processed copy beside the first)
+    copied = tmp_path / "copy.zarr"
+    shutil.copytree(era5_path, copied)
+    other = xinsitu.open_zarr(str(copied)).insitu.stats_part(m, "train", part=(1, 3))
+    with pytest.raises(ValueError, match=r"different jobs \(they differ in \['archive'\]\)"):
+        xinsitu.merge_stats([parts[0], other, parts[2]])
     with pytest.raises(ValueError, match="different numbers of shares"):
         xinsitu.merge_stats([*parts, ds.insitu.stats_part(m, "train", part=(0, 2))])
     bad = json.loads(json.dumps(parts[1]))

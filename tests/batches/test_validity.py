@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -406,6 +407,11 @@ def test_merge_validity_refuses(ds: xr.Dataset, m: xinsitu.SplitManifest) -> Non
         xinsitu.merge_validity(mixed)
     with pytest.raises(ValueError, match="another manifest"):
         xinsitu.merge_validity(parts, ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5}))
+    copied = str(ds.encoding["source"]) + "-copy"  # another archive of the same geometry (a re-processed one)
+    shutil.copytree(ds.encoding["source"], copied)
+    other = xinsitu.open_zarr(copied).insitu.validity_part(m, "train", variables=["x"], part=(1, 3))
+    with pytest.raises(ValueError, match=r"different jobs \(they differ in \['archive'\]\)"):
+        xinsitu.merge_validity([parts[0], other, parts[2]])
     bad = json.loads(json.dumps(parts[1]))
     bad["mask"]["bitmap"] = bad["mask"]["bitmap"][:-4] + "AAAA"
     with pytest.raises(ValueError, match="part 1"):
@@ -414,3 +420,42 @@ def test_merge_validity_refuses(ds: xr.Dataset, m: xinsitu.SplitManifest) -> Non
         ds.insitu.validity_part(m, "train", part=[0, 1, 2])
     with pytest.raises(ValueError, match="stats_part"):
         xinsitu.merge_stats(parts)
+
+
+def _above(limit: float):
+    return lambda b: (b["x"] > limit).any(dim=["lat", "lon"])
+
+
+THRESHOLD = 0.5
+
+
+def _over_the_threshold(b):
+    return (b["x"] > THRESHOLD).any(dim=["lat", "lon"])
+
+
+def test_parts_of_different_predicates_are_never_merged(ds: xr.Dataset, m: xinsitu.SplitManifest) -> None:
+    """Two lambdas, two closures of one factory with other limits, or a module-level function whose
+    threshold changed between tasks share a label (``fn:<lambda>``, ``fn:_above.<locals>.<lambda>``) but
+    not their parts: merged, they would stitch two masks into one that neither predicate gives."""
+    global THRESHOLD
+
+    def parts(where, n=2):
+        return [ds.insitu.validity_part(m, "train", where=where, variables=["x"], part=(i, n)) for i in range(n)]
+
+    def mixed(a, b):
+        return [parts(a)[0], parts(b)[1]]
+
+    for a, b in [(lambda b: b["x"].isnull().any(dim=["lat", "lon"]), lambda b: (b["x"] > 0).any(dim=["lat", "lon"])),
+                 (_above(0.0), _above(3.0))]:
+        with pytest.raises(ValueError, match=r"different jobs \(they differ in \['where_code'\]\)"):
+            xinsitu.merge_validity(mixed(a, b))
+    first = parts(_over_the_threshold)[0]
+    THRESHOLD = 2.0
+    try:
+        with pytest.raises(ValueError, match="where_code"):
+            xinsitu.merge_validity([first, parts(_over_the_threshold)[1]])
+    finally:
+        THRESHOLD = 0.5
+    same = mixed(_above(1.0), _above(1.0))  # the same predicate made twice: its parts merge
+    assert xinsitu.merge_validity(same)["valid"] == ds.insitu.validity(copy.deepcopy(m), "train", where=_above(1.0),
+                                                                       variables=["x"])["valid"]

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from xinsitu.batches.describe import missing_note, progress_bar
+from xinsitu.cache.keys import array_store, store_identity
 from xinsitu.stores.backend import ChunkReadError
 from xinsitu.stores.redact import redact, redact_url
 
@@ -68,6 +69,22 @@ def selection_of(sources: dict[str, Any]) -> dict[str, str]:
                 h.update(b";")
                 h.update(np.ascontiguousarray(ix, dtype=np.int64).tobytes())
         out[str(name)] = h.hexdigest()
+    return out
+
+
+def archive_of(sources: dict[str, Any]) -> dict[str, str]:
+    """Which stored array each variable is read from, as a short hash per name: the store's identity
+    (``xinsitu.cache.keys.store_identity``: scheme, bucket, endpoint, path; never credentials) and the
+    array's path in it. Part of a job, so that parts of two archives of the same geometry (a
+    re-processed copy beside the first) are never merged; an Icechunk store is told apart by its
+    snapshot, a store without a lasting identity (in memory) not at all."""
+    out = {}
+    for name in sorted(sources):
+        array = sources[name].array
+        ident = store_identity(array_store(array))
+        path = getattr(array, "path", "") or ""
+        text = json.dumps([None if ident is None else ident[0], str(path)])
+        out[str(name)] = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
     return out
 
 

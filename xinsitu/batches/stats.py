@@ -42,6 +42,7 @@ import numpy as np
 import xarray as xr
 
 from xinsitu.batches.cluster import (
+    archive_of,
     check_client,
     job_digest,
     part_arg,
@@ -160,7 +161,8 @@ class StatsPass:
             "units": int(self.space.n_units), "snapshot": snapshot_of_sources(sampled.sources),
             "variables": list(self.layouts), "channels": {n: list(c) for n, c in self.channels.items()},
             "dims": {n: list(e) for n, e in self.extra.items()}, "stack": list(self.fold), "diffs": self.diffs,
-            "diff_variables": list(self._diff_axis), "selection": selection_of(sampled.sources)}
+            "diff_variables": list(self._diff_axis), "selection": selection_of(sampled.sources),
+            "archive": archive_of(sampled.sources)}
         self.job_id = job_digest(self.job)
         self._done = False
 

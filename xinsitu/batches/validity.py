@@ -19,7 +19,10 @@ bitmaps of the ``n`` parts end to end. With ``client=`` the parts run on a Dask 
 from __future__ import annotations
 
 import copy
+import functools
+import hashlib
 import os
+import types
 import warnings
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +32,7 @@ import numpy as np
 import xarray as xr
 
 from xinsitu.batches.cluster import (
+    archive_of,
     check_client,
     job_digest,
     part_arg,
@@ -107,6 +111,59 @@ def _where(where: Any) -> tuple[str, str]:
     raise TypeError(f"where must be 'finite' or a callable predicate, got {type(where).__name__} {where!r}")
 
 
+#: values a predicate reads from its module that go into its digest (not modules, classes or functions)
+_VALUES = (bool, int, float, complex, str, bytes, tuple, np.ndarray, np.generic)
+
+
+def _stable(v: Any, depth: int = 0) -> bytes:
+    """Bytes that stand for ``v`` the same way in every process: a predicate's code, constants, defaults
+    and closure values (``predicate_digest``); for other objects, their type's name only."""
+    if depth > 8:
+        return b"..."
+    if v is None or isinstance(v, (bool, int, float, complex, str, bytes)):
+        return repr(v).encode()
+    if isinstance(v, (tuple, list, frozenset, set)):
+        items = sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v
+        return b"(" + b",".join(_stable(x, depth + 1) for x in items) + b")"
+    if isinstance(v, dict):
+        return b"{" + b",".join(_stable(k, depth + 1) + b":" + _stable(x, depth + 1)
+                                for k, x in sorted(v.items(), key=lambda kv: repr(kv[0]))) + b"}"
+    if isinstance(v, np.ndarray):
+        h = hashlib.blake2b(np.ascontiguousarray(v).tobytes(), digest_size=8).hexdigest()
+        return f"array({v.dtype.str},{v.shape},{h})".encode()
+    if isinstance(v, np.generic):
+        return repr(v.item()).encode()
+    if isinstance(v, types.CodeType):
+        return b"code(" + v.co_code + _stable(v.co_consts, depth + 1) + _stable(v.co_names, depth + 1) + b")"
+    if isinstance(v, functools.partial):
+        return b"partial(" + _stable((v.func, v.args, v.keywords), depth + 1) + b")"
+    fn = v if isinstance(v, types.FunctionType) else getattr(v, "__func__", None)
+    if isinstance(fn, types.FunctionType):
+        cells = []
+        for c in fn.__closure__ or ():
+            try:
+                cells.append(c.cell_contents if c.cell_contents is not v else None)
+            except ValueError:  # an empty cell
+                cells.append(None)
+        # the module-level values it reads (a threshold set in a notebook cell), not modules or functions
+        used = {n: fn.__globals__[n] for n in fn.__code__.co_names
+                if n in fn.__globals__ and isinstance(fn.__globals__[n], _VALUES)}
+        return (f"fn({fn.__module__}.{fn.__qualname__}".encode() + _stable(fn.__code__, depth + 1)
+                + _stable(fn.__defaults__, depth + 1) + _stable(fn.__kwdefaults__, depth + 1)
+                + _stable(tuple(cells), depth + 1) + _stable(used, depth + 1) + b")")
+    call = vars(type(v)).get("__call__")
+    if isinstance(call, types.FunctionType) and depth == 0:  # a callable object: its class's __call__
+        return b"object(" + _stable(call, depth + 1) + b")"
+    return f"<{type(v).__module__}.{type(v).__qualname__}>".encode()
+
+
+def predicate_digest(where: Any) -> str:
+    """A short hash of a ``where=`` predicate's code, constants, defaults and closure values: two lambdas,
+    or two closures of one factory with other thresholds, share a label (``fn:<lambda>``) but not this,
+    so their partial results are never merged. The same in every process that defines it the same way."""
+    return hashlib.blake2b(_stable(where), digest_size=8).hexdigest()
+
+
 class ValidityPass:
     """The validity pass of one split (``compute_validity``), whole (:meth:`run`) or in shares (:meth:`part`).
 
@@ -143,7 +200,8 @@ class ValidityPass:
             "split": split, "manifest": manifest.fingerprint, "blocks": manifest.splits[split].digest(),
             "units": int(sp.space.n_units), "samples": self.total, "snapshot": snapshot_of_sources(sp.sources),
             "variables": self.variables, "where": self.label, "sampling": self.key,
-            "selection": selection_of(sp.sources)}
+            "where_code": None if isinstance(where, str) else predicate_digest(where),
+            "selection": selection_of(sp.sources), "archive": archive_of(sp.sources)}
         self.job_id = job_digest(self.job)
         self._done = False
 

@@ -322,6 +322,9 @@ def test_damaged_message_in_the_middle_names_it(tmp_path, one_file):
     f.write_bytes(raw[:o + n // 2] + raw[o + n:])  # half of message 3 gone
     with pytest.raises(GribError, match=re.escape(str(f))):
         open_grib(str(f))
+    f.write_bytes(raw[:o + 40] + bytes(40) + raw[o + 80:])  # its header zeroed, its length and '7777' kept
+    with pytest.raises(GribError, match=re.escape(str(f))):  # (GRIB2: ecCodes cannot read its keys, was unnamed)
+        open_grib(str(f))
 
 
 def test_not_grib_names_it(tmp_path):

@@ -189,6 +189,10 @@ def scan_messages(path: str) -> list[tuple[int, int, int, str]]:
                 off, n = int(eccodes.codes_get_long(h, "offset")), int(eccodes.codes_get_long(h, "totalLength"))
                 out.append((off, n, int(eccodes.codes_get_long(h, "edition")),
                             str(eccodes.codes_get_string(h, "packingType"))))
+            except Exception as e:  # noqa: BLE001 - ecCodes' errors: a header whose keys cannot be read
+                where = f"after byte {out[-1][0] + out[-1][1]}" if out else "at the start"
+                raise GribError(f"{path}: the GRIB message {where} is damaged: ecCodes cannot read its header "
+                                f"({type(e).__name__}: {e}; {len(out)} messages read before it)") from None
             finally:
                 eccodes.codes_release(h)
     if not out:

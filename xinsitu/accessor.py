@@ -15,6 +15,7 @@ from xinsitu.cache.chunk_cache import ChunkCache
 from xinsitu.index.geometry import Geometry, dataset_geometry
 from xinsitu.index.manifest import SplitManifest
 from xinsitu.index.split import make_split
+from xinsitu.stores.opening import lists_in_fixed_order
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -23,20 +24,28 @@ if TYPE_CHECKING:
 
 
 def listed_unordered(ds: xr.Dataset) -> bool:
-    """Whether ``ds``'s data variables are in the order a Zarr store listed its arrays without
+    """Whether ``ds``'s data variables may be in the order a Zarr store listed its arrays without
     consolidated metadata (an order that changes from process to process; every Icechunk repository).
 
-    True for a Dataset that still holds the xarray Zarr backend that opened it (``xr.open_zarr``,
-    ``xr.open_dataset(engine="zarr")``, ``xinsitu.open_zarr``, and what ``isel``/``sel``/``drop_vars``
-    make of them: they keep the backend, and the listed order) where that backend read the group
-    without consolidated metadata. A Dataset whose variables someone put in order (``ds[["t2m",
-    "z"]]``, ``xr.merge``, one built in memory) holds no backend: its order is the user's, kept.
+    A Dataset that still holds the xarray Zarr backend that opened it (``xr.open_zarr``,
+    ``xr.open_dataset(engine="zarr")``, ``xinsitu.open_zarr``, and what ``isel``/``sel`` make of them)
+    says so itself: whether that backend read the group without consolidated metadata. One that no
+    longer holds it (``copy``, ``rename``, ``drop_vars``, ``assign_attrs``, ``ds[[...]]`` drop it, and
+    keep the listed order) is asked of its variables' stored arrays: whether a group they are in lacks
+    consolidated metadata (``lists_in_fixed_order``: one metadata read per group). In-memory variables,
+    and files read through dask, have no listing: their order is the user's, kept.
     """
     backend = getattr(getattr(ds, "_close", None), "__self__", None)
-    if type(backend).__name__ != "ZarrStore":
+    if type(backend).__name__ == "ZarrStore":
+        meta = getattr(getattr(backend, "zarr_group", None), "metadata", None)
+        return meta is not None and getattr(meta, "consolidated_metadata", False) is None
+    try:
+        sources, _ = dataset_geometry(ds)
+    except (ValueError, TypeError):  # a Dataset the accessor refuses: its methods say why
         return False
-    meta = getattr(getattr(backend, "zarr_group", None), "metadata", None)
-    return meta is not None and getattr(meta, "consolidated_metadata", False) is None
+    arrays = {id(s.array): s.array for s in sources.values() if hasattr(s.array, "store_path")
+              or hasattr(getattr(s.array, "async_array", None), "store_path")}
+    return any(not lists_in_fixed_order(a) for a in arrays.values())
 
 
 @xr.register_dataset_accessor("insitu")

@@ -93,8 +93,10 @@ def test_unconsolidated_store_through_xarray_has_one_order(tmp_path, how):
 
 
 def test_accessor_sorts_only_a_listed_order(tmp_path):
-    """The order is sorted where it is a store's listing (the Dataset still holds the backend that read
-    the group without consolidated metadata); variables= and a user's own selection order are kept."""
+    """The order is sorted where it may be a store's listing: the Dataset's variables are stored in a
+    group without consolidated metadata, whether it still holds the backend that read it or not (copy,
+    rename, drop_vars, assign_attrs and ds[[...]] drop it and keep the listed order, which changes from
+    process to process); variables= is kept, and so is the order of a consolidated store's Dataset."""
     path = str(tmp_path / "u.zarr")
     _dataset().to_zarr(path, zarr_format=3, consolidated=False, encoding={n: {"chunks": (4, 3)} for n in NAMES})
     ds = xr.open_zarr(path, chunks=None)
@@ -106,11 +108,17 @@ def test_accessor_sorts_only_a_listed_order(tmp_path):
     batch = next(iter(ds.insitu.batches(m, "train", **kw)))
     np.testing.assert_array_equal(batch[:, :, 0], [[NAMES.index(n) for n in sorted(NAMES)]] * 4)
     assert ds.insitu.batches(m, "train", variables=["zeta", "alpha"], **kw).channels == ["zeta", "alpha"]
-    assert ds[["zeta", "mid", "alpha"]].insitu.batches(m, "train", **kw).channels == ["zeta", "mid", "alpha"]
+    for made in (ds.copy(), ds.rename(mid="mid2").rename(mid2="mid"), ds.assign_attrs(a=1), ds[list(ds.data_vars)],
+                 ds.drop_vars("zeta").assign(zeta=ds.zeta), ds[["zeta", "mid", "alpha"]]):
+        assert made.insitu.batches(m, "train", **kw).channels == sorted(made.data_vars), list(made.data_vars)
+    assert ds[["zeta", "mid", "alpha"]].insitu.batches(m, "train", variables=["zeta", "mid", "alpha"],
+                                                      **kw).channels == ["zeta", "mid", "alpha"]
     cons = str(tmp_path / "c.zarr")
     _dataset().to_zarr(cons, zarr_format=3, consolidated=True, encoding={n: {"chunks": (4, 3)} for n in NAMES})
     ds = xr.open_zarr(cons, chunks=None)
     assert ds.insitu.batches(m, "train", **kw).channels == list(ds.data_vars)
+    for made in (ds.copy(), ds[["zeta", "mid", "alpha"]]):  # a consolidated store's order is fixed: kept
+        assert made.insitu.batches(m, "train", **kw).channels == list(made.data_vars)
 
 
 @pytest.mark.slow

@@ -600,6 +600,40 @@ def opened_consolidated(ds: xr.Dataset) -> bool | None:
     return getattr(zgroup.metadata, "consolidated_metadata", None) is not None
 
 
+#: ``lists_in_fixed_order``'s answers, by store (its ``id``, the store kept alive with it) and group path
+_FIXED_ORDER: dict[tuple[int, str], tuple[Any, bool]] = {}
+
+
+def lists_in_fixed_order(zarray: Any) -> bool:
+    """Whether the group holding ``zarray`` (a ``zarr.Array``) has consolidated metadata, so that xarray
+    lists its arrays in a fixed order; False where it lists them from the store (an order that changes
+    from process to process; every Icechunk repository). One metadata read per store and group, bounded
+    as ``open_zarr``'s are (``bounded_store``), kept for the process."""
+    aa = getattr(zarray, "async_array", zarray)
+    sp = getattr(aa, "store_path", None)
+    if sp is None:
+        return True
+    store, path = sp.store, str(sp.path or "")
+    if type(store).__name__ == "IcechunkStore":
+        return False
+    group = path.rsplit("/", 1)[0] if "/" in path else ""
+    key = (id(store), group)
+    hit = _FIXED_ORDER.get(key)
+    if hit is not None and hit[0] is store:
+        return hit[1]
+    import zarr
+
+    try:
+        zgroup = zarr.open_group(bounded_store(store, others=False), path=group, mode="r")
+        fixed = getattr(zgroup.metadata, "consolidated_metadata", None) is not None
+    except Exception:  # noqa: BLE001 - no group to ask (an array alone): its order is one array's
+        fixed = True
+    if len(_FIXED_ORDER) > 256:
+        _FIXED_ORDER.clear()
+    _FIXED_ORDER[key] = (store, fixed)
+    return fixed
+
+
 def _read_consolidated(ds: xr.Dataset, zstore: Any, group: str | None, consolidated: bool | None) -> bool:
     """Whether ``xr.open_zarr`` listed the arrays from consolidated metadata (a fixed order)."""
     if consolidated is False:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import xarray as xr
 
+import xinsitu
 from xinsitu.index.source import DaskBlocks, SourceError, VarSource, resolve
 
 
@@ -313,3 +314,23 @@ def test_dask_refusals_name_what_was_done(grids):
         resolve(xr.open_zarr(p).resample(time="12h").mean(), ["img", "lsm"])
     assert "transposed" not in str(said.value) and ("computed lazily" in str(said.value)
                                                      or "not in the stored array" in str(said.value))
+
+
+def test_a_rectilinear_chunk_grid_is_refused_naming_the_variable(tmp_path):
+    """zarr >= 3.4 writes chunk grids of varying sizes along a dim (``array.rectilinear_chunks``); xarray
+    reads them, and xinsitu refuses one with a ``SourceError`` naming the variable and what to do (was
+    zarr's bare ``NotImplementedError`` from ``.chunks``, naming nothing)."""
+    import zarr
+
+    path = str(tmp_path / "r.zarr")
+    with zarr.config.set({"array.rectilinear_chunks": True}):
+        try:
+            g = zarr.open_group(path, mode="w", zarr_format=3)
+            a = g.create_array("v", shape=(20, 4), dtype="f4", chunks=[[3, 7, 2, 8], [4]],
+                               dimension_names=["time", "x"])
+        except (TypeError, ValueError, KeyError) as e:  # a zarr without rectilinear grids (< 3.4)
+            pytest.skip(f"this zarr ({zarr.__version__}) writes no rectilinear chunk grid: {e}")
+        a[:] = np.arange(80, dtype="f4").reshape(20, 4)
+        for ds in (xinsitu.open_zarr(path), xr.open_zarr(path, consolidated=False)):
+            with pytest.raises(SourceError, match="variable 'v' is stored on a rectilinear chunk grid"):
+                print(ds.insitu.geometry)

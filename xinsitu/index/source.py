@@ -164,9 +164,20 @@ def _stored(base: dict, var: xr.Variable, zarray: Any, src_dims: tuple[str, ...]
         array=zarray,
         src_dims=src_dims,
         index=tuple(index),
-        chunk_shape=tuple(zarray.chunks),
+        chunk_shape=_regular_chunks(zarray, base["name"]),
         **base,
     )
+
+
+def _regular_chunks(zarray: Any, name: str) -> tuple[int, ...]:
+    """The chunk shape of a zarr array on a regular chunk grid; ``SourceError`` naming ``name`` for a
+    rectilinear grid (chunks of varying sizes along a dim, zarr >= 3.4), which xinsitu does not read."""
+    try:
+        return tuple(int(c) for c in zarray.chunks)
+    except NotImplementedError:
+        raise SourceError(f"variable {name!r} is stored on a rectilinear chunk grid (chunks of varying sizes along a "
+                          "dim), which xinsitu does not read yet; rechunk it to a regular grid, or load it "
+                          "(ds[[...]].load()) to use it from memory") from None
 
 
 def _is_dask(data: Any) -> bool:

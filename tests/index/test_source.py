@@ -334,3 +334,23 @@ def test_a_rectilinear_chunk_grid_is_refused_naming_the_variable(tmp_path):
         for ds in (xinsitu.open_zarr(path), xr.open_zarr(path, consolidated=False)):
             with pytest.raises(SourceError, match="variable 'v' is stored on a rectilinear chunk grid"):
                 print(ds.insitu.geometry)
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_an_integer_with_time_like_units_and_a_fill_is_read_as_xarray_reads_it(tmp_path, zarr_format):
+    """An int32 lead time in ``units: hours`` with a ``_FillValue``, opened with default options: xarray keeps
+    ``units`` as an attribute (no time deltas) and masks it as an integer (int64, the fill the smallest
+    int64), not as a float with NaN. Its batches equal xarray's, whichever way it is opened (was refused:
+    the decoding re-applied without the units gave float64)."""
+    path = str(tmp_path / "lead.zarr")
+    xr.Dataset({"lead": (("time",), np.array([0, -1, 2, 3, 4, 5, -1, 7], dtype="i4"), {"units": "hours"})}).to_zarr(
+        path, zarr_format=zarr_format, consolidated=False, encoding={"lead": {"_FillValue": -1, "chunks": (2,)}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # xarray's, on the units of a time delta it does not decode
+        want = xr.open_zarr(path, consolidated=False).lead.values
+        for ds in (xinsitu.open_zarr(path), xr.open_zarr(path, consolidated=False),
+                   xr.open_dataset(path, engine="zarr", chunks=None, consolidated=False)):
+            m = ds.insitu.split("time", fractions={"train": 1.0})
+            got = np.concatenate([b["lead"] for b in ds.insitu.batches(m, "train", output="numpy", shuffle=False,
+                                                                         batch_size=3)])
+            assert got.dtype == want.dtype == np.int64 and np.array_equal(got, want), (got, want)

@@ -158,6 +158,9 @@ def _stored(base: dict, var: xr.Variable, zarray: Any, src_dims: tuple[str, ...]
         names = iter(base["dims"])
         src_dims = tuple(d if isinstance(ix, int) else next(names) for d, ix in zip(src_dims, index, strict=True))
     cf = {k: var.encoding[k] for k in CF_KEYS if k in var.encoding}
+    units = var.attrs.get("units")
+    if "units" not in cf and ({"_FillValue", "missing_value"} & cf.keys()) and _time_like(units):
+        cf["units"] = units  # kept as an attribute (not decoded to times), yet xarray masks it as integers
     return VarSource(
         raw_dtype=np.dtype(zarray.dtype),
         cf=cf,
@@ -167,6 +170,16 @@ def _stored(base: dict, var: xr.Variable, zarray: Any, src_dims: tuple[str, ...]
         chunk_shape=_regular_chunks(zarray, base["name"]),
         **base,
     )
+
+
+#: the units of a time delta (xarray's): a variable with these, or "<unit> since <date>", is time-like
+_DELTA_UNITS = frozenset({"days", "hours", "minutes", "seconds", "milliseconds", "microseconds", "nanoseconds"})
+
+
+def _time_like(units: Any) -> bool:
+    """Whether ``units`` are time-like as xarray's fill-value masking sees them: such an integer variable
+    keeps integers (its fill becomes the smallest int64), where another becomes floats with NaN."""
+    return isinstance(units, str) and (" since " in units or units.strip().lower() in _DELTA_UNITS)
 
 
 def _regular_chunks(zarray: Any, name: str) -> tuple[int, ...]:

@@ -207,6 +207,9 @@ def _diagnose(url: str, registry: Any, group: str | None, drop: list[str], cause
         store, path = registry.resolve(url)
         f = h5py.File(BlockStoreReader(store, path), mode="r")
     except Exception as e:  # noqa: BLE001
+        if "truncated file" in str(e):  # HDF5's: "truncated file: eof = X, sblock->base_addr = 0, stored_eof = Y"
+            return VirtualReferenceError(f"{where} is an HDF5/NetCDF4 file cut short (truncated: a copy or download "
+                                         f"that did not finish?): {type(e).__name__}: {e}")
         if "signature" in str(e) or "not an HDF5" in str(e) or "Unable to" in str(e):
             return VirtualReferenceError(
                 f"{where} is neither an HDF5/NetCDF4 nor a NetCDF-3 file (GRIB files open with "

@@ -318,6 +318,18 @@ def test_not_netcdf(tmp_path):
         netcdf_store([str(f)])
 
 
+def test_a_netcdf4_file_cut_short_is_called_so(tmp_path):
+    """A NetCDF4/HDF5 file truncated (a download that did not finish) is named as one cut short, not as a
+    file of another kind."""
+    f = tmp_path / "cut.nc"
+    xr.Dataset({"a": (("t", "x"), np.random.default_rng(0).random((50, 100)))}).to_netcdf(
+        f, engine="h5netcdf", encoding={"a": {"zlib": True}})
+    with open(f, "r+b") as fh:
+        fh.truncate(f.stat().st_size // 2)
+    with pytest.raises(VirtualReferenceError, match=r"cut\.nc is an HDF5/NetCDF4 file cut short"):
+        netcdf_store([str(f)])
+
+
 def test_netcdf3_and_netcdf4_files_do_not_mix(tmp_path):
     """NetCDF-3 files (raw bytes) and NetCDF4 files (deflate) cannot share one array: refused, naming both."""
     pytest.importorskip("netCDF4", reason="writing a NetCDF-3 file needs netCDF4")

@@ -439,24 +439,30 @@ def test_batch_ids_are_the_plans_order(n, batch, block, world, seed, epoch, drop
 
 
 @settings(max_examples=60, deadline=None)
-@given(step=st.integers(1, 10**8), budget=st.integers(1, 1 << 34), chunk=st.sampled_from([1, 2]))
-def test_default_block_chunks_follows_the_budget(step, budget, chunk):
+@given(step=st.integers(1, 10**8), budget=st.integers(1, 1 << 34), chunk=st.sampled_from([1, 2]),
+       width=st.sampled_from([1, 3]))
+def test_default_block_chunks_follows_the_budget(step, budget, chunk, width):
     """Between 2 (1 where a block holds one sample: the chunk order is a global shuffle already) and 16
-    chunk blocks; more than that least only where the buffers held stay within the budget."""
+    chunk blocks; more than that least only where the buffers held stay within the budget -- with the
+    boxes a window spills into, passed on to later buffers (up to ``HALO_HELD_BUFFERS`` buffers of
+    slots), counted too (they took the memory of a windowed epoch 40 % past the budget)."""
+    from xinsitu.batches.halo import HALO_HELD_BUFFERS
     from xinsitu.index.sampling import SampleDim, SampleSpace, VarLayout
 
     class Src:
         dims, shape, raw_dtype = ("time", "x"), (10, step), np.dtype("f4")
 
-    space = SampleSpace([SampleDim("time", 10, split=True)], {"time": np.arange(0, 11, chunk)},
-                        np.arange(10 // chunk))
+    n = 10 - width + 1  # window starts
+    space = SampleSpace([SampleDim("time", 10, width=width, keep=width > 1, split=True)],
+                        {"time": np.arange(0, 11, chunk)}, np.arange(10 // chunk))
     lays = {"a": VarLayout(Src(), [0], [0, 1], ("x",), None, False)}  # type: ignore[arg-type]
     k = default_block_chunks(space, lays, budget)
     per = unit_nbytes(space, lays)
+    held = BUDGET_BUFFERS + (HALO_HELD_BUFFERS if width > 1 else 0)
     least = 2 if chunk > 1 else 1
-    assert per == 4 * step * chunk and least <= k <= MAX_BLOCK_CHUNKS
-    assert k == least or k * per * BUDGET_BUFFERS <= budget
-    assert k == MAX_BLOCK_CHUNKS or (k + 1) * per * BUDGET_BUFFERS > budget or k == least
+    assert n > 0 and per == 4 * step * (chunk + width - 1) and least <= k <= MAX_BLOCK_CHUNKS
+    assert k == least or k * per * held <= budget
+    assert k == MAX_BLOCK_CHUNKS or (k + 1) * per * held > budget or k == least
 
 
 def _count_buffers(monkeypatch) -> list[int]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from xinsitu.batches.halo import HALO_BUFFERS, HaloPlan, Region
+from xinsitu.batches.halo import HALO_BUFFERS, HALO_HELD_BUFFERS, HaloPlan, Region
 from xinsitu.codecs.gpu import chain_on_gpu
 from xinsitu.codecs.gpu_chain import GpuChain, GpuPathError, leave_gpu
 from xinsitu.index.plan import EpochPlan, piece_ids
@@ -65,11 +65,14 @@ def default_block_chunks(space: SampleSpace, layouts: dict[str, VarLayout], budg
     """Chunk blocks per buffer where ``block_chunks`` is not given: as many as keep the buffers read ahead
     and held (``BUDGET_BUFFERS``) within ``budget`` bytes, between 2 and ``MAX_BLOCK_CHUNKS`` -- or 1 where
     no block holds more than one sample (one step per chunk with a window: the chunk order is a global
-    shuffle already, and a buffer of 2 blocks of a 0.25-degree field is 665 MB)."""
+    shuffle already, and a buffer of 2 blocks of a 0.25-degree field is 665 MB). Where windows or tiles
+    along a split dim spill into later buffers, the boxes passed on to them (``halo``: up to
+    ``HALO_HELD_BUFFERS`` buffers of slots) share the budget too."""
     per = max(1, unit_nbytes(space, layouts))
     size = space.unit_size
     least = 1 if (size if size is not None else int(np.max(space.counts, initial=0))) <= 1 else 2
-    return int(min(MAX_BLOCK_CHUNKS, max(least, budget // (BUDGET_BUFFERS * per))))
+    held = BUDGET_BUFFERS + (HALO_HELD_BUFFERS if any(d.width > 1 for d in space.split_dims) else 0)
+    return int(min(MAX_BLOCK_CHUNKS, max(least, budget // (held * per))))
 
 
 @dataclass

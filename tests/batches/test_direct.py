@@ -512,7 +512,8 @@ def test_one_step_windows_hold_buffers_of_one_block_within_the_budget(tmp_path, 
     monkeypatch.setattr(EpochRun, "_deepen", deepen_seen)
     gen = ds.insitu.batches(m, "train", batch_size=1, seed=1, **kw)
     gen.read_ahead = False
-    assert gen.block_chunks == 1 and "within a budget" in gen.buffer_summary
+    # (the boxes its windows spill into may take up to 3 buffers more: the repr says so)
+    assert gen.block_chunks == 1 and "with up to 3 more of what windows spill into" in gen.buffer_summary
     assert sum(len(b["z"]) for b in gen) == 95
     assert gen.io_stats["chunks"] <= 1.15 * 96 * len(LEVEL_VARS)  # SPEC §5: (about) each chunk once
     assert depth[0] == 3  # the read-ahead stays at its start, 3 buffers (it went 6 deep)
@@ -547,6 +548,24 @@ def test_buffers_held_stay_within_the_budget(tmp_path, monkeypatch):
     # READ_AHEAD_BUFFERS (the start depth, not deepened past the budget), and one more lent while a batch
     # spans two buffers (``EpochRun.borrowed``)
     assert n == 96 and peak[0] <= 4
+
+
+def test_the_repr_counts_what_windows_spill_into_against_the_budget(tmp_path, monkeypatch):
+    """With a window along the split dim the boxes passed on to later buffers share the budget (up to
+    ``HALO_HELD_BUFFERS`` buffers of slots): where 3 buffers of the least size fit it and 6 do not, the repr
+    says the budget is exceeded, and by what (it said "within a budget", counting 3)."""
+    from xinsitu.batches.generator import BatchGenerator
+
+    path = str(tmp_path / "w.zarr")
+    xr.Dataset({"a": (("time", "x"), np.zeros((64, 1000), "f4"))}).to_zarr(path, encoding={"a": {"chunks": (8, 1000)}})
+    ds = xinsitu.open_zarr(path)
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    kw = {"batch_size": 4, "window": {"time": 3}, "output": "numpy"}
+    per = unit_nbytes(ds.insitu.batches(m, "train", **kw).space, ds.insitu.batches(m, "train", **kw).layouts)
+    monkeypatch.setattr(BatchGenerator, "buffer_budget", 8 * per)
+    said = ds.insitu.batches(m, "train", **kw).buffer_summary
+    assert said.startswith("2 chunk blocks") and "with up to 3 more of what windows spill into" in said, said
+    assert "more than the budget" in said and "within" not in said, said
 
 
 @pytest.mark.parametrize("batch_size", [9, 17])

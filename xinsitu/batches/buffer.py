@@ -71,8 +71,14 @@ def default_block_chunks(space: SampleSpace, layouts: dict[str, VarLayout], budg
     per = max(1, unit_nbytes(space, layouts))
     size = space.unit_size
     least = 1 if (size if size is not None else int(np.max(space.counts, initial=0))) <= 1 else 2
-    held = BUDGET_BUFFERS + (HALO_HELD_BUFFERS if any(d.width > 1 for d in space.split_dims) else 0)
-    return int(min(MAX_BLOCK_CHUNKS, max(least, budget // (held * per))))
+    return int(min(MAX_BLOCK_CHUNKS, max(least, budget // (buffers_held(space) * per))))
+
+
+def buffers_held(space: SampleSpace) -> int:
+    """Buffers' worth of memory the byte budget is shared by: those read ahead and held
+    (``BUDGET_BUFFERS``), and where windows or tiles along a split dim spill into later buffers, the
+    boxes passed on to them (``HALO_HELD_BUFFERS``)."""
+    return BUDGET_BUFFERS + (HALO_HELD_BUFFERS if any(d.width > 1 for d in space.split_dims) else 0)
 
 
 @dataclass

@@ -218,7 +218,11 @@ def _memory_chunks(var: xr.Variable) -> tuple[tuple[int, ...], ...]:
     enc = var.encoding.get("chunks")
     out = []
     for ax, n in enumerate(var.shape):
-        c = int(enc[ax]) if enc is not None and len(enc) == var.ndim and enc[ax] else 1
+        given = enc[ax] if enc is not None and len(enc) == var.ndim else None
+        if isinstance(given, (tuple, list)) and sum(int(x) for x in given) == n:  # a rectilinear grid's sizes
+            out.append(tuple(int(x) for x in given))
+            continue
+        c = int(given) if isinstance(given, (int, np.integer)) and given else 1
         full, rest = divmod(n, c)
         out.append((c,) * full + ((rest,) if rest else ()))
     return tuple(out)

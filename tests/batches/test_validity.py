@@ -427,10 +427,23 @@ def _above(limit: float):
 
 
 THRESHOLD = 0.5
+LIMITS = {"x": 0.5}
 
 
 def _over_the_threshold(b):
     return (b["x"] > THRESHOLD).any(dim=["lat", "lon"])
+
+
+def _over_the_limits(b):
+    return all(bool((b[k] > v).any()) for k, v in LIMITS.items()) & (b["x"] > 0).any(dim=["lat", "lon"])
+
+
+class _Above:
+    def __init__(self, limit: float, op=np.greater):
+        self.limit, self.op = limit, op
+
+    def __call__(self, b):
+        return self.op(b["x"], self.limit).any(dim=["lat", "lon"])
 
 
 def test_parts_of_different_predicates_are_never_merged(ds: xr.Dataset, m: xinsitu.SplitManifest) -> None:
@@ -446,7 +459,8 @@ def test_parts_of_different_predicates_are_never_merged(ds: xr.Dataset, m: xinsi
         return [parts(a)[0], parts(b)[1]]
 
     for a, b in [(lambda b: b["x"].isnull().any(dim=["lat", "lon"]), lambda b: (b["x"] > 0).any(dim=["lat", "lon"])),
-                 (_above(0.0), _above(3.0))]:
+                 (_above(0.0), _above(3.0)), (_Above(0.0), _Above(3.0)), (_Above(0.0).__call__, _Above(3.0).__call__),
+                 (_Above(0.0, np.greater), _Above(0.0, np.less))]:
         with pytest.raises(ValueError, match=r"different jobs \(they differ in \['where_code'\]\)"):
             xinsitu.merge_validity(mixed(a, b))
     first = parts(_over_the_threshold)[0]
@@ -456,6 +470,13 @@ def test_parts_of_different_predicates_are_never_merged(ds: xr.Dataset, m: xinsi
             xinsitu.merge_validity([first, parts(_over_the_threshold)[1]])
     finally:
         THRESHOLD = 0.5
+    first = parts(_over_the_limits)[0]
+    LIMITS["x"] = 2.0  # a module-level dict, read in a generator expression
+    try:
+        with pytest.raises(ValueError, match="where_code"):
+            xinsitu.merge_validity([first, parts(_over_the_limits)[1]])
+    finally:
+        LIMITS["x"] = 0.5
     same = mixed(_above(1.0), _above(1.0))  # the same predicate made twice: its parts merge
     assert xinsitu.merge_validity(same)["valid"] == ds.insitu.validity(copy.deepcopy(m), "train", where=_above(1.0),
                                                                        variables=["x"])["valid"]

@@ -22,6 +22,7 @@ import copy
 import functools
 import hashlib
 import os
+import pickle
 import types
 import warnings
 from collections.abc import Callable, Iterable
@@ -112,12 +113,22 @@ def _where(where: Any) -> tuple[str, str]:
 
 
 #: values a predicate reads from its module that go into its digest (not modules, classes or functions)
-_VALUES = (bool, int, float, complex, str, bytes, tuple, np.ndarray, np.generic)
+_VALUES = (bool, int, float, complex, str, bytes, tuple, list, dict, set, frozenset, np.ndarray, np.generic)
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The global names ``code`` reads, its nested code (comprehensions, inner functions) included."""
+    out = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            out |= _names(c)
+    return out
 
 
 def _stable(v: Any, depth: int = 0) -> bytes:
-    """Bytes that stand for ``v`` the same way in every process: a predicate's code, constants, defaults
-    and closure values (``predicate_digest``); for other objects, their type's name only."""
+    """Bytes that stand for ``v`` the same way in every process: a predicate's code, constants, defaults,
+    closure values, the module-level values it reads and, for a callable object or a bound method, the
+    object's state (``predicate_digest``); another object by its pickle, else its type's name."""
     if depth > 8:
         return b"..."
     if v is None or isinstance(v, (bool, int, float, complex, str, bytes)):
@@ -137,24 +148,31 @@ def _stable(v: Any, depth: int = 0) -> bytes:
         return b"code(" + v.co_code + _stable(v.co_consts, depth + 1) + _stable(v.co_names, depth + 1) + b")"
     if isinstance(v, functools.partial):
         return b"partial(" + _stable((v.func, v.args, v.keywords), depth + 1) + b")"
-    fn = v if isinstance(v, types.FunctionType) else getattr(v, "__func__", None)
-    if isinstance(fn, types.FunctionType):
+    if isinstance(v, types.MethodType):  # a bound method: its function and the object it is bound to
+        return b"method(" + _stable(v.__func__, depth + 1) + _stable(v.__self__, depth + 1) + b")"
+    if isinstance(v, types.FunctionType):
         cells = []
-        for c in fn.__closure__ or ():
+        for c in v.__closure__ or ():
             try:
                 cells.append(c.cell_contents if c.cell_contents is not v else None)
             except ValueError:  # an empty cell
                 cells.append(None)
         # the module-level values it reads (a threshold set in a notebook cell), not modules or functions
-        used = {n: fn.__globals__[n] for n in fn.__code__.co_names
-                if n in fn.__globals__ and isinstance(fn.__globals__[n], _VALUES)}
-        return (f"fn({fn.__module__}.{fn.__qualname__}".encode() + _stable(fn.__code__, depth + 1)
-                + _stable(fn.__defaults__, depth + 1) + _stable(fn.__kwdefaults__, depth + 1)
+        used = {n: v.__globals__[n] for n in sorted(_names(v.__code__))
+                if n in v.__globals__ and isinstance(v.__globals__[n], _VALUES)}
+        return (f"fn({v.__module__}.{v.__qualname__}".encode() + _stable(v.__code__, depth + 1)
+                + _stable(v.__defaults__, depth + 1) + _stable(v.__kwdefaults__, depth + 1)
                 + _stable(tuple(cells), depth + 1) + _stable(used, depth + 1) + b")")
+    if isinstance(v, (types.BuiltinFunctionType, np.ufunc, type, types.ModuleType)):
+        return f"<{getattr(v, '__module__', None)}.{getattr(v, '__qualname__', getattr(v, '__name__', '?'))}>".encode()
     call = vars(type(v)).get("__call__")
-    if isinstance(call, types.FunctionType) and depth == 0:  # a callable object: its class's __call__
-        return b"object(" + _stable(call, depth + 1) + b")"
-    return f"<{type(v).__module__}.{type(v).__qualname__}>".encode()
+    if isinstance(call, types.FunctionType):  # a callable object: its class's __call__ and its state
+        state = getattr(v, "__dict__", None)
+        return b"object(" + _stable(call, depth + 1) + _stable(state, depth + 1) + b")"
+    try:  # a value it closes over (a DataArray mask, a dataclass of thresholds): by its pickle
+        return b"pickle(" + hashlib.blake2b(pickle.dumps(v, protocol=4), digest_size=8).digest() + b")"
+    except Exception:  # noqa: BLE001 - not picklable: by its type (a predicate over it cannot run on a cluster)
+        return f"<{type(v).__module__}.{type(v).__qualname__}>".encode()
 
 
 def predicate_digest(where: Any) -> str:

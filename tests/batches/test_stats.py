@@ -776,3 +776,26 @@ def test_merge_any_cut_any_order(size, data, dtype, loc, scale, nan_frac):
         assert (got[2], got[3]) == (v.min(), v.max())
         assert got[0] == pytest.approx(v.mean(), rel=1e-12, abs=1e-12 * scale)
         assert got[1] == pytest.approx(v.std(), rel=1e-6, abs=1e-9 * scale)
+
+
+def test_parts_of_two_sets_of_files_of_one_geometry_are_never_merged(tmp_path):
+    """NetCDF files read in place (``xinsitu.virtual.open_netcdf``), through dask (``xr.open_dataset(...,
+    chunks=)``) or values in memory: parts of two archives of the same geometry (one all 0, one all 1) were
+    merged into a mean of 0.5 that neither has; the files (or the values) a variable is read from are part
+    of the job. Parts of the same files, from another process's open, still merge."""
+    from xinsitu.virtual import open_netcdf
+
+    files = []
+    for k in (0, 1):
+        f = tmp_path / f"member{k}.nc"
+        xr.Dataset({"a": (("time", "x"), np.full((8, 3), float(k)))}, coords={"time": np.arange(8)}).to_netcdf(f)
+        files.append(str(f))
+    for opener in (open_netcdf, lambda f: xr.open_dataset(f, chunks={"time": 2}), lambda f: xr.open_dataset(f).load()):
+        dss = [opener(f) for f in files]
+        m = dss[0].insitu.split("time", fractions={"train": 1.0}, **({} if dss[0].a.chunks else {"block": {"time": 2}}))
+        parts = [d.insitu.stats_part(m, "train", part=(i, 2)) for i, d in enumerate(dss)]
+        with pytest.raises(ValueError, match=r"differ in \['archive'\]"):
+            xinsitu.merge_stats(parts)
+        again = opener(files[0])
+        same = [dss[0].insitu.stats_part(m, "train", part=(0, 2)), again.insitu.stats_part(m, "train", part=(1, 2))]
+        assert xinsitu.merge_stats(same)["a"]["mean"] == 0.0

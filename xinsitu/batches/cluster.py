@@ -40,6 +40,7 @@ import numpy as np
 
 from xinsitu.batches.describe import missing_note, progress_bar
 from xinsitu.cache.keys import array_store, store_identity
+from xinsitu.compat import virtualizarr_api as compat_virtualizarr
 from xinsitu.stores.backend import ChunkReadError
 from xinsitu.stores.redact import redact, redact_url
 
@@ -80,12 +81,25 @@ def archive_of(sources: dict[str, Any]) -> dict[str, str]:
     snapshot, a store without a lasting identity (in memory) not at all."""
     out = {}
     for name in sorted(sources):
-        array = sources[name].array
-        ident = store_identity(array_store(array))
-        path = getattr(array, "path", "") or ""
-        text = json.dumps([None if ident is None else ident[0], str(path)])
-        out[str(name)] = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+        src = sources[name]
+        out[str(name)] = hashlib.blake2b(json.dumps(_identity(src)).encode(), digest_size=8).hexdigest()
     return out
+
+
+def _identity(src: Any) -> list[Any]:
+    """What names the stored array (or the files) a variable is read from, in any process (``archive_of``)."""
+    if isinstance(src.values, np.ndarray):  # in memory: its values (a Dataset to prototype on: small)
+        h = hashlib.blake2b(np.ascontiguousarray(src.values).tobytes(), digest_size=8) \
+            if src.values.dtype.kind not in "OUSV" else hashlib.blake2b(pickle.dumps(src.values), digest_size=8)
+        return ["values", src.values.dtype.str, list(src.values.shape), h.hexdigest()]
+    if src.array is None:  # read through dask: its array's name (xarray's token names the files and their mtime)
+        return ["dask", str(getattr(getattr(src.values, "data", None), "name", None))]
+    store = array_store(src.array)
+    path = str(getattr(src.array, "path", "") or "")
+    if compat_virtualizarr.is_manifest_store(store):  # NetCDF/GRIB read in place: the files it references
+        return ["files", compat_virtualizarr.manifest_files(store, path)]
+    ident = store_identity(store)
+    return [None if ident is None else ident[0], path]
 
 
 def job_digest(job: dict[str, Any]) -> str:

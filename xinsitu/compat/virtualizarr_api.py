@@ -38,6 +38,15 @@ def is_manifest_store(store: Any) -> bool:
     return type(store).__name__ == "ManifestStore" and hasattr(store, "_group") and hasattr(store, "_registry")
 
 
+def manifest_files(store: Any, apath: str) -> list[str]:
+    """The file URLs the array at ``apath`` of a ``ManifestStore`` references, sorted ([] where none)."""
+    node = manifest_group(store)
+    for part in [p for p in apath.split("/") if p]:
+        node = node[part]
+    paths = np.asarray(getattr(getattr(node, "manifest", None), "_paths", np.array([], dtype=str)))
+    return sorted({str(p) for p in paths.ravel().tolist() if p})
+
+
 def chunk_shape(arr: Any) -> tuple[int, ...]:
     """The chunk shape of a ``ManifestArray`` (VirtualiZarr >= 2.8 has no ``.chunks``: zarr's metadata has)."""
     return tuple(arr.metadata.chunks)

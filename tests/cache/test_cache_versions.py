@@ -157,10 +157,12 @@ def test_an_http_store_without_versions_keeps_nothing_on_disk_and_says_so(tmp_pa
 
 @pytest.mark.filterwarnings("ignore:the chunk cache's disk tier:RuntimeWarning")  # those of the runs after the first
 @pytest.mark.parametrize("opener", list(OPENERS))
-@pytest.mark.parametrize(("etag", "why"), [("nginx", "whole seconds"), ("ns", "not a content hash")])
+@pytest.mark.parametrize(("etag", "why"), [("nginx", "whole seconds"), ("ns", "not a content hash"),
+                                           ("starlette", "not a hash of the bytes")])
 def test_a_web_server_etag_of_time_and_size_keeps_nothing_on_disk_and_says_so(tmp_path, opener, etag, why):
     """A web server's strong ETag made of the file's modification time and size -- nginx's default,
-    ``"<mtime seconds hex>-<size hex>"``, or one in nanoseconds as Apache and Caddy make theirs -- names
+    ``"<mtime seconds hex>-<size hex>"``, one in nanoseconds as Apache and Caddy make theirs, or their MD5
+    as Starlette makes it (shaped as a hash: checked against one object's bytes) -- names
     only what the time and size name: nothing is kept on disk (said once, naming why), and a rewrite that
     keeps size and modification time (``cp -p``, ``rsync -a``) is read as it is now, not served stale."""
     from tests.support.servers import FileServer
@@ -202,6 +204,18 @@ def test_a_web_server_s_etag_is_trusted_only_where_it_is_a_content_hash():
         v = _version(tag, 45, None, web=True)
         assert not trusted(v) and "not a content hash" in why_not(v)[1], (tag, v)
         assert trusted(_version(tag, 45, None)), tag  # an object store's
+    import base64
+    import hashlib
+
+    from xinsitu.cache.versions import _names_bytes
+
+    data = b"chunk bytes"
+    for tag in (hashlib.md5(data).hexdigest(), hashlib.sha1(data).hexdigest().upper(), hashlib.sha256(data).hexdigest(),
+                base64.b64encode(hashlib.md5(data).digest()).decode()):
+        assert _names_bytes(f'"{tag}"', data) and not _names_bytes(f'"{tag}"', data + b"!"), tag
+    stamp = hashlib.md5(b"1714564807.123-11").hexdigest()
+    for tag in (stamp, hashlib.md5(data).hexdigest() + "-2", "0x8DC1234567890AB"):
+        assert not _names_bytes(f'"{tag}"', data), tag  # of the time and size; multipart; Azure's: not checkable
 
 
 def test_which_etags_of_a_time_and_a_size_are_trusted():

@@ -121,7 +121,7 @@ class _State:
     turned_away: int = 0  # times a request found the server full
     serving: threading.Lock = field(default_factory=threading.Lock)  # one answer at a time (capacity)
     etag: str = "md5"  # "md5": of the bytes (S3's); else of the modification time and size: "ns" (in nanoseconds,
-    # as Apache and Caddy make theirs), "nginx" (in whole seconds, nginx's default)
+    # as Apache and Caddy make theirs), "nginx" (in whole seconds, nginx's default), "starlette" (their MD5)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -302,6 +302,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Last-Modified", self.date_time_string(int(p.stat().st_mtime)))
         if st.etag == "md5":
             self.send_header("ETag", f'"{hashlib.md5(data).hexdigest()}"')
+        elif st.etag == "starlette":  # the MD5 of the time and size, as Starlette's StaticFiles makes it
+            stat = p.stat()
+            self.send_header("ETag", f'"{hashlib.md5(f"{stat.st_mtime}-{stat.st_size}".encode()).hexdigest()}"')
         else:
             stat = p.stat()
             stamp = int(stat.st_mtime) if st.etag == "nginx" else stat.st_mtime_ns
@@ -379,7 +382,8 @@ class FileServer:
     Each answer has a Last-Modified (whole seconds) and a strong ETag: the MD5 of the object's bytes, as S3
     gives (default), or, as web servers make theirs, of the file's modification time and size: ``etag="ns"``
     in nanoseconds (Apache's and Caddy's kind: a rewrite that sets the time back keeps it), ``etag="nginx"``
-    in whole seconds as nginx's default (a rewrite within the second keeps it).
+    in whole seconds as nginx's default (a rewrite within the second keeps it), ``etag="starlette"`` the MD5
+    of ``"<mtime>-<size>"`` (Starlette's ``StaticFiles``: it looks like a hash of the bytes, and is not).
 
     Use as a context manager (or ``start()``/``stop()``); ``url`` is the base URL,
     ``counts`` how many requests met each fault, ``requests`` how many were answered.
@@ -388,8 +392,8 @@ class FileServer:
     def __init__(self, root: str | os.PathLike, faults: Faults | None = None, *, max_lifetime_s: float = 300.0,
                  max_requests: int = 200_000, overloaded: bool = False, capacity: int | None = None,
                  penalty_s: float = 1.0, etag: str = "md5"):
-        if etag not in ("md5", "ns", "nginx"):
-            raise ValueError(f"etag must be 'md5', 'ns' or 'nginx', not {etag!r}")
+        if etag not in ("md5", "ns", "nginx", "starlette"):
+            raise ValueError(f"etag must be 'md5', 'ns', 'nginx' or 'starlette', not {etag!r}")
         self.overloaded = overloaded
         self.state = _State(Path(root).resolve(), faults or Faults(), threading.Event(), int(max_requests),
                             capacity=capacity, penalty_s=float(penalty_s), etag=etag)

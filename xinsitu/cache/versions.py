@@ -12,6 +12,7 @@ import concurrent.futures
 import re
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 from xinsitu.io import loop as _loop
 
@@ -124,6 +125,61 @@ def _of_seconds_and_size(tag: str, size: Any, modified: Any) -> bool:
     seconds = int(m.group(1), 16)
     at = _seconds(modified)
     return seconds == at if at is not None else _PLAUSIBLE_SECONDS[0] <= seconds <= _PLAUSIBLE_SECONDS[1]
+
+
+def _names_bytes(tag: str, data: bytes) -> bool:
+    """Whether the ETag ``tag`` is a hash of ``data`` (MD5, SHA-1 or SHA-256, in hex or base64)."""
+    import base64
+    import binascii
+    import hashlib
+
+    t = tag.strip().strip('"')
+    digest: bytes | None = None
+    if re.fullmatch(r"[0-9a-fA-F]{32}|[0-9a-fA-F]{40}|[0-9a-fA-F]{64}", t):
+        digest = bytes.fromhex(t)
+    else:
+        try:
+            digest = base64.b64decode(t, validate=True)
+        except (binascii.Error, ValueError):
+            return False
+    algo = {16: hashlib.md5, 20: hashlib.sha1, 32: hashlib.sha256}.get(len(digest))
+    return algo is not None and algo(data).digest() == digest
+
+
+#: what one object's bytes said of a web server's ETags (``_sampled``), by server: (the store, None where they are
+#: hashes of the bytes, else why they are not trusted)
+_SAMPLED: dict[tuple[int, str], tuple[Any, str | None]] = {}
+
+
+async def _sampled(server: Any, host: str, keys: list[str], got: list[str | None], fetch: Callable[[str], Any],
+                   limit: float) -> tuple[list[str | None], int]:
+    """A web server's versions, checked on one object: its ETag must be a hash of its bytes (``GET``),
+    else none of its ETags is trusted; (versions, requests made). A server may make an ETag that looks like
+    a hash of the file's time and size (Starlette's ``StaticFiles``: the MD5 of ``"<mtime>-<size>"``), which
+    a rewrite that keeps both keeps too; a server makes all its ETags one way, so one object per server
+    (``server``, a store or filesystem, and ``host``, which a filesystem serves many of) and process tells."""
+    first = next((i for i, v in enumerate(got) if trusted(v)), None)
+    if first is None:
+        return got, 0
+    seen = _SAMPLED.get((id(server), host))
+    if seen is not None and seen[0] is server:
+        why = seen[1]
+        return ([why if trusted(v) else v for v in got] if why else got), 0
+    tag = str(got[first])[len(_TRUSTED):].rsplit(" ", 1)[0]
+    try:
+        async with asyncio.timeout(limit):
+            data = await fetch(keys[first])
+    except Exception:  # noqa: BLE001 - no answer in time, or an error: not known now, the chunk read says more
+        return [no_answer(limit) if trusted(v) else v for v in got], 1
+    why = None
+    if data is None or not _names_bytes(tag, bytes(data)):
+        why = (f"{_UNTRUSTED}a web server's ETag that is not a hash of the bytes ({tag}, checked on {keys[first]!r}): "
+               "it may be made of the file's modification time and size, which a rewrite that keeps both (cp -p, "
+               "rsync -a, tar x) keeps")
+    if len(_SAMPLED) > 64:
+        _SAMPLED.clear()
+    _SAMPLED[(id(server), host)] = (server, why)
+    return ([why if trusted(v) else v for v in got] if why else got), 1
 
 
 def _version_of(meta: Any, web: bool = False) -> str:
@@ -244,8 +300,15 @@ def object_versions(store: Any, object_keys: list[str] | None = None, *,
             why = _refused(e)
             return None if why is None else _UNTRUSTED + why
 
-    got = _run_bounded(_ask_each(keys, one, limit))
-    return {k: v for k, v in zip(keys, got, strict=True) if v is not None}, len(keys)
+    async def fetch(k: str) -> bytes:
+        return bytes(await (await obstore.get_async(store, k)).bytes_async())
+
+    async def work() -> tuple[list[str | None], int]:
+        got = await _ask_each(keys, one, limit)
+        return await _sampled(store, str(getattr(store, "url", "")), keys, got, fetch, limit) if web else (got, 0)
+
+    got, sampled = _run_bounded(work())
+    return {k: v for k, v in zip(keys, got, strict=True) if v is not None}, len(keys) + sampled
 
 
 def _fsspec_version(info: dict[str, Any], web: bool = False) -> str:
@@ -286,10 +349,20 @@ def fsspec_versions(zstore: Any, object_keys: list[str]) -> tuple[dict[str, str]
             return None if why is None else _UNTRUSTED + why
         return _fsspec_version(info, web)
 
+    async def fetch(k: str) -> bytes:
+        path = f"{base}/{k}" if base else k
+        if getattr(fs, "async_impl", False):
+            return bytes(await fs._cat_file(path))
+        return bytes(await asyncio.to_thread(fs.cat_file, path))
+
+    async def asked() -> tuple[list[str | None], int]:
+        got = await _ask_each(keys, one, limit)
+        return await _sampled(fs, urlsplit(base).netloc, keys, got, fetch, limit) if web else (got, 0)
+
     home = home_loop(zstore)
-    work = _ask_each(keys, one, limit)
+    work = asked()
     if home is None:
-        got = _run_bounded(work)
+        got, sampled = _run_bounded(work)
     else:
         try:
             if asyncio.get_running_loop() is home:  # its own loop would wait on itself: not asked here
@@ -298,6 +371,6 @@ def fsspec_versions(zstore: Any, object_keys: list[str]) -> tuple[dict[str, str]
         except RuntimeError:
             pass
         # each request is bounded in ``_ask_each``; this bound is the backstop
-        got = asyncio.run_coroutine_threadsafe(work, home).result(timeout=_loop.run_timeout())
-    return {k: v for k, v in zip(keys, got, strict=True) if v is not None}, len(keys)
+        got, sampled = asyncio.run_coroutine_threadsafe(work, home).result(timeout=_loop.run_timeout())
+    return {k: v for k, v in zip(keys, got, strict=True) if v is not None}, len(keys) + sampled
 

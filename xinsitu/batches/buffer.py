@@ -25,6 +25,7 @@ from xinsitu.index.sampling import SampleSpace, VarLayout
 from xinsitu.io import loop as _loop
 from xinsitu.io.mempool import ArrayPool
 from xinsitu.io.reader import GpuRead, Reader
+from xinsitu.repr.formatting import fmt_bytes
 
 #: bytes the buffers of a generator read ahead and held take at most by default (SPEC §5: about 1 GiB)
 BUFFER_BUDGET = 1 << 30
@@ -72,6 +73,25 @@ def default_block_chunks(space: SampleSpace, layouts: dict[str, VarLayout], budg
     size = space.unit_size
     least = 1 if (size if size is not None else int(np.max(space.counts, initial=0))) <= 1 else 2
     return int(min(MAX_BLOCK_CHUNKS, max(least, budget // (buffers_held(space) * per))))
+
+
+def budget_note(space: SampleSpace, nbytes: int, budget: int, batch_size: int, block_chunks: int) -> str:
+    """How buffers of ``nbytes`` each (``block_chunks`` chunk blocks, the default) stand to the byte ``budget``,
+    in words: within it, over it where the least a buffer holds is (``buffers_held`` of them), or over it
+    where a batch of ``batch_size`` draws from more buffers (it holds them all, and one more is read ahead)."""
+    held, fmt = buffers_held(space), fmt_bytes
+    if held * nbytes > budget:
+        more = held - BUDGET_BUFFERS
+        spill = f", with up to {more} more of what windows spill into," if more else ""
+        why = (f"the least a buffer holds: the {BUDGET_BUFFERS} buffers read ahead and held{spill} take "
+               f"~{fmt(held * nbytes)}, more than the budget of {fmt(budget)}")
+    else:
+        why = f"within a budget of {fmt(budget)} for the buffers held"
+    spans = -(-(batch_size - 1) * space.n_units // max(1, block_chunks * space.n_samples)) + 1
+    if (spans + 1) * nbytes > max(budget, held * nbytes):
+        why = (f"a batch of {batch_size} draws from up to {spans} buffers: ~{fmt((spans + 1) * nbytes)} held, more "
+               f"than the budget of {fmt(budget)}")
+    return why
 
 
 def buffers_held(space: SampleSpace) -> int:

@@ -18,14 +18,7 @@ import numpy as np
 import xarray as xr
 
 from xinsitu.batches import describe
-from xinsitu.batches.buffer import (
-    BUDGET_BUFFERS,
-    BUFFER_BUDGET,
-    BufferLoader,
-    buffers_held,
-    default_block_chunks,
-    unit_nbytes,
-)
+from xinsitu.batches.buffer import BUFFER_BUDGET, BufferLoader, budget_note, default_block_chunks, unit_nbytes
 from xinsitu.batches.direct import DeviceDirectLoader, DirectLoader, direct_reason
 from xinsitu.batches.output import OutputBuilder, with_dim_indexes
 from xinsitu.batches.pipeline import DirectRun, EpochRun
@@ -653,23 +646,9 @@ class BatchGenerator:
         if self.buffer_reason is None:
             return "none: each chunk block is one sample, decoded straight into the batch"
         nbytes = self.block_chunks * unit_nbytes(self.space, self.layouts)
-        size, budget = formatting.fmt_bytes(nbytes), formatting.fmt_bytes(self.buffer_budget)
-        if self._block_chunks_given:
-            why = "block_chunks="
-        elif buffers_held(self.space) * nbytes > self.buffer_budget:  # the least a buffer holds is over it: say so
-            held = buffers_held(self.space)
-            more = held - BUDGET_BUFFERS
-            spill = f", with up to {more} more of what windows spill into," if more else ""
-            why = (f"the least a buffer holds: the {BUDGET_BUFFERS} buffers read ahead and held{spill} take "
-                   f"~{formatting.fmt_bytes(held * nbytes)}, more than the budget of {budget}")
-        else:
-            why = f"within a budget of {budget} for the buffers held"
-        # a batch gathered from several buffers holds them all, and one more is read ahead
-        spans = -(-(self.batch_size - 1) * self.space.n_units // max(1, self.block_chunks * self.space.n_samples)) + 1
-        if not self._block_chunks_given and (spans + 1) * nbytes > max(self.buffer_budget,
-                                                                        buffers_held(self.space) * nbytes):
-            why = (f"a batch of {self.batch_size} draws from up to {spans} buffers: ~"
-                   f"{formatting.fmt_bytes((spans + 1) * nbytes)} held, more than the budget of {budget}")
+        size = formatting.fmt_bytes(nbytes)
+        why = "block_chunks=" if self._block_chunks_given else budget_note(
+            self.space, nbytes, self.buffer_budget, self.batch_size, self.block_chunks)
         return f"{self.block_chunks} chunk blocks, ~{size} a buffer ({why}; {self.buffer_reason})"
 
     @property

@@ -210,6 +210,15 @@ def _diagnose(url: str, registry: Any, group: str | None, drop: list[str], cause
         if "truncated file" in str(e):  # HDF5's: "truncated file: eof = X, sblock->base_addr = 0, stored_eof = Y"
             return VirtualReferenceError(f"{where} is an HDF5/NetCDF4 file cut short (truncated: a copy or download "
                                          f"that did not finish?): {type(e).__name__}: {e}")
+        try:
+            head: bytes | None = _head(url, registry)[1]
+        except Exception:  # noqa: BLE001 - only a detail of the message
+            head = None
+        if head == b"":
+            return VirtualReferenceError(f"{where} is empty (0 bytes): a copy or download that did not finish?")
+        if head is not None and head.startswith(b"\x89HDF"):  # HDF5's signature, too short to hold its superblock
+            return VirtualReferenceError(f"{where} is an HDF5/NetCDF4 file cut short or damaged (its superblock "
+                                         f"cannot be read): {type(e).__name__}: {e}")
         if "signature" in str(e) or "not an HDF5" in str(e) or "Unable to" in str(e):
             return VirtualReferenceError(
                 f"{where} is neither an HDF5/NetCDF4 nor a NetCDF-3 file (GRIB files open with "

@@ -328,6 +328,14 @@ def test_a_netcdf4_file_cut_short_is_called_so(tmp_path):
         fh.truncate(f.stat().st_size // 2)
     with pytest.raises(VirtualReferenceError, match=r"cut\.nc is an HDF5/NetCDF4 file cut short"):
         netcdf_store([str(f)])
+    with open(f, "r+b") as fh:  # within its superblock: HDF5's signature, then too little
+        fh.truncate(20)
+    with pytest.raises(VirtualReferenceError, match=r"cut\.nc is an HDF5/NetCDF4 file cut short or damaged"):
+        netcdf_store([str(f)])
+    with open(f, "r+b") as fh:
+        fh.truncate(0)
+    with pytest.raises(VirtualReferenceError, match=r"cut\.nc is empty"):
+        netcdf_store([str(f)])
 
 
 def test_netcdf3_and_netcdf4_files_do_not_mix(tmp_path):

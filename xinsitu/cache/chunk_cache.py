@@ -493,9 +493,11 @@ class ChunkCache:
                if self.memory_budget else f"memory{sep}off")
         if self.disk is None:
             return mem, None
-        bound = _fmt(self.disk_size) if self.disk_size is not None else "free space"
-        used = _fmt(s.disk_bytes) if self._disk is not None and self._disk.scanned else unscanned
-        return mem, f"{used} of {bound}"
+        scanned = self._disk is not None and self._disk.scanned
+        if self.disk_size is not None:
+            return mem, f"{_fmt(s.disk_bytes) if scanned else unscanned} of {_fmt(self.disk_size)}"
+        # no size given: as much as leaves the file system its reserve free (``disk_tier``)
+        return mem, (f"{_fmt(s.disk_bytes)} used" if scanned else unscanned) + ", bounded by the free space"
 
     # ------------------------------------------------------------------ memory tier
     def _keep(self, key: Hashable, arr: np.ndarray, born: int | None = None,

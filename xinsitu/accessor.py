@@ -43,8 +43,7 @@ def listed_unordered(ds: xr.Dataset) -> bool:
         sources, _ = dataset_geometry(ds)
     except (ValueError, TypeError):  # a Dataset the accessor refuses: its methods say why
         return False
-    arrays = {id(s.array): s.array for s in sources.values() if hasattr(s.array, "store_path")
-              or hasattr(getattr(s.array, "async_array", None), "store_path")}
+    arrays = {id(s.array): s.array for s in sources.values() if s.array is not None}  # (one ask per array)
     return any(not lists_in_fixed_order(a) for a in arrays.values())
 
 

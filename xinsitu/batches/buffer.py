@@ -79,18 +79,18 @@ def budget_note(space: SampleSpace, nbytes: int, budget: int, batch_size: int, b
     """How buffers of ``nbytes`` each (``block_chunks`` chunk blocks, the default) stand to the byte ``budget``,
     in words: within it, over it where the least a buffer holds is (``buffers_held`` of them), or over it
     where a batch of ``batch_size`` draws from more buffers (it holds them all, and one more is read ahead)."""
-    held, fmt = buffers_held(space), fmt_bytes
+    held = buffers_held(space)
     if held * nbytes > budget:
         more = held - BUDGET_BUFFERS
         spill = f", with up to {more} more of what windows spill into," if more else ""
         why = (f"the least a buffer holds: the {BUDGET_BUFFERS} buffers read ahead and held{spill} take "
-               f"~{fmt(held * nbytes)}, more than the budget of {fmt(budget)}")
+               f"~{fmt_bytes(held * nbytes)}, more than the budget of {fmt_bytes(budget)}")
     else:
-        why = f"within a budget of {fmt(budget)} for the buffers held"
+        why = f"within a budget of {fmt_bytes(budget)} for the buffers held"
     spans = -(-(batch_size - 1) * space.n_units // max(1, block_chunks * space.n_samples)) + 1
     if (spans + 1) * nbytes > max(budget, held * nbytes):
-        why = (f"a batch of {batch_size} draws from up to {spans} buffers: ~{fmt((spans + 1) * nbytes)} held, more "
-               f"than the budget of {fmt(budget)}")
+        why = (f"a batch of {batch_size} draws from up to {spans} buffers: ~{fmt_bytes((spans + 1) * nbytes)} held, "
+               f"more than the budget of {fmt_bytes(budget)}")
     return why
 
 

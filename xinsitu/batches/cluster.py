@@ -74,11 +74,12 @@ def selection_of(sources: dict[str, Any]) -> dict[str, str]:
 
 
 def archive_of(sources: dict[str, Any]) -> dict[str, str]:
-    """Which stored array each variable is read from, as a short hash per name: the store's identity
-    (``xinsitu.cache.keys.store_identity``: scheme, bucket, endpoint, path; never credentials) and the
-    array's path in it. Part of a job, so that parts of two archives of the same geometry (a
-    re-processed copy beside the first) are never merged; an Icechunk store is told apart by its
-    snapshot, a store without a lasting identity (in memory) not at all."""
+    """Which archive each variable is read from, as a short hash per name (``_identity``): the store's
+    identity (``xinsitu.cache.keys.store_identity``: scheme, bucket, endpoint, path; never credentials)
+    and the array's path in it, the files a NetCDF/GRIB variable read in place references, a dask array's
+    name, an in-memory variable's values. Part of a job, so that parts of two archives of the same
+    geometry (a re-processed copy beside the first) are never merged; an Icechunk store is told apart by
+    its snapshot, another store without a lasting identity (a ``MemoryStore``) not at all."""
     out = {}
     for name in sorted(sources):
         src = sources[name]

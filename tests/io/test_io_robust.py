@@ -48,7 +48,8 @@ def test_automatic_limit_backs_off_on_an_overloaded_store(archive, manifest, ref
     only by single probes of one step, every 5 s at most -- where one that never went back stays at its
     peak and turns away ~200 requests. How far slow start got before the first stall showed, and so
     where the ceiling sits, depends on this machine's load (idle: 11-48 turned away, peak 16; under a
-    3-worker test run on 2 cores: 121, peak 32, and a probe to 9 under way as the test ended), so
+    3-worker test run on 2 cores: 121, peak 32, and a probe to 9 under way as the test ended; once
+    in CI: 1, turned away at the bottom, which it never left), so
     those are reported, not bounded: the test holds the rule. Every epoch is exact."""
     from xinsitu.io.inflight import AUTO_REMOTE
 
@@ -71,6 +72,12 @@ def test_automatic_limit_backs_off_on_an_overloaded_store(archive, manifest, ref
         seen = (lim.limit, srv.turned_away, lim.history, lim.stalls, lim._ceiling)
         trajectory = [n for n, _ in lim.history] + [lim.limit]
         peak = trajectory.index(max(trajectory))
+        if trajectory[peak] == AUTO_REMOTE[0]:
+            # turned away at the bottom already (CI under load: the server answered slower than the
+            # reads asked, a request failed, and growth past the bottom waits for probes): nothing to
+            # back off from, and the limit stays there
+            assert lim.limit == AUTO_REMOTE[0], seen
+            return
         # backed off: to the bottom after the limit that stalled, never back up to it ...
         assert AUTO_REMOTE[0] in trajectory[peak:], seen
         assert lim.limit < trajectory[peak], seen

@@ -378,6 +378,42 @@ def test_device_tier_keeps_chunks_decoded_on_the_host(tmp_path):
     assert len(tier) == 20
 
 
+@pytest.mark.parametrize("tier", ["device", "memory"])
+def test_a_device_tier_checks_what_an_earlier_generator_kept(tmp_path, tier):
+    """A ``ChunkCache`` with a tier in GPU memory (``device=``, or a memory budget the GPU path moves there)
+    given to a second generator after another tool rewrote a chunk of each variable: the rewritten chunks
+    are read again, as from the memory tier, the others copied from the device tier -- for chunks
+    decoded on the device (y) and on the host (x: blosc)."""
+    import xarray as xr
+    from zarr.codecs import BloscCodec
+
+    rng = np.random.default_rng(0)
+    ds0 = xr.Dataset({"x": (("time", "lat", "lon"), rng.normal(size=(40, 3, 4)).astype("f4")),
+                      "y": (("time", "lat", "lon"), rng.normal(size=(40, 3, 4)).astype("f4"))},
+                     coords={"time": np.arange(40)})
+    path = str(tmp_path / "a.zarr")
+    ds0.to_zarr(path, encoding={"x": dict(chunks=(4, 3, 4), compressors=[BloscCodec()]),
+                                "y": dict(chunks=(4, 3, 4))}, consolidated=False, zarr_format=3)
+    kw = dict(batch_size=8, shuffle=False, block_chunks=2, output="numpy", stack=True)
+    cache = xinsitu.ChunkCache(memory=0 if tier == "device" else "1MB")
+    cache.device_budget = 1 << 20 if tier == "device" else 0  # (as ChunkCache(device=) sets it with a CUDA device)
+
+    def epoch():
+        ds = xinsitu.open_zarr(path)
+        m = ds.insitu.split("time", fractions={"all": 1.0})
+        ref = list(ds.insitu.batches(m, "all", **kw))
+        gen, _ = on_gpu(ds.insitu.batches(m, "all", cache=cache, **kw))
+        got = list(gen)
+        same(ref, got)
+        return gen.io_stats
+
+    assert epoch()["cache_hits"] == 0
+    ds1 = ds0.isel(time=slice(0, 4)) + 100  # the first time chunk of each variable written again
+    ds1.drop_vars("time").to_zarr(path, mode="r+", region={"time": slice(0, 4)})
+    st = epoch()
+    assert st["cache_misses"] == 2 and st["cache_hits"] == st["chunks"] - 2 == 18
+
+
 def test_a_transform_takes_host_batches_unless_decode_gpu(ds_m):
     """SPEC 4: transform= runs before the device= copy, on host values; decode='auto' keeps it so (a
     numpy transform such as the docs' to_xy failed on a GPU machine); decode='gpu' hands it the batch

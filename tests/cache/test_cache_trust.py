@@ -75,16 +75,23 @@ def _remote_gen(url, opts, cache):
 
 
 @pytest.mark.slow
-def test_a_shared_cache_checks_remote_objects_an_earlier_generator_kept(tmp_path, remote):
+@pytest.mark.parametrize("disk_filled", [False, True])
+def test_a_shared_cache_checks_remote_objects_an_earlier_generator_kept(tmp_path, remote, disk_filled):
     """One ``ChunkCache`` with both tiers, given to a generator and then, after the objects were
     replaced, to a new one: the memory tier's entries are checked by their objects' versions (the
     listing or ``HEAD``s the disk tier asks anyway) and the new generator gets the new values (it got
     the old ones from memory); with the archive unchanged since, a third one takes every chunk from
-    memory."""
+    memory. ``disk_filled``: an earlier run filled the disk tier, so the first generator's chunks came
+    to memory from the disk, with the versions they were found by (they were kept unversioned, and
+    served stale)."""
     srv, url, opts, path, publish = remote
+    if disk_filled:
+        _epochs(_remote_gen(url, opts, ChunkCache(memory=0, disk=tmp_path / "c")), (0,))
     cache = ChunkCache(memory="1GB", disk=tmp_path / "c")
     first = _remote_gen(url, opts, cache)
     old = _epochs(first, (0,))
+    if disk_filled:
+        assert first.io_stats["cache_disk_hits"] == first.io_stats["chunks"] > 0
     _rewrite(path)
     publish()
     new = _epochs(_remote_gen(url, opts, None), (0,))

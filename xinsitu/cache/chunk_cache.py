@@ -208,11 +208,13 @@ class ChunkCache:
             self._disk.after_fork()
 
     # ------------------------------------------------------------------ public
-    def get(self, key: Hashable, disk_key: str | None = None) -> np.ndarray | None:
+    def get(self, key: Hashable, disk_key: str | None = None, *, born: int | None = None,
+            version: str | None = None) -> np.ndarray | None:
         """The chunk stored under ``key`` (read-only, not a copy), or None.
 
         Looks in memory, then on disk (under ``disk_key``, or ``key`` where it is a string from
-        ``ChunkKey.key``); a disk hit is kept in memory where it fits.
+        ``ChunkKey.key``); a disk hit is kept in memory where it fits, with ``born`` and ``version``
+        (as ``put``'s: a later reader checks it against its source as any entry).
         """
         arr = self.peek(key)
         if arr is not None:
@@ -224,7 +226,7 @@ class ChunkCache:
             if arr is not None:
                 with self._lock:
                     self._stats.disk_hits += 1
-                kept = self._keep(key, arr)
+                kept = self._keep(key, arr, born, version)
                 return arr if kept is None else kept
         with self._lock:
             self._stats.misses += 1

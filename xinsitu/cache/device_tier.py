@@ -17,6 +17,7 @@ and are copied into place in one take per slab (``copy_out``); the chunks decode
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -126,6 +127,9 @@ class DeviceCache:
         self._lock = threading.Lock()
         self._rows: dict[Hashable, tuple[Any, int]] = {}
         self._slabs: dict[tuple[tuple[int, ...], str], list[Any]] = {}  # (shape, dtype) -> [slab, rows used]
+        #: since when each entry is known to match its source, and its remote object's version (as the
+        #: memory tier's: a later reader of a mutable archive checks them, ``cache.lookup``)
+        self._born: dict[Hashable, tuple[int, str | None]] = {}
         self.stats = DeviceCacheStats()
 
     def __len__(self) -> int:
@@ -138,16 +142,20 @@ class DeviceCache:
         """Keep ``chunk`` under ``key`` where the budget has room; False where it was not kept."""
         return self.put_many([key], [0], [chunk]) == 1
 
-    def put_many(self, keys: list[Hashable], pos: list[int], outs: list[Any], stack: Any = None) -> int:
+    def put_many(self, keys: list[Hashable], pos: list[int], outs: list[Any], stack: Any = None, *,
+                 born: int | None = None, versions: list[str | None] | None = None) -> int:
         """Keep chunks ``outs[pos[k]]`` (host or device arrays) under ``keys[k]`` where the budget has room;
         how many are kept. With ``stack`` (an array whose row ``i`` is ``outs[i]``), the rows a slab gets are
-        filled by one copy per slab instead of one per chunk."""
+        filled by one copy per slab instead of one per chunk. ``born`` and ``versions[k]``: as
+        ``ChunkCache.put``'s (since when the chunks are known to match their source, default now; their
+        remote objects' versions)."""
+        now = time.time_ns() if born is None else born
         with self._lock:
             self.stats.puts += len(keys)
-            todo: list[tuple[Hashable, int, Any, int]] = []  # key, position, slab, row
+            todo: list[tuple[Hashable, int, Any, int, str | None]] = []  # key, position, slab, row, version
             mine: set[Hashable] = set()
             kept = 0
-            for key, i in zip(keys, pos, strict=True):
+            for k, (key, i) in enumerate(zip(keys, pos, strict=True)):
                 if key in self._rows or key in mine:
                     kept += 1
                     continue
@@ -157,7 +165,7 @@ class DeviceCache:
                 if place is None:
                     self.stats.refused += 1
                     continue
-                todo.append((key, i, *place))
+                todo.append((key, i, *place, None if versions is None else versions[k]))
             for slab, at, rows in _by_slab([(p[2], p[3]) for p in todo]):
                 got = [todo[k][1] for k in at.tolist()]  # positions of this slab's chunks
                 if stack is None or len(got) == 1:
@@ -167,10 +175,30 @@ class DeviceCache:
                 r0, n, p0 = int(rows[0]), len(rows), got[0]  # (a slab's rows are reserved in a run)
                 run = got == list(range(p0, p0 + n))
                 slab[r0:r0 + n] = stack[p0:p0 + n] if run else self.arrays.take(stack, np.asarray(got))
-            for key, _, slab, row in todo:  # published once their copies are queued
+            for key, _, slab, row, version in todo:  # published once their copies are queued
                 self._rows[key] = (slab, row)
+                self._born[key] = (now, version)
             self.stats.entries += len(todo)
             return kept + len(todo)
+
+    def kept_before(self, keys: list[Hashable], since: int) -> list[tuple[int, int, str | None]]:
+        """As ``ChunkCache.kept_before``: the entries among ``keys`` not known to match their source since
+        ``since``, as ``(position in keys, since when, version)``."""
+        with self._lock:
+            return [(i, *b) for i, k in enumerate(keys) if (b := self._born.get(k, (since, None)))[0] < since]
+
+    def recheck(self, keys: list[Hashable], changed: list[bool], since: int) -> None:
+        """As ``ChunkCache.recheck``: the entries whose source changed are dropped (their rows stay
+        unused, counted against the budget), the others marked as matching since ``since``."""
+        with self._lock:
+            for k, gone in zip(keys, changed, strict=True):
+                if k not in self._rows:
+                    continue
+                if gone:
+                    del self._rows[k], self._born[k]
+                    self.stats.entries -= 1
+                else:
+                    self._born[k] = (max(self._born[k][0], since), self._born[k][1])
 
     def _reserve(self, shape: tuple[int, ...], dtype: np.dtype, n: int) -> tuple[Any, int] | None:
         """A free row (the lock held), counted against the budget; None where the budget is full. A new

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -138,10 +138,11 @@ async def take_cached(reader: Reader, src: VarSource, coords: list[tuple[int, ..
     return [i for i, p in enumerate(places) if p is None], None
 
 
-async def _drop_rewritten(cache: ChunkCache, keys: ChunkKey, mkeys: list[Any], object_of: Any) -> None:
-    """Drop from the memory tier the chunks among ``mkeys`` (of store objects ``object_of(i)``) whose source
-    changed since an earlier reader kept them (a generator made before this one with the same
-    ``ChunkCache``), so they are read again; mark the others as checked.
+async def _drop_rewritten(cache: ChunkCache, keys: ChunkKey, mkeys: list[Any], object_of: Any,
+                          tier: Any = None) -> None:
+    """Drop from the memory tier (or the device tier ``tier``) the chunks among ``mkeys`` (of store objects
+    ``object_of(i)``) whose source changed since an earlier reader kept them (a generator made before this
+    one with the same ``ChunkCache``), so they are read again; mark the others as checked.
 
     Each entry is checked once per reader, at its first lookup, in a decode thread: entries this reader
     kept, or checked, are not. A local file by its change time (one ``stat``; a change time cannot be set
@@ -152,13 +153,14 @@ async def _drop_rewritten(cache: ChunkCache, keys: ChunkKey, mkeys: list[Any], o
     trusted, drops it. Not for an ``immutable`` cache, nor Icechunk snapshots (which name their data); a
     remote entry kept without a version (a cache without a disk tier) stays as the process first read
     it."""
-    if keys.snapshot is not None or cache.immutable or not cache.memory_budget:
+    held = cache if tier is None else tier
+    if keys.snapshot is not None or cache.immutable or not (cache.memory_budget if tier is None else len(tier)):
         return
     local = keys.local_root is not None
     if not local and not (keys.needs_version and keys.remote is not None and cache.disk is not None):
         return
     since = keys.since_ns
-    old = cache.kept_before(mkeys, since)
+    old = held.kept_before(mkeys, since)
     if not local:
         old = [o for o in old if o[2] is not None]
     if not old:
@@ -178,7 +180,47 @@ async def _drop_rewritten(cache: ChunkCache, keys: ChunkKey, mkeys: list[Any], o
         return out, 0
 
     gone, asked = await asyncio.get_running_loop().run_in_executor(None, changed)
-    cache.recheck([mkeys[i] for i, _, _ in old], gone, since, requests=asked)
+    stale = [mkeys[i] for i, _, _ in old]
+    if tier is None:
+        cache.recheck(stale, gone, since, requests=asked)
+    else:
+        tier.recheck(stale, gone, since)
+        cache.recheck([], [], since, requests=asked)  # (the requests it asked, counted)
+
+
+class TierPlan(NamedTuple):
+    """Whole chunks of a variable and the device cache tier (``in_device_tier``): their memory keys (None:
+    not cached), where the tier has each (``(slab, row)`` or None), the positions of those it lacks, and
+    what the tier keeps with those (``about``)."""
+
+    keys: list[Any] | None
+    places: list[Any]
+    todo: list[int]
+    born: int | None = None
+    versions: list[str | None] | None = None
+
+    def about(self, pos: list[int]) -> dict[str, Any]:
+        """``DeviceCache.put_many``'s ``born`` and ``versions`` for the chunks at ``pos``."""
+        return {"born": self.born, "versions": None if self.versions is None else [self.versions[i] for i in pos]}
+
+
+async def in_device_tier(reader: Reader, src: VarSource, coords: list[tuple[int, ...]], tier: Any) -> TierPlan:
+    """Chunks ``coords`` of ``src`` looked up in the device cache tier ``tier`` (hits counted), once those a
+    reader before this one kept and whose source changed since are dropped (as from the memory tier)."""
+    keys = _keys(reader, src) if tier is not None else None
+    if keys is None:
+        return TierPlan(None, [None] * len(coords), list(range(len(coords))))
+    assert reader.cache is not None
+    route = reader.route(src)
+    mkeys = [keys.memory_key(c) for c in coords]
+    objects = [route.prefix + route.dec.key(c) for c in coords]
+    await _drop_rewritten(reader.cache, keys, mkeys, objects.__getitem__, tier)
+    places = tier.locate_many(mkeys)
+    todo = [i for i, p in enumerate(places) if p is None]
+    if len(todo) < len(coords):
+        reader.settle(route, None, SETTLED_HIT, n=len(coords) - len(todo))
+    versions = [keys.known_version(o) for o in objects] if keys.needs_version else None
+    return TierPlan(mkeys, places, todo, keys.since_ns, versions)
 
 
 def _keys(reader: Reader, src: VarSource) -> ChunkKey | None:
@@ -194,8 +236,10 @@ def _disk_lookup_take(cache: ChunkCache, keys: ChunkKey, prefix: str, object_of:
     memory key, disk key))."""
     found, misses = [], []
     dks = cache.disk_keys(keys, [(coords, prefix + object_of(coords)) for coords, _, _ in missing])
+    known = keys.known_version if keys.needs_version else (lambda _: None)  # asked for the disk keys
     for (coords, t, mk), dk in zip(missing, dks, strict=True):
-        got = cache.get(mk, disk_key=dk)
+        # kept in memory as a chunk this reader read: known to match its source since it began
+        got = cache.get(mk, disk_key=dk, born=keys.since_ns, version=known(prefix + object_of(coords)))
         if got is None:
             misses.append((coords, t, mk, dk))
         else:

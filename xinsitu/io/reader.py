@@ -32,7 +32,7 @@ import numpy as np
 
 from xinsitu.cache.chunk_cache import ChunkCache
 from xinsitu.cache.keys import ChunkKey, array_store
-from xinsitu.cache.lookup import serve_cached, take_cached
+from xinsitu.cache.lookup import TierPlan, in_device_tier, serve_cached, take_cached
 from xinsitu.codecs.cpu import ChunkDecoder, is_remote, is_sharded, store_root
 from xinsitu.codecs.gpu_batch import GpuBatch, GpuSlot
 from xinsitu.codecs.gpu_chain import GpuChain, GpuPathError
@@ -50,7 +50,6 @@ from xinsitu.io.place import (
     QUEUED,
     READ_ELSEWHERE,
     SCRATCH,
-    SETTLED_HIT,
     ChunkOutcome,
     Destination,
     Pieces,
@@ -379,17 +378,17 @@ class Reader:
         plans = []
         capacity = 0
         for r in reads:
-            mkeys, places, todo = self._in_tier(r.src, r.coords, tier)
-            if mkeys is not None:
-                self.counters.cache_misses += len(todo)
-            plans.append((r, self.route(r.src), mkeys, places, todo))
-            capacity += len(todo) * r.chain.bound
+            plan = await in_device_tier(self, r.src, r.coords, tier)
+            if plan.keys is not None:
+                self.counters.cache_misses += len(plan.todo)
+            plans.append((r, self.route(r.src), plan))
+            capacity += len(plan.todo) * r.chain.bound
         batch = GpuBatch(gpu.decoder(), capacity, gpu.asarray)
         jobs = []
-        for r, route, _, _, todo in plans:
+        for r, route, plan in plans:
             items: list[tuple[tuple[int, ...], Destination]] = [
                 (r.coords[i], GpuSlot(batch, r.outs[i], r.chain, (r.src.name, r.coords[i], route.path(r.coords[i]))))
-                for i in todo]
+                for i in plan.todo]
             if items:
                 jobs.append(self._fetch_all(route, items, batch.staging))
         if jobs:
@@ -404,16 +403,16 @@ class Reader:
         def land(first: bool) -> Any:
             try:
                 if tier is not None:  # cached: copied on the device
-                    for r, _, _, places, todo in plans:
-                        if len(todo) < len(places):
-                            tier.copy_out(places, r.outs, r.stack)
+                    for r, _, plan in plans:
+                        if len(plan.todo) < len(plan.places):
+                            tier.copy_out(plan.places, r.outs, r.stack)
                 flushed = batch.flush(gpu)
                 if tier is not None:
                     redo = {id(d) for _, d, _ in flushed.refetch}
-                    for r, _, mkeys, _, todo in plans:
-                        if mkeys is not None and r.chain not in flushed.failed:
-                            keep = [i for i in todo if id(r.outs[i]) not in redo]
-                            tier.put_many([mkeys[i] for i in keep], keep, r.outs, r.stack)
+                    for r, _, plan in plans:
+                        if plan.keys is not None and r.chain not in flushed.failed:
+                            keep = [i for i in plan.todo if id(r.outs[i]) not in redo]
+                            tier.put_many([plan.keys[i] for i in keep], keep, r.outs, r.stack, **plan.about(keep))
                 gpu.synchronize()
             except GpuPathError:
                 raise
@@ -435,11 +434,11 @@ class Reader:
         failed = {r.src.name: flushed.failed[r.chain] for r in reads if r.chain in flushed.failed}
         redo = [x for x in flushed.refetch if x[2][0] not in failed]
         if redo:
-            await self._refetch(redo, {r.src.name: (route, mkeys, r) for r, route, mkeys, _, _ in plans}, gpu, tier)
+            await self._refetch(redo, {r.src.name: (route, plan, r) for r, route, plan in plans}, gpu, tier)
         return failed
 
     async def _refetch(self, redo: list[tuple[GpuChain, Any, tuple[str, tuple[int, ...], str]]],
-                       of: dict[str, tuple[Route, list[Any] | None, GpuRead]], gpu: Any, tier: Any) -> None:
+                       of: dict[str, tuple[Route, TierPlan, GpuRead]], gpu: Any, tier: Any) -> None:
         """Chunks the device could not decode, fetched again and decoded the CPU way (``_fetch``: fetched
         again while the bytes do not decode, its failure named), then copied onto the device."""
         hosts = [np.empty(chain.shape, chain.dtype) for chain, _, _ in redo]
@@ -449,9 +448,10 @@ class Reader:
         def upload() -> None:
             for h, (_, dest, (name, coords, _)) in zip(hosts, redo, strict=True):
                 dest[...] = gpu.asarray(h)
-                _, mkeys, r = of[name]
-                if tier is not None and mkeys is not None:
-                    tier.put(mkeys[r.coords.index(coords)], dest)
+                _, plan, r = of[name]
+                if tier is not None and plan.keys is not None:
+                    i = r.coords.index(coords)
+                    tier.put_many([plan.keys[i]], [0], [dest], **plan.about([i]))
             gpu.synchronize()
 
         await asyncio.get_running_loop().run_in_executor(None, upload)
@@ -462,7 +462,8 @@ class Reader:
         the chunk's shape; ``stack``: as ``GpuRead``'s): those the device cache tier ``tier`` has copied
         from it on the device, the others read as any (``read_whole``), copied over in one transfer and
         kept there."""
-        mkeys, places, todo = self._in_tier(src, coords, tier)
+        plan = await in_device_tier(self, src, coords, tier)
+        todo = plan.todo
         host = np.empty((len(todo), *outs[0].shape), outs[0].dtype)
         if todo:
             await self.read_whole(src, [coords[i] for i in todo], list(host), [regions[i] for i in todo])
@@ -478,27 +479,12 @@ class Reader:
                     outs[i][...] = there[k]
             return True
 
-        await self._land(gpu, "kept", outs, places, todo, tier, mkeys, upload if todo else lambda first: True,
-                         stack)
+        await self._land(gpu, "kept", outs, plan, tier, upload if todo else lambda first: True, stack)
 
-    def _in_tier(self, src: VarSource, coords: list[tuple[int, ...]],
-                 tier: Any) -> tuple[list[Any] | None, list[Any], list[int]]:
-        """For chunks ``coords`` and a device cache tier: their memory keys (None: not cached), where the
-        tier has each (``(slab, row)`` or None), and the positions of those it lacks; hits counted."""
-        keys = self.chunk_keys(src) if tier is not None else None
-        if keys is None:
-            return None, [None] * len(coords), list(range(len(coords)))
-        mkeys = [keys.memory_key(c) for c in coords]
-        places = tier.locate_many(mkeys)
-        todo = [i for i, p in enumerate(places) if p is None]
-        if len(todo) < len(coords):
-            self.settle(self.route(src), None, SETTLED_HIT, n=len(coords) - len(todo))
-        return mkeys, places, todo
-
-    async def _land(self, gpu: Any, key: Any, outs: list[Any], places: list[Any], todo: list[int], tier: Any,
-                    mkeys: list[Any] | None, fill: Callable[[bool], bool], stack: Any = None) -> float:
-        """In a decode thread, device work the loop does not wait on: chunks the tier has (``places``)
-        copied into ``outs`` (rows of ``stack``, where given) on the device, the others (``todo``) put there
+    async def _land(self, gpu: Any, key: Any, outs: list[Any], plan: TierPlan, tier: Any,
+                    fill: Callable[[bool], bool], stack: Any = None) -> float:
+        """In a decode thread, device work the loop does not wait on: chunks the tier has (``plan.places``)
+        copied into ``outs`` (rows of ``stack``, where given) on the device, the others (``plan.todo``) put there
         by ``fill(first)`` and kept in the tier, then the device's work completed (the buffer is gathered
         from in another thread).
         On first use (``key`` not in ``gpu.checked``: ``fill`` says whether it checked), a failure of
@@ -507,13 +493,13 @@ class Reader:
 
         def run() -> float:
             try:
-                if len(todo) < len(places):  # cached: copied on the device
-                    tier.copy_out(places, outs, stack)
+                if len(plan.todo) < len(plan.places):  # cached: copied on the device
+                    tier.copy_out(plan.places, outs, stack)
                 t0 = time.perf_counter()
                 checked = fill(first)
                 took = time.perf_counter() - t0
-                if mkeys is not None:
-                    tier.put_many([mkeys[i] for i in todo], todo, outs, stack)
+                if plan.keys is not None:
+                    tier.put_many([plan.keys[i] for i in plan.todo], plan.todo, outs, stack, **plan.about(plan.todo))
                 gpu.synchronize()
             except (GpuPathError, ChunkReadError):
                 raise

@@ -369,6 +369,27 @@ def test_a_static_variable_spoils_every_sample_or_none(tmp_path, ny: int) -> Non
                               "train", variables=["a", "lsm"])["valid"] == 20
 
 
+def test_nat_is_missing_as_nan_is(tmp_path) -> None:
+    """A time (CF-decoded, a fill value read as NaT) and a time span with NaT spoil their samples, as NaN
+    does: xarray's ``isnull`` and numpy's ``isfinite`` both call NaT missing; batches then hold none."""
+    import pandas as pd
+
+    vt = np.array(pd.date_range("1990-01-01", periods=8, freq="h"))
+    vt[3] = np.datetime64("NaT")
+    lead = (np.arange(8) * np.timedelta64(1, "h")).astype("m8[ns]")
+    lead[5] = np.timedelta64("NaT")
+    path = str(tmp_path / "nat.zarr")
+    xr.Dataset({"valid_time": ("time", vt), "lead": ("time", lead), "a": ("time", np.arange(8.0))}).to_zarr(
+        path, encoding={v: {"chunks": (4,)} for v in ("valid_time", "lead", "a")})
+    d = xinsitu.open_zarr(path)
+    assert np.isnat(xr.open_zarr(path).valid_time.values[3])  # (stored as CF's fill value)
+    mm = d.insitu.split("time", fractions={"train": 1.0})
+    for variables, valid in ((["a"], 8), (["valid_time"], 7), (["lead"], 7), (None, 6)):  # the last one recorded
+        assert d.insitu.validity(mm, "train", variables=variables)["valid"] == valid, variables
+    (b,) = d.insitu.batches(mm, "train", batch_size=6, shuffle=False, output="numpy")
+    assert list(b["a"]) == [0, 1, 2, 4, 6, 7]
+
+
 # ----------------------------------------------------------------------------- parts (issue 37)
 @pytest.mark.parametrize("kw", [*SAMPLINGS[1:], {"where": "fn"}])
 def test_parts_merge_to_the_mask_of_one_pass(ds: xr.Dataset, m: xinsitu.SplitManifest, kw: dict) -> None:

@@ -67,14 +67,14 @@ def _pass_batch(sp: Any) -> int:
 
 
 def _finite(batch: dict[str, np.ndarray], n: int, static: frozenset[str]) -> np.ndarray:
-    """Per sample of ``batch`` (``n`` samples), whether no value of it is NaN or infinite; a variable of
+    """Per sample of ``batch`` (``n`` samples), whether no value of it is NaN, NaT or infinite; a variable of
     ``static`` (without a sample axis: a land-sea mask) is part of every sample, so it spoils every
     sample or none -- whatever its first dim's length (it may equal ``n``)."""
     ok = np.ones(n, dtype=bool)
     for name, a in batch.items():
         a = np.asarray(a)
-        if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.complexfloating)):
-            continue  # integers and bools hold no NaN
+        if a.dtype.kind not in "fcmM":
+            continue  # integers and bools hold no NaN (times and time spans: NaT, xarray's missing)
         if name in static:
             ok &= bool(np.isfinite(a).all())
         else:

@@ -445,3 +445,46 @@ def test_cached_chunks_over_several_slabs_come_back_in_order(tmp_path, monkeypat
     got = _epochs(gen)
     assert _same(got, ref)
     assert any(copied)  # every chunk held, in several slabs: copied in at once
+
+
+def test_strings_are_read_past_the_disk_tier(tmp_path):
+    """A variable of variable-length strings (as xarray writes a str/object array to zarr v3) with a disk
+    tier: its chunks are not written there -- they have no fixed-size layout -- and read from the store,
+    said once; the batches equal xarray's (the read failed, blamed on the store)."""
+    import warnings
+
+    import xarray as xr
+
+    path = str(tmp_path / "s.zarr")
+    names = np.array([f"st{i}" * (i % 3 + 1) for i in range(32)], dtype=object)
+    xr.Dataset({"a": ("time", np.arange(32.0)), "station": ("time", names)}, coords={"time": np.arange(32)}).to_zarr(
+        path, zarr_format=3, consolidated=False, encoding={"a": {"chunks": (4,)}, "station": {"chunks": (4,)}})
+    ds = xinsitu.open_zarr(path)
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    cache = ChunkCache(memory=0, disk=tmp_path / "c")
+    gen = ds.insitu.batches(m, "train", batch_size=8, shuffle=False, output="numpy", cache=cache)
+    with pytest.warns(RuntimeWarning, match="keeps nothing of arrays of Python objects or variable-length strings"):
+        got = _epochs(gen, (0,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        got += _epochs(gen, (1,))
+    for epoch in got:
+        assert list(np.concatenate([b["station"] for b in epoch])) == list(names)
+    assert gen.io_stats["cache_disk_hits"] == gen.io_stats["chunks"] // 2  # a's chunks, from the disk
+    assert any("Python objects" in n for n in cache.notes)
+
+
+def test_the_cache_saying_something_fails_no_read_where_warnings_are_errors(tmp_path):
+    """Under ``-W error`` (pytest's ``filterwarnings = error``) what the cache says once -- here, its disk
+    tier full -- raises where it is said, in a decode thread: the read goes on (it was reported as a
+    damaged object in the store), and the cache's notes say it."""
+    import warnings
+
+    path = str(tmp_path / "era5.zarr")
+    write_era5_like(path, nt=32, ny=4, nx=6, chunk_time=4)
+    ref = _epochs(_gen(path), (0,))
+    cache = ChunkCache(memory=0, disk=tmp_path / "c", disk_size="1kB")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert _same(_epochs(_gen(path, cache=cache), (0,)), ref)
+    assert any("full" in n for n in cache.notes)

@@ -305,7 +305,12 @@ class ChunkCache:
             self._keep(key, arr, born, version)
         if dk is None and version == MISSING and self._disk is not None:
             self._served_missing(key)
-        if dk is not None and not known:
+        if dk is not None and not known and (arr.dtype.hasobject or arr.dtype.kind == "T"):
+            self._say("objects", f"disk tier keeps nothing of arrays of Python objects or strings ({arr.dtype})",
+                      f"the chunk cache's disk tier {self.disk!r} keeps nothing of arrays of Python objects or "
+                      f"variable-length strings (dtype {arr.dtype}): their chunks are read from the store (and "
+                      "kept in the memory tier where it has room) (warned once)")
+        elif dk is not None and not known:
             assert self._disk is not None
             try:
                 self._disk.put(dk, arr)

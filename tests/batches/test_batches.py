@@ -153,6 +153,9 @@ def test_epochs_differ_and_repeat(era5_path):
     e1 = np.concatenate([b.time.values for b in gen])
     assert not np.array_equal(e0, e1)
     assert np.array_equal(np.sort(e0), np.sort(e1))
+    for bad, error in ((True, TypeError), (1.0, TypeError), (-1, ValueError)):  # (True was epoch 1)
+        with pytest.raises(error, match="epoch must be"):
+            gen.set_epoch(bad)
 
 
 def test_each_chunk_read_once_per_epoch(era5_path):

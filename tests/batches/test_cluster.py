@@ -243,6 +243,10 @@ def test_what_workers_cannot_open_is_refused(client, era5_path):
         ds.insitu.stats(m, "train", client="tcp://127.0.0.1:8786")
     with pytest.raises(TypeError, match="client"):
         ds.insitu.validity(m, "train", client=object())
+    closed = distributed.Client(client.cluster)
+    closed.close()
+    with pytest.raises(ValueError, match="client is closed"):  # (was distributed's AttributeError)
+        ds.insitu.stats(m, "train", client=closed)
 
 
 @pytest.mark.slow

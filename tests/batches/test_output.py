@@ -119,6 +119,20 @@ def test_bad_arguments(path):
         _builder(path, ["a"], output="numpy", device="cpu")
 
 
+def test_dtype_names_a_text_variable_it_cannot_cast(tmp_path):
+    """``dtype='float32'`` with a variable of strings: refused when the generator is made, naming the
+    variable and ``dtype`` (numpy's "could not convert string to float" came at the first batch)."""
+    path = str(tmp_path / "s.zarr")
+    xr.Dataset({"a": ("time", np.arange(8.0)), "label": ("time", np.array([f"c{i % 3}" for i in range(8)], object))}
+               ).to_zarr(path, encoding={"a": {"chunks": (4,)}, "label": {"chunks": (4,)}})
+    ds = xinsitu.open_zarr(path)
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    with pytest.raises(TypeError, match="dtype='float32': variable 'label' holds"):
+        ds.insitu.batches(m, "train", batch_size=4, dtype="float32")
+    (b, _) = ds.insitu.batches(m, "train", batch_size=4, shuffle=False, dtype="float32", variables=["a"])
+    assert b["a"].dtype == np.float32 and list(b["a"]) == [0, 1, 2, 3]
+
+
 def test_transform_applied_in_finish(path):
     _, b = _builder(path, ["a"], transform=lambda batch: {k: v * 2 for k, v in batch.items()})
     x = np.ones((2, 2, 3), dtype="float32")

@@ -415,6 +415,8 @@ def test_merge_validity_refuses(ds: xr.Dataset, m: xinsitu.SplitManifest) -> Non
     parts = [ds.insitu.validity_part(m, "train", variables=["x"], part=(i, 3)) for i in range(3)]
     with pytest.raises(ValueError, match=r"part\(s\) \[0\] missing"):
         xinsitu.merge_validity(parts[1:])
+    with pytest.raises(ValueError, match=r"expected partial results of ds\.insitu\.validity_part, got dict"):
+        xinsitu.merge_validity([ds.insitu.stats_part(m, "train", variables=["x"], part=(0, 1))])
     with pytest.raises(ValueError, match="different jobs"):
         xinsitu.merge_validity([parts[0], ds.insitu.validity_part(m, "train", variables=["y"], part=(1, 3)), parts[2]])
     with pytest.raises(ValueError, match="different jobs"):

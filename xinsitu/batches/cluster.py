@@ -145,7 +145,7 @@ def parts_in_order(parts: Iterable[Any], kind: str, version: int, what: str) -> 
             except ValueError as e:
                 raise ValueError(f"{what}: a part is not JSON ({e})") from None
         if not isinstance(p, dict) or p.get("xinsitu") != kind:
-            raise ValueError(f"{what}: expected partial results of {kind} (xinsitu.{kind}s), got "
+            raise ValueError(f"{what}: expected partial results of ds.insitu.{kind}, got "
                              f"{type(p).__name__} {str(p)[:80]!r}")
         if p.get("version") != version:
             raise ValueError(f"{what}: a part of format version {p.get('version')!r}; this xinsitu reads {version}")
@@ -296,6 +296,8 @@ def check_client(client: Any, cache: Any = None) -> None:
         raise ImportError("client= needs distributed, which is not installed: pip install 'xinsitu[dask]'") from None
     if not isinstance(client, Client):
         raise TypeError(f"client must be a distributed.Client (or None), got {type(client).__name__}")
+    if client.status in ("closing", "closed"):
+        raise ValueError(f"client is {client.status}: pass a Client that is connected to its cluster")
 
 
 def task_count(client: Any, units: int) -> int:

@@ -344,8 +344,7 @@ class BatchGenerator:
     # ------------------------------------------------------------------ epochs
     def set_epoch(self, epoch: int) -> None:
         """Use the order of ``epoch`` from the next iteration on (an iterator already made keeps its epoch)."""
-        if not isinstance(epoch, (int, np.integer)) or epoch < 0:
-            raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
+        epoch = int_arg("epoch", epoch, 0)
         if int(epoch) != self.epoch:
             self._resume_batch = 0
             if int(epoch) != self._elastic_epoch:  # an elastic remainder belongs to the epoch it was saved in

@@ -71,6 +71,10 @@ class OutputBuilder:
         self.out_dtype = output_dtype(dtype)
         self.value_dtypes = {n: self.normalizer.dtype(lay.src.dtype) if self.normalizer is not None
                              else np.dtype(lay.src.dtype) for n, lay in layouts.items()}
+        for n, dt in self.value_dtypes.items():  # text is cast to no number (it was tried at the first batch)
+            if self.out_dtype is not None and dt.kind in "OSTU" and self.out_dtype.kind not in "OSTU":
+                raise TypeError(f"dtype={dtype!r}: variable {n!r} holds {dt} values, which cast to no "
+                                f"{self.out_dtype}; leave it out (variables=[...]) or give no dtype=")
         #: the stacked batch's dtype: ``dtype=``, else the variables' common result dtype (as ``to_dataarray``)
         self.dtype = self.out_dtype if self.out_dtype is not None else self._common_dtype()
         #: each output array's dtype (a variable's own, or the stacked batch's)

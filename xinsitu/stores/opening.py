@@ -273,10 +273,11 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
     except FileNotFoundError as e:
         err = _array_error(zstore, group, where) or \
             FileNotFoundError(f"no zarr group found at {where}: {scrubbed(e, secrets)}")
-    except KeyError as e:  # zarr's for a group the consolidated metadata lacks
-        if group is None:
+    except KeyError as e:  # zarr's for a group the consolidated metadata lacks; xarray's for v3 arrays without dims
+        err = _no_dims_error(zstore, group, where) if "dimension_names" in str(e) else None
+        if err is None and group is None:
             raise
-        err = ValueError(f"group={group!r}: no such group in {where} ({scrubbed(e, secrets)})")
+        err = err or ValueError(f"group={group!r}: no such group in {where} ({scrubbed(e, secrets)})")
     except Exception as e:
         err = _array_error(zstore, group, where)
         if err is None and isinstance(e, TypeError) and "prototype" in str(e):  # xarray's, for v2 arrays without dims
@@ -671,15 +672,21 @@ def _array_error(zstore: Any, group: str | None, where: str) -> ValueError | Non
 
 
 def _no_dims_error(zstore: Any, group: str | None, where: str) -> ValueError | None:
-    """An error naming the zarr v2 arrays that lack ``_ARRAY_DIMENSIONS`` (what xarray needs for dims),
-    or None."""
+    """An error naming the zarr v2 arrays that lack ``_ARRAY_DIMENSIONS`` or the v3 arrays that lack
+    ``dimension_names`` (what xarray needs for dims), or None."""
     import zarr
 
     try:
         g = zarr.open_group(zstore, path=group or "", mode="r")
-        names = sorted(n for n, a in g.arrays() if "_ARRAY_DIMENSIONS" not in a.attrs)
+        arrays = list(g.arrays())
+        v3 = sorted(n for n, a in arrays if a.metadata.zarr_format == 3 and a.metadata.dimension_names is None)
+        names = sorted(n for n, a in arrays if a.metadata.zarr_format == 2 and "_ARRAY_DIMENSIONS" not in a.attrs)
     except Exception:  # noqa: BLE001 - unknown: the caller re-raises the original
         return None
+    if v3:
+        return ValueError(f"{where}: zarr v3 arrays {v3} have no 'dimension_names', which xarray needs to name "
+                          "their dimensions: the archive was not written by xarray. Write them with "
+                          "zarr.create_array(..., dimension_names=[...]), or add the list to each array's zarr.json")
     if not names:
         return None
     return ValueError(f"{where}: zarr v2 arrays {names} have no '_ARRAY_DIMENSIONS' attribute (nor NCZarr "

@@ -381,6 +381,11 @@ def test_disk_size_bound(tmp_path: os.PathLike[str]) -> None:
     kept = [i for i in range(30) if c.get(key_of(i)) is not None]
     assert len(kept) >= 8 and kept == list(range(len(kept)))  # the first that fit stay (used during this run)
     assert c.stats.not_admitted > 0 and c.stats.disk_evictions == 0
+    small = ChunkCache(memory=0, disk=tmp_path / "small", disk_size="100kB")  # a chunk larger than the bound
+    with pytest.warns(RuntimeWarning, match=r"keeps no chunk of 200.\d kB .*larger than the whole tier"):
+        small.put(key_of(0), value_of(0))
+    assert small.get(key_of(0)) is None and small.stats.not_admitted == 1
+    assert small.notes[0].startswith("disk tier keeps no chunk")  # (was: 'full', holding nothing)
 
 
 def test_a_new_run_evicts_what_the_last_one_left_least_recently_used(tmp_path: os.PathLike[str]) -> None:

@@ -348,6 +348,14 @@ class DiskTier:
         if not self.scanned:
             self._maybe_evict()  # the first put of this process: learn what the directory holds
         limit = self.limit()
+        if n > limit and self.size is not None:  # no eviction makes room: said as such, not as a full tier
+            with self._lock:
+                self.counts.not_admitted += 1
+            self._say("too big", f"disk tier keeps no chunk of {_fmt(n)}: larger than disk_size={_fmt(self.size)}",
+                      f"the chunk cache's disk tier {self.root!r} keeps no chunk of {_fmt(n)} (its entry): that is "
+                      f"larger than the whole tier (disk_size={_fmt(self.size)}); give a larger disk_size "
+                      "(warned once)")
+            return False
         with self._lock:
             fits = self.counts.disk_bytes + n <= limit
             recheck = time.monotonic() - self._full_since >= FULL_RESCAN_S
@@ -622,7 +630,7 @@ def _open_disk(disk: str) -> int:
         try:
             return _open_dir(root, _SUBDIR, create=True)  # type: ignore[return-value]
         except OSError as e:
-            need = ("made in a directory you can write" if e.errno in (errno.EACCES, errno.EROFS)
+            need = ("made in a directory you can write" if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
                     else "a directory of your own, not a link")
             raise ValueError(f"refusing {os.path.join(disk, _SUBDIR)!r} as the cache's disk tier: it must be "
                              f"{need} ({type(e).__name__}: {e})") from e

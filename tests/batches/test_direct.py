@@ -465,6 +465,35 @@ def test_default_block_chunks_follows_the_budget(step, budget, chunk, width):
     assert k == MAX_BLOCK_CHUNKS or (k + 1) * per * held > budget or k == least
 
 
+@pytest.mark.parametrize("chunk_time", [1, 4])  # one sample per chunk (no buffer), and buffers of blocks
+def test_the_order_is_the_datasets_whichever_variables_are_read(tmp_path, monkeypatch, chunk_time):
+    """Inputs and targets read by two generators of one Dataset (other ``variables=``, one manifest, seed
+    and epoch) and zipped: the same samples in the same order (SPEC §4: the order depends on the manifest).
+    The default ``block_chunks`` follows the bytes of the Dataset's variables on the split dims, not the
+    bytes of those read: from those, a budget of two blocks of every variable gave one variable more."""
+    from xinsitu.batches.buffer import dataset_unit_nbytes
+    from xinsitu.batches.generator import BatchGenerator
+    from xinsitu.synthetic import write_era5_like
+
+    path = str(tmp_path / "era5.zarr")
+    write_era5_like(path, nt=96, ny=8, nx=12, chunk_time=chunk_time)
+    ds = xinsitu.open_zarr(path)
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    every = ds.insitu.batches(m, "train", batch_size=4)
+    budget = BUDGET_BUFFERS * 2 * dataset_unit_nbytes(every.space, ds)
+    monkeypatch.setattr(BatchGenerator, "buffer_budget", budget)
+    kw = dict(batch_size=4, output="xarray", seed=3)
+    inputs = ds.insitu.batches(m, "train", variables=["u10", "v10", "z500"], **kw)
+    target = ds.insitu.batches(m, "train", variables=["t2m"], **kw)
+    assert inputs.block_chunks == target.block_chunks == 2
+    assert default_block_chunks(target.space, target.layouts, budget) > 8  # (the target's own bytes)
+    for epoch in (0, 1):
+        inputs.set_epoch(epoch)
+        target.set_epoch(epoch)
+        for x, y in zip(inputs, target, strict=True):
+            assert np.array_equal(x.time.values, y.time.values)
+
+
 def _count_buffers(monkeypatch) -> list[int]:
     """Counts the buffers loaded and not yet given back: ``[the most at once]``, updated as they come."""
     import xinsitu.batches.buffer as buffer_mod

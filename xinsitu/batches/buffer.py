@@ -50,26 +50,42 @@ UNIT_SLOTS = 1 << 17  # units whose slot planning is kept (a few hundred bytes e
 def unit_nbytes(space: SampleSpace, layouts: dict[str, VarLayout]) -> int:
     """Decoded bytes of one unit (chunk block) of every variable with a split dim: its longest block
     along each split dim (plus the halo a window spills into), the variable's other dims whole."""
+    return _unit_bytes(space, [(lay.src.dims, lay.src.shape, np.dtype(lay.src.raw_dtype).itemsize)
+                               for lay in layouts.values() if not lay.static])
+
+
+def dataset_unit_nbytes(space: SampleSpace, ds: Any) -> int:
+    """``unit_nbytes`` of every data variable of ``ds`` (an ``xr.Dataset``) with a split dim, read or not,
+    at the larger of its stored and decoded item sizes: what the default ``block_chunks`` follows, so that
+    generators of one Dataset with other ``variables=`` (inputs and targets read apart) draw one order."""
+    split = {d.name for d in space.split_dims}
+    arrays = []
+    for v in ds.data_vars.values():
+        if split & set(v.dims):
+            stored = v.encoding.get("dtype")
+            size = max(v.dtype.itemsize, np.dtype(stored).itemsize if stored is not None else 0)
+            arrays.append((v.dims, v.shape, size))
+    return _unit_bytes(space, arrays)
+
+
+def _unit_bytes(space: SampleSpace, arrays: list[tuple[tuple[Any, ...], tuple[int, ...], int]]) -> int:
+    """Bytes of one unit of arrays ``(dims, shape, item size)`` (see ``unit_nbytes``)."""
     extent = {d.name: int(np.diff(e).max()) + d.width - 1 if len(e) > 1 else d.width
               for d, e in zip(space.split_dims, space.edges, strict=True)}
-    total = 0
-    for lay in layouts.values():
-        if lay.static:
-            continue
-        src = lay.src
-        total += int(np.prod([extent.get(d, n) for d, n in zip(src.dims, src.shape, strict=True)],
-                             dtype=np.int64)) * np.dtype(src.raw_dtype).itemsize
-    return total
+    return sum(int(np.prod([extent.get(d, n) for d, n in zip(dims, shape, strict=True)], dtype=np.int64)) * size
+               for dims, shape, size in arrays)
 
 
-def default_block_chunks(space: SampleSpace, layouts: dict[str, VarLayout], budget: int) -> int:
+def default_block_chunks(space: SampleSpace, layouts: dict[str, VarLayout], budget: int, ds: Any = None) -> int:
     """Chunk blocks per buffer where ``block_chunks`` is not given: as many as keep the buffers read ahead
     and held (``BUDGET_BUFFERS``) within ``budget`` bytes, between 2 and ``MAX_BLOCK_CHUNKS`` -- or 1 where
     no block holds more than one sample (one step per chunk with a window: the chunk order is a global
     shuffle already, and a buffer of 2 blocks of a 0.25-degree field is 665 MB). Where windows or tiles
     along a split dim spill into later buffers, the boxes passed on to them (``halo``: up to
-    ``HALO_HELD_BUFFERS`` buffers of slots) share the budget too."""
-    per = max(1, unit_nbytes(space, layouts))
+    ``HALO_HELD_BUFFERS`` buffers of slots) share the budget too. With ``ds``, the Dataset the variables
+    are read from, the bytes are those of all its variables on the split dims (``dataset_unit_nbytes``):
+    the count, and so the order, is not the read variables' (SPEC §4: the order depends on the manifest)."""
+    per = max(1, unit_nbytes(space, layouts), dataset_unit_nbytes(space, ds) if ds is not None else 0)
     size = space.unit_size
     least = 1 if (size if size is not None else int(np.max(space.counts, initial=0))) <= 1 else 2
     return int(min(MAX_BLOCK_CHUNKS, max(least, budget // (buffers_held(space) * per))))

@@ -172,9 +172,10 @@ class BatchGenerator:
         self.sampling = sampled
         self.sources, self.geometry, self.space, self.layouts = (sampled.sources, sampled.geometry, sampled.space,
                                                                  sampled.layouts)
-        #: chunk blocks per buffer: given, or what the byte budget allows
+        #: chunk blocks per buffer: given, or what the byte budget allows (for the Dataset's variables: one
+        #: order whichever are read)
         self.block_chunks = block_chunks if block_chunks is not None else default_block_chunks(
-            self.space, self.layouts, self.buffer_budget)
+            self.space, self.layouts, self.buffer_budget, ds)
         self.builder = OutputBuilder(ds, self.space, self.layouts, output, stack, device, normalize=normalize,
                                      transform=transform, dtype=dtype)
         if normalize is not None:  # statistics of this manifest's split, not of val/test or another manifest

@@ -345,9 +345,9 @@ def test_array_cf_refuses_what_it_cannot_match(era5_path):
 
 
 # ------------------------------------------------------------------ a device tier for chunks decoded on the host
-def test_device_tier_keeps_chunks_decoded_on_the_host(tmp_path):
-    """Chunks nvCOMP cannot decode (blosc) are decoded on the host and, with ``ChunkCache(device=)``,
-    kept in GPU memory: later epochs copy them from there, read and decode nothing."""
+def _host_and_device_decoded(tmp_path):
+    """An archive of x (blosc: nvCOMP cannot decode it, the host does) and y (zstd: the device decodes it),
+    10 chunks each: (its path, the values written)."""
     import xarray as xr
     from zarr.codecs import BloscCodec
 
@@ -358,6 +358,13 @@ def test_device_tier_keeps_chunks_decoded_on_the_host(tmp_path):
     path = str(tmp_path / "a.zarr")
     ds0.to_zarr(path, encoding={"x": dict(chunks=(4, 3, 4), compressors=[BloscCodec()]),
                                 "y": dict(chunks=(4, 3, 4))}, consolidated=False, zarr_format=3)
+    return path, ds0
+
+
+def test_device_tier_keeps_chunks_decoded_on_the_host(tmp_path):
+    """Chunks nvCOMP cannot decode (blosc) are decoded on the host and, with ``ChunkCache(device=)``,
+    kept in GPU memory: later epochs copy them from there, read and decode nothing."""
+    path, ds0 = _host_and_device_decoded(tmp_path)
     ds = xinsitu.open_zarr(path)
     m = ds.insitu.split("time", fractions={"all": 1.0})
     kw = dict(batch_size=6, seed=1, block_chunks=2, output="numpy", stack=True)
@@ -384,16 +391,7 @@ def test_a_device_tier_checks_what_an_earlier_generator_kept(tmp_path, tier):
     given to a second generator after another tool rewrote a chunk of each variable: the rewritten chunks
     are read again, as from the memory tier, the others copied from the device tier -- for chunks
     decoded on the device (y) and on the host (x: blosc)."""
-    import xarray as xr
-    from zarr.codecs import BloscCodec
-
-    rng = np.random.default_rng(0)
-    ds0 = xr.Dataset({"x": (("time", "lat", "lon"), rng.normal(size=(40, 3, 4)).astype("f4")),
-                      "y": (("time", "lat", "lon"), rng.normal(size=(40, 3, 4)).astype("f4"))},
-                     coords={"time": np.arange(40)})
-    path = str(tmp_path / "a.zarr")
-    ds0.to_zarr(path, encoding={"x": dict(chunks=(4, 3, 4), compressors=[BloscCodec()]),
-                                "y": dict(chunks=(4, 3, 4))}, consolidated=False, zarr_format=3)
+    path, ds0 = _host_and_device_decoded(tmp_path)
     kw = dict(batch_size=8, shuffle=False, block_chunks=2, output="numpy", stack=True)
     cache = xinsitu.ChunkCache(memory=0 if tier == "device" else "1MB")
     cache.device_budget = 1 << 20 if tier == "device" else 0  # (as ChunkCache(device=) sets it with a CUDA device)

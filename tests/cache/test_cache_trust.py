@@ -110,6 +110,35 @@ def test_a_shared_cache_checks_remote_objects_an_earlier_generator_kept(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tier", ["device", "memory"])
+def test_a_device_tier_checks_remote_objects_an_earlier_generator_kept(tmp_path, remote, tier):
+    """The GPU path's tier in device memory (``device=``, or the memory budget the GPU path moves there) on
+    a remote archive, with a disk tier: its entries carry their objects' versions, asked as the disk tier
+    asks, so a generator after the objects were replaced gets the new values (it got the old ones: kept
+    without a version, an entry is never checked); with the archive unchanged since, every chunk comes
+    from the device tier."""
+    from tests.support.gpu import on_gpu
+
+    srv, url, opts, path, publish = remote
+    cache = ChunkCache(memory=0 if tier == "device" else "1GB", disk=tmp_path / "c")
+    cache.device_budget = 1 << 30 if tier == "device" else 0  # (as ChunkCache(device=) sets it with a CUDA device)
+
+    def epoch():
+        gen, _ = on_gpu(_remote_gen(url, opts, cache))
+        return _epochs(gen, (0,)), gen.io_stats
+
+    old, _ = epoch()
+    _rewrite(path)
+    publish()
+    new = _epochs(_remote_gen(url, opts, None), (0,))
+    assert not _same(new, old)
+    got, st = epoch()
+    assert _same(got, new) and st["cache_hits"] == 0
+    got, st = epoch()
+    assert _same(got, new) and st["cache_hits"] == st["chunks"] > 0
+
+
+@pytest.mark.slow
 def test_a_rewritten_remote_object_is_never_served_stale(tmp_path, remote):
     """Run 1 fills the disk cache; the objects are replaced with new values; run 2 (a new process's
     cache on the same directory) gives the new values, as an uncached run does, not the old ones; an

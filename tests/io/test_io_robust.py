@@ -600,6 +600,7 @@ def test_open_errors_say_what_is_wrong(tmp_path):
     g = zarr.open_group(tmp_path / "v3.zarr", mode="w", zarr_format=3)  # (was xarray's KeyError, naming neither)
     g.create_array("a", shape=(4,), dtype="f4")
     g.create_array("b", shape=(4,), dtype="f4", dimension_names=["t"])
+    g.create_array("s", shape=(), dtype="f4")  # a scalar needs no dim names
     with pytest.raises(ValueError, match=r"v3.zarr: zarr v3 arrays \['a'\] have no 'dimension_names'"):
         xinsitu.open_zarr(str(tmp_path / "v3.zarr"))
     xr.Dataset({"a": (("t",), np.arange(4.0))}).to_zarr(tmp_path / "noc.zarr", zarr_format=3, consolidated=False)

@@ -366,7 +366,10 @@ class ChunkCache:
             if key in self._notes:
                 return
             self._notes[key] = note
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        try:
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+        except Warning:  # raised where warnings are errors: said in ``notes``, and no read fails of it
+            pass
 
     def _served_missing(self, key: Hashable) -> None:
         """A chunk whose store said it is missing (``disk_keys``: a ``HEAD`` answered 404, a listing without

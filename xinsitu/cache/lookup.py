@@ -219,7 +219,14 @@ async def in_device_tier(reader: Reader, src: VarSource, coords: list[tuple[int,
     todo = [i for i, p in enumerate(places) if p is None]
     if len(todo) < len(coords):
         reader.settle(route, None, SETTLED_HIT, n=len(coords) - len(todo))
-    versions = [keys.known_version(o) for o in objects] if keys.needs_version else None
+    versions = None
+    if keys.needs_version:  # the versions of those it will keep, asked as the disk tier asks (a later reader
+        cache = reader.cache  # checks the entries against them; one kept without a version stays as read)
+        if todo and keys.remote is not None and cache.disk is not None and not cache.immutable:
+            _, asked = await asyncio.get_running_loop().run_in_executor(None, keys.versions,
+                                                                        [objects[i] for i in todo])
+            cache.recheck([], [], keys.since_ns, requests=asked)
+        versions = [keys.known_version(o) for o in objects]
     return TierPlan(mkeys, places, todo, keys.since_ns, versions)
 
 

@@ -173,11 +173,10 @@ SCRATCH = ThreadScratch()
 
 def _put_cache(cache: ChunkCache, key: Any, chunk: np.ndarray, disk_key: str | None = None,
                born: int | None = None, version: str | None = None) -> None:
-    """Hand a decoded chunk to the cache, which copies it (never a failed read: one it cannot keep is read;
-    what the cache says of it once, a warning that a ``-W error`` run raises, is in its ``notes`` first)."""
+    """Hand a decoded chunk to the cache, which copies it (never a failed read: one it cannot keep is read)."""
     try:
         cache.put(key, chunk, disk_key=disk_key, born=born, version=version)
-    except (OSError, MemoryError, Warning):  # a chunk the cache cannot keep is still read: never a failed read
+    except (OSError, MemoryError):  # a chunk the cache cannot keep is still read: never a failed read
         pass
 
 

@@ -679,7 +679,8 @@ def _no_dims_error(zstore: Any, group: str | None, where: str) -> ValueError | N
     try:
         g = zarr.open_group(zstore, path=group or "", mode="r")
         arrays = list(g.arrays())
-        v3 = sorted(n for n, a in arrays if a.metadata.zarr_format == 3 and a.metadata.dimension_names is None)
+        v3 = sorted(n for n, a in arrays if a.metadata.zarr_format == 3 and a.metadata.dimension_names is None
+                    and a.ndim)  # (a scalar needs none)
         names = sorted(n for n, a in arrays if a.metadata.zarr_format == 2 and "_ARRAY_DIMENSIONS" not in a.attrs)
     except Exception:  # noqa: BLE001 - unknown: the caller re-raises the original
         return None

@@ -177,7 +177,8 @@ def test_automatic_max_inflight_grows_with_latency(archive, manifest, monkeypatc
         limit = gen._reader.inflight
         top = max([limit.limit] + [n for n, _ in limit.history])  # it may step back where latency inflates
         assert limit.latency_s > 0.04, (limit.history, limit.latency_s)
-        assert_grew_by_rule(windows, 12)
+        assert_grew_by_rule(windows, 12)  # (the first window, the quickest so far, is never a strike)
+        assert any(used and strikes == 0 for _, used, _, _, _, strikes, _ in windows), windows
         if not stalls and all(used and strikes == 0 and cap == 12 for _, used, cap, _, _, strikes, _ in windows):
             assert top == 12, windows
         assert 3 < srv.peak <= 12, srv.peak

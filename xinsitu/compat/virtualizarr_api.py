@@ -47,6 +47,14 @@ def manifest_files(store: Any, apath: str) -> list[str]:
     return sorted({str(p) for p in paths.ravel().tolist() if p})
 
 
+def inlined_chunk(manifest: Any, coords: tuple[int, ...]) -> bytes | None:
+    """The bytes of chunk ``coords`` where the ``ChunkManifest`` holds them itself (VirtualiZarr >= 2.8 keeps
+    small chunks inline: a variable-length string variable, an HDF5 compact dataset), else None."""
+    held = getattr(manifest, "_inlined", None)
+    got = None if not held else held.get(tuple(coords))
+    return None if got is None else bytes(got)  # (a bytearray)
+
+
 def chunk_shape(arr: Any) -> tuple[int, ...]:
     """The chunk shape of a ``ManifestArray`` (VirtualiZarr >= 2.8 has no ``.chunks``: zarr's metadata has)."""
     return tuple(arr.metadata.chunks)

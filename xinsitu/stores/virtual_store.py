@@ -108,11 +108,15 @@ class ManifestBackend:
             got = self._arrays[apath] = (node.manifest, node.metadata.chunk_key_encoding)
         return got
 
-    def locate(self, key: str) -> ChunkRange | None:
-        """(file URL, start, end) of the chunk stored under ``key``; None where it has no entry."""
+    def locate(self, key: str) -> ChunkRange | bytes | None:
+        """(file URL, start, end) of the chunk stored under ``key``; its bytes where the manifest holds them
+        (``inlined_chunk``); None where it has no entry."""
         apath, ckey = self._split_key(key)
         manifest, encoding = self._array(apath)
         coords = _chunk_coords(ckey, encoding, manifest.ndim_chunk_grid)
+        inline = compat_virtualizarr.inlined_chunk(manifest, coords)
+        if inline is not None:
+            return inline
         entry = manifest.get_entry(coords)
         if entry is None:
             return None
@@ -145,8 +149,8 @@ class ManifestBackend:
     # -- fetching
     async def get(self, key: str) -> Any:
         where = self.locate(key)
-        if where is None:
-            return None
+        if where is None or isinstance(where, bytes):
+            return where
         url, start, end = where
         fs = self._store_of(url)
         store, path = fs.store, fs.path

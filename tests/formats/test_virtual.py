@@ -461,7 +461,8 @@ def test_variable_length_strings(tmp_path):
     else:
         xr.testing.assert_identical(got.load(), ref)
         # VirtualiZarr keeps such chunks in the manifest itself: batches read them there (they asked a store
-        # registered for the URL '__inlined__')
+        # registered for the URL '__inlined__'); a fresh open (``load`` kept the values in memory)
+        got = open_netcdf(f)
         m = got.insitu.split("time", fractions={"train": 1.0})
         (b,) = got.insitu.batches(m, "train", batch_size=4, shuffle=False, output="numpy", variables=["label", "a"])
         assert list(b["label"]) == ["x", "yy", "z", "ww"] and np.array_equal(b["a"], ref.a.values)

@@ -65,6 +65,7 @@ from xinsitu.stores.virtual_store import (  # noqa: F401 - ManifestBackend, is_m
     file_error,
     is_manifest_store,
     named,
+    note_opened,
     path_in_store,
 )
 
@@ -386,7 +387,7 @@ def netcdf_store(paths: str | os.PathLike | Iterable[str | os.PathLike], *, conc
     """
     with warnings.catch_warnings(), needs_extra("virtual", "reading NetCDF files in place"):
         warnings.filterwarnings("ignore", message=_NUMCODECS_WARNING)
-        return _netcdf_store(paths, concat_dim, group, drop_variables, registry, store_options)
+        return note_opened(_netcdf_store(paths, concat_dim, group, drop_variables, registry, store_options))
 
 
 def _netcdf_store(paths: Any, concat_dim: str, group: str | None, drop_variables: Iterable[str] | None,

@@ -258,6 +258,24 @@ def test_missing_field_reads_as_nan(tmp_path):
     assert np.isnan(ds.t2m.values[0, 1]).all() and not np.isnan(ds.msl.values).any()
 
 
+def test_a_file_changed_after_opening_is_refused_naming_it(tmp_path):
+    """The references are byte offsets into the file as it was opened: a file written again since -- here
+    the same messages in another order, each of the same size, so every offset still lands on a message --
+    is refused naming the file (its batches held one field as another); opened again, it reads as cfgrib."""
+    from xinsitu.stores.backend import ChunkReadError
+
+    data = fields(2)
+    f = write_grib(tmp_path / "a.grib", data, TIMES[:2], STEPS, edition=2)
+    ds = open_grib(f)
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    write_grib(f, {"msl": data["msl"], "2t": data["2t"]}, TIMES[:2], STEPS, edition=2)
+    with pytest.raises(ChunkReadError, match=re.escape(str(f)) + " changed after it was opened"):
+        list(ds.insitu.batches(m, "train", batch_size=2, shuffle=False, output="numpy"))
+    again = open_grib(f)
+    same(again, cfgrib(f))
+    assert len(list(again.insitu.batches(m, "train", batch_size=2, output="numpy"))) == 1  # (2 steps)
+
+
 # ----------------------------------------------------------------------------- several files
 @pytest.mark.slow
 def test_files_join_along_time(tmp_path, edition):

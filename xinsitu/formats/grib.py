@@ -40,7 +40,7 @@ from xinsitu.formats.references import (
     register_codec_class,
     registry_for,
 )
-from xinsitu.stores.virtual_store import VirtualReferenceError, named
+from xinsitu.stores.virtual_store import VirtualReferenceError, named, note_opened
 
 #: Packings gribberish 0.30 decodes to exactly ecCodes' values, by edition (measured; see the module doc).
 GRIBBERISH_PACKINGS = {
@@ -494,7 +494,7 @@ def grib_store(paths: str | os.PathLike | Iterable[str | os.PathLike], *, concat
     out = ManifestStore(ManifestGroup(arrays=arrays, attributes={k: _jsonable(v) for k, v in files[0].attrs.items()}),
                         registry=reg)
     check_decodable(out, files[0].url)
-    return out
+    return note_opened(out)  # a file changed since is refused (references are byte offsets)
 
 
 def open_grib(paths: str | os.PathLike | Iterable[str | os.PathLike], *, concat_dim: str = "time",

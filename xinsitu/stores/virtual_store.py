@@ -5,8 +5,10 @@ into one request. ``xinsitu.stores.backend.backend_for`` picks it for such a sto
 from __future__ import annotations
 
 import asyncio
+import os
+import weakref
 from typing import Any, NamedTuple
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 from xinsitu.compat import virtualizarr_api as compat_virtualizarr
 from xinsitu.io import loop as _loop
@@ -57,6 +59,37 @@ def path_in_store(url: str, store: Any) -> str:
 
 def _is_obstore(store: Any) -> bool:
     return type(store).__module__.startswith("obstore")
+
+
+#: the local files each virtual store references, as they were when it was made (``note_opened``), by the
+#: store's id: (a weak reference to the store, {URL: (size, modification time)}); its references are byte
+#: offsets into them
+_OPENED: dict[int, tuple[Any, dict[str, tuple[int, int]]]] = {}
+
+
+def note_opened(mstore: Any) -> Any:
+    """Remember the size and modification time of each local file ``mstore`` (a ``ManifestStore``) references,
+    so that a read refuses a file changed since (``ManifestBackend``); ``mstore`` itself."""
+    files = {u for name in compat_virtualizarr.manifest_group(mstore).arrays
+             for u in compat_virtualizarr.manifest_files(mstore, name) if u.startswith("file://")}
+    seen = {}
+    for url in files:
+        try:
+            st = os.stat(_local_path(url))
+        except OSError:
+            continue
+        seen[url] = (st.st_size, st.st_mtime_ns)
+    key = id(mstore)
+    try:
+        ref = weakref.ref(mstore, lambda _: _OPENED.pop(key, None))
+    except TypeError:  # (a store that takes no weak reference: not checked)
+        return mstore
+    _OPENED[key] = (ref, seen)
+    return mstore
+
+
+def _local_path(url: str) -> str:
+    return unquote(urlparse(url).path)
 
 
 class ChunkRange(NamedTuple):
@@ -140,11 +173,29 @@ class ManifestBackend:
     def _store_of(self, url: str) -> _FileStore:
         got = self._stores.get(url)
         if got is None:
+            self._check_unchanged(url)
             store, _ = self._registry.resolve(url)
             if store is None:
                 raise VirtualReferenceError(f"no store registered for {named(url)}")
             got = self._stores[url] = _FileStore(store, path_in_store(url, store), secrets_of(store))
         return got
+
+    def _check_unchanged(self, url: str) -> None:
+        """Refuse a local file changed since the store was made (``note_opened``): its references are byte
+        offsets into the file as it was (a GRIB file of the same messages in another order read one field as
+        another); checked once per file and reader."""
+        ref, seen = _OPENED.get(id(self.mstore), (None, {}))
+        was = seen.get(url) if ref is not None and ref() is self.mstore else None
+        if was is None:
+            return
+        try:
+            st = os.stat(_local_path(url))
+        except OSError:
+            return  # (the read says what is wrong)
+        if (st.st_size, st.st_mtime_ns) != was:
+            raise VirtualReferenceError(f"{named(url)} changed after it was opened (its size or modification "
+                                        "time): the references are byte offsets into the file as it was; open "
+                                        "it again")
 
     # -- fetching
     async def get(self, key: str) -> Any:
@@ -211,9 +262,7 @@ def _checked(data: Any, url: str, start: int, end: int, key: str) -> Any:
 
 def _read_local(url: str, start: int, end: int) -> bytes:
     """Bytes ``start:end`` of a local file (``file://`` URL), by plain file I/O."""
-    from urllib.parse import unquote
-
-    path = unquote(urlparse(url).path)
+    path = _local_path(url)
     try:
         with open(path, "rb") as f:
             f.seek(start)

@@ -164,13 +164,15 @@ def to_xy(batch):
     return {"inputs": {"x": x, "lsm": np.asarray(batch["u10"])[:, :1]}}, np.asarray(batch["t2m"])[:, None]
 
 
-def test_transform_numpy_arrays_become_tensors_on_the_device(ds_m):
+@pytest.mark.parametrize("device", ["cpu", None])
+def test_transform_numpy_arrays_become_tensors_on_the_device(ds_m, device):
     """SPEC §4 Other outputs: the device= copy moves every array the transform returned, numpy arrays
-    becoming tensors of the output kind (not left behind as numpy on the host)."""
+    becoming tensors of the output kind (not left behind as numpy on the host); without device=, tensors
+    on the CPU, as the output's own arrays are (they stayed numpy: the docs' loop got no tensors)."""
     ds, m = ds_m
     kw = dict(batch_size=6, seed=4, block_chunks=2, variables=["t2m", "u10"])
     ref = [to_xy(b) for b in ds.insitu.batches(m, "train", output="numpy", **kw)]
-    gen = ds.insitu.batches(m, "train", output="torch", device="cpu", transform=to_xy, **kw)
+    gen = ds.insitu.batches(m, "train", output="torch", device=device, transform=to_xy, **kw)
     n = 0
     for (rin, ry), (inputs, y) in zip(ref, gen, strict=True):
         for got, exp in ((inputs["inputs"]["x"], rin["inputs"]["x"]), (inputs["inputs"]["lsm"], rin["inputs"]["lsm"]),

@@ -307,7 +307,7 @@ class OutputBuilder:
                               "forget `return batch`?", UserWarning, stacklevel=2)
         if self.mover is not None:
             return self.mover.move(batch)
-        if self.output == "torch" and self.device is not None:
+        if self.output == "torch" and (self.device is not None or self.transform is not None):
             return _tree_map(batch, self._move_torch)
         if self.output == "jax":
             return _tree_map(batch, self._to_jax)
@@ -530,13 +530,13 @@ class OutputBuilder:
         return torch.from_numpy(np.ascontiguousarray(arr) if arr.flags.writeable else arr.copy())
 
     def _move_torch(self, t: Any) -> Any:
-        """One array of the batch onto a non-CUDA ``device=`` (CUDA devices go through ``mover``):
-        a numpy array becomes a tensor there, as the output's own arrays are."""
+        """One array of the batch onto a non-CUDA ``device=`` (CUDA devices go through ``mover``), or, without
+        one, as it is on the CPU: a numpy array (a transform's) becomes a tensor, as the output's own arrays are."""
         import torch
 
         if isinstance(t, np.ndarray) and t.dtype.kind in NUMERIC_KINDS:
             t = self._to_torch(t)
-        if not isinstance(t, torch.Tensor):
+        if not isinstance(t, torch.Tensor) or self.device is None:
             return t
         return t.to(torch.device(self.device))
 

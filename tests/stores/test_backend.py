@@ -405,3 +405,17 @@ def test_a_metadata_read_is_counted_as_a_call_into_obstore():
 
     got, still = asyncio.run(main())
     assert got == b"x" and seen == [True] and not still
+
+
+def test_a_bucket_store_is_named_by_its_bucket_prefix_and_endpoint():
+    """A timeout or a failure names the store: obstore's S3, GCS and Azure stores have no URL, and were named
+    by their type alone ('S3Store'), so a user with several buckets could not tell which one stalled;
+    never a credential."""
+    from xinsitu.stores.reads import store_name
+
+    st = obstore.store.S3Store("bkt", prefix="era5.zarr", endpoint="http://127.0.0.1:9", region="us-east-1",
+                               access_key_id="AKIAXNAME", secret_access_key="SECRETNAME")
+    for store in (st, zarr.storage.ObjectStore(st, read_only=True)):
+        assert store_name(store) == "s3://bkt/era5.zarr (endpoint http://127.0.0.1:9)"
+    assert store_name(obstore.store.S3Store("bkt", region="us-east-1")) == "s3://bkt"
+    assert "SECRET" not in store_name(st) and "AKIA" not in store_name(st)

@@ -335,12 +335,23 @@ def _checked_fsspec() -> Any:
     return _fsspec
 
 
+#: obstore's stores without a URL: (scheme, the config key of their bucket or container)
+_BUCKETS = {"S3Store": ("s3", "bucket"), "GCSStore": ("gs", "bucket"), "AzureStore": ("az", "container_name")}
+
+
 def store_name(zstore: Any) -> str:
     """A zarr store (or an obstore store) as messages name it: its URL without credentials, else its type."""
     obs = getattr(zstore, "store", zstore)  # zarr's ObjectStore: the obstore store it reads
     url = getattr(obs, "url", None)
     if url:
         return redact_url(str(url))
+    where = _BUCKETS.get(type(obs).__name__)
+    config = getattr(obs, "config", None)
+    if where is not None and isinstance(config, dict) and config.get(where[1]):  # obstore's S3, GCS, Azure
+        prefix = str(getattr(obs, "prefix", None) or "").strip("/")
+        endpoint = config.get("endpoint")
+        return (f"{where[0]}://{config[where[1]]}" + (f"/{prefix}" if prefix else "")
+                + (f" (endpoint {redact_url(str(endpoint))})" if endpoint else ""))
     if obs is not zstore:
         return type(obs).__name__
     fs, path = getattr(zstore, "fs", None), getattr(zstore, "path", None)
@@ -376,11 +387,11 @@ def bounded_store(zstore: Any, others: bool = True) -> Any:
     class BoundedStore(zarr.storage.WrapperStore):
         async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
             return await bounded_request(lambda: self._store.get(key, prototype, byte_range),
-                                         f"object {key!r} of {type(self._store).__name__}")
+                                         f"object {key!r} of {store_name(self._store)}")
 
         async def exists(self, key: str) -> bool:
             return await bounded_request(lambda: self._store.exists(key),
-                                         f"object {key!r} of {type(self._store).__name__}")
+                                         f"object {key!r} of {store_name(self._store)}")
 
     return BoundedStore(zstore)
 

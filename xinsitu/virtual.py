@@ -233,14 +233,19 @@ def _diagnose(url: str, registry: Any, group: str | None, drop: list[str], cause
             try:
                 hdf5_variable_manifest(url, obj, str(g.name))
             except Exception as e:  # noqa: BLE001
-                if h5py.check_vlen_dtype(obj.dtype) is not None:
+                base = h5py.check_vlen_dtype(obj.dtype)
+                if base is not None:
                     import virtualizarr
 
+                    text = h5py.check_string_dtype(obj.dtype) is not None
+                    what = "variable-length strings" if text else f"ragged arrays (variable-length {base})"
+                    release = tuple(int(p) for p in virtualizarr.__version__.split(".")[:2] if p.isdigit())
+                    newer = text and release < (2, 8)  # 2.8 reads strings
                     return VirtualReferenceError(
-                        f"{where}: variable {name!r} holds variable-length strings (dtype {obj.dtype}), which "
-                        f"virtualizarr {virtualizarr.__version__} cannot reference in place ({type(e).__name__}: "
-                        f"{e}). Leave it out (drop_variables=[{name!r}]) or upgrade virtualizarr "
-                        "(2.8 reads such variables)")
+                        f"{where}: variable {name!r} holds {what} (dtype {obj.dtype}), which virtualizarr "
+                        f"{virtualizarr.__version__} cannot reference in place ({type(e).__name__}: {e}). Leave "
+                        f"it out (drop_variables=[{name!r}])"
+                        + (" or upgrade virtualizarr (2.8 reads such variables)" if newer else ""))
                 filters = dict(getattr(obj, "_filters", {}) or {})
                 return VirtualReferenceError(
                     f"{where}: variable {name!r} cannot be read in place: its HDF5 filters {filters} include one "

@@ -439,6 +439,23 @@ def test_variables_in_the_files_order(tmp_path, fmt):
         np.testing.assert_array_equal(stacked, ref.to_dataarray("variable").transpose("time", "variable", "x").values)
 
 
+def test_a_ragged_variable_is_named_as_such(tmp_path):
+    """A variable-length integer variable (ragged arrays) is refused naming it and ``drop_variables=`` -- not
+    as 'variable-length strings' that a newer VirtualiZarr reads (it reads strings only)."""
+    netCDF4 = pytest.importorskip("netCDF4")
+    f = str(tmp_path / "ragged.nc")
+    with netCDF4.Dataset(f, "w") as nc:
+        nc.createDimension("time", 3)
+        nc.createVariable("a", "f4", ("time",))[:] = [1, 2, 3]
+        ragged = nc.createVariable("ragged", nc.createVLType(np.int32, "vl_t"), ("time",))
+        for i in range(3):
+            ragged[i] = np.arange(i + 1, dtype="i4")
+    with pytest.raises(VirtualReferenceError, match=r"'ragged' holds ragged arrays \(variable-length int32\)") as e:
+        open_netcdf(f)
+    assert "drop_variables=['ragged']" in str(e.value) and "upgrade" not in str(e.value)
+    np.testing.assert_array_equal(open_netcdf(f, drop_variables=["ragged"]).a.values, [1, 2, 3])
+
+
 def test_variable_length_strings(tmp_path):
     """A variable-length string variable (station names): read in place where the installed VirtualiZarr can
     (2.8), else refused naming it and what to do -- leave it out, or upgrade -- not an HDF5 filter."""

@@ -237,10 +237,10 @@ def _diagnose(url: str, registry: Any, group: str | None, drop: list[str], cause
                 if base is not None:
                     import virtualizarr
 
-                    text = h5py.check_string_dtype(obj.dtype) is not None
-                    what = "variable-length strings" if text else f"ragged arrays (variable-length {base})"
+                    strings = h5py.check_string_dtype(obj.dtype) is not None
+                    what = "variable-length strings" if strings else f"ragged arrays (variable-length {base})"
                     release = tuple(int(p) for p in virtualizarr.__version__.split(".")[:2] if p.isdigit())
-                    newer = text and release < (2, 8)  # 2.8 reads strings
+                    newer = strings and release < (2, 8)  # 2.8 reads strings
                     return VirtualReferenceError(
                         f"{where}: variable {name!r} holds {what} (dtype {obj.dtype}), which virtualizarr "
                         f"{virtualizarr.__version__} cannot reference in place ({type(e).__name__}: {e}). Leave "

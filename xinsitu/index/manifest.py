@@ -14,7 +14,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import pandas as pd
@@ -319,13 +319,21 @@ class SplitManifest:
             **({"block": self.block} if self.block else {}),
         }
 
-    def to_json(self, path: str | os.PathLike | None = None) -> str:
-        """Write the manifest as JSON to ``path`` (if given) and return the JSON text."""
+    @overload
+    def to_json(self, path: None = None) -> str: ...
+
+    @overload
+    def to_json(self, path: str | os.PathLike) -> None: ...
+
+    def to_json(self, path: str | os.PathLike | None = None) -> str | None:
+        """Write the manifest as JSON to ``path``; without a path, return the JSON text (as pandas' ``to_json``:
+        a notebook cell that ends saving the manifest shows no JSON string)."""
         text = json.dumps(self.to_dict(), indent=1, allow_nan=True)
-        if path is not None:
-            with open(path, "w") as f:
-                f.write(text)
-        return text
+        if path is None:
+            return text
+        with open(path, "w") as f:
+            f.write(text)
+        return None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SplitManifest:

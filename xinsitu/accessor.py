@@ -47,6 +47,19 @@ def listed_unordered(ds: xr.Dataset) -> bool:
     return any(not lists_in_fixed_order(a) for a in arrays.values())
 
 
+@xr.register_dataarray_accessor("insitu")
+class _ArrayAccessor:
+    """``da.insitu``: the accessor works on a Dataset; every attribute says so (not xarray's bare error)."""
+
+    def __init__(self, da: xr.DataArray):
+        self._name = da.name
+
+    def __getattr__(self, attr: str) -> Any:
+        name = "name" if self._name is None else repr(self._name)
+        raise AttributeError(f"'.insitu.{attr}' works on a Dataset, not a DataArray: use ds[[{name}]].insitu, or "
+                             f"ds.insitu with variables=[{name}]")
+
+
 @xr.register_dataset_accessor("insitu")
 class InsituAccessor:
     """Train in place from this Dataset: ``geometry``, ``chunks``, ``split``, ``batches``."""
@@ -141,7 +154,7 @@ class InsituAccessor:
         return make_split(self._ds, self.geometry, dim, fractions=fractions, ranges=ranges, gap=gap,
                           contiguous=contiguous, seed=seed, block=block)
 
-    def batches(self, manifest: SplitManifest, split: str, *, batch_size: int = 32, shuffle: bool = True,
+    def batches(self, manifest: SplitManifest, split: str | None = None, *, batch_size: int = 32, shuffle: bool = True,
                 seed: int = 0, window: dict[str, int] | None = None, patch: dict[str, int] | None = None,
                 stride: dict[str, int] | None = None, over: str | list[str] | None = None,
                 variables: str | list[str] | None = None, output: str = "xarray", stack: bool | list[str] = False,
@@ -227,6 +240,13 @@ class InsituAccessor:
         -------
         BatchGenerator
         """
+        if not isinstance(manifest, SplitManifest):  # (``batches("train")``: Python named the split missing)
+            raise TypeError(f"manifest must be a SplitManifest, got {type(manifest).__name__} {str(manifest)[:40]!r}: "
+                            "make one first, m = ds.insitu.split('time', fractions={...}), then "
+                            "ds.insitu.batches(m, 'train')")
+        if split is None:
+            raise TypeError(f"split: name the split to read, one of {list(manifest.splits)}: "
+                            "ds.insitu.batches(m, 'train')")
         return BatchGenerator(self._ds, manifest, split, batch_size=batch_size, shuffle=shuffle, seed=seed,
                               window=window, patch=patch, stride=stride, over=over,
                               variables=self._variables(manifest, variables), output=output, stack=stack,

@@ -346,13 +346,13 @@ class BatchGenerator:
     def set_epoch(self, epoch: int) -> None:
         """Use the order of ``epoch`` from the next iteration on (an iterator already made keeps its epoch)."""
         epoch = int_arg("epoch", epoch, 0)
-        if int(epoch) != self.epoch:
+        if epoch != self.epoch:
             self._resume_batch = 0
-            if int(epoch) != self._elastic_epoch:  # an elastic remainder belongs to the epoch it was saved in
+            if epoch != self._elastic_epoch:  # an elastic remainder belongs to the epoch it was saved in
                 self._elastic, self._elastic_epoch, self._elastic_plan = [], -1, None
             if not self._live:  # a state saved now is the new epoch's start; else the live iterator's place
-                self._yielded_at = (int(epoch), 0)
-        self.epoch = int(epoch)
+                self._yielded_at = (epoch, 0)
+        self.epoch = epoch
         for shared in self._shared_with_workers():
             shared[0] = self.epoch
 

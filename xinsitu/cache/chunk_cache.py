@@ -273,6 +273,12 @@ class ChunkCache:
         with self._lock:
             self._stats.misses += n
 
+    def count_version_requests(self, n: int) -> None:
+        """Count ``n`` requests that asked a store for its objects' versions (a listing, ``HEAD``s)."""
+        if n:
+            with self._lock:
+                self._stats.version_requests += n
+
     def put(self, key: Hashable, array: np.ndarray, *, disk_key: str | None = None, born: int | None = None,
             version: str | None = None) -> None:
         """Keep a decoded chunk under ``key``: in memory while the budget has room, and on disk.
@@ -341,9 +347,7 @@ class ChunkCache:
         versions, n = keys.versions([k for _, k in chunks])
         if MISSING in versions:  # read anyway: where it comes with bytes, the store was wrong (``_served_missing``)
             self._asked[keys.ident] = keys
-        if n:
-            with self._lock:
-                self._stats.version_requests += n
+        self.count_version_requests(n)
         out: list[str | None] = []
         why: tuple[str, str] | None = None
         for (c, _), v in zip(chunks, versions, strict=True):
@@ -542,12 +546,11 @@ class ChunkCache:
         with self._lock:
             return [(i, *b) for i, k in enumerate(keys) if (b := born.get(k, never))[0] < since]
 
-    def recheck(self, keys: list[Hashable], changed: list[bool], since: int, requests: int = 0) -> None:
+    def recheck(self, keys: list[Hashable], changed: list[bool], since: int) -> None:
         """After ``kept_before``: drop the entries whose source changed (their rows stay unused, counted
         against the budget, as long as their slab lives: a batch may still gather from them), and mark
-        the others as matching since ``since``; ``requests`` asked the store for versions to tell."""
+        the others as matching since ``since``."""
         with self._lock:
-            self._stats.version_requests += requests
             for k, gone in zip(keys, changed, strict=True):
                 if k not in self._mem:
                     continue

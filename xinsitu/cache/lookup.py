@@ -180,18 +180,14 @@ async def _drop_rewritten(cache: ChunkCache, keys: ChunkKey, mkeys: list[Any], o
         return out, 0
 
     gone, asked = await asyncio.get_running_loop().run_in_executor(None, changed)
-    stale = [mkeys[i] for i, _, _ in old]
-    if tier is None:
-        cache.recheck(stale, gone, since, requests=asked)
-    else:
-        tier.recheck(stale, gone, since)
-        cache.recheck([], [], since, requests=asked)  # (the requests it asked, counted)
+    held.recheck([mkeys[i] for i, _, _ in old], gone, since)
+    cache.count_version_requests(asked)
 
 
 class TierPlan(NamedTuple):
     """Whole chunks of a variable and the device cache tier (``in_device_tier``): their memory keys (None:
     not cached), where the tier has each (``(slab, row)`` or None), the positions of those it lacks, and
-    what the tier keeps with those (``about``)."""
+    what the tier keeps with those (``keep``)."""
 
     keys: list[Any] | None
     places: list[Any]
@@ -199,9 +195,13 @@ class TierPlan(NamedTuple):
     born: int | None = None
     versions: list[str | None] | None = None
 
-    def about(self, pos: list[int]) -> dict[str, Any]:
-        """``DeviceCache.put_many``'s ``born`` and ``versions`` for the chunks at ``pos``."""
-        return {"born": self.born, "versions": None if self.versions is None else [self.versions[i] for i in pos]}
+    def keep(self, tier: Any, pos: list[int], outs: list[Any], stack: Any = None) -> None:
+        """Hand the device tier the chunks at ``pos`` (``outs[i]``; rows of ``stack``, as ``put_many`` takes
+        them) with since when they are known to match their source and their objects' versions; nothing
+        where they are not cached."""
+        if self.keys is not None:
+            tier.put_many([self.keys[i] for i in pos], pos, outs, stack, born=self.born,
+                          versions=None if self.versions is None else [self.versions[i] for i in pos])
 
 
 async def in_device_tier(reader: Reader, src: VarSource, coords: list[tuple[int, ...]], tier: Any) -> TierPlan:
@@ -225,7 +225,7 @@ async def in_device_tier(reader: Reader, src: VarSource, coords: list[tuple[int,
         if todo and keys.remote is not None and cache.disk is not None and not cache.immutable:
             _, asked = await asyncio.get_running_loop().run_in_executor(None, keys.versions,
                                                                         [objects[i] for i in todo])
-            cache.recheck([], [], keys.since_ns, requests=asked)
+            cache.count_version_requests(asked)
         versions = [keys.known_version(o) for o in objects]
     return TierPlan(mkeys, places, todo, keys.since_ns, versions)
 

@@ -410,9 +410,8 @@ class Reader:
                 if tier is not None:
                     redo = {id(d) for _, d, _ in flushed.refetch}
                     for r, _, plan in plans:
-                        if plan.keys is not None and r.chain not in flushed.failed:
-                            keep = [i for i in plan.todo if id(r.outs[i]) not in redo]
-                            tier.put_many([plan.keys[i] for i in keep], keep, r.outs, r.stack, **plan.about(keep))
+                        if r.chain not in flushed.failed:
+                            plan.keep(tier, [i for i in plan.todo if id(r.outs[i]) not in redo], r.outs, r.stack)
                 gpu.synchronize()
             except GpuPathError:
                 raise
@@ -447,11 +446,10 @@ class Reader:
 
         def upload() -> None:
             for h, (_, dest, (name, coords, _)) in zip(hosts, redo, strict=True):
-                dest[...] = gpu.asarray(h)
+                dest[...] = gpu.asarray(h)  # (``dest`` is the chunk's ``r.outs[i]``)
                 _, plan, r = of[name]
-                if tier is not None and plan.keys is not None:
-                    i = r.coords.index(coords)
-                    tier.put_many([plan.keys[i]], [0], [dest], **plan.about([i]))
+                if tier is not None:
+                    plan.keep(tier, [r.coords.index(coords)], r.outs)
             gpu.synchronize()
 
         await asyncio.get_running_loop().run_in_executor(None, upload)
@@ -498,8 +496,7 @@ class Reader:
                 t0 = time.perf_counter()
                 checked = fill(first)
                 took = time.perf_counter() - t0
-                if plan.keys is not None:
-                    tier.put_many([plan.keys[i] for i in plan.todo], plan.todo, outs, stack, **plan.about(plan.todo))
+                plan.keep(tier, plan.todo, outs, stack)
                 gpu.synchronize()
             except (GpuPathError, ChunkReadError):
                 raise

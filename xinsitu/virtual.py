@@ -47,6 +47,7 @@ from xinsitu.compat.virtualizarr_api import (
     concat_manifests,
     expand_manifest,
     hdf5_variable_manifest,
+    keeps_chunks_inline,
     manifest_group,
     manifest_registry,
 )
@@ -239,8 +240,7 @@ def _diagnose(url: str, registry: Any, group: str | None, drop: list[str], cause
 
                     strings = h5py.check_string_dtype(obj.dtype) is not None
                     what = "variable-length strings" if strings else f"ragged arrays (variable-length {base})"
-                    release = tuple(int(p) for p in virtualizarr.__version__.split(".")[:2] if p.isdigit())
-                    newer = strings and release < (2, 8)  # 2.8 reads strings
+                    newer = strings and not keeps_chunks_inline()  # (2.8 reads strings)
                     return VirtualReferenceError(
                         f"{where}: variable {name!r} holds {what} (dtype {obj.dtype}), which virtualizarr "
                         f"{virtualizarr.__version__} cannot reference in place ({type(e).__name__}: {e}). Leave "

@@ -242,3 +242,14 @@ def test_dask_task_spec_runs_a_graph_of_selections():
     blocks = [value(k) for k in flatten(x.__dask_keys__())]
     np.testing.assert_array_equal(np.concatenate(blocks), np.arange(12).reshape(6, 2)[::-1])
     assert DataNode("k", 3)({}) == 3
+
+
+def test_keeps_chunks_inline_is_what_the_manifest_does(nc_files):
+    """``keeps_chunks_inline()`` (the ragged-variable message's "upgrade" advice) says whether a ``ChunkManifest``
+    holds chunks itself (``_inlined``), found by feature, not by version string."""
+    from virtualizarr.manifests import ChunkManifest
+
+    from xinsitu.compat import virtualizarr_api as cv
+
+    m = ChunkManifest({"0": {"path": "file:///x.nc", "offset": 0, "length": 1}})
+    assert cv.keeps_chunks_inline() == hasattr(m, "_inlined")

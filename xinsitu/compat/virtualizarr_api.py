@@ -55,6 +55,15 @@ def inlined_chunk(manifest: Any, coords: tuple[int, ...]) -> bytes | None:
     return None if got is None else bytes(got)  # (a bytearray)
 
 
+def keeps_chunks_inline() -> bool:
+    """Whether this VirtualiZarr keeps small chunks in its manifests (>= 2.8), so reads variable-length strings."""
+    import inspect
+
+    from virtualizarr.manifests import ChunkManifest
+
+    return "inlined" in inspect.signature(ChunkManifest.from_arrays).parameters
+
+
 def chunk_shape(arr: Any) -> tuple[int, ...]:
     """The chunk shape of a ``ManifestArray`` (VirtualiZarr >= 2.8 has no ``.chunks``: zarr's metadata has)."""
     return tuple(arr.metadata.chunks)

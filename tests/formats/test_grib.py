@@ -276,6 +276,27 @@ def test_a_file_changed_after_opening_is_refused_naming_it(tmp_path):
     assert len(list(again.insitu.batches(m, "train", batch_size=2, output="numpy"))) == 1  # (2 steps)
 
 
+def test_a_file_changed_during_a_run_is_refused_at_its_next_read(tmp_path):
+    """Checked at every read, not only the first: a file written again between two epochs of one generator
+    (the same messages in another order) is refused at the next epoch's read, naming the file. (The first
+    sample, read ahead as the first epoch ended, was read before the change.)"""
+    from xinsitu.stores.backend import ChunkReadError
+
+    data = fields(2)
+    f = write_grib(tmp_path / "a.grib", data, TIMES[:2], STEPS, edition=2)
+    ds = open_grib(f)
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    gen = ds.insitu.batches(m, "train", batch_size=1, shuffle=False, output="numpy")
+    first = [b["t2m"] for b in gen]
+    np.testing.assert_array_equal(np.concatenate(first), cfgrib(f).t2m.values)
+    was = os.stat(f)
+    write_grib(f, {"msl": data["msl"], "2t": data["2t"]}, TIMES[:2], STEPS, edition=2)
+    os.utime(f, ns=(was.st_atime_ns, was.st_mtime_ns + 10**9))  # (a later write, whatever the clock's grain)
+    gen.set_epoch(1)
+    with pytest.raises(ChunkReadError, match=re.escape(str(f)) + " changed after it was opened"):
+        list(gen)
+
+
 # ----------------------------------------------------------------------------- several files
 @pytest.mark.slow
 def test_files_join_along_time(tmp_path, edition):

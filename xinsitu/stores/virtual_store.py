@@ -173,7 +173,6 @@ class ManifestBackend:
     def _store_of(self, url: str) -> _FileStore:
         got = self._stores.get(url)
         if got is None:
-            self._check_unchanged(url)
             store, _ = self._registry.resolve(url)
             if store is None:
                 raise VirtualReferenceError(f"no store registered for {named(url)}")
@@ -183,7 +182,7 @@ class ManifestBackend:
     def _check_unchanged(self, url: str) -> None:
         """Refuse a local file changed since the store was made (``note_opened``): its references are byte
         offsets into the file as it was (a GRIB file of the same messages in another order read one field as
-        another); checked once per file and reader."""
+        another); checked after each read (a ``stat``), so a file written again during a run is caught too."""
         ref, seen = _OPENED.get(id(self.mstore), (None, {}))
         was = seen.get(url) if ref is not None and ref() is self.mstore else None
         if was is None:
@@ -212,6 +211,7 @@ class ManifestBackend:
             # obstore would hang here; a local file is read with plain file I/O instead (fork-safe)
             data = await loop.run_in_executor(None, _read_local, url, start, end)
             self.requests += 1
+            self._check_unchanged(url)
             return _checked(data, url, start, end, key)
         fut: asyncio.Future = loop.create_future()
         self._turn.add((store, path, url, start, end, fut))
@@ -247,6 +247,13 @@ class ManifestBackend:
             for _, _, f in items:
                 if not f.done():
                     f.set_exception(err)
+            return
+        try:
+            self._check_unchanged(url)  # (after the read: bytes of a file written again meanwhile are refused)
+        except VirtualReferenceError as changed:
+            for _, _, f in items:
+                if not f.done():
+                    f.set_exception(changed)
             return
         for (_, _, f), data in zip(items, got, strict=True):
             if not f.done():

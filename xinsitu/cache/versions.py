@@ -15,6 +15,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from xinsitu.io import loop as _loop
+from xinsitu.stores.memo import ByIdentity
 
 #: the version of an object the store does not have (its chunk reads as the fill value). Such a chunk is not
 #: kept on disk: a store may say "not found" of an object it has (obstore takes a HEAD answered 405 for a 404)
@@ -148,7 +149,7 @@ def _names_bytes(tag: str, data: bytes) -> bool:
 
 #: what one object's bytes said of a web server's ETags (``_sampled``), by server: (the store, None where they are
 #: hashes of the bytes, else why they are not trusted)
-_SAMPLED: dict[tuple[int, str], tuple[Any, str | None]] = {}
+_SAMPLED: ByIdentity[tuple[str | None]] = ByIdentity(64)
 
 
 async def _sampled(server: Any, host: str, keys: list[str], got: list[str | None], fetch: Callable[[str], Any],
@@ -161,9 +162,9 @@ async def _sampled(server: Any, host: str, keys: list[str], got: list[str | None
     first = next((i for i, v in enumerate(got) if trusted(v)), None)
     if first is None:
         return got, 0
-    seen = _SAMPLED.get((id(server), host))
-    if seen is not None and seen[0] is server:
-        why = seen[1]
+    seen = _SAMPLED.get(server, host)
+    if seen is not None:
+        why = seen[0]
         return ([why if trusted(v) else v for v in got] if why else got), 0
     tag = str(got[first])[len(_TRUSTED):].rsplit(" ", 1)[0]
     try:
@@ -176,9 +177,7 @@ async def _sampled(server: Any, host: str, keys: list[str], got: list[str | None
         why = (f"{_UNTRUSTED}a web server's ETag that is not a hash of the bytes ({tag}, checked on {keys[first]!r}): "
                "it may be made of the file's modification time and size, which a rewrite that keeps both (cp -p, "
                "rsync -a, tar x) keeps")
-    if len(_SAMPLED) > 64:
-        _SAMPLED.clear()
-    _SAMPLED[(id(server), host)] = (server, why)
+    _SAMPLED.put(server, host, (why,))
     return ([why if trusted(v) else v for v in got] if why else got), 1
 
 

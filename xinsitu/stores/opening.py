@@ -38,6 +38,7 @@ from xinsitu.index.xr_adapter import (
     zarr_array_of,
     zarr_group_of,
 )
+from xinsitu.stores.memo import ByIdentity
 from xinsitu.stores.reads import _checked_store, bounded_store
 from xinsitu.stores.redact import (
     RecordingProvider,
@@ -601,8 +602,8 @@ def opened_consolidated(ds: xr.Dataset) -> bool | None:
     return getattr(zgroup.metadata, "consolidated_metadata", None) is not None
 
 
-#: ``lists_in_fixed_order``'s answers, by store (its ``id``, the store kept alive with it) and group path
-_FIXED_ORDER: dict[tuple[int, str], tuple[Any, bool]] = {}
+#: ``lists_in_fixed_order``'s answers, by store and group path
+_FIXED_ORDER: ByIdentity[bool] = ByIdentity(256)
 
 
 def lists_in_fixed_order(zarray: Any) -> bool:
@@ -618,10 +619,9 @@ def lists_in_fixed_order(zarray: Any) -> bool:
     if type(store).__name__ == "IcechunkStore":
         return False
     group = path.rsplit("/", 1)[0] if "/" in path else ""
-    key = (id(store), group)
-    hit = _FIXED_ORDER.get(key)
-    if hit is not None and hit[0] is store:
-        return hit[1]
+    hit = _FIXED_ORDER.get(store, group)
+    if hit is not None:
+        return hit
     import zarr
 
     try:
@@ -629,9 +629,7 @@ def lists_in_fixed_order(zarray: Any) -> bool:
         fixed = getattr(zgroup.metadata, "consolidated_metadata", None) is not None
     except Exception:  # noqa: BLE001 - no group to ask (an array alone): its order is one array's
         fixed = True
-    if len(_FIXED_ORDER) > 256:
-        _FIXED_ORDER.clear()
-    _FIXED_ORDER[key] = (store, fixed)
+    _FIXED_ORDER.put(store, group, fixed)
     return fixed
 
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import weakref
 from typing import Any, NamedTuple
 from urllib.parse import unquote, urlparse
 
 from xinsitu.compat import virtualizarr_api as compat_virtualizarr
 from xinsitu.io import loop as _loop
+from xinsitu.stores.memo import ByIdentity
 from xinsitu.stores.redact import redact_url, scrubbed, secrets_of
 
 #: Bytes of one file fetched in one request at most, where ranges are coalesced (remote stores).
@@ -61,10 +61,9 @@ def _is_obstore(store: Any) -> bool:
     return type(store).__module__.startswith("obstore")
 
 
-#: the local files each virtual store references, as they were when it was made (``note_opened``), by the
-#: store's id: (a weak reference to the store, {URL: (size, modification time)}); its references are byte
-#: offsets into them
-_OPENED: dict[int, tuple[Any, dict[str, tuple[int, int]]]] = {}
+#: the local files each virtual store references, as they were when it was made (``note_opened``): {URL: (size,
+#: modification time)} by store (held weakly: its answers go with it); its references are byte offsets into them
+_OPENED: ByIdentity[dict[str, tuple[int, int]]] = ByIdentity(4096, weak=True)
 
 
 def note_opened(mstore: Any) -> Any:
@@ -79,12 +78,7 @@ def note_opened(mstore: Any) -> Any:
         except OSError:
             continue
         seen[url] = (st.st_size, st.st_mtime_ns)
-    key = id(mstore)
-    try:
-        ref = weakref.ref(mstore, lambda _: _OPENED.pop(key, None))
-    except TypeError:  # (a store that takes no weak reference: not checked)
-        return mstore
-    _OPENED[key] = (ref, seen)
+    _OPENED.put(mstore, None, seen)
     return mstore
 
 
@@ -183,8 +177,7 @@ class ManifestBackend:
         """Refuse a local file changed since the store was made (``note_opened``): its references are byte
         offsets into the file as it was (a GRIB file of the same messages in another order read one field as
         another); checked after each read (a ``stat``), so a file written again during a run is caught too."""
-        ref, seen = _OPENED.get(id(self.mstore), (None, {}))
-        was = seen.get(url) if ref is not None and ref() is self.mstore else None
+        was = (_OPENED.get(self.mstore) or {}).get(url)
         if was is None:
             return
         try:

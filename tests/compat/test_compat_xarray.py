@@ -76,3 +76,25 @@ def test_elementwise_decoding_and_cf_datetime(stored):
 def test_fill_value_coder_encodes_a_float_fill_value():
     enc = xa.FillValueCoder.encode(np.float32(np.nan), np.dtype("f4"))
     assert isinstance(enc, str) and np.isnan(xa.FillValueCoder.decode(enc, np.dtype("f4")))
+
+
+def test_lazy_decodings_name_each_cf_step_and_its_keywords(tmp_path):
+    """``lazy_decodings``: the chain's CF decodings by their functions' names and keywords (what
+    ``index.source`` checks a variable's encoding against)."""
+    p = str(tmp_path / "cf.zarr")
+    xr.Dataset({"p": (("t",), np.array([1.5, np.nan])), "u": (("t",), np.array([1.0, 250.0])),
+                "time": (("t",), np.array(["2000-01-01", "2000-01-02"], "M8[ns]"))}).to_zarr(
+        p, zarr_format=2, encoding={"p": {"dtype": "i2", "scale_factor": 0.5, "add_offset": 1.0, "_FillValue": -9},
+                                    "u": {"dtype": "i1", "_Unsigned": "true", "_FillValue": -1},
+                                    "time": {"units": "hours since 2000-01-01"}})
+    ds = xr.open_zarr(p, chunks=None).isel(t=slice(0, 2))
+    got = {v: xa.lazy_decodings(xa.variable_data(ds[v].variable)) for v in ("p", "u")}
+    names = {v: [n for n, _ in d] for v, d in got.items()}
+    assert names == {"p": ["_scale_offset_decoding", "_apply_mask"], "u": ["_apply_mask", "asarray"]}
+    kw = dict(got["p"])
+    assert (kw["_scale_offset_decoding"]["scale_factor"], kw["_scale_offset_decoding"]["add_offset"]) == (0.5, 1.0)
+    assert kw["_apply_mask"]["encoded_fill_values"] == {-9}
+    assert dict(got["u"])["asarray"]["dtype"] == np.dtype("u1")
+    t = xr.open_zarr(p, chunks=None, create_default_indexes=False)["time"].variable
+    assert dict(xa.lazy_decodings(xa.variable_data(t)))["decode_cf_datetime"]["units"] == "hours since 2000-01-01"
+    assert xa.lazy_decodings(np.arange(3)) is None  # (not a chain down to a stored array)

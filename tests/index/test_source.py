@@ -359,3 +359,37 @@ def test_an_integer_with_time_like_units_and_a_fill_is_read_as_xarray_reads_it(t
             got = np.concatenate([b["lead"] for b in ds.insitu.batches(m, "train", output="numpy", shuffle=False,
                                                                          batch_size=3)])
             assert got.dtype == want.dtype == np.int64 and np.array_equal(got, want), (got, want)
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_an_encoding_dropped_or_edited_since_the_open_is_refused(tmp_path, zarr_format):
+    """xinsitu decodes the stored chunks as a variable's encoding says; xarray decodes them lazily as the open
+    found them. After ``ds.drop_encoding()`` (or an edited ``_FillValue`` / ``scale_factor``), the Dataset
+    still shows decoded values while the batches held the stored ones (-9999. where xarray gives NaN, a scale
+    twice too big). Refused now, naming the variable and what xarray applies, on every opener; the Dataset as
+    opened reads what xarray gives."""
+    p = str(tmp_path / "cf.zarr")
+    raw = np.arange(48, dtype="f4").reshape(12, 4)
+    raw[0, 0] = np.nan
+    xr.Dataset({"f": (("time", "x"), raw), "p": (("time", "x"), raw * 0.5)}).to_zarr(
+        p, zarr_format=zarr_format, encoding={"f": {"chunks": (4, 4), "_FillValue": np.float32(-9999.0)},
+                                             "p": {"chunks": (4, 4), "dtype": "i2", "scale_factor": 0.5,
+                                                   "_FillValue": -1}})
+    openers = (lambda: xinsitu.open_zarr(p), lambda: xr.open_zarr(p, chunks=None), lambda: xr.open_zarr(p))
+    for open_ in openers:
+        _same_as_xarray(open_())
+        ds = open_().drop_encoding()
+        with pytest.raises(SourceError, match=r"'f': xarray decodes its stored values with fill values \[-9999.0\] "
+                                              r"\(its encoding: None\).*drop_encoding"):
+            resolve(ds, ["f"])
+        with pytest.raises(SourceError, match=r"'p': xarray decodes .*scale_factor, add_offset \(0.5, None\) "
+                                              r"\(its encoding: None\); fill values \[-1\]"):
+            resolve(ds, ["p"])
+        ds = open_()
+        ds.f.encoding["_FillValue"] = np.float32(0)
+        with pytest.raises(SourceError, match=r"'f': .*fill values \[-9999.0\] \(its encoding: \[0.0\]\)"):
+            resolve(ds, ["f"])
+    ds = xinsitu.open_zarr(p)
+    ds.p.encoding["scale_factor"] = 0.25
+    with pytest.raises(SourceError, match=r"'p': .*add_offset \(0.5, None\) \(its encoding: \(0.25, None\)"):
+        resolve(ds, ["p"])

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import xarray as xr
 
 from xinsitu.index.dask_trace import Positions, Untraceable, trace
@@ -24,6 +25,7 @@ from xinsitu.index.xr_adapter import (
     LAZY,
     LAZY_VECTORIZED,
     is_zarr_wrapper,
+    lazy_decodings,
     lazy_key,
     variable_data,
     zarr_array_of,
@@ -143,10 +145,11 @@ def _resolve_var(ds: xr.Dataset, name: str) -> VarSource:
                           f"back to a zarr store; {_how_to_open(ds, data)}")
     src_dims = _array_dims(zarray, name)
     index = _compose_keys(zarray.shape, keys)
-    return _stored(base, var, zarray, src_dims, index)
+    return _stored(base, var, zarray, src_dims, index, data)
 
 
-def _stored(base: dict, var: xr.Variable, zarray: Any, src_dims: tuple[str, ...], index: list) -> VarSource:
+def _stored(base: dict, var: xr.Variable, zarray: Any, src_dims: tuple[str, ...], index: list,
+            chain: Any) -> VarSource:
     kept = tuple(d for d, ix in zip(src_dims, index, strict=True) if not isinstance(ix, int))
     if kept != base["dims"]:
         if sorted(kept) == sorted(base["dims"]) or len(kept) != len(base["dims"]):
@@ -158,6 +161,7 @@ def _stored(base: dict, var: xr.Variable, zarray: Any, src_dims: tuple[str, ...]
         names = iter(base["dims"])
         src_dims = tuple(d if isinstance(ix, int) else next(names) for d, ix in zip(src_dims, index, strict=True))
     cf = {k: var.encoding[k] for k in CF_KEYS if k in var.encoding}
+    _check_decoding(base["name"], cf, chain)
     units = var.attrs.get("units")
     if "units" not in cf and ({"_FillValue", "missing_value"} & cf.keys()) and _time_like(units):
         cf["units"] = units  # kept as an attribute (not decoded to times), yet xarray masks it as integers
@@ -170,6 +174,56 @@ def _stored(base: dict, var: xr.Variable, zarray: Any, src_dims: tuple[str, ...]
         chunk_shape=_regular_chunks(zarray, base["name"]),
         **base,
     )
+
+
+def _check_decoding(name: str, cf: dict[str, Any], chain: Any) -> None:
+    """Refuse a variable whose encoding does not say the CF decoding xarray applies to its stored values (its
+    lazy ``chain``): xinsitu decodes the stored chunks as the encoding says, so an encoding dropped
+    (``ds.drop_encoding()``) or edited since the open would give batches other values than the Dataset's."""
+    done = lazy_decodings(chain)
+    if done is None:
+        return
+    applied = dict(done)
+    differ = []
+    scale = applied.get("_scale_offset_decoding")
+    got = None if scale is None else (scale.get("scale_factor"), scale.get("add_offset"))
+    want = (cf.get("scale_factor"), cf.get("add_offset")) if {"scale_factor", "add_offset"} & cf.keys() else None
+    if not _equal(got, want):
+        differ.append(f"scale_factor, add_offset {got} (its encoding: {want})")
+    mask = applied.get("_apply_mask")
+    fills = {_scalar(v) for k in ("_FillValue", "missing_value") if k in cf for v in np.ravel(cf[k])
+             if not pd.isnull(v)}
+    if mask is None and fills:
+        differ.append(f"no fill value (its encoding: {sorted(fills, key=repr)})")
+    elif mask is not None:
+        masked = {_scalar(v) for v in mask.get("encoded_fill_values", ())}
+        if not fills or ("_Unsigned" not in cf and masked != fills):  # (_Unsigned: masked as unsigned values)
+            differ.append(f"fill values {sorted(masked, key=repr)} (its encoding: {sorted(fills, key=repr) or None})")
+    for func in ("decode_cf_datetime", "decode_cf_timedelta"):
+        times = applied.get(func)
+        if times is not None and (times.get("units") != cf.get("units") or (
+                times.get("calendar") is not None and "calendar" in cf and times["calendar"] != cf["calendar"])):
+            differ.append(f"time units {times.get('units')!r} (its encoding: {cf.get('units')!r})")
+    if differ:
+        raise SourceError(
+            f"variable {name!r}: xarray decodes its stored values with {'; '.join(differ)}: the encoding was dropped "
+            "(drop_encoding()) or edited since the open, and xinsitu decodes the stored chunks as the encoding says, "
+            "so batches would not hold the Dataset's values; give ds.insitu the Dataset as opened (drop_encoding() "
+            "returns a new Dataset: keep the opened one for batches), or .load() it to train from memory")
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    try:
+        return bool(np.array_equal(np.asarray(a, dtype=object), np.asarray(b, dtype=object)))
+    except (TypeError, ValueError):
+        return False
+
+
+def _scalar(v: Any) -> Any:
+    """``v`` as a plain Python scalar (a set of fill values compares by value)."""
+    return np.asarray(v).item()
 
 
 #: the units of a time delta (xarray's): a variable with these, or "<unit> since <date>", is time-like
@@ -466,7 +520,7 @@ def _resolve_dask(ds: xr.Dataset, name: str, data: Any, base: dict) -> VarSource
         index[at] = pos
     for src, at in traced.dropped:
         index[src] = at
-    return _stored(base, var, zarray, src_dims, index)
+    return _stored(base, var, zarray, src_dims, index, next(iter(wrappers.values()))[0])
 
 
 #: CF attributes a variable's encoding takes from its stored array, which xinsitu re-applies after a raw read

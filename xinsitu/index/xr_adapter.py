@@ -15,7 +15,8 @@ Private names used:
 * ``ZarrArrayWrapper._array``: the ``zarr.Array`` behind a stored variable (``zarr_array_of``);
 * ``xarray.core.indexing``: the lazy wrappers' classes (``LAZY``, ``LAZY_VECTORIZED``, ``IN_MEMORY``,
   ``CACHING``), and a lazy selection's key (``lazy_key``);
-* ``xarray.coding.common._ElementwiseFunctionArray``: a lazily applied CF decoding (``ELEMENTWISE``);
+* ``xarray.coding.common._ElementwiseFunctionArray``: a lazily applied CF decoding (``ELEMENTWISE``), its
+  function and keywords (``lazy_decodings``);
 * ``xarray.coding.times.decode_cf_datetime``: xarray's CF time decoding;
 * ``xarray.backends.zarr.FillValueCoder``: xarray's encoding of a zarr v3 ``_FillValue`` attribute.
 """
@@ -90,6 +91,28 @@ def zarr_group_of(ds: xr.Dataset) -> Any:
 def is_zarr_wrapper(node: Any) -> bool:
     """Whether ``node`` is xarray's wrapper of a ``zarr.Array`` (the end of a stored variable's lazy chain)."""
     return _ZarrArrayWrapper is not None and isinstance(node, _ZarrArrayWrapper)
+
+
+def lazy_decodings(data: Any) -> list[tuple[str, dict[str, Any]]] | None:
+    """The CF decodings xarray's lazy chain ``data`` applies to a stored array's values (``ELEMENTWISE``),
+    outermost first, as (its function's name, its keywords): ``_apply_mask``, ``_scale_offset_decoding``,
+    ``asarray`` (``_Unsigned``), ``decode_cf_datetime``...; None where the chain does not end in a stored
+    array or this xarray has no such wrapper (nothing known)."""
+    if not ELEMENTWISE:  # pragma: no cover - another xarray
+        return None
+    out: list[tuple[str, dict[str, Any]]] = []
+    node = data
+    for _ in range(64):
+        if is_zarr_wrapper(node):
+            return out
+        if isinstance(node, ELEMENTWISE):
+            func = node.func
+            base = getattr(func, "func", func)
+            out.append((str(getattr(base, "__name__", "")), dict(getattr(func, "keywords", None) or {})))
+        node = getattr(node, "array", None)
+        if node is None:
+            return None
+    return None
 
 
 def zarr_array_of(node: Any) -> Any:

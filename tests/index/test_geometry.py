@@ -80,3 +80,20 @@ def test_a_scalar_data_variable_is_no_obstacle(tmp_path, zarr_format):
         b = next(iter(d.insitu.batches(m, "train", batch_size=8, shuffle=False, output="numpy")))
         assert list(b) == ["t2m"]
         np.testing.assert_array_equal(b["t2m"], d.t2m.values)
+
+
+def test_a_variable_xarray_cached_makes_no_edges_beside_stored_ones(era5_path):
+    """Any ``.values`` or ``.mean()`` caches a lazily opened variable in memory, where its grid is only its
+    encoded chunks counted from its first position: after a selection that starts mid-chunk, that grid
+    shared no edge with the stored variables' and the split was refused ("held in one chunk"). Stored
+    variables make the edges now; the batches equal xarray's."""
+    lazy = xinsitu.open_zarr(era5_path).isel(time=slice(3, None))
+    ds = xinsitu.open_zarr(era5_path)
+    float(ds.t2m.mean())  # (cached in memory: its lazy chain is gone)
+    ds = ds.isel(time=slice(3, None))
+    edges = ds.insitu.geometry.edges["time"]
+    assert edges.tolist() == lazy.insitu.geometry.edges["time"].tolist() and edges[1] == CT - 3
+    m = ds.insitu.split("time", fractions={"train": 0.75, "val": 0.25})
+    gen = ds.insitu.batches(m, "val", batch_size=5, shuffle=False, output="numpy")
+    got = np.concatenate([b["t2m"] for b in gen])
+    np.testing.assert_array_equal(got, ds.t2m.isel(time=m.indices("val")["time"]).values)

@@ -170,7 +170,8 @@ def regular_edges(start: int, length: int, c: int) -> np.ndarray:
 
 
 def common_edges(sources: dict[str, VarSource], dim: str) -> np.ndarray:
-    """Positions where every variable with ``dim`` starts a chunk (plus 0 and the length).
+    """Positions where every variable with ``dim`` starts a chunk (plus 0 and the length); variables held
+    in memory count only where no variable read from a store or through dask has ``dim``.
 
     O(variables) for variables on one regular grid (the shared ``regular_edges``), O(chunks)
     for differing regular grids.
@@ -178,6 +179,9 @@ def common_edges(sources: dict[str, VarSource], dim: str) -> np.ndarray:
     have = [s for s in sources.values() if dim in s.dims]
     if not have:
         raise ValueError(f"no data variable has dim {dim!r}")
+    read = [s for s in have if s.stored or not isinstance(s.values, np.ndarray)]
+    if read:  # values in memory cut anywhere: their grid (a loaded variable's encoded chunks, counted from its
+        have = read  # first position, whatever the selection) makes no edges where stored variables share the dim
     n = have[0].shape[have[0].dims.index(dim)]
     brk: np.ndarray | None = None
     grids: dict[tuple[int, int, int], int] = {}  # arithmetic grids: (start mod c, length, c) -> start

@@ -92,6 +92,7 @@ def test_a_coordinate_whose_first_label_is_missing_still_matches_its_manifest(tm
                     coords={"time": [np.nan, 1, 2, 3, 4, 5, 6, 7]}).chunk({"time": 2})
     m = ds.insitu.split("time", fractions={"train": 0.5, "val": 0.5})
     m.to_json(tmp_path / "m.json")
+    assert SplitManifest.from_json(tmp_path / "m.json") == m  # (NaN labels compared as labels: was False)
     for man in (m, SplitManifest.from_json(tmp_path / "m.json")):
         b = next(iter(ds.insitu.batches(man, "train", batch_size=2, shuffle=False, output="numpy")))
         np.testing.assert_array_equal(b["a"], ds.a.values[:2])

@@ -142,6 +142,14 @@ def test_ranges_split(era5_path):
         desc.insitu.split("lat", ranges={"train": slice(20, 70)})
     with pytest.raises(ValueError, match="falls outside"):
         ds.insitu.split("time", ranges={"train": slice("1990-01-01", "1990-02-01")})
+    # a range inside the coordinate that holds no label is not said to fall outside it
+    with pytest.raises(ValueError, match=r"\('1979-01-05T01'..'1979-01-05T04'\) holds no label of the 'time' "
+                                         r"coordinate: it lies between 1979-01-05T00:00:00 and 1979-01-05T06:00:00"):
+        ds.insitu.split("time", ranges={"train": slice("1979-01-05T01", "1979-01-05T04")})
+    # split names as fractions= takes them (a name '' or 1 made a manifest that JSON could not give back)
+    for name in ("", 1, None, ("a",)):
+        with pytest.raises(ValueError, match=r"split names must be non-empty strings, got"):
+            ds.insitu.split("time", ranges={name: slice(None, None)})
 
 
 def test_ranges_that_adjoin_leave_no_room_for_a_gap(era5_path):

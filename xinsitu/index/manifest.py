@@ -73,6 +73,15 @@ def _same_label(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+def _same_record(a: Any, b: Any) -> bool:
+    """Whether two things a manifest records (labels, dicts and lists of them) are the same, NaN as NaN."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_record(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same_record(x, y) for x, y in zip(a, b, strict=True))
+    return _same_label(a, b)
+
+
 # ----------------------------------------------------------------------------- manifest
 @dataclass(eq=False)
 class SplitManifest:
@@ -123,7 +132,7 @@ class SplitManifest:
                 and all(self.splits[k] == other.splits[k] for k in self.splits))
         rest = ("dims", "sizes", "labels", "seed", "gap", "contiguous", "method", "fingerprint", "snapshot",
                 "stats", "version", "extra", "validity", "block")
-        return same and all(getattr(self, k) == getattr(other, k) for k in rest)
+        return same and all(_same_record(getattr(self, k), getattr(other, k)) for k in rest)
 
     __hash__ = None  # type: ignore[assignment]
 

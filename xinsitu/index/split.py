@@ -66,6 +66,12 @@ def _simplest_between(lo: Fraction, hi: Fraction | None) -> Fraction:
     return fl + 1 / _simplest_between(1 / (hi - fl), None if lo == fl else 1 / (lo - fl))
 
 
+def check_split_name(name: Any) -> None:
+    """``ValueError`` unless ``name`` (a key of ``fractions=`` or ``ranges=``) is a non-empty string."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"split names must be non-empty strings, got {name!r}")
+
+
 def check_fractions(fractions: dict[str, float]) -> dict[str, float]:
     """``fractions`` checked, as plain floats: any real number (numpy scalars included) is taken;
     a string or a bool raises ``TypeError`` naming ``fractions``."""
@@ -73,8 +79,7 @@ def check_fractions(fractions: dict[str, float]) -> dict[str, float]:
         raise ValueError("fractions must be a non-empty dict of split name -> fraction")
     out: dict[str, float] = {}
     for k, f in fractions.items():
-        if not isinstance(k, str) or not k:
-            raise ValueError(f"split names must be non-empty strings, got {k!r}")
+        check_split_name(k)
         if not isinstance(f, numbers.Real) or isinstance(f, (bool, np.bool_)):
             raise TypeError(f"fractions[{k!r}] must be a number, got {type(f).__name__} {f!r}")
         f = float(f)
@@ -170,6 +175,7 @@ def range_split(edges: np.ndarray, index: pd.Index, ranges: dict[str, slice], ga
     spans: list[tuple[str, int, int]] = []
     positions: list[tuple[str, int, int]] = []
     for name, rng in ranges.items():
+        check_split_name(name)
         if not isinstance(rng, slice) or rng.step is not None:
             raise ValueError(f"range for split {name!r} must be a slice(start, stop), got {rng!r}")
         try:
@@ -184,6 +190,10 @@ def range_split(edges: np.ndarray, index: pd.Index, ranges: dict[str, slice], ga
                 f"whose labels run {json_label(index[0])}..{json_label(index[-1])}: as in .sel, a range is "
                 f"slice(start, stop) in the coordinate's order (slice({rng.stop!r}, {rng.start!r}) here)"
             )
+        if b <= a and 0 < a < len(index):
+            raise ValueError(
+                f"range for split {name!r} ({rng.start!r}..{rng.stop!r}) holds no label of the {dim!r} coordinate: "
+                f"it lies between {json_label(index[a - 1])} and {json_label(index[a])}")
         if b <= a:
             raise ValueError(
                 f"range for split {name!r} ({rng.start!r}..{rng.stop!r}) falls outside the {dim!r} coordinate "

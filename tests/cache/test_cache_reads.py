@@ -496,3 +496,33 @@ def test_the_cache_saying_something_fails_no_read_where_warnings_are_errors(tmp_
         warnings.simplefilter("error", RuntimeWarning)
         assert _same(_epochs(_gen(f"{srv.url}/era5.zarr", cache=cache), (0,)), ref)
     assert any("no trustworthy version" in n for n in cache.notes)
+
+
+def test_variables_in_memory_and_of_an_uncached_store_are_each_named(tmp_path):
+    """SPEC §4, no silently empty tier: a Dataset in memory given a disk cache left the directory empty with
+    no word; and a memory store's note named only its first variable, as if the others were cached."""
+    import warnings
+
+    import xarray as xr
+
+    ds = xr.Dataset({"a": (("time", "x"), np.arange(24.0).reshape(8, 3)), "b": (("time", "x"), np.ones((8, 3)))})
+    m = ds.chunk({"time": 2}).insitu.split("time", fractions={"train": 1.0})
+    mem = ds.chunk({"time": 2}).load()
+    cache = ChunkCache(memory=0, disk=tmp_path / "c")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        got = _epochs(mem.insitu.batches(m, "train", batch_size=4, shuffle=False, output="numpy", cache=cache), (0, 1))
+    for epoch in got:
+        np.testing.assert_array_equal(np.concatenate([b["a"] for b in epoch]), ds.a.values)
+    assert [str(w.message) for w in said if "keeps nothing" in str(w.message)] == [
+        "the chunk cache keeps nothing of variable 'a': its values are in memory already (loaded or computed by "
+        "xarray), so no epoch reads them again (warned once)"]
+    assert cache.notes == ["not cached: variable 'a', variable 'b' (its values are in memory already)"]
+    store = zarr.storage.MemoryStore()
+    ds.to_zarr(store, zarr_format=3, consolidated=False, encoding={v: {"chunks": (2, 3)} for v in ds})
+    opened = xr.open_zarr(store, chunks=None, consolidated=False)
+    cache = ChunkCache(memory=0, disk=tmp_path / "d")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _epochs(opened.insitu.batches(m, "train", batch_size=4, output="numpy", cache=cache), (0,))
+    assert len(cache.notes) == 1 and cache.notes[0].startswith("not cached: variable 'a', variable 'b' (its store")

@@ -163,6 +163,7 @@ class ChunkCache:
         self._stats = CacheStats()
         self._device: Any = None  # the tier in GPU memory, made on first use (``device_tier``)
         self._notes: dict[str, str] = {}  # what a tier could not keep, said once each (``notes``)
+        self._named: dict[str, tuple[str, list[str]]] = {}  # a note naming variables: (its text, those named)
         self._asked: dict[str, ChunkKey] = {}  # arrays whose store said some objects are missing (``_served_missing``)
         self._disk: DiskTier | None = None
         if self.disk is not None:
@@ -364,12 +365,19 @@ class ChunkCache:
         with self._lock:
             return list(self._notes.values())
 
-    def _say(self, key: str, note: str, message: str) -> None:
-        """Note ``note`` (``notes``) and warn ``message``, once per ``key``."""
+    def _say(self, key: str, note: str, message: str, what: str | None = None) -> None:
+        """Note ``note`` (``notes``) and warn ``message``, once per ``key``; ``what``, the variable ``note`` names:
+        a later call for ``key`` about another adds it to the note (each variable a tier keeps nothing of named)."""
         with self._lock:
             if key in self._notes:
+                named = self._named.get(key)
+                if named is not None and what is not None and what not in named[1]:
+                    named[1].append(what)
+                    self._notes[key] = named[0].replace("\0", ", ".join(named[1]))
                 return
             self._notes[key] = note
+            if what is not None:
+                self._named[key] = (note.replace(what, "\0", 1), [what])
         try:
             warnings.warn(message, RuntimeWarning, stacklevel=3)
         except Warning:  # raised where warnings are errors: said in ``notes``, and no read fails of it
@@ -413,8 +421,9 @@ class ChunkCache:
                                 "a repo.readonly_session(...) to cache them",
                "MemoryStore": "a memory store"}.get(inner, "a kind of store the cache does not know")
         self._say(f"uncached {kind}", f"not cached: {what} (its store, {kind}, has no lasting identity: {why})",
-                  f"the chunk cache keeps nothing of {what}: its store ({kind}) has no identity that lasts "
-                  f"({why}), so its chunks are read every epoch (warned once)")
+                  f"the chunk cache keeps nothing of {what} nor of any other variable of its store: its store "
+                  f"({kind}) has no identity that lasts ({why}), so its chunks are read every epoch (warned once)",
+                  what)
 
     def note_read_by_zarr(self, what: str, kind: str) -> None:
         """Say once that ``what`` (a sharded variable that xinsitu does not read by byte range from its store,
@@ -422,7 +431,7 @@ class ChunkCache:
         self._say(f"uncached shards {kind}", f"not cached: {what} (a sharded array zarr reads from its store, "
                   f"{kind})", f"the chunk cache keeps nothing of {what}: it is sharded in a layout this zarr "
                   f"version does not let xinsitu read by byte range, so zarr reads its inner chunks from its store "
-                  f"({kind}) every epoch (warned once)")
+                  f"({kind}) every epoch (warned once)", what)
 
     def note_read_through_dask(self, what: str) -> None:
         """Say once that ``what`` (a variable read through dask: NetCDF or GRIB files opened by xarray) is
@@ -433,7 +442,13 @@ class ChunkCache:
                   "xr.open_dataset or open_mfdataset with chunks=), whose chunks the cache has no key for, so they "
                   "are read every epoch. xinsitu.virtual.open_netcdf / open_grib read the same files in place "
                   "without dask, but their chunks are not cached either; to cache them, copy the data to Zarr "
-                  "(ds.to_zarr) and train from that (warned once)")
+                  "(ds.to_zarr) and train from that (warned once)", what)
+
+    def note_in_memory(self, what: str) -> None:
+        """Say once that ``what`` (a variable whose values are in memory: loaded, computed) is not cached."""
+        self._say("uncached memory", f"not cached: {what} (its values are in memory already)",
+                  f"the chunk cache keeps nothing of {what}: its values are in memory already (loaded or computed "
+                  "by xarray), so no epoch reads them again (warned once)", what)
 
     def _disk_key(self, key: Hashable, disk_key: str | None) -> str | None:
         """The disk tier's key for an entry, None without a disk tier (or without a key it can use)."""

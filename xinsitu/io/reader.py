@@ -584,6 +584,8 @@ class Reader:
                 self.cache.note_read_by_zarr(f"variable {src.name!r}", type(src.array.store).__name__)
             values = await self._read_with_zarr(src, positions(src, region))
         elif isinstance(src.values, np.ndarray):
+            if self.cache is not None:
+                self.cache.note_in_memory(f"variable {src.name!r}")
             values = self._values(src, region)
         else:  # read through dask (files that are not Zarr): file reads and decoding, in a thread
             if self.cache is not None:

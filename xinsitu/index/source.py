@@ -153,10 +153,7 @@ def _stored(base: dict, var: xr.Variable, zarray: Any, src_dims: tuple[str, ...]
     kept = tuple(d for d, ix in zip(src_dims, index, strict=True) if not isinstance(ix, int))
     if kept != base["dims"]:
         if sorted(kept) == sorted(base["dims"]) or len(kept) != len(base["dims"]):
-            raise SourceError(
-                f"variable {base['name']!r}: its dims {base['dims']} do not follow the stored array's {src_dims}; "
-                "transposed views are not supported, select variables without transposing them (a model "
-                "input's axes can be put in any order after the batch: transform=, or in the model)")
+            raise _transposed(base["name"], base["dims"], f"the stored array's {src_dims}")
         # renamed dims (ds.rename): the stored axes, in their order, under the Dataset's names
         names = iter(base["dims"])
         src_dims = tuple(d if isinstance(ix, int) else next(names) for d, ix in zip(src_dims, index, strict=True))
@@ -415,6 +412,13 @@ def _how_to_open(ds: xr.Dataset, data: Any) -> str:
 
 
 # --------------------------------------------------------------------------- dask
+def _transposed(name: str, dims: tuple, stored: str) -> SourceError:
+    return SourceError(
+        f"variable {name!r}: its dims {tuple(dims)} do not follow {stored}; transposed views are not supported, "
+        "select variables without transposing them (a model input's axes can be put in any order after the batch: "
+        "transform=, or in the model)")
+
+
 def _computed_layer(data: Any) -> str | None:
     """The first layer of a dask graph that computes values (arithmetic, reductions), or None."""
     for lname in getattr(data.__dask_graph__(), "layers", {}):
@@ -462,6 +466,8 @@ def _dask_in_memory(data: Any) -> bool:
 def _resolve_dask(ds: xr.Dataset, name: str, data: Any, base: dict) -> VarSource:
     var = ds[name].variable
     computed = _computed_layer(data)
+    if computed is not None and computed.startswith("transpose-"):
+        raise _transposed(name, var.dims, "those it was read in")
     if computed is not None:
         kind = _file_kind(ds, name, data)
         what = {"netcdf": ("NetCDF/HDF5", "xinsitu.virtual.open_netcdf(paths)"),
@@ -510,10 +516,7 @@ def _resolve_dask(ds: xr.Dataset, name: str, data: Any, base: dict) -> VarSource
             "train from memory")
     order = [int(src) for src, _ in traced.axes if src is not None]
     if order != sorted(order):
-        raise SourceError(
-            f"variable {name!r}: its dims {var.dims} do not follow the stored array's {src_dims}; transposed views "
-            "are not supported, select variables without transposing them (a model input's axes can be put in any "
-            "order after the batch: transform=, or in the model)")
+        raise _transposed(name, var.dims, f"the stored array's {src_dims}")
     _check_encoding(name, var, zarray)
     index: list = [None] * len(src_dims)
     for at, (_, pos) in zip(order, traced.axes, strict=True):

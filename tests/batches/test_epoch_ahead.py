@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 import xinsitu
+from xinsitu.batches.generator import _settle
+from xinsitu.io import loop as _loop
 
 VARS = ["t2m", "u10"]
 
@@ -124,3 +126,31 @@ def test_read_ahead_stays_within_the_buffers_held(era5_path):
         assert gen._ahead is not None and gen._ahead[1] == e + 1
         assert held[0] <= 1  # at most the buffer read ahead: the run gave back all of its own
     assert most[0] <= EpochRun.start_depth, most[0]
+
+
+@pytest.mark.parametrize("chunk_time", [1, 4])  # one step a chunk (batches filled in place) or buffers of blocks
+def test_an_archive_rewritten_between_epochs_is_read_as_it_is_now(tmp_path, chunk_time):
+    """The next epoch's first buffer is read as an epoch ends: an archive rewritten before the next epoch
+    (no cache) gave that epoch's first samples as they were before the rewrite and the others as after
+    (8 of 40 old). A read ahead is dropped where a local chunk file it read was written since it began;
+    one whose files did not change is taken."""
+    import zarr
+
+    from xinsitu.synthetic import write_era5_like
+
+    path = str(tmp_path / "a.zarr")
+    write_era5_like(path, nt=40, ny=4, nx=6, chunk_time=chunk_time)
+    ds, _, gen = _gen(path, batch_size=8, block_chunks=8 // chunk_time)
+    gen.set_epoch(0)
+    assert _same(_epoch(gen), _oracle(ds, gen, 0))
+    for v in VARS:
+        arr = zarr.open_array(f"{path}/{v}", mode="r+")
+        arr[...] = arr[...] + 100
+    gen.set_epoch(1)
+    got = _epoch(gen)
+    assert _same(got, _oracle(ds, gen, 1)) and float(got[0]["t2m"].min()) > 150
+    gen.set_epoch(2)
+    _epoch(gen)
+    task, _ = gen._take_ahead(3, 0)
+    assert task is not None  # (nothing written since: taken)
+    _loop.run(_settle(task), timeout=30)

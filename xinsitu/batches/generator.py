@@ -24,6 +24,7 @@ from xinsitu.batches.output import OutputBuilder, with_dim_indexes
 from xinsitu.batches.pipeline import DirectRun, EpochRun
 from xinsitu.cache.chunk_cache import ChunkCache, resolve_cache
 from xinsitu.cache.device_tier import CupyArrays, HostArrays
+from xinsitu.cache.keys import file_clock_ns
 from xinsitu.codecs.gpu import CupyGpu, resolve_decode
 from xinsitu.codecs.gpu_chain import GpuChain
 from xinsitu.index.channels import channel_names, check_stats_origin
@@ -32,6 +33,7 @@ from xinsitu.index.plan import EpochPlan, epoch_plan, epoch_size, plan_head, pla
 from xinsitu.index.sampling import check_split, dist_defaults, flag, int_arg, positive_int, sampling
 from xinsitu.index.state import check_state, make_state
 from xinsitu.io import loop as _loop
+from xinsitu.io.fetchers import local_files_changed
 from xinsitu.io.reader import Reader
 from xinsitu.repr import formatting
 
@@ -205,7 +207,7 @@ class BatchGenerator:
         self._pid = -1
         self._io: dict[str, Any] = {}
         # the next epoch's first buffer, read while an epoch ends: (pid, epoch, task, counters then)
-        self._ahead: tuple[int, int, Any, dict[str, Any]] | None = None
+        self._ahead: tuple[int, int, Any, dict[str, Any], int, list] | None = None
         self._channels: list[str] | None = None
         # elastic resume: the (world_size, batches) hops of epoch ``_elastic_epoch`` so far (see state.py)
         self._elastic: list[tuple[int, int]] = []
@@ -474,20 +476,28 @@ class BatchGenerator:
             # in the background could hold one when a DataLoader forks its workers
             return
         self._drop_ahead()
-        counters = {k: getattr(loader.reader.counters, k) for k in loader.reader.counters.__dataclass_fields__}
+        reader = loader.reader
+        counters = {k: getattr(reader.counters, k) for k in reader.counters.__dataclass_fields__}
+        began = file_clock_ns()
+        journal: list[Any] = []
 
         async def first() -> Any:
             loop = asyncio.get_running_loop()
             plan = await loop.run_in_executor(None, self.plan, epoch)  # pure math, off the loop
             if isinstance(loader, DirectLoader):
-                return await loader.load(plan, 0) if plan.n_batches else None
-            if plan.n_buffers == 0 or loader.passes_halo:
+                if not plan.n_batches:
+                    return None
+            elif plan.n_buffers == 0 or loader.passes_halo:
                 return None  # windows spilling into later buffers: their halo plan starts with the run
-            return await loader.load(plan, 0)
+            reader.journal = journal
+            try:
+                return await loader.load(plan, 0)
+            finally:
+                reader.journal = None
 
         task = asyncio.ensure_future(first())
         task.add_done_callback(_quiet)
-        self._ahead = (os.getpid(), epoch, task, counters)
+        self._ahead = (os.getpid(), epoch, task, counters, began, journal)
 
     def _take_ahead(self, epoch: int, start: int) -> tuple[Any, dict[str, Any] | None]:
         """The first buffer read ahead for this iteration (a task and the counters when it began),
@@ -495,12 +505,13 @@ class BatchGenerator:
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return None, None
-        pid, e, task, counters = ahead
+        pid, e, task, counters, began, journal = ahead
         if pid != os.getpid():
             return None, None
-        if e != epoch or start != 0 or self._live > 1:
-            # dropped, and settled before this iteration reads: its reads neither count in this
-            # epoch's io_stats nor run on beside it
+        if e != epoch or start != 0 or self._live > 1 or local_files_changed(list(journal), began):
+            # dropped, and settled before this iteration reads: its reads neither count in this epoch's
+            # io_stats nor run on beside it. Also where a local chunk file it read was written since it
+            # began (an archive rewritten between epochs): this epoch reads it as it is now
             _loop.run(_settle(task), timeout=30)
             return None, None
         return task, counters

@@ -45,7 +45,7 @@ import numpy as np
 
 from xinsitu.cache.budget import _fmt, auto_memory_budget, parse_size
 from xinsitu.cache.disk_tier import DiskTier, _disk_path
-from xinsitu.cache.keys import ChunkKey
+from xinsitu.cache.keys import ChunkKey, file_clock_ns
 from xinsitu.cache.versions import MISSING, trusted, why_not
 
 
@@ -549,7 +549,7 @@ class ChunkCache:
                 return self._mem[key]
             self._mem[key] = view
             self._rows[key] = place
-            self._born[key] = (time.time_ns() if born is None else born, version)
+            self._born[key] = (file_clock_ns() if born is None else born, version)
             self._stats.memory_entries += 1
         return view
 

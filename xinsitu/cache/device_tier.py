@@ -17,12 +17,13 @@ and are copied into place in one take per slab (``copy_out``); the chunks decode
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from xinsitu.cache.keys import file_clock_ns
 
 
 class HostArrays:
@@ -149,7 +150,7 @@ class DeviceCache:
         filled by one copy per slab instead of one per chunk. ``born`` and ``versions[k]``: as
         ``ChunkCache.put``'s (since when the chunks are known to match their source, default now; their
         remote objects' versions)."""
-        now = time.time_ns() if born is None else born
+        now = file_clock_ns() if born is None else born
         with self._lock:
             self.stats.puts += len(keys)
             todo: list[tuple[Hashable, int, Any, int, str | None]] = []  # key, position, slab, row, version

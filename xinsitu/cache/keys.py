@@ -36,6 +36,14 @@ def _metadata_bytes(metadata: bytes | str | dict[str, Any]) -> bytes:
     raise TypeError(f"metadata must be bytes, str or dict, not {type(metadata).__name__}")
 
 
+
+def file_clock_ns() -> int:
+    """Now, by the clock local files' change times are stamped with: the kernel's coarse clock, up to a tick
+    (some ms) behind ``time.time_ns()``, so a file written just after a finer "now" may carry an earlier time
+    (a chunk rewritten just as a reader began would have looked older than it)."""
+    coarse = getattr(time, "CLOCK_REALTIME_COARSE", None)
+    return time.clock_gettime_ns(coarse) if coarse is not None else time.time_ns() - 20_000_000
+
 class ChunkKey:
     """Cache keys for the chunks of one array: computed once per array, then one short hash per chunk.
 
@@ -111,7 +119,7 @@ class ChunkKey:
         self._vlock = threading.Lock()
         #: made before its reader read any chunk: what the memory tier keeps through these keys matches
         #: the source since then (a local file changed later is read again by a later reader)
-        self.since_ns = time.time_ns()
+        self.since_ns = file_clock_ns()
         #: the chunks the array's shape cuts, ``(axis, last chunk along it)``, and that shape (``edges``)
         self._cut: tuple[tuple[int, int], ...] = ()
         self._shape = ""

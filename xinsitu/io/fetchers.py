@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import time
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any, NoReturn, cast
@@ -388,3 +389,17 @@ class Shards:
             inflight.give(slot)
 
 
+def local_files_changed(reads: list[tuple[Any, tuple[int, ...]]], since_ns: int) -> bool:
+    """Whether a local chunk file among ``reads`` (``(route, chunk)``, as ``Reader.journal`` records them)
+    changed at or after ``since_ns`` (``cache.keys.file_clock_ns``); objects of other stores are not looked at."""
+    for route, coords in reads:
+        root = getattr(route.store, "root", None)
+        if root is None:
+            continue
+        try:
+            st = os.stat(os.path.join(root, route.path(coords)))
+        except OSError:
+            continue  # (a chunk without a file read as its fill value, and still has none)
+        if max(st.st_ctime_ns, st.st_mtime_ns) >= since_ns:
+            return True
+    return False

@@ -261,7 +261,8 @@ def test_missing_field_reads_as_nan(tmp_path):
 def test_a_file_changed_after_opening_is_refused_naming_it(tmp_path):
     """The references are byte offsets into the file as it was opened: a file written again since -- here
     the same messages in another order, each of the same size, so every offset still lands on a message --
-    is refused naming the file (its batches held one field as another); opened again, it reads as cfgrib."""
+    is refused naming the file (its batches held one field as another), by a pickled copy too (a worker's:
+    it read in silence); opened again, it reads as cfgrib."""
     from xinsitu.stores.backend import ChunkReadError
 
     data = fields(2)
@@ -271,6 +272,9 @@ def test_a_file_changed_after_opening_is_refused_naming_it(tmp_path):
     write_grib(f, {"msl": data["msl"], "2t": data["2t"]}, TIMES[:2], STEPS, edition=2)
     with pytest.raises(ChunkReadError, match=re.escape(str(f)) + " changed after it was opened"):
         list(ds.insitu.batches(m, "train", batch_size=2, shuffle=False, output="numpy"))
+    copy = pickle.loads(pickle.dumps(ds))  # (as a DataLoader worker under spawn or a cluster's worker gets it)
+    with pytest.raises(ChunkReadError, match=re.escape(str(f)) + " changed after it was opened"):
+        list(copy.insitu.batches(m, "train", batch_size=2, shuffle=False, output="numpy"))
     again = open_grib(f)
     same(again, cfgrib(f))
     assert len(list(again.insitu.batches(m, "train", batch_size=2, output="numpy"))) == 1  # (2 steps)

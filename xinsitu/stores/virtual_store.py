@@ -11,7 +11,6 @@ from urllib.parse import unquote, urlparse
 
 from xinsitu.compat import virtualizarr_api as compat_virtualizarr
 from xinsitu.io import loop as _loop
-from xinsitu.stores.memo import ByIdentity
 from xinsitu.stores.redact import redact_url, scrubbed, secrets_of
 
 #: Bytes of one file fetched in one request at most, where ranges are coalesced (remote stores).
@@ -61,9 +60,10 @@ def _is_obstore(store: Any) -> bool:
     return type(store).__module__.startswith("obstore")
 
 
-#: the local files each virtual store references, as they were when it was made (``note_opened``): {URL: (size,
-#: modification time)} by store (held weakly: its answers go with it); its references are byte offsets into them
-_OPENED: ByIdentity[dict[str, tuple[int, int]]] = ByIdentity(4096, weak=True)
+#: the attribute of a virtual store that holds the local files it references, as they were when it was made
+#: (``note_opened``): {URL: (size, modification time)}; kept with the store, so that a copy pickled to a
+#: DataLoader worker or a cluster's worker checks them too
+_OPENED = "_xinsitu_opened"
 
 
 def note_opened(mstore: Any) -> Any:
@@ -78,7 +78,10 @@ def note_opened(mstore: Any) -> Any:
         except OSError:
             continue
         seen[url] = (st.st_size, st.st_mtime_ns)
-    _OPENED.put(mstore, None, seen)
+    try:
+        setattr(mstore, _OPENED, seen)
+    except AttributeError:  # (a store that takes no attribute: not checked)
+        pass
     return mstore
 
 
@@ -177,7 +180,7 @@ class ManifestBackend:
         """Refuse a local file changed since the store was made (``note_opened``): its references are byte
         offsets into the file as it was (a GRIB file of the same messages in another order read one field as
         another); checked after each read (a ``stat``), so a file written again during a run is caught too."""
-        was = (_OPENED.get(self.mstore) or {}).get(url)
+        was = (getattr(self.mstore, _OPENED, None) or {}).get(url)
         if was is None:
             return
         try:

@@ -154,3 +154,24 @@ def test_an_archive_rewritten_between_epochs_is_read_as_it_is_now(tmp_path, chun
     task, _ = gen._take_ahead(3, 0)
     assert task is not None  # (nothing written since: taken)
     _loop.run(_settle(task), timeout=30)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_generator_iterated_again_without_set_epoch_uses_its_read_ahead(era5_path, shuffle):
+    """A validation loop iterates one generator each epoch without ``set_epoch``: the read ahead was made
+    for the next epoch and dropped at every pass, so a split of one or two buffers was read twice a pass
+    (SPEC §5: 1.15× at most). In order, any epoch's first buffer serves; shuffled, the epoch iterated again
+    is read ahead from its second pass on."""
+    ds, m, _ = _gen(era5_path)
+    gen = ds.insitu.batches(m, "val", batch_size=5, block_chunks=2, output="numpy", variables=VARS, shuffle=shuffle)
+    start = int(m.indices("val")["time"][0])
+    want = [{v: ds[v].isel(time=np.asarray(ids, dtype=np.int64) + start).values for v in VARS}
+            for ids in gen.batch_ids(0)]
+    for k in range(4):
+        assert _same(_epoch(gen), want)
+        assert gen._ahead is not None and gen._ahead[1] == (1 if k == 0 else 0)  # (then this epoch again)
+    gen.set_epoch(1)
+    task, _ = gen._take_ahead(1, 0)  # epoch 0's first buffer: what epoch 1 starts with, in order
+    assert (task is not None) == (not shuffle)
+    if task is not None:
+        _loop.run(_settle(task), timeout=30)

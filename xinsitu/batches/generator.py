@@ -200,6 +200,7 @@ class BatchGenerator:
         # ``set_epoch`` here reaches their persistent DataLoader workers, which keep copies of this generator
         self._shared: list[weakref.ref[Any]] = []  # torch datasets' shared state (weak: let go with them)
         self._runs = 0  # iterations begun (the read ahead an iteration asks for is made only while it is the last)
+        self._last_whole: int | None = None  # the epoch the last whole iteration (not iter_batches) went through
         self._reader: Reader | None = None
         self._loader: BufferLoader | None = None
         self._aside: BufferLoader | None = None  # what ``sample`` reads through (``_sample_loader``)
@@ -437,7 +438,9 @@ class BatchGenerator:
         # a whole epoch (not a worker's range of batches): read the next one's first buffer as it ends
         self._runs += 1
         run_no = self._runs
-        then = (lambda: self._read_ahead(epoch + 1, run_no)) if ahead and stop is None and self.read_ahead else None
+        nxt = epoch if self._last_whole == epoch else epoch + 1  # (this one's: iterated again without set_epoch)
+        self._last_whole = epoch if ahead else self._last_whole
+        then = (lambda: self._read_ahead(nxt, run_no)) if ahead and stop is None and self.read_ahead else None
         kind = DirectRun if isinstance(loader, DirectLoader) else EpochRun
         run = kind(plan, start, loader, self.builder, first=first, counters_from=counters_from, then=then,
                    budget=self.buffer_budget)
@@ -501,14 +504,14 @@ class BatchGenerator:
 
     def _take_ahead(self, epoch: int, start: int) -> tuple[Any, dict[str, Any] | None]:
         """The first buffer read ahead for this iteration (a task and the counters when it began),
-        or (None, None); one read ahead for another epoch or place is dropped."""
+        or (None, None); one read ahead for another epoch (where the order depends on it) or place is dropped."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return None, None
         pid, e, task, counters, began, journal = ahead
         if pid != os.getpid():
             return None, None
-        if e != epoch or start != 0 or self._live > 1 or local_files_changed(list(journal), began):
+        if (e != epoch and self.shuffle) or start != 0 or self._live > 1 or local_files_changed(list(journal), began):
             # dropped, and settled before this iteration reads: its reads neither count in this epoch's
             # io_stats nor run on beside it. Also where a local chunk file it read was written since it
             # began (an archive rewritten between epochs): this epoch reads it as it is now

@@ -101,16 +101,24 @@ _REWRITE_HINT = ("rewrite the files with chunks that tile each file along {dim!r
 
 
 def _head(url: str, registry: Any) -> tuple[Any, Any, int]:
-    """(read(start, end), first 4 bytes, size) of ``url``, through the registry's store."""
+    """(read(start, end), first 4 bytes, size) of ``url``, through the registry's store; each request bounded as
+    an open's metadata reads are (``XINSITU_REQUEST_TIMEOUT`` a try: a silent server took obstore's 4 minutes)."""
     import obstore
+
+    from xinsitu.io import loop as _loop
+    from xinsitu.stores.reads import bounded_request
 
     store, path = registry.resolve(url)
     path = path_in_store(url, store) if store is not None else path
     try:
-        size = int(obstore.head(store, path)["size"])
+        size = int(_loop.run(bounded_request(lambda: obstore.head_async(store, path), "its size"))["size"])
 
         def read(start: int, end: int) -> bytes:
-            return bytes(obstore.get_range(store, path, start=start, end=end)) if end > start else b""
+            if end <= start:
+                return b""
+            got = _loop.run(bounded_request(lambda: obstore.get_range_async(store, path, start=start, end=end),
+                                            f"bytes {start}..{end}"))
+            return bytes(got)
 
         return read, read(0, min(4, size)), size
     except Exception as e:  # noqa: BLE001

@@ -483,3 +483,16 @@ def test_variable_length_strings(tmp_path):
         m = got.insitu.split("time", fractions={"train": 1.0})
         (b,) = got.insitu.batches(m, "train", batch_size=4, shuffle=False, output="numpy", variables=["label", "a"])
         assert list(b["label"]) == ["x", "yy", "z", "ww"] and np.array_equal(b["a"], ref.a.values)
+
+
+def test_a_silent_server_ends_an_open_within_the_request_bound(days, monkeypatch):
+    """``open_netcdf`` of a file on a server that never answers waited obstore's own retries, about 4
+    minutes, where ``open_zarr`` and chunk reads end after ``XINSITU_REQUEST_TIMEOUT`` a try; it ends as
+    they do now, naming the file."""
+    from tests.support.servers import Faults, FileServer
+
+    monkeypatch.setenv("XINSITU_REQUEST_TIMEOUT", "0.5")
+    with FileServer(os.path.dirname(days[0]), Faults(hang=1.0, max_per_key=None), max_lifetime_s=60) as srv:
+        url = f"{srv.url}/{os.path.basename(days[0])}"
+        with pytest.raises(TimeoutError, match=re.escape(url) + r": its size: no answer within 0.5 s, 3 times"):
+            open_netcdf(url)

@@ -125,6 +125,23 @@ def test_open_of_an_unconsolidated_archive_says_nothing(tmp_path, zarr_format):
         xinsitu.open_zarr(str(path), consolidated=True)
 
 
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_a_plain_file_beside_the_arrays_is_no_node(tmp_path, zarr_format):
+    """A README (or ``.DS_Store``, or the v2 metadata zarr's ``migrate_v2_to_v3`` leaves) at the root of an
+    archive without consolidated metadata: zarr asks ``README.md/zarr.json``, which obstore's local store
+    answered with a "Not a directory" error where zarr's finds nothing; the open failed. It opens as with
+    xarray."""
+    import numpy as np
+    import xarray as xr
+
+    path = tmp_path / "a.zarr"
+    xr.Dataset({"a": (("t",), np.arange(4.0))}).to_zarr(path, zarr_format=zarr_format, consolidated=False)
+    (path / "README.md").write_text("hello\n")
+    (path / ".DS_Store").write_bytes(b"\0\1")
+    ds = xinsitu.open_zarr(str(path))
+    assert list(ds.data_vars) == ["a"] and ds.a.values.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
 @pytest.mark.parametrize("kw", [{"mask_and_scale": False}, {"decode_cf": False}, {"drop_variables": ["b"]},
                                 {"use_cftime": True}, {"decode_coords": "all"}, {"concat_characters": False}])
 def test_open_zarr_takes_xarrays_decoding_options(tmp_path, kw):

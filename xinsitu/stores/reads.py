@@ -239,6 +239,12 @@ def _answer(e: BaseException) -> str:
     return redact(text.split("\n", 1)[0])[:200]
 
 
+def _under_a_file(e: BaseException) -> bool:
+    """Whether ``e`` says a key's path runs through a plain file (``ENOTDIR``; obstore's ``LocalStore`` says it
+    in a ``GenericError`` where zarr's ``LocalStore`` finds nothing)."""
+    return isinstance(e, NotADirectoryError) or f"(os error {errno.ENOTDIR})" in str(e)
+
+
 def _checked_get(cls: type, retries: bool) -> Any:
     """``cls`` (a zarr store class) with each ``get``, ``exists`` and listing bounded in time, a metadata
     body that is not valid JSON (damaged in transit) fetched again, ``FETCH_ATTEMPTS`` times, then
@@ -258,7 +264,12 @@ def _checked_get(cls: type, retries: bool) -> Any:
                 return await bounded_request(fetch, what)
             err: Exception | None = None
             for _ in range(FETCH_ATTEMPTS):
-                buf = await bounded_request(fetch, "metadata " + what)
+                try:
+                    buf = await bounded_request(fetch, "metadata " + what)
+                except Exception as e:
+                    if not _under_a_file(e):
+                        raise
+                    return None  # as zarr's LocalStore: a plain file at a group's level (a README) holds no node
                 if buf is None:
                     return None
                 try:

@@ -692,3 +692,22 @@ def test_a_paced_growth_is_whole_once_the_last_slot_is_back():
         assert slots.free() == 0
     finally:
         loop.close()
+
+
+def test_an_archive_written_again_under_an_open_dataset_is_not_only_called_corrupt(tmp_path):
+    """``to_zarr(mode="w")`` with another chunking over an archive opened before: its chunks no longer decode
+    by the metadata read at the open. The error named only damage in the store ("corrupt in the store?"),
+    sending the user to look for it; it names the rewrite too now."""
+    import xarray as xr
+
+    from xinsitu.stores.backend import ChunkReadError
+
+    path = str(tmp_path / "a.zarr")
+    data = xr.Dataset({"a": (("time", "x"), np.arange(48.0).reshape(12, 4))})
+    data.to_zarr(path, encoding={"a": {"chunks": (2, 4)}})
+    ds = xinsitu.open_zarr(path)
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    data.to_zarr(path, mode="w", encoding={"a": {"chunks": (4, 4)}})
+    with pytest.raises(ChunkReadError, match=r"variable 'a'.*failed to decode.*\(corrupt in the store, or the archive "
+                                             r"written again since it was opened\?\)"):
+        list(ds.insitu.batches(m, "train", batch_size=4, shuffle=False, output="numpy"))

@@ -112,8 +112,8 @@ def read_local(todo: deque[tuple[Route, tuple[int, ...], Destination]], scratch:
             try:
                 outcome = place(dec, raw, dest, read_s)
             except Exception as e:  # noqa: BLE001 - named below
-                raise DamagedObjectError(f"object {path!r} failed to decode (corrupt in the store?): "
-                                         f"{type(e).__name__}: {e}") from e
+                raise DamagedObjectError(f"object {path!r} failed to decode (corrupt in the store, or the archive "
+                                         f"written again since it was opened?): {type(e).__name__}: {e}") from e
         except Exception as e:  # noqa: BLE001 - every failure names its chunk
             todo.clear()  # the read fails: the other threads take no more of its chunks
             raise ChunkReadError(route.src.name, coords, path, e, route.unit) from e

@@ -658,7 +658,8 @@ async def refetched(fetch: Callable[[], Awaitable[Any]], key: str, use: Callable
         except Exception as e:  # noqa: BLE001 - any decode failure: fetch again, bounded
             last = e
     assert last is not None
-    raise DamagedObjectError(f"object {key!r} failed to decode {attempts} times (corrupt in the store?): "
+    raise DamagedObjectError(f"object {key!r} failed to decode {attempts} times (corrupt in the store, or "
+                             "the archive written again since it was opened?): "
                              f"{type(last).__name__}: {last}") from last
 
 

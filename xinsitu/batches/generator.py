@@ -616,8 +616,9 @@ class BatchGenerator:
     def shuffle_quality(self, max_batches: int = 200) -> float:
         """How well batches mix chunks, 0..1 (1.0 ~ a global shuffle); computed from the plan.
 
-        Scores the first ``max_batches`` batches of this rank's epoch (no I/O; only the
-        buffers those batches come from are ordered).
+        Scores the first ``max_batches`` batches of this rank's epoch (no I/O; only the buffers those
+        batches come from are ordered) by how many chunk blocks each draws from, not by their order:
+        batches in the split's order (``shuffle=False``) of chunks of one or a few samples score high.
         """
         return plan_quality(self.plan(), self.space, self.batch_size, max_batches)
 

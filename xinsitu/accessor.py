@@ -456,7 +456,7 @@ class InsituAccessor:
                 over: str | list[str] | None = None, variables: str | list[str] | None = None,
                 output: str = "numpy", stack: bool | list[str] = False, normalize: dict[str, Any] | None = None,
                 cache: bool | str | os.PathLike[str] | ChunkCache | None = None,
-                max_inflight: int | None = None, missing: str = "fill") -> InsituDataset:
+                max_inflight: int | None = None, missing: str = "fill", dtype: Any = None) -> InsituDataset:
         """A map-style dataset over the samples of ``split``, for a DataLoader with your own sampler.
 
         ``len(d)`` is the number of samples of the whole split, numbered in unshuffled order (as
@@ -484,6 +484,9 @@ class InsituAccessor:
             :meth:`batches` (``["level"]`` folds that dim into ``{var}_{label}`` channels).
         normalize : dict, optional
             Statistics from :meth:`stats` (``manifest.stats``): ``(x - mean) / std`` per channel.
+        dtype : numpy dtype or str, optional
+            The dtype of every array of a sample, as for :meth:`batches` (e.g. ``"float32"`` for a
+            float64 archive, without a cast per sample in the training loop).
         cache : bool, str, os.PathLike or xinsitu.ChunkCache, optional
             Keep decoded chunks across calls (a directory: also across runs), as for :meth:`batches`;
             a random sampler then decodes each chunk once per run instead of once per sample.
@@ -502,7 +505,7 @@ class InsituAccessor:
         return InsituDataset(self._ds, manifest, split, window=window, patch=patch, stride=stride, over=over,
                              variables=self._variables(manifest, variables), output=output, stack=stack,
                              normalize=normalize, cache=cache,
-                             max_inflight=max_inflight, missing=missing)
+                             max_inflight=max_inflight, missing=missing, dtype=dtype)
 
     def sample(self, manifest: SplitManifest, split: str, i: int, *, window: dict[str, int] | None = None,
                patch: dict[str, int] | None = None, stride: dict[str, int] | None = None,

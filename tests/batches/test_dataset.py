@@ -135,6 +135,23 @@ def test_items_and_batches_match_xarray(era5, output, stack, read_path):
         check_item(item, ref.isel(sample=[k]), d, output, stack)
 
 
+def test_dtype_gives_every_array_of_a_sample_and_a_batch_in_it(era5):
+    """``dataset(dtype=)`` as ``batches(dtype=)``: a float64 or int16-packed archive read as float32 needed a cast
+    per sample in the training loop (the default collate gave float64 tensors); values are xarray's cast."""
+    ds, m = era5
+    d = ds.insitu.dataset(m, "train", dtype="float32")
+    ids = [0, 9, 3]
+    got = d.__getitems__(ids).batch
+    ref = oracle(ds, d, ids)
+    for v in ref.data_vars:
+        assert got[v].dtype == np.float32, v
+        np.testing.assert_array_equal(got[v], ref[v].values.astype("float32"))
+        assert d[9][v].dtype == np.float32 and np.array_equal(d[9][v], ref[v].values[1].astype("float32"),
+                                                             equal_nan=True)
+    with pytest.raises(TypeError, match="dtype"):
+        ds.insitu.dataset(m, "train", dtype="no such dtype")
+
+
 def test_item_equals_gen_sample(era5):
     ds, m = era5
     d = InsituDataset(ds, m, "val", output="xarray", window={"time": 3})

@@ -186,14 +186,14 @@ class InsituDataset:
                  stride: dict[str, int] | None = None, over: str | list[str] | None = None,
                  variables: str | list[str] | None = None, output: str = "numpy", stack: bool | list[str] = False,
                  normalize: dict[str, Any] | None = None, cache: Any = None, max_inflight: int | None = None,
-                 missing: str = "fill"):
+                 missing: str = "fill", dtype: Any = None):
         # the generator validates every argument and holds what a read needs (sources, sample space,
         # layouts, output builder); it is never iterated here: one rank, unshuffled, so that its
         # numbering is the split's (``gen.sample(i)``) whatever torch.distributed says
         names = [variables] if isinstance(variables, str) else variables
         self._gen = BatchGenerator(ds, manifest, split, batch_size=1, shuffle=False, window=window, patch=patch,
                                    stride=stride, over=over, variables=names, output=output, stack=stack,
-                                   normalize=normalize, max_inflight=max_inflight, rank=0, world_size=1,
+                                   normalize=normalize, max_inflight=max_inflight, rank=0, world_size=1, dtype=dtype,
                                    missing=missing)
         from xinsitu.cache.chunk_cache import resolve_cache
 

@@ -185,7 +185,7 @@ def _check_decoding(name: str, cf: dict[str, Any], chain: Any) -> None:
     scale = applied.get("_scale_offset_decoding")
     got = None if scale is None else (scale.get("scale_factor"), scale.get("add_offset"))
     want = (cf.get("scale_factor"), cf.get("add_offset")) if {"scale_factor", "add_offset"} & cf.keys() else None
-    if not _equal(got, want):
+    if (got is None) != (want is None) or (got and want and not all(map(_same_number, got, want))):
         differ.append(f"scale_factor, add_offset {got} (its encoding: {want})")
     mask = applied.get("_apply_mask")
     fills = {_scalar(v) for k in ("_FillValue", "missing_value") if k in cf for v in np.ravel(cf[k])
@@ -209,11 +209,12 @@ def _check_decoding(name: str, cf: dict[str, Any], chain: Any) -> None:
             "returns a new Dataset: keep the opened one for batches), or .load() it to train from memory")
 
 
-def _equal(a: Any, b: Any) -> bool:
+def _same_number(a: Any, b: Any) -> bool:
+    """Whether two CF numbers are one (a scalar and a one-element list alike; None only as None)."""
     if a is None or b is None:
         return a is None and b is None
     try:
-        return bool(np.array_equal(np.asarray(a, dtype=object), np.asarray(b, dtype=object)))
+        return bool(np.array_equal(np.ravel(np.asarray(a, np.float64)), np.ravel(np.asarray(b, np.float64))))
     except (TypeError, ValueError):
         return False
 

@@ -128,24 +128,27 @@ def test_read_ahead_stays_within_the_buffers_held(era5_path):
     assert most[0] <= EpochRun.start_depth, most[0]
 
 
-@pytest.mark.parametrize("chunk_time", [1, 4])  # one step a chunk (batches filled in place) or buffers of blocks
-def test_an_archive_rewritten_between_epochs_is_read_as_it_is_now(tmp_path, chunk_time):
+# one step a chunk (batches filled in place), buffers of blocks, shards of one-step chunks
+@pytest.mark.parametrize("chunk_time, shard_time", [(1, None), (4, None), (1, 4)])
+def test_an_archive_rewritten_between_epochs_is_read_as_it_is_now(tmp_path, chunk_time, shard_time):
     """The next epoch's first buffer is read as an epoch ends: an archive rewritten before the next epoch
     (no cache) gave that epoch's first samples as they were before the rewrite and the others as after
-    (8 of 40 old). A read ahead is dropped where a local chunk file it read was written since it began;
-    one whose files did not change is taken."""
+    (8 of 40 old). A read ahead is dropped where a local chunk file (or shard) it read was written since it
+    began; one whose files did not change is taken. A shard's index, kept, is read again where its file was
+    written since (its inner chunks were read at their old places: other values, or a decode error)."""
     import zarr
 
     from xinsitu.synthetic import write_era5_like
 
     path = str(tmp_path / "a.zarr")
-    write_era5_like(path, nt=40, ny=4, nx=6, chunk_time=chunk_time)
+    write_era5_like(path, nt=40, ny=4, nx=6, chunk_time=chunk_time, shard_time=shard_time)
     ds, _, gen = _gen(path, batch_size=8, block_chunks=8 // chunk_time)
     gen.set_epoch(0)
     assert _same(_epoch(gen), _oracle(ds, gen, 0))
+    rng = np.random.default_rng(1)
     for v in VARS:
         arr = zarr.open_array(f"{path}/{v}", mode="r+")
-        arr[...] = arr[...] + 100
+        arr[...] = arr[...] + 100 + rng.random(arr.shape)  # (chunks of other sizes: a shard's index changes)
     gen.set_epoch(1)
     got = _epoch(gen)
     assert _same(got, _oracle(ds, gen, 1)) and float(got[0]["t2m"].min()) > 150

@@ -237,6 +237,11 @@ def test_forked_child_reads_local_files(days):
     status, got = epoch_in_fork(gen, 30, lambda g: [record(b) for b in g])
     assert status == "ok", got
     assert got == expected
+    # opening files there would go through obstore (the HDF5 parser reads them with it): refused at once,
+    # naming the fix, where it waited three request bounds (or for ever) and then blamed a timeout
+    status, said = epoch_in_fork(days, 30, open_netcdf)
+    assert status == "error" and said.startswith("ForkError: ") and "forked process" in said, said
+    assert os.path.basename(days[0]) in said, said
 
 
 # ----------------------------------------------------------------------------- Icechunk

@@ -44,6 +44,16 @@ def file_clock_ns() -> int:
     coarse = getattr(time, "CLOCK_REALTIME_COARSE", None)
     return time.clock_gettime_ns(coarse) if coarse is not None else time.time_ns() - 20_000_000
 
+
+def changed_since(path: str, since_ns: int, gone: bool = True) -> bool:
+    """Whether the local file ``path`` was written (its change or modification time: a change time cannot be set
+    back) at or after ``since_ns`` (``file_clock_ns``); ``gone``: what a file that is not there counts as."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return gone
+    return max(st.st_ctime_ns, st.st_mtime_ns) >= since_ns
+
 class ChunkKey:
     """Cache keys for the chunks of one array: computed once per array, then one short hash per chunk.
 

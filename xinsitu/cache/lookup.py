@@ -6,13 +6,12 @@ lacks goes on to be fetched as destinations that keep the chunk once decoded (``
 from __future__ import annotations
 
 import asyncio
-import os
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from xinsitu.cache.chunk_cache import ChunkCache
-from xinsitu.cache.keys import ChunkKey
+from xinsitu.cache.keys import ChunkKey, changed_since
 from xinsitu.cache.versions import trusted
 from xinsitu.index.regions import Target
 from xinsitu.io.place import SETTLED_DISK_HIT, SETTLED_HIT, Pieces
@@ -170,14 +169,7 @@ async def _drop_rewritten(cache: ChunkCache, keys: ChunkKey, mkeys: list[Any], o
         if not local:
             now, n = keys.versions([object_of(i) for i, _, _ in old])
             return [v != was or not trusted(v) for v, (_, _, was) in zip(now, old, strict=True)], n
-        out = []
-        for i, born, _ in old:
-            try:
-                st = os.stat(keys.file_of(object_of(i)))  # type: ignore[arg-type]
-                out.append(max(st.st_ctime_ns, st.st_mtime_ns) >= born)
-            except FileNotFoundError:
-                out.append(True)
-        return out, 0
+        return [changed_since(keys.file_of(object_of(i)), born) for i, born, _ in old], 0  # type: ignore[arg-type]
 
     gone, asked = await asyncio.get_running_loop().run_in_executor(None, changed)
     held.recheck([mkeys[i] for i, _, _ in old], gone, since)

@@ -173,6 +173,13 @@ def _stored(base: dict, var: xr.Variable, zarray: Any, src_dims: tuple[str, ...]
     )
 
 
+def _transposed(name: str, dims: tuple, stored: str) -> SourceError:
+    return SourceError(
+        f"variable {name!r}: its dims {tuple(dims)} do not follow {stored}; transposed views are not supported, "
+        "select variables without transposing them (a model input's axes can be put in any order after the batch: "
+        "transform=, or in the model)")
+
+
 def _check_decoding(name: str, cf: dict[str, Any], chain: Any) -> None:
     """Refuse a variable whose encoding does not say the CF decoding xarray applies to its stored values (its
     lazy ``chain``): xinsitu decodes the stored chunks as the encoding says, so an encoding dropped
@@ -413,13 +420,6 @@ def _how_to_open(ds: xr.Dataset, data: Any) -> str:
 
 
 # --------------------------------------------------------------------------- dask
-def _transposed(name: str, dims: tuple, stored: str) -> SourceError:
-    return SourceError(
-        f"variable {name!r}: its dims {tuple(dims)} do not follow {stored}; transposed views are not supported, "
-        "select variables without transposing them (a model input's axes can be put in any order after the batch: "
-        "transform=, or in the model)")
-
-
 def _computed_layer(data: Any) -> str | None:
     """The first layer of a dask graph that computes values (arithmetic, reductions), or None."""
     for lname in getattr(data.__dask_graph__(), "layers", {}):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import numpy as np
 
+from xinsitu.cache.keys import changed_since, file_clock_ns
 from xinsitu.codecs.cpu import ShardLayout
 from xinsitu.io import loop as _loop
 from xinsitu.io.place import DECODED, EMPTY, SCRATCH, ChunkOutcome, Destination, Pieces, place, place_async, place_each
@@ -280,7 +281,7 @@ class Shards:
     def __init__(self, reader: Reader):
         self.reader = reader
         self.layouts: dict[int, ShardLayout] = {}
-        self.indexes: OrderedDict[str, np.ndarray | None] = OrderedDict()
+        self.indexes: OrderedDict[str, tuple[np.ndarray | None, int]] = OrderedDict()  # (index, fetched since)
         self.pending: dict[str, asyncio.Future[np.ndarray | None]] = {}  # indexes being fetched
 
     def layout(self, src: VarSource) -> ShardLayout:
@@ -298,10 +299,14 @@ class Shards:
 
     async def _index(self, lay: ShardLayout, store: Any, path: str) -> np.ndarray | None:
         """The shard's index, fetched once and cached (a few bytes per inner chunk); reads of one shard
-        under way at once share the one fetch."""
-        if path in self.indexes:
+        under way at once share the one fetch. A local shard written since is fetched again (an archive
+        rewritten between epochs: its inner chunks lie elsewhere now)."""
+        kept = self.indexes.get(path)
+        root = getattr(store, "root", None)
+        if kept is not None and (root is None or not changed_since(os.path.join(root, path), kept[1])):
             self.indexes.move_to_end(path)
-            return self.indexes[path]
+            return kept[0]
+        self.indexes.pop(path, None)
         pending = self.pending.get(path)
         if pending is None:
             pending = self.pending[path] = asyncio.ensure_future(self._fetch_index(lay, store, path))
@@ -328,8 +333,9 @@ class Shards:
             return None if raw is None else await lay.index(raw)
 
         # an index that fails its checksum (a flipped bit in transit) is fetched again
+        since = file_clock_ns()
         index = await refetched(fetch, path, use, on_retry=self.reader.inflight.failed, source=store)
-        self.indexes[path] = index
+        self.indexes[path] = (index, since)
         while len(self.indexes) > INDEX_CACHE:
             self.indexes.popitem(last=False)
         return index
@@ -339,6 +345,8 @@ class Shards:
         reader, store, dec = self.reader, cast(RangeBackend, route.store), route.dec
         inflight = reader.inflight
         path = route.prefix + lay.shard_key(shard)
+        if reader.journal is not None:
+            reader.journal.append((store, path))
         loop = asyncio.get_running_loop()
         slot = object()
         await inflight.take(slot)
@@ -389,17 +397,9 @@ class Shards:
             inflight.give(slot)
 
 
-def local_files_changed(reads: list[tuple[Any, tuple[int, ...]]], since_ns: int) -> bool:
-    """Whether a local chunk file among ``reads`` (``(route, chunk)``, as ``Reader.journal`` records them)
-    changed at or after ``since_ns`` (``cache.keys.file_clock_ns``); objects of other stores are not looked at."""
-    for route, coords in reads:
-        root = getattr(route.store, "root", None)
-        if root is None:
-            continue
-        try:
-            st = os.stat(os.path.join(root, route.path(coords)))
-        except OSError:
-            continue  # (a chunk without a file read as its fill value, and still has none)
-        if max(st.st_ctime_ns, st.st_mtime_ns) >= since_ns:
-            return True
-    return False
+def local_files_changed(reads: list[tuple[Any, str]], since_ns: int) -> bool:
+    """Whether a local file among ``reads`` (``(backend, key)`` of chunks or shards, as ``Reader.journal`` records
+    them) was written at or after ``since_ns`` (``file_clock_ns``); objects of other stores are not looked at (a
+    chunk without a file read as its fill value, and still without one, did not change)."""
+    return any(changed_since(os.path.join(root, key), since_ns, gone=False)
+               for store, key in reads if (root := getattr(store, "root", None)) is not None)

@@ -153,8 +153,8 @@ class Reader:
         self.turn = TurnBatch(self.inflight.threads)
         self.last_missing: tuple[str, tuple[int, ...], str] | None = None  # (variable, chunk, key)
         self._starts = _loop.PerLoop(lambda _: asyncio.Lock())  # see ``starting``
-        #: while a list, the (route, chunk) of each chunk fetched (what a read ahead read: ``local_files_changed``)
-        self.journal: list[tuple[Route, tuple[int, ...]]] | None = None
+        #: while a list, the (backend, key) of each object fetched (what a read ahead read: ``local_files_changed``)
+        self.journal: list[tuple[Any, str]] | None = None
 
     def missing_record(self) -> list[Any] | None:
         """JSON-able ``[chunks that had no object, variable, chunk, key]`` of one of them, None if none."""
@@ -533,7 +533,7 @@ class Reader:
         than the decode itself. The reads asked for in one turn of the loop go out together, in one job per
         decode thread (``TurnBatch``)."""
         if self.journal is not None:
-            self.journal += [(r, c) for r, c, _ in items]
+            self.journal += [(r.store, r.path(c)) for r, c, _ in items]
         k = max(1, min(len(items), self.inflight.threads))
         todo = deque(items)
         parts = await asyncio.gather(*(self.turn.run(read_local, todo, scratch) for _ in range(k)))
@@ -559,7 +559,7 @@ class Reader:
         path = route.path(coords)
         slot = object()
         if self.journal is not None:
-            self.journal.append((route, coords))
+            self.journal.append((route.store, path))
 
         async def use(raw: Any) -> ChunkOutcome:
             self.counters.requests += 1

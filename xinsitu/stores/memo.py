@@ -3,6 +3,7 @@ a server, asked again for every generator of a process."""
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any, Generic, TypeVar
@@ -18,6 +19,7 @@ class ByIdentity(Generic[V]):
     def __init__(self, size: int):
         self.size = size
         self._kept: OrderedDict[tuple[int, Hashable], tuple[Any, V]] = OrderedDict()
+        self._lock = threading.Lock()
 
     def get(self, obj: Any, key: Hashable = None) -> V | None:
         hit = self._kept.get((id(obj), key))
@@ -25,10 +27,11 @@ class ByIdentity(Generic[V]):
 
     def put(self, obj: Any, key: Hashable, value: V) -> None:
         at = (id(obj), key)
-        self._kept[at] = (obj, value)
-        self._kept.move_to_end(at)
-        while len(self._kept) > self.size:
-            self._kept.popitem(last=False)
+        with self._lock:
+            self._kept[at] = (obj, value)
+            self._kept.move_to_end(at)
+            while len(self._kept) > self.size:
+                self._kept.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._kept)

@@ -37,12 +37,16 @@ def _metadata_bytes(metadata: bytes | str | dict[str, Any]) -> bytes:
 
 
 
+#: how far behind the time of a write a file's change time may be: the kernel stamps files from its coarse clock,
+#: up to a tick (1-10 ms) behind ``time.time_ns()`` (newer kernels stamp some writes from the fine clock)
+FILE_CLOCK_SLACK_NS = 20_000_000
+
+
 def file_clock_ns() -> int:
-    """Now, by the clock local files' change times are stamped with: the kernel's coarse clock, up to a tick
-    (some ms) behind ``time.time_ns()``, so a file written just after a finer "now" may carry an earlier time
-    (a chunk rewritten just as a reader began would have looked older than it)."""
-    coarse = getattr(time, "CLOCK_REALTIME_COARSE", None)
-    return time.clock_gettime_ns(coarse) if coarse is not None else time.time_ns() - 20_000_000
+    """Now, as a file written from now on could be stamped at the earliest (``FILE_CLOCK_SLACK_NS`` ago): a chunk
+    rewritten just as a reader began could look older than that beginning. A file written in the slack before
+    counts as written after (read again, once)."""
+    return time.time_ns() - FILE_CLOCK_SLACK_NS
 
 
 def changed_since(path: str, since_ns: int, gone: bool = True) -> bool:

@@ -18,6 +18,7 @@ import zarr
 
 import xinsitu
 from tests.batches.test_torch import _job  # the DataLoader job in a subprocess, under a timeout
+from tests.support.clock import past_the_writes
 from xinsitu.cache.chunk_cache import ChunkCache
 from xinsitu.synthetic import write_era5_like
 
@@ -269,11 +270,13 @@ def test_the_memory_tier_checks_what_an_earlier_generator_kept(tmp_path):
     file deleted since (read as the fill value) is not served from memory either."""
     path = str(tmp_path / "era5.zarr")
     write_era5_like(path, nt=64, ny=4, nx=6, chunk_time=8)
+    past_the_writes(path)  # (a chunk written just before a reader began is read again by the next)
     cache = ChunkCache(memory="1GB")
     gen = _gen(path, cache=cache, shuffle=False)
     _epochs(gen, (0,))
     n = gen.io_stats["chunks"]
     _rewrite_first_chunk(path)
+    past_the_writes(path)
     again = _gen(path, cache=cache, shuffle=False)
     _epochs(again, (0,))
     assert again.io_stats["cache_misses"] == 1 and again.io_stats["cache_hits"] == n - 1
@@ -526,3 +529,39 @@ def test_variables_in_memory_and_of_an_uncached_store_are_each_named(tmp_path):
         warnings.simplefilter("ignore")
         _epochs(opened.insitu.batches(m, "train", batch_size=4, output="numpy", cache=cache), (0,))
     assert len(cache.notes) == 1 and cache.notes[0].startswith("not cached: variable 'a', variable 'b' (its store")
+
+
+@pytest.mark.parametrize("open_", ["xinsitu", "xr", "dask"])
+def test_a_big_endian_archive_reads_in_native_order_from_every_path(tmp_path, open_):
+    """zarr v3 stored big-endian (``BytesCodec(endian="big")``), as zarr 3.1 decodes it (in that order):
+    batches from the disk tier came as ``>f4`` from the second epoch on (``torch.from_numpy`` refuses them);
+    and ``stats`` of an ``_Unsigned`` integer with a fill counted the fill as a value (xarray's decoder masks
+    the byte-swapped fill of a big-endian array). Native order on every path now."""
+    import xarray as xr
+    import zarr.codecs as zc
+
+    p = str(tmp_path / "be.zarr")
+    g = zarr.open_group(p, mode="w", zarr_format=3)
+    t = g.create_array("time", shape=(12,), chunks=(12,), dtype="i8", dimension_names=["time"],
+                       attributes={"units": "hours since 2000-01-01"})
+    t[:] = np.arange(12)
+    big = {"serializer": zc.BytesCodec(endian="big")}
+    x = g.create_array("x", shape=(12, 3), chunks=(4, 3), dtype="f4", dimension_names=["time", "c"], **big)
+    x[:] = np.arange(36, dtype="f4").reshape(12, 3)
+    raw = np.random.default_rng(0).integers(-2**31, 2**31 - 1, size=(12, 3), dtype="i4")
+    raw[0, 0] = 2**31 - 1  # the fill
+    u = g.create_array("u", shape=(12, 3), chunks=(4, 3), dtype="i4", dimension_names=["time", "c"],
+                       attributes={"_Unsigned": "true", "scale_factor": 0.5, "_FillValue": 2**31 - 1}, **big)
+    u[:] = raw
+    ds = {"xinsitu": lambda: xinsitu.open_zarr(p), "xr": lambda: xr.open_zarr(p, chunks=None),
+          "dask": lambda: xr.open_zarr(p)}[open_]()
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    gen = ds.insitu.batches(m, "train", batch_size=4, shuffle=False, output="numpy", cache=str(tmp_path / "c"))
+    for epoch in _epochs(gen, (0, 1, 2)):
+        for v in ("x", "u"):
+            assert all(b[v].dtype.isnative and b[v].dtype == ds[v].values.dtype for b in epoch), v
+            np.testing.assert_array_equal(np.concatenate([b[v] for b in epoch]), ds[v].values)
+    vals = ds.u.values.astype("float64")
+    st = ds.insitu.stats(m, "train", variables=["u"])["u"]
+    assert st["nan_count"] == 1 == int(np.isnan(vals).sum())
+    np.testing.assert_allclose(st["mean"], np.nanmean(vals), rtol=1e-12)

@@ -259,3 +259,27 @@ def test_long_first_dim_in_slabs_of_several(tmp_path, monkeypatch):
     assert np.array_equal(m.edges["month"], [0, 3, 6, 9, 12])
     gen = ds.insitu.batches(m, "val", batch_size=4, output="numpy", over="level", seed=2)
     assert np.array_equal(np.sort(run_epoch(ref, gen)), np.arange(6 * 3))
+
+
+def test_an_unsigned_short_with_a_fill_masks_the_fill(tmp_path):
+    """NetCDF-3 stores big-endian: an ``int16`` with ``_Unsigned="true"`` and a ``_FillValue`` was decoded in
+    that byte order, and xarray's decoder then masked the fill's byte-swapped twin (65407 became NaN, the fill
+    came through as 32767). Decoded in native order now: ``xr.open_dataset``'s values, in batches too."""
+    netCDF4 = pytest.importorskip("netCDF4")
+    p = str(tmp_path / "u.nc")
+    with netCDF4.Dataset(p, "w", format="NETCDF3_CLASSIC") as f:
+        f.createDimension("time", 4)
+        t = f.createVariable("time", "i4", ("time",))
+        t.units = "days since 2000-01-01"
+        t[:] = np.arange(4)
+        v = f.createVariable("x", "i2", ("time",), fill_value=np.int16(32767))
+        v.set_auto_maskandscale(False)
+        v._Unsigned = "true"
+        v[:] = np.array([-129, 32767, 5, -1], "i2")  # as unsigned: 65407, the fill, 5, 65535
+    want = xr.open_dataset(p).x.values
+    np.testing.assert_array_equal(want, [65407, np.nan, 5, 65535])
+    ds = open_netcdf(p)
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    got = next(iter(ds.insitu.batches(m, "train", batch_size=4, shuffle=False, output="numpy")))["x"]
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(ds.x.values, want)

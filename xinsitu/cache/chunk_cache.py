@@ -305,6 +305,8 @@ class ChunkCache:
             assert self._disk is not None
             self._disk.file_of(dk)  # a key that cannot name a file is refused before either tier keeps it
         arr = np.asarray(array)
+        if not arr.dtype.isnative:  # kept in native order: a hit gave batches of a big-endian dtype (zarr 3.1)
+            arr = arr.astype(arr.dtype.newbyteorder("="))
         with self._lock:
             self._stats.puts += 1
             known = key in self._mem

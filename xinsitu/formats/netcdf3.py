@@ -237,7 +237,10 @@ def _unpack(packed: dict[str, Any]) -> Any:
 
 
 def cf_decode(raw: np.ndarray, cf_attrs: dict[str, Any], name: str = "") -> np.ndarray:
-    """``raw`` (as stored) decoded by xarray's CF decoder with ``cf_attrs`` (mask, scale, offset, unsigned)."""
+    """``raw`` (as stored) decoded by xarray's CF decoder with ``cf_attrs`` (mask, scale, offset, unsigned), in
+    native byte order first: xarray masks ``_Unsigned`` values of a big-endian array against the byte-swapped fill
+    (a real value became NaN, the fill came through), where netCDF4 and scipy hand it native arrays."""
+    raw = raw.astype(raw.dtype.newbyteorder("="), copy=False)
     var = xr.Variable(tuple(f"dim_{i}" for i in range(raw.ndim)), raw, dict(cf_attrs))
     return np.asarray(xr.conventions.decode_cf_variable(
         name, var, mask_and_scale=True, decode_times=False, decode_endianness=True, stack_char_dim=False,

@@ -68,6 +68,7 @@ class _CFDecode:
         self.name, self.attrs, self.options = name, attrs, _time_options(dtype)
 
     def __call__(self, raw: np.ndarray) -> np.ndarray:
+        raw = raw.astype(raw.dtype.newbyteorder("="), copy=False)  # (xarray masks _Unsigned in another order wrong)
         var = xr.Variable(tuple(f"_{i}" for i in range(raw.ndim)), raw, attrs=dict(self.attrs))
         return np.asarray(xr.conventions.decode_cf_variable(self.name, var, **self.options).values)
 

@@ -112,3 +112,27 @@ def test_piece_ids_match_the_per_piece_definition(equal):
         exp = np.concatenate([int(offsets[int(u)]) + np.arange(a, b) for u, a, b in zip(units, lo, hi, strict=True)]
                              or [np.zeros(0)])
         np.testing.assert_array_equal(piece_ids(offsets, units, lo, hi), exp)
+
+
+def test_buffers_of_variables_sharing_a_shape_take_no_new_memory_after_the_first_epoch(tmp_path):
+    """Six variables of one shape (a weather model's level variables) shared a pool keeping four arrays per
+    shape: every buffer made two anew, about 1 GB of new memory a 1° epoch, each page faulted in (15-20 %
+    of an epoch). After the first epoch the buffers' arrays are all handed out again."""
+    import xarray as xr
+
+    import xinsitu
+
+    rng = np.random.default_rng(0)
+    ds = xr.Dataset({f"v{i}": (("time", "x"), rng.random((48, 5), dtype="f4")) for i in range(6)})
+    path = str(tmp_path / "six.zarr")
+    ds.to_zarr(path, encoding={v: {"chunks": (4, 5)} for v in ds})
+    opened = xinsitu.open_zarr(path)
+    m = opened.insitu.split("time", fractions={"train": 1.0})
+    gen = opened.insitu.batches(m, "train", batch_size=6, block_chunks=2, output="numpy")
+    made = []
+    for e in range(3):
+        gen.set_epoch(e)
+        got = [b for b in gen]
+        assert len(got) == 8
+        made.append(gen._buffer_loader()._pool.made)
+    assert made[0] > 0 and made[1] == made[2] == made[0], made

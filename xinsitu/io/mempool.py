@@ -78,6 +78,7 @@ class ArrayPool:
         self._free: dict[tuple[tuple[int, ...], np.dtype], list[np.ndarray]] = {}  # given back
         self._held: deque[np.ndarray] = deque(maxlen=keep)  # handed out, counted: taken back when idle
         self._lock = threading.Lock()  # one array to one caller, where several threads take
+        self.made = 0  # arrays made anew (not handed out again): new memory, its pages faulted in at first use
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (ArrayPool, (self.keep, self.alloc, self.counted))
@@ -98,6 +99,7 @@ class ArrayPool:
                 free = self._free.get((shape, dtype))
                 if free:
                     return free.pop()
+            self.made += 1
             if self.alloc is None:
                 arr = np.empty(shape, dtype=dtype)
             else:  # alloc's own array where it is the one asked (1-D uint8): the one counted and kept alive

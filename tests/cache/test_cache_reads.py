@@ -518,8 +518,9 @@ def test_variables_in_memory_and_of_an_uncached_store_are_each_named(tmp_path):
     for epoch in got:
         np.testing.assert_array_equal(np.concatenate([b["a"] for b in epoch]), ds.a.values)
     assert [str(w.message) for w in said if "keeps nothing" in str(w.message)] == [
-        "the chunk cache keeps nothing of variable 'a': its values are in memory already (loaded or computed by "
-        "xarray), so no epoch reads them again (warned once)"]
+        "the chunk cache keeps nothing of variable 'a' nor of any other variable held in memory: their values are "
+        "in memory already (loaded or computed by xarray), so no epoch reads them again; cache= serves variables "
+        "read from a store (warned once)"]
     assert cache.notes == ["not cached: variable 'a', variable 'b' (its values are in memory already)"]
     store = zarr.storage.MemoryStore()
     ds.to_zarr(store, zarr_format=3, consolidated=False, encoding={v: {"chunks": (2, 3)} for v in ds})

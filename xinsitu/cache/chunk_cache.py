@@ -449,8 +449,9 @@ class ChunkCache:
     def note_in_memory(self, what: str) -> None:
         """Say once that ``what`` (a variable whose values are in memory: loaded, computed) is not cached."""
         self._say("uncached memory", f"not cached: {what} (its values are in memory already)",
-                  f"the chunk cache keeps nothing of {what}: its values are in memory already (loaded or computed "
-                  "by xarray), so no epoch reads them again (warned once)", what)
+                  f"the chunk cache keeps nothing of {what} nor of any other variable held in memory: their values "
+                  "are in memory already (loaded or computed by xarray), so no epoch reads them again; cache= serves "
+                  "variables read from a store (warned once)", what)
 
     def _disk_key(self, key: Hashable, disk_key: str | None) -> str | None:
         """The disk tier's key for an entry, None without a disk tier (or without a key it can use)."""

@@ -361,6 +361,15 @@ def test_an_integer_with_time_like_units_and_a_fill_is_read_as_xarray_reads_it(t
             got = np.concatenate([b["lead"] for b in ds.insitu.batches(m, "train", output="numpy", shuffle=False,
                                                                          batch_size=3)])
             assert got.dtype == want.dtype == np.int64 and np.array_equal(got, want), (got, want)
+    # opened with decode_times=False, xarray masks it as a float with NaN (what its lazy chain says it does;
+    # the units alone said integers, and the variable was refused)
+    for ds in (xr.open_zarr(path, consolidated=False, decode_times=False),
+               xinsitu.open_zarr(path, decode_times=False)):
+        want = ds.lead.values
+        m = ds.insitu.split("time", fractions={"train": 1.0})
+        got = np.concatenate([b["lead"] for b in ds.insitu.batches(m, "train", output="numpy", shuffle=False,
+                                                                     batch_size=3)])
+        assert got.dtype == want.dtype == np.float64 and np.array_equal(got, want, equal_nan=True), (got, want)
 
 
 @pytest.mark.parametrize("zarr_format", [2, 3])

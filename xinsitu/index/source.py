@@ -158,9 +158,12 @@ def _stored(base: dict, var: xr.Variable, zarray: Any, src_dims: tuple[str, ...]
         names = iter(base["dims"])
         src_dims = tuple(d if isinstance(ix, int) else next(names) for d, ix in zip(src_dims, index, strict=True))
     cf = {k: var.encoding[k] for k in CF_KEYS if k in var.encoding}
-    _check_decoding(base["name"], cf, chain)
+    done = lazy_decodings(chain)
+    _check_decoding(base["name"], cf, done)
     units = var.attrs.get("units")
-    if "units" not in cf and ({"_FillValue", "missing_value"} & cf.keys()) and _time_like(units):
+    masked = dict(done or []).get("_apply_mask", {}).get("dtype")  # what xarray masks it to, where known
+    as_int = masked is None or np.dtype(masked).kind in "iu"  # (decode_times=False: a time delta is masked to floats)
+    if "units" not in cf and ({"_FillValue", "missing_value"} & cf.keys()) and as_int and _time_like(units):
         cf["units"] = units  # kept as an attribute (not decoded to times), yet xarray masks it as integers
     return VarSource(
         raw_dtype=np.dtype(zarray.dtype),
@@ -180,11 +183,10 @@ def _transposed(name: str, dims: tuple, stored: str) -> SourceError:
         "transform=, or in the model)")
 
 
-def _check_decoding(name: str, cf: dict[str, Any], chain: Any) -> None:
-    """Refuse a variable whose encoding does not say the CF decoding xarray applies to its stored values (its
-    lazy ``chain``): xinsitu decodes the stored chunks as the encoding says, so an encoding dropped
-    (``ds.drop_encoding()``) or edited since the open would give batches other values than the Dataset's."""
-    done = lazy_decodings(chain)
+def _check_decoding(name: str, cf: dict[str, Any], done: list[tuple[str, dict[str, Any]]] | None) -> None:
+    """Refuse a variable whose encoding does not say the CF decoding xarray applies to its stored values (``done``:
+    its lazy chain's, ``lazy_decodings``): xinsitu decodes the stored chunks as the encoding says, so an encoding
+    dropped (``ds.drop_encoding()``) or edited since the open would give batches other values than the Dataset's."""
     if done is None:
         return
     applied = dict(done)

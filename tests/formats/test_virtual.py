@@ -10,6 +10,10 @@ import os
 import pickle
 import re
 import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -242,6 +246,28 @@ def test_forked_child_reads_local_files(days):
     status, said = epoch_in_fork(days, 30, open_netcdf)
     assert status == "error" and said.startswith("ForkError: ") and "forked process" in said, said
     assert os.path.basename(days[0]) in said, said
+
+
+def test_a_child_forked_before_obstore_was_imported_opens_files(days):
+    """A process that imported xinsitu but read nothing through obstore forks a pool that opens files (a
+    conversion job, a worker_init_fn): obstore starts afresh in each child, so they open and read (only a
+    child of a parent that had imported obstore is refused, above)."""
+    script = textwrap.dedent("""
+        import multiprocessing as mp, sys
+        import xinsitu.virtual
+
+        def job(path):
+            return float(xinsitu.virtual.open_netcdf(path).t2m.isel(time=0).values.sum())
+
+        if __name__ == "__main__":
+            assert "obstore" not in sys.modules
+            with mp.get_context("fork").Pool(1) as pool:
+                print(pool.apply_async(job, (sys.argv[1],)).get(timeout=60))
+    """)
+    out = subprocess.run([sys.executable, "-c", script, days[0]], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert float(out.stdout.split()[-1]) == pytest.approx(float(open_netcdf(days[0]).t2m.isel(time=0).values.sum()))
 
 
 # ----------------------------------------------------------------------------- Icechunk

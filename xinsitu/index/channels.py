@@ -64,11 +64,15 @@ class _CFDecode:
     """raw -> values exactly as xarray decodes them; a class, not a closure, so that a
     generator pickles into spawned DataLoader workers."""
 
-    def __init__(self, name: str, attrs: dict[str, Any], dtype: np.dtype | None = None):
+    def __init__(self, name: str, attrs: dict[str, Any], dtype: np.dtype | None = None,
+                 stored: np.dtype | None = None):
         self.name, self.attrs, self.options = name, attrs, _time_options(dtype)
+        self.stored = stored  # the stored array's dtype, in the byte order xarray is handed it
 
     def __call__(self, raw: np.ndarray) -> np.ndarray:
-        raw = raw.astype(raw.dtype.newbyteorder("="), copy=False)  # (xarray masks _Unsigned in another order wrong)
+        # in the byte order xarray decodes it in (a chunk may come in another: a v3 array stored big-endian, from
+        # zarr 3.1): xarray's mask of an _Unsigned fill depends on it (the byte-swapped twin, in big-endian order)
+        raw = raw.astype(raw.dtype.newbyteorder("=") if self.stored is None else self.stored, copy=False)
         var = xr.Variable(tuple(f"_{i}" for i in range(raw.ndim)), raw, attrs=dict(self.attrs))
         return np.asarray(xr.conventions.decode_cf_variable(self.name, var, **self.options).values)
 
@@ -109,7 +113,7 @@ def cf_decoder(name: str, layout: VarLayout) -> Any:
     attrs = {k: v for k, v in src.cf.items() if k != "dtype" or (isinstance(v, str) and v == "bool")}
     if not attrs and src.raw_dtype.newbyteorder("=") == src.dtype.newbyteorder("="):
         return _Cast(src.dtype)
-    decode = _CFDecode(name, attrs, np.dtype(src.dtype))
+    decode = _CFDecode(name, attrs, np.dtype(src.dtype), np.dtype(src.raw_dtype))
     probe = decode(np.zeros((1,), dtype=src.raw_dtype))
     if probe.dtype != src.dtype:
         raise ValueError(f"variable {name!r}: re-applying its CF encoding gives {probe.dtype}, but the Dataset "
@@ -152,7 +156,7 @@ def array_cf(src: VarSource, decode: Any) -> ArrayCF | None:
     attrs = {k: v for k, v in src.cf.items() if k not in ("dtype", "units")}
     if set(attrs) - {"_FillValue", "missing_value", "scale_factor", "add_offset"} or src.dtype.kind != "f":
         return None
-    raw_t = np.dtype(src.raw_dtype)
+    raw_t = np.dtype(src.raw_dtype).newbyteorder("=")  # (decoded in native order, as _CFDecode does)
     if raw_t.kind not in "iuf":
         return None
     fills: list[Any] = []

@@ -27,6 +27,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import os
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -57,6 +58,7 @@ _thread: threading.Thread | None = None
 _pool: ThreadPoolExecutor | None = None
 _copies: ThreadPoolExecutor | None = None  # see ``in_parallel``
 _forked = False
+_imported_at_fork: frozenset[str] = frozenset()  # Rust-runtime modules a forking parent had imported
 _native = 0  # calls into a Rust runtime (obstore) awaited on the loop now: waited for at exit
 #: ... those awaited on another loop (zarr's: the metadata reads of an open), by task: cancelled and
 #: waited for at exit too
@@ -313,11 +315,18 @@ def refuse_after_fork(what: str) -> None:
         raise ForkError(f"{what} cannot be read in this forked process: {FORK_HELP}")
 
 
+def forked_after(module: str) -> bool:
+    """Whether this process was forked from one that had imported ``module`` (``"obstore"``): the parent may
+    have used its runtime then; a parent that never imported it leaves the child free to use it."""
+    return _forked and module in _imported_at_fork
+
+
 def _after_fork_in_child() -> None:
-    global _loop, _thread, _pool, _copies, _lock, _forked
+    global _loop, _thread, _pool, _copies, _lock, _forked, _imported_at_fork
     _loop = _thread = _pool = _copies = None
     _lock = threading.Lock()
     _forked = True
+    _imported_at_fork = _imported_at_fork | frozenset(m for m in ("obstore", "icechunk") if m in sys.modules)
 
 
 async def _drain(wait_s: float) -> None:

@@ -438,3 +438,36 @@ def test_a_transform_takes_host_batches_unless_decode_gpu(ds_m):
     assert gen._gpu is not None and all(c.gpu for c in gen.decode_paths.values())
     next(iter(gen))
     assert gpu.decoded > 0
+
+
+@pytest.mark.parametrize("tier", [False, True])
+def test_a_big_endian_packed_integer_beside_a_device_decoded_variable(tmp_path, tier):
+    """A zarr v2 ``'>i2'`` variable with ``scale_factor`` (as NetCDF-to-Zarr conversions keep) beside a zstd
+    float one the device decodes: the CF probe of the device path drew its test values in the stored byte
+    order, which numpy refuses ("a dtype with a non-native byteorder"), and ``batches`` failed at set-up. The
+    big-endian variable is decoded on the host; batches equal xarray."""
+    import numcodecs
+    import xarray as xr
+    import zarr
+
+    p = str(tmp_path / "v2.zarr")
+    g = zarr.open_group(p, mode="w", zarr_format=2)
+    a = g.create_array("t", shape=(16, 6), chunks=(4, 6), dtype="<f4", compressors=numcodecs.Zstd(),
+                       fill_value=np.nan, attributes={"_ARRAY_DIMENSIONS": ["time", "x"]})
+    a[:] = np.arange(96, dtype="f4").reshape(16, 6)
+    b = g.create_array("p", shape=(16, 6), chunks=(4, 6), dtype=">i2", fill_value=-32767,
+                       attributes={"_ARRAY_DIMENSIONS": ["time", "x"], "scale_factor": 0.5, "_FillValue": -32767})
+    b[:] = np.arange(96, dtype=">i2").reshape(16, 6)
+    zarr.consolidate_metadata(p)
+    ds = xinsitu.open_zarr(p)
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    cache = None
+    if tier:
+        cache = xinsitu.ChunkCache(memory=0)
+        cache.device_budget = 1 << 20  # (as ChunkCache(device=) sets it with a CUDA device)
+    gen, _ = on_gpu(ds.insitu.batches(m, "train", batch_size=4, shuffle=False, output="numpy", cache=cache))
+    assert not gen.decode_paths["p"].gpu and gen.decode_paths["t"].gpu
+    ref = xr.open_zarr(p)
+    got = list(gen)
+    for v in ("t", "p"):
+        np.testing.assert_array_equal(np.concatenate([o[v] for o in got]), ref[v].values)

@@ -156,7 +156,7 @@ def array_cf(src: VarSource, decode: Any) -> ArrayCF | None:
     attrs = {k: v for k, v in src.cf.items() if k not in ("dtype", "units")}
     if set(attrs) - {"_FillValue", "missing_value", "scale_factor", "add_offset"} or src.dtype.kind != "f":
         return None
-    raw_t = np.dtype(src.raw_dtype).newbyteorder("=")  # (decoded in native order, as _CFDecode does)
+    raw_t = np.dtype(src.raw_dtype).newbyteorder("=")  # (numpy draws test values in native order only)
     if raw_t.kind not in "iuf":
         return None
     fills: list[Any] = []

@@ -36,7 +36,6 @@ def _metadata_bytes(metadata: bytes | str | dict[str, Any]) -> bytes:
     raise TypeError(f"metadata must be bytes, str or dict, not {type(metadata).__name__}")
 
 
-
 #: how far behind the time of a write a file's change time may be: the kernel stamps files from its coarse clock,
 #: up to a tick (1-10 ms) behind ``time.time_ns()`` (newer kernels stamp some writes from the fine clock)
 FILE_CLOCK_SLACK_NS = 20_000_000
@@ -57,6 +56,7 @@ def changed_since(path: str, since_ns: int, gone: bool = True) -> bool:
     except FileNotFoundError:
         return gone
     return max(st.st_ctime_ns, st.st_mtime_ns) >= since_ns
+
 
 class ChunkKey:
     """Cache keys for the chunks of one array: computed once per array, then one short hash per chunk.

@@ -302,8 +302,8 @@ class Shards:
         under way at once share the one fetch. A local shard written since is fetched again (an archive
         rewritten between epochs: its inner chunks lie elsewhere now)."""
         kept = self.indexes.get(path)
-        root = getattr(store, "root", None)
-        if kept is not None and (root is None or not changed_since(os.path.join(root, path), kept[1])):
+        file = _local_file(store, path)
+        if kept is not None and (file is None or not changed_since(file, kept[1])):
             self.indexes.move_to_end(path)
             return kept[0]
         self.indexes.pop(path, None)
@@ -401,5 +401,11 @@ def local_files_changed(reads: list[tuple[Any, str]], since_ns: int) -> bool:
     """Whether a local file among ``reads`` (``(backend, key)`` of chunks or shards, as ``Reader.journal`` records
     them) was written at or after ``since_ns`` (``file_clock_ns``); objects of other stores are not looked at (a
     chunk without a file read as its fill value, and still without one, did not change)."""
-    return any(changed_since(os.path.join(root, key), since_ns, gone=False)
-               for store, key in reads if (root := getattr(store, "root", None)) is not None)
+    return any(changed_since(file, since_ns, gone=False)
+               for store, key in reads if (file := _local_file(store, key)) is not None)
+
+
+def _local_file(store: Any, key: str) -> str | None:
+    """The file of object ``key`` where ``store`` is a backend of a local directory (its ``root``), else None."""
+    root = getattr(store, "root", None)
+    return None if root is None else os.path.join(root, key)

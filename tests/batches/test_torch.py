@@ -65,7 +65,7 @@ def _job(path: str, tmp_path, *args: str, timeout: int = 150, keylog: bool = Fal
         pytest.fail(f"DataLoader job hung (killed after {timeout}s): {(e.stderr or b'')[-3000:]!r}")
     assert proc.returncode == 0, proc.stderr[-5000:]
     with open(out) as f:
-        return json.load(f)
+        return {**json.load(f), "stderr": proc.stderr}
 
 
 def _check_workers_epoch(got: list[dict], ref: list[dict], num_workers: int) -> None:
@@ -254,6 +254,23 @@ def test_forkserver_workers(era5_path, tmp_path):
     out = _job(era5_path, tmp_path, "--open", "xinsitu", "--method", "forkserver", "--workers", "2")
     assert "error" not in out, out.get("traceback")
     _check_workers_epoch(out["epochs"][0], _reference(era5_path), 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_memory_tier_lost_with_workers_each_epoch_is_said_once(era5_path, tmp_path, persistent):
+    """``cache=True`` (a memory tier only) and torch's default ``persistent_workers=False``: each epoch's
+    workers start with an empty tier and nothing is ever served from it (SPEC §4: no silently empty
+    tier). Said once for the run, naming the fix; persistent workers keep theirs, and nothing is said."""
+    args = ["--method", "fork", "--workers", "2", "--epochs", "3", "--gen-epoch", "--cache", "memory"]
+    out = _job(era5_path, tmp_path, *args, *(["--persistent"] if persistent else []))
+    assert "error" not in out, out.get("traceback")
+    for e in range(3):
+        _check_workers_epoch(out["epochs"][e], _reference(era5_path, e), 2)
+    said = out["stderr"].count("workers that are not persistent end with each epoch")
+    assert said == (0 if persistent else 1), out["stderr"][-3000:]
+    if not persistent:
+        assert "persistent_workers=True" in out["stderr"]
 
 
 @pytest.mark.slow

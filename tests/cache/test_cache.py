@@ -390,6 +390,32 @@ def test_disk_size_bound(tmp_path: os.PathLike[str]) -> None:
     assert small.notes[0].startswith("disk tier keeps no chunk")  # (was: 'full', holding nothing)
 
 
+def test_disk_size_holds_with_threads_writing_at_once(tmp_path: os.PathLike[str]) -> None:
+    # the decode threads put at once: each reserves its entry's room before writing, so they cannot all pass
+    # the bound's check together; and a scan made while others write keeps their bytes in the count
+    c = ChunkCache(memory=0, disk=tmp_path, disk_size="2MB")
+    start = threading.Barrier(8)
+    failed: list[BaseException] = []
+
+    def put(t: int) -> None:
+        try:
+            start.wait(timeout=30)
+            for i in range(t * 100, t * 100 + 15):
+                c.put(key_of(i), value_of(i))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's own thread below
+            failed.append(e)
+
+    threads = [threading.Thread(target=put, args=(t,)) for t in range(8)]
+    with pytest.warns(RuntimeWarning, match="is full"):
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    assert not failed, failed
+    assert tree_bytes(str(tmp_path)) <= 2_000_000
+    assert c.stats.disk_bytes == sum(os.path.getsize(p) for p in entries(str(tmp_path)))
+
+
 def test_a_new_run_evicts_what_the_last_one_left_least_recently_used(tmp_path: os.PathLike[str]) -> None:
     old = ChunkCache(memory=0, disk=tmp_path, disk_size="2MB")
     for i in range(9):

@@ -453,6 +453,18 @@ class ChunkCache:
                   "are in memory already (loaded or computed by xarray), so no epoch reads them again; cache= serves "
                   "variables read from a store (warned once)", what)
 
+    def note_memory_lost_with_workers(self) -> bool:
+        """In a DataLoader worker that is not persistent: say once that a memory tier without a disk tier is lost
+        with the workers at each epoch's end (so nothing is served from it); whether it was said."""
+        if not self.memory_budget or self.disk is not None:
+            return False
+        self._say("memory lost with workers", "memory tier: lost with each DataLoader's workers (not persistent)",
+                  "the chunk cache's memory tier lives in each DataLoader worker, and workers that are not "
+                  "persistent end with each epoch, taking what it kept: every epoch reads again. Pass "
+                  "persistent_workers=True to the DataLoader, or give the cache a disk tier (cache=ChunkCache("
+                  "disk=...)), which workers share (warned once)")
+        return True
+
     def _disk_key(self, key: Hashable, disk_key: str | None) -> str | None:
         """The disk tier's key for an entry, None without a disk tier (or without a key it can use)."""
         if self.disk is None:

@@ -124,7 +124,9 @@ class DiskTier:
         self._pid = os.getpid()
         self._tmp_ids = itertools.count()
         self.scanned = False  # the directory's size is known (a scan)
-        self._written_since_scan = 0
+        self._written_since_scan = 0  # bytes of this process's entries written since the last scan began
+        self._pending = 0  # bytes of entries being written (room reserved by ``_room``)
+        self._scan_writes: dict[str, int] | None = None  # entries written while ``evict`` scans: name -> bytes
         self._full_since = -float("inf")  # when a put last found the tier full (time.monotonic)
         self._checksum_kind, self._checksum = _checksummer()
         self._shard_fds: dict[str, int] = {}  # shard directory -> its descriptor (``_shard``)
@@ -138,6 +140,7 @@ class DiskTier:
             self._lock = threading.Lock()
             self._evicting = threading.Lock()
             self._pid = os.getpid()
+            self._pending = 0  # the parent's writes under way are not this process's
 
     def limit(self) -> int:
         """The tier's bound now: ``size``, or what the free space allows."""
@@ -306,8 +309,26 @@ class DiskTier:
         meta = json.dumps({"dtype": np.lib.format.dtype_to_descr(data.dtype), "shape": list(data.shape)},
                           separators=(",", ":")).encode() + b"\n" + key.encode()
         meta += b" " * (-(_HEADER.size + len(meta)) % _ALIGN)
-        if not self._room(_HEADER.size + len(meta) + data.nbytes):
+        n = _HEADER.size + len(meta) + data.nbytes
+        if not self._room(n):  # room reserved for it: threads writing at once cannot all pass the bound
             return
+        written = False
+        try:
+            written = self._write(key, meta, data)
+        finally:
+            with self._lock:
+                self._pending -= n
+                if written:
+                    self.counts.disk_writes += 1
+                    self.counts.disk_bytes += n
+                    self._written_since_scan += n
+                    if self._scan_writes is not None:  # a scan under way may or may not find it
+                        self._scan_writes[key + _SUFFIX] = n
+        self._maybe_evict()
+
+    def _write(self, key: str, meta: bytes, data: np.ndarray) -> bool:
+        """Write the entry of ``key`` (header, ``meta``, ``data``'s bytes) atomically; False where it failed
+        (counted and said by ``error``)."""
         payload = data.reshape(-1).view(np.uint8)
         checksum = self._checksum(payload, self._checksum(meta, 0))
         head = _HEADER.pack(_MAGIC, _VERSION, self._checksum_kind, len(meta), payload.nbytes, checksum)
@@ -318,7 +339,7 @@ class DiskTier:
             assert sfd is not None
         except OSError as e:
             self.error(e, f"open its directory {key[:2]!r}")
-            return
+            return False
         try:
             fd = os.open(tmp, _WRITE_FLAGS, 0o600, dir_fd=sfd)
             with open(fd, "wb") as f:
@@ -334,13 +355,8 @@ class DiskTier:
         except OSError as e:
             _unlink(tmp, sfd)
             self.error(e, f"write entry {key!r}")
-            return
-        n = len(head) + len(meta) + payload.nbytes
-        with self._lock:
-            self.counts.disk_writes += 1
-            self.counts.disk_bytes += n
-            self._written_since_scan += n
-        self._maybe_evict()
+            return False
+        return True
 
     def _room(self, n: int) -> bool:
         """Whether an entry of ``n`` bytes may be written: the tier has room, or gets it by evicting
@@ -357,7 +373,9 @@ class DiskTier:
                       "(warned once)")
             return False
         with self._lock:
-            fits = self.counts.disk_bytes + n <= limit
+            fits = self.counts.disk_bytes + self._pending + n <= limit
+            if fits:
+                self._pending += n
             recheck = time.monotonic() - self._full_since >= FULL_RESCAN_S
             if not fits and not recheck:
                 self.counts.not_admitted += 1
@@ -371,7 +389,9 @@ class DiskTier:
             finally:
                 self._evicting.release()
         with self._lock:
-            fits = self.counts.disk_bytes + n <= limit
+            fits = self.counts.disk_bytes + self._pending + n <= limit
+            if fits:
+                self._pending += n
             # only a tier found full of entries used during this run waits before the next scan
             self._full_since = -float("inf") if fits else time.monotonic()
             if not fits:
@@ -405,17 +425,27 @@ class DiskTier:
     def evict(self, room: int = 0) -> None:
         """Scan the directory and delete the least recently used entries not used during this run until
         ``room`` more bytes fit within the bound (with ``DISK_LOW_WATER``'s slack)."""
-        entries = self.entries(include_tmp=False)
-        used = sum(e[1] for e in entries)
-        with self._lock:
-            self.counts.disk_bytes = used
+        with self._lock:  # entries this process writes during the scan are added to what it finds
             self._written_since_scan = 0
+            self._scan_writes = {}
+        try:
+            entries = self.entries(include_tmp=False)
+        except BaseException:
+            with self._lock:
+                self._scan_writes = None
+            raise
+        with self._lock:
+            during, self._scan_writes = self._scan_writes or {}, None
+            seen = {name for _, _, _, name in entries}
+            used = sum(e[1] for e in entries) + sum(n for name, n in during.items() if name not in seen)
+            self.counts.disk_bytes = used
             self.scanned = True
+            room += self._pending
         limit = self.limit()
         if used + room <= limit:
             return
         target = DISK_LOW_WATER * limit - room
-        evicted = 0
+        before, evicted = used, 0
         for mtime_ns, size, shard, name in sorted(entries):
             if used <= target or mtime_ns >= self.since_ns:
                 break  # what is left was used during this run: kept (pinned)
@@ -423,7 +453,7 @@ class DiskTier:
                 evicted += 1
             used -= size  # gone either way: another process may have evicted it first
         with self._lock:
-            self.counts.disk_bytes = used
+            self.counts.disk_bytes += used - before  # what the deletions took; writes since stay counted
             self.counts.disk_evictions += evicted
 
     def entries(self, include_tmp: bool) -> list[tuple[int, int, str, str]]:

@@ -81,6 +81,19 @@ def test_numcodecs_wrapper_gives_its_numcodec(tmp_path):
     assert compat_zarr.numcodecs_bytes_codec(zarr.codecs.ZstdCodec()) is None
 
 
+def test_outer_codec_is_the_one_that_decodes_the_stored_bytes_first(tmp_path):
+    """v3: the last bytes -> bytes codec; v2: the compressor of zarr's ``V2Codec`` (the chunk decoder checks a
+    blosc frame's length there: blosc decodes one cut short without an error)."""
+    import numcodecs
+
+    v3 = _array(tmp_path / "v3", 3, compressors=[zarr.codecs.ZstdCodec(), zarr.codecs.BloscCodec()])
+    assert type(compat_zarr.outer_codec(v3.async_array.codec_pipeline)).__name__ == "BloscCodec"
+    v2 = _array(tmp_path / "v2", 2, compressors=[numcodecs.Blosc()])
+    assert isinstance(compat_zarr.outer_codec(v2.async_array.codec_pipeline), numcodecs.Blosc)
+    bare = _array(tmp_path / "bare", 3, compressors=None)
+    assert compat_zarr.outer_codec(bare.async_array.codec_pipeline) is None
+
+
 def test_sync_decodable():
     """``_decode_sync`` (``zarr.abc.codec.SupportsSyncCodec``) on the codecs xinsitu decodes in one call."""
     for codec in (zarr.codecs.BytesCodec(), zarr.codecs.ZstdCodec(), zarr.codecs.Crc32cCodec(),

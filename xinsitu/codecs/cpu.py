@@ -78,6 +78,7 @@ class ChunkDecoder:
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize  # of one decoded chunk
         self.fill_value = np.asarray(self.spec.fill_value, dtype=self.dtype) if self.spec.fill_value is not None \
             else np.zeros((), self.dtype)
+        self._framed = _blosc_frame if type(compat_zarr.outer_codec(self.pipeline)).__name__ in _BLOSC else None
         self._sync = self._sync_chain()
         self._into = self._into_chain()
         self._direct = self._direct_codec()
@@ -135,6 +136,8 @@ class ChunkDecoder:
         if self._direct is None or out.dtype != self.dtype or not out.flags.c_contiguous \
                 or out.shape != self.shape:
             return False
+        if self._framed is not None:
+            self._framed(raw)
         if self._zstd is not None:  # what Zstd.decode(raw, out=out) does, without its argument checks
             self._zstd(raw, out)
         else:
@@ -179,6 +182,8 @@ class ChunkDecoder:
     def decode_sync(self, raw: Any) -> np.ndarray:
         """Decode in the calling thread (needs a synchronous codec chain)."""
         assert self._sync is not None
+        if self._framed is not None:
+            self._framed(raw)
         buf: Any = _prototype().buffer.from_bytes(raw)
         if self._into is not None:  # one allocation fewer, no copy: the last codec writes the chunk
             steps, last = self._into
@@ -195,11 +200,27 @@ class ChunkDecoder:
         """Decode off the event loop (in the loop's decode thread pool)."""
         if self._sync is not None:
             return await asyncio.get_running_loop().run_in_executor(None, self.decode_sync, raw)
+        if self._framed is not None:
+            self._framed(raw)
         buf = _prototype().buffer.from_bytes(raw)
         (out,) = await self.pipeline.decode_batch([(buf, self.spec)])
         if out is None:
             return self.fill()
         return np.asarray(out.as_ndarray_like()).reshape(self.shape)
+
+
+_BLOSC = ("Blosc", "BloscCodec")  # numcodecs' (v2, and numcodecs.zarr3's) and zarr's
+
+
+def _blosc_frame(raw: Any) -> None:
+    """Raise where ``raw`` is not one whole blosc frame: blosc decodes a frame cut short (a body that lost its
+    tail in transit, where the HTTP layer could not see it) without an error, into garbage. The frame's header
+    gives its length (bytes 12-16, little-endian: ``cbytes``); the caller fetches the object again."""
+    view = memoryview(raw).cast("B")
+    cbytes = int.from_bytes(view[12:16], "little") if len(view) >= 16 else None
+    if cbytes is None or cbytes > len(view):  # (bytes after the frame, as padding, decode as they did)
+        said = "no header" if cbytes is None else f"a frame of {cbytes} bytes"
+        raise ValueError(f"blosc: {said}, {len(view)} bytes received (cut short in transit, or damaged)")
 
 
 class _SyncNumcodec:

@@ -77,6 +77,15 @@ def numcodecs_bytes_codec(codec: Any) -> Any:
     return codec._codec if isinstance(codec, _NumcodecsBytesBytesCodec) else None
 
 
+def outer_codec(pipeline: Any) -> Any:
+    """The codec that decodes a stored object's bytes first: the last bytes -> bytes codec of a v3 chain, a v2
+    array's compressor (zarr's ``V2Codec``), unwrapped where zarr wraps a numcodecs codec; None without one."""
+    bb = getattr(pipeline, "bytes_bytes_codecs", None) or ()
+    codec = bb[-1] if bb else getattr(getattr(pipeline, "array_bytes_codec", None), "compressor", None)
+    inner = None if codec is None else numcodecs_bytes_codec(codec)
+    return codec if inner is None else inner
+
+
 def sync_decodable(codec: Any) -> bool:
     """Whether ``codec`` decodes synchronously (``zarr.abc.codec.SupportsSyncCodec``, public) and can do so now:
     zarr >= 3.3 lets a codec opt out at run time (a sharding codec with an async-only inner codec)."""

@@ -374,6 +374,25 @@ def test_fork_policy_local_files_read_remote_stores_refused(root):
 
 
 @pytest.mark.skipif(not hasattr(os, "fork") or sys.platform == "darwin", reason="needs os.fork")
+def test_plain_xarray_reads_of_an_opened_local_archive_work_in_a_forked_child(era5_path):
+    """A Dataset from ``xinsitu.open_zarr(path)``, read by xarray itself (``.values``) in a DataLoader worker of
+    the user's own (forked): its store's reads go through zarr's ``LocalStore`` of the same directory there
+    (the child hung for good in obstore's runtime); a remote obstore store raises ``ForkError`` at once."""
+    import xinsitu
+    from tests.support.forked import epoch_in_fork
+    from xinsitu.stores.reads import _checked_store, fork_stand_in
+
+    ds = xinsitu.open_zarr(era5_path)
+    want = ds.t2m.isel(time=slice(20, 30)).values  # the parent has used obstore's runtime
+    got = epoch_in_fork(ds, 60, lambda d: d.t2m.isel(time=slice(20, 30)).values)
+    assert got[0] == "ok", got
+    np.testing.assert_array_equal(got[1], want)
+    zremote = _checked_store()(obstore.store.HTTPStore.from_url("http://127.0.0.1:9/a.zarr"), read_only=True)
+    ok, msg = in_fork(lambda: True, lambda: fork_stand_in(zremote))
+    assert ok and "http://127.0.0.1:9/a.zarr" in msg and msg.endswith(_loop.FORK_HELP), msg
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or sys.platform == "darwin", reason="needs os.fork")
 def test_fork_policy_refuses_an_async_fsspec_store(root):
     """An fsspec store of an async filesystem (``xr.open_zarr("http://...")``, s3fs): its client session
     belongs to the parent's loop, so a forked child gets ``ForkError`` naming the store and the fix (it got

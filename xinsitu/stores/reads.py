@@ -245,6 +245,25 @@ def _under_a_file(e: BaseException) -> bool:
     return isinstance(e, NotADirectoryError) or f"(os error {errno.ENOTDIR})" in str(e)
 
 
+def fork_stand_in(zstore: Any) -> Any:
+    """What reads ``zstore`` (a zarr ``ObjectStore``) in a process forked from one that used obstore, whose runtime
+    hangs there: zarr's ``LocalStore`` of the same directory for a local store (plain file I/O, safe after fork:
+    the fork policy of ``xinsitu.io.loop``), made once; ``ForkError`` for any other obstore store; None where
+    the store needs none (no fork, or not obstore's)."""
+    obs: Any = getattr(zstore, "store", None)
+    if not _loop.forked_after("obstore") or not type(obs).__module__.startswith("obstore"):
+        return None
+    if type(obs).__name__ != "LocalStore" or getattr(obs, "prefix", None) is None:
+        _loop.refuse_after_fork(f"the store {store_name(zstore)}")
+    stand_in = getattr(zstore, "_xinsitu_fork_local", None)
+    if stand_in is None:
+        import zarr.storage
+
+        stand_in = zarr.storage.LocalStore(str(obs.prefix), read_only=True)
+        zstore._xinsitu_fork_local = stand_in
+    return stand_in
+
+
 def _checked_get(cls: type, retries: bool) -> Any:
     """``cls`` (a zarr store class) with each ``get``, ``exists`` and listing bounded in time, a metadata
     body that is not valid JSON (damaged in transit) fetched again, ``FETCH_ATTEMPTS`` times, then
@@ -254,9 +273,14 @@ def _checked_get(cls: type, retries: bool) -> Any:
     class Checked(cls):  # type: ignore[misc, valid-type]
         _xinsitu_bounded = True  # each request bounded here (and retried where the store does not)
 
+        def _own(self, name: str) -> Any:
+            """This store's method ``name``, or its stand-in's in a forked child (``fork_stand_in``)."""
+            stand_in = fork_stand_in(self)
+            return getattr(super(), name) if stand_in is None else getattr(stand_in, name)
+
         async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
             def fetch() -> Any:
-                one = super(Checked, self).get
+                one = self._own("get")
                 return retried(lambda: one(key, prototype, byte_range)) if retries else one(key, prototype, byte_range)
 
             what = f"object {key!r} of {store_name(self)}"
@@ -282,7 +306,7 @@ def _checked_get(cls: type, retries: bool) -> Any:
 
         async def exists(self, key: str) -> bool:
             def fetch() -> Any:
-                one = super(Checked, self).exists
+                one = self._own("exists")
                 return retried(lambda: one(key)) if retries else one(key)
 
             return await bounded_request(fetch, f"object {key!r} of {store_name(self)}")
@@ -291,7 +315,7 @@ def _checked_get(cls: type, retries: bool) -> Any:
             key_ranges = list(key_ranges)
 
             def fetch() -> Any:
-                one = super(Checked, self).get_partial_values
+                one = self._own("get_partial_values")
                 return retried(lambda: one(prototype, key_ranges)) if retries else one(prototype, key_ranges)
 
             keys = sorted({k for k, _ in key_ranges})
@@ -299,17 +323,18 @@ def _checked_get(cls: type, retries: bool) -> Any:
                                                 f"{store_name(self)}")
 
         def list(self) -> AsyncIterator[str]:
-            return _bounded_listing(super().list(), f"the listing of {store_name(self)}")
+            return _bounded_listing(self._own("list")(), f"the listing of {store_name(self)}")
 
         def list_prefix(self, prefix: str) -> AsyncIterator[str]:
-            return _bounded_listing(super().list_prefix(prefix), f"the listing of {prefix!r} of {store_name(self)}")
+            listing = self._own("list_prefix")(prefix)
+            return _bounded_listing(listing, f"the listing of {prefix!r} of {store_name(self)}")
 
         def list_dir(self, prefix: str) -> AsyncIterator[str]:
             inner = getattr(self, "store", None)
             if type(inner).__name__ == "HTTPStore" and type(inner).__module__.startswith("obstore"):
                 listing = _http_listing(self, prefix)  # plain HTTP: index pages, not PROPFIND
             else:
-                listing = super().list_dir(prefix)
+                listing = self._own("list_dir")(prefix)
             return _bounded_listing(listing, f"the listing of {prefix!r} of {store_name(self)}")
 
     Checked.__name__ = cls.__name__

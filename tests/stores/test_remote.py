@@ -577,3 +577,54 @@ def test_store_kinds_from_urls(tmp_path):
         make_store("ftp://host/a.zarr")
     with pytest.raises(FileNotFoundError):
         make_store(str(tmp_path / "nope"))
+
+
+def test_a_server_without_content_length_is_named_with_the_way_to_open_it(archive):
+    """obstore's HTTP store needs a ``Content-Length``; a server that ends each body by closing its connection
+    (dynamic servers do) was refused in obstore's words alone. The error names the archive and what opens
+    it (fsspec, through ``xr.open_zarr(url)``), whose Dataset ``ds.insitu`` then reads."""
+    from tests.support.plain_http import PlainServer
+
+    with PlainServer(Path(archive).parent, lengths=False) as srv:
+        url = f"{srv.url}/{Path(archive).name}"
+        with pytest.raises(OSError, match=r"opening http://127\.0\.0\.1:\d+/era5\.zarr: .*Content-Length.*"
+                                          r"xr\.open_zarr\(url\) opens it through fsspec"):
+            xinsitu.open_zarr(url)
+
+
+def test_an_error_of_obstores_at_opening_names_the_archive():
+    """An S3 open without credentials anywhere: obstore asks the instance metadata endpoint, and its refusal is
+    said as what it means (no credentials found), naming the archive and both ways on."""
+    from xinsitu.stores.redact import opening_error
+
+    class GenericError(Exception):  # obstore's name; its module decides nothing here
+        pass
+
+    err = opening_error(GenericError("Generic S3 error: Error performing PUT http://169.254.169.254/latest/api/"
+                                     "token: 403 Forbidden"), [], "s3://bucket/era5.zarr")
+    assert isinstance(err, OSError)
+    assert str(err).startswith("opening s3://bucket/era5.zarr: GenericError: Generic S3 error")
+    assert "no AWS credentials were found" in str(err) and "anonymous=True" in str(err)
+
+
+def test_credentials_in_an_http_url_are_sent_and_never_shown(archive, caplog):
+    """``http://user:password@host/...``, as curl and fsspec take it: obstore dropped the user info unsent (the
+    server refused, or served without them), and zarr's log lines showed the URL with the password. It is
+    sent as HTTP Basic ``Authorization`` now, and the store keeps the URL without it."""
+    import logging
+
+    from tests.support.plain_http import PlainServer
+
+    local = xinsitu.open_zarr(archive)
+    with PlainServer(Path(archive).parent, auth="reader:s3cr%t pw") as srv:
+        url = srv.url.replace("http://", "http://reader:s3cr%25t%20pw@") + "/" + Path(archive).name
+        with caplog.at_level(logging.DEBUG):
+            ds = xinsitu.open_zarr(url)
+            np.testing.assert_array_equal(ds.t2m.isel(time=slice(0, 9)).values, local.t2m.isel(time=slice(0, 9)).values)
+            m = ds.insitu.split("time", fractions={"train": 1.0})
+            got = next(iter(ds.insitu.batches(m, "train", batch_size=4, shuffle=False, output="numpy")))
+        np.testing.assert_array_equal(got["t2m"], local.t2m.isel(time=slice(0, 4)).values)
+        shown = caplog.text + repr(ds.t2m.encoding) + repr(ds.insitu.geometry)
+        assert "s3cr" not in shown and "reader:" not in shown
+        with pytest.raises(PermissionError, match=r"opening http://127\.0\.0\.1:\d+/era5\.zarr"):
+            xinsitu.open_zarr(url.replace("s3cr%25t%20pw", "wrong"))

@@ -8,13 +8,16 @@ Implemented: what a handler that defines only ``do_GET`` answers, and obstore re
 Found: a proxy or signed-URL service that answers ``HEAD`` wrongly), ``"bare"`` (neither
 ``ETag`` nor ``Last-Modified``, on ``GET`` either), or ``"silent"`` (the request is taken and never
 answered, until the server stops). ``head`` may be changed while it serves. ``heads`` counts the
-``HEAD`` requests it got.
+``HEAD`` requests it got. ``lengths=False`` sends no ``Content-Length`` (each body ends as its
+connection closes: complete, as dynamic servers send them). ``auth="user:password"`` answers 401
+to any request without that HTTP Basic ``Authorization``.
 
 The server binds 127.0.0.1 on a free port and stops with its context (or after ``max_lifetime_s``).
 """
 
 from __future__ import annotations
 
+import base64
 import functools
 import os
 import threading
@@ -32,10 +35,24 @@ class _Handler(SimpleHTTPRequestHandler):
     def owner(self) -> PlainServer:
         return self.server.owner  # type: ignore[attr-defined]
 
+    def _refused(self) -> bool:
+        """Whether the request lacks the credentials the server asks (answered 401 here)."""
+        auth = self.owner.auth
+        if auth is None or self.headers.get("Authorization") == "Basic " + base64.b64encode(auth.encode()).decode():
+            return False
+        self.send_error(401)
+        return True
+
+    def do_GET(self) -> None:
+        if not self._refused():
+            super().do_GET()
+
     def do_HEAD(self) -> None:
         owner = self.owner
         with owner.lock:
             owner.heads += 1
+        if self._refused():
+            return
         if owner.head in ("405", "501", "404"):
             self.send_error(int(owner.head))
             return
@@ -47,6 +64,8 @@ class _Handler(SimpleHTTPRequestHandler):
 
     def send_header(self, keyword: str, value: str) -> None:
         if self.owner.head == "bare" and keyword.lower() in ("last-modified", "etag"):
+            return
+        if not self.owner.lengths and keyword.lower() == "content-length":
             return
         super().send_header(keyword, value)
 
@@ -61,10 +80,12 @@ class _Server(ThreadingHTTPServer):
 class PlainServer:
     """The standard library's HTTP file server over ``root`` (see the module's docstring)."""
 
-    def __init__(self, root: str | os.PathLike[str], head: str = "plain", max_lifetime_s: float = 300.0):
+    def __init__(self, root: str | os.PathLike[str], head: str = "plain", max_lifetime_s: float = 300.0,
+                 lengths: bool = True, auth: str | None = None):
         if head not in HEADS:
             raise ValueError(f"head must be one of {HEADS}, got {head!r}")
         self.root, self.head, self.max_lifetime_s = os.fspath(root), head, float(max_lifetime_s)
+        self.lengths, self.auth = lengths, auth
         self.lock = threading.Lock()
         self.heads = 0
         self.stopping = threading.Event()

@@ -43,11 +43,13 @@ from xinsitu.stores.reads import _checked_store, bounded_store
 from xinsitu.stores.redact import (
     RecordingProvider,
     _chain_text,
+    opening_error,
     redact,
     redact_url,
     scrubbed,
     secrets_in_options,
     secrets_of,
+    userinfo_as_header,
 )
 
 _SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss", "adl", "http", "https", "file", "memory")
@@ -125,6 +127,8 @@ def make_store(url: str | os.PathLike, **options: Any) -> Any:
         if scheme == "http":
             client.setdefault("allow_http", True)
         options["client_options"] = client
+        if scheme in ("http", "https"):
+            s = userinfo_as_header(s, options)
         options["retry_config"] = _merge_retry(options.pop("retry_config", None))
     try:
         return obstore.store.from_url(s, **options)
@@ -288,7 +292,7 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
             # obstore's errors become the builtin ones (PermissionError...); none may quote a credential
             if not type(e).__module__.startswith("obstore") and redact(text, secrets) == text:
                 raise
-            err = scrubbed(e, secrets)
+            err = opening_error(e, secrets, where)
     raise err
 
 

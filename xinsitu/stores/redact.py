@@ -8,11 +8,12 @@ it recorded (``recording_store``).
 
 from __future__ import annotations
 
+import base64
 import inspect
 import os
 import re
 from typing import Any
-from urllib.parse import parse_qsl, quote, quote_plus, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, quote_plus, unquote, urlsplit, urlunsplit
 
 # option names (any store kind) whose values are credentials
 _SECRET_KEY = re.compile(r"secret|token|key|password|sas|credential|signature|authorization|client_id|bearer",
@@ -98,6 +99,22 @@ def redact_url(url: str) -> str:
     if p.port:
         host += f":{p.port}"
     return f"{p.scheme}://{host}{p.path}" + ("?…" if p.query else "")
+
+
+def userinfo_as_header(url: str, options: dict[str, Any]) -> str:
+    """An ``http(s)://user:password@host/...`` URL taken as curl, requests and fsspec take it: its user info goes
+    into ``options``' ``client_options`` as an ``Authorization: Basic`` header (obstore drops it unsent), one
+    given there already kept; the URL is returned without it, so the store never shows it (zarr logs its repr)."""
+    p = urlsplit(url)
+    if "@" not in p.netloc:
+        return url
+    client = dict(options.get("client_options") or {})
+    headers = dict(client.get("default_headers") or {})
+    if not any(str(k).lower() == "authorization" for k in headers):
+        pair = f"{unquote(p.username or '')}:{unquote(p.password or '')}".encode()
+        headers["Authorization"] = "Basic " + base64.b64encode(pair).decode()
+    options["client_options"] = {**client, "default_headers": headers}
+    return urlunsplit(p._replace(netloc=p.netloc.rsplit("@", 1)[1]))
 
 
 def masked_url(url: str) -> str:
@@ -207,6 +224,25 @@ def scrubbed(e: BaseException, secrets: list[str] | tuple[str, ...] = ()) -> Bas
         base = OSError
     name = type(e).__name__
     return base(msg if name == base.__name__ else f"{name}: {msg}")
+
+
+#: what an error of obstore's means where its text says the first, and what to do
+_HINTS = (
+    ("169.254.169.254", "no AWS credentials were found (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, ~/.aws, an "
+                        "instance role): set them, or pass anonymous=True for a public bucket"),
+    ("Content-Length Header missing", "the server sends no Content-Length, which obstore's HTTP store needs: "
+                                      "xr.open_zarr(url) opens it through fsspec, and ds.insitu reads that "
+                                      "Dataset too"),
+)
+
+
+def opening_error(e: BaseException, secrets: list[str] | tuple[str, ...], where: str) -> BaseException:
+    """``scrubbed(e)`` naming what was being opened (``where``, a URL without credentials), and what to do where
+    obstore's text says a known cause (no credentials found; an HTTP server without ``Content-Length``)."""
+    err = scrubbed(e, secrets)
+    text = _chain_text(e)
+    hint = next((h for key, h in _HINTS if key in text), None)
+    return type(err)(f"opening {where}: {err}" + (f" -- {hint}" if hint else ""))
 
 
 #: how obstore (reqwest) says a request timed out, in its error's debug text

@@ -180,3 +180,21 @@ def test_a_generator_iterated_again_without_set_epoch_uses_its_read_ahead(era5_p
     assert (task is not None) == (not shuffle)
     if task is not None:
         _loop.run(_settle(task), timeout=30)
+
+
+@pytest.mark.parametrize("block_chunks", [1, 2])
+def test_no_read_ahead_after_an_epoch_served_from_the_memory_tier(era5_path, block_chunks):
+    """An epoch whose every chunk came from the cache's memory tier reads the next one's first buffer as it
+    starts (a gather away), not ahead: one read ahead was one more buffer held beside the caller's last batch,
+    so a batch's arrays were made again (every page faulted in) in one cached epoch in two. An epoch that read
+    anything (the cold one) still reads ahead; every epoch is plain xarray's."""
+    ds, _, gen = _gen(era5_path, cache=True, block_chunks=block_chunks, seed=1)
+    gen.set_epoch(0)
+    assert _same(_epoch(gen), _oracle(ds, gen, 0))
+    assert gen._ahead is not None  # the cold epoch read: the next epoch's first buffer is on its way
+    for e in range(1, 4):
+        gen.set_epoch(e)
+        assert _same(_epoch(gen), _oracle(ds, gen, e))
+        assert gen.io_stats["requests"] == 0
+        if e > 1:  # (epoch 1's reads include what epoch 0's read ahead fetched for it)
+            assert gen._ahead is None

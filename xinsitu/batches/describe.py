@@ -6,11 +6,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from xinsitu.batches.buffer import budget_note, unit_nbytes
 from xinsitu.index.plan import EpochPlan, epoch_size, plan_quality, rank_share
 from xinsitu.repr.formatting import Section, fmt_bytes
 
 if TYPE_CHECKING:
     from xinsitu.batches.generator import BatchGenerator
+    from xinsitu.codecs.gpu_chain import GpuChain
 
 
 def generator_parts(gen: BatchGenerator, drawing: bool = False) -> tuple[str, str, list[Section]]:
@@ -158,6 +160,30 @@ def _generator_sections(gen: BatchGenerator, drawing: bool = False) -> list[Sect
                           f"{last.get('cache_misses', 0)} misses")] if gen.cache is not None else []),
             summary=f"(epoch {io['epoch']}, {io['batches']} batches)", collapsed=True))
     return sections
+
+
+def buffer_words(gen: BatchGenerator) -> str:
+    """``gen.buffer_summary``: no buffer, or the buffer's chunk blocks and bytes and what set them."""
+    if gen.buffer_reason is None:
+        return "none: each chunk block is one sample, decoded straight into the batch"
+    nbytes = gen.block_chunks * unit_nbytes(gen.space, gen.layouts)
+    why = "block_chunks=" if gen._block_chunks_given else budget_note(
+        gen.space, nbytes, gen.buffer_budget, gen.batch_size, gen.block_chunks)
+    return f"{gen.block_chunks} chunk blocks, ~{fmt_bytes(nbytes)} a buffer ({why}; {gen.buffer_reason})"
+
+
+def decode_words(gen: BatchGenerator, chain: GpuChain) -> str:
+    """The decode path of variables with codec chain ``chain`` and why (``gen.decode_summary``)."""
+    gpu = gen._gpu
+    if not chain.gpu or gpu is None:
+        return chain.describe()
+    verdict = gpu.verdicts.get(chain)
+    if verdict is None:
+        return f"gpu ({chain.reason}, nvCOMP; " + (
+            "its first buffer, decoded both ways, decides)" if gen.decode == "auto" else "decode='gpu')")
+    if gen.decode == "auto" and not verdict.gpu_faster:
+        return f"cpu ({chain.reason}: {verdict.words()})"
+    return f"gpu ({chain.reason}, nvCOMP: {verdict.words()}" + ("" if gen.decode == "auto" else "; decode='gpu'") + ")"
 
 
 def missing_note(n: int, variable: str, chunk: Any, key: str) -> str:

@@ -18,7 +18,7 @@ import numpy as np
 import xarray as xr
 
 from xinsitu.batches import describe
-from xinsitu.batches.buffer import BUFFER_BUDGET, BufferLoader, budget_note, default_block_chunks, unit_nbytes
+from xinsitu.batches.buffer import BUFFER_BUDGET, BufferLoader, default_block_chunks
 from xinsitu.batches.direct import DeviceDirectLoader, DirectLoader, direct_reason
 from xinsitu.batches.output import OutputBuilder, with_dim_indexes
 from xinsitu.batches.pipeline import DirectRun, EpochRun
@@ -42,6 +42,12 @@ async def _settle(task: Any) -> None:
     """Cancel a read ahead and wait until it has stopped."""
     task.cancel()
     await asyncio.wait([task])
+
+
+def _served(loader: Any) -> tuple[int, int, int] | None:
+    """(requests, chunks from the cache's disk tier, chunks from the cache) the loader's reader made so far."""
+    c = getattr(getattr(loader, "reader", None), "counters", None)
+    return None if c is None else (c.requests, c.cache_disk_hits, c.cache_hits)
 
 
 def _quiet(task: Any) -> None:
@@ -440,7 +446,8 @@ class BatchGenerator:
         run_no = self._runs
         nxt = epoch if self._last_whole == epoch else epoch + 1  # (this one's: iterated again without set_epoch)
         self._last_whole = epoch if ahead else self._last_whole
-        then = (lambda: self._read_ahead(nxt, run_no)) if ahead and stop is None and self.read_ahead else None
+        served = _served(loader)
+        then = (lambda: self._read_ahead(nxt, run_no, served)) if ahead and stop is None and self.read_ahead else None
         kind = DirectRun if isinstance(loader, DirectLoader) else EpochRun
         run = kind(plan, start, loader, self.builder, first=first, counters_from=counters_from, then=then,
                    budget=self.buffer_budget)
@@ -465,14 +472,20 @@ class BatchGenerator:
             if bar is not None:
                 bar.close()
 
-    def _read_ahead(self, epoch: int, run_no: int) -> None:
+    def _read_ahead(self, epoch: int, run_no: int, served: tuple[int, ...] | None = None) -> None:
         """On the I/O loop, once every buffer of an epoch is loaded and one is given back (``EpochRun``'s
         ``then``): start reading ``epoch``'s first buffer (it depends only on the seed and the epoch), so
         that a training loop that goes on with ``set_epoch(epoch)`` finds it read. At most one buffer is
         held this way; the next iteration takes it where its plan starts with those very samples, else
-        drops it. Not made once another iteration than the one asking (``run_no``) began: it reads its own."""
+        drops it. Not made once another iteration than the one asking (``run_no``) began: it reads its own;
+        nor where every chunk of that iteration came from the cache's memory tier (``served``: ``_served`` as it
+        began): the next epoch's buffer is then a gather away, and one read now would be one more held while the
+        caller holds its last batch (a batch's arrays made again, every page faulted in, each cached epoch)."""
         loader: Any = self._direct if self.buffer_reason is None else self._loader
         if loader is None or self._pid != os.getpid() or self._elastic or run_no != self._runs:
+            return
+        now = _served(loader)
+        if served is not None and now is not None and now[:2] == served[:2] and now[2] > served[2]:
             return
         if not all(lay.src.stored for lay in self.layouts.values()):
             # files read through dask (NetCDF, HDF5) hold library locks while read: a read running on
@@ -658,36 +671,17 @@ class BatchGenerator:
     def buffer_summary(self) -> str:
         """What memory the batches are assembled in, in words: no buffer (chunks decoded straight into the
         batch), or the buffer's chunk blocks and bytes, and whether a byte budget or ``block_chunks=`` set them."""
-        if self.buffer_reason is None:
-            return "none: each chunk block is one sample, decoded straight into the batch"
-        nbytes = self.block_chunks * unit_nbytes(self.space, self.layouts)
-        size = formatting.fmt_bytes(nbytes)
-        why = "block_chunks=" if self._block_chunks_given else budget_note(
-            self.space, nbytes, self.buffer_budget, self.batch_size, self.block_chunks)
-        return f"{self.block_chunks} chunk blocks, ~{size} a buffer ({why}; {self.buffer_reason})"
+        return describe.buffer_words(self)
 
     @property
     def decode_summary(self) -> str:
         """Which path each variable's chunks decode on, and why, in words (one line where all alike): on the
         GPU path with the two rates its chain's first buffer decoded at (``decode='auto'`` keeps the faster
         path), or the CPU path's reason."""
-        said = {n: self._describe(c) for n, c in self.decode_paths.items()}
+        said = {n: describe.decode_words(self, c) for n, c in self.decode_paths.items()}
         if len(set(said.values())) == 1:
             return next(iter(said.values()))
         return "; ".join(f"{n}: {w}" for n, w in said.items())
-
-    def _describe(self, chain: GpuChain) -> str:
-        gpu = self._gpu
-        if not chain.gpu or gpu is None:
-            return chain.describe()
-        verdict = gpu.verdicts.get(chain)
-        if verdict is None:
-            return f"gpu ({chain.reason}, nvCOMP; " + (
-                "its first buffer, decoded both ways, decides)" if self.decode == "auto" else "decode='gpu')")
-        if self.decode == "auto" and not verdict.gpu_faster:
-            return f"cpu ({chain.reason}: {verdict.words()})"
-        return f"gpu ({chain.reason}, nvCOMP: {verdict.words()}" + ("" if self.decode == "auto" else
-                                                                    "; decode='gpu'") + ")"
 
     def _repr_parts(self, drawing: bool = False) -> tuple[str, str, list[Any]]:
         """Title, headline and sections of both reprs (``xinsitu.repr.formatting.text_repr``)."""

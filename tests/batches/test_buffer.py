@@ -136,3 +136,25 @@ def test_buffers_of_variables_sharing_a_shape_take_no_new_memory_epoch_after_epo
         assert len(list(gen)) == 8
     made = gen._buffer_loader()._pool.made
     assert 0 < made <= 6 * (MAX_READ_AHEAD_BUFFERS + 2), made  # (6 arrays a buffer, 8 buffers at most at once)
+
+
+def test_raw_arrays_of_converted_variables_are_made_once_not_every_batch(tmp_path):
+    """The direct path (one sample a chunk) decodes a variable that is converted (``dtype=``, CF decoding) into
+    a raw array first. Its pool kept 2 a shape, so a weather model's level variables (6 of one shape) made 4
+    arrays anew each batch, every page faulted in: it keeps what the batches read at once use."""
+    from xinsitu.batches.pipeline import MAX_READ_AHEAD_BUFFERS
+
+    rng = np.random.default_rng(0)
+    ds = xr.Dataset({f"v{i}": (("time", "x"), rng.random((48, 5), dtype="f4")) for i in range(6)})
+    path = str(tmp_path / "six.zarr")
+    ds.to_zarr(path, encoding={v: {"chunks": (1, 5)} for v in ds})
+    opened = xinsitu.open_zarr(path)
+    m = opened.insitu.split("time", fractions={"train": 1.0})
+    gen = opened.insitu.batches(m, "train", batch_size=6, output="numpy", dtype="float64")
+    assert gen.buffer_reason is None  # the direct path
+    for e in range(6):
+        gen.set_epoch(e)
+        got = list(gen)
+        assert len(got) == 8 and got[0]["v0"].dtype == np.float64
+    made = gen._direct._raw.made
+    assert 0 < made <= 6 * (MAX_READ_AHEAD_BUFFERS + 2), made  # (against 6 epochs x 8 batches x 4 = 192 before)

@@ -221,6 +221,31 @@ def test_every_message_reads_as_cfgrib_reads_it(tmp_path, packing, bits):
                                       decode_message(raw, (ny, nx), None, "eccodes"))
 
 
+@pytest.mark.parametrize("edition,packing", [(1, "grid_simple"), (2, "grid_simple"), (2, "grid_jpeg")])
+def test_constant_and_all_missing_messages_read_as_cfgrib_reads_them(tmp_path, edition, packing):
+    """Messages after an ordinary first one (the one ``decoder="auto"`` checks) that code one value or none:
+    gribberish gave a constant field under a bitmap as the constant everywhere (GRIB1 and 2), a GRIB2 constant
+    field as zeros (0.30), and spun for good, holding the GIL, on an all-missing JPEG 2000 message (1.9). A
+    variable with such a message decodes with ecCodes: as cfgrib, NaN where the bitmap says."""
+    pytest.importorskip("gribberish", reason="the grib extra is not installed")
+    from xinsitu.formats.grib import CONSTANT
+
+    ny, nx = 7, 12
+    first = 280 + np.random.default_rng(3).standard_normal((ny, nx))
+    masked = np.full((ny, nx), 5.0)
+    masked[::2, ::3] = 9999.0
+    data = {"2t": np.stack([first, np.full((ny, nx), 273.15), masked, np.full((ny, nx), 9999.0)])[:, None]}
+    f = write_grib(tmp_path / "constant.grib", data, pd.date_range("2020-01-01", periods=4, freq="6h"), [0],
+                   edition=edition, packing=packing, missing=9999.0)
+    assert [p for _, _, _, p in scan_messages(f)][1:] == [CONSTANT] * 3
+    assert grib_store(f)._group.arrays["t2m"].metadata.codecs[0].decoder == "eccodes"
+    ds, ref = open_grib(f), cfgrib(f)
+    same(ds, ref)
+    got = ds.t2m.values
+    assert np.isnan(got[2]).sum() == masked[masked == 9999.0].size and np.isnan(got[3]).all()
+    np.testing.assert_allclose(got[1], 273.15, rtol=1e-6)
+
+
 def test_large_fields_decode_with_eccodes(tmp_path, monkeypatch):
     """gribberish only for small fields (measured: ecCodes is ~2x faster from 361 x 720 on); both exact."""
     pytest.importorskip("gribberish", reason="the grib extra is not installed")

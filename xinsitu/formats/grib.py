@@ -47,6 +47,11 @@ GRIBBERISH_PACKINGS = {
     1: {"grid_simple"},
     2: {"grid_simple", "grid_ccsds", "grid_png", "grid_jpeg", "grid_complex_spatial_differencing"},
 }
+#: The packing ``scan_messages`` records for a message that codes one value or none, whatever its packingType:
+#: gribberish (0.30 and 1.9) decodes a constant field under a bitmap as the constant everywhere, a GRIB2 constant
+#: field (0.30) as zeros, and spins for good, holding the GIL, on an all-missing JPEG 2000 message. ecCodes it is.
+CONSTANT = "constant"
+_FOR_GRIBBERISH = set().union(*GRIBBERISH_PACKINGS.values())  # (IEEE's bitsPerValue says nothing of the kind)
 #: ... for gribberish before 1.0 (the newest on Python 3.11): its other packings decode some messages wrong
 #: (complex spatial differencing: 1456 of 1457 values of a later message; ccsds whose bits per value change
 #: between messages: a "Memory error"), where the first message, which ``_choose_decoder`` checks, is right
@@ -161,7 +166,9 @@ except ImportError:  # pragma: no cover
 
 # ----------------------------------------------------------------------------- scanning
 def scan_messages(path: str) -> list[tuple[int, int, int, str]]:
-    """(offset, length, edition, packingType) of every message of a local GRIB file, by ecCodes.
+    """(offset, length, edition, packingType) of every message of a local GRIB file, by ecCodes; ``CONSTANT``
+    for the packing (one gribberish may decode) of a message that codes one value (``bitsPerValue`` 0) or none
+    (every point missing).
 
     Raises ``GribError`` naming the file where it holds no GRIB message, where a message is cut
     short (truncated file) or damaged, or where bytes between messages hold another ``GRIB``
@@ -187,8 +194,11 @@ def scan_messages(path: str) -> list[tuple[int, int, int, str]]:
                 break
             try:
                 off, n = int(eccodes.codes_get_long(h, "offset")), int(eccodes.codes_get_long(h, "totalLength"))
-                out.append((off, n, int(eccodes.codes_get_long(h, "edition")),
-                            str(eccodes.codes_get_string(h, "packingType"))))
+                packing = str(eccodes.codes_get_string(h, "packingType"))
+                if packing in _FOR_GRIBBERISH and (not eccodes.codes_get_long(h, "bitsPerValue")
+                                                   or not eccodes.codes_get_long(h, "numberOfValues")):
+                    packing = CONSTANT  # one value, or none: what gribberish decodes wrong (or hangs on)
+                out.append((off, n, int(eccodes.codes_get_long(h, "edition")), packing))
             except Exception as e:  # noqa: BLE001 - ecCodes' errors: a header whose keys cannot be read
                 where = f"after byte {out[-1][0] + out[-1][1]}" if out else "at the start"
                 raise GribError(f"{path}: the GRIB message {where} is damaged: ecCodes cannot read its header "

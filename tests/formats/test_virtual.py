@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -177,6 +178,36 @@ def test_last_file_may_end_mid_chunk(tmp_path):
 
 
 # ----------------------------------------------------------------------------- the read path
+@pytest.mark.parametrize("units,calendar", [("days since 1500-01-01", "standard"),   # before the reform
+                                            ("days since 2290-01-01", "standard"),   # past datetime64[ns]
+                                            ("days since 2290-01-01", "noleap"),
+                                            ("days since 1-1-1", "360_day")])
+def test_time_axes_xarray_keeps_as_cftime_open_as_xarray_opens_them(tmp_path, units, calendar):
+    """A file whose times xarray decodes to cftime (with a warning that they stay cftime: paleo runs, CMIP
+    extensions to 2300) was refused as if its files could not be joined: the decode's warning was taken for
+    the encode's. It opens as ``xr.open_dataset`` opens it, and batches carry those times."""
+    netCDF4 = pytest.importorskip("netCDF4")
+    p = str(tmp_path / "cal.nc")
+    with netCDF4.Dataset(p, "w") as f:
+        f.createDimension("time", None)
+        f.createDimension("x", 4)
+        t = f.createVariable("time", "f8", ("time",))
+        t.units, t.calendar = units, calendar
+        t[:] = np.arange(8) * 1.0
+        v = f.createVariable("v", "f4", ("time", "x"), chunksizes=(2, 4))
+        v[:] = np.arange(32, dtype="f4").reshape(8, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (xarray's: the times stay cftime)
+        ref = xr.open_dataset(p)
+        ds = open_netcdf(p)
+    assert ds.time.dtype == ref.time.dtype == object
+    np.testing.assert_array_equal(ds.time.values, ref.time.values)
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    (b,) = list(ds.insitu.batches(m, "train", batch_size=8, shuffle=False, output="xarray"))
+    np.testing.assert_array_equal(b.time.values, ref.time.values)
+    np.testing.assert_array_equal(b.v.values, ref.v.values)
+
+
 def test_backend_reads_the_referenced_ranges(days):
     """Every chunk read through ManifestBackend equals VirtualiZarr's own ManifestStore.get; local files are
     read one range at a time (reads overlap), remote ones coalesced (see test_files_over_http)."""

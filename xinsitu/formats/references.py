@@ -129,19 +129,24 @@ def _jsonable(v: Any) -> Any:
 def _encode_inline(name: str, var: xr.Variable) -> xr.Variable:
     """``var`` (decoded) encoded with its first file's CF encoding, or xarray's choice where that is not exact."""
     enc0 = {k: var.encoding[k] for k in _CF_ENCODING if k in var.encoding}
+    why = "its values do not come back"
     for enc in (enc0, {}):
         v = xr.Variable(var.dims, var.values, dict(var.attrs), dict(enc))
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # "cannot be serialized faithfully": try the next encoding
                 out = xr.conventions.encode_cf_variable(v, name=name)
+            with warnings.catch_warnings():  # (decoded as the files were: cftime dates outside datetime64[ns]
+                warnings.simplefilter("ignore")  # warn that they stay cftime, and so they did there)
                 back = xr.conventions.decode_cf_variable(name, out)
-        except Exception:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001
+            why = f"{type(e).__name__}: {e}"
             continue
         if back.dtype == var.dtype and np.array_equal(np.asarray(back.values), np.asarray(var.values),
                                                       equal_nan=var.dtype.kind in "fcmM"):
             return out
-    raise VirtualReferenceError(f"coordinate {name!r} cannot be encoded exactly once joined across files")
+    raise VirtualReferenceError(f"coordinate {name!r} cannot be kept exactly in memory: encoded as its file "
+                                f"encodes it, or as xarray would, {why}")
 
 
 class InlineCoords:

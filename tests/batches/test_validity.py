@@ -375,9 +375,9 @@ def test_nat_is_missing_as_nan_is(tmp_path) -> None:
     import pandas as pd
 
     vt = np.array(pd.date_range("1990-01-01", periods=8, freq="h"))
-    vt[3] = np.datetime64("NaT")
+    vt[3] = np.datetime64("NaT", "ns")
     lead = (np.arange(8) * np.timedelta64(1, "h")).astype("m8[ns]")
-    lead[5] = np.timedelta64("NaT")
+    lead[5] = np.timedelta64("NaT", "ns")
     path = str(tmp_path / "nat.zarr")
     xr.Dataset({"valid_time": ("time", vt), "lead": ("time", lead), "a": ("time", np.arange(8.0))}).to_zarr(
         path, encoding={v: {"chunks": (4,)} for v in ("valid_time", "lead", "a")})

@@ -128,6 +128,7 @@ class DeviceCache:
         self._lock = threading.Lock()
         self._rows: dict[Hashable, tuple[Any, int]] = {}
         self._slabs: dict[tuple[tuple[int, ...], str], list[Any]] = {}  # (shape, dtype) -> [slab, rows used]
+        self._allocated = 0  # bytes of every slab made (what the budget bounds)
         #: since when each entry is known to match its source, and its remote object's version (as the
         #: memory tier's: a later reader of a mutable archive checks them, ``cache.lookup``)
         self._born: dict[Hashable, tuple[int, str | None]] = {}
@@ -202,22 +203,27 @@ class DeviceCache:
                     self._born[k] = (max(self._born[k][0], since), self._born[k][1])
 
     def _reserve(self, shape: tuple[int, ...], dtype: np.dtype, n: int) -> tuple[Any, int] | None:
-        """A free row (the lock held), counted against the budget; None where the budget is full. A new
-        slab holds as many rows as the rest of the budget allows, up to ``SLAB_ROWS``, so that device
-        memory is taken as chunks come, not all at once."""
-        if self.stats.bytes + n > self.budget:
-            return None
+        """A free row (the lock held), counted against the budget; None where the budget is full. The budget
+        bounds the device memory the slabs take, rows used or not: a class of chunks (shape, dtype) starts
+        with a slab of ``FIRST_ROWS`` rows and each next one doubles, up to ``SLAB_ROWS``, within what the
+        budget has left (a slab sized to the whole rest, per class, took a budget per class)."""
         cls = (shape, dtype.str)
         got = self._slabs.get(cls)
         if got is None or got[1] >= len(got[0]):
-            rows = max(1, min(self.SLAB_ROWS, (self.budget - self.stats.bytes) // max(n, 1)))
+            want = self.FIRST_ROWS if got is None else 2 * len(got[0])
+            rows = min(self.SLAB_ROWS, want, (self.budget - self._allocated) // max(n, 1))
+            if rows < 1:
+                return None
             got = [self.arrays.empty((rows, *shape), dtype), 0]
             self._slabs[cls] = got
+            self._allocated += rows * n
         slab, row = got[0], got[1]
         got[1] += 1
         self.stats.bytes += n
         return slab, row
 
+    #: rows of a class's first slab (each next one doubles)
+    FIRST_ROWS = 16
     #: rows of one slab at most (the budget is the bound; this only paces the allocations)
     SLAB_ROWS = 256
 

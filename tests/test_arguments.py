@@ -157,6 +157,16 @@ def test_a_torch_device_this_machine_lacks_is_refused_when_the_generator_is_made
         ds.insitu.batches(m, "train", output="torch", device="mps")
 
 
+def test_cuda_on_a_machine_torch_sees_no_gpu_on_is_refused_naming_the_way_on(ds, m):
+    """``device="cuda"`` where torch sees no GPU (a CPU-only build, here): refused when the generator is made,
+    naming torch's build and ``device='cpu'`` (it said only that CUDA was not available)."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(RuntimeError, match=r"device='cuda': CUDA is not available to torch .*use device='cpu'"):
+        ds.insitu.batches(m, "train", output="torch", device="cuda")
+
+
 def test_output_torch_without_torch_names_the_extra(ds, m, monkeypatch):
     import sys
 

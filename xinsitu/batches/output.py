@@ -177,7 +177,10 @@ class OutputBuilder:
         if dev.type == "meta":  # meta tensors have a shape but no values: every batch would be empty
             raise ValueError(f"device={device!r} holds no data; use 'cpu' or a GPU such as 'cuda:0'")
         if dev.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(f"device={device!r}: CUDA is not available to torch on this machine")
+            build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            raise RuntimeError(f"device={device!r}: CUDA is not available to torch on this machine (torch "
+                               f"{torch.__version__}, {build}, sees no GPU); use device='cpu', or run where a GPU "
+                               "and a CUDA build of torch are")
         if dev.type not in ("cpu", "cuda"):  # mps, xla, xpu...: asked now, not at the first batch's copy
             try:
                 torch.empty(0, device=dev)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import xinsitu
-from xinsitu.batches.generator import _settle
+from xinsitu.batches.ahead import settle
 from xinsitu.io import loop as _loop
 
 VARS = ["t2m", "u10"]
@@ -158,7 +158,7 @@ def test_an_archive_rewritten_between_epochs_is_read_as_it_is_now(tmp_path, chun
     _epoch(gen)
     task, _ = gen._take_ahead(3, 0)
     assert task is not None  # (nothing written since: taken)
-    _loop.run(_settle(task), timeout=30)
+    _loop.run(settle(task), timeout=30)
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
@@ -179,7 +179,7 @@ def test_a_generator_iterated_again_without_set_epoch_uses_its_read_ahead(era5_p
     task, _ = gen._take_ahead(1, 0)  # epoch 0's first buffer: what epoch 1 starts with, in order
     assert (task is not None) == (not shuffle)
     if task is not None:
-        _loop.run(_settle(task), timeout=30)
+        _loop.run(settle(task), timeout=30)
 
 
 @pytest.mark.parametrize("block_chunks", [1, 2])
@@ -198,3 +198,76 @@ def test_no_read_ahead_after_an_epoch_served_from_the_memory_tier(era5_path, blo
         assert gen.io_stats["requests"] == 0
         if e > 1:  # (epoch 1's reads include what epoch 0's read ahead fetched for it)
             assert gen._ahead is None
+
+
+def _read_ahead_done(gen) -> None:
+    """Wait until the next epoch's first buffer, read ahead, is in (so a change after it is one it missed)."""
+    import asyncio
+
+    assert gen._ahead is not None
+    _loop.run(asyncio.wait([gen._ahead[2]]), timeout=30)
+
+
+def test_a_file_behind_icechunk_virtual_chunks_rewritten_between_epochs_is_read_as_it_is_now(tmp_path):
+    """A read-only Icechunk session whose chunks are byte ranges of a local file: the file rewritten after the
+    next epoch's first buffer was read ahead. That buffer was served (8 of 32 samples old); the files its
+    snapshot references are looked at (their state, as the cache looks at them) before it is taken."""
+    from tests.cache.test_cache_virtual import NT, _repo
+
+    repo, raw = _repo(tmp_path)
+    ds = xinsitu.open_zarr(repo.readonly_session(branch="main").store)
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    gen = ds.insitu.batches(m, "train", batch_size=4, block_chunks=2, output="numpy", shuffle=False)
+    assert len(_epoch(gen)) == NT // 4
+    _read_ahead_done(gen)
+    (np.arange(NT * 15, dtype="<f4") + 10000).tofile(raw)
+    gen.set_epoch(1)
+    got = np.concatenate([b["a"] for b in _epoch(gen)])
+    np.testing.assert_array_equal(got, ds.a.values)
+    assert got.min() >= 10000
+
+
+def test_no_read_ahead_from_a_writable_icechunk_session(tmp_path):
+    """A writable session, written into between epochs (in this process, committed or not): what the read ahead
+    read before the write was served, a whole epoch on a small archive. Such a session is read as it is."""
+    icechunk = pytest.importorskip("icechunk")
+    import xarray as xr
+
+    icechunk.set_logs_filter("error")
+    repo = icechunk.Repository.create(icechunk.local_filesystem_storage(str(tmp_path / "repo")))
+    s = repo.writable_session("main")
+    src = xr.Dataset({"t2m": (("time", "x"), np.arange(40 * 3, dtype="f4").reshape(40, 3))})
+    src.to_zarr(s.store, encoding={"t2m": {"chunks": (4, 3)}}, zarr_format=3, consolidated=False)
+    s.commit("first")
+    ws = repo.writable_session("main")
+    ds = xinsitu.open_zarr(ws.store)
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    gen = ds.insitu.batches(m, "train", batch_size=4, output="numpy", shuffle=False)
+    _epoch(gen)
+    assert gen._ahead is None
+    (src + 1000).to_zarr(ws.store, region="auto", consolidated=False)
+    gen.set_epoch(1)
+    np.testing.assert_array_equal(np.concatenate([b["t2m"] for b in _epoch(gen)]), src.t2m.values + 1000)
+
+
+def test_a_netcdf_file_changed_between_epochs_is_refused_before_a_batch_of_it(tmp_path):
+    """A file ``open_netcdf`` references, changed after the next epoch's first buffer was read ahead: that buffer
+    was served as if nothing had changed (the whole epoch, on a small file). The change is said as a read of
+    the file says it (SPEC §6: a file changed after opening is a clear error), before any batch of that epoch."""
+    xr = pytest.importorskip("xarray")
+    pytest.importorskip("h5netcdf")
+    from xinsitu.virtual import open_netcdf
+
+    path = str(tmp_path / "f.nc")
+    src = xr.Dataset({"t2m": (("time", "x"), np.arange(40 * 3, dtype="f4").reshape(40, 3))})
+    src.to_netcdf(path, engine="h5netcdf", encoding={"t2m": {"chunksizes": (4, 3)}})
+    ds = open_netcdf(path)
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    gen = ds.insitu.batches(m, "train", batch_size=4, output="numpy", shuffle=False)
+    _epoch(gen)
+    _read_ahead_done(gen)
+    (src + 1000).to_netcdf(path, engine="h5netcdf", encoding={"t2m": {"chunksizes": (4, 3)}})
+    gen.set_epoch(1)
+    it = iter(gen)
+    with pytest.raises(Exception, match="changed after it was opened"):
+        next(it)

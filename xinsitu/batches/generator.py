@@ -18,13 +18,14 @@ import numpy as np
 import xarray as xr
 
 from xinsitu.batches import describe
+from xinsitu.batches.ahead import Ahead, quiet, served, settle, take
 from xinsitu.batches.buffer import BUFFER_BUDGET, BufferLoader, default_block_chunks
 from xinsitu.batches.direct import DeviceDirectLoader, DirectLoader, direct_reason
 from xinsitu.batches.output import OutputBuilder, with_dim_indexes
 from xinsitu.batches.pipeline import DirectRun, EpochRun
 from xinsitu.cache.chunk_cache import ChunkCache, resolve_cache
 from xinsitu.cache.device_tier import CupyArrays, HostArrays
-from xinsitu.cache.keys import file_clock_ns
+from xinsitu.cache.keys import array_store, file_clock_ns
 from xinsitu.codecs.gpu import CupyGpu, resolve_decode
 from xinsitu.codecs.gpu_chain import GpuChain
 from xinsitu.index.channels import channel_names, check_stats_origin
@@ -33,27 +34,9 @@ from xinsitu.index.plan import EpochPlan, epoch_plan, epoch_size, plan_head, pla
 from xinsitu.index.sampling import check_split, dist_defaults, flag, int_arg, positive_int, sampling
 from xinsitu.index.state import check_state, make_state
 from xinsitu.io import loop as _loop
-from xinsitu.io.fetchers import local_files_changed
+from xinsitu.io.fetchers import read_marks
 from xinsitu.io.reader import Reader
 from xinsitu.repr import formatting
-
-
-async def _settle(task: Any) -> None:
-    """Cancel a read ahead and wait until it has stopped."""
-    task.cancel()
-    await asyncio.wait([task])
-
-
-def _served(loader: Any) -> tuple[int, int, int] | None:
-    """(requests, chunks from the cache's disk tier, chunks from the cache) the loader's reader made so far."""
-    c = getattr(getattr(loader, "reader", None), "counters", None)
-    return None if c is None else (c.requests, c.cache_disk_hits, c.cache_hits)
-
-
-def _quiet(task: Any) -> None:
-    """Retrieve a read ahead's outcome: one that failed or was dropped is simply not used."""
-    if not task.cancelled():
-        task.exception()
 
 
 class BatchGenerator:
@@ -214,7 +197,7 @@ class BatchGenerator:
         self._pid = -1
         self._io: dict[str, Any] = {}
         # the next epoch's first buffer, read while an epoch ends: (pid, epoch, task, counters then)
-        self._ahead: tuple[int, int, Any, dict[str, Any], int, list] | None = None
+        self._ahead: Ahead | None = None
         self._channels: list[str] | None = None
         # elastic resume: the (world_size, batches) hops of epoch ``_elastic_epoch`` so far (see state.py)
         self._elastic: list[tuple[int, int]] = []
@@ -346,8 +329,8 @@ class BatchGenerator:
         if all(self._gpu_pays(gpu, c) for c in self.decode_paths.values() if c.gpu):
             return
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[0] == os.getpid():
-            _loop.run(_settle(ahead[2]), timeout=30)
+        if ahead is not None and ahead.pid == os.getpid():
+            _loop.run(settle(ahead.task), timeout=30)
         self._use_gpu(gpu, self._chains)
         self.buffer_reason = direct_reason(self.space, self.layouts, self.builder)
 
@@ -446,8 +429,8 @@ class BatchGenerator:
         run_no = self._runs
         nxt = epoch if self._last_whole == epoch else epoch + 1  # (this one's: iterated again without set_epoch)
         self._last_whole = epoch if ahead else self._last_whole
-        served = _served(loader)
-        then = (lambda: self._read_ahead(nxt, run_no, served)) if ahead and stop is None and self.read_ahead else None
+        at_start = served(loader)
+        then = (lambda: self._read_ahead(nxt, run_no, at_start)) if ahead and stop is None and self.read_ahead else None
         kind = DirectRun if isinstance(loader, DirectLoader) else EpochRun
         run = kind(plan, start, loader, self.builder, first=first, counters_from=counters_from, then=then,
                    budget=self.buffer_budget)
@@ -472,24 +455,28 @@ class BatchGenerator:
             if bar is not None:
                 bar.close()
 
-    def _read_ahead(self, epoch: int, run_no: int, served: tuple[int, ...] | None = None) -> None:
+    def _read_ahead(self, epoch: int, run_no: int, at_start: tuple[int, ...] | None = None) -> None:
         """On the I/O loop, once every buffer of an epoch is loaded and one is given back (``EpochRun``'s
         ``then``): start reading ``epoch``'s first buffer (it depends only on the seed and the epoch), so
         that a training loop that goes on with ``set_epoch(epoch)`` finds it read. At most one buffer is
         held this way; the next iteration takes it where its plan starts with those very samples, else
         drops it. Not made once another iteration than the one asking (``run_no``) began: it reads its own;
-        nor where every chunk of that iteration came from the cache's memory tier (``served``: ``_served`` as it
-        began): the next epoch's buffer is then a gather away, and one read now would be one more held while the
+        nor where every chunk of that iteration came from the cache's memory tier (``at_start``: ``served`` as
+        it began): the next epoch's buffer is then a gather away, and one read now would be one more held while the
         caller holds its last batch (a batch's arrays made again, every page faulted in, each cached epoch)."""
         loader: Any = self._direct if self.buffer_reason is None else self._loader
         if loader is None or self._pid != os.getpid() or self._elastic or run_no != self._runs:
             return
-        now = _served(loader)
-        if served is not None and now is not None and now[:2] == served[:2] and now[2] > served[2]:
+        now = served(loader)
+        if at_start is not None and now is not None and now[:2] == at_start[:2] and now[2] > at_start[2]:
             return
         if not all(lay.src.stored for lay in self.layouts.values()):
             # files read through dask (NetCDF, HDF5) hold library locks while read: a read running on
             # in the background could hold one when a DataLoader forks its workers
+            return
+        stores = list({id(st): st for lay in self.layouts.values() if (st := array_store(lay.src.array))}.values())
+        marks = read_marks(stores)
+        if marks is None:  # (a writable Icechunk session)
             return
         self._drop_ahead()
         reader = loader.reader
@@ -512,30 +499,19 @@ class BatchGenerator:
                 reader.journal = None
 
         task = asyncio.ensure_future(first())
-        task.add_done_callback(_quiet)
-        self._ahead = (os.getpid(), epoch, task, counters, began, journal)
+        task.add_done_callback(quiet)
+        self._ahead = Ahead(os.getpid(), epoch, task, counters, began, journal, stores, marks)
 
     def _take_ahead(self, epoch: int, start: int) -> tuple[Any, dict[str, Any] | None]:
-        """The first buffer read ahead for this iteration (a task and the counters when it began),
-        or (None, None); one read ahead for another epoch (where the order depends on it) or place is dropped."""
+        """The first buffer read ahead for this iteration (a task and the counters when it began), or (None,
+        None): ``ahead.take``."""
         ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            return None, None
-        pid, e, task, counters, began, journal = ahead
-        if pid != os.getpid():
-            return None, None
-        if (e != epoch and self.shuffle) or start != 0 or self._live > 1 or local_files_changed(list(journal), began):
-            # dropped, and settled before this iteration reads: its reads neither count in this epoch's
-            # io_stats nor run on beside it. Also where a local chunk file it read was written since it
-            # began (an archive rewritten between epochs): this epoch reads it as it is now
-            _loop.run(_settle(task), timeout=30)
-            return None, None
-        return task, counters
+        return take(ahead, epoch, start, self.shuffle, self._live)
 
     def _drop_ahead(self) -> None:
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[0] == os.getpid():
-            ahead[2].cancel()  # on the I/O loop (called there)
+        if ahead is not None and ahead.pid == os.getpid():
+            ahead.task.cancel()  # on the I/O loop (called there)
 
     def _warn_missing(self) -> None:
         """Once per epoch: chunks that had no object read as fill values (zarr's rule), but a deleted

@@ -153,7 +153,7 @@ class Reader:
         self.turn = TurnBatch(self.inflight.threads)
         self.last_missing: tuple[str, tuple[int, ...], str] | None = None  # (variable, chunk, key)
         self._starts = _loop.PerLoop(lambda _: asyncio.Lock())  # see ``starting``
-        #: while a list, the (backend, key) of each object fetched (what a read ahead read: ``local_files_changed``)
+        #: while a list, the (backend, key) of each object fetched (what a read ahead read: ``fetchers.reads_changed``)
         self.journal: list[tuple[Any, str]] | None = None
 
     def missing_record(self) -> list[Any] | None:

@@ -192,6 +192,13 @@ class ManifestBackend:
                                         "time): the references are byte offsets into the file as it was; open "
                                         "it again")
 
+    def check_unchanged(self, key: str) -> None:
+        """``_check_unchanged`` for the file chunk ``key`` lies in (a read ahead taken later: what it read must
+        still be what a read would give, ``io.fetchers.reads_changed``)."""
+        where = self.locate(key)
+        if isinstance(where, ChunkRange):
+            self._check_unchanged(where.url)
+
     # -- fetching
     async def get(self, key: str) -> Any:
         where = self.locate(key)

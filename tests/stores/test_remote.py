@@ -628,3 +628,17 @@ def test_credentials_in_an_http_url_are_sent_and_never_shown(archive, caplog):
         assert "s3cr" not in shown and "reader:" not in shown
         with pytest.raises(PermissionError, match=r"opening http://127\.0\.0\.1:\d+/era5\.zarr"):
             xinsitu.open_zarr(url.replace("s3cr%25t%20pw", "wrong"))
+
+
+def test_a_refusal_that_quotes_the_request_never_shows_a_urls_credentials(archive):
+    """A server whose refusal quotes the request's headers (as S3's signature errors do): the ``Authorization``
+    header made of ``http://user:password@`` is scrubbed from the error as one given in ``client_options`` is."""
+    import base64
+
+    token = base64.b64encode(b"reader:s3cretPW").decode()
+    with FileServer(Path(archive).parent, Faults(always=r".*zarr\.json", always_status=403)) as srv:
+        url = srv.url.replace("http://", "http://reader:s3cretPW@") + "/" + Path(archive).name
+        with pytest.raises(PermissionError) as raised:
+            xinsitu.open_zarr(url)
+    said = str(raised.value)
+    assert "authorization: ***" in said.lower() and token not in said and "s3cretPW" not in said

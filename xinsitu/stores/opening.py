@@ -250,6 +250,7 @@ def open_zarr(store: Any, *, consolidated: bool | None = None, group: str | None
         url = os.fspath(store)
         secrets = secrets_in_options(url, store_options)
         obs = make_store(store, **store_options)
+        secrets += secrets_of(obs)  # (what the store was built with: the header a URL's user info became too)
         zstore = _checked_store()(obs, read_only=True)
         where = redact_url(url) if "://" in url else url
     else:

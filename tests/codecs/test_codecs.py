@@ -138,3 +138,23 @@ def test_v2_column_major_chunks_read_as_xarray(tmp_path, chunk_time, cache):
                     np.testing.assert_array_equal(b[v].values, exp[v].values)
                 seen += b.time.values.tolist()
             assert sorted(seen) == list(range(12))
+
+
+def test_a_blosc_frame_is_checked_whole_before_it_is_decoded():
+    """blosc decodes a frame missing its tail without an error, into garbage: the frame's header gives its
+    length. Cut short: refused as such (the chunk is fetched again); bytes that are no blosc frame at all (an
+    HDF5 chunk its writer stored without the filter): refused as such; bytes after a whole frame: decoded."""
+    import numcodecs
+
+    from xinsitu.codecs.cpu import _blosc_frame
+
+    frame = numcodecs.Blosc("lz4").encode(np.arange(5000, dtype="f4"))
+    _blosc_frame(frame)
+    _blosc_frame(frame + b"\0" * 7)
+    _blosc_frame(memoryview(frame))
+    with pytest.raises(ValueError, match=r"a frame of \d+ bytes, \d+ bytes received \(cut short"):
+        _blosc_frame(frame[:-1])
+    with pytest.raises(ValueError, match="not a blosc frame"):
+        _blosc_frame(np.arange(180, dtype="f4").tobytes())
+    with pytest.raises(ValueError, match="fewer than a frame's header"):
+        _blosc_frame(frame[:10])

@@ -217,10 +217,17 @@ def _blosc_frame(raw: Any) -> None:
     tail in transit, where the HTTP layer could not see it) without an error, into garbage. The frame's header
     gives its length (bytes 12-16, little-endian: ``cbytes``); the caller fetches the object again."""
     view = memoryview(raw).cast("B")
-    cbytes = int.from_bytes(view[12:16], "little") if len(view) >= 16 else None
-    if cbytes is None or cbytes > len(view):  # (bytes after the frame, as padding, decode as they did)
-        said = "no header" if cbytes is None else f"a frame of {cbytes} bytes"
-        raise ValueError(f"blosc: {said}, {len(view)} bytes received (cut short in transit, or damaged)")
+    if len(view) < 16:
+        raise ValueError(f"blosc: {len(view)} bytes received, fewer than a frame's header (cut short, or damaged)")
+    nbytes, cbytes = int.from_bytes(view[4:8], "little"), int.from_bytes(view[12:16], "little")
+    if view[0] not in (1, 2) or cbytes < 16 or cbytes > nbytes + 16 + 16 * (nbytes // 65536 + 1):
+        # (blosc's versions 1-2; a frame is never much bigger than what it holds)
+        raise ValueError(f"blosc: these {len(view)} bytes are not a blosc frame (damaged; in an HDF5 file, a chunk "
+                         "its writer stored without the blosc filter, as HDF5 does where the filter does not shrink "
+                         "it: its references cannot tell)")
+    if cbytes > len(view):  # (bytes after the frame, as padding, decode as they did)
+        raise ValueError(f"blosc: a frame of {cbytes} bytes, {len(view)} bytes received (cut short in transit, or "
+                         "damaged)")
 
 
 class _SyncNumcodec:

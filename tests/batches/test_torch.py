@@ -274,6 +274,35 @@ def test_a_memory_tier_lost_with_workers_each_epoch_is_said_once(era5_path, tmp_
 
 
 @pytest.mark.slow
+def test_two_persistent_dataloaders_over_one_dataset_say_nothing_of_a_lost_memory_tier(era5_path):
+    """A training and an evaluation DataLoader over the same ``gen.to_torch()``, both persistent, iterated in
+    turn: each keeps its workers and their memory tiers. The second one's fresh workers were taken for the
+    first one's replacements, and the memory tier was said to be lost."""
+    script = f"""
+import torch, xinsitu
+from torch.utils.data import DataLoader
+ds = xinsitu.open_zarr({era5_path!r})
+m = ds.insitu.split("time", fractions={{"train": 1.0}})
+gen = ds.insitu.batches(m, "train", batch_size=5, output="numpy", cache=True, seed=0)
+dset = gen.to_torch()
+kw = dict(batch_size=None, num_workers=2, multiprocessing_context="fork", persistent_workers=True)
+a, b = DataLoader(dset, **kw), DataLoader(dset, **kw)
+for e, loader in enumerate([a, b, a, b]):
+    gen.set_epoch(e)
+    assert sum(1 for _ in loader) == len(gen)
+print("ok")
+"""
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    try:
+        proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=150)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"DataLoader job hung: {(e.stderr or b'')[-3000:]!r}")
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    assert "workers that are not persistent" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
 def test_fork_local_archive_works(era5_path, tmp_path):
     """fork, 3 workers, after the parent used obstore (--touch, its reads still in flight):
     the workers read the local archive with plain file I/O."""

@@ -27,6 +27,7 @@ for ``num_workers=0`` only, and ``gen.io_stats`` counts the reads of this proces
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -61,7 +62,7 @@ class InsituIterableDataset(torch.utils.data.IterableDataset):
         # epoch ``set_epoch`` gave persistent workers (-1: none yet), whether an iteration's workers took the
         # resume loaded into ``gen`` before they started (one pass resumes, as with num_workers=0), that
         # iteration's id, the states loaded into ``gen`` so far (``gen._loads``), 1 + the epoch workers last
-        # began (0: none yet), the id of the last iteration whose workers began, whether the loss of a cache's
+        # began (0: none yet), the process of the last worker 0 that began, whether the loss of a cache's
         # memory tier with the workers was said]
         self._shared = torch.tensor([-1, 0, 0, gen._loads, 0, 0, 0], dtype=torch.int64).share_memory_()
         self._resume: int | None = None  # next batch to yield, from a loaded state (workers)
@@ -121,13 +122,13 @@ class InsituIterableDataset(torch.utils.data.IterableDataset):
                 "load_state_dict reaches its workers"))
         if self._iterated and epoch >= 0:  # a persistent worker: its copy of gen missed set_epoch
             gen.set_epoch(epoch)
-        iteration = info.seed - info.id  # the workers of one DataLoader iteration share it
-        began = int(self._shared[5])
-        if not self._iterated and began and began != iteration and not int(self._shared[6]):
-            # a fresh worker where workers of an earlier iteration ran: they were not persistent, and what a
-            # memory tier kept went with them
-            self._shared[6] = int(gen.cache is not None and gen.cache.note_memory_lost_with_workers())
-        self._shared[5] = iteration
+        if info.id == 0 and not self._iterated:
+            before = int(self._shared[5])
+            if before and not _alive(before) and not int(self._shared[6]):
+                # a fresh worker 0 where the last one has ended: workers that are not persistent, and what a
+                # memory tier kept went with them (a live one is another DataLoader's, over the same dataset)
+                self._shared[6] = int(gen.cache is not None and gen.cache.note_memory_lost_with_workers())
+            self._shared[5] = os.getpid()
         self._iterated = True
         self._shared[4] = gen.epoch + 1  # the main process's gen.state_dict() cannot see where workers are
         start, stop = worker_batches(len(gen), info.num_workers, info.id)
@@ -160,6 +161,17 @@ class InsituIterableDataset(torch.utils.data.IterableDataset):
         for batch in self.gen.iter_batches(start, stop, progress=False):
             self._pos = (self._pos or 0) + 1
             yield batch
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` is still running (a DataLoader's workers are joined as its iteration ends)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (another user's: alive)
+        return True
+    return True
 
 
 def _raise(e: BaseException) -> Any:

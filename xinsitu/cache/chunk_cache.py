@@ -461,8 +461,8 @@ class ChunkCache:
         self._say("memory lost with workers", "memory tier: lost with each DataLoader's workers (not persistent)",
                   "the chunk cache's memory tier lives in each DataLoader worker, and workers that are not "
                   "persistent end with each epoch, taking what it kept: every epoch reads again. Pass "
-                  "persistent_workers=True to the DataLoader, or give the cache a disk tier (cache=ChunkCache("
-                  "disk=...)), which workers share (warned once)")
+                  "persistent_workers=True to the DataLoader and keep that DataLoader for every epoch, or give the "
+                  "cache a disk tier (cache=ChunkCache(disk=...)), which workers share (warned once)")
         return True
 
     def _disk_key(self, key: Hashable, disk_key: str | None) -> str | None:

@@ -387,6 +387,9 @@ def test_plain_xarray_reads_of_an_opened_local_archive_work_in_a_forked_child(er
     got = epoch_in_fork(ds, 60, lambda d: d.t2m.isel(time=slice(20, 30)).values)
     assert got[0] == "ok", got
     np.testing.assert_array_equal(got[1], want)
+    zs = _checked_store()(obstore.store.LocalStore(prefix=era5_path), read_only=True)
+    stored = zarr.open_group(zs, mode="r")["t2m"]
+    assert epoch_in_fork(stored, 60, lambda a: a.nbytes_stored()) == ("ok", stored.nbytes_stored())  # (sizes)
     zremote = _checked_store()(obstore.store.HTTPStore.from_url("http://127.0.0.1:9/a.zarr"), read_only=True)
     ok, msg = in_fork(lambda: True, lambda: fork_stand_in(zremote))
     assert ok and "http://127.0.0.1:9/a.zarr" in msg and msg.endswith(_loop.FORK_HELP), msg

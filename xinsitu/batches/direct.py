@@ -81,7 +81,7 @@ class DirectLoader:
         # raw arrays of variables converted into place (dtype=, packed values), given back as each batch is
         # converted: as many a shape as the batches read at once use (2 left a weather model's 6 level variables
         # making 4 anew each batch, every page faulted in: 1.5k-5.7k faults an epoch at 0.25 degrees, float64)
-        same = Counter((lay.src.shape, lay.src.raw_dtype) for name, lay in layouts.items()
+        same = Counter((self._raw_shape(lay, 1), lay.src.raw_dtype) for name, lay in layouts.items()
                        if not lay.static and builder.converts(name))
         self._raw = ArrayPool(keep=max(same.values(), default=1) * (MAX_READ_AHEAD_BUFFERS + 2))
         self._static: asyncio.Future[dict[str, np.ndarray]] | None = None
@@ -171,8 +171,10 @@ class DirectLoader:
 
     def _take_raw(self, lay: VarLayout, n: int) -> np.ndarray:
         """A raw array for ``n`` samples of a variable: (sample, split dims of 1, *output dims), its stored dtype."""
-        shape = [n] + [1] * self.n_split + [lay.src.shape[lay.src.dims.index(d)] for d in lay.out_dims]
-        return self._raw.take(shape, lay.src.raw_dtype)
+        return self._raw.take(self._raw_shape(lay, n), lay.src.raw_dtype)
+
+    def _raw_shape(self, lay: VarLayout, n: int) -> tuple[int, ...]:
+        return (n, *[1] * self.n_split, *[lay.src.shape[lay.src.dims.index(d)] for d in lay.out_dims])
 
     async def _read_all(self, reads: list[tuple[VarLayout, list[np.ndarray]]], at: dict[str, np.ndarray],
                         regions: list[dict[str, tuple[int, int]]]) -> None:

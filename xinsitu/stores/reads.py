@@ -322,6 +322,14 @@ def _checked_get(cls: type, retries: bool) -> Any:
             return await bounded_request(fetch, f"objects {keys[:3]}{'...' if len(keys) > 3 else ''} of "
                                                 f"{store_name(self)}")
 
+        async def getsize(self, key: str) -> int:
+            return await bounded_request(lambda: self._own("getsize")(key), f"the size of {key!r} of "
+                                                                             f"{store_name(self)}")
+
+        async def getsize_prefix(self, prefix: str) -> int:  # (zarr's: a listing, then each object's size)
+            stand_in = fork_stand_in(self)
+            return await (super().getsize_prefix(prefix) if stand_in is None else stand_in.getsize_prefix(prefix))
+
         def list(self) -> AsyncIterator[str]:
             return _bounded_listing(self._own("list")(), f"the listing of {store_name(self)}")
 

@@ -216,3 +216,17 @@ def test_a_sharded_array_is_read_by_byte_range_and_cached(tmp_path):
     first = ds.insitu.batches(m, "train", batch_size=4, shuffle=False, output="numpy")
     assert [b["a"].tolist() for b in first] == [b["a"].tolist() for b in got[0]]
     assert first.io_stats["bytes_read"] > 0 and first.io_stats["chunks"] == 8, first.io_stats
+
+
+def test_a_generator_over_a_writable_session_says_how_to_send_it_to_workers(repo):
+    """Pickled for spawned DataLoader workers, a generator (or map-style dataset) over a writable session gave
+    Icechunk's own advice, for writers (``Session.fork()``, ``to_icechunk``); it names the read-only session."""
+    r = icechunk.Repository.open(icechunk.local_filesystem_storage(repo["path"]))
+    ds = xinsitu.open_zarr(r.writable_session("main").store)
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    for what in (ds.insitu.batches(m, "train", batch_size=4, output="numpy"),
+                 ds.insitu.dataset(m, "train", output="numpy")):
+        with pytest.raises(TypeError, match=r"writable Icechunk session .*repo\.readonly_session\(\.\.\.\)"):
+            pickle.dumps(what)
+    ro = xinsitu.open_zarr(r.readonly_session(branch="main").store)
+    assert len(pickle.loads(pickle.dumps(ro.insitu.batches(m, "train", batch_size=4, output="numpy")))) > 0

@@ -32,6 +32,7 @@ from xinsitu.index.channels import channel_names, check_stats_origin
 from xinsitu.index.manifest import SplitManifest
 from xinsitu.index.plan import EpochPlan, epoch_plan, epoch_size, plan_head, plan_quality, segment_plan
 from xinsitu.index.sampling import check_split, dist_defaults, flag, int_arg, positive_int, sampling
+from xinsitu.index.snapshot import writable_session
 from xinsitu.index.state import check_state, make_state
 from xinsitu.io import loop as _loop
 from xinsitu.io.fetchers import read_marks
@@ -526,6 +527,10 @@ class BatchGenerator:
     def __getstate__(self) -> dict[str, Any]:
         # a pickled generator (e.g. sent to a spawned DataLoader worker) leaves this process's
         # reader and recycled block buffers behind: the new process builds its own
+        if any(lay.src.stored and writable_session(array_store(lay.src.array)) for lay in self.layouts.values()):
+            raise TypeError("batches of a writable Icechunk session cannot go to another process (DataLoader workers "
+                            "under spawn or forkserver, a cluster): open the archive from a read-only session "
+                            "(repo.readonly_session(...)), or read in this process (num_workers=0)")
         state = self.__dict__.copy()
         state.update(_reader=None, _loader=None, _aside=None, _direct=None, _pid=-1, _io={}, _live=0, _ahead=None,
                      _shared=[])

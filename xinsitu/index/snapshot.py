@@ -14,6 +14,12 @@ from typing import Any
 import xarray as xr
 
 
+def writable_session(zstore: Any) -> bool:
+    """Whether ``zstore`` is the store of a writable Icechunk session (what is in it may change in this process)."""
+    return type(zstore).__name__ == "IcechunkStore" and not getattr(getattr(zstore, "session", None), "read_only",
+                                                                    False)
+
+
 def snapshot_of_store(zstore: Any) -> str | None:
     """The snapshot id of an Icechunk session's store; None for any other store."""
     if type(zstore).__name__ != "IcechunkStore":

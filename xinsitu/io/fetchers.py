@@ -19,7 +19,7 @@ import numpy as np
 from xinsitu.cache.keys import changed_since, file_clock_ns
 from xinsitu.cache.virtual_refs import holds_virtual_chunks, referenced_state
 from xinsitu.codecs.cpu import ShardLayout
-from xinsitu.index.snapshot import snapshot_of_store
+from xinsitu.index.snapshot import snapshot_of_store, writable_session
 from xinsitu.io import loop as _loop
 from xinsitu.io.place import DECODED, EMPTY, SCRATCH, ChunkOutcome, Destination, Pieces, place, place_async, place_each
 from xinsitu.stores.backend import (
@@ -406,10 +406,10 @@ def read_marks(stores: list[Any]) -> dict[int, str] | None:
     its snapshot id as it was)."""
     marks: dict[int, str] = {}
     for store in stores:
+        if writable_session(store):
+            return None
         if type(store).__name__ != "IcechunkStore":
             continue
-        if not getattr(getattr(store, "session", None), "read_only", False):
-            return None
         snapshot = snapshot_of_store(store)
         if snapshot is not None and holds_virtual_chunks(store):
             marks[id(store)] = referenced_state(store, snapshot)

@@ -178,3 +178,21 @@ def test_open_zarr_refuses_chunks_naming_xr_open_zarr(tmp_path):
         xinsitu.open_zarr(path, chunks={"time": 2})
     with pytest.raises(TypeError, match="use_cftime must be"):
         xinsitu.open_zarr(path, use_cftime="yes")
+
+
+def test_a_path_to_a_file_or_an_icechunk_repository_names_what_opens_it(tmp_path):
+    """``open_zarr`` on a NetCDF, GRIB or JSON file, or on an Icechunk repository's directory: it said there was
+    no zarr store there, as if the path did not exist. It names what the path holds and what opens it."""
+    cases = {"a.nc": b"CDF\x01" + bytes(40), "b.nc": b"\x89HDF\r\n\x1a\n" + bytes(40), "c.grib": b"GRIB" + bytes(40),
+             "refs.json": b'{"version": 1, "refs": {}}', "notes.txt": b"hello"}
+    said = {"a.nc": "NetCDF-3 file.*open_netcdf", "b.nc": "NetCDF-4/HDF5 file.*open_netcdf",
+            "c.grib": "GRIB file.*open_grib", "refs.json": "JSON file.*KerchunkJSONParser", "notes.txt": "is a file"}
+    for name, head in cases.items():
+        (tmp_path / name).write_bytes(head)
+        with pytest.raises(ValueError, match=said[name]):
+            xinsitu.open_zarr(str(tmp_path / name))
+    repo = tmp_path / "repo"
+    for d in ("refs", "snapshots"):
+        (repo / d).mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"Icechunk repository.*readonly_session"):
+        xinsitu.open_zarr(str(repo))

@@ -247,6 +247,13 @@ def test_what_workers_cannot_open_is_refused(client, era5_path):
     closed.close()
     with pytest.raises(ValueError, match="client is closed"):  # (was distributed's AttributeError)
         ds.insitu.stats(m, "train", client=closed)
+    icechunk = pytest.importorskip("icechunk")  # a writable session: named, with the read-only one (not the
+    repo = icechunk.Repository.create(icechunk.in_memory_storage())  # advice Icechunk gives writers)
+    session = repo.writable_session("main")
+    era5_like(24, 3, 4)[["t2m"]].to_zarr(session.store, consolidated=False, encoding={"t2m": {"chunks": (8, 3, 4)}})
+    ds = xinsitu.open_zarr(session.store)
+    with pytest.raises(ValueError, match=r"writable Icechunk session.*repo\.readonly_session"):
+        ds.insitu.stats(ds.insitu.split("time", fractions={"train": .5, "val": .5}), client=client)
 
 
 @pytest.mark.slow

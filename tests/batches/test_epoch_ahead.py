@@ -45,7 +45,7 @@ def test_read_ahead_taken_gives_the_same_epochs(era5_path, shuffle):
     for e in range(3):
         gen.set_epoch(e)
         got = _epoch(gen)
-        assert gen._ahead is not None and gen._ahead[1] == e + 1  # the next epoch's first buffer is on its way
+        assert gen._ahead is not None and gen._ahead.epoch == e + 1  # the next epoch's first buffer is on its way
         assert _same(got, _oracle(ds, gen, e))
         st = gen.io_stats
         assert st["epoch"] == e and st["batches"] == len(got)
@@ -123,7 +123,7 @@ def test_read_ahead_stays_within_the_buffers_held(era5_path):
     for e in range(3):
         gen.set_epoch(e)
         assert _same(_epoch(gen), _oracle(ds, gen, e))
-        assert gen._ahead is not None and gen._ahead[1] == e + 1
+        assert gen._ahead is not None and gen._ahead.epoch == e + 1
         assert held[0] <= 1  # at most the buffer read ahead: the run gave back all of its own
     assert most[0] <= EpochRun.start_depth, most[0]
 
@@ -174,7 +174,7 @@ def test_a_generator_iterated_again_without_set_epoch_uses_its_read_ahead(era5_p
             for ids in gen.batch_ids(0)]
     for k in range(4):
         assert _same(_epoch(gen), want)
-        assert gen._ahead is not None and gen._ahead[1] == (1 if k == 0 else 0)  # (then this epoch again)
+        assert gen._ahead is not None and gen._ahead.epoch == (1 if k == 0 else 0)  # (then this epoch again)
     gen.set_epoch(1)
     task, _ = gen._take_ahead(1, 0)  # epoch 0's first buffer: what epoch 1 starts with, in order
     assert (task is not None) == (not shuffle)
@@ -205,7 +205,7 @@ def _read_ahead_done(gen) -> None:
     import asyncio
 
     assert gen._ahead is not None
-    _loop.run(asyncio.wait([gen._ahead[2]]), timeout=30)
+    _loop.run(asyncio.wait([gen._ahead.task]), timeout=30)
 
 
 def test_a_file_behind_icechunk_virtual_chunks_rewritten_between_epochs_is_read_as_it_is_now(tmp_path):
@@ -271,3 +271,22 @@ def test_a_netcdf_file_changed_between_epochs_is_refused_before_a_batch_of_it(tm
     it = iter(gen)
     with pytest.raises(Exception, match="changed after it was opened"):
         next(it)
+
+
+def test_no_read_ahead_from_an_in_memory_store():
+    """A zarr ``MemoryStore`` written into between epochs (in this process, nothing on disk to look at): what the
+    read ahead read before the write was served, the whole next epoch on a small archive."""
+    import xarray as xr
+    import zarr
+
+    store = zarr.storage.MemoryStore()
+    src = xr.Dataset({"t2m": (("time", "x"), np.arange(40 * 3, dtype="f4").reshape(40, 3))})
+    src.to_zarr(store, encoding={"t2m": {"chunks": (4, 3)}}, zarr_format=3, consolidated=False)
+    ds = xinsitu.open_zarr(store)
+    m = ds.insitu.split("time", fractions={"train": 1.0})
+    gen = ds.insitu.batches(m, "train", batch_size=4, output="numpy", shuffle=False)
+    _epoch(gen)
+    assert gen._ahead is None
+    (src + 1000).to_zarr(store, region="auto", consolidated=False)
+    gen.set_epoch(1)
+    np.testing.assert_array_equal(np.concatenate([b["t2m"] for b in _epoch(gen)]), src.t2m.values + 1000)

@@ -191,8 +191,16 @@ def test_a_path_to_a_file_or_an_icechunk_repository_names_what_opens_it(tmp_path
         (tmp_path / name).write_bytes(head)
         with pytest.raises(ValueError, match=said[name]):
             xinsitu.open_zarr(str(tmp_path / name))
-    repo = tmp_path / "repo"
-    for d in ("refs", "snapshots"):
-        (repo / d).mkdir(parents=True)
-    with pytest.raises(ValueError, match=r"Icechunk repository.*readonly_session"):
-        xinsitu.open_zarr(str(repo))
+    for version, parts in ((1, ("refs", "snapshots")), (2, ("repo", "snapshots"))):
+        repo = tmp_path / f"repo{version}"
+        for d in parts:
+            (repo / d).mkdir(parents=True)
+        with pytest.raises(ValueError, match=r"Icechunk repository.*readonly_session"):
+            xinsitu.open_zarr(str(repo))
+    import xarray as xr  # a zarr store whose groups are named as an Icechunk repository's folders: opened
+
+    path = str(tmp_path / "groups.zarr")
+    for g in ("refs", "snapshots"):
+        xr.Dataset({"a": ("x", [1.0, 2.0])}).to_zarr(path, group=g, mode="a")
+    xr.Dataset({"b": ("x", [3.0, 4.0])}).to_zarr(path, mode="a")
+    assert list(xinsitu.open_zarr(path).data_vars) == ["b"]

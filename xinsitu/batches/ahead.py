@@ -7,6 +7,8 @@ import asyncio
 import os
 from typing import Any, NamedTuple
 
+from xinsitu.cache.virtual_refs import holds_virtual_chunks, referenced_state
+from xinsitu.index.snapshot import snapshot_of_store, writable_session
 from xinsitu.io import loop as _loop
 from xinsitu.io.fetchers import reads_changed
 
@@ -14,7 +16,7 @@ from xinsitu.io.fetchers import reads_changed
 class Ahead(NamedTuple):
     """A read ahead under way: the process that began it, the epoch it reads, its task on the I/O loop, the
     reader's counters and the file clock (``file_clock_ns``) as it began, what it fetched (``Reader.journal``),
-    the zarr stores it reads and what ``read_marks`` noted of them."""
+    the zarr stores it reads and what ``mark`` noted of them as it began."""
 
     pid: int
     epoch: int
@@ -24,6 +26,34 @@ class Ahead(NamedTuple):
     journal: list[Any]
     stores: list[Any]
     marks: dict[int, str]
+
+
+def may_read_ahead(stores: list[Any]) -> bool:
+    """Whether chunks of ``stores`` (zarr stores) may be read ahead: not where what they hold may change in this
+    process without a file or snapshot to tell (a writable Icechunk session, an in-memory store)."""
+    return not any(writable_session(s) or type(getattr(s, "store", s)).__name__ in _IN_MEMORY for s in stores)
+
+
+_IN_MEMORY = ("MemoryStore", "GpuMemoryStore", "ManagedMemoryStore")  # zarr's and obstore's
+
+
+def mark(stores: list[Any], marks: dict[int, str]) -> None:
+    """Note in ``marks``, by store id, the state of the files each read-only Icechunk session of ``stores`` with
+    virtual chunks references (``take`` compares it). Off the I/O loop: listing them reads the snapshot's
+    manifests, once per snapshot."""
+    for store in stores:
+        snapshot = snapshot_of_store(store)
+        if snapshot is not None and holds_virtual_chunks(store):
+            marks[id(store)] = referenced_state(store, snapshot)
+
+
+def _marks_changed(stores: list[Any], marks: dict[int, str]) -> bool:
+    """Whether a file an Icechunk session of ``stores`` references is in another state than ``mark`` noted."""
+    for s in stores:
+        snapshot = snapshot_of_store(s)
+        if id(s) in marks and snapshot is not None and referenced_state(s, snapshot) != marks[id(s)]:
+            return True
+    return False
 
 
 async def settle(task: Any) -> None:
@@ -56,7 +86,7 @@ def take(ahead: Ahead | None, epoch: int, start: int, shuffle: bool, live: int) 
     drop = True
     try:
         drop = (ahead.epoch != epoch and shuffle) or start != 0 or live > 1 or \
-            reads_changed(list(ahead.journal), ahead.began, ahead.stores, ahead.marks)
+            reads_changed(list(ahead.journal), ahead.began) or _marks_changed(ahead.stores, ahead.marks)
     finally:
         if drop:
             _loop.run(settle(ahead.task), timeout=30)

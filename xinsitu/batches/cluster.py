@@ -41,6 +41,7 @@ import numpy as np
 from xinsitu.batches.describe import missing_note, progress_bar
 from xinsitu.cache.keys import array_store, store_identity
 from xinsitu.compat import virtualizarr_api as compat_virtualizarr
+from xinsitu.index.snapshot import writable_session
 from xinsitu.stores.backend import ChunkReadError
 from xinsitu.stores.redact import redact, redact_url
 
@@ -202,6 +203,10 @@ def check_portable(sources: dict[str, Any], what: str) -> None:
         if "MemoryStore" in (type(store).__name__, kind):
             raise ValueError(f"{what} with client=: variable {name!r} is in an in-memory store ({kind}), which the "
                              "cluster's workers cannot open; write it to a store they can reach (a path, a URL)")
+        if writable_session(store):
+            raise ValueError(f"{what} with client=: variable {name!r} is in a writable Icechunk session, which "
+                             "cannot be sent to the cluster's workers; open a read-only session "
+                             "(repo.readonly_session(...)), or compute without client=")
 
 
 def _arange(start: int, step: int, n: int, dtype: str, writeable: bool) -> np.ndarray:

@@ -18,7 +18,7 @@ import numpy as np
 import xarray as xr
 
 from xinsitu.batches import describe
-from xinsitu.batches.ahead import Ahead, quiet, served, settle, take
+from xinsitu.batches.ahead import Ahead, mark, may_read_ahead, quiet, served, settle, take
 from xinsitu.batches.buffer import BUFFER_BUDGET, BufferLoader, default_block_chunks
 from xinsitu.batches.direct import DeviceDirectLoader, DirectLoader, direct_reason
 from xinsitu.batches.output import OutputBuilder, with_dim_indexes
@@ -35,7 +35,6 @@ from xinsitu.index.sampling import check_split, dist_defaults, flag, int_arg, po
 from xinsitu.index.snapshot import writable_session
 from xinsitu.index.state import check_state, make_state
 from xinsitu.io import loop as _loop
-from xinsitu.io.fetchers import read_marks
 from xinsitu.io.reader import Reader
 from xinsitu.repr import formatting
 
@@ -197,7 +196,7 @@ class BatchGenerator:
         self._direct: DirectLoader | None = None
         self._pid = -1
         self._io: dict[str, Any] = {}
-        # the next epoch's first buffer, read while an epoch ends: (pid, epoch, task, counters then)
+        # the next epoch's first buffer, read while an epoch ends (``ahead.Ahead``)
         self._ahead: Ahead | None = None
         self._channels: list[str] | None = None
         # elastic resume: the (world_size, batches) hops of epoch ``_elastic_epoch`` so far (see state.py)
@@ -475,18 +474,19 @@ class BatchGenerator:
             # files read through dask (NetCDF, HDF5) hold library locks while read: a read running on
             # in the background could hold one when a DataLoader forks its workers
             return
-        stores = list({id(st): st for lay in self.layouts.values() if (st := array_store(lay.src.array))}.values())
-        marks = read_marks(stores)
-        if marks is None:  # (a writable Icechunk session)
+        stores = self._stores()
+        if not may_read_ahead(stores):
             return
         self._drop_ahead()
         reader = loader.reader
         counters = {k: getattr(reader.counters, k) for k in reader.counters.__dataclass_fields__}
         began = file_clock_ns()
         journal: list[Any] = []
+        marks: dict[int, str] = {}
 
         async def first() -> Any:
             loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, mark, stores, marks)  # before it reads
             plan = await loop.run_in_executor(None, self.plan, epoch)  # pure math, off the loop
             if isinstance(loader, DirectLoader):
                 if not plan.n_batches:
@@ -502,6 +502,11 @@ class BatchGenerator:
         task = asyncio.ensure_future(first())
         task.add_done_callback(quiet)
         self._ahead = Ahead(os.getpid(), epoch, task, counters, began, journal, stores, marks)
+
+    def _stores(self) -> list[Any]:
+        """The zarr stores the variables are read from, each once."""
+        return list({id(st): st for lay in self.layouts.values() if lay.src.stored
+                     and (st := array_store(lay.src.array)) is not None}.values())
 
     def _take_ahead(self, epoch: int, start: int) -> tuple[Any, dict[str, Any] | None]:
         """The first buffer read ahead for this iteration (a task and the counters when it began), or (None,
@@ -527,10 +532,11 @@ class BatchGenerator:
     def __getstate__(self) -> dict[str, Any]:
         # a pickled generator (e.g. sent to a spawned DataLoader worker) leaves this process's
         # reader and recycled block buffers behind: the new process builds its own
-        if any(lay.src.stored and writable_session(array_store(lay.src.array)) for lay in self.layouts.values()):
-            raise TypeError("batches of a writable Icechunk session cannot go to another process (DataLoader workers "
-                            "under spawn or forkserver, a cluster): open the archive from a read-only session "
-                            "(repo.readonly_session(...)), or read in this process (num_workers=0)")
+        if any(writable_session(st) for st in self._stores()):
+            raise TypeError("a generator over a writable Icechunk session cannot be pickled or copied, so its batches "
+                            "cannot come from another process (DataLoader workers under spawn or forkserver): open "
+                            "the archive from a read-only session (repo.readonly_session(...)), or read in this "
+                            "process (num_workers=0)")
         state = self.__dict__.copy()
         state.update(_reader=None, _loader=None, _aside=None, _direct=None, _pid=-1, _io={}, _live=0, _ahead=None,
                      _shared=[])

@@ -205,13 +205,14 @@ class DeviceCache:
     def _reserve(self, shape: tuple[int, ...], dtype: np.dtype, n: int) -> tuple[Any, int] | None:
         """A free row (the lock held), counted against the budget; None where the budget is full. The budget
         bounds the device memory the slabs take, rows used or not: a class of chunks (shape, dtype) starts
-        with a slab of ``FIRST_ROWS`` rows and each next one doubles, up to ``SLAB_ROWS``, within what the
-        budget has left (a slab sized to the whole rest, per class, took a budget per class)."""
+        with a slab of ``FIRST_ROWS`` rows or an eighth of what the budget has left, and each next one doubles,
+        up to ``SLAB_ROWS``, within what the budget has left (a slab sized to the whole rest, per class, took a budget per class)."""
         cls = (shape, dtype.str)
         got = self._slabs.get(cls)
         if got is None or got[1] >= len(got[0]):
-            want = self.FIRST_ROWS if got is None else 2 * len(got[0])
-            rows = min(self.SLAB_ROWS, want, (self.budget - self._allocated) // max(n, 1))
+            room = (self.budget - self._allocated) // max(n, 1)  # rows the budget has left for this class
+            want = max(self.FIRST_ROWS, room // self.FIRST_SHARE) if got is None else 2 * len(got[0])
+            rows = min(self.SLAB_ROWS, want, room)
             if rows < 1:
                 return None
             got = [self.arrays.empty((rows, *shape), dtype), 0]
@@ -222,8 +223,10 @@ class DeviceCache:
         self.stats.bytes += n
         return slab, row
 
-    #: rows of a class's first slab (each next one doubles)
+    #: rows of a class's first slab: ``FIRST_ROWS``, or 1 / ``FIRST_SHARE`` of what the budget has left where that
+    #: is more (one slab, one take a batch, where the budget is large); each next one doubles
     FIRST_ROWS = 16
+    FIRST_SHARE = 8
     #: rows of one slab at most (the budget is the bound; this only paces the allocations)
     SLAB_ROWS = 256
 
@@ -277,7 +280,8 @@ class DeviceCache:
 
     def summary(self) -> str:
         s = self.stats
-        return f"device {s.bytes / 1e6:.1f} MB of {self.budget / 1e6:.1f} MB ({s.entries} chunks)"
+        return (f"device {s.bytes / 1e6:.1f} MB of {self.budget / 1e6:.1f} MB ({s.entries} chunks, "
+                f"{self._allocated / 1e6:.1f} MB allocated)")
 
 
 def _by_slab(places: list[tuple[Any, int] | None]) -> list[tuple[Any, np.ndarray, np.ndarray]]:

@@ -17,9 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 import numpy as np
 
 from xinsitu.cache.keys import changed_since, file_clock_ns
-from xinsitu.cache.virtual_refs import holds_virtual_chunks, referenced_state
 from xinsitu.codecs.cpu import ShardLayout
-from xinsitu.index.snapshot import snapshot_of_store, writable_session
 from xinsitu.io import loop as _loop
 from xinsitu.io.place import DECODED, EMPTY, SCRATCH, ChunkOutcome, Destination, Pieces, place, place_async, place_each
 from xinsitu.stores.backend import (
@@ -399,28 +397,10 @@ class Shards:
             inflight.give(slot)
 
 
-def read_marks(stores: list[Any]) -> dict[int, str] | None:
-    """What a read ahead of chunks of ``stores`` (zarr stores) notes as it begins, for ``reads_changed``: the state
-    of the files each read-only Icechunk session with virtual chunks references (by the store's id); None where no
-    read ahead may be made: a writable Icechunk session (a write into it, in this process, changes what it reads,
-    its snapshot id as it was)."""
-    marks: dict[int, str] = {}
-    for store in stores:
-        if writable_session(store):
-            return None
-        if type(store).__name__ != "IcechunkStore":
-            continue
-        snapshot = snapshot_of_store(store)
-        if snapshot is not None and holds_virtual_chunks(store):
-            marks[id(store)] = referenced_state(store, snapshot)
-    return marks
-
-
-def reads_changed(reads: list[tuple[Any, str]], since_ns: int, stores: list[Any], marks: dict[int, str]) -> bool:
+def reads_changed(reads: list[tuple[Any, str]], since_ns: int) -> bool:
     """Whether what a read ahead read (``reads``: ``(backend, key)`` of chunks or shards, as ``Reader.journal``
     records them) may differ from what a read would give now: a local file among them written at or after
-    ``since_ns`` (``file_clock_ns``); a file an Icechunk session of ``stores`` references in another state than
-    ``marks`` (``read_marks``) noted. A file a NetCDF or GRIB store references, changed since it was opened,
+    ``since_ns`` (``file_clock_ns``). A file a NetCDF or GRIB store references, changed since it was opened,
     raises as a read of it would (``VirtualReferenceError``). Objects of other stores are not looked at (a chunk
     without a file read as its fill value, and still without one, did not change)."""
     for store, key in reads:
@@ -429,7 +409,7 @@ def reads_changed(reads: list[tuple[Any, str]], since_ns: int, stores: list[Any]
             check(key)
         elif (file := _local_file(store, key)) is not None and changed_since(file, since_ns, gone=False):
             return True
-    return any(id(s) in marks and referenced_state(s, snapshot_of_store(s) or "") != marks[id(s)] for s in stores)
+    return False
 
 
 def _local_file(store: Any, key: str) -> str | None:

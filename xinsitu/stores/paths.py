@@ -26,8 +26,10 @@ def not_a_zarr_store(path: str) -> str | None:
             if head.startswith(magic):
                 return f"{path!r} is {what}, not a zarr store: open it with {opener}"
         return f"{path!r} is a file, not a zarr store (a directory)"
-    if os.path.isdir(os.path.join(path, "refs")) and (os.path.isdir(os.path.join(path, "snapshots"))
-                                                      or os.path.isfile(os.path.join(path, "config.yaml"))):
+    if any(os.path.exists(os.path.join(path, m)) for m in ("zarr.json", ".zgroup", ".zattrs", ".zmetadata")):
+        return None  # a zarr group (whatever its groups are named)
+    has = {n for n in ("refs", "snapshots", "repo", "config.yaml") if os.path.exists(os.path.join(path, n))}
+    if "snapshots" in has and has & {"refs", "repo", "config.yaml"}:  # (Icechunk 1.x: refs/; 2.x: a repo file)
         return (f"{path!r} is an Icechunk repository, not a zarr store: open a session of it, "
                 "xinsitu.open_zarr(icechunk.Repository.open(icechunk.local_filesystem_storage(path))"
                 ".readonly_session('main').store)")

@@ -206,7 +206,8 @@ class DeviceCache:
         """A free row (the lock held), counted against the budget; None where the budget is full. The budget
         bounds the device memory the slabs take, rows used or not: a class of chunks (shape, dtype) starts
         with a slab of ``FIRST_ROWS`` rows or an eighth of what the budget has left, and each next one doubles,
-        up to ``SLAB_ROWS``, within what the budget has left (a slab sized to the whole rest, per class, took a budget per class)."""
+        up to ``SLAB_ROWS``, within what the budget has left (a slab sized to the whole rest, per class, took a
+        budget per class)."""
         cls = (shape, dtype.str)
         got = self._slabs.get(cls)
         if got is None or got[1] >= len(got[0]):

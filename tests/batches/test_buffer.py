@@ -114,23 +114,26 @@ def test_piece_ids_match_the_per_piece_definition(equal):
         np.testing.assert_array_equal(piece_ids(offsets, units, lo, hi), exp)
 
 
+def _six_variables(tmp_path, chunk_time: int, **kw):
+    """A generator (batches of 6, the whole archive) over six float32 variables of one shape, 48 steps in chunks
+    of ``chunk_time`` (a weather model's level variables, in small)."""
+    rng = np.random.default_rng(0)
+    ds = xr.Dataset({f"v{i}": (("time", "x"), rng.random((48, 5), dtype="f4")) for i in range(6)})
+    path = str(tmp_path / "six.zarr")
+    ds.to_zarr(path, encoding={v: {"chunks": (chunk_time, 5)} for v in ds})
+    opened = xinsitu.open_zarr(path)
+    m = opened.insitu.split("time", fractions={"train": 1.0})
+    return opened.insitu.batches(m, "train", batch_size=6, output="numpy", **kw)
+
+
 def test_buffers_of_variables_sharing_a_shape_take_no_new_memory_epoch_after_epoch(tmp_path):
     """Six variables of one shape (a weather model's level variables) shared a pool keeping four arrays per
     shape: every buffer made two anew, epoch after epoch (about 1 GB of new memory a 1° epoch, each page
     faulted in: 15-20 % of an epoch). The arrays made now stay within what the buffers an epoch may hold at
     once use, however many epochs run (18 more an epoch before: 126 after six)."""
-    import xarray as xr
-
-    import xinsitu
     from xinsitu.batches.pipeline import MAX_READ_AHEAD_BUFFERS
 
-    rng = np.random.default_rng(0)
-    ds = xr.Dataset({f"v{i}": (("time", "x"), rng.random((48, 5), dtype="f4")) for i in range(6)})
-    path = str(tmp_path / "six.zarr")
-    ds.to_zarr(path, encoding={v: {"chunks": (4, 5)} for v in ds})
-    opened = xinsitu.open_zarr(path)
-    m = opened.insitu.split("time", fractions={"train": 1.0})
-    gen = opened.insitu.batches(m, "train", batch_size=6, block_chunks=2, output="numpy")
+    gen = _six_variables(tmp_path, 4, block_chunks=2)
     for e in range(6):
         gen.set_epoch(e)
         assert len(list(gen)) == 8
@@ -144,13 +147,7 @@ def test_raw_arrays_of_converted_variables_are_made_once_not_every_batch(tmp_pat
     arrays anew each batch, every page faulted in: it keeps what the batches read at once use."""
     from xinsitu.batches.pipeline import MAX_READ_AHEAD_BUFFERS
 
-    rng = np.random.default_rng(0)
-    ds = xr.Dataset({f"v{i}": (("time", "x"), rng.random((48, 5), dtype="f4")) for i in range(6)})
-    path = str(tmp_path / "six.zarr")
-    ds.to_zarr(path, encoding={v: {"chunks": (1, 5)} for v in ds})
-    opened = xinsitu.open_zarr(path)
-    m = opened.insitu.split("time", fractions={"train": 1.0})
-    gen = opened.insitu.batches(m, "train", batch_size=6, output="numpy", dtype="float64")
+    gen = _six_variables(tmp_path, 1, dtype="float64")
     assert gen.buffer_reason is None  # the direct path
     for e in range(6):
         gen.set_epoch(e)

@@ -80,7 +80,7 @@ def take(ahead: Ahead | None, epoch: int, start: int, shuffle: bool, live: int) 
     depends on it: ``shuffle``) or place is dropped, and settled before the iteration reads: its reads neither
     count in the epoch's io_stats nor run on beside it. So is one where a local file it read (or one its
     Icechunk snapshot references) was written since it began (an archive rewritten between epochs): the epoch
-    reads it as it is now. A NetCDF or GRIB file changed since it was opened raises, as a read of it would."""
+    reads it as it is now (a NetCDF or GRIB file changed since it was opened: its first read says so)."""
     if ahead is None or ahead.pid != os.getpid():
         return None, None
     drop = True

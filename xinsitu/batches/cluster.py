@@ -205,7 +205,7 @@ def check_portable(sources: dict[str, Any], what: str) -> None:
                              "cluster's workers cannot open; write it to a store they can reach (a path, a URL)")
         if writable_session(store):
             raise ValueError(f"{what} with client=: variable {name!r} is in a writable Icechunk session, which "
-                             "cannot be sent to the cluster's workers; open a read-only session "
+                             "cannot be sent to the workers; open a read-only session "
                              "(repo.readonly_session(...)), or compute without client=")
 
 

@@ -400,13 +400,14 @@ class Shards:
 def reads_changed(reads: list[tuple[Any, str]], since_ns: int) -> bool:
     """Whether what a read ahead read (``reads``: ``(backend, key)`` of chunks or shards, as ``Reader.journal``
     records them) may differ from what a read would give now: a local file among them written at or after
-    ``since_ns`` (``file_clock_ns``). A file a NetCDF or GRIB store references, changed since it was opened,
-    raises as a read of it would (``VirtualReferenceError``). Objects of other stores are not looked at (a chunk
-    without a file read as its fill value, and still without one, did not change)."""
+    ``since_ns`` (``file_clock_ns``), or a file a NetCDF or GRIB store references changed since it was opened (the
+    epoch's own read of it then says so). Objects of other stores are not looked at (a chunk without a file read
+    as its fill value, and still without one, did not change)."""
     for store, key in reads:
-        check = getattr(store, "check_unchanged", None)
-        if check is not None:
-            check(key)
+        changed = getattr(store, "changed", None)  # (``ManifestBackend``'s)
+        if changed is not None:
+            if changed(key):
+                return True
         elif (file := _local_file(store, key)) is not None and changed_since(file, since_ns, gone=False):
             return True
     return False

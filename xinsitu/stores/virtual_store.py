@@ -192,12 +192,17 @@ class ManifestBackend:
                                         "time): the references are byte offsets into the file as it was; open "
                                         "it again")
 
-    def check_unchanged(self, key: str) -> None:
-        """``_check_unchanged`` for the file chunk ``key`` lies in (a read ahead taken later: what it read must
-        still be what a read would give, ``io.fetchers.reads_changed``)."""
+    def changed(self, key: str) -> bool:
+        """Whether the file chunk ``key`` lies in changed since the store was made (``_check_unchanged``): what a
+        read ahead read of it is then not what a read gives (``io.fetchers.reads_changed``)."""
         where = self.locate(key)
-        if isinstance(where, ChunkRange):
+        if not isinstance(where, ChunkRange):
+            return False
+        try:
             self._check_unchanged(where.url)
+        except VirtualReferenceError:
+            return True
+        return False
 
     # -- fetching
     async def get(self, key: str) -> Any:

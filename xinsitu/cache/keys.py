@@ -22,7 +22,7 @@ from urllib.parse import urlsplit, urlunsplit
 from xinsitu.cache.versions import MISSING, UNKNOWN, fsspec_versions, no_answer, object_versions
 from xinsitu.cache.virtual_refs import WHY as VIRTUAL_WHY
 from xinsitu.cache.virtual_refs import holds_virtual_chunks, referenced_state
-from xinsitu.index.snapshot import snapshot_of_store
+from xinsitu.index.snapshot import snapshot_of_store, writable_session
 from xinsitu.io import loop as _loop
 
 
@@ -259,7 +259,7 @@ class ChunkKey:
         remote, state, why = None, "", None
         if type(store).__name__ == "IcechunkStore":
             snapshot = snapshot or snapshot_of_store(store)
-            if snapshot is None or not getattr(getattr(store, "session", None), "read_only", False):
+            if snapshot is None or writable_session(store):
                 return None  # a writable session: a write before its commit keeps the snapshot id
             if holds_virtual_chunks(store):  # its files are named by their state, not by the snapshot
                 memo = {} if states is None else states

@@ -39,7 +39,7 @@ from xinsitu.index.xr_adapter import (
     zarr_group_of,
 )
 from xinsitu.stores.memo import ByIdentity
-from xinsitu.stores.paths import not_a_zarr_store
+from xinsitu.stores.paths import check_zarr_path
 from xinsitu.stores.reads import _checked_store, bounded_store
 from xinsitu.stores.redact import (
     RecordingProvider,
@@ -101,11 +101,7 @@ def make_store(url: str | os.PathLike, **options: Any) -> Any:
         if options or anonymous is not None:
             raise TypeError(f"store options {sorted(options)} apply to URLs, not to a local path")
         path = os.path.abspath(os.path.expanduser(s))
-        why = not_a_zarr_store(path)
-        if why is not None:
-            raise ValueError(why)
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"no zarr store at {path!r}")
+        check_zarr_path(path)
         return obstore.store.LocalStore(prefix=path)
     if anonymous is not None:
         if scheme not in _SIGNED and scheme not in ("http", "https"):

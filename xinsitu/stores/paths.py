@@ -16,9 +16,19 @@ _MAGIC = (
 )
 
 
-def not_a_zarr_store(path: str) -> str | None:
+def check_zarr_path(path: str) -> None:
+    """Refuse a local ``path`` (absolute) that is no zarr store ``open_zarr`` can open: ``ValueError`` naming what
+    it holds and what opens it (``_not_a_zarr_store``), ``FileNotFoundError`` where nothing is there."""
+    why = _not_a_zarr_store(path)
+    if why is not None:
+        raise ValueError(why)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no zarr store at {path!r}")
+
+
+def _not_a_zarr_store(path: str) -> str | None:
     """Why ``path`` (absolute) is no zarr store that ``open_zarr`` can open, naming what opens it; None where it
-    may be one (a directory that is not an Icechunk repository)."""
+    may be one (a directory that is not an Icechunk repository), or is nothing."""
     if os.path.isfile(path):
         with open(path, "rb") as f:
             head = f.read(8)

@@ -327,8 +327,7 @@ def _checked_get(cls: type, retries: bool) -> Any:
                                                                              f"{store_name(self)}")
 
         async def getsize_prefix(self, prefix: str) -> int:  # (zarr's: a listing, then each object's size)
-            stand_in = fork_stand_in(self)
-            return await (super().getsize_prefix(prefix) if stand_in is None else stand_in.getsize_prefix(prefix))
+            return await self._own("getsize_prefix")(prefix)
 
         def list(self) -> AsyncIterator[str]:
             return _bounded_listing(self._own("list")(), f"the listing of {store_name(self)}")

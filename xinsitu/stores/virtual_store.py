@@ -177,32 +177,31 @@ class ManifestBackend:
         return got
 
     def _check_unchanged(self, url: str) -> None:
-        """Refuse a local file changed since the store was made (``note_opened``): its references are byte
-        offsets into the file as it was (a GRIB file of the same messages in another order read one field as
-        another); checked after each read (a ``stat``), so a file written again during a run is caught too."""
-        was = (getattr(self.mstore, _OPENED, None) or {}).get(url)
-        if was is None:
-            return
-        try:
-            st = os.stat(_local_path(url))
-        except OSError:
-            return  # (the read says what is wrong)
-        if (st.st_size, st.st_mtime_ns) != was:
+        """Refuse a local file changed since the store was made (``_changed``): its references are byte offsets into
+        the file as it was (a GRIB file of the same messages in another order read one field as another); checked
+        after each read (a ``stat``), so a file written again during a run is caught too."""
+        if self._changed(url):
             raise VirtualReferenceError(f"{named(url)} changed after it was opened (its size or modification "
                                         "time): the references are byte offsets into the file as it was; open "
                                         "it again")
 
-    def changed(self, key: str) -> bool:
-        """Whether the file chunk ``key`` lies in changed since the store was made (``_check_unchanged``): what a
-        read ahead read of it is then not what a read gives (``io.fetchers.reads_changed``)."""
-        where = self.locate(key)
-        if not isinstance(where, ChunkRange):
+    def _changed(self, url: str) -> bool:
+        """Whether the local file ``url`` is of another size or modification time than when the store was made
+        (``note_opened``); False where it is not known then, or cannot be looked at now (the read says why)."""
+        was = (getattr(self.mstore, _OPENED, None) or {}).get(url)
+        if was is None:
             return False
         try:
-            self._check_unchanged(where.url)
-        except VirtualReferenceError:
-            return True
-        return False
+            st = os.stat(_local_path(url))
+        except OSError:
+            return False
+        return (st.st_size, st.st_mtime_ns) != was
+
+    def changed(self, key: str) -> bool:
+        """Whether the file chunk ``key`` lies in changed since the store was made: what a read ahead read of it is
+        then not what a read gives (``io.fetchers.reads_changed``)."""
+        where = self.locate(key)
+        return isinstance(where, ChunkRange) and self._changed(where.url)
 
     # -- fetching
     async def get(self, key: str) -> Any:
